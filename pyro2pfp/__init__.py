@@ -1,0 +1,13 @@
+"""pyro2pfp: Pyro Bayesian neural networks → compiled Probabilistic Forward Pass networks (TVM).
+
+>>> net = pyro2pfp.convert(model, guide, input_shape=(1, 28, 28), calibration=1.0)
+>>> mean, var = net.reference(x)      # float64 NumPy
+>>> exe = net.compile("llvm"); mean32, var32 = exe(x)
+"""
+from .errors import InputShapeError, PFPError, PosteriorError, TracingError, UnsupportedLayerError
+from .graph import Repr
+from .network import PFPNetwork, convert
+
+__version__ = "0.1.0"
+__all__ = ["convert", "PFPNetwork", "Repr", "PFPError", "UnsupportedLayerError", "PosteriorError",
+           "InputShapeError", "TracingError"]

@@ -1,0 +1,14 @@
+"""Stage 2: walk the exported torch graph and build the :class:`~pyro2pfp.graph.LayerGraph`.
+
+One walk over the nodes the output depends on, in graph order; each ``call_function`` node is
+dispatched by its op name (``"aten.linear.default"``) to a converter registered with
+:func:`register`.  A converter returns a :class:`~pyro2pfp.graph.Layer`, or :class:`Alias` when the
+node is the identity on one of its inputs (dropout at inference, ``contiguous``, …).
+One small module per op family registers its converters (``linear``, ``conv``, ``activation``,
+``pooling``, ``shape``).
+"""
+from ._registry import CONVERTERS, Alias, register, supported_ops
+from ._walk import ConversionContext, build_layer_graph
+from . import activation, conv, linear, pooling, shape  # noqa: F401  (registration)
+
+__all__ = ["CONVERTERS", "Alias", "ConversionContext", "build_layer_graph", "register", "supported_ops"]

@@ -1,0 +1,169 @@
+"""The walk over an exported program that calls the registered converters."""
+from __future__ import annotations
+
+import operator
+from typing import Any
+
+import torch
+import torch.fx
+
+from ..errors import TracingError, UnsupportedLayerError
+from ..graph import INPUT, GaussianParam, Layer, LayerGraph
+from ..tracing import _WRAPPER_PREFIX, TracedModel
+from ._registry import CONVERTERS, Alias, supported_ops
+
+# Ops that only compute shapes (SymInts) or are bookkeeping; never activations.
+_SHAPE_OPS = {"aten.sym_size.int", "aten.sym_numel.default"}
+
+
+def _module_path(node: torch.fx.Node) -> str:
+    stack = node.meta.get("nn_module_stack") or {}
+    if not stack:
+        return ""
+    path = list(stack.values())[-1][0]
+    path = path.removeprefix("L['self'].")
+    if path == "model":
+        return ""
+    return path.removeprefix(_WRAPPER_PREFIX)
+
+
+class ConversionContext:
+    """What a converter may ask about the graph while converting one node."""
+
+    def __init__(self, traced: TracedModel) -> None:
+        self.traced = traced
+        sig = traced.program.graph_signature
+        self._param_of = {**sig.inputs_to_parameters, **sig.inputs_to_buffers}
+        self._names: dict[torch.fx.Node, str] = {}
+        self._used: set[str] = {INPUT}
+        self.layers: list[Layer] = []
+
+    # -- questions converters ask ------------------------------------------------------------
+    def source(self, node: torch.fx.Node) -> str:
+        """Module path and torch op of a node, for summaries and errors: ``fc1 (aten.linear)``."""
+        op = str(node.target).removesuffix(".default")
+        path = _module_path(node)
+        return f"{path} ({op})" if path else f"<forward> ({op})"
+
+    def module_path(self, node: torch.fx.Node) -> str:
+        return _module_path(node)
+
+    def param(self, arg: Any, node: torch.fx.Node, role: str) -> GaussianParam | None:
+        """The Gaussian parameter behind a placeholder argument (None for an absent optional arg)."""
+        if arg is None:
+            return None
+        if isinstance(arg, torch.fx.Node) and arg.name in self._param_of:
+            return self.traced.params[self._param_of[arg.name].removeprefix(_WRAPPER_PREFIX)]
+        raise UnsupportedLayerError(
+            f"{self.source(node)}: the {role} is computed in forward() rather than being a "
+            "parameter/sample site; PFP needs weights that are model parameters."
+        )
+
+    def activation(self, arg: Any, node: torch.fx.Node) -> str:
+        """The layer name that produces an activation argument."""
+        if isinstance(arg, torch.fx.Node) and arg in self._names:
+            return self._names[arg]
+        if isinstance(arg, torch.fx.Node) and arg.name in self._param_of:
+            raise UnsupportedLayerError(
+                f"{self.source(node)}: uses parameter {self._param_of[arg.name]} as an activation; "
+                "only parameters of Linear/Conv/normalisation layers are supported."
+            )
+        raise UnsupportedLayerError(f"{self.source(node)}: unsupported argument {arg!r}")
+
+    def shape(self, arg: Any) -> tuple[int, ...]:
+        """Static shape of a tensor node without its (symbolic) batch dimension."""
+        val = arg.meta.get("val")
+        if not isinstance(val, torch.Tensor) or val.dim() == 0:
+            raise UnsupportedLayerError(f"{arg.name}: expected a batched tensor, got {val!r}")
+        dims = list(val.shape)
+        if isinstance(dims[0], int) or not isinstance(dims[0], torch.SymInt):
+            raise UnsupportedLayerError(
+                f"{self.source(arg) if arg.op == 'call_function' else arg.name}: the batch dimension "
+                f"is not the first axis of shape {tuple(dims)}; PFP layers keep the batch first."
+            )
+        rest = []
+        for d in dims[1:]:
+            if not isinstance(d, int):
+                raise UnsupportedLayerError(f"{self.source(arg)}: dimension {d} is data-dependent")
+            rest.append(int(d))
+        return tuple(rest)
+
+    def unsupported(self, node: torch.fx.Node, why: str) -> UnsupportedLayerError:
+        return UnsupportedLayerError(f"{self.source(node)}: {why}")
+
+    def new_name(self, node: torch.fx.Node, prefer_module: bool) -> str:
+        path = _module_path(node)
+        base = path if (prefer_module and path) else node.name
+        name, i = base, 1
+        while name in self._used:
+            i += 1
+            name = f"{base}_{i}"
+        self._used.add(name)
+        return name
+
+
+def _reachable(output: torch.fx.Node) -> set[torch.fx.Node]:
+    seen: set[torch.fx.Node] = set()
+    stack = [output]
+    while stack:
+        node = stack.pop()
+        if node in seen:
+            continue
+        seen.add(node)
+        stack.extend(node.all_input_nodes)
+    return seen
+
+
+def _unsupported_message(ctx: ConversionContext, node: torch.fx.Node) -> str:
+    return (
+        f"{ctx.source(node)} is not supported by PFP. Supported torch ops: "
+        + ", ".join(t.removesuffix(".default") for t in supported_ops())
+        + ". Supported modules: Linear, Conv2d, ReLU, MaxPool2d, Flatten/view/reshape, Dropout, Identity."
+    )
+
+
+def build_layer_graph(traced: TracedModel) -> LayerGraph:
+    """Convert the traced program into a :class:`LayerGraph` (float64 parameters, torch layouts)."""
+    graph = traced.program.graph_module.graph
+    ctx = ConversionContext(traced)
+    user_inputs = traced.program.graph_signature.user_inputs
+    out_node = next(n for n in graph.nodes if n.op == "output")
+    outs = [a for a in torch.fx.node.map_arg(out_node.args[0], lambda n: n) if a is not None] \
+        if isinstance(out_node.args[0], tuple | list) else [out_node.args[0]]
+    if len(outs) != 1 or not isinstance(outs[0], torch.fx.Node):
+        raise TracingError(
+            f"the model's forward must return one tensor (the logits); it returned {len(outs)} values"
+        )
+    result = outs[0]
+    needed = _reachable(result)
+    for node in graph.nodes:
+        if node not in needed:
+            continue
+        if node.op == "placeholder":
+            if node.name in user_inputs:
+                ctx._names[node] = INPUT
+            continue
+        if node.op != "call_function":
+            continue
+        target = str(node.target)
+        if target in _SHAPE_OPS or not isinstance(node.meta.get("val"), torch.Tensor | tuple | list):
+            continue
+        if node.target is operator.getitem:
+            src, index = node.args
+            if src in ctx._names and index == 0:  # (values, indices) of max_pool2d_with_indices
+                ctx._names[node] = ctx._names[src]
+                continue
+            raise ctx.unsupported(node, f"indexing output {index} of {src.name} is not supported")
+        converter = CONVERTERS.get(target)
+        if converter is None:
+            raise UnsupportedLayerError(_unsupported_message(ctx, node))
+        out = converter(node, ctx)
+        if isinstance(out, Alias):
+            ctx._names[node] = ctx.activation(out.node, node)
+        else:
+            ctx.layers.append(out)
+            ctx._names[node] = out.name
+    if result not in ctx._names:
+        raise TracingError("the model's output does not depend on its input")
+    input_node = next(n for n in graph.nodes if n.op == "placeholder" and n.name in user_inputs)
+    return LayerGraph(input_shape=ctx.shape(input_node), layers=ctx.layers, output=ctx._names[result])

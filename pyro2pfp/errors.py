@@ -1,0 +1,26 @@
+"""Exceptions raised by pyro2pfp.
+
+Every error a user can trigger derives from :class:`PFPError`, so ``except pyro2pfp.PFPError``
+catches them all.  Messages name the offending module path, sample site or shape.
+"""
+from __future__ import annotations
+
+
+class PFPError(Exception):
+    """Base class of all pyro2pfp errors."""
+
+
+class UnsupportedLayerError(PFPError):
+    """The traced model contains an operation PFP cannot represent (names module path and op)."""
+
+
+class PosteriorError(PFPError):
+    """The guide's posterior cannot be used by PFP (not mean-field Gaussian, missing site, bad shape)."""
+
+
+class InputShapeError(PFPError):
+    """The input shape is missing, or an input does not have the shape the network was built for."""
+
+
+class TracingError(PFPError):
+    """The model could not be traced into a graph of torch operations."""

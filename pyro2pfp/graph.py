@@ -1,0 +1,100 @@
+"""The layer graph: plain data passed between the pipeline stages.
+
+trace → **layer graph** → representation plan → (Relax emitter | NumPy executor).
+
+A :class:`LayerGraph` is a topologically ordered list of :class:`Layer` s.  Every layer names
+its inputs by the names of the layers that produce them (the network input is called
+``"input"``), carries plain-Python attributes (stride, padding, …) and its parameters as
+independent Gaussians (:class:`GaussianParam`, mean and variance in float64, torch layout).
+Shapes never include the batch dimension.
+"""
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+INPUT = "input"
+
+
+class Repr(enum.Enum):
+    """How the second component of an activation's (mean, second) pair is represented.
+
+    * ``DETERMINISTIC``: the activation is known exactly; only the mean is carried (variance 0).
+    * ``VARIANCE``: ``second = var = E[x²] − E[x]²``.
+    * ``SECOND_MOMENT``: ``second = E[x²] = mean² + var`` (the raw moment).
+    """
+
+    DETERMINISTIC = "deterministic"
+    VARIANCE = "variance"
+    SECOND_MOMENT = "second moment"
+
+    def __str__(self) -> str:  # used in summaries
+        return self.value
+
+
+@dataclass(frozen=True)
+class GaussianParam:
+    """A parameter tensor with independent Gaussian entries: ``N(mean, var)`` elementwise.
+
+    ``var`` is all zeros for a deterministic parameter.  Arrays are float64, torch layout.
+    """
+
+    mean: np.ndarray
+    var: np.ndarray
+    site: str | None = None  # the Pyro sample site it came from; None for a deterministic parameter
+
+    def __post_init__(self) -> None:
+        if self.mean.shape != self.var.shape:
+            raise ValueError(f"mean shape {self.mean.shape} != var shape {self.var.shape}")
+
+    @property
+    def is_deterministic(self) -> bool:
+        return not np.any(self.var)
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        return tuple(self.mean.shape)
+
+
+@dataclass
+class Layer:
+    """One PFP operation.
+
+    ``op`` is the PFP operator (``dense``, ``conv2d``, ``relu``, ``max_pool2d``, ``reshape``,
+    ``convert``, …); ``source`` says where it came from (module path and torch op) for errors and
+    summaries.
+    """
+
+    name: str
+    op: str
+    inputs: list[str]
+    out_shape: tuple[int, ...]
+    source: str
+    attrs: dict[str, Any] = field(default_factory=dict)
+    params: dict[str, GaussianParam] = field(default_factory=dict)
+
+
+@dataclass
+class LayerGraph:
+    """A traced network: input shape (without batch), layers in topological order, output name."""
+
+    input_shape: tuple[int, ...]
+    layers: list[Layer]
+    output: str
+    input_variance: bool = False  # whether the network input carries a variance (sensor noise)
+    model_name: str = ""  # class name of the traced model, for messages
+
+    def layer(self, name: str) -> Layer:
+        for layer in self.layers:
+            if layer.name == name:
+                return layer
+        raise KeyError(name)
+
+    def consumers(self, name: str) -> list[Layer]:
+        return [layer for layer in self.layers if name in layer.inputs]
+
+    def shape_of(self, name: str) -> tuple[int, ...]:
+        return self.input_shape if name == INPUT else self.layer(name).out_shape

@@ -1,0 +1,93 @@
+"""Elementwise Gaussian moment formulas shared by the NumPy reference and the TE kernels.
+
+Each function takes an ``ops`` namespace (:data:`NUMPY` here, ``TE_OPS`` in the TVM back end) so
+that the *same* formula runs on float64 arrays and on TE expressions.
+
+Numerics (the limit cases of ``pfp-math.md``):
+
+* ``α = μ/σ`` is computed with ``σ`` bounded below by :data:`TINY` and then clamped to
+  ``±ALPHA_MAX``; beyond that ``Φ`` is exactly 0 or 1 in float32 and float64, so zero variance gives
+  the exact deterministic result (``max(0, μ)``, ``max(μ1, μ2)``) and never ``0/0``.
+* Variances are computed in a centred form, ``v = v1·Φ(α) + v2·Φ(−α) + θ²·g(α)`` with the bounded
+  ``g(α) = α²Φ(α)Φ(−α) + αφ(α)(Φ(−α) − Φ(α)) − φ(α)²`` (algebraically equal to Clark's
+  ``s − μ²``), so huge means do not cancel catastrophically; ``Φ(−α)`` is its own term
+  (``erfc``), never ``1 − Φ(α)``.
+"""
+from __future__ import annotations
+
+import math
+from types import SimpleNamespace
+from typing import Any
+
+import numpy as np
+import scipy.special
+
+TINY = 1e-30  # lower bound on a standard deviation used as a divisor
+ALPHA_MAX = 40.0  # |α| beyond which Φ(α) ∈ {0, 1} exactly in float32 and float64
+_INV_SQRT2 = 1.0 / math.sqrt(2.0)
+_INV_SQRT_2PI = 1.0 / math.sqrt(2.0 * math.pi)
+
+NUMPY = SimpleNamespace(
+    erf=scipy.special.erf,
+    erfc=scipy.special.erfc,
+    exp=np.exp,
+    sqrt=np.sqrt,
+    maximum=np.maximum,
+    minimum=np.minimum,
+    const=float,
+)
+
+
+def _std_normal_terms(alpha: Any, ops: Any) -> tuple[Any, Any, Any, Any]:
+    """Clamped α, Φ(α), Φ(−α), φ(α)."""
+    limit = ops.const(ALPHA_MAX)
+    alpha = ops.minimum(ops.maximum(alpha, -limit), limit)
+    t = alpha * ops.const(_INV_SQRT2)
+    half = ops.const(0.5)
+    cdf = half * ops.erfc(-t)
+    cdf_neg = half * ops.erfc(t)
+    pdf = ops.exp(-half * alpha * alpha) * ops.const(_INV_SQRT_2PI)
+    return alpha, cdf, cdf_neg, pdf
+
+
+def _g(alpha: Any, cdf: Any, cdf_neg: Any, pdf: Any) -> Any:
+    """g(α) = α²Φ(α)Φ(−α) + αφ(α)(Φ(−α) − Φ(α)) − φ(α)², bounded in [−1/(2π), 0]."""
+    return alpha * alpha * cdf * cdf_neg + alpha * pdf * (cdf_neg - cdf) - pdf * pdf
+
+
+def relu_moments(mean: Any, var: Any, ops: Any = NUMPY) -> tuple[Any, Any]:
+    """Mean and variance of ``max(0, a)`` for ``a ~ N(mean, var)`` (exact moments).
+
+    ``μ = μa·Φ(α) + σ·φ(α)`` and ``v = va·(Φ(α) + g(α))`` with ``α = μa/σ``.
+    """
+    sigma = ops.sqrt(var)
+    alpha, cdf, cdf_neg, pdf = _std_normal_terms(mean / ops.maximum(sigma, ops.const(TINY)), ops)
+    out_mean = mean * cdf + sigma * pdf
+    out_var = ops.maximum(var * (cdf + _g(alpha, cdf, cdf_neg, pdf)), ops.const(0.0))
+    return out_mean, out_var
+
+
+def max_moments(mean1: Any, var1: Any, mean2: Any, var2: Any, ops: Any = NUMPY) -> tuple[Any, Any]:
+    """Mean and variance of ``max(X1, X2)`` for independent Gaussians (Clark 1961, exact moments).
+
+    ``θ = √(v1 + v2)``, ``α = (μ1 − μ2)/θ``, ``μ = μ1·Φ(α) + μ2·Φ(−α) + θ·φ(α)``,
+    ``v = v1·Φ(α) + v2·Φ(−α) + θ²·g(α)``.
+    """
+    theta2 = var1 + var2
+    theta = ops.sqrt(theta2)
+    alpha, cdf, cdf_neg, pdf = _std_normal_terms(
+        (mean1 - mean2) / ops.maximum(theta, ops.const(TINY)), ops)
+    out_mean = mean1 * cdf + mean2 * cdf_neg + theta * pdf
+    out_var = ops.maximum(
+        var1 * cdf + var2 * cdf_neg + theta2 * _g(alpha, cdf, cdf_neg, pdf), ops.const(0.0))
+    return out_mean, out_var
+
+
+def variance_to_second(mean: Any, var: Any, ops: Any = NUMPY) -> Any:
+    """``s = μ² + v``."""
+    return mean * mean + var
+
+
+def second_to_variance(mean: Any, second: Any, ops: Any = NUMPY) -> Any:
+    """``v = s − μ²``, clamped at 0 (rounding can make it slightly negative)."""
+    return ops.maximum(second - mean * mean, ops.const(0.0))

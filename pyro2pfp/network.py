@@ -1,0 +1,116 @@
+"""The public entry point: :func:`convert` and the :class:`PFPNetwork` it returns."""
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+
+from .converters import build_layer_graph
+from .errors import InputShapeError
+from .graph import LayerGraph, Repr
+from .plan import PlannedGraph, plan
+from .reference import execute
+from .tracing import trace_model
+
+
+def as_input_array(x: Any, input_shape: tuple[int, ...], name: str = "x",
+                   dtype: Any = np.float32) -> np.ndarray:
+    """A contiguous array of shape (batch, *input_shape) from a NumPy array or torch tensor."""
+    if hasattr(x, "detach"):
+        x = x.detach().cpu().numpy()
+    x = np.asarray(x)
+    if x.ndim == len(input_shape):  # a single example
+        raise InputShapeError(
+            f"{name} has shape {x.shape}; the network takes a batch (batch, {', '.join(map(str, input_shape))}). "
+            f"Use {name}[None] for a single example.")
+    if x.ndim != len(input_shape) + 1 or tuple(x.shape[1:]) != tuple(input_shape) or x.shape[0] < 1:
+        raise InputShapeError(
+            f"{name} has shape {tuple(x.shape)}, expected (batch, {', '.join(map(str, input_shape))})")
+    if not np.issubdtype(x.dtype, np.number) or np.iscomplexobj(x):
+        raise InputShapeError(f"{name} must be real numbers, got dtype {x.dtype}")
+    x = np.ascontiguousarray(x, dtype=dtype)
+    if not np.all(np.isfinite(x)):
+        raise InputShapeError(f"{name} contains NaN or infinite values")
+    return x
+
+
+class PFPNetwork:
+    """A converted network: the planned layer graph, its Relax IRModule and a NumPy reference.
+
+    ``net.mod``: ``tvm.IRModule`` whose ``main(x)`` maps ``x: (batch, *input_shape) float32`` to
+    ``(mean, var)`` of the logits.  ``net.reference(x)``: the same network in float64 NumPy.
+    ``net.compile(target)``: a compiled predictor.  ``print(net)`` shows the layer plan.
+    """
+
+    def __init__(self, layer_graph: LayerGraph, planned: PlannedGraph) -> None:
+        self.layer_graph = layer_graph
+        self.plan = planned
+        self._mod = None
+
+    @property
+    def input_shape(self) -> tuple[int, ...]:
+        return self.plan.input_shape
+
+    @property
+    def input_variance(self) -> bool:
+        return self.plan.input_repr is not Repr.DETERMINISTIC
+
+    @property
+    def calibration(self) -> float:
+        return self.plan.calibration
+
+    @property
+    def mod(self):
+        """The Relax IRModule (built on first access; importing TVM takes a few seconds)."""
+        if self._mod is None:
+            from .tvm_backend import emit_module
+
+            self._mod = emit_module(self.plan)
+        return self._mod
+
+    def reference(self, x: Any, x_var: Any = None) -> tuple[np.ndarray, np.ndarray]:
+        """Float64 NumPy execution: ``(mean, var)`` of the logits, each (batch, classes)."""
+        xs = as_input_array(x, self.input_shape, dtype=np.float64)
+        if self.input_variance:
+            if x_var is None:
+                raise InputShapeError("this network was converted with input_variance=True: pass x_var")
+            x_var = as_input_array(x_var, self.input_shape, "x_var", dtype=np.float64)
+            if np.any(x_var < 0):
+                raise InputShapeError("x_var must be non-negative")
+        return execute(self.plan, xs, x_var)
+
+    def compile(self, target: Any = "llvm", *, schedule: bool = True):
+        """Compile ``mod`` for ``target`` (a name such as ``"llvm"``, a dict or a ``tvm.target.Target``).
+
+        Returns a :class:`~pyro2pfp.tvm_backend.runtime.CompiledPFP`: ``exe(x) -> (mean, var)``
+        as float32 NumPy arrays, any batch size.  ``schedule=False`` skips the default CPU schedules
+        (naive loops; for debugging).
+        """
+        from .tvm_backend.runtime import compile_network
+
+        return compile_network(self, target, schedule=schedule)
+
+    def summary(self) -> str:
+        """The layer plan as a table."""
+        return self.plan.summary()
+
+    def __repr__(self) -> str:
+        return f"PFPNetwork(input_shape={self.input_shape}, layers={len(self.plan.layers)})\n{self.summary()}"
+
+
+def convert(model: Any, guide: Any, *, input_shape: tuple[int, ...] | None = None,
+            calibration: float = 1.0) -> PFPNetwork:
+    """Convert a Pyro BNN (``model``, trained ``guide``) into a PFP network.
+
+    Traces ``model`` (a ``PyroModule``) over a deterministic copy holding the posterior means, reads
+    the posterior variances from ``guide`` through its own API, maps the traced torch ops to PFP
+    layers, plans the (variance / raw moment) representation of every edge and multiplies every
+    weight and bias variance by ``calibration``.
+
+    ``input_shape`` is the shape of one input without the batch dimension; it may be omitted when
+    the first layer is a Linear layer.
+    """
+    traced = trace_model(model, guide, input_shape)
+    layer_graph = build_layer_graph(traced)
+    layer_graph.model_name = type(model).__name__
+    return PFPNetwork(layer_graph, plan(layer_graph, calibration))

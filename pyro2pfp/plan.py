@@ -1,0 +1,225 @@
+"""Stage 3: plan the representation of every edge and the stored form of every weight.
+
+Rules (paper section 5, ``pfp-math.md`` "Representation planning"):
+
+* compute layers (dense, conv2d) take the **second raw moment** (or a deterministic input) and
+  give the **variance**;
+* ReLU takes the **variance** and gives the **second raw moment**;
+* max pooling takes and gives the **variance**;
+* reshape-like layers pass on whatever they get;
+* the network output is (mean, **variance**).
+
+Every op can also *emit* the other representation through a cheap epilogue in its own kernel
+(``s = μ² + v`` or ``v = s − μ²``), so a producer emits what its consumers want; only when its
+consumers disagree (or the producer is the network input) is an explicit ``convert`` layer inserted.
+
+Deterministic edges: the network input is deterministic unless an input variance is given, and
+stays so through ReLU/pooling/reshape until the first compute layer, which then uses the
+deterministic-input form ``v = Σ vw·x²`` and keeps its weight *variances*; every later compute layer
+stores ``E[w²] = μw² + vw`` instead.  All weight and bias variances are multiplied by the
+calibration factor first.
+"""
+from __future__ import annotations
+
+from collections import Counter
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from .errors import PFPError
+from .graph import INPUT, Layer, LayerGraph, Repr
+
+D, V, S = Repr.DETERMINISTIC, Repr.VARIANCE, Repr.SECOND_MOMENT
+
+
+@dataclass(frozen=True)
+class OpSpec:
+    """Representation contract of a PFP op."""
+
+    takes: Repr | None  # the non-deterministic input it wants; None = passes its input through
+    natural: Repr | None  # what its formula gives; None = passes through
+    keeps_deterministic: bool  # deterministic inputs give a deterministic output (no parameters)
+
+
+OP_SPECS: dict[str, OpSpec] = {
+    "dense": OpSpec(takes=S, natural=V, keeps_deterministic=False),
+    "conv2d": OpSpec(takes=S, natural=V, keeps_deterministic=False),
+    "relu": OpSpec(takes=V, natural=S, keeps_deterministic=True),
+    "max_pool2d": OpSpec(takes=V, natural=V, keeps_deterministic=True),
+    "reshape": OpSpec(takes=None, natural=None, keeps_deterministic=True),
+    "convert": OpSpec(takes=None, natural=None, keeps_deterministic=True),
+}
+
+
+@dataclass
+class PlannedLayer:
+    """A layer with its representation plan and its stored (calibrated) tensors.
+
+    ``in_reprs[i]`` is the representation of input ``i``; ``out_repr`` the one this layer emits.
+    ``tensors`` holds float64 arrays in torch layout: ``weight_mean`` and either ``weight_var``
+    (deterministic input) or ``weight_second_moment`` (``μw² + vw``); ``bias_mean`` and, for a
+    probabilistic bias, ``bias_var``.
+    """
+
+    layer: Layer
+    in_reprs: list[Repr]
+    out_repr: Repr
+    tensors: dict[str, np.ndarray] = field(default_factory=dict)
+
+    @property
+    def name(self) -> str:
+        return self.layer.name
+
+    @property
+    def op(self) -> str:
+        return self.layer.op
+
+    @property
+    def inputs(self) -> list[str]:
+        return self.layer.inputs
+
+    @property
+    def natural_out(self) -> Repr:
+        spec = OP_SPECS[self.op]
+        if spec.natural is None or self.out_repr is D:
+            return self.out_repr
+        return spec.natural
+
+
+@dataclass
+class PlannedGraph:
+    """The planned network both back ends execute."""
+
+    input_shape: tuple[int, ...]
+    input_repr: Repr
+    layers: list[PlannedLayer]
+    output: str
+    calibration: float
+
+    def repr_of(self, name: str) -> Repr:
+        if name == INPUT:
+            return self.input_repr
+        return self.layer(name).out_repr
+
+    def layer(self, name: str) -> PlannedLayer:
+        for planned in self.layers:
+            if planned.name == name:
+                return planned
+        raise KeyError(name)
+
+    def shape_of(self, name: str) -> tuple[int, ...]:
+        return self.input_shape if name == INPUT else self.layer(name).layer.out_shape
+
+    def summary(self) -> str:
+        """A table of the layer plan: op, source, shapes, representations in/out, conversions."""
+        rows = [("layer", "op", "source", "out shape", "takes", "gives", "notes")]
+        rows.append(("input", "", "", str(self.input_shape), "", str(self.input_repr), ""))
+        for p in self.layers:
+            notes = []
+            if p.op in ("dense", "conv2d"):
+                w = "weight variances" if "weight_var" in p.tensors else "E[w²] precomputed"
+                b = ("no bias" if "bias_mean" not in p.tensors
+                     else "probabilistic bias" if "bias_var" in p.tensors else "deterministic bias")
+                notes.append(f"{w}, {b}")
+                if p.in_reprs[0] is D:
+                    notes.append("deterministic-input form")
+            if OP_SPECS[p.op].natural is not None and p.out_repr not in (D, p.natural_out):
+                notes.append(f"conversion in epilogue: {p.natural_out} → {p.out_repr}")
+            if p.op == "convert":
+                notes.append("inserted conversion")
+            rows.append((p.name, p.op, p.layer.source, str(p.layer.out_shape),
+                         ", ".join(map(str, p.in_reprs)), str(p.out_repr), "; ".join(notes)))
+        widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
+        lines = ["  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip() for r in rows]
+        lines.insert(1, "-" * len(lines[0]))
+        lines.append(f"output: {self.output} → (mean, variance); calibration factor {self.calibration:g}")
+        return "\n".join(lines)
+
+
+def _stored_tensors(layer: Layer, input_repr: Repr, calibration: float) -> dict[str, np.ndarray]:
+    if layer.op not in ("dense", "conv2d"):
+        return {}
+    weight = layer.params["weight"]
+    tensors = {"weight_mean": weight.mean}
+    weight_var = calibration * weight.var
+    if input_repr is D:
+        tensors["weight_var"] = weight_var
+    else:
+        tensors["weight_second_moment"] = weight.mean**2 + weight_var
+    bias = layer.params.get("bias")
+    if bias is not None:
+        tensors["bias_mean"] = bias.mean
+        if not bias.is_deterministic:
+            tensors["bias_var"] = calibration * bias.var
+    return tensors
+
+
+def plan(graph: LayerGraph, calibration: float = 1.0) -> PlannedGraph:
+    """Assign representations, insert conversions and compute the stored weights."""
+    if not np.isfinite(calibration) or calibration < 0:
+        raise PFPError(f"calibration must be a finite non-negative factor, got {calibration}")
+    for layer in graph.layers:
+        if layer.op not in OP_SPECS:
+            raise PFPError(f"{layer.source}: no representation rule for PFP op '{layer.op}'")
+    input_repr = V if graph.input_variance else D
+
+    # 1. Forward: which edges are deterministic.
+    deterministic = {INPUT: input_repr is D}
+    for layer in graph.layers:
+        deterministic[layer.name] = OP_SPECS[layer.op].keeps_deterministic and all(
+            deterministic[i] for i in layer.inputs)
+
+    # 2. Backward: what each edge's consumers want (pass-through layers forward their consumers' wants).
+    wants: dict[str, list[Repr]] = {INPUT: [], **{layer.name: [] for layer in graph.layers}}
+    wants[graph.output].append(V)
+    for layer in reversed(graph.layers):
+        spec = OP_SPECS[layer.op]
+        for name in layer.inputs:
+            wants[name].extend(wants[layer.name] if spec.takes is None else [spec.takes])
+
+    # 3. Each real producer emits what most of its consumers want (ties: its natural form).
+    def choose(name: str, natural: Repr) -> Repr:
+        if deterministic[name]:
+            return D
+        counts = Counter(wants[name])
+        if not counts:
+            return natural
+        best = max(counts.values())
+        return natural if counts[natural] == best else max(counts, key=lambda r: (counts[r], r is V))
+
+    planned: list[PlannedLayer] = []
+    edge_repr = {INPUT: input_repr}
+    conversions: dict[tuple[str, Repr], str] = {}
+
+    def deliver(name: str, wanted: Repr | None) -> str:
+        """Name of the edge carrying ``name`` in the ``wanted`` representation (inserting a convert)."""
+        have = edge_repr[name]
+        if wanted is None or have is D or have is wanted:
+            return name
+        key = (name, wanted)
+        if key not in conversions:
+            conv_name = f"{name}_to_{'var' if wanted is V else 'second'}"
+            source = f"conversion {have} → {wanted}"
+            layer = Layer(name=conv_name, op="convert", inputs=[name], out_shape=graph.shape_of(name),
+                          source=source, attrs={"to": wanted.name})
+            planned.append(PlannedLayer(layer=layer, in_reprs=[have], out_repr=wanted))
+            edge_repr[conv_name] = wanted
+            conversions[key] = conv_name
+        return conversions[key]
+
+    for layer in graph.layers:
+        spec = OP_SPECS[layer.op]
+        inputs = [deliver(name, spec.takes) for name in layer.inputs]
+        in_reprs = [edge_repr[name] for name in inputs]
+        if spec.natural is None:
+            out = in_reprs[0]
+        else:
+            out = choose(layer.name, spec.natural)
+        new_layer = Layer(name=layer.name, op=layer.op, inputs=inputs, out_shape=layer.out_shape,
+                          source=layer.source, attrs=dict(layer.attrs), params=layer.params)
+        planned.append(PlannedLayer(layer=new_layer, in_reprs=in_reprs, out_repr=out,
+                                    tensors=_stored_tensors(layer, in_reprs[0], calibration)))
+        edge_repr[layer.name] = out
+    output = deliver(graph.output, V)
+    return PlannedGraph(input_shape=graph.input_shape, input_repr=input_repr, layers=planned,
+                        output=output, calibration=float(calibration))

@@ -1,0 +1,77 @@
+"""Registry, activation type and the executor loop of the NumPy reference."""
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import numpy as np
+
+from .. import moments
+from ..errors import PFPError
+from ..graph import INPUT, Repr
+from ..plan import PlannedGraph, PlannedLayer
+
+
+@dataclass
+class Activation:
+    """A batch of independent Gaussians: ``mean`` and ``second`` (None when deterministic)."""
+
+    mean: np.ndarray
+    second: np.ndarray | None
+    repr: Repr
+
+    def variance(self) -> np.ndarray:
+        if self.repr is Repr.DETERMINISTIC:
+            return np.zeros_like(self.mean)
+        if self.repr is Repr.VARIANCE:
+            return self.second
+        return moments.second_to_variance(self.mean, self.second)
+
+    def second_moment(self) -> np.ndarray:
+        if self.repr is Repr.SECOND_MOMENT:
+            return self.second
+        return moments.variance_to_second(self.mean, self.variance())
+
+
+def emit_output(mean: np.ndarray, var: np.ndarray, layer: PlannedLayer) -> Activation:
+    """Package a layer's (mean, variance) in the representation the plan asks it to emit."""
+    if layer.out_repr is Repr.VARIANCE:
+        return Activation(mean, var, Repr.VARIANCE)
+    if layer.out_repr is Repr.SECOND_MOMENT:
+        return Activation(mean, moments.variance_to_second(mean, var), Repr.SECOND_MOMENT)
+    return Activation(mean, None, Repr.DETERMINISTIC)
+
+
+RefFn = Callable[[PlannedLayer, list[Activation]], Activation]
+REFERENCES: dict[str, RefFn] = {}
+
+
+def reference(op: str) -> Callable[[RefFn], RefFn]:
+    """Register the reference function of PFP op ``op``."""
+
+    def deco(fn: RefFn) -> RefFn:
+        REFERENCES[op] = fn
+        return fn
+
+    return deco
+
+
+def execute(graph: PlannedGraph, x: np.ndarray, x_var: np.ndarray | None = None
+            ) -> tuple[np.ndarray, np.ndarray]:
+    """Run the planned network in float64; returns the output (mean, variance)."""
+    x = np.asarray(x, dtype=np.float64)
+    if graph.input_repr is Repr.DETERMINISTIC:
+        values = {INPUT: Activation(x, None, Repr.DETERMINISTIC)}
+    else:
+        if x_var is None:
+            raise PFPError("this network takes (x_mean, x_var): pass the input variance too")
+        values = {INPUT: Activation(x, np.asarray(x_var, dtype=np.float64), Repr.VARIANCE)}
+    for layer in graph.layers:
+        fn = REFERENCES.get(layer.op)
+        if fn is None:
+            raise PFPError(f"{layer.layer.source}: no NumPy reference for PFP op '{layer.op}'")
+        out = fn(layer, [values[name] for name in layer.inputs])
+        assert out.repr is layer.out_repr, (layer.name, out.repr, layer.out_repr)
+        values[layer.name] = out
+    result = values[graph.output]
+    return result.mean, result.variance()

@@ -1,0 +1,127 @@
+"""Joint PFP dense and conv2d TE kernels: one reduction computes mean and variance together.
+
+Deterministic input ``x``:      ``μ = Σ μw·x``,   ``v = Σ vw·x²``          (weights: μw, vw)
+Raw-moment input ``(μx, sx)``:  ``μ = Σ μw·μx``,  ``v = Σ sw·sx − (μw·μx)²``  (weights: μw, sw = E[w²])
+
+The epilogue adds the bias (mean and, if probabilistic, variance), clamps the variance at 0 and
+converts to the representation the plan asks for.  Dense weights are stored transposed (K, M) so
+the output axis is unit-stride.
+"""
+from __future__ import annotations
+
+from typing import Any
+
+from tvm import te, tirx
+
+from ..graph import Repr
+from ..plan import PlannedLayer
+from ._core import (F32, EmitContext, RelaxActivation, activation_out, epilogue, kernel, pair_sum)
+
+
+def _terms(x_mean: Any, x_second: Any, w_mean: Any, w_second: Any) -> tuple[Any, Any]:
+    """Per-term (mean, variance) contributions; ``x_second`` None means a deterministic input."""
+    prod = x_mean * w_mean
+    if x_second is None:
+        return prod, x_mean * x_mean * w_second
+    return prod, x_second * w_second - prod * prod
+
+
+def _weights_and_bias(ctx: EmitContext, layer: PlannedLayer, transpose: bool) -> list:
+    t = layer.tensors
+    second = t["weight_var"] if "weight_var" in t else t["weight_second_moment"]
+    ws = [t["weight_mean"], second]
+    if transpose:
+        ws = [w.T for w in ws]
+    args = [ctx.const(w) for w in ws]
+    for key in ("bias_mean", "bias_var"):
+        if key in t:
+            args.append(ctx.const(t[key]))
+    return args
+
+
+def _epilogue_stage(acc_mean: te.Tensor, acc_var: te.Tensor, bias: list[te.Tensor], channel_axis: int,
+                    layer: PlannedLayer) -> list[te.Tensor]:
+    def f(*idx):
+        mean, var = acc_mean[idx], acc_var[idx]
+        if bias:
+            mean = mean + bias[0][idx[channel_axis]]
+        if len(bias) > 1:
+            var = var + bias[1][idx[channel_axis]]
+        return epilogue(mean, te.max(var, tirx.const(0.0, F32)), layer)
+
+    return te.compute(acc_mean.shape, f, name="epilogue")
+
+
+@kernel("dense")
+def dense(ctx: EmitContext, layer: PlannedLayer, inputs: list[RelaxActivation]) -> RelaxActivation:
+    x = inputs[0]
+    deterministic = x.repr is Repr.DETERMINISTIC
+    n_x = len(x.tensors())
+
+    def fn(*tensors: te.Tensor) -> list[te.Tensor]:
+        x_mean = tensors[0]
+        x_second = None if deterministic else tensors[1]
+        w_mean, w_second = tensors[n_x:n_x + 2]
+        bias = list(tensors[n_x + 2:])
+        k_dim, m_dim = w_mean.shape
+        k = te.reduce_axis((0, k_dim), name="k")
+
+        def body(i, j):
+            xs = None if x_second is None else x_second[i, k]
+            return pair_sum(_terms(x_mean[i, k], xs, w_mean[k, j], w_second[k, j]), axis=k)
+
+        acc = te.compute((x_mean.shape[0], m_dim), body, name="dense")
+        return _epilogue_stage(acc[0], acc[1], bias, 1, layer)
+
+    outs = ctx.emit_te(fn, x.tensors() + _weights_and_bias(ctx, layer, transpose=True), layer)
+    return activation_out(outs, layer)
+
+
+def _pad(x: te.Tensor, padding: list[int]) -> te.Tensor:
+    ph, pw = padding
+    if ph == 0 and pw == 0:
+        return x
+    n, c, h, w = x.shape
+
+    def f(b, ch, i, j):
+        inside = tirx.all(i >= ph, i < h + ph, j >= pw, j < w + pw)
+        return tirx.if_then_else(inside, x[b, ch, i - ph, j - pw], tirx.const(0.0, F32))
+
+    return te.compute((n, c, h + 2 * ph, w + 2 * pw), f, name="pad")
+
+
+@kernel("conv2d")
+def conv2d(ctx: EmitContext, layer: PlannedLayer, inputs: list[RelaxActivation]) -> RelaxActivation:
+    x = inputs[0]
+    a = layer.layer.attrs
+    deterministic = x.repr is Repr.DETERMINISTIC
+    n_x = len(x.tensors())
+    out_c, out_h, out_w = layer.layer.out_shape
+
+    def fn(*tensors: te.Tensor) -> list[te.Tensor]:
+        x_mean = _pad(tensors[0], a["padding"])
+        x_second = None if deterministic else _pad(tensors[1], a["padding"])
+        w_mean, w_second = tensors[n_x:n_x + 2]
+        bias = list(tensors[n_x + 2:])
+        _, c_per_group, kh, kw = (int(d) for d in w_mean.shape)
+        o_per_group = out_c // a["groups"]
+        rc = te.reduce_axis((0, c_per_group), name="rc")
+        rp = te.reduce_axis((0, kh), name="rp")
+        rq = te.reduce_axis((0, kw), name="rq")
+        (sh, sw), (dh, dw) = a["stride"], a["dilation"]
+
+        def body(b, o, i, j):
+            c = (o // o_per_group) * c_per_group + rc if a["groups"] > 1 else rc
+            pos = (b, c, i * sh + rp * dh, j * sw + rq * dw)
+            xs = None if x_second is None else x_second[pos]
+            return pair_sum(_terms(x_mean[pos], xs, w_mean[o, rc, rp, rq], w_second[o, rc, rp, rq]),
+                            axis=[rc, rp, rq])
+
+        acc = te.compute((tensors[0].shape[0], out_c, out_h, out_w), body, name="conv2d")
+        return _epilogue_stage(acc[0], acc[1], bias, 1, layer)
+
+    outs = ctx.emit_te(fn, x.tensors() + _weights_and_bias(ctx, layer, transpose=False), layer)
+    return activation_out(outs, layer)
+
+
+
