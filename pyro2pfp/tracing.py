@@ -23,6 +23,7 @@ import numpy as np
 import pyro
 import torch
 from pyro.nn import PyroModule
+from pyro.nn.module import _make_name
 from pyro.poutine.messenger import Messenger
 from pyro.poutine.subsample_messenger import _Subsample
 
@@ -75,19 +76,36 @@ def _plain_module_class(cls: type) -> type:
     return type(f"Deterministic{cls.__name__}", (cls,), namespace)
 
 
+def _site_name(module: PyroModule, attr: str) -> str:
+    # PyroModule._pyro_get_fullname asserts that the model has run once; the name itself is known.
+    return _make_name(module.__dict__["_pyro_name"], attr)
+
+
 def sample_sites(model: torch.nn.Module) -> dict[str, str]:
     """``{parameter path: sample site name}`` for every ``PyroSample`` attribute of the model."""
     sites = {}
     for path, module in model.named_modules():
         if isinstance(module, PyroModule):
             for attr in module._pyro_samples:
-                sites[f"{path}.{attr}" if path else attr] = module._pyro_get_fullname(attr)
+                sites[f"{path}.{attr}" if path else attr] = _site_name(module, attr)
     return sites
+
+
+def _prior_shapes(model: torch.nn.Module) -> dict[str, tuple[int, ...]]:
+    """``{parameter path: shape}`` of every ``PyroSample`` whose prior is a distribution object."""
+    shapes = {}
+    for path, module in model.named_modules():
+        if isinstance(module, PyroModule):
+            for attr, sample in module._pyro_samples.items():
+                prior = getattr(sample, "prior", sample)
+                if isinstance(prior, torch.distributions.Distribution):
+                    shapes[f"{path}.{attr}" if path else attr] = tuple(prior.shape())
+    return shapes
 
 
 def _pyro_param_value(module: PyroModule, attr: str) -> torch.Tensor:
     store = pyro.get_param_store()
-    fullname = module._pyro_get_fullname(attr)
+    fullname = _site_name(module, attr)
     if fullname in store:
         return store[fullname].detach()
     return getattr(module, attr).detach()
@@ -161,6 +179,7 @@ def trace_model(model: Any, guide: Any, input_shape: tuple[int, ...] | None) -> 
     example = _example_input(input_shape)
 
     sites = sample_sites(model)
+    prior_shapes = _prior_shapes(model)
     posterior = read_posterior(guide, sites.values(), (example,))
     means, params = {}, {}
     for path, site in sites.items():
@@ -170,16 +189,14 @@ def trace_model(model: Any, guide: Any, input_shape: tuple[int, ...] | None) -> 
                 f"guide {type(guide).__name__}."
             )
         loc, var = posterior[site]
+        expected = prior_shapes.get(path)
+        if expected is not None and tuple(loc.shape) != expected:
+            raise PosteriorError(f"site '{site}': the guide's posterior has shape {tuple(loc.shape)} but the "
+                                 f"model's prior (parameter {path}) has shape {expected}")
         means[path] = torch.as_tensor(loc, dtype=torch.float32)
         params[path] = GaussianParam(loc, var, site=site)
 
     det = _deterministic_copy(model, means)
-    for path, module in det.named_modules():  # check posterior shapes against the module
-        for attr, value in module.named_parameters(recurse=False):
-            full = f"{path}.{attr}" if path else attr
-            if full in params and tuple(value.shape) != params[full].shape:
-                raise PosteriorError(f"site '{params[full].site}': posterior shape "
-                                     f"{params[full].shape} != parameter shape {tuple(value.shape)}")
 
     batch = torch.export.Dim("batch", min=1, max=2**20)
     try:

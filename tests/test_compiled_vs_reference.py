@@ -1,0 +1,200 @@
+"""Compiled TVM module vs the float64 NumPy reference, on layer graphs built directly.
+
+Tolerances are float32 rounding bounds, not tuned numbers: a sum of K float32 products has an
+error of at most about ``(K + 4)·u·Σ|terms|`` (``u = 2⁻²⁴``, recursive summation plus the rounding
+of the float32 inputs), so compute layers are checked against ``2·(K + 4)·u`` times the sum of the
+absolute values of their terms; elementwise ops against a few ulps of their input scale.
+"""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from builders import (conv_layer, conv_out, dense_layer, lenet_graph, mlp_graph, pool_layer,
+                      relu_layer)
+from pyro2pfp.graph import INPUT, LayerGraph
+from pyro2pfp.network import PFPNetwork
+from pyro2pfp.plan import plan
+from pyro2pfp.reference.compute import conv2d_nchw
+
+U32 = 2.0**-24
+SETTINGS = settings(max_examples=12, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+
+
+def build(graph: LayerGraph, calibration: float = 1.0) -> tuple[PFPNetwork, object]:
+    net = PFPNetwork(graph, plan(graph, calibration))
+    return net, net.compile("llvm")
+
+
+def inputs(rng, batch: int, shape: tuple[int, ...], scale: float, var_scale: float | None):
+    x = (scale * rng.standard_normal((batch, *shape))).astype(np.float32)
+    if var_scale is None:
+        return x, None
+    return x, (var_scale * rng.uniform(0.0, 1.0, x.shape)).astype(np.float32)
+
+
+def run_both(net, exe, x, x_var):
+    ref = net.reference(x, x_var) if x_var is not None else net.reference(x)
+    out = exe(x, x_var) if x_var is not None else exe(x)
+    assert all(np.all(np.isfinite(o)) for o in out)
+    return ref, out
+
+
+def check_compute(layer, x, x_var, ref, out, apply):
+    """Compare a compute layer's (mean, var) within the float32 summation bound."""
+    w = layer.params["weight"]
+    b = layer.params.get("bias")
+    x = x.astype(np.float64)
+    k = int(np.prod(w.shape[1:]))
+    if x_var is None:
+        mag_mean = apply(np.abs(x), np.abs(w.mean))
+        mag_var = apply(x**2, w.var)
+    else:
+        xv = x_var.astype(np.float64)
+        mag_mean = apply(np.abs(x), np.abs(w.mean))
+        mag_var = apply(x**2 + xv, w.mean**2 + w.var) + apply(x**2, w.mean**2)
+    if b is not None:
+        shape = (1, -1) + (1,) * (mag_mean.ndim - 2)
+        mag_mean = mag_mean + np.abs(b.mean).reshape(shape)
+        mag_var = mag_var + b.var.reshape(shape)
+    tol = 2 * (k + 4) * U32
+    assert np.all(np.abs(out[0] - ref[0]) <= tol * mag_mean + 1e-37), np.abs(out[0] - ref[0]).max()
+    assert np.all(np.abs(out[1] - ref[1]) <= tol * mag_var + 1e-37), np.abs(out[1] - ref[1]).max()
+
+
+scales = st.sampled_from([1e-3, 1e-2, 0.1, 1.0, 10.0, 100.0])
+var_scales = st.sampled_from([0.0, 1e-8, 1e-4, 1e-2, 1.0, 10.0])
+input_var = st.one_of(st.none(), st.sampled_from([0.0, 1e-6, 1e-2, 1.0]))
+
+
+@SETTINGS
+@given(seed=st.integers(0, 2**31 - 1), batch=st.integers(1, 9), k=st.integers(1, 64),
+       m=st.integers(1, 40), mean_scale=scales, var_scale=var_scales, x_scale=scales,
+       x_var=input_var, bias=st.sampled_from(["none", "det", "prob"]))
+def test_dense_matches_reference(seed, batch, k, m, mean_scale, var_scale, x_scale, x_var, bias):
+    rng = np.random.default_rng(seed)
+    layer = dense_layer(rng, "fc", INPUT, k, m, mean_scale, var_scale, bias)
+    graph = LayerGraph(input_shape=(k,), layers=[layer], output="fc", input_variance=x_var is not None)
+    net, exe = build(graph)
+    x, xv = inputs(rng, batch, (k,), x_scale, x_var)
+    ref, out = run_both(net, exe, x, xv)
+    check_compute(layer, x, xv, ref, out, lambda a, w: a @ w.T)
+
+
+@st.composite
+def conv_cases(draw):
+    groups = draw(st.sampled_from([1, 1, 2]))
+    c = groups * draw(st.integers(1, 3))
+    o = groups * draw(st.integers(1, 3))
+    kernel = draw(st.integers(1, 4))
+    dil = draw(st.integers(1, 2))
+    pad = draw(st.integers(0, 2))
+    stride = draw(st.integers(1, 2))
+    min_size = max(1, dil * (kernel - 1) + 1 - 2 * pad)
+    h = draw(st.integers(min_size, min_size + 6))
+    w = draw(st.integers(min_size, min_size + 6))
+    return c, h, w, o, kernel, stride, pad, dil, groups
+
+
+@SETTINGS
+@given(seed=st.integers(0, 2**31 - 1), batch=st.integers(1, 4), case=conv_cases(), mean_scale=scales,
+       var_scale=var_scales, x_scale=scales, x_var=input_var, bias=st.sampled_from(["none", "det", "prob"]))
+def test_conv2d_matches_reference(seed, batch, case, mean_scale, var_scale, x_scale, x_var, bias):
+    c, h, w, o, kernel, stride, pad, dil, groups = case
+    rng = np.random.default_rng(seed)
+    layer = conv_layer(rng, "conv", INPUT, (c, h, w), o, kernel, stride, pad, dil, groups,
+                       mean_scale, var_scale, bias)
+    graph = LayerGraph(input_shape=(c, h, w), layers=[layer], output="conv", input_variance=x_var is not None)
+    net, exe = build(graph)
+    x, xv = inputs(rng, batch, (c, h, w), x_scale, x_var)
+    ref, out = run_both(net, exe, x, xv)
+    a = layer.attrs
+    check_compute(layer, x, xv, ref, out,
+                  lambda t, wt: conv2d_nchw(t, wt, a["stride"], a["padding"], a["dilation"], a["groups"]))
+
+
+@SETTINGS
+@given(seed=st.integers(0, 2**31 - 1), batch=st.integers(1, 6), n=st.integers(1, 50),
+       x_scale=scales, x_var=st.sampled_from([0.0, 1e-30, 1e-8, 1e-2, 1.0, 100.0]))
+def test_relu_matches_reference(seed, batch, n, x_scale, x_var):
+    rng = np.random.default_rng(seed)
+    graph = LayerGraph(input_shape=(n,), layers=[relu_layer("relu", INPUT, (n,))], output="relu",
+                       input_variance=True)
+    net, exe = build(graph)
+    x, xv = inputs(rng, batch, (n,), x_scale, x_var)
+    ref, out = run_both(net, exe, x, xv)
+    sigma = np.sqrt(xv.astype(np.float64))
+    scale = np.abs(x) + sigma
+    assert np.all(np.abs(out[0] - ref[0]) <= 1e-5 * scale + 1e-37)
+    assert np.all(np.abs(out[1] - ref[1]) <= 1e-5 * xv + 1e-37)
+
+
+@SETTINGS
+@given(seed=st.integers(0, 2**31 - 1), batch=st.integers(1, 4), c=st.integers(1, 3),
+       h=st.integers(3, 9), w=st.integers(3, 9), kernel=st.integers(1, 3), stride=st.integers(1, 3),
+       x_scale=scales, x_var=st.sampled_from([None, 0.0, 1e-8, 1e-2, 1.0, 100.0]))
+def test_max_pool_matches_reference(seed, batch, c, h, w, kernel, stride, x_scale, x_var):
+    rng = np.random.default_rng(seed)
+    graph = LayerGraph(input_shape=(c, h, w), layers=[pool_layer("pool", INPUT, (c, h, w), kernel, stride)],
+                       output="pool", input_variance=x_var is not None)
+    net, exe = build(graph)
+    x, xv = inputs(rng, batch, (c, h, w), x_scale, x_var)
+    ref, out = run_both(net, exe, x, xv)
+    big = np.abs(x).max() + (np.sqrt(xv.max()) if xv is not None else 0.0)
+    assert np.all(np.abs(out[0] - ref[0]) <= 1e-5 * big + 1e-37)
+    if xv is not None:
+        assert np.all(np.abs(out[1] - ref[1]) <= 1e-5 * (xv.max() + np.abs(ref[1])) + 1e-37)
+    else:
+        np.testing.assert_array_equal(out[1], 0.0)
+
+
+@pytest.mark.parametrize("arch", ["mlp", "mlp2", "lenet"])
+def test_networks_match_reference_any_batch(arch):
+    """One compiled module (symbolic batch) serves every batch size and matches the reference.
+
+    Several layers of float32 rounding (K up to 784 terms each, plus cancellation in outputs near
+    zero) give errors of ~1e-5 of the output scale; formula or indexing bugs give O(1) errors.
+    """
+    rng = np.random.default_rng(7)
+    graph = {"mlp": lambda: mlp_graph(rng, [784, 100, 10]),
+             "mlp2": lambda: mlp_graph(rng, [784, 100, 100, 10]),
+             "lenet": lambda: lenet_graph(rng)}[arch]()
+    net, exe = build(graph, calibration=0.5)
+    for batch in (1, 3, 17):
+        x = rng.uniform(0, 1, (batch, *graph.input_shape)).astype(np.float32)
+        ref, out = run_both(net, exe, x, None)
+        for o, r in zip(out, ref):
+            np.testing.assert_allclose(o, r, rtol=1e-4, atol=1e-4 * np.abs(r).max())
+
+
+def test_deterministic_limit_is_exact_for_mean_and_zero_for_variance():
+    """Zero weight variance and a deterministic input: the mean is the deterministic network's
+    output and the variance vanishes (to float32 rounding of Σ(μw·μx)² in the raw-moment form)."""
+    rng = np.random.default_rng(3)
+    graph = lenet_graph(rng, var_scale=0.0)
+    net, exe = build(graph)
+    x = rng.uniform(0, 1, (5, *graph.input_shape)).astype(np.float32)
+    (rm, rv), (cm, cv) = run_both(net, exe, x, None)
+    np.testing.assert_allclose(cm, rm, rtol=1e-4, atol=1e-5 * np.abs(rm).max())
+    assert np.all(cv >= 0) and np.all(rv >= 0)
+    assert cv.max() <= 1e-5 * (rm**2).max() and rv.max() <= 1e-12 * (rm**2).max()
+    # Calibration 0 turns any posterior into the deterministic network too.
+    noisy = lenet_graph(np.random.default_rng(3), var_scale=1.0)
+    net0, exe0 = build(noisy, calibration=0.0)
+    (rm0, rv0), (cm0, cv0) = run_both(net0, exe0, x, None)
+    np.testing.assert_allclose(cm0, cm, rtol=1e-5, atol=1e-6 * np.abs(rm).max())
+    assert cv0.max() <= 1e-5 * (rm**2).max()
+
+
+def test_extreme_values_stay_finite():
+    """Huge means with tiny variances, and tiny variances everywhere: finite, non-negative output."""
+    rng = np.random.default_rng(11)
+    for mean_scale, var_scale, x_scale in [(1e3, 1e-12, 1e3), (1e-3, 1e-30, 1e-3), (10.0, 1e4, 10.0)]:
+        graph = lenet_graph(rng, widths=(2, 3, 8, 6), image=12, mean_scale=mean_scale, var_scale=var_scale)
+        net, exe = build(graph)
+        x = (x_scale * rng.standard_normal((2, *graph.input_shape))).astype(np.float32)
+        (rm, rv), (cm, cv) = run_both(net, exe, x, None)
+        assert np.all(np.isfinite(rm)) and np.all(np.isfinite(rv)) and np.all(rv >= 0) and np.all(cv >= 0)
+        np.testing.assert_allclose(cm, rm, rtol=1e-3, atol=1e-4 * np.abs(rm).max())
