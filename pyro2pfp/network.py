@@ -99,7 +99,7 @@ class PFPNetwork:
 
 
 def convert(model: Any, guide: Any, *, input_shape: tuple[int, ...] | None = None,
-            calibration: float = 1.0) -> PFPNetwork:
+            calibration: float = 1.0, moment_form: str = "variance") -> PFPNetwork:
     """Convert a Pyro BNN (``model``, trained ``guide``) into a PFP network.
 
     Traces ``model`` (a ``PyroModule``) over a deterministic copy holding the posterior means, reads
@@ -109,8 +109,12 @@ def convert(model: Any, guide: Any, *, input_shape: tuple[int, ...] | None = Non
 
     ``input_shape`` is the shape of one input without the batch dimension; it may be omitted when
     the first layer is a Linear layer.
+
+    ``moment_form="variance"`` (default) carries variances on every edge (cancellation-free in
+    float32); ``"raw"`` is the paper's plan (compute layers take raw second moments, ``E[w²]``
+    precomputed), which loses variances smaller than ~1e-7·mean² in float32.
     """
     traced = trace_model(model, guide, input_shape)
     layer_graph = build_layer_graph(traced)
     layer_graph.model_name = type(model).__name__
-    return PFPNetwork(layer_graph, plan(layer_graph, calibration))
+    return PFPNetwork(layer_graph, plan(layer_graph, calibration, moment_form))

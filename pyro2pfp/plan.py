@@ -1,13 +1,20 @@
 """Stage 3: plan the representation of every edge and the stored form of every weight.
 
-Rules (paper section 5, ``pfp-math.md`` "Representation planning"):
+Two plans (``moment_form``):
+
+``"raw"`` — the paper's plan (section 5, ``pfp-math.md`` "Representation planning"):
 
 * compute layers (dense, conv2d) take the **second raw moment** (or a deterministic input) and
-  give the **variance**;
+  give the **variance**, ``v = Σ sw·sx − (μw·μx)²`` with ``E[w²]`` precomputed;
 * ReLU takes the **variance** and gives the **second raw moment**;
-* max pooling takes and gives the **variance**;
-* reshape-like layers pass on whatever they get;
+* max pooling takes and gives the **variance**; reshape-like layers pass on what they get;
 * the network output is (mean, **variance**).
+
+``"variance"`` (the default) — every edge carries the variance; compute layers use the
+variance-input form ``v = Σ vw·(μx² + vx) + μw²·vx`` of ``pfp-math.md``.  Its terms are all
+non-negative, so it has no cancellation: the raw moment ``s = μ² + v`` cannot hold a variance
+below ``~1e-7·μ²`` in float32 (SVI posteriors are often that narrow), and ``Σ sw·sx − (μw·μx)²``
+subtracts nearly equal sums.  It costs the same per term (two weight tensors, four operations).
 
 Every op can also *emit* the other representation through a cheap epilogue in its own kernel
 (``s = μ² + v`` or ``v = s − μ²``), so a producer emits what its consumers want; only when its
@@ -41,14 +48,23 @@ class OpSpec:
     keeps_deterministic: bool  # deterministic inputs give a deterministic output (no parameters)
 
 
-OP_SPECS: dict[str, OpSpec] = {
-    "dense": OpSpec(takes=S, natural=V, keeps_deterministic=False),
-    "conv2d": OpSpec(takes=S, natural=V, keeps_deterministic=False),
-    "relu": OpSpec(takes=V, natural=S, keeps_deterministic=True),
-    "max_pool2d": OpSpec(takes=V, natural=V, keeps_deterministic=True),
-    "reshape": OpSpec(takes=None, natural=None, keeps_deterministic=True),
-    "convert": OpSpec(takes=None, natural=None, keeps_deterministic=True),
-}
+MOMENT_FORMS = ("variance", "raw")
+
+
+def op_specs(moment_form: str = "variance") -> dict[str, OpSpec]:
+    """The representation contract of every op under the given plan."""
+    compute_takes = S if moment_form == "raw" else V
+    return {
+        "dense": OpSpec(takes=compute_takes, natural=V, keeps_deterministic=False),
+        "conv2d": OpSpec(takes=compute_takes, natural=V, keeps_deterministic=False),
+        "relu": OpSpec(takes=V, natural=compute_takes, keeps_deterministic=True),
+        "max_pool2d": OpSpec(takes=V, natural=V, keeps_deterministic=True),
+        "reshape": OpSpec(takes=None, natural=None, keeps_deterministic=True),
+        "convert": OpSpec(takes=None, natural=None, keeps_deterministic=True),
+    }
+
+
+OP_SPECS = op_specs()  # ops known to the planner (the contract of the default plan)
 
 
 @dataclass
@@ -65,6 +81,7 @@ class PlannedLayer:
     in_reprs: list[Repr]
     out_repr: Repr
     tensors: dict[str, np.ndarray] = field(default_factory=dict)
+    natural_out: Repr | None = None  # what the op's formula gives before any epilogue conversion
 
     @property
     def name(self) -> str:
@@ -78,13 +95,6 @@ class PlannedLayer:
     def inputs(self) -> list[str]:
         return self.layer.inputs
 
-    @property
-    def natural_out(self) -> Repr:
-        spec = OP_SPECS[self.op]
-        if spec.natural is None or self.out_repr is D:
-            return self.out_repr
-        return spec.natural
-
 
 @dataclass
 class PlannedGraph:
@@ -95,6 +105,7 @@ class PlannedGraph:
     layers: list[PlannedLayer]
     output: str
     calibration: float
+    moment_form: str = "variance"
 
     def repr_of(self, name: str) -> Repr:
         if name == INPUT:
@@ -118,12 +129,13 @@ class PlannedGraph:
             notes = []
             if p.op in ("dense", "conv2d"):
                 w = "weight variances" if "weight_var" in p.tensors else "E[w²] precomputed"
+                w += {D: "", V: ", variance-input form", S: ", raw-moment form"}[p.in_reprs[0]]
                 b = ("no bias" if "bias_mean" not in p.tensors
                      else "probabilistic bias" if "bias_var" in p.tensors else "deterministic bias")
                 notes.append(f"{w}, {b}")
                 if p.in_reprs[0] is D:
                     notes.append("deterministic-input form")
-            if OP_SPECS[p.op].natural is not None and p.out_repr not in (D, p.natural_out):
+            if p.natural_out is not None and p.out_repr not in (D, p.natural_out):
                 notes.append(f"conversion in epilogue: {p.natural_out} → {p.out_repr}")
             if p.op == "convert":
                 notes.append("inserted conversion")
@@ -132,7 +144,8 @@ class PlannedGraph:
         widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
         lines = ["  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip() for r in rows]
         lines.insert(1, "-" * len(lines[0]))
-        lines.append(f"output: {self.output} → (mean, variance); calibration factor {self.calibration:g}")
+        lines.append(f"output: {self.output} → (mean, variance); calibration factor {self.calibration:g}; "
+                     f"moment form '{self.moment_form}'")
         return "\n".join(lines)
 
 
@@ -142,10 +155,10 @@ def _stored_tensors(layer: Layer, input_repr: Repr, calibration: float) -> dict[
     weight = layer.params["weight"]
     tensors = {"weight_mean": weight.mean}
     weight_var = calibration * weight.var
-    if input_repr is D:
-        tensors["weight_var"] = weight_var
-    else:
+    if input_repr is S:
         tensors["weight_second_moment"] = weight.mean**2 + weight_var
+    else:
+        tensors["weight_var"] = weight_var
     bias = layer.params.get("bias")
     if bias is not None:
         tensors["bias_mean"] = bias.mean
@@ -154,26 +167,29 @@ def _stored_tensors(layer: Layer, input_repr: Repr, calibration: float) -> dict[
     return tensors
 
 
-def plan(graph: LayerGraph, calibration: float = 1.0) -> PlannedGraph:
+def plan(graph: LayerGraph, calibration: float = 1.0, moment_form: str = "variance") -> PlannedGraph:
     """Assign representations, insert conversions and compute the stored weights."""
     if not np.isfinite(calibration) or calibration < 0:
         raise PFPError(f"calibration must be a finite non-negative factor, got {calibration}")
+    if moment_form not in MOMENT_FORMS:
+        raise PFPError(f"moment_form must be one of {MOMENT_FORMS}, got {moment_form!r}")
+    specs = op_specs(moment_form)
     for layer in graph.layers:
-        if layer.op not in OP_SPECS:
+        if layer.op not in specs:
             raise PFPError(f"{layer.source}: no representation rule for PFP op '{layer.op}'")
     input_repr = V if graph.input_variance else D
 
     # 1. Forward: which edges are deterministic.
     deterministic = {INPUT: input_repr is D}
     for layer in graph.layers:
-        deterministic[layer.name] = OP_SPECS[layer.op].keeps_deterministic and all(
+        deterministic[layer.name] = specs[layer.op].keeps_deterministic and all(
             deterministic[i] for i in layer.inputs)
 
     # 2. Backward: what each edge's consumers want (pass-through layers forward their consumers' wants).
     wants: dict[str, list[Repr]] = {INPUT: [], **{layer.name: [] for layer in graph.layers}}
     wants[graph.output].append(V)
     for layer in reversed(graph.layers):
-        spec = OP_SPECS[layer.op]
+        spec = specs[layer.op]
         for name in layer.inputs:
             wants[name].extend(wants[layer.name] if spec.takes is None else [spec.takes])
 
@@ -208,7 +224,7 @@ def plan(graph: LayerGraph, calibration: float = 1.0) -> PlannedGraph:
         return conversions[key]
 
     for layer in graph.layers:
-        spec = OP_SPECS[layer.op]
+        spec = specs[layer.op]
         inputs = [deliver(name, spec.takes) for name in layer.inputs]
         in_reprs = [edge_repr[name] for name in inputs]
         if spec.natural is None:
@@ -217,9 +233,10 @@ def plan(graph: LayerGraph, calibration: float = 1.0) -> PlannedGraph:
             out = choose(layer.name, spec.natural)
         new_layer = Layer(name=layer.name, op=layer.op, inputs=inputs, out_shape=layer.out_shape,
                           source=layer.source, attrs=dict(layer.attrs), params=layer.params)
-        planned.append(PlannedLayer(layer=new_layer, in_reprs=in_reprs, out_repr=out,
+        natural = None if spec.natural is None or out is D else spec.natural
+        planned.append(PlannedLayer(layer=new_layer, in_reprs=in_reprs, out_repr=out, natural_out=natural,
                                     tensors=_stored_tensors(layer, in_reprs[0], calibration)))
         edge_repr[layer.name] = out
     output = deliver(graph.output, V)
     return PlannedGraph(input_shape=graph.input_shape, input_repr=input_repr, layers=planned,
-                        output=output, calibration=float(calibration))
+                        output=output, calibration=float(calibration), moment_form=moment_form)

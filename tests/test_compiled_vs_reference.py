@@ -23,8 +23,9 @@ U32 = 2.0**-24
 SETTINGS = settings(max_examples=12, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 
 
-def build(graph: LayerGraph, calibration: float = 1.0) -> tuple[PFPNetwork, object]:
-    net = PFPNetwork(graph, plan(graph, calibration))
+def build(graph: LayerGraph, calibration: float = 1.0, moment_form: str = "variance"
+          ) -> tuple[PFPNetwork, object]:
+    net = PFPNetwork(graph, plan(graph, calibration, moment_form))
     return net, net.compile("llvm")
 
 
@@ -42,7 +43,7 @@ def run_both(net, exe, x, x_var):
     return ref, out
 
 
-def check_compute(layer, x, x_var, ref, out, apply):
+def check_compute(layer, x, x_var, ref, out, apply, moment_form):
     """Compare a compute layer's (mean, var) within the float32 summation bound."""
     w = layer.params["weight"]
     b = layer.params.get("bias")
@@ -51,7 +52,11 @@ def check_compute(layer, x, x_var, ref, out, apply):
     if x_var is None:
         mag_mean = apply(np.abs(x), np.abs(w.mean))
         mag_var = apply(x**2, w.var)
-    else:
+    elif moment_form == "variance":  # Σ vw·(μx² + vx) + μw²·vx: non-negative terms
+        xv = x_var.astype(np.float64)
+        mag_mean = apply(np.abs(x), np.abs(w.mean))
+        mag_var = apply(x**2 + xv, w.var) + apply(xv, w.mean**2)
+    else:  # Σ sw·sx − (μw·μx)²: bounded by the sum of both magnitudes
         xv = x_var.astype(np.float64)
         mag_mean = apply(np.abs(x), np.abs(w.mean))
         mag_var = apply(x**2 + xv, w.mean**2 + w.var) + apply(x**2, w.mean**2)
@@ -67,20 +72,21 @@ def check_compute(layer, x, x_var, ref, out, apply):
 scales = st.sampled_from([1e-3, 1e-2, 0.1, 1.0, 10.0, 100.0])
 var_scales = st.sampled_from([0.0, 1e-8, 1e-4, 1e-2, 1.0, 10.0])
 input_var = st.one_of(st.none(), st.sampled_from([0.0, 1e-6, 1e-2, 1.0]))
+forms = st.sampled_from(["variance", "raw"])
 
 
 @SETTINGS
 @given(seed=st.integers(0, 2**31 - 1), batch=st.integers(1, 9), k=st.integers(1, 64),
        m=st.integers(1, 40), mean_scale=scales, var_scale=var_scales, x_scale=scales,
-       x_var=input_var, bias=st.sampled_from(["none", "det", "prob"]))
-def test_dense_matches_reference(seed, batch, k, m, mean_scale, var_scale, x_scale, x_var, bias):
+       x_var=input_var, bias=st.sampled_from(["none", "det", "prob"]), form=forms)
+def test_dense_matches_reference(seed, batch, k, m, mean_scale, var_scale, x_scale, x_var, bias, form):
     rng = np.random.default_rng(seed)
     layer = dense_layer(rng, "fc", INPUT, k, m, mean_scale, var_scale, bias)
     graph = LayerGraph(input_shape=(k,), layers=[layer], output="fc", input_variance=x_var is not None)
-    net, exe = build(graph)
+    net, exe = build(graph, moment_form=form)
     x, xv = inputs(rng, batch, (k,), x_scale, x_var)
     ref, out = run_both(net, exe, x, xv)
-    check_compute(layer, x, xv, ref, out, lambda a, w: a @ w.T)
+    check_compute(layer, x, xv, ref, out, lambda a, w: a @ w.T, form)
 
 
 @st.composite
@@ -100,19 +106,20 @@ def conv_cases(draw):
 
 @SETTINGS
 @given(seed=st.integers(0, 2**31 - 1), batch=st.integers(1, 4), case=conv_cases(), mean_scale=scales,
-       var_scale=var_scales, x_scale=scales, x_var=input_var, bias=st.sampled_from(["none", "det", "prob"]))
-def test_conv2d_matches_reference(seed, batch, case, mean_scale, var_scale, x_scale, x_var, bias):
+       var_scale=var_scales, x_scale=scales, x_var=input_var, bias=st.sampled_from(["none", "det", "prob"]),
+       form=forms)
+def test_conv2d_matches_reference(seed, batch, case, mean_scale, var_scale, x_scale, x_var, bias, form):
     c, h, w, o, kernel, stride, pad, dil, groups = case
     rng = np.random.default_rng(seed)
     layer = conv_layer(rng, "conv", INPUT, (c, h, w), o, kernel, stride, pad, dil, groups,
                        mean_scale, var_scale, bias)
     graph = LayerGraph(input_shape=(c, h, w), layers=[layer], output="conv", input_variance=x_var is not None)
-    net, exe = build(graph)
+    net, exe = build(graph, moment_form=form)
     x, xv = inputs(rng, batch, (c, h, w), x_scale, x_var)
     ref, out = run_both(net, exe, x, xv)
     a = layer.attrs
     check_compute(layer, x, xv, ref, out,
-                  lambda t, wt: conv2d_nchw(t, wt, a["stride"], a["padding"], a["dilation"], a["groups"]))
+                  lambda t, wt: conv2d_nchw(t, wt, a["stride"], a["padding"], a["dilation"], a["groups"]), form)
 
 
 @SETTINGS
@@ -150,8 +157,9 @@ def test_max_pool_matches_reference(seed, batch, c, h, w, kernel, stride, x_scal
         np.testing.assert_array_equal(out[1], 0.0)
 
 
+@pytest.mark.parametrize("form", ["variance", "raw"])
 @pytest.mark.parametrize("arch", ["mlp", "mlp2", "lenet"])
-def test_networks_match_reference_any_batch(arch):
+def test_networks_match_reference_any_batch(arch, form):
     """One compiled module (symbolic batch) serves every batch size and matches the reference.
 
     Several layers of float32 rounding (K up to 784 terms each, plus cancellation in outputs near
@@ -161,7 +169,7 @@ def test_networks_match_reference_any_batch(arch):
     graph = {"mlp": lambda: mlp_graph(rng, [784, 100, 10]),
              "mlp2": lambda: mlp_graph(rng, [784, 100, 100, 10]),
              "lenet": lambda: lenet_graph(rng)}[arch]()
-    net, exe = build(graph, calibration=0.5)
+    net, exe = build(graph, calibration=0.5, moment_form=form)
     for batch in (1, 3, 17):
         x = rng.uniform(0, 1, (batch, *graph.input_shape)).astype(np.float32)
         ref, out = run_both(net, exe, x, None)
@@ -169,23 +177,40 @@ def test_networks_match_reference_any_batch(arch):
             np.testing.assert_allclose(o, r, rtol=1e-4, atol=1e-4 * np.abs(r).max())
 
 
-def test_deterministic_limit_is_exact_for_mean_and_zero_for_variance():
-    """Zero weight variance and a deterministic input: the mean is the deterministic network's
-    output and the variance vanishes (to float32 rounding of Σ(μw·μx)² in the raw-moment form)."""
+@pytest.mark.parametrize("form", ["variance", "raw"])
+def test_deterministic_limit(form):
+    """Zero weight variance and a deterministic input give the deterministic network: the mean is
+    its output and the variance is exactly 0 in the variance plan (every term is a product with a
+    zero variance) and 0 up to float32 rounding of Σ(μw·μx)² in the paper's raw-moment plan."""
     rng = np.random.default_rng(3)
     graph = lenet_graph(rng, var_scale=0.0)
-    net, exe = build(graph)
+    net, exe = build(graph, moment_form=form)
     x = rng.uniform(0, 1, (5, *graph.input_shape)).astype(np.float32)
     (rm, rv), (cm, cv) = run_both(net, exe, x, None)
     np.testing.assert_allclose(cm, rm, rtol=1e-4, atol=1e-5 * np.abs(rm).max())
-    assert np.all(cv >= 0) and np.all(rv >= 0)
-    assert cv.max() <= 1e-5 * (rm**2).max() and rv.max() <= 1e-12 * (rm**2).max()
+    if form == "variance":
+        assert np.all(cv == 0.0) and np.all(rv == 0.0)
+    else:
+        assert np.all(cv >= 0) and np.all(rv >= 0)
+        assert cv.max() <= 1e-5 * (rm**2).max() and rv.max() <= 1e-12 * (rm**2).max()
     # Calibration 0 turns any posterior into the deterministic network too.
     noisy = lenet_graph(np.random.default_rng(3), var_scale=1.0)
-    net0, exe0 = build(noisy, calibration=0.0)
+    net0, exe0 = build(noisy, calibration=0.0, moment_form=form)
     (rm0, rv0), (cm0, cv0) = run_both(net0, exe0, x, None)
     np.testing.assert_allclose(cm0, cm, rtol=1e-5, atol=1e-6 * np.abs(rm).max())
-    assert cv0.max() <= 1e-5 * (rm**2).max()
+    assert cv0.max() <= (0.0 if form == "variance" else 1e-5 * (rm**2).max())
+
+
+def test_narrow_posterior_variances_are_kept_to_float32_precision():
+    """SVI posteriors are narrow (σw ≈ 1e-3·|μw|): the variance plan keeps the output variance to
+    float32 precision, where the raw-moment form s = μ² + v rounds most of it away."""
+    rng = np.random.default_rng(5)
+    graph = lenet_graph(rng, mean_scale=0.1, var_scale=1e-8)
+    x = rng.uniform(0, 1, (4, *graph.input_shape)).astype(np.float32)
+    net, exe = build(graph)
+    (rm, rv), (cm, cv) = run_both(net, exe, x, None)
+    np.testing.assert_allclose(cv, rv, rtol=1e-4, atol=1e-5 * rv.max())
+    np.testing.assert_allclose(cm, rm, rtol=1e-4, atol=1e-5 * np.abs(rm).max())
 
 
 def test_extreme_values_stay_finite():

@@ -46,19 +46,39 @@ def test_mlp_traces_to_dense_relu_dense_and_reads_autonormal_posterior():
             assert layer.params[attr].site == f"{name}.{attr}"
     fc1, fc2 = net.plan.layer("fc1"), net.plan.layer("fc2")
     w1, w2 = net.layer_graph.layer("fc1").params["weight"], net.layer_graph.layer("fc2").params["weight"]
-    # First layer: deterministic input, calibrated weight variances; later: E[w²] precomputed.
+    # First layer: deterministic input, calibrated weight variances.
     assert fc1.in_reprs == [Repr.DETERMINISTIC] and fc1.out_repr is Repr.VARIANCE
     np.testing.assert_allclose(fc1.tensors["weight_var"], 0.3 * w1.var)
+    # Default plan: variances on every edge, variance-input form, no conversions.
+    assert fc2.in_reprs == [Repr.VARIANCE] and fc2.out_repr is Repr.VARIANCE
+    np.testing.assert_allclose(fc2.tensors["weight_var"], 0.3 * w2.var)
+    assert not any(p.op == "convert" for p in net.plan.layers)
+
+
+def test_raw_moment_plan_is_the_papers():
+    model = BayesianMLP(hidden=(16,))
+    x, y = mnist_like()
+    guide = initialised_guide(model, x, y)
+    net = pyro2pfp.convert(model, guide, calibration=0.3, moment_form="raw")
+    fc1, relu, fc2 = net.plan.layers
+    w2 = net.layer_graph.layer("fc2").params["weight"]
+    assert fc1.in_reprs == [Repr.DETERMINISTIC] and "weight_var" in fc1.tensors
+    assert relu.in_reprs == [Repr.VARIANCE] and relu.out_repr is Repr.SECOND_MOMENT  # no conversion
     assert fc2.in_reprs == [Repr.SECOND_MOMENT] and fc2.out_repr is Repr.VARIANCE
     np.testing.assert_allclose(fc2.tensors["weight_second_moment"], w2.mean**2 + 0.3 * w2.var)
-    assert net.plan.layer("relu").out_repr is Repr.SECOND_MOMENT  # no conversion needed in an MLP
+    assert "conversion" not in net.summary()
+    with pytest.raises(pyro2pfp.PFPError, match="moment_form"):
+        pyro2pfp.convert(model, guide, moment_form="fast")
 
 
-def test_lenet_plan_inserts_conversions_around_max_pool():
+def test_lenet_plans():
     model = BayesianLeNet5(c1=2, c2=3, f1=8, f2=6)
     x, y = mnist_like()
     guide = initialised_guide(model, x, y)
-    net = pyro2pfp.convert(model, guide, input_shape=(1, 28, 28))
+    default = pyro2pfp.convert(model, guide, input_shape=(1, 28, 28))
+    assert all(p.out_repr is Repr.VARIANCE for p in default.plan.layers)
+    assert "conversion" not in default.summary()
+    net = pyro2pfp.convert(model, guide, input_shape=(1, 28, 28), moment_form="raw")
     ops = [p.op for p in net.plan.layers]
     assert ops == ["conv2d", "relu", "max_pool2d", "conv2d", "relu", "max_pool2d", "reshape",
                    "dense", "relu", "dense", "relu", "dense"]

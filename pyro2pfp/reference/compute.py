@@ -1,6 +1,7 @@
 """Reference dense and conv2d layers (float64).
 
 Input deterministic ``x``:      ``μ = Σ μw·x + μb``,  ``v = Σ vw·x² + vb``.
+Input variance ``(μx, vx)``:   ``μ = Σ μw·μx + μb``, ``v = Σ vw·(μx² + vx) + μw²·vx + vb``.
 Input raw moment ``(μx, sx)``: ``μ = Σ μw·μx + μb``, ``v = Σ sw·sx − (μw·μx)² + vb`` (clamped ≥ 0).
 Both linear maps are applied by the same ``apply(x, w)`` (a matmul or a convolution).
 """
@@ -22,6 +23,8 @@ def _compute_layer(layer: PlannedLayer, x: Activation,
     mean = apply(x.mean, t["weight_mean"])
     if x.repr is Repr.DETERMINISTIC:
         var = apply(x.mean**2, t["weight_var"])
+    elif x.repr is Repr.VARIANCE:
+        var = apply(x.second_moment(), t["weight_var"]) + apply(x.second, t["weight_mean"] ** 2)
     else:
         var = apply(x.second_moment(), t["weight_second_moment"]) - apply(x.mean**2, t["weight_mean"] ** 2)
     if "bias_mean" in t:

@@ -1,7 +1,8 @@
 """Joint PFP dense and conv2d TE kernels: one reduction computes mean and variance together.
 
-Deterministic input ``x``:      ``μ = Σ μw·x``,   ``v = Σ vw·x²``          (weights: μw, vw)
-Raw-moment input ``(μx, sx)``:  ``μ = Σ μw·μx``,  ``v = Σ sw·sx − (μw·μx)²``  (weights: μw, sw = E[w²])
+Deterministic input ``x``:      ``μ = Σ μw·x``,   ``v = Σ vw·x²``                   (weights: μw, vw)
+Variance input ``(μx, vx)``:    ``μ = Σ μw·μx``,  ``v = Σ vw·(μx² + vx) + μw²·vx``  (weights: μw, vw)
+Raw-moment input ``(μx, sx)``:  ``μ = Σ μw·μx``,  ``v = Σ sw·sx − (μw·μx)²``        (weights: μw, sw = E[w²])
 
 The epilogue adds the bias (mean and, if probabilistic, variance), clamps the variance at 0 and
 converts to the representation the plan asks for.  Dense weights are stored transposed (K, M) so
@@ -18,11 +19,16 @@ from ..plan import PlannedLayer
 from ._core import (F32, EmitContext, RelaxActivation, activation_out, epilogue, kernel, pair_sum)
 
 
-def _terms(x_mean: Any, x_second: Any, w_mean: Any, w_second: Any) -> tuple[Any, Any]:
-    """Per-term (mean, variance) contributions; ``x_second`` None means a deterministic input."""
+def _terms(x_mean: Any, x_second: Any, w_mean: Any, w_second: Any, x_repr: Repr) -> tuple[Any, Any]:
+    """Per-term (mean, variance) contributions for an input in representation ``x_repr``.
+
+    ``w_second`` is the weight variance (deterministic or variance input) or ``E[w²]`` (raw moment).
+    """
     prod = x_mean * w_mean
-    if x_second is None:
+    if x_repr is Repr.DETERMINISTIC:
         return prod, x_mean * x_mean * w_second
+    if x_repr is Repr.VARIANCE:
+        return prod, w_second * (x_mean * x_mean + x_second) + w_mean * w_mean * x_second
     return prod, x_second * w_second - prod * prod
 
 
@@ -68,7 +74,7 @@ def dense(ctx: EmitContext, layer: PlannedLayer, inputs: list[RelaxActivation]) 
 
         def body(i, j):
             xs = None if x_second is None else x_second[i, k]
-            return pair_sum(_terms(x_mean[i, k], xs, w_mean[k, j], w_second[k, j]), axis=k)
+            return pair_sum(_terms(x_mean[i, k], xs, w_mean[k, j], w_second[k, j], x.repr), axis=k)
 
         acc = te.compute((x_mean.shape[0], m_dim), body, name="dense")
         return _epilogue_stage(acc[0], acc[1], bias, 1, layer)
@@ -114,7 +120,7 @@ def conv2d(ctx: EmitContext, layer: PlannedLayer, inputs: list[RelaxActivation])
             c = (o // o_per_group) * c_per_group + rc if a["groups"] > 1 else rc
             pos = (b, c, i * sh + rp * dh, j * sw + rq * dw)
             xs = None if x_second is None else x_second[pos]
-            return pair_sum(_terms(x_mean[pos], xs, w_mean[o, rc, rp, rq], w_second[o, rc, rp, rq]),
+            return pair_sum(_terms(x_mean[pos], xs, w_mean[o, rc, rp, rq], w_second[o, rc, rp, rq], x.repr),
                             axis=[rc, rp, rq])
 
         acc = te.compute((tensors[0].shape[0], out_c, out_h, out_w), body, name="conv2d")
