@@ -5,9 +5,10 @@ that the *same* formula runs on float64 arrays and on TE expressions.
 
 Numerics (the limit cases of ``pfp-math.md``):
 
-* ``α = μ/σ`` is computed with ``σ`` bounded below by :data:`TINY` and then clamped to
-  ``±ALPHA_MAX``; beyond that ``Φ`` is exactly 0 or 1 in float32 and float64, so zero variance gives
-  the exact deterministic result (``max(0, μ)``, ``max(μ1, μ2)``) and never ``0/0``.
+* ``α = μ/σ`` is clamped to ``±ALPHA_MAX``, beyond which ``Φ`` is exactly 0 or 1 in float32 and
+  float64; at ``σ = 0`` it is set to ``±ALPHA_MAX`` by the sign of ``μ`` (0 for ``μ = 0``) instead of
+  dividing, so zero variance gives the exact deterministic result (``max(0, μ)``, ``max(μ1, μ2)``) at
+  every scale of ``μ`` and never ``0/0``.
 * Variances are computed in a centred form, ``v = v1·Φ(α) + v2·Φ(−α) + θ²·g(α)`` with the bounded
   ``g(α) = α²Φ(α)Φ(−α) + αφ(α)(Φ(−α) − Φ(α)) − φ(α)²`` (algebraically equal to Clark's
   ``s − μ²``), so huge means do not cancel catastrophically; ``Φ(−α)`` is its own term
@@ -22,12 +23,12 @@ from typing import Any
 import numpy as np
 import scipy.special
 
-TINY = 1e-30  # lower bound on a standard deviation used as a divisor
 ALPHA_MAX = 40.0  # |α| beyond which Φ(α) ∈ {0, 1} exactly in float32 and float64
 _INV_SQRT2 = 1.0 / math.sqrt(2.0)
 _INV_SQRT_2PI = 1.0 / math.sqrt(2.0 * math.pi)
 
 NUMPY = SimpleNamespace(
+    where=np.where,
     erf=scipy.special.erf,
     erfc=scipy.special.erfc,
     exp=np.exp,
@@ -38,10 +39,17 @@ NUMPY = SimpleNamespace(
 )
 
 
+def _standardise(num: Any, sigma: Any, ops: Any) -> Any:
+    """``α = num/σ`` clamped to ``±ALPHA_MAX``; its ``σ → 0`` limit where ``σ = 0``."""
+    zero, limit = ops.const(0.0), ops.const(ALPHA_MAX)
+    positive = sigma > zero
+    ratio = num / ops.where(positive, sigma, ops.const(1.0))
+    at_zero = ops.where(num > zero, limit, ops.where(num < zero, -limit, zero))
+    return ops.minimum(ops.maximum(ops.where(positive, ratio, at_zero), -limit), limit)
+
+
 def _std_normal_terms(alpha: Any, ops: Any) -> tuple[Any, Any, Any, Any]:
-    """Clamped α, Φ(α), Φ(−α), φ(α)."""
-    limit = ops.const(ALPHA_MAX)
-    alpha = ops.minimum(ops.maximum(alpha, -limit), limit)
+    """α, Φ(α), Φ(−α), φ(α) for a clamped α."""
     t = alpha * ops.const(_INV_SQRT2)
     half = ops.const(0.5)
     cdf = half * ops.erfc(-t)
@@ -61,7 +69,7 @@ def relu_moments(mean: Any, var: Any, ops: Any = NUMPY) -> tuple[Any, Any]:
     ``μ = μa·Φ(α) + σ·φ(α)`` and ``v = va·(Φ(α) + g(α))`` with ``α = μa/σ``.
     """
     sigma = ops.sqrt(var)
-    alpha, cdf, cdf_neg, pdf = _std_normal_terms(mean / ops.maximum(sigma, ops.const(TINY)), ops)
+    alpha, cdf, cdf_neg, pdf = _std_normal_terms(_standardise(mean, sigma, ops), ops)
     out_mean = mean * cdf + sigma * pdf
     out_var = ops.maximum(var * (cdf + _g(alpha, cdf, cdf_neg, pdf)), ops.const(0.0))
     return out_mean, out_var
@@ -75,8 +83,7 @@ def max_moments(mean1: Any, var1: Any, mean2: Any, var2: Any, ops: Any = NUMPY) 
     """
     theta2 = var1 + var2
     theta = ops.sqrt(theta2)
-    alpha, cdf, cdf_neg, pdf = _std_normal_terms(
-        (mean1 - mean2) / ops.maximum(theta, ops.const(TINY)), ops)
+    alpha, cdf, cdf_neg, pdf = _std_normal_terms(_standardise(mean1 - mean2, theta, ops), ops)
     out_mean = mean1 * cdf + mean2 * cdf_neg + theta * pdf
     out_var = ops.maximum(
         var1 * cdf + var2 * cdf_neg + theta2 * _g(alpha, cdf, cdf_neg, pdf), ops.const(0.0))

@@ -23,6 +23,7 @@ def _const(value: float) -> tirx.PrimExpr:
 
 
 TE_OPS = SimpleNamespace(
+    where=tirx.Select,
     erf=te.erf,
     erfc=lambda x: _const(1.0) - te.erf(x),
     exp=te.exp,
