@@ -85,7 +85,6 @@ class LayerGraph:
     layers: list[Layer]
     output: str
     input_variance: bool = False  # whether the network input carries a variance (sensor noise)
-    model_name: str = ""  # class name of the traced model, for messages
 
     def layer(self, name: str) -> Layer:
         for layer in self.layers:

@@ -75,6 +75,23 @@ def relu_moments(mean: Any, var: Any, ops: Any = NUMPY) -> tuple[Any, Any]:
     return out_mean, out_var
 
 
+def leaky_relu_moments(mean: Any, var: Any, slope: float, ops: Any = NUMPY) -> tuple[Any, Any]:
+    """Mean and variance of ``leaky(a) = s·a + (1 − s)·max(0, a)`` for ``a ~ N(mean, var)`` (exact).
+
+    With ``r = max(0, a)`` (moments from :func:`relu_moments`) and Stein's lemma
+    ``Cov(a, r) = var·Φ(α)``: ``μ = s·μa + (1−s)·μr``,
+    ``v = s²·va + (1−s)²·vr + 2s(1−s)·va·Φ(α)``.
+    """
+    sigma = ops.sqrt(var)
+    alpha, cdf, cdf_neg, pdf = _std_normal_terms(_standardise(mean, sigma, ops), ops)
+    relu_mean = mean * cdf + sigma * pdf
+    relu_var = var * (cdf + _g(alpha, cdf, cdf_neg, pdf))
+    s, t = ops.const(slope), ops.const(1.0 - slope)
+    out_mean = s * mean + t * relu_mean
+    out_var = s * s * var + t * t * relu_var + ops.const(2.0 * slope * (1.0 - slope)) * var * cdf
+    return out_mean, ops.maximum(out_var, ops.const(0.0))
+
+
 def max_moments(mean1: Any, var1: Any, mean2: Any, var2: Any, ops: Any = NUMPY) -> tuple[Any, Any]:
     """Mean and variance of ``max(X1, X2)`` for independent Gaussians (Clark 1961, exact moments).
 

@@ -99,7 +99,8 @@ class PFPNetwork:
 
 
 def convert(model: Any, guide: Any, *, input_shape: tuple[int, ...] | None = None,
-            calibration: float = 1.0, moment_form: str = "variance") -> PFPNetwork:
+            calibration: float = 1.0, moment_form: str = "variance",
+            input_variance: bool = False) -> PFPNetwork:
     """Convert a Pyro BNN (``model``, trained ``guide``) into a PFP network.
 
     Traces ``model`` (a ``PyroModule``) over a deterministic copy holding the posterior means, reads
@@ -113,8 +114,11 @@ def convert(model: Any, guide: Any, *, input_shape: tuple[int, ...] | None = Non
     ``moment_form="variance"`` (default) carries variances on every edge (cancellation-free in
     float32); ``"raw"`` is the paper's plan (compute layers take raw second moments, ``E[w²]``
     precomputed), which loses variances smaller than ~1e-7·mean² in float32.
+
+    ``input_variance=True`` gives a network whose ``main`` takes ``(x, x_var)``: input (sensor)
+    noise is propagated through the whole network, and the first layer uses the full form.
     """
     traced = trace_model(model, guide, input_shape)
     layer_graph = build_layer_graph(traced)
-    layer_graph.model_name = type(model).__name__
+    layer_graph.input_variance = bool(input_variance)
     return PFPNetwork(layer_graph, plan(layer_graph, calibration, moment_form))

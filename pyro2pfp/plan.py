@@ -7,7 +7,8 @@ Two plans (``moment_form``):
 * compute layers (dense, conv2d) take the **second raw moment** (or a deterministic input) and
   give the **variance**, ``v = Σ sw·sx − (μw·μx)²`` with ``E[w²]`` precomputed;
 * ReLU takes the **variance** and gives the **second raw moment**;
-* max pooling takes and gives the **variance**; reshape-like layers pass on what they get;
+* max pooling takes and gives the **variance** (so do LeakyReLU's neighbours: average pooling,
+  batch norm and residual additions); reshape-like layers pass on what they get;
 * the network output is (mean, **variance**).
 
 ``"variance"`` (the default) — every edge carries the variance; compute layers use the
@@ -58,7 +59,11 @@ def op_specs(moment_form: str = "variance") -> dict[str, OpSpec]:
         "dense": OpSpec(takes=compute_takes, natural=V, keeps_deterministic=False),
         "conv2d": OpSpec(takes=compute_takes, natural=V, keeps_deterministic=False),
         "relu": OpSpec(takes=V, natural=compute_takes, keeps_deterministic=True),
+        "leaky_relu": OpSpec(takes=V, natural=compute_takes, keeps_deterministic=True),
         "max_pool2d": OpSpec(takes=V, natural=V, keeps_deterministic=True),
+        "avg_pool2d": OpSpec(takes=V, natural=V, keeps_deterministic=True),
+        "affine": OpSpec(takes=V, natural=V, keeps_deterministic=True),
+        "add": OpSpec(takes=V, natural=V, keeps_deterministic=True),
         "reshape": OpSpec(takes=None, natural=None, keeps_deterministic=True),
         "convert": OpSpec(takes=None, natural=None, keeps_deterministic=True),
     }
@@ -150,6 +155,8 @@ class PlannedGraph:
 
 
 def _stored_tensors(layer: Layer, input_repr: Repr, calibration: float) -> dict[str, np.ndarray]:
+    if layer.op == "affine":  # deterministic per-channel scale and shift
+        return {"scale": layer.params["scale"].mean, "shift": layer.params["shift"].mean}
     if layer.op not in ("dense", "conv2d"):
         return {}
     weight = layer.params["weight"]

@@ -44,6 +44,7 @@ class TracedModel:
     program: torch.export.ExportedProgram
     params: dict[str, GaussianParam]
     input_shape: tuple[int, ...]
+    model_name: str = ""
 
 
 class _LikelihoodAsNoOp(Messenger):
@@ -220,4 +221,5 @@ def trace_model(model: Any, guide: Any, input_shape: tuple[int, ...] | None) -> 
         path = name.removeprefix(_WRAPPER_PREFIX)
         arr = value.detach().to(torch.float64).numpy().copy()
         params[path] = GaussianParam(arr, np.zeros_like(arr))
-    return TracedModel(program=program, params=params, input_shape=input_shape)
+    return TracedModel(program=program, params=params, input_shape=input_shape,
+                       model_name=type(model).__name__)

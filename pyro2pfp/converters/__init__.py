@@ -9,6 +9,6 @@ One small module per op family registers its converters (``linear``, ``conv``, `
 """
 from ._registry import CONVERTERS, Alias, register, supported_ops
 from ._walk import ConversionContext, build_layer_graph
-from . import activation, conv, linear, pooling, shape  # noqa: F401  (registration)
+from . import activation, arithmetic, conv, linear, normalization, pooling, shape  # noqa: F401,E501
 
 __all__ = ["CONVERTERS", "Alias", "ConversionContext", "build_layer_graph", "register", "supported_ops"]

@@ -37,13 +37,14 @@ class ConversionContext:
         self._names: dict[torch.fx.Node, str] = {}
         self._used: set[str] = {INPUT}
         self.layers: list[Layer] = []
+        self.output_node: torch.fx.Node | None = None
 
     # -- questions converters ask ------------------------------------------------------------
     def source(self, node: torch.fx.Node) -> str:
         """Module path and torch op of a node, for summaries and errors: ``fc1 (aten.linear)``."""
         op = str(node.target).removesuffix(".default")
         path = _module_path(node)
-        return f"{path} ({op})" if path else f"<forward> ({op})"
+        return f"{path} ({op})" if path else f"{self.traced.model_name or 'model'}.forward ({op})"
 
     def module_path(self, node: torch.fx.Node) -> str:
         return _module_path(node)
@@ -88,6 +89,10 @@ class ConversionContext:
             rest.append(int(d))
         return tuple(rest)
 
+    def is_output(self, node: torch.fx.Node) -> bool:
+        """Whether ``node`` is the value the model returns."""
+        return node is self.output_node
+
     def unsupported(self, node: torch.fx.Node, why: str) -> UnsupportedLayerError:
         return UnsupportedLayerError(f"{self.source(node)}: {why}")
 
@@ -118,7 +123,9 @@ def _unsupported_message(ctx: ConversionContext, node: torch.fx.Node) -> str:
     return (
         f"{ctx.source(node)} is not supported by PFP. Supported torch ops: "
         + ", ".join(t.removesuffix(".default") for t in supported_ops())
-        + ". Supported modules: Linear, Conv2d, ReLU, MaxPool2d, Flatten/view/reshape, Dropout, Identity."
+        + ". Supported modules: Linear, Conv1d, Conv2d, ReLU, LeakyReLU, MaxPool2d, AvgPool2d, "
+        "AdaptiveAvgPool2d(1), BatchNorm1d/2d (eval), Flatten/view/reshape, Dropout, Identity, residual '+', "
+        "and a final softmax/log_softmax (stripped)."
     )
 
 
@@ -135,6 +142,7 @@ def build_layer_graph(traced: TracedModel) -> LayerGraph:
             f"the model's forward must return one tensor (the logits); it returned {len(outs)} values"
         )
     result = outs[0]
+    ctx.output_node = result
     needed = _reachable(result)
     for node in graph.nodes:
         if node not in needed:
@@ -161,8 +169,9 @@ def build_layer_graph(traced: TracedModel) -> LayerGraph:
         if isinstance(out, Alias):
             ctx._names[node] = ctx.activation(out.node, node)
         else:
-            ctx.layers.append(out)
-            ctx._names[node] = out.name
+            layers = out if isinstance(out, list) else [out]
+            ctx.layers.extend(layers)
+            ctx._names[node] = layers[-1].name
     if result not in ctx._names:
         raise TracingError("the model's output does not depend on its input")
     input_node = next(n for n in graph.nodes if n.op == "placeholder" and n.name in user_inputs)

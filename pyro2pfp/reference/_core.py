@@ -70,7 +70,8 @@ def execute(graph: PlannedGraph, x: np.ndarray, x_var: np.ndarray | None = None
         fn = REFERENCES.get(layer.op)
         if fn is None:
             raise PFPError(f"{layer.layer.source}: no NumPy reference for PFP op '{layer.op}'")
-        out = fn(layer, [values[name] for name in layer.inputs])
+        with np.errstate(over="ignore"):  # α = μ/σ may overflow to ±inf; it is clamped
+            out = fn(layer, [values[name] for name in layer.inputs])
         assert out.repr is layer.out_repr, (layer.name, out.repr, layer.out_repr)
         values[layer.name] = out
     result = values[graph.output]

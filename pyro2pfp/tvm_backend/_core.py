@@ -60,6 +60,7 @@ class EmitContext:
 
     bb: relax.BlockBuilder
     batch: tirx.Var
+    shapes: dict[str, tuple[int, ...]]  # per-sample shape of every edge (input and layer outputs)
 
     def const(self, array: np.ndarray) -> relax.Constant:
         return relax.const(np.ascontiguousarray(array, dtype=np.float32))
@@ -119,7 +120,8 @@ def emit_module(graph: PlannedGraph) -> tvm.IRModule:
     """
     batch = tirx.Var("batch", "int64")
     bb = relax.BlockBuilder()
-    ctx = EmitContext(bb=bb, batch=batch)
+    shapes = {INPUT: graph.input_shape, **{p.name: p.layer.out_shape for p in graph.layers}}
+    ctx = EmitContext(bb=bb, batch=batch, shapes=shapes)
     in_type = relax.TensorType((batch, *graph.input_shape), F32)
     params = [relax.Var("x", in_type)]
     if graph.input_repr is not Repr.DETERMINISTIC:

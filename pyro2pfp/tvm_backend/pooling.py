@@ -1,10 +1,13 @@
-"""PFP max pooling: Clark's pairwise Gaussian max folded over each window in row-major order
-(the same order as the NumPy reference).
+"""PFP pooling kernels.
 
-The fold is a TE reduction with a tuple ``comm_reducer`` whose combiner is the Clark max; its
-identity ``(−FLT_MAX, 0)`` is exact (``max_moments(−FLT_MAX, 0, μ, v) = (μ, v)`` bit for bit), and
-the reduction loops run sequentially in row-major order.  (Writing the fold out as nested
+Max pooling: Clark's pairwise Gaussian max folded over each window in row-major order (the same
+order as the NumPy reference).  The fold is a TE reduction with a tuple ``comm_reducer`` whose
+combiner is the Clark max; its identity ``(−FLT_MAX, 0)`` is exact (``max_moments(−FLT_MAX, 0, μ, v)
+= (μ, v)``), the reduction loops run sequentially in row-major order, and window positions outside
+the input (padding, ceil-mode overhang) contribute the identity.  (Writing the fold out as nested
 expressions would duplicate sub-expressions exponentially in the window size.)
+
+Average pooling: ``μ = Σμ/d``, ``v = Σv/d²`` with torch's divisor per output position.
 """
 from __future__ import annotations
 
@@ -14,7 +17,8 @@ from tvm import te, tirx
 from .. import moments
 from ..graph import Repr
 from ..plan import PlannedLayer
-from ._core import TE_OPS, EmitContext, RelaxActivation, activation_out, epilogue, kernel
+from ..reference.pooling import average_divisor
+from ._core import F32, TE_OPS, EmitContext, RelaxActivation, activation_out, epilogue, kernel
 
 _LOWEST = float(np.finfo(np.float32).min)
 
@@ -23,23 +27,51 @@ gaussian_max = te.comm_reducer(
     lambda t0, t1: (tirx.const(_LOWEST, t0), tirx.const(0.0, t1)),
     name="gaussian_max",
 )
+pair_sum = te.comm_reducer(
+    lambda a, b: (a[0] + b[0], a[1] + b[1]),
+    lambda t0, t1: (tirx.const(0, t0), tirx.const(0, t1)),
+    name="pool_sum",
+)
+
+
+class _Windows:
+    """Index arithmetic of a pooling layer's windows (with padding / overhang checks when needed)."""
+
+    def __init__(self, layer: PlannedLayer, in_shape: tuple[int, ...]) -> None:
+        a = layer.layer.attrs
+        self.kernel, self.stride, self.padding = a["kernel"], a["stride"], a["padding"]
+        self.in_hw = in_shape[1:]
+        self.out_shape = layer.layer.out_shape
+        out_hw = self.out_shape[1:]
+        self.overhangs = any(p > 0 for p in self.padding) or any(
+            (o - 1) * s + k > n for o, s, k, n in zip(out_hw, self.stride, self.kernel, self.in_hw))
+
+    def axes(self):
+        return te.reduce_axis((0, self.kernel[0]), name="rp"), te.reduce_axis((0, self.kernel[1]), name="rq")
+
+    def load(self, t: te.Tensor, b, c, i, j, rp, rq, outside: float):
+        h = i * self.stride[0] - self.padding[0] + rp
+        w = j * self.stride[1] - self.padding[1] + rq
+        if not self.overhangs:
+            return t[b, c, h, w]
+        inside = tirx.all(h >= 0, h < self.in_hw[0], w >= 0, w < self.in_hw[1])
+        return tirx.if_then_else(inside, t[b, c, h, w], tirx.const(outside, F32))
+
+
+def _input_shape(ctx: EmitContext, layer: PlannedLayer) -> tuple[int, ...]:
+    return ctx.shapes[layer.inputs[0]]
 
 
 @kernel("max_pool2d")
 def max_pool2d(ctx: EmitContext, layer: PlannedLayer, inputs: list[RelaxActivation]) -> RelaxActivation:
     x = inputs[0]
-    a = layer.layer.attrs
-    (kh, kw), (sh, sw) = a["kernel"], a["stride"]
-    c, oh, ow = layer.layer.out_shape
-
-    def axes():
-        return te.reduce_axis((0, kh), name="rp"), te.reduce_axis((0, kw), name="rq")
+    win = _Windows(layer, _input_shape(ctx, layer))
 
     if x.repr is Repr.DETERMINISTIC:
         def fn(m: te.Tensor) -> te.Tensor:
-            rp, rq = axes()
-            return te.compute((m.shape[0], c, oh, ow),
-                              lambda b, ch, i, j: te.max(m[b, ch, i * sh + rp, j * sw + rq], axis=[rp, rq]),
+            rp, rq = win.axes()
+            return te.compute((m.shape[0], *win.out_shape),
+                              lambda b, c, i, j: te.max(win.load(m, b, c, i, j, rp, rq, _LOWEST), axis=[rp, rq]),
                               name="max_pool2d")
 
         return activation_out(ctx.emit_te(fn, [x.mean], layer), layer)
@@ -47,16 +79,44 @@ def max_pool2d(ctx: EmitContext, layer: PlannedLayer, inputs: list[RelaxActivati
     assert x.repr is Repr.VARIANCE, x.repr  # the plan delivers variances to max pooling
 
     def fn(m: te.Tensor, v: te.Tensor) -> list[te.Tensor]:
-        rp, rq = axes()
+        rp, rq = win.axes()
 
-        def body(b, ch, i, j):
-            pos = (b, ch, i * sh + rp, j * sw + rq)
-            return gaussian_max((m[pos], v[pos]), axis=[rp, rq])
+        def body(b, c, i, j):
+            return gaussian_max((win.load(m, b, c, i, j, rp, rq, _LOWEST), win.load(v, b, c, i, j, rp, rq, 0.0)),
+                                axis=[rp, rq])
 
-        acc = te.compute((m.shape[0], c, oh, ow), body, name="max_pool2d")
+        acc = te.compute((m.shape[0], *win.out_shape), body, name="max_pool2d")
         return te.compute(acc[0].shape, lambda *i: epilogue(acc[0][i], acc[1][i], layer), name="epilogue")
 
     return activation_out(ctx.emit_te(fn, x.tensors(), layer), layer)
 
 
+@kernel("avg_pool2d")
+def avg_pool2d(ctx: EmitContext, layer: PlannedLayer, inputs: list[RelaxActivation]) -> RelaxActivation:
+    x = inputs[0]
+    in_shape = _input_shape(ctx, layer)
+    win = _Windows(layer, in_shape)
+    inv = ctx.const(1.0 / average_divisor(layer.layer.attrs, in_shape[1:], layer.layer.out_shape[1:]))
 
+    if x.repr is Repr.DETERMINISTIC:
+        def fn(m: te.Tensor, r: te.Tensor) -> te.Tensor:
+            rp, rq = win.axes()
+            acc = te.compute((m.shape[0], *win.out_shape),
+                             lambda b, c, i, j: te.sum(win.load(m, b, c, i, j, rp, rq, 0.0), axis=[rp, rq]),
+                             name="avg_pool2d")
+            return te.compute(acc.shape, lambda b, c, i, j: acc[b, c, i, j] * r[i, j], name="epilogue")
+
+        return activation_out(ctx.emit_te(fn, [x.mean, inv], layer), layer)
+
+    def fn(m: te.Tensor, v: te.Tensor, r: te.Tensor) -> list[te.Tensor]:
+        rp, rq = win.axes()
+
+        def body(b, c, i, j):
+            return pair_sum((win.load(m, b, c, i, j, rp, rq, 0.0), win.load(v, b, c, i, j, rp, rq, 0.0)),
+                            axis=[rp, rq])
+
+        acc = te.compute((m.shape[0], *win.out_shape), body, name="avg_pool2d")
+        return te.compute(acc[0].shape, lambda b, c, i, j: epilogue(
+            acc[0][b, c, i, j] * r[i, j], acc[1][b, c, i, j] * r[i, j] * r[i, j], layer), name="epilogue")
+
+    return activation_out(ctx.emit_te(fn, x.tensors() + [inv], layer), layer)

@@ -1,0 +1,260 @@
+"""Breadth: LeakyReLU, batch norm (affine), average/max pooling with padding and ceil mode,
+residual add, Conv1d, padding='same', a final softmax — each converted from torch, run by the
+NumPy reference and the compiled module, and (where the moments are exact) checked by sampling."""
+from __future__ import annotations
+
+import copy
+import warnings
+
+import numpy as np
+import pyro
+import pyro.distributions as dist
+import pytest
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from pyro.nn import PyroModule, PyroSample
+
+import pyro2pfp
+from pyro2pfp.graph import INPUT, GaussianParam, Layer, LayerGraph
+from pyro2pfp.network import PFPNetwork
+from pyro2pfp.plan import plan
+
+SETTINGS = settings(max_examples=10, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+
+
+def compiled_and_reference(graph: LayerGraph, x, x_var=None, form="variance"):
+    net = PFPNetwork(graph, plan(graph, 1.0, form))
+    exe = net.compile()
+    args = (x,) if x_var is None else (x, x_var)
+    return net.reference(*args), exe(*args)
+
+
+def assert_close(out, ref, scale):
+    for o, r in zip(out, ref):
+        assert np.all(np.isfinite(o))
+        np.testing.assert_allclose(o, r, rtol=1e-4, atol=1e-5 * scale)
+
+
+# --- compiled vs reference on hand-built graphs ------------------------------------------------
+
+@SETTINGS
+@given(seed=st.integers(0, 2**31 - 1), n=st.integers(1, 40), slope=st.sampled_from([0.0, 0.01, 0.2, 0.5, 1.0]),
+       x_var=st.sampled_from([None, 0.0, 1e-6, 1.0, 100.0]), form=st.sampled_from(["variance", "raw"]))
+def test_leaky_relu_compiled_matches_reference(seed, n, slope, x_var, form):
+    rng = np.random.default_rng(seed)
+    graph = LayerGraph((n,), [Layer("lrelu", "leaky_relu", [INPUT], (n,), "t", {"slope": slope})], "lrelu",
+                       input_variance=x_var is not None)
+    x = (3 * rng.standard_normal((3, n))).astype(np.float32)
+    xv = None if x_var is None else (x_var * rng.uniform(0, 1, x.shape)).astype(np.float32)
+    ref, out = compiled_and_reference(graph, x, xv, form)
+    assert_close(out, ref, np.abs(x).max() + (np.sqrt(xv.max()) if xv is not None else 0) ** 2 + 1)
+
+
+@st.composite
+def pool_cases(draw):
+    kernel = draw(st.integers(1, 4))
+    stride = draw(st.integers(1, 3))
+    pad = draw(st.integers(0, kernel // 2))
+    ceil = draw(st.booleans())
+    h = draw(st.integers(kernel, kernel + 6))
+    w = draw(st.integers(kernel, kernel + 6))
+    return kernel, stride, pad, ceil, h, w
+
+
+def torch_pool_shape(kind, c, h, w, kernel, stride, pad, ceil, **kw):
+    x = torch.zeros(1, c, h, w)
+    pool = F.max_pool2d if kind == "max" else F.avg_pool2d
+    return tuple(pool(x, kernel, stride, pad, ceil_mode=ceil, **kw).shape[1:])
+
+
+@SETTINGS
+@given(seed=st.integers(0, 2**31 - 1), case=pool_cases(), kind=st.sampled_from(["max", "avg"]),
+       include_pad=st.booleans(), x_var=st.sampled_from([None, 0.0, 1e-4, 1.0]))
+def test_pooling_with_padding_and_ceil_mode_compiled_matches_reference(seed, case, kind, include_pad, x_var):
+    kernel, stride, pad, ceil, h, w = case
+    if kind == "avg" and pad and ceil:
+        ceil = False  # not supported together (the converter says so)
+    c = 2
+    extra = {"count_include_pad": include_pad} if kind == "avg" else {}
+    out_shape = torch_pool_shape(kind, c, h, w, kernel, stride, pad, ceil, **extra)
+    attrs = {"kernel": [kernel] * 2, "stride": [stride] * 2, "padding": [pad] * 2, "ceil_mode": ceil,
+             "dilation": [1, 1], "count_include_pad": include_pad, "divisor": None}
+    op = "max_pool2d" if kind == "max" else "avg_pool2d"
+    graph = LayerGraph((c, h, w), [Layer("pool", op, [INPUT], out_shape, "t", attrs)], "pool",
+                       input_variance=x_var is not None)
+    rng = np.random.default_rng(seed)
+    x = rng.standard_normal((2, c, h, w)).astype(np.float32)
+    xv = None if x_var is None else (x_var * rng.uniform(0, 1, x.shape)).astype(np.float32)
+    ref, out = compiled_and_reference(graph, x, xv)
+    assert_close(out, ref, 10.0)
+    # The deterministic mean is torch's pooling.
+    if x_var in (None, 0.0):
+        t = torch.as_tensor(x, dtype=torch.float64)
+        expected = (F.max_pool2d(t, kernel, stride, pad, ceil_mode=ceil) if kind == "max"
+                    else F.avg_pool2d(t, kernel, stride, pad, ceil_mode=ceil, count_include_pad=include_pad))
+        np.testing.assert_allclose(ref[0], expected.numpy(), rtol=1e-12, atol=1e-12)
+
+
+def test_affine_add_compiled_match_reference_and_sampling():
+    rng = np.random.default_rng(0)
+    c, n = 3, 4
+    scale, shift = rng.standard_normal(c), rng.standard_normal(c)
+    zeros = np.zeros(c)
+    layers = [Layer("bn", "affine", [INPUT], (c, n, n), "t",
+                    params={"scale": GaussianParam(scale, zeros), "shift": GaussianParam(shift, zeros)}),
+              Layer("sum", "add", ["bn", INPUT], (c, n, n), "t")]
+    graph = LayerGraph((c, n, n), layers, "sum", input_variance=True)
+    x = rng.standard_normal((2, c, n, n)).astype(np.float32)
+    xv = rng.uniform(0.1, 1, x.shape).astype(np.float32)
+    ref, out = compiled_and_reference(graph, x, xv)
+    assert_close(out, ref, 10.0)
+    # Linear layers: exact by construction (the add assumes independent summands).
+    a = scale.reshape(1, -1, 1, 1)
+    np.testing.assert_allclose(ref[0], x * a + shift.reshape(1, -1, 1, 1) + x, rtol=1e-6)
+    np.testing.assert_allclose(ref[1], xv * a**2 + xv, rtol=1e-6)
+
+
+def test_leaky_relu_moments_match_sampling():
+    """LeakyReLU moments are exact for a Gaussian input: z-test with the sample standard errors."""
+    rng = np.random.default_rng(1)
+    mean = np.array([-2.0, -0.3, 0.0, 0.4, 3.0, 1e-3])
+    var = np.array([1.0, 0.5, 2.0, 0.1, 4.0, 1e-6])
+    n = 400_000
+    for slope in (0.01, 0.2, 0.7):
+        s = mean + np.sqrt(var) * rng.standard_normal((n, mean.size))
+        y = np.where(s > 0, s, slope * s)
+        m, v = pyro2pfp.moments.leaky_relu_moments(mean, var, slope)
+        se_m = y.std(0) / np.sqrt(n)
+        se_v = np.sqrt(((y - y.mean(0)) ** 4).mean(0) - y.var(0) ** 2) / np.sqrt(n)
+        assert np.all(np.abs(m - y.mean(0)) < 5.5 * se_m + 1e-12)
+        assert np.all(np.abs(v - y.var(0)) < 5.5 * se_v + 1e-12)
+        # A wrong covariance term (dropping Stein's vΦ(α)) is rejected by the same check.
+        r_m, r_v = pyro2pfp.moments.relu_moments(mean, var)
+        wrong = slope**2 * var + (1 - slope) ** 2 * r_v
+        assert np.any(np.abs(wrong - y.var(0)) > 5.5 * se_v)
+
+
+# --- torch models through convert(): mean at calibration 0 == deterministic torch forward --------
+
+class _Det(PyroModule):
+    """Wraps a torch body so that its first layer's weight is a PyroSample (a Bayesian model)."""
+
+    def __init__(self, body: nn.Module, first: str):
+        super().__init__()
+        pyro.nn.module.to_pyro_module_(body)
+        self.body = body
+        layer = body.get_submodule(first)
+        layer.weight = PyroSample(dist.Normal(0.0, 1.0).expand(layer.weight.shape).to_event(layer.weight.dim()))
+        self.first = first
+
+    def forward(self, x, y=None):
+        return self.body(x)
+
+
+class _Residual(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.conv = nn.Conv2d(3, 4, 3, padding="same")
+        self.bn = nn.BatchNorm2d(4)
+        self.conv2 = nn.Conv2d(4, 4, 3, padding=1)
+        self.pool = nn.AvgPool2d(2, ceil_mode=True)
+        self.mp = nn.MaxPool2d(3, 2, padding=1, ceil_mode=True)
+        self.gap = nn.AdaptiveAvgPool2d(1)
+        self.fc = nn.Linear(4, 5)
+
+    def logits(self, x):
+        h = F.leaky_relu(self.bn(self.conv(x)), 0.1)
+        h = self.conv2(h) + h
+        h = self.mp(self.pool(F.relu(h)))
+        return self.fc(torch.flatten(self.gap(h), 1))
+
+    def forward(self, x):
+        return F.log_softmax(self.logits(x), -1)
+
+
+class _Seq1d(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.net = nn.Sequential(nn.Conv1d(2, 3, 3, padding=1), nn.BatchNorm1d(3), nn.LeakyReLU(0.05),
+                                 nn.Dropout(0.3), nn.Flatten(), nn.Identity(), nn.Linear(3 * 9, 4))
+
+    def forward(self, x):
+        return self.net(x)
+
+    logits = forward
+
+
+def _posterior_guide(model, shape):
+    """A hand-written guide: N(loc, scale) for the one sample site."""
+    w = model.body.get_submodule(model.first).weight  # a prior sample: gives the shape
+    loc, scale = 0.3 * torch.randn(w.shape), 0.1 * torch.rand(w.shape)
+    site = f"body.{model.first}.weight"
+
+    def guide(x, y=None):
+        pyro.sample(site, dist.Normal(loc, scale).to_event(loc.dim()))
+
+    return guide, loc
+
+
+@pytest.mark.parametrize("body,first,shape", [(_Residual, "conv", (3, 9, 9)), (_Seq1d, "net.0", (2, 9))])
+def test_layers_convert_and_match_torch(body, first, shape):
+    torch.manual_seed(0)
+    torch_body = body()
+    for m in torch_body.modules():  # non-trivial running statistics
+        if isinstance(m, nn.BatchNorm1d | nn.BatchNorm2d):
+            m.running_mean.uniform_(-0.5, 0.5)
+            m.running_var.uniform_(0.5, 2.0)
+            m.weight.data.uniform_(0.5, 1.5)
+    torch_body.eval()
+    reference_body = copy.deepcopy(torch_body)
+    model = _Det(torch_body, first).eval()
+    guide, loc = _posterior_guide(model, shape)
+    x = torch.randn(3, *shape)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        net = pyro2pfp.convert(model, guide, input_shape=shape, calibration=0.0)
+    if body is _Residual:
+        assert any("softmax" in str(w.message) for w in caught)
+    with torch.no_grad():  # the deterministic network at the posterior mean (logits: no softmax)
+        reference_body.get_submodule(first).weight.copy_(loc)
+        logits = reference_body.logits(x)
+    mean, var = net.reference(x)
+    np.testing.assert_allclose(mean, logits.double().numpy(), rtol=1e-5, atol=1e-5)
+    assert np.all(var == 0.0)
+    cm, cv = net.compile()(x)
+    np.testing.assert_allclose(cm, mean, rtol=1e-4, atol=1e-5)
+    # With the posterior variance switched on, compiled and reference still agree.
+    net1 = pyro2pfp.convert(model, guide, input_shape=shape, calibration=1.0)
+    (rm, rv), (cm, cv) = net1.reference(x), net1.compile()(x)
+    np.testing.assert_allclose(cm, rm, rtol=1e-4, atol=1e-5 * np.abs(rm).max())
+    np.testing.assert_allclose(cv, rv, rtol=1e-4, atol=1e-5 * rv.max())
+    assert rv.max() > 0
+
+
+def test_unsupported_padding_and_softmax_inside_are_clear_errors():
+    class Bad(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.c = nn.Conv2d(1, 2, 2, padding="same")
+
+        def forward(self, x):
+            return self.c(x)
+
+    class Mid(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.a = nn.Linear(4, 4)
+            self.b = nn.Linear(4, 2)
+
+        def forward(self, x):
+            return self.b(torch.softmax(self.a(x), -1))
+
+    for body, first, shape, pattern in [(Bad, "c", (1, 5, 5), r"c \(aten.conv2d.padding\).*asymmetric"),
+                                        (Mid, "a", (4,), r"softmax inside")]:
+        model = _Det(body(), first)
+        guide, _ = _posterior_guide(model, shape)
+        with pytest.raises(pyro2pfp.UnsupportedLayerError, match=pattern):
+            pyro2pfp.convert(model, guide, input_shape=shape)
