@@ -6,7 +6,7 @@ from typing import Any
 import numpy as np
 
 from .converters import build_layer_graph
-from .errors import InputShapeError
+from .errors import InputShapeError, PosteriorError
 from .graph import LayerGraph, Repr
 from .plan import PlannedGraph, plan
 from .reference import execute
@@ -98,7 +98,7 @@ class PFPNetwork:
         return f"PFPNetwork(input_shape={self.input_shape}, layers={len(self.plan.layers)})\n{self.summary()}"
 
 
-def convert(model: Any, guide: Any, *, input_shape: tuple[int, ...] | None = None,
+def convert(model: Any, guide: Any = None, *, input_shape: tuple[int, ...] | None = None,
             calibration: float = 1.0, moment_form: str = "variance",
             input_variance: bool = False) -> PFPNetwork:
     """Convert a Pyro BNN (``model``, trained ``guide``) into a PFP network.
@@ -115,9 +115,16 @@ def convert(model: Any, guide: Any, *, input_shape: tuple[int, ...] | None = Non
     float32); ``"raw"`` is the paper's plan (compute layers take raw second moments, ``E[w²]``
     precomputed), which loses variances smaller than ~1e-7·mean² in float32.
 
+    A TyXe ``VariationalBNN`` may be passed alone (``convert(bnn)``); its ``net`` and
+    ``net_guide`` are used.
+
     ``input_variance=True`` gives a network whose ``main`` takes ``(x, x_var)``: input (sensor)
     noise is propagated through the whole network, and the first layer uses the full form.
     """
+    if guide is None and hasattr(model, "net") and hasattr(model, "net_guide"):  # TyXe VariationalBNN
+        model, guide = model.net, model.net_guide
+    if guide is None:
+        raise PosteriorError("convert(model, guide) needs the trained guide that holds the posterior")
     traced = trace_model(model, guide, input_shape)
     layer_graph = build_layer_graph(traced)
     layer_graph.input_variance = bool(input_variance)

@@ -1,0 +1,276 @@
+"""Every common way of writing a Pyro BNN and its guide converts without renaming.
+
+The workhorse check: for a one-hidden-layer network with a deterministic input, PFP's per-logit
+mean and variance are exact (independent hidden units, exact ReLU moments), so PFP must agree
+with ``Predictive`` sampling of the same (model, guide) up to Monte Carlo error (z bound with a
+family-wise false-alarm rate of 1e-4).  Guides with correlations are checked against their own
+marginal variances instead.
+"""
+from __future__ import annotations
+
+import warnings
+
+import numpy as np
+import pyro
+import pyro.distributions as dist
+import pytest
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+from pyro.infer import SVI, Predictive, Trace_ELBO
+from pyro.infer import autoguide
+from pyro.nn import PyroModule, PyroParam, PyroSample
+from scipy.special import ndtri
+
+import pyro2pfp
+import pyro2pfp.compat
+from pyro2pfp.validation import sampling_agreement
+
+D_IN, HIDDEN, CLASSES = 12, 10, 4
+
+
+def data(n=64, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(n, D_IN, generator=g)
+    return x, (x[:, 0] > 0).long() + 2 * (x[:, 1] > 0).long()
+
+
+def fit(model, guide, steps=30, lr=0.02):
+    x, y = data()
+    svi = SVI(model, guide, pyro.optim.Adam({"lr": lr}), Trace_ELBO())
+    for _ in range(steps):
+        svi.step(x, y)
+
+
+def prior(shape, scale=1.0):
+    return PyroSample(dist.Normal(0.0, scale).expand(shape).to_event(len(shape)))
+
+
+def likelihood(logits, y):
+    with pyro.plate("data", logits.shape[0]):
+        pyro.sample("obs", dist.Categorical(logits=logits), obs=y)
+    return logits
+
+
+def assert_exact_against_sampling(model, guide, net, num_samples=1000):
+    x, _ = data(n=16, seed=1)
+    mean, var = net.compile()(x)
+    ref_mean, ref_var = net.reference(x)
+    np.testing.assert_allclose(mean, ref_mean, rtol=1e-4, atol=1e-5 * np.abs(ref_mean).max())
+    np.testing.assert_allclose(var, ref_var, rtol=1e-3, atol=1e-5 * ref_var.max())
+    samples = Predictive(model, guide=guide, num_samples=num_samples, return_sites=("_RETURN",))(x)["_RETURN"]
+    agreement = sampling_agreement(ref_mean, ref_var, samples.detach().double().numpy())
+    z = ndtri(1 - 1e-4 / (4 * ref_mean.size))
+    assert agreement.mean_z < z and agreement.var_z < z, agreement
+    return agreement
+
+
+class MLP(PyroModule):
+    def __init__(self, bias="prob"):
+        super().__init__()
+        self.fc1 = PyroModule[nn.Linear](D_IN, HIDDEN, bias=bias != "none")
+        self.fc2 = PyroModule[nn.Linear](HIDDEN, CLASSES, bias=bias != "none")
+        for layer in (self.fc1, self.fc2):
+            layer.weight = prior(layer.weight.shape)
+            if bias == "prob":
+                layer.bias = prior(layer.bias.shape)
+            elif bias == "det":
+                layer.bias = PyroParam(torch.zeros(layer.bias.shape))
+
+    def forward(self, x, y=None):
+        return likelihood(self.fc2(F.relu(self.fc1(x))), y)
+
+
+@pytest.mark.parametrize("guide_cls", [autoguide.AutoNormal, autoguide.AutoDiagonalNormal])
+def test_diagonal_autoguides_are_exact(guide_cls):
+    model = MLP()
+    guide = guide_cls(model, init_scale=0.1)
+    fit(model, guide)
+    net = pyro2pfp.convert(model, guide)
+    assert [p.op for p in net.plan.layers] == ["dense", "relu", "dense"]
+    assert_exact_against_sampling(model, guide, net)
+
+
+@pytest.mark.parametrize("guide_cls", [autoguide.AutoLowRankMultivariateNormal, autoguide.AutoMultivariateNormal])
+def test_correlated_autoguides_use_marginals_and_warn(guide_cls):
+    model = MLP()
+    guide = guide_cls(model, init_scale=0.1)
+    fit(model, guide, steps=10)
+    with pytest.warns(UserWarning, match="correlations are dropped"):
+        net = pyro2pfp.convert(model, guide)
+    marginal = guide.get_posterior().variance.detach().double().numpy()
+    flat = np.concatenate([net.layer_graph.layer(name).params[attr].var.ravel()
+                           for name in ("fc1", "fc2") for attr in ("weight", "bias")])
+    order = [site for site, _ in guide._unpack_latent(torch.zeros(guide.latent_dim))]
+    names = [s["name"] for s in order]
+    expected = {}
+    pos = 0
+    for site in order:
+        size = site["value"].numel()
+        expected[site["name"]] = marginal[pos:pos + size]
+        pos += size
+    got = {f"{n}.{a}": net.layer_graph.layer(n).params[a].var.ravel() for n in ("fc1", "fc2") for a in ("weight", "bias")}
+    for name in names:
+        np.testing.assert_allclose(got[name], expected[name], rtol=1e-5)
+    assert flat.size == marginal.size
+
+
+def test_hand_written_softplus_guide_is_exact():
+    model = MLP()
+
+    def guide(x, y=None):
+        for name, shape in (("fc1.weight", (HIDDEN, D_IN)), ("fc1.bias", (HIDDEN,)),
+                            ("fc2.weight", (CLASSES, HIDDEN)), ("fc2.bias", (CLASSES,))):
+            loc = pyro.param(f"q_{name}_loc", 0.3 * torch.randn(shape))
+            rho = pyro.param(f"q_{name}_rho", torch.full(shape, -2.0))
+            pyro.sample(name, dist.Normal(loc, F.softplus(rho)).to_event(len(shape)))
+
+    fit(model, guide)
+    assert_exact_against_sampling(model, guide, pyro2pfp.convert(model, guide))
+
+
+def test_autodelta_and_flow_guides_are_rejected_with_the_guide_named():
+    model = MLP()
+    x, y = data()
+    for guide in (autoguide.AutoDelta(model), autoguide.AutoIAFNormal(model)):
+        guide(x, y)
+        with pytest.raises(pyro2pfp.PosteriorError, match=type(guide).__name__):
+            pyro2pfp.convert(model, guide)
+
+
+def _sequential_model():
+    body = nn.Sequential(nn.Linear(D_IN, HIDDEN), nn.ReLU(), nn.Linear(HIDDEN, CLASSES))
+    pyro.nn.module.to_pyro_module_(body)
+    for module in body.modules():
+        for name, value in list(module.named_parameters(recurse=False)):
+            setattr(module, name, prior(value.shape))
+
+    class Model(PyroModule):
+        def __init__(self):
+            super().__init__()
+            self.net = body
+
+        def forward(self, x, y=None):
+            return likelihood(self.net(x), y)
+
+    return Model()
+
+
+class ModuleListMLP(PyroModule):
+    def __init__(self):
+        super().__init__()
+        widths = [D_IN, HIDDEN, CLASSES]
+        self.layers = PyroModule[nn.ModuleList]([PyroModule[nn.Linear](a, b) for a, b in zip(widths, widths[1:])])
+        for layer in self.layers:
+            layer.weight = prior(layer.weight.shape)
+            layer.bias = prior(layer.bias.shape)
+
+    def forward(self, x, y=None):
+        for i, layer in enumerate(self.layers):
+            x = layer(x)
+            if i < len(self.layers) - 1:
+                x = F.relu(x)
+        return likelihood(x, y)
+
+
+@pytest.mark.parametrize("build,first", [(_sequential_model, "net.0"), (ModuleListMLP, "layers.0")])
+def test_sequential_and_modulelist_models(build, first):
+    model = build()
+    guide = autoguide.AutoNormal(model, init_scale=0.1)
+    fit(model, guide)
+    net = pyro2pfp.convert(model, guide)
+    assert net.plan.layers[0].name == first
+    assert net.layer_graph.layer(first).params["weight"].site == f"{first}.weight"
+    assert_exact_against_sampling(model, guide, net)
+
+
+class PartlyBayesian(PyroModule):
+    """Bayesian fc1 weight, PyroParam fc1 bias, untouched PyroModule fc2, plain nn.Linear head."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc1 = PyroModule[nn.Linear](D_IN, HIDDEN)
+        self.fc1.weight = prior((HIDDEN, D_IN))
+        self.fc1.bias = PyroParam(torch.zeros(HIDDEN))
+        self.fc2 = PyroModule[nn.Linear](HIDDEN, HIDDEN)
+        self.head = nn.Linear(HIDDEN, CLASSES)
+
+    def forward(self, x, y=None):
+        pyro.module("head", self.head)
+        return likelihood(self.head(F.relu(self.fc2(F.relu(self.fc1(x))))), y)
+
+
+def test_partially_bayesian_network():
+    model = PartlyBayesian()
+    guide = autoguide.AutoNormal(model, init_scale=0.1)
+    fit(model, guide)
+    net = pyro2pfp.convert(model, guide)
+    store = pyro.get_param_store()
+    fc1 = net.layer_graph.layer("fc1")
+    assert fc1.params["weight"].site == "fc1.weight" and not fc1.params["weight"].is_deterministic
+    np.testing.assert_allclose(fc1.params["bias"].mean, store["fc1.bias"].detach().double().numpy(), rtol=1e-6)
+    assert fc1.params["bias"].is_deterministic
+    assert net.layer_graph.layer("fc2").params["weight"].is_deterministic
+    head = net.layer_graph.layer("head")
+    np.testing.assert_allclose(head.params["weight"].mean, store["head$$$weight"].detach().double().numpy(),
+                               rtol=1e-6)
+    assert head.params["weight"].is_deterministic
+    # Deterministic layers still propagate the uncertainty of fc1.
+    x, _ = data(n=8, seed=3)
+    mean, var = net.compile()(x)
+    assert np.all(var > 0)
+    samples = Predictive(model, guide=guide, num_samples=800, return_sites=("_RETURN",))(x)["_RETURN"]
+    agreement = sampling_agreement(*net.reference(x), samples.detach().double().numpy())
+    assert agreement.argmax_agreement >= 0.85 and agreement.mean_rel_error < 0.05, agreement
+
+
+@pytest.mark.parametrize("bias", ["none", "det", "prob"])
+def test_bias_configurations(bias):
+    model = MLP(bias=bias)
+    guide = autoguide.AutoNormal(model, init_scale=0.1)
+    fit(model, guide, steps=10)
+    net = pyro2pfp.convert(model, guide)
+    fc2 = net.plan.layer("fc2")
+    assert ("bias_mean" in fc2.tensors) == (bias != "none")
+    assert ("bias_var" in fc2.tensors) == (bias == "prob")
+    assert_exact_against_sampling(model, guide, net, num_samples=600)
+
+
+def test_input_variance_network():
+    model = MLP()
+    guide = autoguide.AutoNormal(model, init_scale=0.1)
+    fit(model, guide, steps=10)
+    net = pyro2pfp.convert(model, guide, input_variance=True)
+    plain = pyro2pfp.convert(model, guide)
+    x, _ = data(n=5, seed=4)
+    exe = net.compile()
+    zero = np.zeros_like(x.numpy())
+    np.testing.assert_allclose(net.reference(x, zero)[0], plain.reference(x)[0], rtol=1e-12)
+    np.testing.assert_allclose(net.reference(x, zero)[1], plain.reference(x)[1], rtol=1e-10)
+    noise = np.full_like(zero, 0.5)
+    (rm, rv), (cm, cv) = net.reference(x, noise), exe(x, noise)
+    np.testing.assert_allclose(cm, rm, rtol=1e-4, atol=1e-5 * np.abs(rm).max())
+    np.testing.assert_allclose(cv, rv, rtol=1e-4, atol=1e-5 * rv.max())
+    assert np.all(rv > plain.reference(x)[1])  # sensor noise adds uncertainty
+    with pytest.raises(pyro2pfp.PFPError, match="x_var"):
+        net.reference(x)
+
+
+def test_tyxe_variational_bnn():
+    import tyxe  # installed by the set-up command (pip install --no-deps tyxe==0.0.2)
+    pyro2pfp.compat.patch_pyro_for_tyxe()
+    body = nn.Sequential(nn.Linear(D_IN, HIDDEN), nn.ReLU(), nn.Linear(HIDDEN, CLASSES))
+    import functools
+
+    bnn = tyxe.VariationalBNN(body, tyxe.priors.IIDPrior(dist.Normal(0.0, 1.0)),
+                              tyxe.likelihoods.Categorical(dataset_size=64),
+                              functools.partial(tyxe.guides.AutoNormal, init_scale=0.1))
+    x, y = data()
+    loader = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(x, y), batch_size=32)
+    bnn.fit(loader, pyro.optim.Adam({"lr": 0.02}), 5)
+    net = pyro2pfp.convert(bnn)
+    w = net.layer_graph.layer("0").params["weight"]
+    np.testing.assert_allclose(w.mean, bnn.net_guide.get_loc("net.0.weight").detach().double().numpy(), rtol=1e-6)
+    np.testing.assert_allclose(w.var, bnn.net_guide.get_scale("net.0.weight").detach().double().numpy() ** 2,
+                               rtol=1e-5)
+    assert_exact_against_sampling(bnn.net, bnn.net_guide, net)
