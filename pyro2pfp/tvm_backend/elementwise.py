@@ -1,4 +1,5 @@
-"""Elementwise PFP kernels: ReLU moment matching and representation conversions."""
+"""Elementwise PFP kernels: ReLU/LeakyReLU moment matching, batch-norm affine, residual add and
+representation conversions."""
 from __future__ import annotations
 
 from tvm import te, tirx
@@ -16,21 +17,25 @@ def variance_of(mean, second, repr_: Repr):
     return second
 
 
-@kernel("relu")
-def relu(ctx: EmitContext, layer: PlannedLayer, inputs: list[RelaxActivation]) -> RelaxActivation:
-    x = inputs[0]
+def _activation(ctx: EmitContext, layer: PlannedLayer, x: RelaxActivation, deterministic, matched
+                ) -> RelaxActivation:
+    """An elementwise activation: ``deterministic(μ)`` for exact inputs, else the moment-matched
+    ``matched(μ, v) -> (μ', v')``, emitted in the representation the plan asks for."""
     if x.repr is Repr.DETERMINISTIC:
-        fn = lambda m: te.compute(m.shape, lambda *i: te.max(m[i], tirx.const(0.0, F32)), name="relu")
+        fn = lambda m: te.compute(m.shape, lambda *i: deterministic(m[i]), name=layer.op)
         return activation_out(ctx.emit_te(fn, [x.mean], layer), layer)
 
     def fn(m: te.Tensor, s: te.Tensor) -> list[te.Tensor]:
-        def f(*i):
-            mean, var = moments.relu_moments(m[i], variance_of(m[i], s[i], x.repr), TE_OPS)
-            return epilogue(mean, var, layer)
-
-        return te.compute(m.shape, f, name="relu")
+        return te.compute(m.shape, lambda *i: epilogue(*matched(m[i], variance_of(m[i], s[i], x.repr)), layer),
+                          name=layer.op)
 
     return activation_out(ctx.emit_te(fn, x.tensors(), layer), layer)
+
+
+@kernel("relu")
+def relu(ctx: EmitContext, layer: PlannedLayer, inputs: list[RelaxActivation]) -> RelaxActivation:
+    return _activation(ctx, layer, inputs[0], lambda m: te.max(m, tirx.const(0.0, F32)),
+                       lambda m, v: moments.relu_moments(m, v, TE_OPS))
 
 
 @kernel("convert")
@@ -46,22 +51,10 @@ def convert(ctx: EmitContext, layer: PlannedLayer, inputs: list[RelaxActivation]
 
 @kernel("leaky_relu")
 def leaky_relu(ctx: EmitContext, layer: PlannedLayer, inputs: list[RelaxActivation]) -> RelaxActivation:
-    x, slope = inputs[0], layer.layer.attrs["slope"]
-    if x.repr is Repr.DETERMINISTIC:
-        def det(m: te.Tensor) -> te.Tensor:
-            zero, s = tirx.const(0.0, F32), tirx.const(slope, F32)
-            return te.compute(m.shape, lambda *i: tirx.Select(m[i] > zero, m[i], s * m[i]), name="leaky_relu")
-
-        return activation_out(ctx.emit_te(det, [x.mean], layer), layer)
-
-    def fn(m: te.Tensor, s: te.Tensor) -> list[te.Tensor]:
-        def f(*i):
-            mean, var = moments.leaky_relu_moments(m[i], variance_of(m[i], s[i], x.repr), slope, TE_OPS)
-            return epilogue(mean, var, layer)
-
-        return te.compute(m.shape, f, name="leaky_relu")
-
-    return activation_out(ctx.emit_te(fn, x.tensors(), layer), layer)
+    slope = layer.layer.attrs["slope"]
+    zero, s = tirx.const(0.0, F32), tirx.const(slope, F32)
+    return _activation(ctx, layer, inputs[0], lambda m: tirx.Select(m > zero, m, s * m),
+                       lambda m, v: moments.leaky_relu_moments(m, v, slope, TE_OPS))
 
 
 @kernel("affine")
