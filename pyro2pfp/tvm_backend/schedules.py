@@ -1,11 +1,463 @@
-"""Default CPU schedules for the PFP PrimFuncs (applied before building)."""
+"""Default CPU schedules for the PFP PrimFuncs (applied before building).
+
+Every PFP layer becomes one PrimFunc ``pfp_<op>_<layer>`` whose first axis is the *symbolic*
+batch.  MetaSchedule only tunes static shapes, so these are hand-written, shape-generic
+``tvm.s_tir.Schedule`` programs.  They only ever split *static* axes; the batch axis is fused into
+the parallel loop, so one compiled kernel serves every batch size and no split of the batch needs
+a predicate (a split of the symbolic batch by a register-tile factor was measured slower at every
+batch size because of the predicate it puts in the inner loop).
+
+Rules shared by all schedules, and why:
+
+* **Parallel over an outer axis**: ``fuse(batch, <outer static tiles>)`` -> ``parallel``, so batch
+  1 still gives both cores work and large batches give many evenly divided chunks.
+* **Vectorise a unit-stride inner axis by a width that divides it**.  A split that does not divide
+  its extent puts a predicate inside the vector loop and TVM falls back to scalar code (measured
+  2-4x slower); a width that is not a power of two (e.g. a whole row of 20 or 50) makes LLVM
+  shuffle the accumulators lane by lane.  So the width is the largest power of two dividing the
+  extent, capped at the SIMD width (16 fp32 lanes with AVX-512, 8 with AVX, else 4), and several
+  such vectors are unrolled side by side to form a register tile.
+* **Only vectorise what TVM can vectorise** (:func:`_vectorizable`): ``erf`` (ReLU moments,
+  Gaussian max) has no vector form in TVM; ``VectorizeLoop`` then scalarises the loop, which in
+  TVM 0.27 is *miscompiled* when the block binds ``T.let`` values (all lanes get the last lane's
+  value).  Such loops stay serial.
+* **Small reduction loops unrolled** (kernel window, a small factor of the dense ``k`` loop).
+* **Accumulators in registers**: the reduction's consumers (the ``epilogue`` blocks: bias,
+  variance clamp, representation conversion) are moved under the parallel loop with
+  ``reverse_compute_at``; buffer compaction then shrinks the ``(batch, ...)`` intermediate to one
+  tile that lives on the stack (TVM 0.27 puts small ``global``-scope allocations on the stack
+  but sends *every* ``local`` one through ``TVMBackendAllocWorkspace``, so no ``set_scope``).
+  The tile is always a *rectangle* of the output: ``reverse_compute_at`` covers the bounding
+  box of what the loop produces, so a non-rectangular tile (a split of several fused axes)
+  would make it write elements the tile never computed.
+* **Reduction init hoisted** with ``decompose_reduction`` at the outermost reduction loop, after
+  ``vectorize`` (the other order fails).
+* **Convolution padding** (one ``pad`` block per input tensor) is computed at the parallel loop:
+  only the ``KH`` padded input rows one output row needs, in a small thread-private buffer.
+* **Inputs of libm-bound kernels staged** (``cache_read`` + ``compute_at`` the parallel loop): in
+  a parallel loop body the input pointers come out of the closure, so LLVM must assume that each
+  ``erff`` call (which may write ``errno``) clobbers them; it then reloads the inputs after every
+  call and shares fewer ``erf``/``exp`` values between the mean and the variance output (measured
+  up to 2.3x slower per thread than the serial kernel; 10-15 % with the row tiles used here).
+  Reading from a thread-private stack tile (< 1 KiB) avoids that.
+
+Everything fails soft: if a primitive raises for a function, a warning names the function and the
+unscheduled (correct, slower) PrimFunc is kept.  Ops without an entry in :data:`SCHEDULES` stay
+unscheduled.  Scheduled functions carry the ``tirx.is_scheduled`` attribute.
+"""
 from __future__ import annotations
 
+import warnings
+from collections.abc import Callable
 from typing import Any
 
 import tvm
+import tvm_ffi
+from tvm import s_tir, tirx
+
+ScheduleFn = Callable[[s_tir.Schedule, Any, tvm.target.Target], None]
+
+SCHEDULES: dict[str, ScheduleFn] = {}
+"""``{op: fn(sch, planned_layer, target)}``: the default CPU schedule of each PFP op.  A schedule
+registered next to its kernel with ``tvm_backend.schedule(op)`` (``_core.SCHEDULES``) overrides
+the one here."""
+
+
+def _schedule_fn(op: str | None) -> ScheduleFn | None:
+    from . import _core
+
+    return _core.SCHEDULES.get(op) or SCHEDULES.get(op)
+
+
+def _register(*ops: str) -> Callable[[ScheduleFn], ScheduleFn]:
+    def deco(fn: ScheduleFn) -> ScheduleFn:
+        for op in ops:
+            SCHEDULES[op] = fn
+        return fn
+
+    return deco
+
+
+# ------------------------------------------------------------------------------------ helpers
+def simd_lanes(target: tvm.target.Target) -> int:
+    """fp32 lanes of the target's widest SIMD register (16 AVX-512, 8 AVX, else 4)."""
+    try:
+        features = set(tvm.target.codegen.llvm_get_cpu_features(target))
+    except Exception:  # noqa: BLE001 -- non-LLVM target or no feature query: assume 128-bit SIMD
+        return 4
+    if "avx512f" in features:
+        return 16
+    if "avx" in features:
+        return 8
+    return 4
+
+
+def _extent(sch: s_tir.Schedule, loop: Any) -> int | None:
+    """Static extent of a loop, or None for a symbolic (batch) extent."""
+    ext = sch.get(loop).extent
+    return int(ext) if isinstance(ext, tirx.IntImm | int) else None
+
+
+def _pow2_divisor(n: int, cap: int) -> int:
+    """Largest power of two that divides ``n`` and is at most ``cap``."""
+    d = 1
+    while d * 2 <= cap and n % (d * 2) == 0:
+        d *= 2
+    return d
+
+
+def _divisor_at_most(n: int, cap: int) -> int:
+    """Largest divisor of ``n`` that is at most ``cap`` (at least 1)."""
+    for d in range(max(1, min(n, cap)), 0, -1):
+        if n % d == 0:
+            return d
+    return 1
+
+
+_ALWAYS_VECTORIZABLE = {"prim.likely"}
+
+
+def _vectorizable(sch: s_tir.Schedule, blocks: list[Any]) -> bool:
+    """Whether ``VectorizeLoop`` turns the bodies of ``blocks`` into real vector code.
+
+    A call without the ``TVectorizable`` op attribute (``erf``, which becomes a libm ``erff``
+    call; ``if_then_else``) makes TVM scalarise the vector loop.  That gains nothing and, in TVM
+    0.27, is wrong for blocks that bind ``T.let`` values (the scalarised lets are followed by a
+    store of the *last* lane's value broadcast to every lane), so such loops stay serial.
+    """
+    ok = True
+
+    def visit(node: Any, visitor: Any) -> None:
+        nonlocal ok
+        if isinstance(node, tvm.ir.expr.Call) and isinstance(node.op, tvm.ir.Op):
+            if node.op.name not in _ALWAYS_VECTORIZABLE and not node.op.get_attr("TVectorizable"):
+                ok = False
+        visitor.default_visit(node)
+
+    for block in blocks:
+        tvm_ffi.structural_visit(sch.get(block), visit)
+    return ok
+
+
+def _vectorize_inner(sch: s_tir.Schedule, block: Any, lanes: int) -> None:
+    """Split the innermost loop of ``block`` by a power-of-two width that divides it and vectorise
+    that part, if the block is vectorizable (otherwise leave it serial)."""
+    inner = sch.get_loops(block)[-1]
+    n = _extent(sch, inner)
+    if n is None or n < 2 or not _vectorizable(sch, [block]):
+        return
+    vec = _pow2_divisor(n, lanes)
+    if vec > 1:
+        _, vi = sch.split(inner, [None, vec])
+        sch.vectorize(vi)
+
+
+def _epilogue_at(sch: s_tir.Schedule, producer: Any, loop: Any, lanes: int) -> None:
+    """Move the consumers of ``producer`` (the epilogue) under ``loop`` -- whose iterations must
+    each produce a rectangle of the intermediate -- and vectorise their innermost loop."""
+    consumers = list(sch.get_consumers(producer))
+    for block in consumers:
+        sch.reverse_compute_at(block, loop)
+    for block in consumers:
+        _vectorize_inner(sch, block, lanes)
+
+
+def _stage_inputs(sch: s_tir.Schedule, blocks: list[Any], loop: Any) -> None:
+    """Copy the tile of every function input read by ``blocks`` that one iteration of ``loop``
+    needs into a thread-private buffer computed at ``loop`` (``cache_read`` + ``compute_at``)."""
+    params = list(sch.mod["main"].params)
+    staged: list[Any] = []
+    while True:
+        todo = None
+        for block in blocks:
+            for index, region in enumerate(sch.get(block).reads):
+                buf = region.source
+                if any(buf.same_as(p) for p in params) and not any(buf.same_as(s) for s in staged):
+                    todo = (block, index, buf)
+                    break
+            if todo:
+                break
+        if todo is None:
+            return
+        block, index, buf = todo
+        readers = [b for b in blocks if any(r.source.same_as(buf) for r in sch.get(b).reads)]
+        cache = sch.cache_read(block, index, "global", consumer_blocks=readers)
+        sch.compute_at(cache, loop)
+        staged.append(buf)
+
+
+# ------------------------------------------------------------------------------------ dense
+DENSE_K_UNROLL = 4
+DENSE_TILE_VECTORS = 6  # at most this many vectors per accumulator in one register tile
+
+
+@_register("dense")
+def schedule_dense(sch: s_tir.Schedule, layer: Any, target: tvm.target.Target) -> None:
+    """Dense ``(batch, K) x (K, M)``: one tuple-reduction block ``dense`` (mean and variance sums
+    together) + the ``epilogue`` blocks.
+
+    The weights are stored ``(K, M)``, so the output feature ``j`` is the unit-stride axis.  It is
+    split ``jo x jm x jv``: ``jv`` vectorised, ``jm`` unrolled -- a register tile of ``jm*jv`` mean
+    and ``jm*jv`` variance accumulators -- and ``jo`` fused with the batch into the parallel loop
+    (batch 1 still has ``M / (jm*jv)`` parallel tiles).  ``k`` is split by a small unrolled factor.
+    Order ``(batch, jo) | ko, ki, jm, jv``: each ``x[i, k]`` is broadcast once for the whole tile;
+    the tile's weight columns stream from cache.  The epilogue writes each tile straight from the
+    accumulators.
+    """
+    lanes = simd_lanes(target)
+    blk = sch.get_sblock("dense")
+    i, j, k = sch.get_loops(blk)
+    m, kk = _extent(sch, j), _extent(sch, k)
+    vectorize = _vectorizable(sch, [blk])
+    vec = _pow2_divisor(m, lanes) if vectorize else 1
+    jm = _divisor_at_most(m // vec, DENSE_TILE_VECTORS)
+    jo, jmm, jv = sch.split(j, [None, jm, vec])
+    ko, ki = sch.split(k, [None, _divisor_at_most(kk, DENSE_K_UNROLL)])
+    sch.reorder(i, jo, ko, ki, jmm, jv)
+    par = sch.fuse(i, jo)
+    sch.parallel(par)
+    _epilogue_at(sch, blk, par, lanes)
+    sch.unroll(ki)
+    sch.unroll(jmm)
+    if vec > 1:
+        sch.vectorize(jv)
+    sch.decompose_reduction(blk, ko)
+
+
+# ------------------------------------------------------------------------------------ conv2d
+CONV_TILE_COLUMNS = 4  # output columns per register tile when vectorising over output channels
+CONV_MAX_UNROLLED_WINDOW = 64  # unroll the kernel window only up to this many taps
+
+
+def _register_budget(lanes: int) -> int:
+    """Vector registers a register tile of accumulators may use (32 with AVX-512, else 16),
+    leaving a few for operands."""
+    return 24 if lanes >= 16 else 12
+
+
+@_register("conv2d")
+def schedule_conv2d(sch: s_tir.Schedule, layer: Any, target: tvm.target.Target) -> None:
+    """Conv2d NCHW/OIHW: optional ``pad`` block(s) (one per input tensor), the tuple-reduction
+    ``conv2d`` block and the ``epilogue``.
+
+    A register tile of (output channels x output columns) of one output row is accumulated over
+    ``rc`` and the unrolled ``rp x rq`` window; the parallel loop runs over batch x channel tiles
+    x output rows (x column tiles).  The vector axis is the one with the larger power-of-two
+    divisor (see the module docstring):
+
+    * **output channels** (e.g. LeNet conv2, 16 channels, 10 columns): the weights are first
+      copied once per call into a ``(C, KH, KW, O)`` layout (``cache_read`` +
+      ``transform_layout``; 2x|w| floats, ~1 us) so a vector of output channels' weights is one
+      contiguous load, and each input element is a broadcast scalar reused by the whole vector;
+    * **output columns** (e.g. conv1, 6 channels, 28 columns): ``x[.., i+rp, j+rq]`` is read as
+      contiguous vectors and each weight is a broadcast scalar shared by the row.
+
+    The padding blocks are computed at the parallel loop (just the ``KH`` padded input rows the
+    output row needs, in a small thread-private buffer, instead of a padded copy of the whole
+    batch) and the epilogue writes the tile from the accumulators.
+
+    Tile sizes, measured on LeNet's conv2 (AVX-512, one thread, batch 1): 2 columns x 16 channels
+    14.7 us, 5 columns 15-20 us, 10 columns 300 us (register spills); unscheduled 300 us.
+    """
+    lanes = simd_lanes(target)
+    budget = _register_budget(lanes)
+    blk = sch.get_sblock("conv2d")
+    pads = list(sch.get_producers(blk))
+    b, o, i, j, rc, rp, rq = sch.get_loops(blk)
+    n_o, ow = _extent(sch, o), _extent(sch, j)
+    vectorize = _vectorizable(sch, [blk])
+    vec_o = _pow2_divisor(n_o, lanes) if vectorize else 1
+    vec_j = _pow2_divisor(ow, lanes) if vectorize else 1
+    if vec_o > 1 and vec_o >= vec_j:
+        _transpose_conv_weights(sch, blk)
+        oo, ov = sch.split(o, [None, vec_o])
+        jo, jm = sch.split(j, [None, _divisor_at_most(ow, CONV_TILE_COLUMNS)])
+        sch.reorder(b, oo, i, jo, rc, rp, rq, jm, ov)
+        par = sch.fuse(b, oo, i, jo)
+        unrolled, vector = (rp, rq, jm), ov
+    else:
+        jm = _divisor_at_most(ow // vec_j, 4)
+        ot = _divisor_at_most(n_o, max(1, budget // (2 * jm)))
+        oo, oi = sch.split(o, [None, ot])
+        jo, jmm, jv = sch.split(j, [None, jm, vec_j])
+        sch.reorder(b, oo, i, jo, rc, rp, rq, oi, jmm, jv)
+        par = sch.fuse(b, oo, i, jo)
+        unrolled, vector = (rp, rq, oi, jmm), (jv if vec_j > 1 else None)
+    sch.parallel(par)
+    _epilogue_at(sch, blk, par, lanes)
+    for pad in pads:
+        sch.compute_at(pad, par)
+        _vectorize_inner(sch, pad, lanes)
+    window = _extent(sch, rp) * _extent(sch, rq)
+    for loop in unrolled:
+        if window <= CONV_MAX_UNROLLED_WINDOW or not (loop.same_as(rp) or loop.same_as(rq)):
+            sch.unroll(loop)
+    if vector is not None:
+        sch.vectorize(vector)
+    sch.decompose_reduction(blk, rc)
+
+
+def _transpose_conv_weights(sch: s_tir.Schedule, blk: Any) -> None:
+    """Read the conv weights -- the function inputs the block indexes by its output-channel iter
+    var in the first dimension -- through a copy in ``(C, KH, KW, O)`` layout, made once per call
+    before the main loop."""
+    params = list(sch.mod["main"].params)
+    v_o = sch.get(blk).iter_vars[1].var
+    done: list[Any] = []
+    while True:
+        todo = None
+        for index, region in enumerate(sch.get(blk).reads):
+            buf = region.source
+            if (len(region.region) == 4 and region.region[0].min.same_as(v_o)
+                    and any(buf.same_as(p) for p in params) and not any(buf.same_as(d) for d in done)):
+                todo = (index, buf)
+                break
+        if todo is None:
+            return
+        index, buf = todo
+        cache = sch.cache_read(blk, index, "global")
+        sch.transform_layout(cache, ("write", 0), lambda o, c, p, q: (c, p, q, o))
+        done.append(buf)
+
+
+# ------------------------------------------------------------------------------------ max_pool2d
+@_register("max_pool2d")
+def schedule_max_pool2d(sch: s_tir.Schedule, layer: Any, target: tvm.target.Target) -> None:
+    """Max pooling: a ``max_pool2d`` reduction over the window (Clark's Gaussian max, or a plain
+    max for a deterministic input) plus an ``epilogue`` when the input is probabilistic.
+
+    Parallel over output rows ``(b, c, i)``; inside, the unrolled window loops ``rp, rq`` sit
+    outside the output-column loop ``j``, so a row of running (mean, variance) pairs is folded
+    over the window in row-major order (the reference's order) on the stack, and the epilogue
+    writes that row.  The Gaussian max is ``erf``/``exp`` bound and not vectorizable, so its
+    input rows are staged (see the module docstring); the plain max is vectorised along ``j``.
+    """
+    lanes = simd_lanes(target)
+    blk = sch.get_sblock("max_pool2d")
+    b, c, i, j, rp, rq = sch.get_loops(blk)
+    sch.reorder(b, c, i, rp, rq, j)
+    par = sch.fuse(b, c, i)
+    sch.parallel(par)
+    if sch.get_consumers(blk):
+        _epilogue_at(sch, blk, par, lanes)
+    sch.unroll(rp)
+    sch.unroll(rq)
+    ow = _extent(sch, j)
+    if _vectorizable(sch, [blk]):
+        vec = _pow2_divisor(ow, lanes)
+        if vec > 1:
+            _, jv = sch.split(j, [None, vec])
+            sch.vectorize(jv)
+    else:
+        _stage_inputs(sch, [blk], par)
+    sch.decompose_reduction(blk, rp)
+
+
+# ------------------------------------------------------------------------------------ elementwise
+ELEMENTWISE_TILE = 128  # elements per parallel iteration at most (a staged fp32 tile < 1 KiB: stack)
+
+
+@_register("relu", "convert")
+def schedule_elementwise(sch: s_tir.Schedule, layer: Any, target: tvm.target.Target) -> None:
+    """Elementwise ops (ReLU moment matching, representation conversions).
+
+    A two-output ``te.compute`` lowers to two blocks (``<name>_v0``, ``<name>_v1``) in one loop
+    nest.  The tile of one parallel iteration is made of whole trailing axes (a rectangle of at
+    most :data:`ELEMENTWISE_TILE` elements -- and, for the expensive ``erf`` bodies, at most half
+    an example so that batch 1 has two parallel tiles; a too-long last axis is split by a
+    divisor); the batch and the leading axes are fused into the parallel loop.  Vectorizable
+    bodies (conversions, deterministic ReLU) are vectorised along the tile; ``erf``-bound bodies
+    (ReLU moments) stay serial and get their inputs staged (see the module docstring).
+    """
+    lanes = simd_lanes(target)
+    nests: dict[Any, list[Any]] = {}
+    for block in sch.get_child_blocks(sch.get_sblock("root")):
+        loops = sch.get_loops(block)
+        nests.setdefault(sch.get_sref(loops[0]), loops)
+    for loops in nests.values():
+        blocks = list(sch.get_child_blocks(loops[0]))
+        batch, *dims = loops
+        extents = [_extent(sch, d) for d in dims]
+        if not dims or any(e is None for e in extents):
+            raise ValueError("expected one symbolic batch axis followed by static axes")
+        vectorize = _vectorizable(sch, blocks)
+        per_sample = 1
+        for e in extents:
+            per_sample *= e
+        # libm-bound bodies: at least two parallel tiles per example (both cores busy at batch 1)
+        cap = ELEMENTWISE_TILE if vectorize else max(1, min(ELEMENTWISE_TILE, per_sample // 2))
+        n_tile, size = 1, extents[-1]
+        while n_tile < len(dims) and size * extents[-n_tile - 1] <= cap:
+            n_tile += 1
+            size *= extents[-n_tile]
+        outer, tile = list(dims[:-n_tile]), list(dims[-n_tile:])
+        if size > cap:  # the last axis alone is longer than a tile: split it by a divisor
+            lo, li = sch.split(tile[0], [None, _divisor_at_most(size, cap)])
+            outer, tile = outer + [lo], [li]
+        par = sch.fuse(batch, *outer) if outer else batch
+        sch.parallel(par)
+        inner = sch.fuse(*tile) if len(tile) > 1 else tile[0]
+        if vectorize:
+            vec = _pow2_divisor(_extent(sch, inner), lanes)
+            if vec > 1:
+                _, vi = sch.split(inner, [None, vec])
+                sch.vectorize(vi)
+        else:
+            _stage_inputs(sch, blocks, par)
+
+
+# ------------------------------------------------------------------------------------ driver
+def _op_from_name(name: str) -> str | None:
+    """The PFP op of a ``pfp_<op>_<layer>`` PrimFunc whose layer is not in the plan (e.g. renamed
+    by the BlockBuilder): the longest registered op that prefixes it."""
+    from . import _core
+
+    ops = [op for op in {*SCHEDULES, *_core.SCHEDULES} if name.startswith(f"pfp_{op}_")]
+    return max(ops, key=len) if ops else None
+
+
+def schedule_function(func: tirx.PrimFunc, op: str, layer: Any, target: tvm.target.Target
+                      ) -> tirx.PrimFunc:
+    """``func`` with the default schedule of PFP op ``op`` (``layer``: its planned layer, may be
+    None; the schedules only read shapes from the PrimFunc itself); raises if a primitive fails."""
+    fn = _schedule_fn(op)
+    if fn is None:
+        raise KeyError(f"no schedule registered for PFP op {op!r}")
+    sch = s_tir.Schedule(func)
+    fn(sch, layer, target)
+    out = sch.mod["main"]
+    if "global_symbol" not in (func.attrs or {}) and "global_symbol" in (out.attrs or {}):
+        out = out.without_attr("global_symbol")
+    return out.with_attr("tirx.is_scheduled", True)
 
 
 def schedule_module(mod: tvm.IRModule, plan: Any, target: tvm.target.Target) -> tvm.IRModule:
-    """Apply each op's registered default schedule to its PrimFunc (unregistered ops stay naive)."""
-    return mod
+    """Apply each op's registered default schedule to its PrimFunc (unregistered ops stay naive).
+
+    PrimFuncs are matched to planned layers by name (``pfp_<op>_<layer name>``, else by the
+    ``pfp_<op>_`` prefix); functions that are already scheduled (``tirx.is_scheduled``) are left
+    alone.  Returns a new module (``mod`` is not modified).  A schedule that raises leaves its
+    function unscheduled and emits a ``RuntimeWarning`` naming it.
+    """
+    if not isinstance(target, tvm.target.Target):
+        target = tvm.target.Target(target)
+    out = mod.clone()
+    layers = {f"pfp_{layer.op}_{layer.name}": layer for layer in getattr(plan, "layers", ())}
+    for gv in mod.get_global_vars():
+        func = mod[gv]
+        if not isinstance(func, tirx.PrimFunc):
+            continue
+        layer = layers.get(gv.name_hint)
+        op = layer.op if layer is not None else _op_from_name(gv.name_hint)
+        if _schedule_fn(op) is None:
+            continue
+        if func.attrs is not None and func.attrs.get("tirx.is_scheduled", False):
+            continue
+        try:
+            out[gv] = schedule_function(func, op, layer, target)
+        except Exception as err:  # noqa: BLE001 -- fail soft: keep the correct naive kernel
+            lines = str(err).strip().splitlines()
+            warnings.warn(f"pyro2pfp: the default schedule of {gv.name_hint} ({op}) failed, "
+                          f"keeping it unscheduled: {type(err).__name__}: {lines[-1] if lines else ''}",
+                          RuntimeWarning, stacklevel=2)
+    return out

@@ -1,0 +1,211 @@
+"""The default CPU schedules (pyro2pfp.tvm_backend.schedules): every PFP PrimFunc gets scheduled,
+and the scheduled module still matches the float64 NumPy reference at batch sizes that are not
+multiples of any split factor (1, 7, 13).
+
+Tolerances: outputs are compared per element with ``|tvm - ref| <= RTOL * scale``, where
+``scale`` is the largest magnitude of that output (the mean, resp. variance) over the batch.
+That is the float32 bound for these small layers: a sum of K float32 terms is exact to about
+``K·2⁻²⁴·Σ|terms|``, and the variance in raw-moment form ``Σ sw·sx − (μw·μx)²`` can lose a few
+digits more to cancellation (its terms, not its value, set the error), so the bound is taken
+relative to the magnitude of the whole output, not of each element.
+"""
+from __future__ import annotations
+
+import itertools
+import warnings
+
+import numpy as np
+import pytest
+import tvm
+import tvm_ffi
+from tvm import relax
+
+from pyro2pfp.graph import INPUT, GaussianParam, Layer, LayerGraph
+from pyro2pfp.plan import plan
+from pyro2pfp.reference import execute
+from pyro2pfp.tvm_backend import _core, emit_module
+from pyro2pfp.tvm_backend import schedules
+from pyro2pfp.tvm_backend.schedules import SCHEDULES, schedule_module
+
+BATCHES = (1, 7, 13)
+RTOL = 2e-5
+TARGETS = {
+    "native": tvm.target.Target({"kind": "llvm", "mcpu": tvm.target.codegen.llvm_get_system_cpu(),
+                                 "num-cores": 2}),
+    "llvm": tvm.target.Target("llvm"),
+}
+
+
+# ------------------------------------------------------------------------------ graph builders
+def gaussian(rng, shape, mean_scale=0.3, var_scale=0.01):
+    return GaussianParam(mean_scale * rng.standard_normal(shape), var_scale * rng.uniform(0.1, 1.0, shape))
+
+
+def dense(rng, name, inp, k, m):
+    return Layer(name, "dense", [inp], (m,), name,
+                 params={"weight": gaussian(rng, (m, k), k**-0.5), "bias": gaussian(rng, (m,))})
+
+
+def conv(rng, name, inp, in_shape, out_c, kernel, stride=1, pad=0, dil=1, groups=1):
+    c, h, w = in_shape
+    size = lambda n: (n + 2 * pad - dil * (kernel - 1) - 1) // stride + 1  # noqa: E731
+    return Layer(name, "conv2d", [inp], (out_c, size(h), size(w)), name,
+                 attrs={"stride": [stride] * 2, "padding": [pad] * 2, "dilation": [dil] * 2, "groups": groups},
+                 params={"weight": gaussian(rng, (out_c, c // groups, kernel, kernel), (c * kernel**2) ** -0.5),
+                         "bias": gaussian(rng, (out_c,))})
+
+
+def relu(name, inp, shape):
+    return Layer(name, "relu", [inp], shape, name)
+
+
+def pool(name, inp, in_shape, kernel, stride):
+    c, h, w = in_shape
+    out = (c, (h - kernel) // stride + 1, (w - kernel) // stride + 1)
+    return Layer(name, "max_pool2d", [inp], out, name,
+                 attrs={"kernel": [kernel] * 2, "stride": [stride] * 2, "padding": [0, 0],
+                        "dilation": [1, 1], "ceil_mode": False})
+
+
+def case_graphs() -> dict[str, LayerGraph]:
+    """Small graphs covering every op kind, input representation and both conv vector axes."""
+    rng = np.random.default_rng(0)
+    g = {}
+    # dense: deterministic input, M = 20 (vector width 4); then a second-moment input, M = 10
+    g["dense"] = LayerGraph((33,), [dense(rng, "fc1", INPUT, 33, 20), relu("r", "fc1", (20,)),
+                                    dense(rng, "fc2", "r", 20, 10)], "fc2")
+    # odd sizes everywhere (no vector width divides M = 7: scalar register tile)
+    g["dense_odd"] = LayerGraph((9,), [dense(rng, "fc", INPUT, 9, 7)], "fc", input_variance=True)
+    # conv, output-column vectors (6 channels, 12 columns), padding, probabilistic input -> two pads
+    g["conv_cols"] = LayerGraph((2, 12, 12), [conv(rng, "c", INPUT, (2, 12, 12), 6, 5, pad=2)], "c",
+                                input_variance=True)
+    # conv, output-channel vectors (16 channels, 5 columns), stride 2, deterministic input
+    g["conv_chans"] = LayerGraph((3, 11, 11), [conv(rng, "c", INPUT, (3, 11, 11), 16, 3, stride=2, pad=1)], "c")
+    # conv with groups and dilation after a ReLU (second-moment input)
+    c1 = conv(rng, "c1", INPUT, (4, 9, 9), 8, 3, pad=1)
+    g["conv_groups"] = LayerGraph((4, 9, 9), [c1, relu("r", "c1", c1.out_shape),
+                                              conv(rng, "c2", "r", c1.out_shape, 8, 3, dil=2, groups=2)], "c2")
+    # max pooling of Gaussians (Clark's max) and of a deterministic input
+    g["pool_gauss"] = LayerGraph((3, 8, 10), [pool("p", INPUT, (3, 8, 10), 2, 2)], "p", input_variance=True)
+    g["pool_det"] = LayerGraph((3, 9, 9), [pool("p", INPUT, (3, 9, 9), 3, 2)], "p")
+    # relu of Gaussians (3-d) and of a deterministic input
+    g["relu_gauss"] = LayerGraph((5, 6, 7), [relu("r", INPUT, (5, 6, 7))], "r", input_variance=True)
+    g["relu_det"] = LayerGraph((30,), [relu("r", INPUT, (30,)), dense(rng, "fc", "r", 30, 9)], "fc")
+    # a variance input to a dense layer: in the raw-moment plan the planner inserts a `convert`
+    g["convert"] = LayerGraph((12,), [dense(rng, "fc", INPUT, 12, 9)], "fc", input_variance=True)
+    return g
+
+
+GRAPHS = case_graphs()
+EXPECT_VECTOR = {  # functions with a vectorizable body and a vector width dividing the vector axis
+    "dense": ("pfp_dense_fc1", "pfp_dense_fc2"),
+    "conv_cols": ("pfp_conv2d_c",), "conv_chans": ("pfp_conv2d_c",), "conv_groups": ("pfp_conv2d_c1",),
+    "pool_det": ("pfp_max_pool2d_p",), "relu_det": ("pfp_relu_r",), "convert": ("pfp_convert_input_to_second",),
+}
+
+
+def compile_vm(mod, target):
+    return relax.VirtualMachine(tvm.compile(mod, target=target), tvm.cpu())
+
+
+def prim_funcs(mod):
+    return {gv.name_hint: mod[gv] for gv in mod.get_global_vars() if isinstance(mod[gv], tvm.tirx.PrimFunc)}
+
+
+# ------------------------------------------------------------------------------ tests
+@pytest.mark.parametrize("target, form", [("native", "variance"), ("native", "raw"), ("llvm", "variance")])
+@pytest.mark.parametrize("case", list(GRAPHS))
+def test_scheduled_matches_reference(case, target, form):
+    graph = GRAPHS[case]
+    planned = plan(graph, moment_form=form)
+    mod = emit_module(planned)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", RuntimeWarning)  # a schedule that fails soft is a failure here
+        scheduled = schedule_module(mod, planned, TARGETS[target])
+    vm = compile_vm(scheduled, TARGETS[target])
+    rng = np.random.default_rng(1)
+    for batch in BATCHES:
+        x = rng.standard_normal((batch, *graph.input_shape)).astype(np.float32)
+        args = [x]
+        if graph.input_variance:
+            args.append((0.1 * rng.uniform(0.0, 1.0, x.shape)).astype(np.float32))
+        ref = execute(planned, *args)
+        out = vm["main"](*[tvm.runtime.tensor(a) for a in args])
+        for got, want, what in zip(out, ref, ("mean", "var")):
+            got = got.numpy()
+            assert got.shape == want.shape
+            scale = np.abs(want).max() + 1e-30
+            err = np.abs(got - want).max() / scale
+            assert err <= RTOL, f"{case} {target} batch {batch} {what}: relative error {err:.2e}"
+
+
+def test_every_primfunc_is_scheduled():
+    """Each PFP PrimFunc is rewritten: marked scheduled, has a parallel loop, and the ones whose
+    body TVM can vectorise have a vector loop."""
+    seen_ops = set()
+    for (case, graph), form in itertools.product(GRAPHS.items(), ["variance", "raw"]):
+        planned = plan(graph, moment_form=form)
+        mod = emit_module(planned)
+        scheduled = schedule_module(mod, planned, TARGETS["native"])
+        ops = {f"pfp_{layer.op}_{layer.name}": layer.op for layer in planned.layers}
+        for name, func in prim_funcs(scheduled).items():
+            op = ops[name]
+            seen_ops.add(op)
+            assert func.attrs is not None and func.attrs.get("tirx.is_scheduled", False), name
+            script = func.script()
+            assert "T.parallel" in script, name
+            if name in EXPECT_VECTOR.get(case, ()):
+                assert "T.vectorized" in script, name
+            # the unscheduled function is untouched
+            assert prim_funcs(mod)[name].attrs.get("tirx.is_scheduled", False) is False
+    assert seen_ops == {"dense", "conv2d", "relu", "max_pool2d", "convert"}
+    assert seen_ops <= set(SCHEDULES)
+
+
+def test_failing_schedule_keeps_the_function_and_warns(monkeypatch):
+    graph = GRAPHS["relu_det"]
+    planned = plan(graph)
+    mod = emit_module(planned)
+
+    def broken(sch, layer, target):
+        sch.vectorize(sch.get_loops(sch.get_child_blocks(sch.get_sblock("root"))[0])[0])  # batch axis
+        raise AssertionError("not reached: vectorising a symbolic loop raises")
+
+    monkeypatch.setitem(_core.SCHEDULES, "relu", broken)  # overrides the default schedule
+    with pytest.warns(RuntimeWarning, match="pfp_relu_r"):
+        scheduled = schedule_module(mod, planned, TARGETS["llvm"])
+    before, after = prim_funcs(mod), prim_funcs(scheduled)
+    assert tvm_ffi.structural_equal(before["pfp_relu_r"], after["pfp_relu_r"])
+    assert after["pfp_dense_fc"].attrs.get("tirx.is_scheduled", False)
+    # the module still compiles and runs correctly
+    vm = compile_vm(scheduled, TARGETS["llvm"])
+    x = np.random.default_rng(2).standard_normal((3, 30)).astype(np.float32)
+    ref = execute(planned, x)
+    out = vm["main"](tvm.runtime.tensor(x))
+    np.testing.assert_allclose(out[0].numpy(), ref[0], rtol=0, atol=RTOL * np.abs(ref[0]).max())
+
+
+def test_unregistered_ops_stay_unscheduled(monkeypatch):
+    graph = GRAPHS["dense"]
+    planned = plan(graph)
+    mod = emit_module(planned)
+    monkeypatch.delitem(SCHEDULES, "relu")
+    monkeypatch.delitem(_core.SCHEDULES, "relu", raising=False)
+    scheduled = schedule_module(mod, planned, TARGETS["llvm"])
+    assert tvm_ffi.structural_equal(mod["pfp_relu_r"], scheduled["pfp_relu_r"])
+    assert scheduled["pfp_dense_fc1"].attrs.get("tirx.is_scheduled", False)
+
+
+def test_rescheduling_is_a_no_op():
+    graph = GRAPHS["conv_groups"]
+    planned = plan(graph)
+    once = schedule_module(emit_module(planned), planned, TARGETS["native"])
+    twice = schedule_module(once, planned, TARGETS["native"])
+    for name, func in prim_funcs(once).items():
+        assert tvm_ffi.structural_equal(func, prim_funcs(twice)[name]), name
+
+
+def test_simd_lanes():
+    assert schedules.simd_lanes(tvm.target.Target("llvm")) == 4
+    assert schedules.simd_lanes(tvm.target.Target({"kind": "llvm", "mcpu": "haswell"})) == 8
+    assert schedules.simd_lanes(tvm.target.Target({"kind": "llvm", "mcpu": "skylake-avx512"})) == 16
