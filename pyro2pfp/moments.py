@@ -12,7 +12,7 @@ Numerics (the limit cases of ``pfp-math.md``):
 * Variances are computed in a centred form, ``v = v1·Φ(α) + v2·Φ(−α) + θ²·g(α)`` with the bounded
   ``g(α) = α²Φ(α)Φ(−α) + αφ(α)(Φ(−α) − Φ(α)) − φ(α)²`` (algebraically equal to Clark's
   ``s − μ²``), so huge means do not cancel catastrophically; ``Φ(−α)`` is its own term
-  (``erfc``), never ``1 − Φ(α)``.
+  (``ndtr(−α)`` in NumPy), never ``1 − Φ(α)`` computed in a separate rounding step.
 """
 from __future__ import annotations
 
@@ -24,13 +24,16 @@ import numpy as np
 import scipy.special
 
 ALPHA_MAX = 40.0  # |α| beyond which Φ(α) ∈ {0, 1} exactly in float32 and float64
-_INV_SQRT2 = 1.0 / math.sqrt(2.0)
+INV_SQRT2 = 1.0 / math.sqrt(2.0)
 _INV_SQRT_2PI = 1.0 / math.sqrt(2.0 * math.pi)
+
+def _numpy_normal_cdfs(alpha: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    return scipy.special.ndtr(alpha), scipy.special.ndtr(-alpha)
+
 
 NUMPY = SimpleNamespace(
     where=np.where,
-    erf=scipy.special.erf,
-    erfc=scipy.special.erfc,
+    normal_cdfs=_numpy_normal_cdfs,  # (Φ(α), Φ(−α)), each accurate in its own tail
     exp=np.exp,
     sqrt=np.sqrt,
     maximum=np.maximum,
@@ -50,11 +53,8 @@ def _standardise(num: Any, sigma: Any, ops: Any) -> Any:
 
 def _std_normal_terms(alpha: Any, ops: Any) -> tuple[Any, Any, Any, Any]:
     """α, Φ(α), Φ(−α), φ(α) for a clamped α."""
-    t = alpha * ops.const(_INV_SQRT2)
-    half = ops.const(0.5)
-    cdf = half * ops.erfc(-t)
-    cdf_neg = half * ops.erfc(t)
-    pdf = ops.exp(-half * alpha * alpha) * ops.const(_INV_SQRT_2PI)
+    cdf, cdf_neg = ops.normal_cdfs(alpha)
+    pdf = ops.exp(ops.const(-0.5) * alpha * alpha) * ops.const(_INV_SQRT_2PI)
     return alpha, cdf, cdf_neg, pdf
 
 

@@ -22,10 +22,36 @@ def _const(value: float) -> tirx.PrimExpr:
     return tirx.const(value, F32)
 
 
+# Eigen's rational float32 erf on [-4, 4] (|error| of a few ulp; erf(±4) = ±1 in float32).  Unlike a
+# libm ``erff`` call it vectorises, which makes ReLU and max pooling several times faster.
+_ERF_NUM = (-2.72614225801306e-10, 2.77068142495902e-08, -2.10102402082508e-06, -5.69250639462346e-05,
+            -7.34990630326855e-04, -2.95459980854025e-03, -1.60960333262415e-02)
+_ERF_DEN = (-1.45660718464996e-05, -2.13374055278905e-04, -1.68282697438203e-03, -7.37332916720468e-03,
+            -1.42647390514189e-02)
+
+
+def fast_erf(x: tirx.PrimExpr) -> tirx.PrimExpr:
+    """erf(x) in float32 as ``x·P(x²)/Q(x²)`` (vectorisable, no libm call)."""
+    x = te.min(te.max(x, _const(-4.0)), _const(4.0))
+    x2 = x * x
+    num = _const(_ERF_NUM[0])
+    for c in _ERF_NUM[1:]:
+        num = num * x2 + _const(c)
+    den = _const(_ERF_DEN[0])
+    for c in _ERF_DEN[1:]:
+        den = den * x2 + _const(c)
+    return x * num / den
+
+
+def _normal_cdfs(alpha: tirx.PrimExpr) -> tuple[tirx.PrimExpr, tirx.PrimExpr]:
+    """(Φ(α), Φ(−α)) from one erf evaluation."""
+    half_erf = _const(0.5) * fast_erf(alpha * _const(moments.INV_SQRT2))
+    return _const(0.5) + half_erf, _const(0.5) - half_erf
+
+
 TE_OPS = SimpleNamespace(
     where=tirx.Select,
-    erf=te.erf,
-    erfc=lambda x: _const(1.0) - te.erf(x),
+    normal_cdfs=_normal_cdfs,
     exp=te.exp,
     sqrt=te.sqrt,
     maximum=te.max,

@@ -6,12 +6,13 @@ Raw-moment input ``(μx, sx)``:  ``μ = Σ μw·μx``,  ``v = Σ sw·sx − (μw
 
 The epilogue adds the bias (mean and, if probabilistic, variance), clamps the variance at 0 and
 converts to the representation the plan asks for.  Dense weights are stored transposed (K, M) so
-the output axis is unit-stride.
+the output axis is unit-stride; conv weights are stored (C/groups, KH, KW, O) for the same reason.
 """
 from __future__ import annotations
 
 from typing import Any
 
+import numpy as np
 from tvm import te, tirx
 
 from ..graph import Repr
@@ -32,12 +33,11 @@ def _terms(x_mean: Any, x_second: Any, w_mean: Any, w_second: Any, x_repr: Repr)
     return prod, x_second * w_second - prod * prod
 
 
-def _weights_and_bias(ctx: EmitContext, layer: PlannedLayer, transpose: bool) -> list:
+def _weights_and_bias(ctx: EmitContext, layer: PlannedLayer, axes: tuple[int, ...]) -> list:
+    """Weight (mean, second) transposed by ``axes`` so the output channel is the unit-stride axis."""
     t = layer.tensors
     second = t["weight_var"] if "weight_var" in t else t["weight_second_moment"]
-    ws = [t["weight_mean"], second]
-    if transpose:
-        ws = [w.T for w in ws]
+    ws = [np.transpose(w, axes) for w in (t["weight_mean"], second)]
     args = [ctx.const(w) for w in ws]
     for key in ("bias_mean", "bias_var"):
         if key in t:
@@ -79,7 +79,7 @@ def dense(ctx: EmitContext, layer: PlannedLayer, inputs: list[RelaxActivation]) 
         acc = te.compute((x_mean.shape[0], m_dim), body, name="dense")
         return _epilogue_stage(acc[0], acc[1], bias, 1, layer)
 
-    outs = ctx.emit_te(fn, x.tensors() + _weights_and_bias(ctx, layer, transpose=True), layer)
+    outs = ctx.emit_te(fn, x.tensors() + _weights_and_bias(ctx, layer, (1, 0)), layer)  # (K, M)
     return activation_out(outs, layer)
 
 
@@ -109,7 +109,7 @@ def conv2d(ctx: EmitContext, layer: PlannedLayer, inputs: list[RelaxActivation])
         x_second = None if deterministic else _pad(tensors[1], a["padding"])
         w_mean, w_second = tensors[n_x:n_x + 2]
         bias = list(tensors[n_x + 2:])
-        _, c_per_group, kh, kw = (int(d) for d in w_mean.shape)
+        c_per_group, kh, kw, _ = (int(d) for d in w_mean.shape)
         o_per_group = out_c // a["groups"]
         rc = te.reduce_axis((0, c_per_group), name="rc")
         rp = te.reduce_axis((0, kh), name="rp")
@@ -120,13 +120,13 @@ def conv2d(ctx: EmitContext, layer: PlannedLayer, inputs: list[RelaxActivation])
             c = (o // o_per_group) * c_per_group + rc if a["groups"] > 1 else rc
             pos = (b, c, i * sh + rp * dh, j * sw + rq * dw)
             xs = None if x_second is None else x_second[pos]
-            return pair_sum(_terms(x_mean[pos], xs, w_mean[o, rc, rp, rq], w_second[o, rc, rp, rq], x.repr),
+            return pair_sum(_terms(x_mean[pos], xs, w_mean[rc, rp, rq, o], w_second[rc, rp, rq, o], x.repr),
                             axis=[rc, rp, rq])
 
         acc = te.compute((tensors[0].shape[0], out_c, out_h, out_w), body, name="conv2d")
         return _epilogue_stage(acc[0], acc[1], bias, 1, layer)
 
-    outs = ctx.emit_te(fn, x.tensors() + _weights_and_bias(ctx, layer, transpose=False), layer)
+    outs = ctx.emit_te(fn, x.tensors() + _weights_and_bias(ctx, layer, (1, 2, 3, 0)), layer)  # (C, KH, KW, O)
     return activation_out(outs, layer)
 
 
