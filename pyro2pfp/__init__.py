@@ -6,8 +6,9 @@
 """
 from .errors import InputShapeError, PFPError, PosteriorError, TracingError, UnsupportedLayerError
 from .graph import Repr
+from .deploy import load
 from .network import PFPNetwork, convert
 
 __version__ = "0.1.0"
-__all__ = ["convert", "PFPNetwork", "Repr", "PFPError", "UnsupportedLayerError", "PosteriorError",
+__all__ = ["convert", "load", "PFPNetwork", "Repr", "PFPError", "UnsupportedLayerError", "PosteriorError",
            "InputShapeError", "TracingError"]

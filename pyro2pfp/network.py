@@ -80,15 +80,25 @@ class PFPNetwork:
         return execute(self.plan, xs, x_var)
 
     def compile(self, target: Any = "llvm", *, schedule: bool = True):
-        """Compile ``mod`` for ``target`` (a name such as ``"llvm"``, a dict or a ``tvm.target.Target``).
+        """Compile ``mod`` for ``target``: ``"llvm"``, ``"native"``, a board preset (``"aarch64"``,
+        ``"rpi3"``, ``"rpi4"``, ``"rpi5"``), a TVM tag, a dict or a ``tvm.target.Target``.
 
         Returns a :class:`~pyro2pfp.tvm_backend.runtime.CompiledPFP`: ``exe(x) -> (mean, var)``
-        as float32 NumPy arrays, any batch size.  ``schedule=False`` skips the default CPU schedules
-        (naive loops; for debugging).
+        as float32 NumPy arrays, any batch size; ``exe.export_library("net.so")`` writes it for
+        ``pyro2pfp.load``.  For another CPU architecture the predictor only exports.
+        ``schedule=False`` skips the default CPU schedules (naive loops; for debugging).
         """
-        from .tvm_backend.runtime import compile_network
+        from .deploy import compile_network
 
         return compile_network(self, target, schedule=schedule)
+
+    def to_onnx(self, path: Any = None, *, opset: int = 17):
+        """Write the network as an ONNX model (standard operators; inputs ``x`` [, ``x_var``],
+        outputs ``mean``, ``var``; dynamic batch), checked with ``onnx.checker``; returns the
+        ``onnx.ModelProto``."""
+        from .onnx_export import to_onnx
+
+        return to_onnx(self, path, opset=opset)
 
     def summary(self) -> str:
         """The layer plan as a table."""
@@ -123,7 +133,7 @@ def convert(model: Any, guide: Any = None, *, input_shape: tuple[int, ...] | Non
     """
     if guide is None and hasattr(model, "net") and hasattr(model, "net_guide"):  # TyXe VariationalBNN
         model, guide = model.net, model.net_guide
-    if guide is None:
+    if guide is None and hasattr(model, "named_modules"):
         raise PosteriorError("convert(model, guide) needs the trained guide that holds the posterior")
     traced = trace_model(model, guide, input_shape)
     layer_graph = build_layer_graph(traced)

@@ -15,17 +15,20 @@ Graph interface::
              var    float32 (batch, *output_shape)
 
 ``batch`` is a symbolic dimension (dynamic batch).  Operators used: MatMul, Conv, Mul, Add, Sub,
-Div, Neg, Erf, Exp, Sqrt, Max, Min, Greater, Less, Where, Slice, MaxPool, Relu, Reshape, Shape,
-ConstantOfShape, Identity — nothing custom, default domain, opset 17 or newer.
+Div, Neg, Erf, Exp, Sqrt, Max, Min, Greater, Less, Where, Slice, Pad, MaxPool, AveragePool, Relu,
+Reshape, Shape, ConstantOfShape, Identity — nothing custom, default domain, opset 17 or newer.
 
-``erfc`` (no ONNX operator) is ``1 − Erf``, as in the TVM kernels.
+``Φ(α), Φ(−α)`` are ``½ ± ½·Erf(α/√2)`` (one Erf), as in the TVM kernels.  Max pooling folds
+Clark's max over strided ``Slice`` views of each window offset in row-major order (the reference's
+``window_views``); padded / ceil-mode positions hold the fold's identity ``(lowest float32, 0)``.
 """
 from __future__ import annotations
 
+import math
 import os
 from collections import Counter
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from types import SimpleNamespace
 from typing import Any
 
@@ -37,6 +40,8 @@ from .graph import INPUT, Repr
 from .plan import PlannedGraph, PlannedLayer
 
 D, V, S = Repr.DETERMINISTIC, Repr.VARIANCE, Repr.SECOND_MOMENT
+_INV_SQRT2 = 1.0 / math.sqrt(2.0)
+_LOWEST32 = float(np.finfo(np.float32).min)  # the max-pool fold's identity mean (as the TVM kernels)
 
 DEFAULT_OPSET = 17
 MIN_OPSET = 17
@@ -192,8 +197,14 @@ def _onnx_ops(b: _Builder) -> SimpleNamespace:
         x = x if isinstance(x, _Sym) else _Sym(b, value=float(x))
         return x.nary(op, y)
 
+    def normal_cdfs(alpha: _Sym) -> tuple[_Sym, _Sym]:
+        """(Φ(α), Φ(−α)) from one Erf, as the TVM kernels compute them."""
+        half_erf = _Sym(b, value=0.5) * (alpha * _Sym(b, value=_INV_SQRT2)).unary("Erf")
+        return _Sym(b, value=0.5) + half_erf, _Sym(b, value=0.5) - half_erf
+
     return SimpleNamespace(
         where=where,
+        normal_cdfs=normal_cdfs,
         erf=lambda x: x.unary("Erf"),
         erfc=lambda x: _Sym(b, value=1.0) - x.unary("Erf"),  # as the TVM kernels: 1 − erf
         exp=lambda x: x.unary("Exp"),
@@ -222,6 +233,7 @@ class _Act:
 class _Ctx:
     b: _Builder
     ops: SimpleNamespace
+    shapes: dict[str, tuple[int, ...]] = field(default_factory=dict)  # edge name -> shape (no batch)
 
     def variance(self, x: _Act) -> _Sym | None:
         if x.repr is D:
@@ -334,23 +346,105 @@ def _window_views(ctx: _Ctx, x: _Sym, kernel: list[int], stride: list[int], out_
             yield x.nary("Slice", starts, ends, axes, steps)
 
 
+def _window_pads(layer: PlannedLayer, in_hw: tuple[int, int]) -> list[int] | None:
+    """ONNX ``Pad`` amounts (N, C, H, W begins, then ends) that put every window inside the input
+    (begin padding + ceil-mode overhang, as ``reference.pooling.padded``); None if none needed."""
+    a, out_hw = layer.layer.attrs, layer.layer.out_shape[1:]
+    begins, ends = [], []
+    for n, k, s, p, o in zip(in_hw, a["kernel"], a["stride"], a.get("padding", [0, 0]), out_hw):
+        begins.append(int(p))
+        ends.append(max(0, (o - 1) * s + k - n - p))
+    if not any(begins) and not any(ends):
+        return None
+    return [0, 0, *begins, 0, 0, *ends]
+
+
+def _pad(ctx: _Ctx, x: _Sym, pads: list[int] | None, value: float) -> _Sym:
+    if pads is None:
+        return x
+    return x.nary("Pad", ctx.b.ints(pads, "pads"), _Sym(ctx.b, value=value), mode="constant")
+
+
 @exporter("max_pool2d")
 def _max_pool2d(ctx: _Ctx, layer: PlannedLayer, inputs: list[_Act]) -> _Act:
+    """``reference.pooling.max_pool2d``: positions outside the input hold the fold's identity."""
     a, x = layer.layer.attrs, inputs[0]
     kernel, stride = list(a["kernel"]), list(a["stride"])
     out_hw = tuple(layer.layer.out_shape[1:])
-    if any(a.get("padding", [0, 0])) or list(a.get("dilation", [1, 1])) != [1, 1]:
-        raise UnsupportedLayerError(
-            f"{layer.layer.source}: the ONNX exporter supports max pooling without padding or dilation "
-            f"(got padding {a.get('padding')}, dilation {a.get('dilation')})")
-    if x.repr is D:  # max over the window views == MaxPool without padding
-        mean = x.mean.nary("MaxPool", kernel_shape=kernel, strides=stride)
+    if list(a.get("dilation", [1, 1])) != [1, 1]:
+        raise UnsupportedLayerError(f"{layer.layer.source}: max pooling with dilation {a['dilation']}")
+    pads = _window_pads(layer, ctx.shapes[layer.inputs[0]][1:])
+    if x.repr is D:  # max over the (−inf padded) window views == MaxPool on the padded input
+        mean = _pad(ctx, x.mean, pads, float("-inf")).nary("MaxPool", kernel_shape=kernel, strides=stride)
         return _Act(mean, None, D)
-    means = _window_views(ctx, x.mean, kernel, stride, out_hw)
-    vars_ = _window_views(ctx, ctx.variance(x), kernel, stride, out_hw)
+    means = _window_views(ctx, _pad(ctx, x.mean, pads, _LOWEST32), kernel, stride, out_hw)
+    vars_ = _window_views(ctx, _pad(ctx, ctx.variance(x), pads, 0.0), kernel, stride, out_hw)
     mean, var = next(means), next(vars_)
     for m, v in zip(means, vars_):
         mean, var = moments.max_moments(mean, var, m, v, ctx.ops)
+    return ctx.emit_output(mean, var, layer)
+
+
+@exporter("avg_pool2d")
+def _avg_pool2d(ctx: _Ctx, layer: PlannedLayer, inputs: list[_Act]) -> _Act:
+    """``reference.pooling.avg_pool2d``: ``μ ↦ Σμ/d``, ``v ↦ Σv/d²`` with torch's divisors ``d``.
+
+    ``AveragePool`` on the zero-padded input gives ``Σ/(kh·kw)``; a constant per output position
+    rescales it to ``Σ/d`` (and ``Σ/d²``)."""
+    from .reference.pooling import average_divisor
+
+    a, x = layer.layer.attrs, inputs[0]
+    kernel, stride = list(a["kernel"]), list(a["stride"])
+    in_hw = tuple(ctx.shapes[layer.inputs[0]][1:])
+    out_hw = tuple(layer.layer.out_shape[1:])
+    pads = _window_pads(layer, in_hw)
+    divisor = average_divisor(a, in_hw, out_hw)
+    window = float(kernel[0] * kernel[1])
+
+    def window_sum_over(t: _Sym, scale: np.ndarray, hint: str) -> _Sym:
+        pooled = _pad(ctx, t, pads, 0.0).nary("AveragePool", kernel_shape=kernel, strides=stride)
+        return pooled * _Sym(ctx.b, ctx.b.initializer(scale, hint))
+
+    mean = window_sum_over(x.mean, window / divisor, "mean_scale")
+    if x.repr is D:
+        return _Act(mean, None, D)
+    var = window_sum_over(ctx.variance(x), window / divisor**2, "var_scale")
+    return ctx.emit_output(mean, var, layer)
+
+
+@exporter("leaky_relu")
+def _leaky_relu(ctx: _Ctx, layer: PlannedLayer, inputs: list[_Act]) -> _Act:
+    x, slope = inputs[0], float(layer.layer.attrs["slope"])
+    if x.repr is D:
+        mean = ctx.ops.where(x.mean > ctx.ops.const(0.0), x.mean, ctx.ops.const(slope) * x.mean)
+        return _Act(mean, None, D)
+    mean, var = moments.leaky_relu_moments(x.mean, ctx.variance(x), slope, ctx.ops)
+    return ctx.emit_output(mean, var, layer)
+
+
+@exporter("affine")
+def _affine(ctx: _Ctx, layer: PlannedLayer, inputs: list[_Act]) -> _Act:
+    """Per-channel ``μ ↦ a·μ + c``, ``v ↦ a²·v`` (channel axis 1)."""
+    x = inputs[0]
+    shape = (-1,) + (1,) * (len(layer.layer.out_shape) - 1)
+    scale = layer.tensors["scale"].reshape(shape)
+    mean = x.mean * _Sym(ctx.b, ctx.b.initializer(scale, "scale")) + _Sym(
+        ctx.b, ctx.b.initializer(layer.tensors["shift"].reshape(shape), "shift"))
+    if x.repr is D:
+        return _Act(mean, None, D)
+    var = ctx.variance(x) * _Sym(ctx.b, ctx.b.initializer(scale**2, "scale_sq"))
+    return ctx.emit_output(mean, var, layer)
+
+
+@exporter("add")
+def _add(ctx: _Ctx, layer: PlannedLayer, inputs: list[_Act]) -> _Act:
+    """Sum of two independent Gaussians: means and variances add."""
+    a, c = inputs
+    mean = a.mean + c.mean
+    if a.repr is D and c.repr is D:
+        return _Act(mean, None, D)
+    va, vc = ctx.variance(a), ctx.variance(c)
+    var = va if vc is None else vc if va is None else va + vc
     return ctx.emit_output(mean, var, layer)
 
 
@@ -366,19 +460,6 @@ def _planned(net: Any) -> PlannedGraph:
     if isinstance(planned, PlannedGraph):
         return planned
     raise TypeError(f"to_onnx needs a PFPNetwork or a PlannedGraph, got {type(net).__name__}")
-
-
-def _check_pool_shapes(graph: PlannedGraph) -> None:
-    for layer in graph.layers:
-        if layer.op != "max_pool2d":
-            continue
-        a = layer.layer.attrs
-        _, h, w = graph.shape_of(layer.inputs[0])
-        floor = tuple((n - k) // s + 1 for n, k, s in zip((h, w), a["kernel"], a["stride"]))
-        if tuple(layer.layer.out_shape[1:]) != floor:
-            raise UnsupportedLayerError(
-                f"{layer.layer.source}: the ONNX exporter does not support ceil-mode windows that "
-                f"overhang the input (output {layer.layer.out_shape[1:]}, floor mode gives {floor})")
 
 
 def build_model(net: Any, *, opset: int = DEFAULT_OPSET, graph_name: str | None = None):
@@ -397,10 +478,10 @@ def build_model(net: Any, *, opset: int = DEFAULT_OPSET, graph_name: str | None 
         raise UnsupportedLayerError(
             f"{source}: the ONNX exporter has no emitter for PFP op(s) {missing}; "
             f"supported: {sorted(EXPORTERS)}")
-    _check_pool_shapes(graph)
 
     b = _Builder()
-    ctx = _Ctx(b, _onnx_ops(b))
+    ctx = _Ctx(b, _onnx_ops(b), {INPUT: tuple(graph.input_shape)})
+    ctx.shapes.update({layer.name: tuple(layer.layer.out_shape) for layer in graph.layers})
     in_dims = ["batch", *graph.input_shape]
     inputs = [helper.make_tensor_value_info("x", TensorProto.FLOAT, in_dims)]
     b._used["x"] += 1

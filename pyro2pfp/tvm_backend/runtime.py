@@ -49,6 +49,46 @@ class CompiledPFP:
         mean, var = self._main(*self._args(x, x_var))
         return mean.numpy(), var.numpy()
 
+    # -- deployment (implemented in pyro2pfp.deploy) ------------------------------------------
+
+    @classmethod
+    def for_cross_target(cls, executable: Any, input_shape: tuple[int, ...], input_variance: bool,
+                         target: tvm.target.Target) -> "CompiledPFP":
+        """A predictor compiled for another CPU architecture: it cannot run here, only export."""
+        from ..deploy import target_arch, host_arch
+        from ..errors import PFPError
+
+        self = cls.__new__(cls)
+        self.executable = executable
+        self.input_shape = tuple(input_shape)
+        self.input_variance = input_variance
+        self.target = target
+        self.device = None
+        self.vm = None
+        arch = target_arch(target)
+
+        def not_here(*_: Any) -> None:
+            raise PFPError(
+                f"this network was compiled for {arch} and cannot run on this {host_arch()} machine: "
+                f"exe.export_library('net.so') and run it on the device with pyro2pfp.load('net.so')")
+
+        self._main = not_here
+        return self
+
+    @property
+    def runnable(self) -> bool:
+        """False for a cross-compiled predictor (another CPU architecture): export it instead."""
+        return self.vm is not None
+
+    def export_library(self, path: Any, *, cc: str | None = None, metadata: dict | None = None) -> str:
+        """Write the compiled network to ``path`` (``.so`` or ``.tar``) with TVM's ``export_library``
+        plus ``path + ".json"`` (input shape, input-variance flag, target); ``pyro2pfp.load(path)``
+        gives back a predictor with the same outputs.  Cross targets: ``.so`` uses the cross compiler
+        (``cc``, default ``aarch64-linux-gnu-gcc`` for AArch64), ``.tar`` needs no toolchain."""
+        from ..deploy import export_library
+
+        return export_library(self, path, cc=cc, metadata=metadata)
+
 
 def compile_network(net: Any, target: Any = "llvm", *, schedule: bool = True) -> CompiledPFP:
     """Schedule (default CPU schedules) and build ``net.mod`` for ``target``."""

@@ -1,0 +1,692 @@
+"""The ``pyro2pfp`` command line: convert a trained Pyro BNN to a compiled library or ONNX file,
+inspect it, run it on saved inputs and benchmark it.  See ``pyro2pfp --help``."""
+from __future__ import annotations
+
+import argparse
+import importlib
+import importlib.util
+import inspect as pyinspect
+import os
+import sys
+import textwrap
+import time
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from .errors import InputShapeError, PFPError
+
+DEFAULT_FUNCTION = "build"
+LIBRARY_EXTS = (".so", ".tar")
+
+MAIN_DESCRIPTION = """\
+Turn a Bayesian neural network trained with Pyro into a Probabilistic Forward Pass (PFP) network:
+one pass that predicts the mean and the variance of every output, instead of sampling the BNN.
+
+You need two things from training:
+  1. a BUILDER: a Python function that creates your model and guide and returns (model, guide),
+     e.g. in builder.py:
+         from pyro2pfp.zoo import BayesianMLP, make_guide
+         def build():
+             model = BayesianMLP(784, (100,), 10)
+             return model, make_guide(model)
+  2. the trained parameters, saved after training with
+         pyro.get_param_store().save("params.pt")
+"""
+
+MAIN_EPILOG = """\
+examples:
+  pyro2pfp convert builder.py:build --params params.pt --input-shape 1,28,28 -o net.so
+  pyro2pfp convert builder.py:build --params params.pt --input-shape 1,28,28 -o net.onnx
+  pyro2pfp convert builder.py:build --params params.pt --input-shape 1,28,28 --target rpi4 -o net_rpi4.so
+  pyro2pfp inspect builder.py:build --params params.pt --input-shape 1,28,28
+  pyro2pfp inspect net.so
+  pyro2pfp predict net.so images.npy -o predictions.npz
+  pyro2pfp bench builder.py:build --params params.pt --input-shape 1,28,28
+
+Run 'pyro2pfp COMMAND --help' for the options of each command.
+"""
+
+BUILDER_HELP = (
+    "where to find the function returning (model, guide): FILE.py:FUNCTION or MODULE:FUNCTION "
+    f"(FUNCTION defaults to '{DEFAULT_FUNCTION}'). It is called without arguments."
+)
+
+
+class CLIError(PFPError):
+    """A user error reported by the command line (message only, no traceback)."""
+
+
+# ---------------------------------------------------------------------------------------------
+# Argument parsing helpers
+# ---------------------------------------------------------------------------------------------
+
+
+def parse_shape(text: str) -> tuple[int, ...]:
+    """``"1,28,28"`` / ``"1x28x28"`` / ``"(1, 28, 28)"`` → ``(1, 28, 28)``."""
+    cleaned = text.strip().strip("()[]").replace("x", ",").replace("X", ",")
+    parts = [p.strip() for p in cleaned.split(",") if p.strip()]
+    try:
+        shape = tuple(int(p) for p in parts)
+    except ValueError:
+        raise argparse.ArgumentTypeError(
+            f"'{text}' is not a shape; write the shape of ONE input without the batch dimension, "
+            "e.g. 1,28,28 for MNIST images or 784 for flattened ones") from None
+    if not shape or any(d <= 0 for d in shape):
+        raise argparse.ArgumentTypeError(f"'{text}': the shape needs positive sizes, e.g. 1,28,28")
+    return shape
+
+
+def parse_int_list(text: str) -> list[int]:
+    try:
+        values = [int(p) for p in text.replace(" ", "").split(",") if p]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"'{text}' is not a comma-separated list of integers") from None
+    if not values or any(v <= 0 for v in values):
+        raise argparse.ArgumentTypeError(f"'{text}': positive integers expected, e.g. 1,32")
+    return values
+
+
+def non_negative_float(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"'{text}' is not a number") from None
+    if not np.isfinite(value) or value < 0:
+        raise argparse.ArgumentTypeError(f"'{text}': a finite number >= 0 is expected")
+    return value
+
+
+def positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"'{text}' is not an integer") from None
+    if value <= 0:
+        raise argparse.ArgumentTypeError(f"'{text}': a positive integer is expected")
+    return value
+
+
+# ---------------------------------------------------------------------------------------------
+# Builder, param store, conversion
+# ---------------------------------------------------------------------------------------------
+
+
+def _split_spec(spec: str) -> tuple[str, str | None]:
+    if ":" in spec:
+        where, _, func = spec.rpartition(":")
+        if where and func and os.sep not in func and "." not in func:
+            return where, func
+    return spec, None
+
+
+def load_builder(spec: str):
+    """The builder function named by ``FILE.py[:FUNCTION]`` or ``MODULE:FUNCTION``."""
+    where, func = _split_spec(spec)
+    name = func or DEFAULT_FUNCTION
+    if where.endswith(".py") or os.sep in where or os.path.exists(where):
+        path = Path(where)
+        if not path.is_file():
+            raise CLIError(f"builder file '{where}' not found (expected FILE.py:FUNCTION, e.g. builder.py:build)")
+        mod_name = f"_pyro2pfp_builder_{abs(hash(str(path.resolve())))}"
+        module_spec = importlib.util.spec_from_file_location(mod_name, path)
+        module = importlib.util.module_from_spec(module_spec)
+        sys.path.insert(0, str(path.resolve().parent))  # let the builder import its neighbours
+        try:
+            sys.modules[mod_name] = module
+            module_spec.loader.exec_module(module)
+        except Exception as exc:
+            sys.modules.pop(mod_name, None)
+            raise CLIError(f"running builder file '{where}' failed: {type(exc).__name__}: {exc}") from exc
+        finally:
+            sys.path.remove(str(path.resolve().parent))
+    else:
+        if func is None:
+            raise CLIError(f"'{spec}': give the builder as FILE.py:FUNCTION or MODULE:FUNCTION")
+        try:
+            module = importlib.import_module(where)
+        except ImportError as exc:
+            raise CLIError(f"cannot import module '{where}' for the builder '{spec}': {exc}") from exc
+    fn = getattr(module, name, None)
+    if not callable(fn):
+        functions = sorted(n for n, obj in vars(module).items()
+                           if pyinspect.isfunction(obj) and obj.__module__ == module.__name__
+                           and not n.startswith("_"))
+        hint = f"; functions defined there: {', '.join(functions)}" if functions else ""
+        raise CLIError(f"'{where}' has no function '{name}'{hint}. Name it as {where}:FUNCTION.")
+    return fn
+
+
+def build_model_and_guide(spec: str) -> tuple[Any, Any]:
+    fn = load_builder(spec)
+    try:
+        result = fn()
+    except Exception as exc:
+        raise CLIError(f"the builder {spec} raised {type(exc).__name__}: {exc}") from exc
+    if not isinstance(result, (tuple, list)) or len(result) != 2:
+        raise CLIError(f"the builder {spec} must return (model, guide), got {type(result).__name__}"
+                       + (f" of length {len(result)}" if isinstance(result, (tuple, list)) else ""))
+    return result[0], result[1]
+
+
+def _constraint_classes() -> list[type]:
+    """Every Constraint class of torch and Pyro: the only non-tensor objects a param store holds."""
+    import pyro.distributions.constraints as pyro_constraints
+    import torch.distributions.constraints as torch_constraints
+
+    classes = set()
+    for module in (torch_constraints, pyro_constraints):
+        for obj in vars(module).values():
+            if pyinspect.isclass(obj) and issubclass(obj, torch_constraints.Constraint):
+                classes.add(obj)
+    return sorted(classes, key=lambda c: (c.__module__, c.__name__))
+
+
+def load_param_store(path: str) -> set[str]:
+    """Load ``pyro.get_param_store().save(path)`` output with ``torch.load(weights_only=True)``.
+
+    Only tensors and Pyro/torch constraint objects are accepted (no arbitrary pickled code).
+    Returns the names of the loaded parameters.
+    """
+    import pickle
+
+    import pyro
+    import torch
+
+    if not os.path.isfile(path):
+        raise CLIError(f"parameter file '{path}' not found (save it after training with "
+                       "pyro.get_param_store().save(path))")
+    try:
+        with torch.serialization.safe_globals(_constraint_classes()):
+            state = torch.load(path, map_location="cpu", weights_only=True)
+    except pickle.UnpicklingError as exc:
+        boilerplate = ("Weights only load failed", "Check the documentation", "Please file an issue")
+        lines = [line.strip() for line in str(exc).splitlines() if line.strip()]
+        detail = " ".join(line.replace("WeightsUnpickler error:", "").strip() for line in lines
+                          if not line.startswith(boilerplate)).strip() or "unreadable"
+        if "global" in detail.lower():
+            raise CLIError(f"'{path}' holds objects other than tensors and Pyro constraints, so it is not "
+                           f"loaded (torch.load with weights_only=True: {detail})") from None
+        raise CLIError(f"'{path}' is not a file written by pyro.get_param_store().save() "
+                       f"(torch.load with weights_only=True: {detail})") from None
+    except Exception as exc:
+        raise CLIError(f"'{path}' is not a file written by pyro.get_param_store().save(): "
+                       f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}") from None
+    if not isinstance(state, dict) or set(state) != {"params", "constraints"}:
+        keys = sorted(state)[:5] if isinstance(state, dict) else type(state).__name__
+        raise CLIError(f"'{path}' is not a Pyro param store (expected what pyro.get_param_store().save() "
+                       f"writes: a dict with 'params' and 'constraints'; got {keys})")
+    bad = [k for k, v in state["params"].items() if not isinstance(v, torch.Tensor)]
+    if bad:
+        raise CLIError(f"'{path}': parameters {bad[:3]} are not tensors")
+    pyro.get_param_store().set_state(state)
+    return set(state["params"])
+
+
+def sync_guide(model: Any, guide: Any, input_shape: tuple[int, ...] | None, loaded: set[str],
+               params_path: str) -> None:
+    """After loading a param store: run the guide once so that its parameters exist and take the
+    store's values (PyroModule parameters sync with the store when the module runs).
+
+    An autoguide that has never run has no posterior yet; its prototype is built from the model with
+    every sample site other than the weights (e.g. the likelihood) hidden, so models like
+    ``pyro.sample("obs", Categorical(...), obs=y)`` need no ``y``.  Hand-written guides read
+    ``pyro.param`` from the store when ``convert`` traces them.
+    """
+    import pyro
+    import torch
+    from pyro import poutine
+    from pyro.infer.autoguide import AutoGuide
+    from pyro.infer.autoguide.initialization import InitMessenger
+
+    from .tracing import infer_input_shape, sample_sites
+
+    if not isinstance(guide, AutoGuide):
+        return
+    if input_shape is None:
+        input_shape = infer_input_shape(model)
+    x = torch.zeros((1, *input_shape))
+    original = getattr(guide, "_model", None)
+    swap = guide.prototype_trace is None and original is not None
+    try:
+        if swap:
+            weight_sites = set(sample_sites(model).values()) if isinstance(model, torch.nn.Module) else set()
+
+            def hide(msg: dict) -> bool:
+                return msg.get("type") == "sample" and bool(weight_sites) and msg["name"] not in weight_sites
+
+            # The autoguide wrapped the model in InitMessenger(init_loc_fn); the block must sit
+            # inside it, or the init strategy sees the likelihood site first.
+            inner = poutine.block(model, hide_fn=hide)
+            init_fn = getattr(guide, "init_loc_fn", None)
+            guide._model = (InitMessenger(init_fn)(inner) if init_fn is not None else inner,)
+        with torch.no_grad(), poutine.block():
+            guide(x)
+    except Exception as exc:
+        raise CLIError(f"running the guide once (to give it the parameters of '{params_path}') failed: "
+                       f"{type(exc).__name__}: {exc}") from exc
+    finally:
+        if swap:
+            guide._model = original
+    created = sorted(set(pyro.get_param_store().keys()) - loaded)
+    if created:
+        have = sorted(loaded)
+        raise CLIError(
+            f"'{params_path}' has no values for the guide's parameters {created[:4]}"
+            f"{' …' if len(created) > 4 else ''}; it holds {have[:4]}{' …' if len(have) > 4 else ''}. "
+            "Was it saved from the same model and guide (same builder, same sizes)?")
+
+
+def convert_from_args(args: argparse.Namespace):
+    """Builder + param store → PFPNetwork (what convert / inspect / bench share)."""
+    import pyro
+
+    import pyro2pfp
+
+    pyro.clear_param_store()
+    model, guide = build_model_and_guide(args.builder)
+    if args.params:
+        sync_guide(model, guide, args.input_shape, load_param_store(args.params), args.params)
+    options = {}
+    if getattr(args, "input_variance", False):
+        options["input_variance"] = True
+    try:
+        net = pyro2pfp.convert(model, guide, input_shape=args.input_shape, calibration=args.calibration,
+                               moment_form=args.moment_form, **options)
+    except PFPError as exc:
+        if args.params is None and "never been run" in str(exc):
+            raise CLIError(f"{exc} Pass the trained parameters with --params params.pt.") from None
+        if args.params is not None and "shape" in str(exc):
+            raise CLIError(f"{exc} (the parameters come from '{args.params}': was it saved from a model "
+                           "of other sizes?)") from None
+        raise
+    return model, guide, net
+
+
+# ---------------------------------------------------------------------------------------------
+# Inputs / artefacts
+# ---------------------------------------------------------------------------------------------
+
+
+def _load_array(path: str, what: str) -> np.ndarray:
+    if not os.path.isfile(path):
+        raise CLIError(f"{what} file '{path}' not found")
+    try:
+        data = np.load(path, allow_pickle=False)
+    except Exception as exc:
+        raise CLIError(f"cannot read {what} '{path}' as a NumPy .npy/.npz file: {exc}") from None
+    if isinstance(data, np.lib.npyio.NpzFile):
+        with data:
+            keys = list(data.keys())
+            key = "x_var" if what == "input variance" and "x_var" in keys else "x" if "x" in keys else None
+            if key is None and len(keys) == 1:
+                key = keys[0]
+            if key is None:
+                raise CLIError(f"{path} holds arrays {keys}; name the input 'x' (np.savez(path, x=...))")
+            data = data[key]
+    return data
+
+
+def _batched(x: np.ndarray, input_shape: tuple[int, ...], name: str) -> np.ndarray:
+    if x.ndim == len(input_shape) and tuple(x.shape) == tuple(input_shape):
+        print(f"note: {name} has the shape of one input {x.shape}; treating it as a batch of 1", file=sys.stderr)
+        return x[None]
+    return x
+
+
+class _OnnxPredictor:
+    """onnxruntime session with the same input checks as the compiled predictor."""
+
+    def __init__(self, path: str) -> None:
+        import onnx
+        import onnxruntime as ort
+
+        model = onnx.load(path)
+        props = {p.key: p.value for p in model.metadata_props}
+        names = [i.name for i in model.graph.input]
+        if "x" not in names:
+            raise CLIError(f"{path} has inputs {names}; a pyro2pfp ONNX model has input 'x'")
+        if "pyro2pfp.input_shape" in props:
+            self.input_shape = tuple(int(d) for d in props["pyro2pfp.input_shape"].split(","))
+        else:
+            dims = model.graph.input[0].type.tensor_type.shape.dim[1:]
+            self.input_shape = tuple(int(d.dim_value) for d in dims)
+        self.input_variance = "x_var" in names
+        self.session = ort.InferenceSession(path, providers=["CPUExecutionProvider"])
+
+    def __call__(self, x: Any, x_var: Any = None) -> tuple[np.ndarray, np.ndarray]:
+        from .network import as_input_array
+
+        feeds = {"x": as_input_array(x, self.input_shape)}
+        if self.input_variance:
+            if x_var is None:
+                raise InputShapeError("this network takes (x, x_var): pass the input variance too")
+            feeds["x_var"] = as_input_array(x_var, self.input_shape, "x_var")
+            if np.any(feeds["x_var"] < 0):
+                raise InputShapeError("x_var must be non-negative")
+        mean, var = self.session.run(["mean", "var"], feeds)
+        return mean, var
+
+
+def load_predictor(path: str):
+    """A compiled library (.so/.tar, via pyro2pfp.load) or an ONNX model (via onnxruntime)."""
+    from . import deploy
+
+    if not os.path.isfile(path):
+        raise CLIError(f"model file '{path}' not found")
+    ext = os.path.splitext(path)[1].lower()
+    if ext in LIBRARY_EXTS:
+        return deploy.load(path)
+    if ext == ".onnx":
+        return _OnnxPredictor(path)
+    raise CLIError(f"'{path}': expected a .so / .tar library (pyro2pfp convert -o net.so) or a .onnx model")
+
+
+def _check_output_path(path: str, exts: Sequence[str], what: str) -> str:
+    ext = os.path.splitext(path)[1].lower()
+    if ext not in exts:
+        raise CLIError(f"output '{path}': {what} must end in {' or '.join(exts)}")
+    directory = os.path.dirname(os.path.abspath(path))
+    if not os.path.isdir(directory):
+        raise CLIError(f"output directory '{directory}' does not exist")
+    return ext
+
+
+# ---------------------------------------------------------------------------------------------
+# Commands
+# ---------------------------------------------------------------------------------------------
+
+
+def cmd_convert(args: argparse.Namespace) -> int:
+    from . import deploy
+    from .onnx_export import to_onnx
+
+    ext = _check_output_path(args.output, (".so", ".tar", ".onnx"), "the output file")
+    if ext != ".onnx":
+        deploy.resolve_target(args.target or "llvm")  # fail before the (slow) conversion
+    t0 = time.perf_counter()
+    model, _, net = convert_from_args(args)
+    print(f"converted {type(model).__name__}: input shape {net.input_shape}, {len(net.plan.layers)} "
+          f"layers, moment form '{net.plan.moment_form}', calibration {net.calibration:g} "
+          f"({time.perf_counter() - t0:.1f} s)")
+    if args.verbose:
+        print(net.summary())
+    t0 = time.perf_counter()
+    if ext == ".onnx":
+        if args.target not in (None, "llvm"):
+            print(f"note: --target {args.target} is ignored for ONNX output", file=sys.stderr)
+        to_onnx(net, args.output, opset=args.opset)
+        print(f"wrote {args.output} (ONNX opset {args.opset}; inputs {'x, x_var' if net.input_variance else 'x'}; "
+              f"outputs mean, var) in {time.perf_counter() - t0:.1f} s")
+        return 0
+    exe = deploy.compile_network(net, args.target or "llvm", schedule=not args.no_schedule)
+    extra = {"model": type(model).__name__, "builder": args.builder,
+             "params": os.path.basename(args.params) if args.params else None,
+             "calibration": net.calibration, "moment_form": net.plan.moment_form, "plan": net.summary()}
+    exe.export_library(args.output, metadata=extra)
+    arch = deploy.target_arch(exe.target)
+    where = "" if exe.runnable else f" (for {arch}: copy both files to the device)"
+    print(f"wrote {args.output} and {deploy.sidecar_path(args.output)}{where} in {time.perf_counter() - t0:.1f} s")
+    return 0
+
+
+def cmd_inspect(args: argparse.Namespace) -> int:
+    from . import deploy
+
+    target = args.builder
+    ext = os.path.splitext(target)[1].lower()
+    if ext in LIBRARY_EXTS or target.endswith(deploy.SIDECAR_SUFFIX):
+        info = deploy.read_metadata(target)
+        print(f"{info['library']}: compiled pyro2pfp network for {info.get('target_arch')}")
+        print(f"  inputs {', '.join(info['inputs'])}: float32 (batch, {', '.join(map(str, info['input_shape']))})")
+        print(f"  outputs {', '.join(info['outputs'])}")
+        for key in ("model", "builder", "params", "calibration", "moment_form", "pyro2pfp_version",
+                    "tvm_version"):
+            if info.get(key) is not None:
+                print(f"  {key}: {info[key]}")
+        target = info.get("target") or {}
+        if isinstance(target, dict):
+            keys = ("mtriple", "mcpu", "mattr", "num-cores")
+            parts = [str(target.get("kind", "?"))] + [
+                f"{k} {','.join(target[k]) if isinstance(target[k], list) else target[k]}" for k in keys if target.get(k)]
+            target = ", ".join(parts)
+        print(f"  target: {target}")
+        if info.get("plan"):
+            print(info["plan"])
+        return 0
+    if ext == ".onnx":
+        import onnx
+
+        from .onnx_export import onnx_ops_used
+
+        if not os.path.isfile(target):
+            raise CLIError(f"'{target}' not found")
+        model = onnx.load(target)
+        props = {p.key: p.value for p in model.metadata_props}
+        print(f"{target}: ONNX model, opset {model.opset_import[0].version}, {len(model.graph.node)} nodes")
+        for value in list(model.graph.input) + list(model.graph.output):
+            dims = [d.dim_param or str(d.dim_value) for d in value.type.tensor_type.shape.dim]
+            kind = "input " if value in model.graph.input else "output"
+            print(f"  {kind} {value.name}: float32 ({', '.join(dims)})")
+        for key, value in props.items():
+            print(f"  {key}: {value}")
+        print("  operators: " + ", ".join(f"{op} {n}" for op, n in onnx_ops_used(model).most_common()))
+        return 0
+    if args.params is None and args.input_shape is None and ext not in ("", ".py"):
+        raise CLIError(f"'{target}': expected a builder (FILE.py:FUNCTION) or a .so / .tar / .onnx file")
+    _, _, net = convert_from_args(args)
+    print(net.summary())
+    return 0
+
+
+def cmd_predict(args: argparse.Namespace) -> int:
+    _check_output_path(args.output, (".npz",), "the output file")
+    exe = load_predictor(args.model)
+    x = _batched(_load_array(args.input, "input"), exe.input_shape, "the input")
+    x_var = None
+    if args.input_var is not None:
+        if not exe.input_variance:
+            raise CLIError("--input-var given, but this network takes no input variance")
+        x_var = _batched(_load_array(args.input_var, "input variance"), exe.input_shape, "the input variance")
+    elif exe.input_variance:
+        raise CLIError("this network takes an input variance: pass --input-var VAR.npy")
+    t0 = time.perf_counter()
+    mean, var = exe(x, x_var)
+    elapsed = time.perf_counter() - t0
+    np.savez(args.output, mean=mean, var=var)
+    print(f"wrote {args.output}: mean {mean.shape}, var {var.shape} (batch of {mean.shape[0]} in "
+          f"{elapsed * 1e3:.1f} ms)")
+    if mean.ndim == 2 and mean.shape[1] > 1:
+        top = mean.argmax(1)
+        std = np.sqrt(var[np.arange(len(top)), top])
+        shown = min(len(top), args.show)
+        for i in range(shown):
+            print(f"  input {i}: class {top[i]}  mean {mean[i, top[i]]:.4g}  std {std[i]:.4g}")
+        if len(top) > shown:
+            print(f"  … ({len(top) - shown} more in {args.output})")
+    return 0
+
+
+def _latency_script() -> Path | None:
+    for root in (Path.cwd(), Path(__file__).resolve().parents[1]):
+        candidate = root / "benchmarks" / "latency.py"
+        if candidate.is_file():
+            return candidate
+    return None
+
+
+def _median_ms(fn, repeat: int) -> float:
+    fn()  # warm-up
+    times = []
+    for _ in range(repeat):
+        t0 = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t0)
+    return 1e3 * float(np.median(times))
+
+
+def cmd_bench(args: argparse.Namespace) -> int:
+    import tempfile
+
+    from . import deploy
+    from .onnx_export import to_onnx
+    from .zoo import predictive_logits
+
+    model, guide, net = convert_from_args(args)
+    exe = deploy.compile_network(net, args.target)
+    if not exe.runnable:
+        raise CLIError(f"--target {args.target} is for another CPU; bench runs on this machine")
+    script = _latency_script()
+    if script is not None and not args.builtin:
+        spec = importlib.util.spec_from_file_location("_pyro2pfp_latency", script)
+        module = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(module)
+        if callable(getattr(module, "bench", None)):
+            print(f"(using {script})")
+            out = module.bench(model, guide, net, exe=exe, batch_sizes=args.batch_sizes,
+                               num_samples=args.samples, repeats=args.repeat)
+            if out is not None:
+                print(out)
+            return 0
+    ort_session = None
+    try:
+        import onnxruntime as ort
+
+        with tempfile.TemporaryDirectory() as tmp:
+            path = os.path.join(tmp, "net.onnx")
+            to_onnx(net, path)
+            ort_session = ort.InferenceSession(path, providers=["CPUExecutionProvider"])
+    except ImportError:
+        print("note: onnxruntime is not installed; its column is skipped", file=sys.stderr)
+    rng = np.random.default_rng(0)
+    header = f"{'batch':>6}  {'PFP TVM ms':>11}  {'PFP onnxruntime ms':>19}  {f'Predictive ({args.samples} samples) ms':>28}  {'speed-up':>8}"
+    print(f"target {exe.target.attrs.get('mcpu', '') or exe.target.kind.name}; median of {args.repeat} runs")
+    print(header)
+    print("-" * len(header))
+    for batch in args.batch_sizes:
+        x = rng.uniform(0.0, 1.0, (batch, *net.input_shape)).astype(np.float32)
+        feeds = {"x": x}
+        if net.input_variance:
+            feeds["x_var"] = np.full_like(x, 1e-4)
+        t_tvm = _median_ms(lambda: exe(*feeds.values()), args.repeat)
+        t_ort = (_median_ms(lambda: ort_session.run(None, feeds), args.repeat)
+                 if ort_session is not None else float("nan"))
+        t_mc = _median_ms(lambda: predictive_logits(model, guide, x, num_samples=args.samples),
+                          max(1, min(args.repeat, 5)))
+        print(f"{batch:>6}  {t_tvm:>11.3f}  {t_ort:>19.3f}  {t_mc:>28.2f}  {t_mc / t_tvm:>7.0f}x")
+    return 0
+
+
+# ---------------------------------------------------------------------------------------------
+# Parser
+# ---------------------------------------------------------------------------------------------
+
+
+def _add_conversion_options(p: argparse.ArgumentParser, builder_help: str = BUILDER_HELP) -> None:
+    p.add_argument("builder", metavar="BUILDER", help=builder_help)
+    p.add_argument("--params", "-p", metavar="PARAMS.pt",
+                   help="trained parameters saved with pyro.get_param_store().save(PARAMS.pt); loaded with "
+                        "torch.load(weights_only=True) (tensors and Pyro constraints only)")
+    p.add_argument("--input-shape", "-s", type=parse_shape, metavar="C,H,W",
+                   help="shape of ONE input without the batch dimension, e.g. 1,28,28 (needed when the "
+                        "first layer is a convolution; a Linear first layer gives it)")
+    p.add_argument("--calibration", "-c", type=non_negative_float, default=1.0, metavar="FACTOR",
+                   help="multiply every posterior weight variance by FACTOR (default 1.0)")
+    p.add_argument("--moment-form", choices=("variance", "raw"), default="variance",
+                   help="'variance' (default, accurate in float32) or 'raw' (the paper's raw-moment plan)")
+    p.add_argument("--input-variance", action="store_true",
+                   help="the network also takes the variance of its input (sensor noise): inputs x, x_var")
+
+
+def _target_help() -> str:
+    from .deploy import PRESET_HELP
+
+    presets = "; ".join(f"{k}: {v}" for k, v in PRESET_HELP.items())
+    return ("where the library will run: 'llvm' (this machine, generic; default), 'native' (this CPU), "
+            f"a preset ({presets}), a TVM tag, or a JSON target dict")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    formatter = argparse.RawDescriptionHelpFormatter
+    parser = argparse.ArgumentParser(prog="pyro2pfp", description=MAIN_DESCRIPTION, epilog=MAIN_EPILOG,
+                                     formatter_class=formatter)
+    from . import __version__
+
+    parser.add_argument("--version", action="version", version=f"pyro2pfp {__version__}")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
+
+    p = sub.add_parser("convert", formatter_class=formatter, help="convert a trained model to .so/.tar or .onnx",
+                       description=textwrap.dedent("""\
+        Convert a trained Pyro BNN into a PFP network and write it as
+          .so    compiled shared library (TVM) + a .so.json metadata file: load with pyro2pfp.load()
+                 or 'pyro2pfp predict'; with --target for another CPU, copy both files to the device
+          .tar   the same as object files (no cross linker needed; linked when loaded)
+          .onnx  ONNX model (standard operators; inputs x [, x_var], outputs mean, var)"""),
+                       epilog=textwrap.dedent("""\
+        example:
+          pyro2pfp convert builder.py:build --params params.pt --input-shape 1,28,28 -o net.so"""))
+    _add_conversion_options(p)
+    p.add_argument("--output", "-o", required=True, metavar="OUT",
+                   help="output file: net.so, net.tar or net.onnx")
+    p.add_argument("--target", "-t", default=None, help=_target_help())
+    p.add_argument("--opset", type=int, default=17, help="ONNX opset for .onnx output (default 17)")
+    p.add_argument("--no-schedule", action="store_true", help="skip the CPU schedules (debugging)")
+    p.add_argument("--verbose", "-v", action="store_true", help="print the layer plan")
+    p.set_defaults(func=cmd_convert)
+
+    p = sub.add_parser("inspect", formatter_class=formatter, help="print the layer plan of a model or file",
+                       description="Print the PFP layer plan (ops, shapes, mean/variance representations) "
+                                   "of a builder + parameters, or describe a .so/.tar/.onnx file.",
+                       epilog="examples:\n  pyro2pfp inspect builder.py:build --params params.pt --input-shape 1,28,28\n"
+                              "  pyro2pfp inspect net.so\n  pyro2pfp inspect net.onnx")
+    _add_conversion_options(p, BUILDER_HELP + " Or a .so/.tar/.onnx file written by 'convert'.")
+    p.set_defaults(func=cmd_inspect)
+
+    p = sub.add_parser("predict", formatter_class=formatter, help="run a converted network on a .npy file",
+                       description="Run a converted network (.so/.tar from 'convert', or .onnx via "
+                                   "onnxruntime) on inputs from a .npy file and save mean and variance.",
+                       epilog="example:\n  pyro2pfp predict net.so images.npy -o predictions.npz\n"
+                              "  python -c \"import numpy as np; d = np.load('predictions.npz'); "
+                              "print(d['mean'], d['var'])\"")
+    p.add_argument("model", metavar="MODEL", help="net.so / net.tar (with its .json file) or net.onnx")
+    p.add_argument("input", metavar="INPUT.npy",
+                   help="float array of shape (batch, *input_shape), saved with np.save (or .npz with 'x')")
+    p.add_argument("--input-var", metavar="VAR.npy", help="input variances (networks converted with input noise)")
+    p.add_argument("--output", "-o", required=True, metavar="OUT.npz",
+                   help="where to save the arrays 'mean' and 'var' (each (batch, outputs))")
+    p.add_argument("--show", type=int, default=5, help="print the top class of the first N inputs (default 5)")
+    p.set_defaults(func=cmd_predict)
+
+    p = sub.add_parser("bench", formatter_class=formatter, help="time the PFP network against sampling",
+                       description="Convert and compile the model for this machine, then time one PFP pass "
+                                   "(TVM and onnxruntime) against pyro.infer.Predictive sampling.")
+    _add_conversion_options(p)
+    p.add_argument("--target", "-t", default="native", help="this machine's target (default 'native')")
+    p.add_argument("--batch-sizes", "-b", type=parse_int_list, default=[1, 32], metavar="1,32",
+                   help="batch sizes to time (default 1,32)")
+    p.add_argument("--samples", type=positive_int, default=30, help="Predictive samples (default 30)")
+    p.add_argument("--repeat", type=positive_int, default=20, help="timed runs per measurement (default 20)")
+    p.add_argument("--builtin", action="store_true", help="ignore benchmarks/latency.py if present")
+    p.set_defaults(func=cmd_bench)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Entry point of the ``pyro2pfp`` command; returns the exit status."""
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    try:
+        return int(args.func(args) or 0)
+    except (PFPError, FileNotFoundError, ValueError) as exc:
+        message = str(exc) or type(exc).__name__
+        print(f"pyro2pfp {args.command}: error: {message}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        print("interrupted", file=sys.stderr)
+        return 130
+
+
+if __name__ == "__main__":  # pragma: no cover
+    sys.exit(main())

@@ -1,0 +1,375 @@
+"""Deployment: export_library / pyro2pfp.deploy.load round trips, cross-compilation for AArch64,
+and (with qemu-user and the AArch64 TVM runtime) running the AArch64 library against x86.
+
+Set-up needed for the AArch64 tests (Debian/Ubuntu; CI installs them):
+    apt-get install -y gcc-aarch64-linux-gnu g++-aarch64-linux-gnu qemu-user
+The qemu test also needs the AArch64 TVM runtime: the two libraries ``libtvm_runtime.so`` and
+``libtvm_ffi.so`` of the manylinux aarch64 wheels of the installed apache-tvm / apache-tvm-ffi
+versions.  It looks in ``$PYRO2PFP_AARCH64_RUNTIME`` or ``~/.cache/pyro2pfp/``, and otherwise
+fetches them once with ``pip download --platform manylinux_2_28_aarch64``.
+``PYRO2PFP_SKIP_QEMU=1`` skips that one test (e.g. offline); nothing is skipped by default.
+"""
+from __future__ import annotations
+
+import hashlib
+import importlib.metadata
+import json
+import os
+import shutil
+import struct
+import subprocess
+import sys
+import tarfile
+import tempfile
+import zipfile
+from pathlib import Path
+
+import numpy as np
+import pyro
+import pytest
+import torch
+
+import pyro2pfp
+from builders import mlp_graph
+from pyro2pfp import deploy
+from pyro2pfp.errors import InputShapeError, PFPError
+from pyro2pfp.network import PFPNetwork
+from pyro2pfp.plan import plan
+from pyro2pfp.zoo import BayesianLeNet5, make_guide
+
+CROSS_GCC = "aarch64-linux-gnu-gcc"
+APT_LINE = "apt-get install -y gcc-aarch64-linux-gnu g++-aarch64-linux-gnu qemu-user"
+EM_AARCH64, ET_REL, ET_DYN = 183, 1, 3
+
+
+def elf_header(data: bytes) -> tuple[int, int, int]:
+    """(EI_CLASS, e_type, e_machine) of an ELF file (little endian)."""
+    assert data[:4] == b"\x7fELF", "not an ELF file"
+    assert data[5] == 1, "not little endian"
+    e_type, e_machine = struct.unpack_from("<HH", data, 16)
+    return data[4], e_type, e_machine
+
+
+def require(tool: str, package: str) -> str:
+    path = shutil.which(tool)
+    if path is None:
+        pytest.fail(f"'{tool}' is not installed; the AArch64 deployment tests need it. "
+                    f"Install with: {APT_LINE}  (package {package})", pytrace=False)
+    return path
+
+
+@pytest.fixture(scope="module")
+def lenet():
+    """A converted Pyro LeNet-5 (AutoNormal posterior, σ ≈ 0.05), its x86 predictor and inputs."""
+    pyro.clear_param_store()
+    pyro.set_rng_seed(0)
+    model = BayesianLeNet5()
+    g = torch.Generator().manual_seed(0)
+    x = torch.rand(5, 1, 28, 28, generator=g)
+    guide = make_guide(model, init_scale=0.05)
+    guide(x, torch.randint(0, 10, (5,), generator=g))
+    net = pyro2pfp.convert(model, guide, input_shape=(1, 28, 28), calibration=0.5)
+    exe = deploy.compile_network(net, "llvm")
+    pyro.clear_param_store()
+    return net, exe, x.numpy()
+
+
+@pytest.fixture(scope="module")
+def lenet_aarch64(lenet, tmp_path_factory):
+    """The same LeNet-5 cross-compiled for AArch64 and exported as a shared library."""
+    require(CROSS_GCC, "gcc-aarch64-linux-gnu")
+    net = lenet[0]
+    exe = net.compile("aarch64") if _compile_knows_presets() else deploy.compile_network(net, "aarch64")
+    path = tmp_path_factory.mktemp("a64") / "lenet_a64.so"
+    exe.export_library(path)
+    return exe, path
+
+
+def _compile_knows_presets() -> bool:
+    """Whether PFPNetwork.compile already routes through pyro2pfp.deploy (lead's edit)."""
+    import inspect
+
+    return "deploy" in inspect.getsource(PFPNetwork.compile)
+
+
+# ---------------------------------------------------------------------------------------------
+# Export and load on this machine
+# ---------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("ext", [".so", ".tar"])
+def test_lenet_export_load_rerun_identical(lenet, tmp_path, ext):
+    net, exe, x = lenet
+    mean, var = exe(x)
+    path = tmp_path / f"lenet{ext}"
+    assert exe.export_library(path) == str(path)
+    meta = json.loads((tmp_path / f"lenet{ext}.json").read_text())
+    assert meta["input_shape"] == [1, 28, 28] and meta["input_variance"] is False
+    assert meta["target_arch"] == deploy.host_arch() and meta["inputs"] == ["x"]
+
+    loaded = deploy.load(path)
+    assert loaded.input_shape == (1, 28, 28) and loaded.input_variance is False and loaded.runnable
+    mean2, var2 = loaded(x)
+    np.testing.assert_array_equal(mean2, mean)  # the same code: bit-identical outputs
+    np.testing.assert_array_equal(var2, var)
+    for batch in (1, 3):  # dynamic batch survives export
+        m, v = loaded(x[:batch])
+        np.testing.assert_array_equal(m, mean[:batch])
+    # the loaded predictor keeps the input validation of the compiled one
+    with pytest.raises(InputShapeError, match=r"x\[None\]"):
+        loaded(x[0])
+    with pytest.raises(InputShapeError, match="expected"):
+        loaded(np.zeros((2, 1, 28, 27), np.float32))
+    with pytest.raises(InputShapeError, match="NaN"):
+        loaded(np.full((1, 1, 28, 28), np.nan, np.float32))
+    # and still agrees with the float64 reference
+    ref_mean, ref_var = net.reference(x)
+    np.testing.assert_allclose(mean2, ref_mean, rtol=1e-4, atol=1e-4 * np.abs(ref_mean).max())
+    np.testing.assert_allclose(var2, ref_var, rtol=1e-3, atol=1e-4 * np.abs(ref_var).max())
+
+
+def test_input_variance_flag_survives_export(tmp_path):
+    graph = mlp_graph(np.random.default_rng(0), [12, 8, 3])
+    graph.input_variance = True
+    net = PFPNetwork(graph, plan(graph))
+    exe = deploy.compile_network(net, "llvm")
+    rng = np.random.default_rng(1)
+    x = rng.standard_normal((4, 12)).astype(np.float32)
+    xv = rng.uniform(0, 0.1, x.shape).astype(np.float32)
+    exe.export_library(tmp_path / "mlp.so")
+    loaded = pyro2pfp.deploy.load(tmp_path / "mlp.so")
+    assert loaded.input_variance
+    for a, b in zip(loaded(x, xv), exe(x, xv)):
+        np.testing.assert_array_equal(a, b)
+    with pytest.raises(ValueError, match="x_var"):
+        loaded(x)
+
+
+def test_load_errors_are_clear(lenet, tmp_path):
+    _, exe, x = lenet
+    with pytest.raises(FileNotFoundError, match="no such library"):
+        deploy.load(tmp_path / "missing.so")
+    path = tmp_path / "net.so"
+    exe.export_library(path)
+    os.rename(f"{path}.json", tmp_path / "elsewhere.json")
+    with pytest.raises(PFPError, match=r"net\.so\.json not found.*export_library"):
+        deploy.load(path)
+    loaded = deploy.load(path, input_shape=(1, 28, 28), input_variance=False)  # explicit metadata
+    np.testing.assert_array_equal(loaded(x)[0], exe(x)[0])
+    with pytest.raises(PFPError, match=r"must end in \.so .* or \.tar"):
+        exe.export_library(tmp_path / "net.dll")
+    with pytest.raises(PFPError, match="does not exist"):
+        exe.export_library(tmp_path / "no" / "net.so")
+    (tmp_path / "junk.so").write_bytes(b"not a library")
+    (tmp_path / "junk.so.json").write_text(json.dumps({"format": deploy.FORMAT, "input_shape": [1],
+                                                       "input_variance": False}))
+    with pytest.raises(PFPError, match="cannot load"):
+        deploy.load(tmp_path / "junk.so")
+
+
+def test_targets_and_presets():
+    assert deploy.target_arch("llvm") == deploy.host_arch()
+    assert not deploy.is_cross_target("llvm") and not deploy.is_cross_target("native")
+    a64 = deploy.resolve_target("aarch64")
+    assert a64.attrs["mtriple"] == "aarch64-linux-gnu" and "+neon" in list(a64.attrs["mattr"])
+    cpus = {name: str(deploy.resolve_target(name).attrs.get("mcpu")) for name in ("rpi3", "rpi4", "rpi5")}
+    assert cpus == {"rpi3": "cortex-a53", "rpi4": "cortex-a72", "rpi5": "cortex-a76"}
+    assert deploy.is_cross_target("rpi4") == (deploy.host_arch() != "aarch64")
+    assert deploy.target_arch("raspberry-pi/4b-aarch64") == "aarch64"  # a TVM tag directly
+    assert deploy.target_arch('{"kind": "llvm", "mtriple": "aarch64-linux-gnu"}') == "aarch64"
+    with pytest.raises(PFPError, match="JSON dict"):
+        deploy.resolve_target("llvm -mcpu=cortex-a72")
+    with pytest.raises(PFPError, match="preset"):
+        deploy.resolve_target("raspberry-pi-9000")
+
+
+# ---------------------------------------------------------------------------------------------
+# Cross-compilation for AArch64
+# ---------------------------------------------------------------------------------------------
+
+
+def test_aarch64_library_is_an_aarch64_elf_shared_object_with_neon(lenet, lenet_aarch64, tmp_path):
+    _, _, x = lenet
+    exe, path = lenet_aarch64
+    assert not exe.runnable
+    data = Path(path).read_bytes()
+    assert elf_header(data) == (2, ET_DYN, EM_AARCH64)  # ELFCLASS64, shared object, AArch64
+    meta = json.loads(Path(f"{path}.json").read_text())
+    assert meta["target_arch"] == "aarch64" and meta["input_shape"] == [1, 28, 28]
+    assert meta["sha256"] == hashlib.sha256(data).hexdigest()
+    objdump = shutil.which("aarch64-linux-gnu-objdump")
+    if objdump:  # binutils-aarch64-linux-gnu comes with the cross gcc
+        dis = subprocess.run([objdump, "-d", str(path)], capture_output=True, text=True, check=True).stdout
+        assert dis.count(".4s") > 50, "no NEON (Advanced SIMD) float32x4 instructions found"
+    # it cannot run here, and says so
+    with pytest.raises(PFPError, match="compiled for aarch64"):
+        exe(x)
+    if deploy.host_arch() != "aarch64":
+        with pytest.raises(PFPError, match="compiled for aarch64"):
+            deploy.load(path)
+    # .tar: object files only, no toolchain needed
+    exe.export_library(tmp_path / "lenet_a64.tar")
+    with tarfile.open(tmp_path / "lenet_a64.tar") as tar:
+        objects = [m for m in tar.getmembers() if m.name.endswith(".o")]
+        assert objects
+        for member in objects:
+            assert elf_header(tar.extractfile(member).read(64)) == (2, ET_REL, EM_AARCH64)
+
+
+def test_board_preset_compiles_with_tvm_tag(tmp_path):
+    require(CROSS_GCC, "gcc-aarch64-linux-gnu")
+    graph = mlp_graph(np.random.default_rng(0), [16, 8, 4])
+    exe = deploy.compile_network(PFPNetwork(graph, plan(graph)), "rpi4")
+    assert str(exe.target.attrs["mcpu"]) == "cortex-a72"
+    exe.export_library(tmp_path / "mlp_rpi4.so")
+    assert elf_header((tmp_path / "mlp_rpi4.so").read_bytes()[:64]) == (2, ET_DYN, EM_AARCH64)
+
+
+def test_missing_cross_compiler_message(lenet_aarch64, tmp_path, monkeypatch):
+    exe, _ = lenet_aarch64
+    monkeypatch.setenv("PYRO2PFP_CROSS_CC", "no-such-aarch64-gcc")
+    with pytest.raises(PFPError, match=r"apt-get install|export a \.tar"):
+        exe.export_library(tmp_path / "x.so")
+
+
+# ---------------------------------------------------------------------------------------------
+# Run the AArch64 library under qemu-user with the AArch64 TVM runtime; compare with x86
+# ---------------------------------------------------------------------------------------------
+
+RUNNER_SOURCE = r"""
+// Minimal C++ driver: load an exported pyro2pfp library with the TVM runtime and run main().
+// usage: pfp_run LIB.so OUT_PREFIX SHAPE(comma separated, incl. batch) X.bin [XVAR.bin]
+// Writes OUT_PREFIX.mean.bin and OUT_PREFIX.var.bin (raw float32).
+#include <tvm/ffi/container/array.h>
+#include <tvm/ffi/container/shape.h>
+#include <tvm/ffi/container/tensor.h>
+#include <tvm/ffi/extra/module.h>
+#include <tvm/ffi/function.h>
+
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <fstream>
+#include <iterator>
+#include <sstream>
+#include <string>
+#include <vector>
+
+namespace ffi = tvm::ffi;
+
+struct CPUAlloc {
+  void AllocData(DLTensor* t) { t->data = std::aligned_alloc(64, (ffi::GetDataSize(*t) + 63) / 64 * 64); }
+  void FreeData(DLTensor* t) { std::free(t->data); }
+};
+
+int main(int argc, char** argv) {
+  if (argc < 5) {
+    std::fprintf(stderr, "usage: %s LIB OUT_PREFIX SHAPE X.bin [XVAR.bin]\n", argv[0]);
+    return 2;
+  }
+  std::vector<int64_t> shape;
+  std::stringstream ss(argv[3]);
+  for (std::string tok; std::getline(ss, tok, ',');) shape.push_back(std::stoll(tok));
+  DLDevice dev{kDLCPU, 0};
+  DLDataType f32{kDLFloat, 32, 1};
+  ffi::Module lib = ffi::Module::LoadFromFile(argv[1]);
+  ffi::Module vm = lib->GetFunction("vm_load_executable").value()().cast<ffi::Module>();
+  vm->GetFunction("vm_initialization").value()(static_cast<int>(kDLCPU), 0, 2);  // CPU 0, pooled
+  ffi::Function main_fn = vm->GetFunction("main").value();
+  std::vector<ffi::Tensor> inputs;
+  for (int i = 4; i < argc; ++i) {
+    std::ifstream f(argv[i], std::ios::binary);
+    std::vector<char> bytes((std::istreambuf_iterator<char>(f)), std::istreambuf_iterator<char>());
+    ffi::Tensor t = ffi::Tensor::FromNDAlloc(CPUAlloc(), ffi::Shape(shape), f32, dev);
+    if (bytes.size() != ffi::GetDataSize(*t.GetDLTensorPtr())) {
+      std::fprintf(stderr, "%s: %zu bytes, expected %zu\n", argv[i], bytes.size(),
+                   ffi::GetDataSize(*t.GetDLTensorPtr()));
+      return 1;
+    }
+    std::memcpy(t.data_ptr(), bytes.data(), bytes.size());
+    inputs.push_back(t);
+  }
+  ffi::Any out = inputs.size() == 1 ? main_fn(inputs[0]) : main_fn(inputs[0], inputs[1]);
+  auto outs = out.cast<ffi::Array<ffi::Tensor>>();
+  const char* names[2] = {"mean", "var"};
+  for (int i = 0; i < 2; ++i) {
+    ffi::Tensor t = outs[i];
+    std::ofstream f(std::string(argv[2]) + "." + names[i] + ".bin", std::ios::binary);
+    f.write(static_cast<const char*>(t.data_ptr()), ffi::GetDataSize(*t.GetDLTensorPtr()));
+  }
+  std::printf("pfp_run: ok, %zu outputs\n", outs.size());
+  return 0;
+}
+"""
+
+
+def aarch64_tvm_runtime() -> Path:
+    """A directory with the AArch64 libtvm_runtime.so and libtvm_ffi.so of the installed versions."""
+    import tvm
+
+    tvm_version = tvm.__version__
+    ffi_version = importlib.metadata.version("apache-tvm-ffi")
+    root = Path(os.environ.get("PYRO2PFP_AARCH64_RUNTIME")
+                or Path.home() / ".cache" / "pyro2pfp" / f"aarch64-tvm-{tvm_version}-ffi-{ffi_version}")
+    libs = ("libtvm_runtime.so", "libtvm_ffi.so")
+    if all((root / lib).is_file() for lib in libs):
+        return root
+    root.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory() as tmp:
+        cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary=:all:",
+               "--platform", "manylinux_2_28_aarch64",
+               "--python-version", f"{sys.version_info.major}.{sys.version_info.minor}",
+               "-d", tmp, f"apache-tvm=={tvm_version}", f"apache-tvm-ffi=={ffi_version}"]
+        result = subprocess.run(cmd, capture_output=True, text=True)
+        if result.returncode != 0:
+            pytest.fail("could not fetch the AArch64 TVM runtime wheels (" + " ".join(cmd) + "):\n"
+                        + result.stderr[-1500:] + "\nSet PYRO2PFP_AARCH64_RUNTIME to a directory holding "
+                        "libtvm_runtime.so and libtvm_ffi.so for aarch64, or PYRO2PFP_SKIP_QEMU=1.",
+                        pytrace=False)
+        for wheel in Path(tmp).glob("*.whl"):
+            with zipfile.ZipFile(wheel) as zf:
+                for name in zf.namelist():
+                    if name.endswith(("lib/libtvm_runtime.so", "lib/libtvm_ffi.so")):
+                        (root / Path(name).name).write_bytes(zf.read(name))
+    assert all((root / lib).is_file() for lib in libs), f"runtime libraries not found in the wheels ({root})"
+    return root
+
+
+def build_runner(runtime: Path, workdir: Path) -> Path:
+    import tvm_ffi
+
+    gxx = require("aarch64-linux-gnu-g++", "g++-aarch64-linux-gnu")
+    ffi_root = Path(tvm_ffi.__file__).parent
+    source = workdir / "pfp_run.cc"
+    source.write_text(RUNNER_SOURCE)
+    exe = workdir / "pfp_run"
+    cmd = [gxx, "-std=c++17", "-O1", str(source), "-o", str(exe),
+           f"-I{ffi_root / 'include'}", f"-I{ffi_root / '3rdparty' / 'dlpack' / 'include'}",
+           f"-L{runtime}", "-Wl,--no-as-needed", "-ltvm_runtime", "-ltvm_ffi", f"-Wl,-rpath-link,{runtime}"]
+    subprocess.run(cmd, check=True, capture_output=True, text=True)
+    return exe
+
+
+def test_aarch64_library_runs_under_qemu_and_matches_x86(lenet, lenet_aarch64, tmp_path):
+    if os.environ.get("PYRO2PFP_SKIP_QEMU") == "1":
+        pytest.skip("PYRO2PFP_SKIP_QEMU=1")
+    if deploy.host_arch() == "aarch64":
+        pytest.skip("running natively on aarch64: covered by the export/load tests")
+    qemu = require("qemu-aarch64", "qemu-user")
+    require(CROSS_GCC, "gcc-aarch64-linux-gnu")
+    _, exe_x86, x = lenet
+    _, path = lenet_aarch64
+    runtime = aarch64_tvm_runtime()
+    runner = build_runner(runtime, tmp_path)
+    x.astype(np.float32).tofile(tmp_path / "x.bin")
+    env = dict(os.environ, QEMU_LD_PREFIX="/usr/aarch64-linux-gnu", LD_LIBRARY_PATH=str(runtime))
+    result = subprocess.run([qemu, "-cpu", "cortex-a72", str(runner), str(path), str(tmp_path / "out"),
+                             ",".join(map(str, x.shape)), str(tmp_path / "x.bin")],
+                            env=env, capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stderr[-2000:]
+    mean, var = exe_x86(x)
+    mean_a64 = np.fromfile(tmp_path / "out.mean.bin", dtype=np.float32).reshape(mean.shape)
+    var_a64 = np.fromfile(tmp_path / "out.var.bin", dtype=np.float32).reshape(var.shape)
+    # same network, another ISA (FMA contraction, other vector widths): float32 rounding apart
+    np.testing.assert_allclose(mean_a64, mean, rtol=1e-5, atol=1e-5 * np.abs(mean).max())
+    np.testing.assert_allclose(var_a64, var, rtol=1e-4, atol=1e-5 * np.abs(var).max())
