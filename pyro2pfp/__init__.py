@@ -8,7 +8,10 @@ from .errors import InputShapeError, PFPError, PosteriorError, TracingError, Uns
 from .graph import Repr
 from .deploy import load
 from .network import PFPNetwork, convert
+from .uncertainty import (auroc, calibrate, predictive_uncertainty, uncertainty,
+                          uncertainty_from_logit_samples)
 
 __version__ = "0.1.0"
 __all__ = ["convert", "load", "PFPNetwork", "Repr", "PFPError", "UnsupportedLayerError", "PosteriorError",
-           "InputShapeError", "TracingError"]
+           "InputShapeError", "TracingError", "uncertainty", "uncertainty_from_logit_samples",
+           "predictive_uncertainty", "auroc", "calibrate"]

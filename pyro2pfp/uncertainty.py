@@ -40,6 +40,7 @@ __all__ = [
     "CalibrationObjective",
     "auroc",
     "calibrate",
+    "minimise_log_scale",
     "predictive_uncertainty",
     "sample_logits",
     "uncertainty",
@@ -192,7 +193,8 @@ class CalibrationObjective:
     * ``"nll"``:                ``−mean_i log p̄_i(y_i; c)``, the negative log-likelihood of the
       labels ``y_val`` under PFP's predictive probabilities (no BNN samples needed).
 
-    Every evaluation is appended to ``self.history`` as ``(c, value)``.
+    ``obj.evaluate(c)`` returns every objective the data allow; calling ``obj(c)`` returns the chosen
+    one and appends ``(c, value)`` to ``obj.history``.
     """
 
     def __init__(self, net: Any, x_val: Any, *, objective: str = "mutual_information",
@@ -210,19 +212,21 @@ class CalibrationObjective:
         b = self.x.shape[0]
         self.target: dict[str, np.ndarray] | None = None
         self.y: np.ndarray | None = None
-        if objective == "nll":
-            if y_val is None:
-                raise ValueError("objective 'nll' needs the labels y_val")
+        if y_val is not None:
             self.y = np.asarray(y_val).astype(np.int64).ravel()
             if self.y.shape != (b,):
                 raise ValueError(f"y_val must have shape ({b},), got {np.shape(y_val)}")
-        else:
-            if target_samples is None:
-                raise ValueError(f"objective {objective!r} needs the BNN's logit samples (target_samples)")
+        if target_samples is not None:
             self.target = uncertainty_from_logit_samples(target_samples)
             if self.target["total"].shape != (b,):
                 raise ValueError(f"target_samples must have shape (N, {b}, K), got {np.shape(target_samples)}")
+        if objective == "nll" and self.y is None:
+            raise ValueError("objective 'nll' needs the labels y_val")
+        if objective != "nll" and self.target is None:
+            raise ValueError(f"objective {objective!r} needs the BNN's logit samples (target_samples)")
         self.num_samples = int(num_samples)
+        if self.num_samples < 1:
+            raise ValueError(f"num_samples must be >= 1, got {num_samples}")
         self.seed = seed
         self._z: np.ndarray | None = None
         self.history: list[tuple[float, float]] = []
@@ -242,22 +246,28 @@ class CalibrationObjective:
             self._z = _standard_normal((self.num_samples, *mean.shape), self.seed)
         return uncertainty_from_logit_samples(mean + np.sqrt(np.maximum(var, 0.0)) * self._z)
 
-    def __call__(self, c: float) -> float:
+    def evaluate(self, c: float) -> dict[str, float]:
+        """Every objective that the given data allow (BNN samples and/or labels), at factor ``c``."""
         u = self.metrics(c)
-        if self.objective == "nll":
-            p = u["probs"][np.arange(len(self.y)), self.y]
-            value = float(-np.mean(np.log(np.maximum(p, np.finfo(np.float64).tiny))))
-        else:
+        out = {}
+        if self.target is not None:
             t = self.target
-            d_mi = float(np.mean((u["epistemic"] - t["epistemic"]) ** 2))
-            d_h = float(np.mean((u["total"] - t["total"]) ** 2))
-            value = {"mutual_information": d_mi, "total": d_h, "entropies": d_mi + d_h}[self.objective]
+            out["mutual_information"] = float(np.mean((u["epistemic"] - t["epistemic"]) ** 2))
+            out["total"] = float(np.mean((u["total"] - t["total"]) ** 2))
+            out["entropies"] = out["mutual_information"] + out["total"]
+        if self.y is not None:
+            p = u["probs"][np.arange(len(self.y)), self.y]
+            out["nll"] = float(-np.mean(np.log(np.maximum(p, np.finfo(np.float64).tiny))))
+        return out
+
+    def __call__(self, c: float) -> float:
+        value = self.evaluate(c)[self.objective]
         self.history.append((float(c), value))
         return value
 
 
 def minimise_log_scale(fn: Callable[[float], float], bounds: tuple[float, float] = (1e-3, 10.0),
-                       grid: int = 17, rtol: float = 1e-3) -> float:
+                       grid: int = 13, rtol: float = 1e-2) -> float:
     """Minimise ``fn`` over ``[lo, hi]``: a log-spaced grid, then golden-section search in ``log c``
     on the bracket around the best grid point until it is narrower than ``rtol`` (relative)."""
     lo, hi = float(bounds[0]), float(bounds[1])
@@ -298,7 +308,7 @@ def minimise_log_scale(fn: Callable[[float], float], bounds: tuple[float, float]
 def calibrate(model: Any, guide: Any, x_val: Any, *, input_shape: tuple[int, ...] | None = None,
               y_val: Any = None, objective: str | None = None, num_samples: int = 100,
               samples: Any = None, net: Any = None, bounds: tuple[float, float] = (1e-3, 10.0),
-              grid: int = 17, rtol: float = 1e-3, seed: int = 0,
+              grid: int = 13, rtol: float = 1e-2, seed: int = 0,
               return_objective: bool = False) -> float | tuple[float, CalibrationObjective]:
     """Choose PFP's global variance (calibration) factor automatically from validation inputs.
 
@@ -325,11 +335,13 @@ def calibrate(model: Any, guide: Any, x_val: Any, *, input_shape: tuple[int, ...
         x_val: Validation inputs ``(B, *input_shape)``, unlabelled unless ``objective="nll"``.
             Use held-out in-domain data (never the OOD test set).
         input_shape: As for ``convert``.
-        y_val: Labels of ``x_val`` (only for ``"nll"``).
+        y_val: Labels of ``x_val`` (needed for ``"nll"``; otherwise only used for reporting by
+            the returned objective's ``evaluate``).
         objective: One of :data:`CALIBRATION_OBJECTIVES`; ``None`` means ``"nll"`` if ``y_val``
             is given, else ``"mutual_information"``.
         num_samples: Samples per input for both PFP logit sampling and Predictive.
-        samples: Precomputed BNN logit samples ``(N, B, K)`` on ``x_val`` (skips Predictive).
+        samples: Precomputed BNN logit samples ``(N, B, K)`` on ``x_val`` (skips Predictive);
+            ``N`` should equal ``num_samples`` (a warning otherwise).
         net: An already converted :class:`~pyro2pfp.PFPNetwork` of ``(model, guide)`` (skips
             tracing); its own calibration factor is ignored.
         bounds, grid, rtol: Search range, grid size and final relative precision.
@@ -347,6 +359,9 @@ def calibrate(model: Any, guide: Any, x_val: Any, *, input_shape: tuple[int, ...
     if net is None:
         net = convert(model, guide, input_shape=input_shape, calibration=1.0)
     x = as_input_array(x_val, net.input_shape, "x_val")
+    if samples is not None and np.shape(samples)[0] != num_samples:
+        warnings.warn(f"samples has {np.shape(samples)[0]} samples per input but num_samples={num_samples}: "
+                      "entropy estimates are biased differently for different sample counts", stacklevel=2)
     if objective != "nll" and samples is None:
         from .zoo import predictive_logits
 
