@@ -141,7 +141,7 @@ def test_input_variance_flag_survives_export(tmp_path):
     assert loaded.input_variance
     for a, b in zip(loaded(x, xv), exe(x, xv)):
         np.testing.assert_array_equal(a, b)
-    with pytest.raises(ValueError, match="x_var"):
+    with pytest.raises(pyro2pfp.InputShapeError, match="x_var"):
         loaded(x)
 
 

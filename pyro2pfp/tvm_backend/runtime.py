@@ -7,6 +7,7 @@ import numpy as np
 import tvm
 from tvm import relax
 
+from ..errors import InputShapeError
 from ..network import as_input_array
 from .schedules import schedule_module
 
@@ -38,10 +39,10 @@ class CompiledPFP:
         args = [as_input_array(x, self.input_shape)]
         if self.input_variance:
             if x_var is None:
-                raise ValueError("this network takes (x, x_var): pass the input variance too")
+                raise InputShapeError("this network was converted with input_variance=True: pass x_var too")
             var = as_input_array(x_var, self.input_shape, "x_var")
             if np.any(var < 0):
-                raise ValueError("x_var must be non-negative")
+                raise InputShapeError("x_var must be non-negative")
             args.append(var)
         return [tvm.runtime.tensor(a, self.device) for a in args]
 
