@@ -72,7 +72,8 @@ def run(name: str, quick: bool, num_samples: int) -> dict:
 
     x1 = torch.as_tensor(x_test[:1])
     predictive = pyro.infer.Predictive(model, guide=guide, num_samples=30, return_sites=("_RETURN",))
-    t_svi = median_seconds(lambda: predictive(x1), repeats=5, warmup=1)
+    # Pyro's first few calls after training are much slower (warm-up): do not time them.
+    t_svi = median_seconds(lambda: predictive(x1), repeats=10, warmup=5)
     t_pfp = median_seconds(lambda: exe(x_test[:1]), repeats=200, warmup=10)
     print(f"latency, batch 1: Predictive(30 samples) {1e3 * t_svi:.1f} ms, compiled PFP {1e3 * t_pfp:.3f} ms "
           f"-> {t_svi / t_pfp:.0f}x faster")
