@@ -1,7 +1,12 @@
-"""Build small PFP layer graphs directly (no Pyro), for back-end tests."""
+"""Shared test helpers: small PFP layer graphs built directly (no Pyro), hypothesis strategies,
+the float32 error bound of compute layers, and a torch model that uses every PFP op."""
 from __future__ import annotations
 
 import numpy as np
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+from hypothesis import strategies as st
 
 from pyro2pfp.graph import INPUT, GaussianParam, Layer, LayerGraph
 
@@ -86,3 +91,56 @@ def lenet_graph(rng, widths: tuple[int, int, int, int] = (6, 16, 120, 84), image
     ls.append(relu_layer("relu4", "fc2", (f2,)))
     ls.append(dense_layer(rng, "fc3", "relu4", f2, 10, mean_scale, var_scale))
     return LayerGraph(input_shape=(1, image, image), layers=ls, output="fc3")
+
+
+# --- hypothesis strategies shared by the back-end tests -----------------------------------------
+
+scales = st.sampled_from([1e-3, 1e-2, 0.1, 1.0, 10.0, 100.0])
+var_scales = st.sampled_from([0.0, 1e-8, 1e-4, 1e-2, 1.0, 10.0])
+input_var = st.one_of(st.none(), st.sampled_from([0.0, 1e-6, 1e-2, 1.0]))
+forms = st.sampled_from(["variance", "raw"])
+
+U32 = 2.0**-24
+
+
+def assert_compute_layer(layer, x, x_var, ref, out, apply, moment_form):
+    w, b = layer.params["weight"], layer.params.get("bias")
+    x = x.astype(np.float64)
+    k = int(np.prod(w.shape[1:]))
+    mag_mean = apply(np.abs(x), np.abs(w.mean))
+    if x_var is None:
+        mag_var = apply(x**2, w.var)
+    elif moment_form == "variance":
+        xv = x_var.astype(np.float64)
+        mag_var = apply(x**2 + xv, w.var) + apply(xv, w.mean**2)
+    else:
+        xv = x_var.astype(np.float64)
+        mag_var = apply(x**2 + xv, w.mean**2 + w.var) + apply(x**2, w.mean**2)
+    if b is not None:
+        shape = (1, -1) + (1,) * (mag_mean.ndim - 2)
+        mag_mean = mag_mean + np.abs(b.mean).reshape(shape)
+        mag_var = mag_var + b.var.reshape(shape)
+    tol = 2 * (k + 4) * U32
+    assert np.all(np.abs(out[0] - ref[0]) <= tol * mag_mean + 1e-37), np.abs(out[0] - ref[0]).max()
+    assert np.all(np.abs(out[1] - ref[1]) <= tol * mag_var + 1e-37), np.abs(out[1] - ref[1]).max()
+
+
+class ResidualNet(nn.Module):
+    """Conv('same') → BatchNorm → LeakyReLU → residual conv → ReLU → avg/max pool (ceil, padding) →
+    global average → Linear: every PFP op the converters produce."""
+
+    def __init__(self):
+        super().__init__()
+        self.conv = nn.Conv2d(3, 4, 3, padding="same")
+        self.bn = nn.BatchNorm2d(4)
+        self.conv2 = nn.Conv2d(4, 4, 3, padding=1)
+        self.pool = nn.AvgPool2d(2, ceil_mode=True)
+        self.mp = nn.MaxPool2d(3, 2, padding=1, ceil_mode=True)
+        self.gap = nn.AdaptiveAvgPool2d(1)
+        self.fc = nn.Linear(4, 5)
+
+    def forward(self, x, y=None):
+        h = F.leaky_relu(self.bn(self.conv(x)), 0.1)
+        h = self.conv2(h) + h
+        h = self.mp(self.pool(F.relu(h)))
+        return self.fc(torch.flatten(self.gap(h), 1))

@@ -12,14 +12,13 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from builders import (conv_layer, conv_out, dense_layer, lenet_graph, mlp_graph, pool_layer,
-                      relu_layer)
+from builders import (assert_compute_layer, conv_layer, dense_layer, forms, input_var,
+                      lenet_graph, mlp_graph, pool_layer, relu_layer, scales, var_scales)
 from pyro2pfp.graph import INPUT, LayerGraph
 from pyro2pfp.network import PFPNetwork
 from pyro2pfp.plan import plan
 from pyro2pfp.reference.compute import conv2d_nchw
 
-U32 = 2.0**-24
 SETTINGS = settings(max_examples=12, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 
 
@@ -43,38 +42,6 @@ def run_both(net, exe, x, x_var):
     return ref, out
 
 
-def check_compute(layer, x, x_var, ref, out, apply, moment_form):
-    """Compare a compute layer's (mean, var) within the float32 summation bound."""
-    w = layer.params["weight"]
-    b = layer.params.get("bias")
-    x = x.astype(np.float64)
-    k = int(np.prod(w.shape[1:]))
-    if x_var is None:
-        mag_mean = apply(np.abs(x), np.abs(w.mean))
-        mag_var = apply(x**2, w.var)
-    elif moment_form == "variance":  # Σ vw·(μx² + vx) + μw²·vx: non-negative terms
-        xv = x_var.astype(np.float64)
-        mag_mean = apply(np.abs(x), np.abs(w.mean))
-        mag_var = apply(x**2 + xv, w.var) + apply(xv, w.mean**2)
-    else:  # Σ sw·sx − (μw·μx)²: bounded by the sum of both magnitudes
-        xv = x_var.astype(np.float64)
-        mag_mean = apply(np.abs(x), np.abs(w.mean))
-        mag_var = apply(x**2 + xv, w.mean**2 + w.var) + apply(x**2, w.mean**2)
-    if b is not None:
-        shape = (1, -1) + (1,) * (mag_mean.ndim - 2)
-        mag_mean = mag_mean + np.abs(b.mean).reshape(shape)
-        mag_var = mag_var + b.var.reshape(shape)
-    tol = 2 * (k + 4) * U32
-    assert np.all(np.abs(out[0] - ref[0]) <= tol * mag_mean + 1e-37), np.abs(out[0] - ref[0]).max()
-    assert np.all(np.abs(out[1] - ref[1]) <= tol * mag_var + 1e-37), np.abs(out[1] - ref[1]).max()
-
-
-scales = st.sampled_from([1e-3, 1e-2, 0.1, 1.0, 10.0, 100.0])
-var_scales = st.sampled_from([0.0, 1e-8, 1e-4, 1e-2, 1.0, 10.0])
-input_var = st.one_of(st.none(), st.sampled_from([0.0, 1e-6, 1e-2, 1.0]))
-forms = st.sampled_from(["variance", "raw"])
-
-
 @SETTINGS
 @given(seed=st.integers(0, 2**31 - 1), batch=st.integers(1, 9), k=st.integers(1, 64),
        m=st.integers(1, 40), mean_scale=scales, var_scale=var_scales, x_scale=scales,
@@ -86,7 +53,7 @@ def test_dense_matches_reference(seed, batch, k, m, mean_scale, var_scale, x_sca
     net, exe = build(graph, moment_form=form)
     x, xv = inputs(rng, batch, (k,), x_scale, x_var)
     ref, out = run_both(net, exe, x, xv)
-    check_compute(layer, x, xv, ref, out, lambda a, w: a @ w.T, form)
+    assert_compute_layer(layer, x, xv, ref, out, lambda a, w: a @ w.T, form)
 
 
 @st.composite
@@ -118,7 +85,7 @@ def test_conv2d_matches_reference(seed, batch, case, mean_scale, var_scale, x_sc
     x, xv = inputs(rng, batch, (c, h, w), x_scale, x_var)
     ref, out = run_both(net, exe, x, xv)
     a = layer.attrs
-    check_compute(layer, x, xv, ref, out,
+    assert_compute_layer(layer, x, xv, ref, out,
                   lambda t, wt: conv2d_nchw(t, wt, a["stride"], a["padding"], a["dilation"], a["groups"]), form)
 
 

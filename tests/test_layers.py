@@ -18,6 +18,7 @@ from hypothesis import strategies as st
 from pyro.nn import PyroModule, PyroSample
 
 import pyro2pfp
+from builders import ResidualNet
 from pyro2pfp.graph import INPUT, GaussianParam, Layer, LayerGraph
 from pyro2pfp.network import PFPNetwork
 from pyro2pfp.plan import plan
@@ -154,22 +155,11 @@ class _Det(PyroModule):
         return self.body(x)
 
 
-class _Residual(nn.Module):
-    def __init__(self):
-        super().__init__()
-        self.conv = nn.Conv2d(3, 4, 3, padding="same")
-        self.bn = nn.BatchNorm2d(4)
-        self.conv2 = nn.Conv2d(4, 4, 3, padding=1)
-        self.pool = nn.AvgPool2d(2, ceil_mode=True)
-        self.mp = nn.MaxPool2d(3, 2, padding=1, ceil_mode=True)
-        self.gap = nn.AdaptiveAvgPool2d(1)
-        self.fc = nn.Linear(4, 5)
+class _Residual(ResidualNet):
+    """The every-op network with a final log_softmax (which convert strips)."""
 
     def logits(self, x):
-        h = F.leaky_relu(self.bn(self.conv(x)), 0.1)
-        h = self.conv2(h) + h
-        h = self.mp(self.pool(F.relu(h)))
-        return self.fc(torch.flatten(self.gap(h), 1))
+        return super().forward(x)
 
     def forward(self, x):
         return F.log_softmax(self.logits(x), -1)

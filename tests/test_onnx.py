@@ -18,7 +18,8 @@ import torch.nn.functional as F
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from builders import conv_layer, dense_layer, lenet_graph, mlp_graph, pool_layer, relu_layer, reshape_layer
+from builders import (U32, ResidualNet, assert_compute_layer, conv_layer, dense_layer, forms, input_var,
+                      lenet_graph, mlp_graph, pool_layer, relu_layer, reshape_layer, scales, var_scales)
 from pyro.nn import PyroSample
 
 import pyro2pfp
@@ -30,7 +31,6 @@ from pyro2pfp.plan import plan
 from pyro2pfp.reference import execute
 from pyro2pfp.reference.compute import conv2d_nchw
 
-U32 = 2.0**-24
 STANDARD_OPS = {"MatMul", "Conv", "Mul", "Add", "Sub", "Div", "Neg", "Erf", "Exp", "Sqrt", "Max", "Min",
                 "Greater", "Less", "Where", "Slice", "Pad", "MaxPool", "AveragePool", "Relu", "Reshape", "Shape",
                 "ConstantOfShape", "Identity"}
@@ -73,34 +73,6 @@ def check_structure(model: onnx.ModelProto, graph, batch_dim: str = "batch") -> 
 # ---------------------------------------------------------------------------------------------
 # Compute layers: within the float32 summation bound (as tests/test_compiled_vs_reference.py)
 # ---------------------------------------------------------------------------------------------
-
-scales = st.sampled_from([1e-3, 1e-2, 0.1, 1.0, 10.0, 100.0])
-var_scales = st.sampled_from([0.0, 1e-8, 1e-4, 1e-2, 1.0, 10.0])
-input_var = st.one_of(st.none(), st.sampled_from([0.0, 1e-6, 1e-2, 1.0]))
-forms = st.sampled_from(["variance", "raw"])
-
-
-def assert_compute_layer(layer, x, x_var, ref, out, apply, moment_form):
-    w, b = layer.params["weight"], layer.params.get("bias")
-    x = x.astype(np.float64)
-    k = int(np.prod(w.shape[1:]))
-    mag_mean = apply(np.abs(x), np.abs(w.mean))
-    if x_var is None:
-        mag_var = apply(x**2, w.var)
-    elif moment_form == "variance":
-        xv = x_var.astype(np.float64)
-        mag_var = apply(x**2 + xv, w.var) + apply(xv, w.mean**2)
-    else:
-        xv = x_var.astype(np.float64)
-        mag_var = apply(x**2 + xv, w.mean**2 + w.var) + apply(x**2, w.mean**2)
-    if b is not None:
-        shape = (1, -1) + (1,) * (mag_mean.ndim - 2)
-        mag_mean = mag_mean + np.abs(b.mean).reshape(shape)
-        mag_var = mag_var + b.var.reshape(shape)
-    tol = 2 * (k + 4) * U32
-    assert np.all(np.abs(out[0] - ref[0]) <= tol * mag_mean + 1e-37), np.abs(out[0] - ref[0]).max()
-    assert np.all(np.abs(out[1] - ref[1]) <= tol * mag_var + 1e-37), np.abs(out[1] - ref[1]).max()
-
 
 @SETTINGS
 @given(seed=st.integers(0, 2**31 - 1), batch=st.integers(1, 6), k=st.integers(1, 48), m=st.integers(1, 24),
@@ -333,31 +305,10 @@ def test_affine_and_add_match_reference():
         export_and_compare(graph, x, xv, 10.0)
 
 
-class _Residual(nn.Module):
-    """Conv('same') → BatchNorm → LeakyReLU → residual conv → ReLU → avg/max pool (ceil, padding) →
-    global average → Linear: every PFP op the converters produce."""
-
-    def __init__(self):
-        super().__init__()
-        self.conv = nn.Conv2d(3, 4, 3, padding="same")
-        self.bn = nn.BatchNorm2d(4)
-        self.conv2 = nn.Conv2d(4, 4, 3, padding=1)
-        self.pool = nn.AvgPool2d(2, ceil_mode=True)
-        self.mp = nn.MaxPool2d(3, 2, padding=1, ceil_mode=True)
-        self.gap = nn.AdaptiveAvgPool2d(1)
-        self.fc = nn.Linear(4, 5)
-
-    def forward(self, x, y=None):
-        h = F.leaky_relu(self.bn(self.conv(x)), 0.1)
-        h = self.conv2(h) + h
-        h = self.mp(self.pool(F.relu(h)))
-        return self.fc(torch.flatten(self.gap(h), 1))
-
-
 @pytest.mark.parametrize("form", ["variance", "raw"])
 def test_converted_torch_model_with_every_op(form, tmp_path):
     torch.manual_seed(0)
-    body = _Residual()
+    body = ResidualNet()
     with torch.no_grad():
         body.bn.running_mean.uniform_(-0.5, 0.5)
         body.bn.running_var.uniform_(0.5, 2.0)
