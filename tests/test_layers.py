@@ -248,3 +248,34 @@ def test_unsupported_padding_and_softmax_inside_are_clear_errors():
         guide, _ = _posterior_guide(model, shape)
         with pytest.raises(pyro2pfp.UnsupportedLayerError, match=pattern):
             pyro2pfp.convert(model, guide, input_shape=shape)
+
+
+def test_avg_pool_matches_sampling():
+    """Average pooling with padding (count_include_pad=False), plus an independent branch added by
+    the residual rule (means add, variances add): the moments are exact, so sampling must agree
+    within its standard error."""
+    rng = np.random.default_rng(2)
+    c, h = 2, 5
+    attrs = {"kernel": [3, 3], "stride": [2, 2], "padding": [1, 1], "ceil_mode": False,
+             "dilation": [1, 1], "count_include_pad": False, "divisor": None}
+    out = torch_pool_shape("avg", c, h, h, 3, 2, 1, False, count_include_pad=False)
+    graph = LayerGraph((c, h, h), [Layer("pool", "avg_pool2d", [INPUT], out, "t", attrs)], "pool",
+                       input_variance=True)
+    x = rng.standard_normal((1, c, h, h))
+    xv = rng.uniform(0.1, 2.0, x.shape)
+    mean, var = PFPNetwork(graph, plan(graph)).reference(x, xv)
+    n = 200_000
+    samples = torch.as_tensor(x + np.sqrt(xv) * rng.standard_normal((n, c, h, h)))
+    pooled = F.avg_pool2d(samples, 3, 2, 1, count_include_pad=False).numpy()
+    other = rng.standard_normal(pooled.shape) * 0.5 + 1.0  # an independent N(1, 0.25) branch
+    total = pooled + other
+    se_m = total.std(0) / np.sqrt(n)
+    se_v = np.sqrt(((total - total.mean(0)) ** 4).mean(0) - total.var(0) ** 2) / np.sqrt(n)
+    assert np.all(np.abs(mean[0] + 1.0 - total.mean(0)) < 5.5 * se_m)
+    assert np.all(np.abs(var[0] + 0.25 - total.var(0)) < 5.5 * se_v)
+    # Dividing by the full window (count_include_pad=True) instead is rejected by the same check.
+    wrong = dict(attrs, count_include_pad=True)
+    graph_w = LayerGraph((c, h, h), [Layer("pool", "avg_pool2d", [INPUT], out, "t", wrong)], "pool",
+                         input_variance=True)
+    _, var_w = PFPNetwork(graph_w, plan(graph_w)).reference(x, xv)
+    assert np.any(np.abs(var_w[0] + 0.25 - total.var(0)) > 5.5 * se_v)
