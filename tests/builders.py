@@ -144,3 +144,38 @@ class ResidualNet(nn.Module):
         h = self.conv2(h) + h
         h = self.mp(self.pool(F.relu(h)))
         return self.fc(torch.flatten(self.gap(h), 1))
+
+
+# --- pooling windows with padding / ceil mode, shared by the TVM and ONNX tests ------------------
+
+@st.composite
+def pool_cases(draw):
+    """(kernel, stride, padding, ceil_mode, height, width) that torch accepts."""
+    kernel = draw(st.integers(1, 4))
+    stride = draw(st.integers(1, 3))
+    pad = draw(st.integers(0, kernel // 2))
+    return kernel, stride, pad, draw(st.booleans()), draw(st.integers(kernel, kernel + 6)), \
+        draw(st.integers(kernel, kernel + 6))
+
+
+def pool_graph(kind: str, case: tuple, include_pad: bool, input_variance: bool, channels: int = 2):
+    """A one-layer max/avg pooling graph for ``case`` and torch's pooling of the same windows.
+
+    Average pooling with both padding and ceil mode is not supported (the converter says so), so
+    ceil mode is dropped there.  Returns ``(graph, torch_pool)`` with ``torch_pool(x_tensor)``.
+    """
+    kernel, stride, pad, ceil, h, w = case
+    if kind == "avg" and pad and ceil:
+        ceil = False
+    extra = {"count_include_pad": include_pad} if kind == "avg" else {}
+    pool = F.max_pool2d if kind == "max" else F.avg_pool2d
+
+    def torch_pool(t: torch.Tensor) -> torch.Tensor:
+        return pool(t, kernel, stride, pad, ceil_mode=ceil, **extra)
+
+    out_shape = tuple(torch_pool(torch.zeros(1, channels, h, w)).shape[1:])
+    attrs = {"kernel": [kernel] * 2, "stride": [stride] * 2, "padding": [pad] * 2, "ceil_mode": ceil,
+             "dilation": [1, 1], "count_include_pad": include_pad, "divisor": None}
+    op = "max_pool2d" if kind == "max" else "avg_pool2d"
+    layer = Layer("pool", op, [INPUT], out_shape, "t", attrs)
+    return LayerGraph((channels, h, w), [layer], "pool", input_variance=input_variance), torch_pool

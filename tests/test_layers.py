@@ -18,7 +18,7 @@ from hypothesis import strategies as st
 from pyro.nn import PyroModule, PyroSample
 
 import pyro2pfp
-from builders import ResidualNet
+from builders import ResidualNet, pool_cases, pool_graph
 from pyro2pfp.graph import INPUT, GaussianParam, Layer, LayerGraph
 from pyro2pfp.network import PFPNetwork
 from pyro2pfp.plan import plan
@@ -54,17 +54,6 @@ def test_leaky_relu_compiled_matches_reference(seed, n, slope, x_var, form):
     assert_close(out, ref, np.abs(x).max() + (np.sqrt(xv.max()) if xv is not None else 0) ** 2 + 1)
 
 
-@st.composite
-def pool_cases(draw):
-    kernel = draw(st.integers(1, 4))
-    stride = draw(st.integers(1, 3))
-    pad = draw(st.integers(0, kernel // 2))
-    ceil = draw(st.booleans())
-    h = draw(st.integers(kernel, kernel + 6))
-    w = draw(st.integers(kernel, kernel + 6))
-    return kernel, stride, pad, ceil, h, w
-
-
 def torch_pool_shape(kind, c, h, w, kernel, stride, pad, ceil, **kw):
     x = torch.zeros(1, c, h, w)
     pool = F.max_pool2d if kind == "max" else F.avg_pool2d
@@ -75,27 +64,14 @@ def torch_pool_shape(kind, c, h, w, kernel, stride, pad, ceil, **kw):
 @given(seed=st.integers(0, 2**31 - 1), case=pool_cases(), kind=st.sampled_from(["max", "avg"]),
        include_pad=st.booleans(), x_var=st.sampled_from([None, 0.0, 1e-4, 1.0]))
 def test_pooling_with_padding_and_ceil_mode_compiled_matches_reference(seed, case, kind, include_pad, x_var):
-    kernel, stride, pad, ceil, h, w = case
-    if kind == "avg" and pad and ceil:
-        ceil = False  # not supported together (the converter says so)
-    c = 2
-    extra = {"count_include_pad": include_pad} if kind == "avg" else {}
-    out_shape = torch_pool_shape(kind, c, h, w, kernel, stride, pad, ceil, **extra)
-    attrs = {"kernel": [kernel] * 2, "stride": [stride] * 2, "padding": [pad] * 2, "ceil_mode": ceil,
-             "dilation": [1, 1], "count_include_pad": include_pad, "divisor": None}
-    op = "max_pool2d" if kind == "max" else "avg_pool2d"
-    graph = LayerGraph((c, h, w), [Layer("pool", op, [INPUT], out_shape, "t", attrs)], "pool",
-                       input_variance=x_var is not None)
+    graph, torch_pool = pool_graph(kind, case, include_pad, input_variance=x_var is not None)
     rng = np.random.default_rng(seed)
-    x = rng.standard_normal((2, c, h, w)).astype(np.float32)
+    x = rng.standard_normal((2, *graph.input_shape)).astype(np.float32)
     xv = None if x_var is None else (x_var * rng.uniform(0, 1, x.shape)).astype(np.float32)
     ref, out = compiled_and_reference(graph, x, xv)
     assert_close(out, ref, 10.0)
-    # The deterministic mean is torch's pooling.
-    if x_var in (None, 0.0):
-        t = torch.as_tensor(x, dtype=torch.float64)
-        expected = (F.max_pool2d(t, kernel, stride, pad, ceil_mode=ceil) if kind == "max"
-                    else F.avg_pool2d(t, kernel, stride, pad, ceil_mode=ceil, count_include_pad=include_pad))
+    if x_var in (None, 0.0):  # the deterministic mean is torch's pooling
+        expected = torch_pool(torch.as_tensor(x, dtype=torch.float64))
         np.testing.assert_allclose(ref[0], expected.numpy(), rtol=1e-12, atol=1e-12)
 
 

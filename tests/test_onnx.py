@@ -19,7 +19,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from builders import (U32, ResidualNet, assert_compute_layer, conv_layer, dense_layer, forms, input_var,
-                      lenet_graph, mlp_graph, pool_layer, relu_layer, reshape_layer, scales, var_scales)
+                      lenet_graph, mlp_graph, pool_cases, pool_graph, pool_layer, relu_layer, reshape_layer, scales,
+                      var_scales)
 from pyro.nn import PyroSample
 
 import pyro2pfp
@@ -256,38 +257,17 @@ def test_leaky_relu_matches_reference(seed, n, slope, x_var, form):
     export_and_compare(graph, x, xv, 10.0 + (x_var or 0.0), form)
 
 
-@st.composite
-def pool_cases(draw):
-    kernel = draw(st.integers(1, 4))
-    stride = draw(st.integers(1, 3))
-    pad = draw(st.integers(0, kernel // 2))
-    return kernel, stride, pad, draw(st.booleans()), draw(st.integers(kernel, kernel + 6)), \
-        draw(st.integers(kernel, kernel + 6))
-
-
 @SETTINGS
 @given(seed=st.integers(0, 2**31 - 1), case=pool_cases(), kind=st.sampled_from(["max", "avg"]),
        include_pad=st.booleans(), x_var=st.sampled_from([None, 0.0, 1e-4, 1.0]))
 def test_pooling_with_padding_and_ceil_mode_matches_reference(seed, case, kind, include_pad, x_var):
-    kernel, stride, pad, ceil, h, w = case
-    if kind == "avg" and pad and ceil:
-        ceil = False  # not supported together by the converter
-    c = 2
-    pool = F.max_pool2d if kind == "max" else F.avg_pool2d
-    extra = {"count_include_pad": include_pad} if kind == "avg" else {}
-    out_shape = tuple(pool(torch.zeros(1, c, h, w), kernel, stride, pad, ceil_mode=ceil, **extra).shape[1:])
-    attrs = {"kernel": [kernel] * 2, "stride": [stride] * 2, "padding": [pad] * 2, "ceil_mode": ceil,
-             "dilation": [1, 1], "count_include_pad": include_pad, "divisor": None}
-    op = "max_pool2d" if kind == "max" else "avg_pool2d"
-    graph = LayerGraph((c, h, w), [Layer("pool", op, [INPUT], out_shape, "t", attrs)], "pool",
-                       input_variance=x_var is not None)
+    graph, torch_pool = pool_graph(kind, case, include_pad, input_variance=x_var is not None)
     rng = np.random.default_rng(seed)
-    x = rng.standard_normal((2, c, h, w)).astype(np.float32)
+    x = rng.standard_normal((2, *graph.input_shape)).astype(np.float32)
     xv = None if x_var is None else (x_var * rng.uniform(0, 1, x.shape)).astype(np.float32)
     _, out = export_and_compare(graph, x, xv, 10.0)
     if x_var in (None, 0.0):  # the deterministic mean is torch's pooling
-        np.testing.assert_allclose(out[0], pool(torch.as_tensor(x), kernel, stride, pad, ceil_mode=ceil,
-                                                **extra).numpy(), rtol=1e-6, atol=1e-6)
+        np.testing.assert_allclose(out[0], torch_pool(torch.as_tensor(x)).numpy(), rtol=1e-6, atol=1e-6)
 
 
 def test_affine_and_add_match_reference():
