@@ -7,6 +7,9 @@ Raw-moment input ``(μx, sx)``:  ``μ = Σ μw·μx``,  ``v = Σ sw·sx − (μw
 The epilogue adds the bias (mean and, if probabilistic, variance), clamps the variance at 0 and
 converts to the representation the plan asks for.  Dense weights are stored transposed (K, M) so
 the output axis is unit-stride; conv weights are stored (C/groups, KH, KW, O) for the same reason.
+Dense weights are also zero-padded to ``M`` rounded up to :data:`DENSE_COLUMN_MULTIPLE` columns: the
+accumulation runs over whole SIMD vectors (a width that divides ``M`` -- 4 for ``M = 100`` -- would
+leave most of an AVX-512 register idle), and the epilogue reads only the ``M`` real columns.
 """
 from __future__ import annotations
 
@@ -33,11 +36,20 @@ def _terms(x_mean: Any, x_second: Any, w_mean: Any, w_second: Any, x_repr: Repr)
     return prod, x_second * w_second - prod * prod
 
 
-def _weights_and_bias(ctx: EmitContext, layer: PlannedLayer, axes: tuple[int, ...]) -> list:
-    """Weight (mean, second) transposed by ``axes`` so the output channel is the unit-stride axis."""
+DENSE_COLUMN_MULTIPLE = 16
+"""Dense weights get zero columns up to a multiple of this (16 fp32 = one AVX-512 register)."""
+
+
+def _weights_and_bias(ctx: EmitContext, layer: PlannedLayer, axes: tuple[int, ...],
+                      pad_last_to: int = 1) -> list:
+    """Weight (mean, second) transposed by ``axes`` so the output channel is the unit-stride axis,
+    zero-padded along it to a multiple of ``pad_last_to``."""
     t = layer.tensors
     second = t["weight_var"] if "weight_var" in t else t["weight_second_moment"]
     ws = [np.transpose(w, axes) for w in (t["weight_mean"], second)]
+    extra = -ws[0].shape[-1] % pad_last_to
+    if extra:
+        ws = [np.pad(w, [(0, 0)] * (w.ndim - 1) + [(0, extra)]) for w in ws]
     args = [ctx.const(w) for w in ws]
     for key in ("bias_mean", "bias_var"):
         if key in t:
@@ -46,7 +58,9 @@ def _weights_and_bias(ctx: EmitContext, layer: PlannedLayer, axes: tuple[int, ..
 
 
 def _epilogue_stage(acc_mean: te.Tensor, acc_var: te.Tensor, bias: list[te.Tensor], channel_axis: int,
-                    layer: PlannedLayer) -> list[te.Tensor]:
+                    layer: PlannedLayer, shape: tuple | None = None) -> list[te.Tensor]:
+    """Bias, variance clamp and representation conversion of the accumulated sums; ``shape``
+    (default: the accumulators') may cut off padding columns."""
     def f(*idx):
         mean, var = acc_mean[idx], acc_var[idx]
         if bias:
@@ -55,7 +69,7 @@ def _epilogue_stage(acc_mean: te.Tensor, acc_var: te.Tensor, bias: list[te.Tenso
             var = var + bias[1][idx[channel_axis]]
         return epilogue(mean, te.max(var, tirx.const(0.0, F32)), layer)
 
-    return te.compute(acc_mean.shape, f, name="epilogue")
+    return te.compute(acc_mean.shape if shape is None else shape, f, name="epilogue")
 
 
 @kernel("dense")
@@ -69,17 +83,18 @@ def dense(ctx: EmitContext, layer: PlannedLayer, inputs: list[RelaxActivation]) 
         x_second = None if deterministic else tensors[1]
         w_mean, w_second = tensors[n_x:n_x + 2]
         bias = list(tensors[n_x + 2:])
-        k_dim, m_dim = w_mean.shape
+        k_dim, m_padded = w_mean.shape
         k = te.reduce_axis((0, k_dim), name="k")
 
         def body(i, j):
             xs = None if x_second is None else x_second[i, k]
             return pair_sum(_terms(x_mean[i, k], xs, w_mean[k, j], w_second[k, j], x.repr), axis=k)
 
-        acc = te.compute((x_mean.shape[0], m_dim), body, name="dense")
-        return _epilogue_stage(acc[0], acc[1], bias, 1, layer)
+        acc = te.compute((x_mean.shape[0], m_padded), body, name="dense")
+        return _epilogue_stage(acc[0], acc[1], bias, 1, layer, (x_mean.shape[0], layer.layer.out_shape[0]))
 
-    outs = ctx.emit_te(fn, x.tensors() + _weights_and_bias(ctx, layer, (1, 0)), layer)  # (K, M)
+    weights = _weights_and_bias(ctx, layer, (1, 0), DENSE_COLUMN_MULTIPLE)  # (K, M padded)
+    outs = ctx.emit_te(fn, x.tensors() + weights, layer)
     return activation_out(outs, layer)
 
 

@@ -188,7 +188,6 @@ def _stage_inputs(sch: s_tir.Schedule, blocks: list[Any], loop: Any) -> None:
 
 # ------------------------------------------------------------------------------------ dense
 DENSE_K_UNROLL = 4
-DENSE_TILE_VECTORS = 6  # at most this many vectors per accumulator in one register tile
 
 
 @_register("dense")
@@ -196,10 +195,12 @@ def schedule_dense(sch: s_tir.Schedule, layer: Any, target: tvm.target.Target) -
     """Dense ``(batch, K) x (K, M)``: one tuple-reduction block ``dense`` (mean and variance sums
     together) + the ``epilogue`` blocks.
 
-    The weights are stored ``(K, M)``, so the output feature ``j`` is the unit-stride axis.  It is
-    split ``jo x jm x jv``: ``jv`` vectorised, ``jm`` unrolled -- a register tile of ``jm*jv`` mean
-    and ``jm*jv`` variance accumulators -- and ``jo`` fused with the batch into the parallel loop
-    (batch 1 still has ``M / (jm*jv)`` parallel tiles).  ``k`` is split by a small unrolled factor.
+    The weights are stored ``(K, M)``, so the output feature ``j`` is the unit-stride axis, and
+    zero-padded to a multiple of 16 columns (``compute.DENSE_COLUMN_MULTIPLE``), so ``jv`` is a
+    whole SIMD register.  ``j`` is split ``jo x jm x jv``: ``jv`` vectorised, ``jm`` unrolled -- a
+    register tile of ``jm`` mean and ``jm`` variance vector accumulators (at most 8 + 8 of the 32
+    AVX-512 registers, 4 + 4 of 16 otherwise) -- and ``jo`` fused with the batch into the parallel
+    loop (batch 1 has ``M / (jm*jv)`` parallel tiles: one for M <= 128, where the kernel is short).  ``k`` is split by a small unrolled factor.
     Order ``(batch, jo) | ko, ki, jm, jv``: each ``x[i, k]`` is broadcast once for the whole tile;
     the tile's weight columns stream from cache.  The epilogue writes each tile straight from the
     accumulators.
@@ -210,7 +211,7 @@ def schedule_dense(sch: s_tir.Schedule, layer: Any, target: tvm.target.Target) -
     m, kk = _extent(sch, j), _extent(sch, k)
     vectorize = _vectorizable(sch, [blk])
     vec = _pow2_divisor(m, lanes) if vectorize else 1
-    jm = _divisor_at_most(m // vec, DENSE_TILE_VECTORS)
+    jm = _divisor_at_most(m // vec, _register_budget(lanes) // 3)
     jo, jmm, jv = sch.split(j, [None, jm, vec])
     ko, ki = sch.split(k, [None, _divisor_at_most(kk, DENSE_K_UNROLL)])
     sch.reorder(i, jo, ko, ki, jmm, jv)
