@@ -2,7 +2,9 @@
 
 >>> net = pyro2pfp.convert(model, guide, input_shape=(1, 28, 28), calibration=1.0)
 >>> mean, var = net.reference(x)      # float64 NumPy
->>> exe = net.compile("llvm"); mean32, var32 = exe(x)
+>>> exe = net.compile("native"); mean32, var32 = exe(x)
+>>> exe = net.compile("native", tune=10)   # + MetaSchedule-tuned executable for batch 10 (cached)
+>>> print(exe.profile(x))                  # time per kernel
 """
 from .errors import InputShapeError, PFPError, PosteriorError, TracingError, UnsupportedLayerError
 from .graph import Repr
@@ -11,7 +13,17 @@ from .network import PFPNetwork, convert
 from .uncertainty import (auroc, calibrate, predictive_uncertainty, uncertainty,
                           uncertainty_from_logit_samples)
 
+
+
+def set_num_threads(n: int) -> int:
+    """Threads of the compiled networks' CPU kernels (process-wide; see
+    :func:`pyro2pfp.tvm_backend.runtime.set_num_threads`)."""
+    from .tvm_backend.runtime import set_num_threads as _set
+
+    return _set(n)
+
+
 __version__ = "0.1.0"
 __all__ = ["convert", "load", "PFPNetwork", "Repr", "PFPError", "UnsupportedLayerError", "PosteriorError",
            "InputShapeError", "TracingError", "uncertainty", "uncertainty_from_logit_samples",
-           "predictive_uncertainty", "auroc", "calibrate"]
+           "predictive_uncertainty", "auroc", "calibrate", "set_num_threads"]

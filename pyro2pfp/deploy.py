@@ -128,11 +128,13 @@ def is_cross_target(target: Any) -> bool:
     return target_arch(target) != host_arch()
 
 
-def compile_network(net: Any, target: Any = "llvm", *, schedule: bool = True):
+def compile_network(net: Any, target: Any = "llvm", *, schedule: bool = True, tune: Any = None,
+                    num_threads: int | None = None):
     """``net.compile(target)`` with presets and cross-compilation.
 
     Host targets give a runnable :class:`~pyro2pfp.tvm_backend.runtime.CompiledPFP`; targets for
-    another architecture give one that only exports (``exe.export_library(path)``).
+    another architecture give one that only exports (``exe.export_library(path)``); those cannot
+    be tuned here (MetaSchedule measures candidates on the machine it runs on).
     """
     import tvm
 
@@ -140,7 +142,10 @@ def compile_network(net: Any, target: Any = "llvm", *, schedule: bool = True):
 
     tgt = resolve_target(target)
     if not is_cross_target(tgt):
-        return runtime.compile_network(net, tgt, schedule=schedule)
+        return runtime.compile_network(net, tgt, schedule=schedule, tune=tune, num_threads=num_threads)
+    if tune is not None and tune is not False:
+        raise PFPError(f"cannot tune for {target_arch(tgt)} on this {host_arch()} machine: MetaSchedule "
+                       "measures every candidate where it runs; compile without tune= or tune on the device")
     mod = net.mod
     if schedule:
         from .tvm_backend.schedules import schedule_module

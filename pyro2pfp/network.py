@@ -26,10 +26,10 @@ def as_input_array(x: Any, input_shape: tuple[int, ...], name: str = "x",
     if x.ndim != len(input_shape) + 1 or tuple(x.shape[1:]) != tuple(input_shape) or x.shape[0] < 1:
         raise InputShapeError(
             f"{name} has shape {tuple(x.shape)}, expected (batch, {', '.join(map(str, input_shape))})")
-    if not np.issubdtype(x.dtype, np.number) or np.iscomplexobj(x):
+    if x.dtype != dtype and (not np.issubdtype(x.dtype, np.number) or np.iscomplexobj(x)):
         raise InputShapeError(f"{name} must be real numbers, got dtype {x.dtype}")
     x = np.ascontiguousarray(x, dtype=dtype)
-    if not np.all(np.isfinite(x)):
+    if not np.isfinite(x).all():
         raise InputShapeError(f"{name} contains NaN or infinite values")
     return x
 
@@ -79,18 +79,28 @@ class PFPNetwork:
                 raise InputShapeError("x_var must be non-negative")
         return execute(self.plan, xs, x_var)
 
-    def compile(self, target: Any = "llvm", *, schedule: bool = True):
-        """Compile ``mod`` for ``target``: ``"llvm"``, ``"native"``, a board preset (``"aarch64"``,
-        ``"rpi3"``, ``"rpi4"``, ``"rpi5"``), a TVM tag, a dict or a ``tvm.target.Target``.
+    def compile(self, target: Any = "llvm", *, tune: Any = None, schedule: bool = True,
+                num_threads: int | None = None):
+        """Compile ``mod`` for ``target``: ``"llvm"``, ``"native"`` (this CPU's instruction set:
+        AVX-512 here, the fastest), a board preset (``"aarch64"``, ``"rpi3"``, ``"rpi4"``,
+        ``"rpi5"``), a TVM tag, a dict or a ``tvm.target.Target``.
 
         Returns a :class:`~pyro2pfp.tvm_backend.runtime.CompiledPFP`: ``exe(x) -> (mean, var)``
-        as float32 NumPy arrays, any batch size; ``exe.export_library("net.so")`` writes it for
+        as float32 NumPy arrays, any batch size, every kernel with its default CPU schedule;
+        ``exe.profile(x)`` times each kernel; ``exe.export_library("net.so")`` writes it for
         ``pyro2pfp.load``.  For another CPU architecture the predictor only exports.
+
+        ``tune``: also auto-tune with MetaSchedule for the batch sizes named -- ``tune=10``,
+        ``tune=[1, 10]`` or ``tune={"batch": 10, "trials": 64, "work_dir": ...}`` (see
+        :func:`pyro2pfp.tuning.tune`).  Tuning results are cached on disk (keyed by network
+        structure, target and batch: the second compile reuses them); calls with a tuned batch
+        size run the tuned executable, each kernel the fastest correct of its tuned and default
+        schedules.  ``num_threads``: TVM threads (process-wide, default: the physical cores).
         ``schedule=False`` skips the default CPU schedules (naive loops; for debugging).
         """
         from .deploy import compile_network
 
-        return compile_network(self, target, schedule=schedule)
+        return compile_network(self, target, schedule=schedule, tune=tune, num_threads=num_threads)
 
     def to_onnx(self, path: Any = None, *, opset: int = 17):
         """Write the network as an ONNX model (standard operators; inputs ``x`` [, ``x_var``],

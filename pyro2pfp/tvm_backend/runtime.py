@@ -1,6 +1,17 @@
-"""Compile a PFP network with TVM and run it from NumPy or torch."""
+"""Compile a PFP network with TVM and run it from NumPy or torch.
+
+Threads: TVM's CPU thread pool is process-wide and sized when it first starts.  TVM sizes it to
+half the logical CPUs on x86 ("ignore hyper-threading"), which is *one* thread on a 2-core VM
+without SMT, and pins the calling thread to core 0 (after which every torch/OpenBLAS thread
+started by that thread shares core 0: torch becomes many times slower in the same process).
+Importing this module therefore sets, unless already set, ``TVM_NUM_THREADS`` to the cores this
+process may use (:func:`default_num_threads`) and ``TVM_BIND_THREADS=0``;
+:func:`set_num_threads` changes the count later (up to the pool size).
+"""
 from __future__ import annotations
 
+import os
+import warnings
 from typing import Any
 
 import numpy as np
@@ -10,6 +21,50 @@ from tvm import relax
 from ..errors import InputShapeError
 from ..network import as_input_array
 from .schedules import schedule_module
+
+
+def default_num_threads() -> int:
+    """Physical cores available to this process (CPU affinity), at least 1."""
+    try:
+        available = len(os.sched_getaffinity(0))
+    except AttributeError:  # pragma: no cover -- not Linux
+        available = os.cpu_count() or 1
+    try:
+        import psutil
+
+        physical = psutil.cpu_count(logical=False) or available
+    except Exception:  # noqa: BLE001 -- psutil missing or unsupported platform
+        physical = available
+    return max(1, min(available, physical))
+
+
+if "TVM_NUM_THREADS" not in os.environ and "OMP_NUM_THREADS" not in os.environ:
+    os.environ["TVM_NUM_THREADS"] = str(default_num_threads())
+os.environ.setdefault("TVM_BIND_THREADS", "0")
+
+
+def num_threads() -> int:
+    """Threads TVM's CPU kernels run on (process-wide)."""
+    return int(tvm.runtime.num_threads())
+
+
+def set_num_threads(n: int) -> int:
+    """Run TVM's CPU kernels on ``n`` threads (process-wide; at most the size of the thread pool,
+    which is fixed when it starts: set ``TVM_NUM_THREADS`` before the first run for more).
+    Threads are not pinned to cores.  Returns the number now in use."""
+    if not isinstance(n, int) or isinstance(n, bool) or n < 1:
+        raise ValueError(f"num_threads must be a positive int, got {n!r}")
+    try:
+        cpus = sorted(os.sched_getaffinity(0))
+    except AttributeError:  # pragma: no cover -- not Linux
+        cpus = list(range(os.cpu_count() or 1))
+    configure = tvm.get_global_func("runtime.config_threadpool")
+    configure(-3, n, [str(c) for c in cpus])  # -3: kSpecifyThreadShareAllCore (no pinning)
+    got = num_threads()
+    if got != n:
+        warnings.warn(f"pyro2pfp: TVM's thread pool has {got} thread(s), asked for {n}: set "
+                      f"TVM_NUM_THREADS={n} before the first TVM kernel runs", RuntimeWarning, stacklevel=2)
+    return got
 
 
 def make_target(target: Any) -> tvm.target.Target:
@@ -23,10 +78,19 @@ def make_target(target: Any) -> tvm.target.Target:
 
 
 class CompiledPFP:
-    """A compiled PFP network: ``exe(x[, x_var]) -> (mean, var)`` float32 NumPy arrays."""
+    """A compiled PFP network: ``exe(x[, x_var]) -> (mean, var)`` float32 NumPy arrays.
+
+    ``x``: ``(batch, *input_shape)`` NumPy array or torch tensor, any batch size.  The input is
+    checked (shape, real, finite), copied into a TVM-allocated, 64-byte aligned input tensor
+    cached per batch size (a VM would otherwise get the caller's buffer, whose alignment the
+    kernels may not assume), and the outputs are zero-copy NumPy views of the tensors the VM
+    returns (fresh for every call).  ``tuned``: ``{batch: executable}`` specialised by
+    MetaSchedule (``net.compile(tune=...)``); a call with one of those batch sizes runs that
+    executable, other sizes the any-batch one.
+    """
 
     def __init__(self, executable: Any, input_shape: tuple[int, ...], input_variance: bool,
-                 target: tvm.target.Target) -> None:
+                 target: tvm.target.Target, tuned: dict[int, Any] | None = None) -> None:
         self.executable = executable
         self.input_shape = tuple(input_shape)
         self.input_variance = input_variance
@@ -34,21 +98,57 @@ class CompiledPFP:
         self.device = tvm.cpu()
         self.vm = relax.VirtualMachine(executable, self.device)
         self._main = self.vm["main"]
+        self.tuned = dict(tuned or {})
+        self._tuned_vms = {b: relax.VirtualMachine(ex, self.device) for b, ex in self.tuned.items()}
+        self._tuned_mains = {b: vm["main"] for b, vm in self._tuned_vms.items()}
+        self._inputs: dict[tuple[int, ...], list[tuple[Any, np.ndarray]]] = {}
+
+    def vm_for_batch(self, batch: int) -> relax.VirtualMachine:
+        """The VM a call with ``batch`` rows runs (a tuned one if there is one for that size)."""
+        return self._tuned_vms.get(int(batch), self.vm)
+
+    def _input_buffers(self, shape: tuple[int, ...], count: int) -> list[tuple[Any, np.ndarray]]:
+        buffers = self._inputs.get(shape)
+        if buffers is None:
+            if len(self._inputs) >= 8:  # bounded cache: many batch sizes
+                self._inputs.pop(next(iter(self._inputs)))
+            tensors = [tvm.runtime.empty(shape, "float32", self.device) for _ in range(count)]
+            buffers = self._inputs[shape] = [(t, np.from_dlpack(t)) for t in tensors]
+        return buffers
 
     def _args(self, x: Any, x_var: Any) -> list:
-        args = [as_input_array(x, self.input_shape)]
+        arrays = [as_input_array(x, self.input_shape)]
         if self.input_variance:
             if x_var is None:
                 raise InputShapeError("this network was converted with input_variance=True: pass x_var too")
             var = as_input_array(x_var, self.input_shape, "x_var")
+            if var.shape != arrays[0].shape:
+                raise InputShapeError(f"x_var has shape {var.shape}, x has {arrays[0].shape}")
             if np.any(var < 0):
                 raise InputShapeError("x_var must be non-negative")
-            args.append(var)
-        return [tvm.runtime.tensor(a, self.device) for a in args]
+            arrays.append(var)
+        buffers = self._input_buffers(arrays[0].shape, len(arrays))
+        for array, (_, view) in zip(arrays, buffers):
+            np.copyto(view, array)
+        return [tensor for tensor, _ in buffers]
 
     def __call__(self, x: Any, x_var: Any = None) -> tuple[np.ndarray, np.ndarray]:
-        mean, var = self._main(*self._args(x, x_var))
-        return mean.numpy(), var.numpy()
+        args = self._args(x, x_var)
+        main = self._tuned_mains.get(args[0].shape[0], self._main) if self._tuned_mains else self._main
+        mean, var = main(*args)
+        return np.from_dlpack(mean), np.from_dlpack(var)
+
+    def profile(self, x: Any, x_var: Any = None, *, repeats: int = 30, method: str = "isolated"):
+        """Time every kernel of one call on ``x`` (the paper's Figure 5 / Table 4): a
+        :class:`pyro2pfp.profiling.Profile` (``print(prof)`` shows the table; ``prof.by_op()`` the
+        share per PFP op)."""
+        from ..profiling import profile
+
+        if not self.runnable:
+            from ..errors import PFPError
+
+            raise PFPError("this network was cross-compiled for another CPU architecture: profile it on the device")
+        return profile(self, self._args(x, x_var), repeats=repeats, method=method)
 
     # -- deployment (implemented in pyro2pfp.deploy) ------------------------------------------
 
@@ -66,6 +166,7 @@ class CompiledPFP:
         self.target = target
         self.device = None
         self.vm = None
+        self.tuned, self._tuned_vms, self._tuned_mains, self._inputs = {}, {}, {}, {}
         arch = target_arch(target)
 
         def not_here(*_: Any) -> None:
@@ -91,11 +192,21 @@ class CompiledPFP:
         return export_library(self, path, cc=cc, metadata=metadata)
 
 
-def compile_network(net: Any, target: Any = "llvm", *, schedule: bool = True) -> CompiledPFP:
-    """Schedule (default CPU schedules) and build ``net.mod`` for ``target``."""
+def compile_network(net: Any, target: Any = "llvm", *, schedule: bool = True, tune: Any = None,
+                    num_threads: int | None = None) -> CompiledPFP:
+    """Schedule (default CPU schedules) and build ``net.mod`` for ``target``; with ``tune`` also
+    build MetaSchedule-tuned executables for the batch sizes it names
+    (:func:`pyro2pfp.tuning.parse_tune_spec`); ``num_threads``: :func:`set_num_threads`."""
+    if num_threads is not None:
+        set_num_threads(num_threads)
     tgt = make_target(target)
     mod = net.mod
     if schedule:
         mod = schedule_module(mod, net.plan, tgt)
     executable = tvm.compile(mod, target=tgt)
-    return CompiledPFP(executable, net.input_shape, net.input_variance, tgt)
+    tuned = None
+    if tune is not None and tune is not False:
+        from ..tuning import tune_network
+
+        tuned = tune_network(net, tgt, tune)
+    return CompiledPFP(executable, net.input_shape, net.input_variance, tgt, tuned=tuned)
