@@ -1,0 +1,94 @@
+"""Per-kernel profile (pyro2pfp.profiling) and the latency benchmark's smoke run."""
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+import tvm
+from tvm import relax, tirx
+
+from builders import lenet_graph, mlp_graph
+from pyro2pfp.network import PFPNetwork
+from pyro2pfp.plan import plan
+from pyro2pfp.profiling import OVERHEAD_ROW, Profile, profile, split_kernel_name
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def small_lenet() -> PFPNetwork:
+    graph = lenet_graph(np.random.default_rng(0), widths=(2, 4, 8, 6), image=12)
+    return PFPNetwork(graph, plan(graph))
+
+
+@pytest.fixture(scope="module")
+def lenet_exe():
+    net = small_lenet()
+    return net, net.compile("llvm")
+
+
+def main_kernels(mod: tvm.IRModule) -> set[str]:
+    """Names of the PrimFuncs ``main`` calls (the PFP kernels)."""
+    called = set(re.findall(r"R\.call_tir\((?:cls\.)?(\w+),", mod["main"].script()))
+    return {gv.name_hint for gv, f in mod.functions_items() if isinstance(f, tirx.PrimFunc) and gv.name_hint in called}
+
+
+def test_split_kernel_name():
+    assert split_kernel_name("pfp_dense_fc1") == ("dense", "fc1")
+    assert split_kernel_name("pfp_max_pool2d_pool_1") == ("max_pool2d", "pool_1")
+    assert split_kernel_name("pfp_relu_relu") == ("relu", "relu")
+    assert split_kernel_name("fused_matmul_add") == ("fused_matmul_add", "")
+
+
+@pytest.mark.parametrize("method", ["isolated", "in_vm"])
+def test_one_row_per_kernel_and_rows_sum_to_total(lenet_exe, method):
+    net, exe = lenet_exe
+    x = np.random.default_rng(1).uniform(0, 1, (3, *net.input_shape)).astype(np.float32)
+    prof = profile(exe, [x], repeats=5, method=method)
+    assert isinstance(prof, Profile) and prof.batch == 3 and prof.method == method
+    names = [r.name for r in prof.kernels]
+    pfp = {n for n in names if n.startswith("pfp_")}
+    assert pfp == main_kernels(net.mod)              # every PFP kernel, once
+    assert len(names) == len(set(names))
+    assert prof.rows[-1].name == OVERHEAD_ROW
+    assert sum(r.us for r in prof.rows) == pytest.approx(prof.total_us, rel=1e-9)
+    assert sum(r.share for r in prof.rows) == pytest.approx(1.0, rel=1e-9)
+    assert all(r.us > 0 and r.calls == 1 for r in prof.kernels)
+    kernel_sum = sum(r.us for r in prof.kernels)
+    if method == "isolated":  # kernels timed alone vs the C++-timed call: the kernels are most of it
+        assert 0.2 * prof.total_us < kernel_sum < 2.0 * prof.total_us
+    else:  # in place: the Python instrument callbacks (~60 VM calls here) add to the overhead row
+        assert 0 < kernel_sum < prof.total_us
+    ops = prof.by_op()
+    assert {"conv2d", "relu", "max_pool2d", "dense"} <= set(ops)
+    assert sum(ops.values()) == pytest.approx(prof.total_us, rel=1e-9)
+    text = prof.table("title")
+    assert "pfp_conv2d_conv1" in text and "by op:" in text and text.startswith("title")
+    assert prof.as_dict()["rows"][0]["name"] == prof.rows[0].name
+
+
+def test_profile_accepts_vm_and_executable_and_checks_method():
+    graph = mlp_graph(np.random.default_rng(0), [16, 8, 4])
+    net = PFPNetwork(graph, plan(graph))
+    ex = tvm.compile(net.mod, target="llvm")
+    x = np.ones((2, 16), np.float32)
+    for target in (ex, relax.VirtualMachine(ex, tvm.cpu())):
+        prof = profile(target, [x], repeats=3)
+        assert {r.name for r in prof.kernels} >= {"pfp_dense_fc1", "pfp_relu_relu1", "pfp_dense_fc2"}
+    with pytest.raises(ValueError, match="method"):
+        profile(ex, [x], method="bogus")
+
+
+def test_latency_benchmark_quick_runs(tmp_path):
+    env = dict(os.environ, PYRO2PFP_CACHE=str(tmp_path), TVM_NUM_THREADS="2")
+    proc = subprocess.run([sys.executable, os.path.join(ROOT, "benchmarks", "latency.py"), "--quick"],
+                          capture_output=True, text=True, timeout=240, env=env, cwd=ROOT)
+    out = proc.stdout
+    assert proc.returncode == 0, out[-3000:] + proc.stderr[-3000:]
+    for needle in ("Pyro Predictive(30)", "torch vmap", "det TVM", "PFP NumPy reference", "PFP TVM, tuned",
+                   "load average", "threads: TVM 2", "targets (this run", "per-kernel profile"):
+        assert needle in out, needle
+    assert "MISMATCH" not in out
