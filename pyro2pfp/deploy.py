@@ -128,7 +128,7 @@ def is_cross_target(target: Any) -> bool:
     return target_arch(target) != host_arch()
 
 
-def compile_network(net: Any, target: Any = "llvm", *, schedule: bool = True, tune: Any = None,
+def compile_network(net: Any, target: Any = "native", *, schedule: bool = True, tune: Any = None,
                     num_threads: int | None = None):
     """``net.compile(target)`` with presets and cross-compilation.
 

@@ -79,11 +79,12 @@ class PFPNetwork:
                 raise InputShapeError("x_var must be non-negative")
         return execute(self.plan, xs, x_var)
 
-    def compile(self, target: Any = "llvm", *, tune: Any = None, schedule: bool = True,
+    def compile(self, target: Any = "native", *, tune: Any = None, schedule: bool = True,
                 num_threads: int | None = None):
-        """Compile ``mod`` for ``target``: ``"llvm"``, ``"native"`` (this CPU's instruction set:
-        AVX-512 here, the fastest), a board preset (``"aarch64"``, ``"rpi3"``, ``"rpi4"``,
-        ``"rpi5"``), a TVM tag, a dict or a ``tvm.target.Target``.
+        """Compile ``mod`` for ``target``: ``"native"`` (default: this machine's CPU and its full
+        instruction set, e.g. AVX-512), ``"llvm"`` (generic x86-64: SSE2 only, portable, slower),
+        a board preset (``"aarch64"``, ``"rpi3"``, ``"rpi4"``, ``"rpi5"``), a TVM tag, a dict or a
+        ``tvm.target.Target``.
 
         Returns a :class:`~pyro2pfp.tvm_backend.runtime.CompiledPFP`: ``exe(x) -> (mean, var)``
         as float32 NumPy arrays, any batch size, every kernel with its default CPU schedule;

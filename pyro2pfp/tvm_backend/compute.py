@@ -7,7 +7,7 @@ Raw-moment input ``(μx, sx)``:  ``μ = Σ μw·μx``,  ``v = Σ sw·sx − (μw
 The epilogue adds the bias (mean and, if probabilistic, variance), clamps the variance at 0 and
 converts to the representation the plan asks for.  Dense weights are stored transposed (K, M) so
 the output axis is unit-stride; conv weights are stored (C/groups, KH, KW, O) for the same reason.
-Dense weights are also zero-padded to ``M`` rounded up to :data:`DENSE_COLUMN_MULTIPLE` columns: the
+Dense weights are also zero-padded to whole vectors (:func:`dense_padded_columns`): the
 accumulation runs over whole SIMD vectors (a width that divides ``M`` -- 4 for ``M = 100`` -- would
 leave most of an AVX-512 register idle), and the epilogue reads only the ``M`` real columns.
 """
@@ -37,17 +37,25 @@ def _terms(x_mean: Any, x_second: Any, w_mean: Any, w_second: Any, x_repr: Repr)
 
 
 DENSE_COLUMN_MULTIPLE = 16
-"""Dense weights get zero columns up to a multiple of this (16 fp32 = one AVX-512 register)."""
+"""Dense weights get zero columns up to a multiple of this (16 fp32 = one AVX-512 register) --
+of twice this when there are more than this many, so that the columns split into two parallel
+tiles of whole vectors (both cores busy at batch 1, each streaming half of the weights)."""
+
+
+def dense_padded_columns(m: int) -> int:
+    """Columns of the padded dense weights for ``m`` outputs (see :data:`DENSE_COLUMN_MULTIPLE`)."""
+    multiple = DENSE_COLUMN_MULTIPLE if m <= DENSE_COLUMN_MULTIPLE else 2 * DENSE_COLUMN_MULTIPLE
+    return -(-m // multiple) * multiple
 
 
 def _weights_and_bias(ctx: EmitContext, layer: PlannedLayer, axes: tuple[int, ...],
-                      pad_last_to: int = 1) -> list:
+                      padded_columns: int | None = None) -> list:
     """Weight (mean, second) transposed by ``axes`` so the output channel is the unit-stride axis,
-    zero-padded along it to a multiple of ``pad_last_to``."""
+    zero-padded along it to ``padded_columns``."""
     t = layer.tensors
     second = t["weight_var"] if "weight_var" in t else t["weight_second_moment"]
     ws = [np.transpose(w, axes) for w in (t["weight_mean"], second)]
-    extra = -ws[0].shape[-1] % pad_last_to
+    extra = 0 if padded_columns is None else padded_columns - ws[0].shape[-1]
     if extra:
         ws = [np.pad(w, [(0, 0)] * (w.ndim - 1) + [(0, extra)]) for w in ws]
     args = [ctx.const(w) for w in ws]
@@ -93,7 +101,7 @@ def dense(ctx: EmitContext, layer: PlannedLayer, inputs: list[RelaxActivation]) 
         acc = te.compute((x_mean.shape[0], m_padded), body, name="dense")
         return _epilogue_stage(acc[0], acc[1], bias, 1, layer, (x_mean.shape[0], layer.layer.out_shape[0]))
 
-    weights = _weights_and_bias(ctx, layer, (1, 0), DENSE_COLUMN_MULTIPLE)  # (K, M padded)
+    weights = _weights_and_bias(ctx, layer, (1, 0), dense_padded_columns(layer.layer.out_shape[0]))  # (K, M')
     outs = ctx.emit_te(fn, x.tensors() + weights, layer)
     return activation_out(outs, layer)
 

@@ -192,7 +192,7 @@ class CompiledPFP:
         return export_library(self, path, cc=cc, metadata=metadata)
 
 
-def compile_network(net: Any, target: Any = "llvm", *, schedule: bool = True, tune: Any = None,
+def compile_network(net: Any, target: Any = "native", *, schedule: bool = True, tune: Any = None,
                     num_threads: int | None = None) -> CompiledPFP:
     """Schedule (default CPU schedules) and build ``net.mod`` for ``target``; with ``tune`` also
     build MetaSchedule-tuned executables for the batch sizes it names

@@ -196,11 +196,12 @@ def schedule_dense(sch: s_tir.Schedule, layer: Any, target: tvm.target.Target) -
     together) + the ``epilogue`` blocks.
 
     The weights are stored ``(K, M)``, so the output feature ``j`` is the unit-stride axis, and
-    zero-padded to a multiple of 16 columns (``compute.DENSE_COLUMN_MULTIPLE``), so ``jv`` is a
-    whole SIMD register.  ``j`` is split ``jo x jm x jv``: ``jv`` vectorised, ``jm`` unrolled -- a
-    register tile of ``jm`` mean and ``jm`` variance vector accumulators (at most 8 + 8 of the 32
-    AVX-512 registers, 4 + 4 of 16 otherwise) -- and ``jo`` fused with the batch into the parallel
-    loop (batch 1 has ``M / (jm*jv)`` parallel tiles: one for M <= 128, where the kernel is short).  ``k`` is split by a small unrolled factor.
+    zero-padded to whole vectors (``compute.dense_padded_columns``: 16 columns, or a multiple of
+    32 above 16), so ``jv`` is a whole SIMD register.  ``j`` is split ``jo x jm x jv``: ``jv``
+    vectorised, ``jm`` unrolled -- a register tile of ``jm`` mean and ``jm`` variance vector
+    accumulators (at most 8 + 8 of the 32 AVX-512 registers, 4 + 4 of 16 otherwise, and at most
+    half the columns) -- and ``jo`` fused with the batch into the parallel loop, so batch 1 has
+    at least two parallel tiles, each streaming its own columns of the weights.  ``k`` is split by a small unrolled factor.
     Order ``(batch, jo) | ko, ki, jm, jv``: each ``x[i, k]`` is broadcast once for the whole tile;
     the tile's weight columns stream from cache.  The epilogue writes each tile straight from the
     accumulators.
@@ -211,7 +212,10 @@ def schedule_dense(sch: s_tir.Schedule, layer: Any, target: tvm.target.Target) -
     m, kk = _extent(sch, j), _extent(sch, k)
     vectorize = _vectorizable(sch, [blk])
     vec = _pow2_divisor(m, lanes) if vectorize else 1
-    jm = _divisor_at_most(m // vec, _register_budget(lanes) // 3)
+    n_vec = m // vec
+    # register tile: at most a third of the vector registers per accumulator, and at least two
+    # tiles when there are two vectors or more (both cores busy at batch 1)
+    jm = _divisor_at_most(n_vec, min(_register_budget(lanes) // 3, max(1, n_vec // 2)))
     jo, jmm, jv = sch.split(j, [None, jm, vec])
     ko, ki = sch.split(k, [None, _divisor_at_most(kk, DENSE_K_UNROLL)])
     sch.reorder(i, jo, ko, ki, jmm, jv)
