@@ -188,6 +188,7 @@ def _stage_inputs(sch: s_tir.Schedule, blocks: list[Any], loop: Any) -> None:
 
 # ------------------------------------------------------------------------------------ dense
 DENSE_K_UNROLL = 4
+DENSE_K_CHUNK = 32  # rows of the weight tile kept in L1 while every example of the batch uses it
 
 
 @_register("dense")
@@ -200,11 +201,16 @@ def schedule_dense(sch: s_tir.Schedule, layer: Any, target: tvm.target.Target) -
     32 above 16), so ``jv`` is a whole SIMD register.  ``j`` is split ``jo x jm x jv``: ``jv``
     vectorised, ``jm`` unrolled -- a register tile of ``jm`` mean and ``jm`` variance vector
     accumulators (at most 8 + 8 of the 32 AVX-512 registers, 4 + 4 of 16 otherwise, and at most
-    half the columns) -- and ``jo`` fused with the batch into the parallel loop, so batch 1 has
-    at least two parallel tiles, each streaming its own columns of the weights.  ``k`` is split by a small unrolled factor.
-    Order ``(batch, jo) | ko, ki, jm, jv``: each ``x[i, k]`` is broadcast once for the whole tile;
-    the tile's weight columns stream from cache.  The epilogue writes each tile straight from the
-    accumulators.
+    half the columns) -- and ``jo`` is the parallel loop: at least two tiles when ``M > 16``, so
+    batch 1 keeps both cores busy, each streaming its own columns of the weights.
+
+    ``k`` is split ``ko x km x ki`` (``km*ki`` = a divisor of ``K`` up to :data:`DENSE_K_CHUNK`,
+    ``ki`` unrolled).  Order ``jo | ko, batch, km, ki, jm, jv``: a chunk of ``km*ki`` weight rows
+    of the tile (2 x 32 x 64 floats: 16 KiB) stays in L1 while every example of the batch
+    accumulates over it, instead of the whole weight matrix streaming from L2 once per example
+    (the weights are not reused across examples otherwise: measured 2-2.5x faster at batch 10 and
+    100 for 784x100, the same at batch 1).  The accumulators are a ``(batch, tile)`` buffer
+    (re-read once per chunk); the epilogue writes each column tile after its reduction.
     """
     lanes = simd_lanes(target)
     blk = sch.get_sblock("dense")
@@ -217,11 +223,12 @@ def schedule_dense(sch: s_tir.Schedule, layer: Any, target: tvm.target.Target) -
     # tiles when there are two vectors or more (both cores busy at batch 1)
     jm = _divisor_at_most(n_vec, min(_register_budget(lanes) // 3, max(1, n_vec // 2)))
     jo, jmm, jv = sch.split(j, [None, jm, vec])
-    ko, ki = sch.split(k, [None, _divisor_at_most(kk, DENSE_K_UNROLL)])
-    sch.reorder(i, jo, ko, ki, jmm, jv)
-    par = sch.fuse(i, jo)
-    sch.parallel(par)
-    _epilogue_at(sch, blk, par, lanes)
+    chunk = _divisor_at_most(kk, DENSE_K_CHUNK)
+    ko, km, ki = sch.split(k, [None, chunk // _divisor_at_most(chunk, DENSE_K_UNROLL),
+                               _divisor_at_most(chunk, DENSE_K_UNROLL)])
+    sch.reorder(jo, ko, i, km, ki, jmm, jv)
+    sch.parallel(jo)
+    _epilogue_at(sch, blk, jo, lanes)
     sch.unroll(ki)
     sch.unroll(jmm)
     if vec > 1:
