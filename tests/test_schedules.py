@@ -88,6 +88,14 @@ def case_graphs() -> dict[str, LayerGraph]:
     # max pooling of Gaussians (Clark's max) and of a deterministic input
     g["pool_gauss"] = LayerGraph((3, 8, 10), [pool("p", INPUT, (3, 8, 10), 2, 2)], "p", input_variance=True)
     g["pool_det"] = LayerGraph((3, 9, 9), [pool("p", INPUT, (3, 9, 9), 3, 2)], "p")
+    # Gaussian max pools taking each vector layout: flattened output (LeNet pool1), channels
+    # (LeNet pool2), odd sizes (3x3 window, stride 2), and padding + ceil-mode overhang (serial)
+    g["pool_flat"] = LayerGraph((6, 28, 28), [pool("p", INPUT, (6, 28, 28), 2, 2)], "p", input_variance=True)
+    g["pool_chans"] = LayerGraph((16, 10, 10), [pool("p", INPUT, (16, 10, 10), 2, 2)], "p", input_variance=True)
+    g["pool_odd"] = LayerGraph((5, 7, 9), [pool("p", INPUT, (5, 7, 9), 3, 2)], "p", input_variance=True)
+    g["pool_pad"] = LayerGraph((3, 7, 7), [Layer("p", "max_pool2d", [INPUT], (3, 4, 4), "p", attrs={
+        "kernel": [3, 3], "stride": [2, 2], "padding": [1, 1], "dilation": [1, 1], "ceil_mode": True})],
+        "p", input_variance=True)
     # relu of Gaussians (3-d) and of a deterministic input
     g["relu_gauss"] = LayerGraph((5, 6, 7), [relu("r", INPUT, (5, 6, 7))], "r", input_variance=True)
     g["relu_det"] = LayerGraph((30,), [relu("r", INPUT, (30,)), dense(rng, "fc", "r", 30, 9)], "fc")
@@ -100,7 +108,7 @@ GRAPHS = case_graphs()
 EXPECT_VECTOR = {  # functions with a vectorizable body and a vector width dividing the vector axis
     "dense": ("pfp_dense_fc1", "pfp_dense_fc2"),
     "conv_cols": ("pfp_conv2d_c",), "conv_chans": ("pfp_conv2d_c",), "conv_groups": ("pfp_conv2d_c1",),
-    "pool_det": ("pfp_max_pool2d_p",), "relu_det": ("pfp_relu_r",), "convert": ("pfp_convert_input_to_second",),
+    "pool_det": ("pfp_max_pool2d_p",), "pool_flat": ("pfp_max_pool2d_p",), "pool_chans": ("pfp_max_pool2d_p",), "relu_det": ("pfp_relu_r",), "convert": ("pfp_convert_input_to_second",),
 }
 
 

@@ -30,10 +30,16 @@ _ERF_DEN = (-1.45660718464996e-05, -2.13374055278905e-04, -1.68282697438203e-03,
             -1.42647390514189e-02)
 
 
-def fast_erf(x: tirx.PrimExpr) -> tirx.PrimExpr:
-    """erf(x) in float32 as ``x·P(x²)/Q(x²)`` (vectorisable, no libm call)."""
-    x = te.min(te.max(x, _const(-4.0)), _const(4.0))
-    x2 = x * x
+def _no_bind(e: tirx.PrimExpr) -> tirx.PrimExpr:
+    return e
+
+
+def fast_erf(x: tirx.PrimExpr, bind: Callable[[tirx.PrimExpr], tirx.PrimExpr] = _no_bind) -> tirx.PrimExpr:
+    """erf(x) in float32 as ``x·P(x²)/Q(x²)`` (vectorisable, no libm call).
+
+    ``bind`` (see :func:`te_shared`) names the sub-expressions used several times."""
+    x = bind(te.min(te.max(x, _const(-4.0)), _const(4.0)))
+    x2 = bind(x * x)
     num = _const(_ERF_NUM[0])
     for c in _ERF_NUM[1:]:
         num = num * x2 + _const(c)
@@ -43,22 +49,120 @@ def fast_erf(x: tirx.PrimExpr) -> tirx.PrimExpr:
     return x * num / den
 
 
-def _normal_cdfs(alpha: tirx.PrimExpr) -> tuple[tirx.PrimExpr, tirx.PrimExpr]:
+# Cephes' float32 expf: exp(x) = 2^n·exp(r), n = round(x·log2 e), r = x − n·ln 2 (ln 2 split in a
+# hi part exact in float32 and a lo correction), exp(r) on |r| ≤ ln2/2 by a degree-6 polynomial.
+_EXP_LOG2E = 1.44269504088896341
+_EXP_LN2_HI = 0.693359375
+_EXP_LN2_LO = -2.12194440e-4
+_EXP_POLY = (1.9875691500e-4, 1.3981999507e-3, 8.3334519073e-3, 4.1665795894e-2, 1.6666665459e-1,
+             5.0000001201e-1)
+EXP_MIN = -87.33654475  # ln(FLT_MIN): below it exp(x) is denormal and fast_exp returns 0
+EXP_MAX = 88.37626266  # 127.5·ln 2: the largest x with 2^n a normal float32 (results saturate there)
+
+
+def fast_exp(x: tirx.PrimExpr, bind: Callable[[tirx.PrimExpr], tirx.PrimExpr] = _no_bind) -> tirx.PrimExpr:
+    """exp(x) in float32, within 1 ulp of the exact value (vectorisable, no libm call).
+
+    ``llvm.exp`` (``te.exp``) becomes one libm ``expf`` call per lane; this is plain arithmetic
+    plus a ``reinterpret`` of the biased exponent ``(n + 127) << 23`` as the float ``2^n``.
+    ``exp(0) = 1`` exactly; ``x < EXP_MIN`` (including ``-inf``) gives exactly 0 (the exact value
+    is a denormal < FLT_MIN); ``x > EXP_MAX`` saturates at ``exp(EXP_MAX) ≈ 2.4e38`` (never inf).
+    ``bind`` (see :func:`te_shared`) names the sub-expressions used several times.
+    """
+    x = bind(x)
+    xc = te.min(te.max(x, _const(EXP_MIN)), _const(EXP_MAX))
+    n = bind(tirx.floor(xc * _const(_EXP_LOG2E) + _const(0.5)))
+    r = bind(xc - n * _const(_EXP_LN2_HI) - n * _const(_EXP_LN2_LO))
+    poly = _const(_EXP_POLY[0])
+    for c in _EXP_POLY[1:]:
+        poly = poly * r + _const(c)
+    exp_r = poly * (r * r) + r + _const(1.0)
+    biased = tirx.Cast("int32", n) + tirx.const(127, "int32")
+    two_n = tirx.reinterpret(F32, tirx.shift_left(biased, tirx.const(23, "int32")))
+    return tirx.Select(x < _const(EXP_MIN), _const(0.0), exp_r * two_n)
+
+
+def _normal_cdfs(alpha: tirx.PrimExpr, bind: Callable[[tirx.PrimExpr], tirx.PrimExpr] = _no_bind
+                 ) -> tuple[tirx.PrimExpr, tirx.PrimExpr]:
     """(Φ(α), Φ(−α)) from one erf evaluation."""
-    half_erf = _const(0.5) * fast_erf(alpha * _const(moments.INV_SQRT2))
-    return _const(0.5) + half_erf, _const(0.5) - half_erf
+    half_erf = bind(_const(0.5) * fast_erf(alpha * _const(moments.INV_SQRT2), bind))
+    return bind(_const(0.5) + half_erf), bind(_const(0.5) - half_erf)
 
 
 TE_OPS = SimpleNamespace(
     where=tirx.Select,
     normal_cdfs=_normal_cdfs,
-    exp=te.exp,
+    exp=fast_exp,
     sqrt=te.sqrt,
     maximum=te.max,
     minimum=te.min,
     const=_const,
 )
 """The :mod:`pyro2pfp.moments` formulas evaluated on TE expressions (float32)."""
+
+_LEAVES = (tirx.Var, tirx.IntImm, tirx.FloatImm, te.tensor.TensorSlice)
+
+
+def _is_leaf(value: Any) -> bool:
+    """Constants, variables and tensor loads: as cheap to repeat as a variable."""
+    return isinstance(value, _LEAVES) or (isinstance(value, tvm.ir.expr.Call) and isinstance(value.op, tvm.ir.Op)
+                                          and value.op.name == "te.tensor_load")
+
+
+def te_shared(build: Callable[[SimpleNamespace], Any]) -> list[tirx.PrimExpr]:
+    """``build(ops)`` -- a sequence of TE expressions computed with ``ops``, e.g. ``lambda ops:
+    moments.relu_moments(m, v, ops)`` -- with its shared sub-expressions computed once.
+
+    The :mod:`pyro2pfp.moments` formulas use ``α``, ``σ``, ``Φ(±α)`` and ``φ(α)`` several times
+    each, and ``fast_erf``/``fast_exp`` their argument many times; as plain TE expressions these
+    are trees (TIR passes do not share the nodes of a DAG), so one ReLU or Clark max would be
+    thousands of nodes that every TIR pass processes copy by copy (LeNet took 18 s to compile
+    instead of 8).  Here ``ops`` is :data:`TE_OPS` whose ``sqrt``, ``minimum`` (the clamp of
+    ``α``), ``normal_cdfs`` and ``exp`` return fresh variables (``ops.bind(e)`` names any other
+    expression ``e`` the same way), and each returned expression is
+    wrapped in the ``Let`` bindings it uses.  ``build`` runs once per output, so every output has
+    its own variables: TIR requires each variable to be defined once per function, and a
+    multi-output compute becomes one block per output.  (The lets are plain values: they
+    vectorise, and a loop that is not vectorised evaluates them per element; see
+    ``schedules._vectorizable`` for the one case where lets miscompile.)
+    """
+    outs = []
+    index = 0
+    while True:
+        bindings: list[tuple[tirx.Var, tirx.PrimExpr]] = []
+
+        def bind(value: tirx.PrimExpr) -> tirx.PrimExpr:
+            if _is_leaf(value):
+                return value
+            var = tirx.Var(f"s{len(bindings)}", value.ty)
+            bindings.append((var, value))
+            return var
+
+        ops = SimpleNamespace(**vars(TE_OPS))
+        ops.bind = bind  # for callers: name an intermediate result used several times
+        ops.sqrt = lambda x: bind(te.sqrt(x))
+        ops.minimum = lambda a, b: bind(te.min(a, b))
+        ops.exp = lambda x: bind(fast_exp(x, bind))
+        ops.normal_cdfs = lambda alpha: _normal_cdfs(alpha, bind)
+        built = list(build(ops))
+        outs.append(_with_lets(built[index], bindings))
+        index += 1
+        if index == len(built):
+            return outs
+
+
+def _with_lets(expr: tirx.PrimExpr, bindings: list[tuple[tirx.Var, tirx.PrimExpr]]) -> tirx.PrimExpr:
+    """``expr`` preceded by the bindings it uses (directly or through other bindings)."""
+    needed = set(tirx.analysis.undefined_vars(expr))
+    used = []
+    for var, value in reversed(bindings):
+        if var in needed:
+            used.append((var, value))
+            needed |= set(tirx.analysis.undefined_vars(value))
+    for var, value in used:  # innermost (last bound) first
+        expr = tirx.Let(var, value, expr)
+    return expr
+
 
 # A sum over pairs: one reduction computing mean and second component together.
 pair_sum = te.comm_reducer(

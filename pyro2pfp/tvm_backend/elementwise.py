@@ -7,7 +7,7 @@ from tvm import te, tirx
 from .. import moments
 from ..graph import Repr
 from ..plan import PlannedLayer
-from ._core import F32, TE_OPS, EmitContext, RelaxActivation, activation_out, epilogue, kernel
+from ._core import F32, TE_OPS, EmitContext, RelaxActivation, activation_out, epilogue, kernel, te_shared
 
 
 def variance_of(mean, second, repr_: Repr):
@@ -20,14 +20,15 @@ def variance_of(mean, second, repr_: Repr):
 def _activation(ctx: EmitContext, layer: PlannedLayer, x: RelaxActivation, deterministic, matched
                 ) -> RelaxActivation:
     """An elementwise activation: ``deterministic(μ)`` for exact inputs, else the moment-matched
-    ``matched(μ, v) -> (μ', v')``, emitted in the representation the plan asks for."""
+    ``matched(μ, v, ops) -> (μ', v')``, emitted in the representation the plan asks for (with its
+    shared sub-expressions computed once, :func:`te_shared`)."""
     if x.repr is Repr.DETERMINISTIC:
         fn = lambda m: te.compute(m.shape, lambda *i: deterministic(m[i]), name=layer.op)
         return activation_out(ctx.emit_te(fn, [x.mean], layer), layer)
 
     def fn(m: te.Tensor, s: te.Tensor) -> list[te.Tensor]:
-        return te.compute(m.shape, lambda *i: epilogue(*matched(m[i], variance_of(m[i], s[i], x.repr)), layer),
-                          name=layer.op)
+        return te.compute(m.shape, lambda *i: te_shared(
+            lambda ops: epilogue(*matched(m[i], variance_of(m[i], s[i], x.repr), ops), layer)), name=layer.op)
 
     return activation_out(ctx.emit_te(fn, x.tensors(), layer), layer)
 
@@ -35,7 +36,7 @@ def _activation(ctx: EmitContext, layer: PlannedLayer, x: RelaxActivation, deter
 @kernel("relu")
 def relu(ctx: EmitContext, layer: PlannedLayer, inputs: list[RelaxActivation]) -> RelaxActivation:
     return _activation(ctx, layer, inputs[0], lambda m: te.max(m, tirx.const(0.0, F32)),
-                       lambda m, v: moments.relu_moments(m, v, TE_OPS))
+                       lambda m, v, ops: moments.relu_moments(m, v, ops))
 
 
 @kernel("convert")
@@ -54,7 +55,7 @@ def leaky_relu(ctx: EmitContext, layer: PlannedLayer, inputs: list[RelaxActivati
     slope = layer.layer.attrs["slope"]
     zero, s = tirx.const(0.0, F32), tirx.const(slope, F32)
     return _activation(ctx, layer, inputs[0], lambda m: tirx.Select(m > zero, m, s * m),
-                       lambda m, v: moments.leaky_relu_moments(m, v, slope, TE_OPS))
+                       lambda m, v, ops: moments.leaky_relu_moments(m, v, slope, ops))
 
 
 @kernel("affine")

@@ -2,10 +2,12 @@
 
 Max pooling: Clark's pairwise Gaussian max folded over each window in row-major order (the same
 order as the NumPy reference).  The fold is a TE reduction with a tuple ``comm_reducer`` whose
-combiner is the Clark max; its identity ``(−FLT_MAX, 0)`` is exact (``max_moments(−FLT_MAX, 0, μ, v)
-= (μ, v)``), the reduction loops run sequentially in row-major order, and window positions outside
-the input (padding, ceil-mode overhang) contribute the identity.  (Writing the fold out as nested
-expressions would duplicate sub-expressions exponentially in the window size.)
+combiner is the Clark max (its shared sub-expressions let-bound, :func:`te_shared`); its identity
+``(−FLT_MAX, 0)`` is exact (``max_moments(−FLT_MAX, 0, μ, v) = (μ, v)``: ``fast_exp`` gives exactly
+0 for the far tail), the reduction loops run sequentially in row-major order, and window positions
+outside the input (padding, ceil-mode overhang) contribute the identity.  (Writing the fold out as
+one expression -- even with let-bound partial results -- makes TVM's LLVM code generator, which
+substitutes every let value into the next, blow up exponentially in the window size.)
 
 Average pooling: ``μ = Σμ/d``, ``v = Σv/d²`` with torch's divisor per output position.
 """
@@ -18,12 +20,12 @@ from .. import moments
 from ..graph import Repr
 from ..plan import PlannedLayer
 from ..reference.pooling import average_divisor
-from ._core import F32, TE_OPS, EmitContext, RelaxActivation, activation_out, epilogue, kernel
+from ._core import F32, EmitContext, RelaxActivation, activation_out, epilogue, kernel, te_shared
 
 _LOWEST = float(np.finfo(np.float32).min)
 
 gaussian_max = te.comm_reducer(
-    lambda a, b: moments.max_moments(a[0], a[1], b[0], b[1], TE_OPS),
+    lambda a, b: tuple(te_shared(lambda ops: moments.max_moments(a[0], a[1], b[0], b[1], ops))),
     lambda t0, t1: (tirx.const(_LOWEST, t0), tirx.const(0.0, t1)),
     name="gaussian_max",
 )

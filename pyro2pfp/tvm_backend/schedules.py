@@ -17,10 +17,15 @@ Rules shared by all schedules, and why:
   shuffle the accumulators lane by lane.  So the width is the largest power of two dividing the
   extent, capped at the SIMD width (16 fp32 lanes with AVX-512, 8 with AVX, else 4), and several
   such vectors are unrolled side by side to form a register tile.
-* **Only vectorise what TVM can vectorise** (:func:`_vectorizable`): ``erf`` (ReLU moments,
-  Gaussian max) has no vector form in TVM; ``VectorizeLoop`` then scalarises the loop, which in
-  TVM 0.27 is *miscompiled* when the block binds ``T.let`` values (all lanes get the last lane's
-  value).  Such loops stay serial.
+* **Only vectorise what TVM can vectorise** (:func:`_vectorizable`): a call without a vector form
+  (e.g. ``if_then_else`` loads of padded pooling windows, a libm call) makes ``VectorizeLoop``
+  scalarise the loop, which in TVM 0.27 is *miscompiled* when the block binds ``T.let`` values
+  (all lanes get the last lane's value).  Such loops stay serial.  ``erf`` and ``exp`` are
+  ``_core.fast_erf``/``fast_exp`` (plain arithmetic), so ReLU moments and Clark's max vectorise.
+* **Vector accesses must stay contiguous**: a vector over several fused axes is only contiguous
+  if TVM simplifies the flattened index back to ``outer*vec + lane``; it reliably does for a
+  fusion of two axes but not always for three, and otherwise emits a gather with per-lane 64-bit
+  division (measured 10x slower than the scalar loop it replaces).
 * **Small reduction loops unrolled** (kernel window, a small factor of the dense ``k`` loop).
 * **Accumulators in registers**: the reduction's consumers (the ``epilogue`` blocks: bias,
   variance clamp, representation conversion) are moved under the parallel loop with
@@ -114,7 +119,7 @@ def _divisor_at_most(n: int, cap: int) -> int:
     return 1
 
 
-_ALWAYS_VECTORIZABLE = {"prim.likely"}
+_ALWAYS_VECTORIZABLE = {"prim.likely", "tirx.reinterpret"}  # VectorizeLoop handles these itself
 
 
 def _vectorizable(sch: s_tir.Schedule, blocks: list[Any]) -> bool:
@@ -139,10 +144,20 @@ def _vectorizable(sch: s_tir.Schedule, blocks: list[Any]) -> bool:
     return ok
 
 
-def _vectorize_inner(sch: s_tir.Schedule, block: Any, lanes: int) -> None:
+def _vectorize_inner(sch: s_tir.Schedule, block: Any, lanes: int, below: Any = None) -> None:
     """Split the innermost loop of ``block`` by a power-of-two width that divides it and vectorise
-    that part, if the block is vectorizable (otherwise leave it serial)."""
-    inner = sch.get_loops(block)[-1]
+    that part, if the block is vectorizable (otherwise leave it serial).  With ``below`` (a loop
+    around the block, e.g. the parallel loop it was computed at) only a loop nested strictly
+    inside ``below`` is considered: a block left with no loop of its own there (extent-1 axes at
+    a static batch) must not vectorise the parallel loop, which it shares with other blocks."""
+    loops = list(sch.get_loops(block))
+    if below is not None:
+        srefs = [sch.get_sref(loop) for loop in loops]
+        target = sch.get_sref(below)
+        depth = next((k for k, ref in enumerate(srefs) if ref.same_as(target)), None)
+        if depth is None or depth == len(loops) - 1:
+            return
+    inner = loops[-1]
     n = _extent(sch, inner)
     if n is None or n < 2 or not _vectorizable(sch, [block]):
         return
@@ -159,7 +174,7 @@ def _epilogue_at(sch: s_tir.Schedule, producer: Any, loop: Any, lanes: int) -> N
     for block in consumers:
         sch.reverse_compute_at(block, loop)
     for block in consumers:
-        _vectorize_inner(sch, block, lanes)
+        _vectorize_inner(sch, block, lanes, below=loop)
 
 
 def _stage_inputs(sch: s_tir.Schedule, blocks: list[Any], loop: Any) -> None:
@@ -338,84 +353,138 @@ def schedule_max_pool2d(sch: s_tir.Schedule, layer: Any, target: tvm.target.Targ
     """Max pooling: a ``max_pool2d`` reduction over the window (Clark's Gaussian max, or a plain
     max for a deterministic input) plus an ``epilogue`` when the input is probabilistic.
 
-    Parallel over output rows ``(b, c, i)``; inside, the unrolled window loops ``rp, rq`` sit
-    outside the output-column loop ``j``, so a row of running (mean, variance) pairs is folded
-    over the window in row-major order (the reference's order) on the stack, and the epilogue
-    writes that row.  The Gaussian max is ``erf``/``exp`` bound and not vectorizable, so its
-    input rows are staged (see the module docstring); the plain max is vectorised along ``j``.
+    The unrolled window loops ``rp, rq`` always sit outside the vector loop, so each vector of
+    running (mean, variance) pairs is folded over the window in row-major order (the reference's
+    order).  The vector axis (vectorizable bodies: plain max; Clark's max unless the window
+    overhangs the input, whose ``if_then_else`` loads stay serial) is the one with the widest
+    power-of-two divisor:
+
+    * **channels** (LeNet pool2, 16 channels, rows of 5): parallel over (b, channel tile, i),
+      serial ``j``; taps are strided loads (stride H·W), the epilogue writes the tile (a
+      rectangle) from the stack;
+    * **the flattened output** ``(c, i, j)`` when it is at least 4x wider (LeNet pool1, 6x14x14
+      = 8·147: 8 lanes where channels and rows give 2): the taps are gathers with per-lane index
+      arithmetic (Clark's max, ~100 flops per tap, still dominates) and the epilogue is its own
+      elementwise nest (a tile of the flat axis is no rectangle, so it cannot be computed at it);
+    * **output columns** ``j`` otherwise (parallel over rows ``(b, c, i)``); a serial body gets its
+      input rows staged (see the module docstring).
     """
     lanes = simd_lanes(target)
     blk = sch.get_sblock("max_pool2d")
-    b, c, i, j, rp, rq = sch.get_loops(blk)
-    sch.reorder(b, c, i, rp, rq, j)
-    par = sch.fuse(b, c, i)
+    b, c, i, j, *window = sch.get_loops(blk)
+    vectorize = _vectorizable(sch, [blk])
+    vec_c = _pow2_divisor(_extent(sch, c), lanes) if vectorize else 1
+    vec_j = _pow2_divisor(_extent(sch, j), lanes) if vectorize else 1
+    per_sample = _extent(sch, c) * _extent(sch, i) * _extent(sch, j)
+    vec_flat = _pow2_divisor(per_sample, lanes) if vectorize else 1
+    if vec_flat >= 4 * max(vec_c, vec_j):  # a vector of the flattened output (gathered taps)
+        fo, fv = sch.split(sch.fuse(c, i, j), [None, vec_flat])
+        sch.reorder(b, fo, *window, fv)
+        sch.parallel(sch.fuse(b, fo))
+        for loop in window:
+            sch.unroll(loop)
+        sch.vectorize(fv)
+        sch.decompose_reduction(blk, window[0])
+        nests: dict[Any, list[Any]] = {}  # the epilogue: its own nest (the tile is no rectangle)
+        for block in sch.get_consumers(blk):
+            loops = sch.get_loops(block)
+            nests.setdefault(sch.get_sref(loops[0]), loops)
+        for loops in nests.values():
+            _flat_nest(sch, loops, lanes)
+        return
+    if vec_c > vec_j:  # a vector of channels: (b, channel tile, i) | j, window, channels
+        co, cv = sch.split(c, [None, vec_c])
+        sch.reorder(b, co, i, j, *window, cv)
+        par, vector = sch.fuse(b, co, i), cv
+    else:  # a vector of columns: (b, c, i) | window, j
+        sch.reorder(b, c, i, *window, j)
+        par, vector = sch.fuse(b, c, i), None
+        if vec_j > 1:
+            _, vector = sch.split(j, [None, vec_j])
     sch.parallel(par)
     if sch.get_consumers(blk):
-        _epilogue_at(sch, blk, par, lanes)
-    sch.unroll(rp)
-    sch.unroll(rq)
-    ow = _extent(sch, j)
-    if _vectorizable(sch, [blk]):
-        vec = _pow2_divisor(ow, lanes)
-        if vec > 1:
-            _, jv = sch.split(j, [None, vec])
-            sch.vectorize(jv)
-    else:
+        _epilogue_at(sch, blk, par, lanes)  # the tile of one `par` iteration is a rectangle
+    for loop in window:
+        sch.unroll(loop)
+    if vector is not None:
+        sch.vectorize(vector)
+    if not vectorize:
         _stage_inputs(sch, [blk], par)
-    sch.decompose_reduction(blk, rp)
+    sch.decompose_reduction(blk, window[0] if vec_c <= vec_j else j)
 
 
 # ------------------------------------------------------------------------------------ elementwise
 ELEMENTWISE_TILE = 128  # elements per parallel iteration at most (a staged fp32 tile < 1 KiB: stack)
 
 
-@_register("relu", "convert")
-def schedule_elementwise(sch: s_tir.Schedule, layer: Any, target: tvm.target.Target) -> None:
-    """Elementwise ops (ReLU moment matching, representation conversions).
+def _flat_nest(sch: s_tir.Schedule, loops: list[Any], lanes: int) -> None:
+    """Schedule one elementwise loop nest ``(batch, *static axes)`` (all blocks in it): see
+    :func:`_schedule_flat`."""
+    blocks = list(sch.get_child_blocks(loops[0]))
+    batch, *dims = loops
+    extents = [_extent(sch, d) for d in dims]
+    if not dims or any(e is None for e in extents):
+        raise ValueError("expected one batch axis followed by static axes")
+    per_sample = 1
+    for e in extents:
+        per_sample *= e
+    if _vectorizable(sch, blocks):
+        # fuse the trailing axes whose product has the widest power-of-two divisor, at most two:
+        # TVM simplifies the flattened index of a fusion of two axes back to ``outer*vec + lane``
+        # (a contiguous vector access), but not always one of three or more (it then emits a
+        # gather with per-lane 64-bit division, measured 10x slower)
+        n_fused = 2 if len(dims) >= 2 and _pow2_divisor(extents[-1] * extents[-2], lanes) > _pow2_divisor(
+            extents[-1], lanes) else 1
+        lead, tail = dims[:-n_fused], dims[-n_fused:]
+        size = 1
+        for e in extents[-n_fused:]:
+            size *= e
+        vec = _pow2_divisor(size, lanes)
+        flat = sch.fuse(*tail) if len(tail) > 1 else tail[0]
+        outer, inner = sch.split(flat, [None, vec])
+        sch.parallel(sch.fuse(batch, *lead, outer))
+        if vec > 1:
+            sch.vectorize(inner)
+    else:
+        flat = sch.fuse(*dims) if len(dims) > 1 else dims[0]  # a serial tile of at most ELEMENTWISE_TILE elements and half an example, inputs staged
+        tile = _divisor_at_most(per_sample, max(1, min(ELEMENTWISE_TILE, per_sample // 2)))
+        outer, _ = sch.split(flat, [None, tile])
+        par = sch.fuse(batch, outer)
+        sch.parallel(par)
+        _stage_inputs(sch, blocks, par)
 
-    A two-output ``te.compute`` lowers to two blocks (``<name>_v0``, ``<name>_v1``) in one loop
-    nest.  The tile of one parallel iteration is made of whole trailing axes (a rectangle of at
-    most :data:`ELEMENTWISE_TILE` elements -- and, for the expensive ``erf`` bodies, at most half
-    an example so that batch 1 has two parallel tiles; a too-long last axis is split by a
-    divisor); the batch and the leading axes are fused into the parallel loop.  Vectorizable
-    bodies (conversions, deterministic ReLU) are vectorised along the tile; ``erf``-bound bodies
-    (ReLU moments) stay serial and get their inputs staged (see the module docstring).
+
+def _schedule_flat(sch: s_tir.Schedule, lanes: int) -> None:
+    """Schedule every loop nest ``(batch, *static axes)`` of an elementwise kernel (no reduction;
+    a multi-output compute is one nest with one block per output).
+
+    The body does not care about the layout, so (vectorizable bodies) the last two static axes
+    are fused when that widens the vector (e.g. LeNet relu1, 6x28x28: 28x28 = 16·49 -> 16 lanes
+    where the row of 28 gave 4; not three axes, see the module docstring) and split ``(outer,
+    vector)`` with ``vector`` the largest power of two dividing it up to the SIMD width; the
+    batch, the leading axes and ``outer`` form the parallel loop (TVM hands each thread a
+    contiguous range of it, so batch 1 keeps both cores busy).  A body that is not vectorizable
+    gets serial tiles of at most :data:`ELEMENTWISE_TILE` elements and half an example over the
+    fused static axes, with staged inputs.  The vector loop is always inside the static
+    per-example axes, never the batch, whatever the batch (symbolic or a static 1).
     """
-    lanes = simd_lanes(target)
     nests: dict[Any, list[Any]] = {}
     for block in sch.get_child_blocks(sch.get_sblock("root")):
         loops = sch.get_loops(block)
         nests.setdefault(sch.get_sref(loops[0]), loops)
     for loops in nests.values():
-        blocks = list(sch.get_child_blocks(loops[0]))
-        batch, *dims = loops
-        extents = [_extent(sch, d) for d in dims]
-        if not dims or any(e is None for e in extents):
-            raise ValueError("expected one symbolic batch axis followed by static axes")
-        vectorize = _vectorizable(sch, blocks)
-        per_sample = 1
-        for e in extents:
-            per_sample *= e
-        # libm-bound bodies: at least two parallel tiles per example (both cores busy at batch 1)
-        cap = ELEMENTWISE_TILE if vectorize else max(1, min(ELEMENTWISE_TILE, per_sample // 2))
-        n_tile, size = 1, extents[-1]
-        while n_tile < len(dims) and size * extents[-n_tile - 1] <= cap:
-            n_tile += 1
-            size *= extents[-n_tile]
-        outer, tile = list(dims[:-n_tile]), list(dims[-n_tile:])
-        if size > cap:  # the last axis alone is longer than a tile: split it by a divisor
-            lo, li = sch.split(tile[0], [None, _divisor_at_most(size, cap)])
-            outer, tile = outer + [lo], [li]
-        par = sch.fuse(batch, *outer) if outer else batch
-        sch.parallel(par)
-        inner = sch.fuse(*tile) if len(tile) > 1 else tile[0]
-        if vectorize:
-            vec = _pow2_divisor(_extent(sch, inner), lanes)
-            if vec > 1:
-                _, vi = sch.split(inner, [None, vec])
-                sch.vectorize(vi)
-        else:
-            _stage_inputs(sch, blocks, par)
+        _flat_nest(sch, loops, lanes)
+
+
+@_register("relu", "convert")
+def schedule_elementwise(sch: s_tir.Schedule, layer: Any, target: tvm.target.Target) -> None:
+    """Elementwise ops (ReLU moment matching, representation conversions): :func:`_schedule_flat`.
+
+    A two-output ``te.compute`` lowers to two blocks (``<name>_v0``, ``<name>_v1``) in one loop
+    nest.  ReLU moments (``fast_erf``, ``fast_exp``: no libm call, see ``_core``) vectorise like
+    the conversions.
+    """
+    _schedule_flat(sch, simd_lanes(target))
 
 
 # ------------------------------------------------------------------------------------ driver
