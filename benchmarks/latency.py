@@ -201,7 +201,7 @@ def run_net(name: str, args, tgt, x_all: np.ndarray, y_all: np.ndarray, log) -> 
     import pyro2pfp
     from pyro2pfp import tuning
     from pyro2pfp.profiling import profile
-    from pyro2pfp.tvm_backend.runtime import CompiledPFP
+    from pyro2pfp.tvm_backend.runtime import CompiledPFP, build
     from pyro2pfp.zoo import train_svi
 
     pyro.clear_param_store()
@@ -246,7 +246,7 @@ def run_net(name: str, args, tgt, x_all: np.ndarray, y_all: np.ndarray, log) -> 
                              dynamic_shapes={"x": {0: torch.export.Dim("batch", min=1, max=4096)}})
     with torch.no_grad():
         det_mod = from_exported_program(ep, keep_params_as_input=False, unwrap_unit_return_tuple=True)
-    det_vm = relax.VirtualMachine(tvm.compile(det_mod, tgt, relax_pipeline=relax.get_default_pipeline(tgt)),
+    det_vm = relax.VirtualMachine(build(det_mod, tgt, relax.get_default_pipeline(tgt)),
                                   tvm.cpu())
     log(f"[{name}] deterministic net exported and compiled in {time.perf_counter() - t0:.1f} s")
 

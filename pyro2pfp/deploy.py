@@ -151,7 +151,7 @@ def compile_network(net: Any, target: Any = "native", *, schedule: bool = True, 
         from .tvm_backend.schedules import schedule_module
 
         mod = schedule_module(mod, net.plan, tgt)
-    executable = tvm.compile(mod, target=tgt)
+    executable = runtime.build(mod, tgt)
     return runtime.CompiledPFP.for_cross_target(executable, net.input_shape, net.input_variance, tgt)
 
 

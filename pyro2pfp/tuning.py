@@ -546,8 +546,11 @@ class TuneResult:
     kernels: list[KernelChoice]
 
     def build(self) -> Any:
-        """``tvm.compile(self.mod, target=self.target)``."""
-        return tvm.compile(self.mod, target=self.target)
+        """``tvm.compile(self.mod, target=self.target)`` (through
+        :func:`pyro2pfp.tvm_backend.runtime.build`: every kernel compiled with ``noalias``)."""
+        from .tvm_backend.runtime import build
+
+        return build(self.mod, self.target)
 
     def summary(self) -> str:
         lines = [f"tuned for batch {self.batch}: {self.trials} trials, work dir {self.work_dir}"
