@@ -89,6 +89,8 @@ os.environ.setdefault("TVM_BIND_THREADS", "0")
 
 import numpy as np  # noqa: E402
 
+from pyro2pfp.validation import median_seconds  # noqa: E402
+
 
 # ------------------------------------------------------------------------------------------ timing
 def median_time(fn, budget: float, min_repeats: int = 5, max_repeats: int = 2000, warmup: int = 2) -> float:
@@ -99,12 +101,7 @@ def median_time(fn, budget: float, min_repeats: int = 5, max_repeats: int = 2000
     fn()
     one = max(time.perf_counter() - t0, 1e-7)
     repeats = int(min(max_repeats, max(min_repeats, budget / one)))
-    times = []
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t0)
-    return float(np.median(times))
+    return median_seconds(fn, repeats, warmup=0)
 
 
 def vm_time(vm, args, budget: float) -> float:

@@ -5,9 +5,9 @@ call the VM makes: the PFP kernels (``pfp_<op>_<layer>`` PrimFuncs) and the VM's
 (``vm.builtin.alloc_storage``, ``match_shape``, ...).  :func:`profile` uses it in two ways:
 
 * ``method="isolated"`` (default): one instrumented call of ``main`` records every kernel and a
-  private copy of its arguments; each kernel is then timed *alone* in a tight loop (median over
-  ``repeats`` rounds; the loop costs ~0.3 us per call, far less than the ~2 us a Python
-  instrument callback adds to every call).  ``total_us`` is the median of ``main`` timed by
+  private copy of its arguments; each kernel is then timed *alone* by ``time_evaluator`` on the
+  compiled library (C++ loop, median of ``repeats``; a Python loop would let the thread pool's
+  workers fall asleep between calls, and waking them can cost more than the kernel).  ``total_us`` is the median of ``main`` timed by
   ``vm.time_evaluator`` (C++ loop, no Python), and the ``(vm overhead)`` row is
   ``total - sum(kernels)``: allocation, shape checks and dispatch inside the VM.
 * ``method="in_vm"``: kernels are timed in place, between the instrument's before/after hooks,
@@ -246,8 +246,19 @@ def _rows(kernel_us: dict[str, float], calls: dict[str, int], total_us: float) -
     return rows
 
 
+def _instrumented(vm: Any, hook: Any, run: Any) -> None:
+    """``run()`` with ``hook`` as the VM's instrument (removed afterwards, also on error)."""
+    vm.set_instrument(hook)
+    try:
+        run()
+    finally:
+        vm.set_instrument(None)
+
+
 def _profile_isolated(vm: Any, main: Any, tensors: list[Any], repeats: int, device: Any, func_name: str,
                       kinds: Any) -> tuple[list[KernelTime], float]:
+    import tvm
+
     captured: list[tuple[str, Any, list[Any]]] = []
 
     def record(func: Any, symbol: str, before: bool, ret: Any, *call_args: Any) -> Any:
@@ -255,15 +266,19 @@ def _profile_isolated(vm: Any, main: Any, tensors: list[Any], repeats: int, devi
             captured.append((symbol, func, [_copy_arg(a, device) for a in call_args]))
         return kinds.NO_OP
 
-    vm.set_instrument(record)
-    try:
-        main(*tensors)
-    finally:
-        vm.set_instrument(None)
+    _instrumented(vm, record, lambda: main(*tensors))
     kernel_us: dict[str, float] = collections.defaultdict(float)
     calls: dict[str, int] = collections.defaultdict(int)
+    libs = [m for m in getattr(vm.module, "imports", ()) if hasattr(m, "implements_function")]
     for symbol, func, call_args in captured:
-        kernel_us[symbol] += _time_call(func, call_args, repeats)
+        lib = next((m for m in libs if m.implements_function(symbol)), None)
+        if lib is not None and all(isinstance(a, tvm.runtime.Tensor) for a in call_args):
+            # C++ timing loop (as for the total): a Python loop lets the thread pool's workers
+            # fall asleep between calls, and waking them up can cost more than the kernel
+            timer = lib.time_evaluator(symbol, device, number=1, repeat=max(5, repeats), min_repeat_ms=2)
+            kernel_us[symbol] += float(np.median(timer(*call_args).results)) * 1e6
+        else:
+            kernel_us[symbol] += _time_call(func, call_args, repeats)
         calls[symbol] += 1
     timer = vm.time_evaluator(func_name, device, number=1, repeat=max(5, repeats), min_repeat_ms=5)
     total_us = float(np.median(timer(*tensors).results)) * 1e6
@@ -287,27 +302,23 @@ def _profile_in_vm(vm: Any, main: Any, tensors: list[Any], repeats: int,
         return kinds.NO_OP
 
     totals = []
-    vm.set_instrument(record)
-    try:
-        for i in range(max(1, repeats)):
+
+    def timed_calls() -> None:
+        for _ in range(max(1, repeats)):
             current.clear()
             t0 = time.perf_counter()
             main(*tensors)
             totals.append(time.perf_counter() - t0)
             per_call.append(dict(current))
-    finally:
-        vm.set_instrument(None)
+
+    _instrumented(vm, record, timed_calls)
 
     def kernel_calls(func: Any, symbol: str, before: bool, ret: Any, *call_args: Any) -> Any:
         if before and not _is_builtin(symbol):
             counts[symbol] += 1
         return kinds.NO_OP
 
-    vm.set_instrument(kernel_calls)
-    try:
-        main(*tensors)
-    finally:
-        vm.set_instrument(None)
+    _instrumented(vm, kernel_calls, lambda: main(*tensors))
     # medians per kernel, and the overhead from the median call, so the rows add up to the total
     names = sorted({k for d in per_call for k in d})
     kernel_us = {k: float(np.median([d.get(k, 0.0) for d in per_call])) * 1e6 for k in names}
