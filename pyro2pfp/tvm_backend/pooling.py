@@ -48,6 +48,11 @@ class _Windows:
         self.overhangs = any(p > 0 for p in self.padding) or any(
             (o - 1) * s + k > n for o, s, k, n in zip(out_hw, self.stride, self.kernel, self.in_hw))
 
+    def tiles_exactly(self) -> bool:
+        """Whether the windows tile the input without overlap or gaps inside it (kernel ==
+        stride, no padding, no overhang; a remainder row/column the floor mode drops is fine)."""
+        return not self.overhangs and tuple(self.kernel) == tuple(self.stride)
+
     def axes(self):
         return te.reduce_axis((0, self.kernel[0]), name="rp"), te.reduce_axis((0, self.kernel[1]), name="rq")
 
@@ -58,6 +63,43 @@ class _Windows:
             return t[b, c, h, w]
         inside = tirx.all(h >= 0, h < self.in_hw[0], w >= 0, w < self.in_hw[1])
         return tirx.if_then_else(inside, t[b, c, h, w], tirx.const(outside, F32))
+
+
+DEINTERLEAVE = "deinterleave"
+"""Name of the copy stage of the non-overlapping Gaussian max pool (blocks ``deinterleave_v0/_v1``)."""
+FLAT_PAD = 16
+"""The flattened output axis of the non-overlapping Gaussian max pool is padded to a multiple of
+this (the widest fp32 SIMD vector, AVX-512), so the reduction runs on whole vectors."""
+
+
+def _gaussian_max_pool_deinterleaved(win: _Windows, layer: PlannedLayer, m: te.Tensor, v: te.Tensor
+                                     ) -> list[te.Tensor]:
+    """Clark's max pool for windows that tile the input (kernel == stride, no padding or overhang).
+
+    ``deinterleave`` copies the mean and variance inputs to ``xd[b, rp, rq, p]``, ``p`` the
+    flattened output position ``(c, i, j)`` padded to a multiple of :data:`FLAT_PAD` (pad lanes
+    hold (0, 0) and are never read back): ``xd[b, rp, rq, (c·OH + i)·OW + j] = x[b, c, i·KH + rp,
+    j·KW + rq]``.  The reduction ``max_pool2d[b, p]`` then reads every window tap as a unit-stride
+    vector along ``p`` (no per-lane index arithmetic, no gather), folding over ``rp, rq`` in
+    row-major order from the exact identity, like the general path; the ``epilogue`` maps ``p``
+    back to ``(c, i, j)``.  The copy is cheap next to the ~100 flops of a Clark step.
+    """
+    (kh, kw), (n_c, oh, ow) = win.kernel, win.out_shape
+    plane, flat = oh * ow, n_c * oh * ow
+    padded = -(-flat // FLAT_PAD) * FLAT_PAD
+
+    def tap(t: te.Tensor, b, rp, rq, p):
+        val = t[b, p // plane, p // ow % oh * kh + rp, p % ow * kw + rq]
+        return val if padded == flat else tirx.if_then_else(p < flat, val, tirx.const(0.0, F32))
+
+    xd = te.compute((m.shape[0], kh, kw, padded),
+                    lambda b, rp, rq, p: [tap(m, b, rp, rq, p), tap(v, b, rp, rq, p)], name=DEINTERLEAVE)
+    rp, rq = win.axes()
+    acc = te.compute((m.shape[0], padded),
+                     lambda b, p: gaussian_max((xd[0][b, rp, rq, p], xd[1][b, rp, rq, p]), axis=[rp, rq]),
+                     name="max_pool2d")
+    return te.compute((m.shape[0], n_c, oh, ow), lambda b, c, i, j: epilogue(
+        acc[0][b, c * plane + i * ow + j], acc[1][b, c * plane + i * ow + j], layer), name="epilogue")
 
 
 def _input_shape(ctx: EmitContext, layer: PlannedLayer) -> tuple[int, ...]:
@@ -79,6 +121,12 @@ def max_pool2d(ctx: EmitContext, layer: PlannedLayer, inputs: list[RelaxActivati
         return activation_out(ctx.emit_te(fn, [x.mean], layer), layer)
 
     assert x.repr is Repr.VARIANCE, x.repr  # the plan delivers variances to max pooling
+
+    # windows that tile the input, and too few channels to fill a vector by themselves (with
+    # a multiple of 16 channels the default schedule vectorises channels: no copy needed)
+    if win.tiles_exactly() and win.out_shape[0] % FLAT_PAD != 0:
+        return activation_out(ctx.emit_te(lambda m, v: _gaussian_max_pool_deinterleaved(win, layer, m, v),
+                                          x.tensors(), layer), layer)
 
     def fn(m: te.Tensor, v: te.Tensor) -> list[te.Tensor]:
         rp, rq = win.axes()
