@@ -213,7 +213,9 @@ class CompiledPFP:
         """Write the compiled network to ``path`` (``.so`` or ``.tar``) with TVM's ``export_library``
         plus ``path + ".json"`` (input shape, input-variance flag, target); ``pyro2pfp.load(path)``
         gives back a predictor with the same outputs.  Cross targets: ``.so`` uses the cross compiler
-        (``cc``, default ``aarch64-linux-gnu-gcc`` for AArch64), ``.tar`` needs no toolchain."""
+        (``cc``, default ``aarch64-linux-gnu-gcc`` for AArch64), ``.tar`` needs no toolchain.
+        Only the any-batch executable is written: batch-specialised (tuned) executables are not
+        exported (tune on the device, where MetaSchedule can measure)."""
         from ..deploy import export_library
 
         return export_library(self, path, cc=cc, metadata=metadata)
