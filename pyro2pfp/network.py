@@ -42,9 +42,10 @@ class PFPNetwork:
     ``net.compile(target)``: a compiled predictor.  ``print(net)`` shows the layer plan.
     """
 
-    def __init__(self, layer_graph: LayerGraph, planned: PlannedGraph) -> None:
+    def __init__(self, layer_graph: LayerGraph, planned: PlannedGraph, *, fuse: bool = True) -> None:
         self.layer_graph = layer_graph
         self.plan = planned
+        self.fuse = fuse  # ReLUs after dense layers computed in the dense kernel (tvm_backend.fused_activations)
         self._mod = None
 
     @property
@@ -65,7 +66,7 @@ class PFPNetwork:
         if self._mod is None:
             from .tvm_backend import emit_module
 
-            self._mod = emit_module(self.plan)
+            self._mod = emit_module(self.plan, fuse=self.fuse)
         return self._mod
 
     def reference(self, x: Any, x_var: Any = None) -> tuple[np.ndarray, np.ndarray]:

@@ -20,7 +20,9 @@ import tvm
 import tvm_ffi
 from tvm import relax
 
+from builders import lenet_graph, mlp_graph
 from pyro2pfp.graph import INPUT, GaussianParam, Layer, LayerGraph
+from pyro2pfp.network import PFPNetwork
 from pyro2pfp.plan import plan
 from pyro2pfp.reference import execute
 from pyro2pfp.tvm_backend import _core, emit_module
@@ -153,7 +155,7 @@ def test_every_primfunc_is_scheduled():
     seen_ops = set()
     for (case, graph), form in itertools.product(GRAPHS.items(), ["variance", "raw"]):
         planned = plan(graph, moment_form=form)
-        mod = emit_module(planned)
+        mod = emit_module(planned, fuse=False)  # every op its own kernel (fusion: test_fused_relu...)
         scheduled = schedule_module(mod, planned, TARGETS["native"])
         ops = {f"pfp_{layer.op}_{layer.name}": layer.op for layer in planned.layers}
         for name, func in prim_funcs(scheduled).items():
@@ -196,7 +198,7 @@ def test_failing_schedule_keeps_the_function_and_warns(monkeypatch):
 def test_unregistered_ops_stay_unscheduled(monkeypatch):
     graph = GRAPHS["dense"]
     planned = plan(graph)
-    mod = emit_module(planned)
+    mod = emit_module(planned, fuse=False)
     monkeypatch.delitem(SCHEDULES, "relu")
     monkeypatch.delitem(_core.SCHEDULES, "relu", raising=False)
     scheduled = schedule_module(mod, planned, TARGETS["llvm"])
@@ -217,3 +219,33 @@ def test_simd_lanes():
     assert schedules.simd_lanes(tvm.target.Target("llvm")) == 4
     assert schedules.simd_lanes(tvm.target.Target({"kind": "llvm", "mcpu": "haswell"})) == 8
     assert schedules.simd_lanes(tvm.target.Target({"kind": "llvm", "mcpu": "skylake-avx512"})) == 16
+
+
+@pytest.mark.parametrize("form", ["variance", "raw"])
+def test_fused_relu_dense_matches_unfused_and_reference(form):
+    """A ReLU after a dense layer is computed in the dense kernel's epilogue (one kernel fewer);
+    after a conv layer it stays its own kernel; results match the unfused module and the float64
+    reference."""
+    from pyro2pfp.tvm_backend._core import fused_activations
+
+    rng = np.random.default_rng(3)
+    for graph in (mlp_graph(rng, [20, 24, 16, 5]), lenet_graph(rng, widths=(2, 4, 8, 6), image=12)):
+        planned = plan(graph, moment_form=form)
+        fused = fused_activations(planned)
+        assert {p: r.name for p, r in fused.items()} == {
+            p.inputs[0]: p.name for p in planned.layers
+            if p.op == "relu" and p.inputs[0].startswith("fc")}
+        mod = emit_module(planned)
+        names = set(prim_funcs(mod))
+        for producer, relu in fused.items():
+            assert f"pfp_dense_{producer}_{relu.name}" in names and f"pfp_relu_{relu.name}" not in names
+        x = rng.uniform(-1, 1, (3, *planned.input_shape)).astype(np.float32)
+        fused_out = compile_vm(schedule_module(mod, planned, TARGETS["native"]), TARGETS["native"])["main"](
+            tvm.runtime.tensor(x))
+        plain = emit_module(planned, fuse=False)
+        plain_out = compile_vm(schedule_module(plain, planned, TARGETS["native"]), TARGETS["native"])["main"](
+            tvm.runtime.tensor(x))
+        for got, unfused, ref in zip(fused_out, plain_out, PFPNetwork(graph, planned).reference(x)):
+            scale = np.abs(ref).max()
+            np.testing.assert_allclose(got.numpy(), ref, rtol=0, atol=2e-5 * scale)
+            np.testing.assert_allclose(got.numpy(), unfused.numpy(), rtol=0, atol=2e-6 * scale)

@@ -20,7 +20,8 @@ from tvm import te, tirx
 
 from ..graph import Repr
 from ..plan import PlannedLayer
-from ._core import (F32, EmitContext, RelaxActivation, activation_out, epilogue, kernel, pair_sum)
+from .. import moments
+from ._core import (F32, EmitContext, RelaxActivation, activation_out, epilogue, kernel, pair_sum, te_shared)
 
 
 def _terms(x_mean: Any, x_second: Any, w_mean: Any, w_second: Any, x_repr: Repr) -> tuple[Any, Any]:
@@ -66,16 +67,22 @@ def _weights_and_bias(ctx: EmitContext, layer: PlannedLayer, axes: tuple[int, ..
 
 
 def _epilogue_stage(acc_mean: te.Tensor, acc_var: te.Tensor, bias: list[te.Tensor], channel_axis: int,
-                    layer: PlannedLayer, shape: tuple | None = None) -> list[te.Tensor]:
+                    layer: PlannedLayer, shape: tuple | None = None,
+                    activation: PlannedLayer | None = None) -> list[te.Tensor]:
     """Bias, variance clamp and representation conversion of the accumulated sums; ``shape``
-    (default: the accumulators') may cut off padding columns."""
+    (default: the accumulators') may cut off padding columns.  With a fused ``activation`` (a
+    ReLU layer, see ``_core.fused_activations``) the ReLU's output moments are emitted instead,
+    in its representation."""
     def f(*idx):
         mean, var = acc_mean[idx], acc_var[idx]
         if bias:
             mean = mean + bias[0][idx[channel_axis]]
         if len(bias) > 1:
             var = var + bias[1][idx[channel_axis]]
-        return epilogue(mean, te.max(var, tirx.const(0.0, F32)), layer)
+        var = te.max(var, tirx.const(0.0, F32))
+        if activation is None:
+            return epilogue(mean, var, layer)
+        return te_shared(lambda ops: epilogue(*moments.relu_moments(mean, var, ops), activation))
 
     return te.compute(acc_mean.shape if shape is None else shape, f, name="epilogue")
 
@@ -99,11 +106,12 @@ def dense(ctx: EmitContext, layer: PlannedLayer, inputs: list[RelaxActivation]) 
             return pair_sum(_terms(x_mean[i, k], xs, w_mean[k, j], w_second[k, j], x.repr), axis=k)
 
         acc = te.compute((x_mean.shape[0], m_padded), body, name="dense")
-        return _epilogue_stage(acc[0], acc[1], bias, 1, layer, (x_mean.shape[0], layer.layer.out_shape[0]))
+        return _epilogue_stage(acc[0], acc[1], bias, 1, layer, (x_mean.shape[0], layer.layer.out_shape[0]),
+                               ctx.activation)
 
     weights = _weights_and_bias(ctx, layer, (1, 0), dense_padded_columns(layer.layer.out_shape[0]))  # (K, M')
     outs = ctx.emit_te(fn, x.tensors() + weights, layer)
-    return activation_out(outs, layer)
+    return activation_out(outs, ctx.activation or layer)
 
 
 def _pad(x: te.Tensor, padding: list[int]) -> te.Tensor:
@@ -147,10 +155,10 @@ def conv2d(ctx: EmitContext, layer: PlannedLayer, inputs: list[RelaxActivation])
                             axis=[rc, rp, rq])
 
         acc = te.compute((tensors[0].shape[0], out_c, out_h, out_w), body, name="conv2d")
-        return _epilogue_stage(acc[0], acc[1], bias, 1, layer)
+        return _epilogue_stage(acc[0], acc[1], bias, 1, layer, activation=ctx.activation)
 
     outs = ctx.emit_te(fn, x.tensors() + _weights_and_bias(ctx, layer, (1, 2, 3, 0)), layer)  # (C, KH, KW, O)
-    return activation_out(outs, layer)
+    return activation_out(outs, ctx.activation or layer)
 
 
 
