@@ -28,9 +28,11 @@ TARGET = tuning.tuning_target({"kind": "llvm", "mcpu": tvm.target.codegen.llvm_g
 RTOL = 2e-5
 
 
-def tiny_mlp(seed: int = 0, sizes=(16, 8, 4)) -> PFPNetwork:
+def tiny_mlp(seed: int = 0, sizes=(16, 8, 4), fuse: bool = False) -> PFPNetwork:
+    """An MLP whose ReLU is its own kernel by default (a ReLU fused into the dense kernel binds
+    Let expressions, which MetaSchedule cannot search: test_fused_kernels_keep_their_default)."""
     graph = mlp_graph(np.random.default_rng(seed), list(sizes))
-    return PFPNetwork(graph, plan(graph))
+    return PFPNetwork(graph, plan(graph), fuse=fuse)
 
 
 def assert_matches_reference(net: PFPNetwork, vm: relax.VirtualMachine, batch: int, seed: int = 1) -> None:
@@ -119,13 +121,14 @@ def test_key_depends_on_structure_target_batch_not_weights():
 # ------------------------------------------------------------------------------ reuse / fallback
 def test_database_is_keyed_reused_and_topped_up(tmp_path, monkeypatch):
     """The search itself is monkeypatched: this is about the work dir, the metadata, reuse and the
-    per-kernel choice among default / tuned (an empty database: every kernel keeps its default)."""
+    per-kernel choice among default / tuned (an empty database: every kernel keeps its default).
+    ``min_share=0``: which kernels are searched must not depend on timings (a loaded machine)."""
     calls = []
     monkeypatch.setattr(tuning, "_run_search", lambda tasks, *a, **k: calls.append((len(tasks), a[2])))
     net = tiny_mlp()
     lines = []
     first = tuning.tune(net.mod, TARGET, batch=5, trials=6, plan=net.plan, work_dir=tmp_path,
-                        progress=lines.append)
+                        progress=lines.append, min_share=0.0)
     assert calls == [(2, 6)]  # the two dense kernels (ReLU keeps its default), budget 6
     assert not first.reused and first.trials == 6
     assert first.work_dir.parent == tmp_path and first.work_dir.name == first.key
@@ -135,14 +138,14 @@ def test_database_is_keyed_reused_and_topped_up(tmp_path, monkeypatch):
     assert {k.name for k in first.kernels} == set(meta["choices"])
     assert any("tuning 2 kernel(s)" in line for line in lines)
 
-    again = tuning.tune(net.mod, TARGET, batch=5, trials=6, plan=net.plan, work_dir=tmp_path, progress=False)
+    again = tuning.tune(net.mod, TARGET, batch=5, trials=6, plan=net.plan, work_dir=tmp_path, progress=False, min_share=0.0)
     assert calls == [(2, 6)] and again.reused and again.work_dir == first.work_dir
     retrained = tuning.tune(tiny_mlp(seed=7).mod, TARGET, batch=5, trials=4, plan=net.plan, work_dir=tmp_path,
-                            progress=False)
+                            progress=False, min_share=0.0)
     assert calls == [(2, 6)] and retrained.work_dir == first.work_dir  # weights do not matter
-    more = tuning.tune(net.mod, TARGET, batch=5, trials=10, plan=net.plan, work_dir=tmp_path, progress=False)
+    more = tuning.tune(net.mod, TARGET, batch=5, trials=10, plan=net.plan, work_dir=tmp_path, progress=False, min_share=0.0)
     assert calls == [(2, 6), (2, 4)] and more.trials == 10  # only the difference is searched
-    other = tuning.tune(net.mod, TARGET, batch=2, trials=6, plan=net.plan, work_dir=tmp_path, progress=False)
+    other = tuning.tune(net.mod, TARGET, batch=2, trials=6, plan=net.plan, work_dir=tmp_path, progress=False, min_share=0.0)
     assert other.work_dir != first.work_dir
 
     vm = relax.VirtualMachine(first.build(), tvm.cpu())
@@ -266,3 +269,18 @@ def test_inprocess_builder_and_runner_round_trip():
     assert result.error_msg is None and len(result.run_secs) == 1 and float(result.run_secs[0]) > 0
     (missing,) = tuning.InProcessRunner().run([RunnerInput("/nonexistent/x.so", "cpu", ArgInfo.from_prim_func(mod["main"]))])
     assert missing.result().error_msg is not None
+
+
+def test_fused_kernels_keep_their_default(tmp_path, monkeypatch):
+    """With the ReLU fused into the first dense kernel (the default module), only the second dense
+    kernel is searched; the fused one keeps its default schedule and the result is correct."""
+    calls = []
+    monkeypatch.setattr(tuning, "_run_search", lambda tasks, *a, **k: calls.append([t.task_name for t in tasks]))
+    net = tiny_mlp(fuse=True)
+    static = tuning.specialize_batch(net.mod, 2)
+    assert tuning._binds_let(static["pfp_dense_fc1_relu1"])
+    result = tuning.tune(net.mod, TARGET, batch=2, trials=4, plan=net.plan, work_dir=tmp_path, progress=False,
+                         min_share=0.0)
+    assert calls == [["pfp_dense_fc2"]]
+    assert {k.name: k.choice for k in result.kernels}["pfp_dense_fc1_relu1"] in ("default", "any-batch")
+    assert_matches_reference(net, relax.VirtualMachine(result.build(), tvm.cpu()), 2)
