@@ -396,12 +396,7 @@ def schedule_max_pool2d(sch: s_tir.Schedule, layer: Any, target: tvm.target.Targ
             sch.unroll(loop)
         sch.vectorize(fv)
         sch.decompose_reduction(blk, window[0])
-        nests: dict[Any, list[Any]] = {}  # the epilogue: its own nest (the tile is no rectangle)
-        for block in sch.get_consumers(blk):
-            loops = sch.get_loops(block)
-            nests.setdefault(sch.get_sref(loops[0]), loops)
-        for loops in nests.values():
-            _flat_nest(sch, loops, lanes)
+        _flat_nests(sch, sch.get_consumers(blk), lanes)  # the epilogue: its own nest (no rectangle tile)
         return
     if vec_c > vec_j:  # a vector of channels: (b, channel tile, i) | j, window, channels
         co, cv = sch.split(c, [None, vec_c])
@@ -443,8 +438,7 @@ def _schedule_deinterleaved_pool(sch: s_tir.Schedule, blk: Any, lanes: int) -> N
     * ``epilogue`` ``(b, c, i, j)``: :func:`_flat_nest` (it reads the flat ``p`` back as
       ``c·OH·OW + (i·OW + j)``, contiguous along the fused ``(i, j)``).
     """
-    copy = next(b for b in sch.get_child_blocks(sch.get_sblock("root"))
-                if sch.get(b).name_hint == "deinterleave_v0")
+    copy = sch.get_sblock("deinterleave_v0")
     consumers = list(sch.get_consumers(blk))
     # the copy: (b, rp, rq, c, i, j) with c*OH*OW + i*OW + j = p (output plane from the epilogue)
     _, _, oh, ow = (_extent(sch, loop) for loop in sch.get_loops(consumers[0]))
@@ -465,13 +459,7 @@ def _schedule_deinterleaved_pool(sch: s_tir.Schedule, blk: Any, lanes: int) -> N
     if vec > 1:
         sch.vectorize(pv)
     sch.decompose_reduction(blk, rp)
-    # the epilogue: its own nest (a tile of p is no rectangle of (c, i, j))
-    nests: dict[Any, list[Any]] = {}
-    for block in consumers:
-        loops = sch.get_loops(block)
-        nests.setdefault(sch.get_sref(loops[0]), loops)
-    for loops in nests.values():
-        _flat_nest(sch, loops, lanes)
+    _flat_nests(sch, consumers, lanes)  # the epilogue: its own nest (a tile of p is no rectangle of (c, i, j))
 
 
 # ------------------------------------------------------------------------------------ elementwise
@@ -515,6 +503,17 @@ def _flat_nest(sch: s_tir.Schedule, loops: list[Any], lanes: int) -> None:
         _stage_inputs(sch, blocks, par)
 
 
+def _flat_nests(sch: s_tir.Schedule, blocks: Any, lanes: int) -> None:
+    """:func:`_flat_nest` for each distinct loop nest holding one of ``blocks`` (the blocks of a
+    multi-output compute share one nest)."""
+    nests: dict[Any, list[Any]] = {}
+    for block in blocks:
+        loops = sch.get_loops(block)
+        nests.setdefault(sch.get_sref(loops[0]), loops)
+    for loops in nests.values():
+        _flat_nest(sch, loops, lanes)
+
+
 def _schedule_flat(sch: s_tir.Schedule, lanes: int) -> None:
     """Schedule every loop nest ``(batch, *static axes)`` of an elementwise kernel (no reduction;
     a multi-output compute is one nest with one block per output).
@@ -529,12 +528,7 @@ def _schedule_flat(sch: s_tir.Schedule, lanes: int) -> None:
     fused static axes, with staged inputs.  The vector loop is always inside the static
     per-example axes, never the batch, whatever the batch (symbolic or a static 1).
     """
-    nests: dict[Any, list[Any]] = {}
-    for block in sch.get_child_blocks(sch.get_sblock("root")):
-        loops = sch.get_loops(block)
-        nests.setdefault(sch.get_sref(loops[0]), loops)
-    for loops in nests.values():
-        _flat_nest(sch, loops, lanes)
+    _flat_nests(sch, sch.get_child_blocks(sch.get_sblock("root")), lanes)
 
 
 @_register("relu", "convert")
