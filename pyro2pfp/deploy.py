@@ -136,8 +136,6 @@ def compile_network(net: Any, target: Any = "native", *, schedule: bool = True, 
     another architecture give one that only exports (``exe.export_library(path)``); those cannot
     be tuned here (MetaSchedule measures candidates on the machine it runs on).
     """
-    import tvm
-
     from .tvm_backend import runtime
 
     tgt = resolve_target(target)
@@ -146,12 +144,7 @@ def compile_network(net: Any, target: Any = "native", *, schedule: bool = True, 
     if tune is not None and tune is not False:
         raise PFPError(f"cannot tune for {target_arch(tgt)} on this {host_arch()} machine: MetaSchedule "
                        "measures every candidate where it runs; compile without tune= or tune on the device")
-    mod = net.mod
-    if schedule:
-        from .tvm_backend.schedules import schedule_module
-
-        mod = schedule_module(mod, net.plan, tgt)
-    executable = runtime.build(mod, tgt)
+    executable = runtime.build_network(net, tgt, schedule)
     return runtime.CompiledPFP.for_cross_target(executable, net.input_shape, net.input_variance, tgt)
 
 

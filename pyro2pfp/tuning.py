@@ -163,12 +163,10 @@ def default_cache_dir() -> Path:
 
 
 def _physical_cores() -> int:
-    try:
-        import psutil
+    """Physical cores available to this process (the default TVM thread count as well)."""
+    from .tvm_backend.runtime import default_num_threads
 
-        return int(psutil.cpu_count(logical=False) or os.cpu_count() or 1)
-    except Exception:  # noqa: BLE001
-        return int(os.cpu_count() or 1)
+    return default_num_threads()
 
 
 def _check_runs_here(target: tvm.target.Target) -> None:

@@ -23,12 +23,17 @@ from ..network import as_input_array
 from .schedules import schedule_module
 
 
+def _available_cpus() -> list[int]:
+    """The logical CPUs this process may run on (its affinity)."""
+    try:
+        return sorted(os.sched_getaffinity(0))
+    except AttributeError:  # pragma: no cover -- not Linux
+        return list(range(os.cpu_count() or 1))
+
+
 def default_num_threads() -> int:
     """Physical cores available to this process (CPU affinity), at least 1."""
-    try:
-        available = len(os.sched_getaffinity(0))
-    except AttributeError:  # pragma: no cover -- not Linux
-        available = os.cpu_count() or 1
+    available = len(_available_cpus())
     try:
         import psutil
 
@@ -54,12 +59,8 @@ def set_num_threads(n: int) -> int:
     Threads are not pinned to cores.  Returns the number now in use."""
     if not isinstance(n, int) or isinstance(n, bool) or n < 1:
         raise ValueError(f"num_threads must be a positive int, got {n!r}")
-    try:
-        cpus = sorted(os.sched_getaffinity(0))
-    except AttributeError:  # pragma: no cover -- not Linux
-        cpus = list(range(os.cpu_count() or 1))
     configure = tvm.get_global_func("runtime.config_threadpool")
-    configure(-3, n, [str(c) for c in cpus])  # -3: kSpecifyThreadShareAllCore (no pinning)
+    configure(-3, n, [str(c) for c in _available_cpus()])  # -3: kSpecifyThreadShareAllCore (no pinning)
     got = num_threads()
     if got != n:
         warnings.warn(f"pyro2pfp: TVM's thread pool has {got} thread(s), asked for {n}: set "
@@ -77,10 +78,13 @@ def mark_prim_funcs_noalias(mod: tvm.IRModule, _ctx: Any) -> tvm.IRModule:
     iteration of the dense reduction (measured 2.5x slower, 32 us -> 80 us for the MLP's first
     layer at batch 10).  Relax calls PrimFuncs in destination-passing style with distinct
     buffers, so the attribute is true of all of them."""
-    out = mod.shallow_copy() if hasattr(mod, "shallow_copy") else mod
-    for gv, func in list(mod.functions_items()):
-        if isinstance(func, tvm.tirx.PrimFunc) and not (func.attrs and func.attrs.get("tirx.noalias", False)):
-            out[gv] = func.with_attr("tirx.noalias", True)
+    missing = [gv for gv, func in mod.functions_items() if isinstance(func, tvm.tirx.PrimFunc)
+               and not (func.attrs and func.attrs.get("tirx.noalias", False))]
+    if not missing:
+        return mod
+    out = mod.clone()  # a pass must not modify the module it is given
+    for gv in missing:
+        out[gv] = mod[gv].with_attr("tirx.noalias", True)
     return out
 
 
@@ -221,6 +225,12 @@ class CompiledPFP:
         return export_library(self, path, cc=cc, metadata=metadata)
 
 
+def build_network(net: Any, target: tvm.target.Target, schedule: bool = True) -> Any:
+    """``net.mod`` with the default CPU schedules (unless ``schedule=False``), built for ``target``."""
+    mod = schedule_module(net.mod, net.plan, target) if schedule else net.mod
+    return build(mod, target)
+
+
 def compile_network(net: Any, target: Any = "native", *, schedule: bool = True, tune: Any = None,
                     num_threads: int | None = None) -> CompiledPFP:
     """Schedule (default CPU schedules) and build ``net.mod`` for ``target``; with ``tune`` also
@@ -229,10 +239,7 @@ def compile_network(net: Any, target: Any = "native", *, schedule: bool = True, 
     if num_threads is not None:
         set_num_threads(num_threads)
     tgt = make_target(target)
-    mod = net.mod
-    if schedule:
-        mod = schedule_module(mod, net.plan, tgt)
-    executable = build(mod, tgt)
+    executable = build_network(net, tgt, schedule)
     tuned = None
     if tune is not None and tune is not False:
         from ..tuning import tune_network
