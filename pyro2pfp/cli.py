@@ -89,24 +89,24 @@ def parse_int_list(text: str) -> list[int]:
     return values
 
 
-def non_negative_float(text: str) -> float:
+def _checked(text: str, convert: Any, what: str, ok: Any, expected: str) -> Any:
+    """``convert(text)`` if it parses (else "is not ``what``") and ``ok`` (else ``expected``)."""
     try:
-        value = float(text)
+        value = convert(text)
     except ValueError:
-        raise argparse.ArgumentTypeError(f"'{text}' is not a number") from None
-    if not np.isfinite(value) or value < 0:
-        raise argparse.ArgumentTypeError(f"'{text}': a finite number >= 0 is expected")
+        raise argparse.ArgumentTypeError(f"'{text}' is not {what}") from None
+    if not ok(value):
+        raise argparse.ArgumentTypeError(f"'{text}': {expected}")
     return value
+
+
+def non_negative_float(text: str) -> float:
+    return _checked(text, float, "a number", lambda v: np.isfinite(v) and v >= 0,
+                    "a finite number >= 0 is expected")
 
 
 def positive_int(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"'{text}' is not an integer") from None
-    if value <= 0:
-        raise argparse.ArgumentTypeError(f"'{text}': a positive integer is expected")
-    return value
+    return _checked(text, int, "an integer", lambda v: v > 0, "a positive integer is expected")
 
 
 # ---------------------------------------------------------------------------------------------

@@ -1,6 +1,7 @@
 """Registry, TE math namespace and the Relax emitter loop."""
 from __future__ import annotations
 
+from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass
 from types import SimpleNamespace
@@ -254,15 +255,13 @@ ReLU at batch 10: 206 us fused vs 87 us as two kernels)."""
 
 
 def fused_activations(graph: PlannedGraph) -> dict[str, PlannedLayer]:
-    """``{compute layer name: ReLU layer}`` for every ReLU whose input is a dense/conv layer that
-    feeds nothing else (and is not the output), both edges carrying variances: the compute
-    kernel's epilogue then evaluates the ReLU moments on its (mean, variance) tile while it is in
-    registers -- one kernel launch, one tensor pair and one memory pass fewer per ReLU."""
+    """``{compute layer name: ReLU layer}`` for every ReLU whose input is a layer of
+    :data:`FUSABLE_PRODUCERS` that feeds nothing else (and is not the output), both edges carrying
+    variances: the compute kernel's epilogue then evaluates the ReLU moments on its (mean,
+    variance) tile while it is in registers -- one kernel launch, one tensor pair and one memory
+    pass fewer per ReLU."""
     by_name = {p.name: p for p in graph.layers}
-    uses: dict[str, int] = {}
-    for p in graph.layers:
-        for name in p.inputs:
-            uses[name] = uses.get(name, 0) + 1
+    uses = Counter(name for p in graph.layers for name in p.inputs)
     out = {}
     for p in graph.layers:
         producer = by_name.get(p.inputs[0]) if p.op == "relu" and len(p.inputs) == 1 else None
@@ -277,8 +276,8 @@ def emit_module(graph: PlannedGraph, *, fuse: bool = True) -> tvm.IRModule:
     """The planned network as a Relax IRModule.
 
     ``main(x: (batch, *input_shape) float32[, x_var]) -> (mean, var)`` of the output; weights are
-    bound as float32 constants; ``batch`` is symbolic.  ``fuse``: ReLUs that follow a dense/conv
-    layer are computed in its kernel (:func:`fused_activations`).
+    bound as float32 constants; ``batch`` is symbolic.  ``fuse``: ReLUs that follow a dense layer
+    are computed in its kernel (:func:`fused_activations`).
     """
     batch = tirx.Var("batch", "int64")
     bb = relax.BlockBuilder()
