@@ -88,6 +88,7 @@ from tvm.s_tir.meta_schedule.runner.local_runner import LocalRunnerFuture
 from tvm.s_tir.meta_schedule.runner.utils import alloc_argument_common, run_evaluator_common
 
 from . import _fast_inspect
+from .errors import PFPError
 
 __all__ = [
     "DEFAULT_TRIALS",
@@ -136,8 +137,8 @@ _EVALUATOR = EvaluatorConfig(number=1, repeat=3, min_repeat_ms=10, enable_cpu_ca
 repeat (on a machine shared with other jobs the minimum is the stable statistic)."""
 
 
-class TuningError(RuntimeError):
-    """Tuning cannot run (environment), or a tuned module was called with another batch size."""
+class TuningError(PFPError, RuntimeError):
+    """Tuning cannot run (environment, another CPU architecture, a module without a batch axis)."""
 
 
 # ----------------------------------------------------------------------------------- environment
