@@ -9,6 +9,7 @@
 from .errors import InputShapeError, PFPError, PosteriorError, TracingError, UnsupportedLayerError
 from .graph import Repr
 from .deploy import load
+from .diagnose import Diagnosis, diagnose
 from .network import PFPNetwork, convert
 from .uncertainty import (auroc, calibrate, predictive_uncertainty, uncertainty,
                           uncertainty_from_logit_samples)
@@ -26,4 +27,5 @@ def set_num_threads(n: int) -> int:
 __version__ = "0.1.0"
 __all__ = ["convert", "load", "PFPNetwork", "Repr", "PFPError", "UnsupportedLayerError", "PosteriorError",
            "InputShapeError", "TracingError", "uncertainty", "uncertainty_from_logit_samples",
-           "predictive_uncertainty", "auroc", "calibrate", "set_num_threads"]
+           "predictive_uncertainty", "auroc", "calibrate", "set_num_threads",
+           "diagnose", "Diagnosis"]

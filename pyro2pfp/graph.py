@@ -85,6 +85,7 @@ class LayerGraph:
     layers: list[Layer]
     output: str
     input_variance: bool = False  # whether the network input carries a variance (sensor noise)
+    origins: dict[str, str] = field(default_factory=dict)  # layer name → traced fx node it computes
 
     def layer(self, name: str) -> Layer:
         for layer in self.layers:

@@ -52,6 +52,10 @@ __all__ = [
     "AnnealingMessenger",
     "BayesianLeNet5",
     "BayesianMLP",
+    "ResNet",
+    "bayesian_resnet",
+    "he_init_loc",
+    "he_posterior",
     "kl_factor",
     "make_guide",
     "predictive_logits",
@@ -371,3 +375,93 @@ def predictive_logits(
     with torch.no_grad():
         out = predictive(x_t)["_RETURN"]
     return out.detach().cpu().numpy().astype(np.float64)
+
+
+# --------------------------------------------------------------------------------------------
+# ResNet-style Bayesian nets, written the TyXe way (issue 12)
+# --------------------------------------------------------------------------------------------
+class _BasicBlock(nn.Module):
+    """conv3x3 → BN → ReLU → conv3x3 → BN, plus the shortcut (identity, or 1×1 conv → BN when the
+    shape changes), then ReLU (He et al. 2016, CIFAR variant with projection shortcuts)."""
+
+    def __init__(self, in_c: int, out_c: int, stride: int) -> None:
+        super().__init__()
+        self.conv1 = nn.Conv2d(in_c, out_c, 3, stride=stride, padding=1, bias=False)
+        self.bn1 = nn.BatchNorm2d(out_c)
+        self.conv2 = nn.Conv2d(out_c, out_c, 3, padding=1, bias=False)
+        self.bn2 = nn.BatchNorm2d(out_c)
+        self.shortcut = nn.Sequential()
+        if stride != 1 or in_c != out_c:
+            self.shortcut = nn.Sequential(nn.Conv2d(in_c, out_c, 1, stride=stride, bias=False),
+                                          nn.BatchNorm2d(out_c))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out = F.relu(self.bn1(self.conv1(x)))
+        out = self.bn2(self.conv2(out))
+        return F.relu(out + self.shortcut(x))
+
+
+class ResNet(nn.Module):
+    """CIFAR-style ResNet: conv3x3 → BN → ReLU → ``len(widths)`` stages of ``blocks`` basic blocks
+    (the first block of every later stage has stride 2) → global average pooling → Linear.
+    ``blocks=1, widths=(16, 32, 64)`` is a ResNet-8, ``blocks=3`` a ResNet-20."""
+
+    def __init__(self, blocks: int = 1, widths: Sequence[int] = (16, 32, 64), in_channels: int = 3,
+                 out_features: int = 10) -> None:
+        super().__init__()
+        self.conv1 = nn.Conv2d(in_channels, widths[0], 3, padding=1, bias=False)
+        self.bn1 = nn.BatchNorm2d(widths[0])
+        stages, in_c = [], widths[0]
+        for i, w in enumerate(widths):
+            for j in range(blocks):
+                stages.append(_BasicBlock(in_c, w, 2 if (i > 0 and j == 0) else 1))
+                in_c = w
+        self.layers = nn.Sequential(*stages)
+        self.fc = nn.Linear(in_c, out_features)
+
+    def forward(self, x: torch.Tensor, y: torch.Tensor | None = None) -> torch.Tensor:
+        """Return the logits; observe ``y`` (if given) at site ``"obs"``."""
+        out = self.layers(F.relu(self.bn1(self.conv1(x))))
+        logits = self.fc(torch.flatten(F.adaptive_avg_pool2d(out, 1), 1))
+        with pyro.plate("data", x.shape[0]):
+            pyro.sample("obs", dist.Categorical(logits=logits), obs=y)
+        return logits
+
+
+def bayesian_resnet(blocks: int = 1, widths: Sequence[int] = (16, 32, 64), in_channels: int = 3,
+                    out_features: int = 10, prior_scale: float = 1.0) -> PyroModule:
+    """A :class:`ResNet` made Bayesian the TyXe way: ``pyro.nn.module.to_pyro_module_`` and a
+    ``PyroSample`` ``Normal(0, prior_scale)`` prior on every conv/linear weight and bias (sites
+    ``conv1.weight``, ``layers.0.conv1.weight``, …, ``fc.bias``); BatchNorm parameters stay plain
+    parameters and the net is put in eval mode (running statistics)."""
+    net = ResNet(blocks, widths, in_channels, out_features)
+    pyro.nn.module.to_pyro_module_(net)
+    for module in net.modules():
+        if isinstance(module, nn.Conv2d | nn.Linear):
+            for name, p in list(module.named_parameters(recurse=False)):
+                setattr(module, name, PyroSample(
+                    dist.Normal(0.0, prior_scale).expand(list(p.shape)).to_event(p.dim())))
+    return net.eval()
+
+
+def he_init_loc(site: dict[str, Any]) -> torch.Tensor:
+    """AutoNormal ``init_loc_fn``: weights ~ N(0, 2/fan_in) (He), the last Linear (site name
+    starting with ``fc``) N(0, 1/fan_in), biases 0."""
+    shape = site["fn"].shape()
+    if len(shape) < 2:
+        return torch.zeros(shape)
+    fan_in = int(np.prod(shape[1:]))
+    gain = 1.0 if site["name"].startswith("fc") else 2.0
+    return torch.randn(shape) * (gain / fan_in) ** 0.5
+
+
+def he_posterior(model: Callable[..., Any], x: torch.Tensor, scale: float = 0.02,
+                     seed: int = 0) -> AutoNormal:
+    """An untrained ``AutoNormal`` posterior as in issue 12: means at He scale
+    (:func:`he_init_loc`), every posterior standard deviation ``scale``; initialised by one call
+    on ``x`` (clears the param store).  Works for any model of this module."""
+    pyro.clear_param_store()
+    pyro.set_rng_seed(seed)
+    guide = make_guide(model, init_scale=scale, init_loc_fn=he_init_loc)
+    guide(x, torch.zeros(len(x), dtype=torch.long))
+    return guide

@@ -38,6 +38,7 @@ class ConversionContext:
         self._used: set[str] = {INPUT}
         self.layers: list[Layer] = []
         self.output_node: torch.fx.Node | None = None
+        self.origins: dict[str, str] = {}  # layer name → the fx node whose value it computes
 
     # -- questions converters ask ------------------------------------------------------------
     def source(self, node: torch.fx.Node) -> str:
@@ -172,7 +173,9 @@ def build_layer_graph(traced: TracedModel) -> LayerGraph:
             layers = out if isinstance(out, list) else [out]
             ctx.layers.extend(layers)
             ctx._names[node] = layers[-1].name
+            ctx.origins[layers[-1].name] = node.name
     if result not in ctx._names:
         raise TracingError("the model's output does not depend on its input")
     input_node = next(n for n in graph.nodes if n.op == "placeholder" and n.name in user_inputs)
-    return LayerGraph(input_shape=ctx.shape(input_node), layers=ctx.layers, output=ctx._names[result])
+    return LayerGraph(input_shape=ctx.shape(input_node), layers=ctx.layers, output=ctx._names[result],
+                      origins=ctx.origins)

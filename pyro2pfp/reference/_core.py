@@ -59,6 +59,13 @@ def reference(op: str) -> Callable[[RefFn], RefFn]:
 def execute(graph: PlannedGraph, x: np.ndarray, x_var: np.ndarray | None = None
             ) -> tuple[np.ndarray, np.ndarray]:
     """Run the planned network in float64; returns the output (mean, variance)."""
+    result = execute_all(graph, x, x_var)[graph.output]
+    return result.mean, result.variance()
+
+
+def execute_all(graph: PlannedGraph, x: np.ndarray, x_var: np.ndarray | None = None
+                ) -> dict[str, Activation]:
+    """Run the planned network in float64; returns every layer's :class:`Activation` by name."""
     x = np.asarray(x, dtype=np.float64)
     if graph.input_repr is Repr.DETERMINISTIC:
         values = {INPUT: Activation(x, None, Repr.DETERMINISTIC)}
@@ -74,5 +81,4 @@ def execute(graph: PlannedGraph, x: np.ndarray, x_var: np.ndarray | None = None
             out = fn(layer, [values[name] for name in layer.inputs])
         assert out.repr is layer.out_repr, (layer.name, out.repr, layer.out_repr)
         values[layer.name] = out
-    result = values[graph.output]
-    return result.mean, result.variance()
+    return values

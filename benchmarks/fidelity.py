@@ -1,0 +1,90 @@
+"""Issue 12 targets: PFP logit moments against Monte Carlo over the guide's samples, for the
+paper's nets (MLP 784-100-10, LeNet-5) and CIFAR-style ResNet-8 / ResNet-20 (3×32×32).
+
+Every net has an untrained ``AutoNormal`` posterior with means at He scale and posterior sd 0.02
+(:func:`pyro2pfp.zoo.he_posterior`); inputs are standard normal.  Per net it prints the
+median and p10–p90 of the PFP/MC logit-variance ratio (over inputs × classes), the argmax
+agreement (PFP mean logits vs the MC predictive probabilities) and the mean error of the PFP
+logit means in MC standard deviations, then a HOLDS/SHORT line per target.
+
+    PYTHONPATH=. python benchmarks/fidelity.py [--samples 300] [--inputs 32] [--nets mlp,lenet,resnet8,resnet20]
+                                              [--scheme mean-field|correlated] [--latency]
+"""
+from __future__ import annotations
+
+import argparse
+import time
+
+import numpy as np
+import torch
+
+import pyro2pfp
+from pyro2pfp.diagnose import layer_fidelity
+from pyro2pfp.zoo import BayesianLeNet5, BayesianMLP, bayesian_resnet, he_posterior
+
+NETS = {
+    "mlp": (lambda: BayesianMLP(784, (100,), 10), (784,)),
+    "lenet": (lambda: BayesianLeNet5(), (1, 28, 28)),
+    "resnet8": (lambda: bayesian_resnet(blocks=1), (3, 32, 32)),
+    "resnet20": (lambda: bayesian_resnet(blocks=3), (3, 32, 32)),
+}
+
+
+def pfp_logits(net, x: np.ndarray, scheme: str) -> tuple[np.ndarray, np.ndarray]:
+    if scheme == "mean-field":
+        return net.reference(x)
+    from pyro2pfp.correlation import execute_correlated
+
+    return execute_correlated(net.plan, x)
+
+
+def latency_ms(net, x: np.ndarray, repeats: int = 20) -> float:
+    exe = net.compile("native")
+    exe(x)
+    times = []
+    for _ in range(repeats):
+        t = time.perf_counter()
+        exe(x)
+        times.append(time.perf_counter() - t)
+    return 1e3 * float(np.median(times))
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--samples", type=int, default=300)
+    ap.add_argument("--inputs", type=int, default=32)
+    ap.add_argument("--nets", default=",".join(NETS))
+    ap.add_argument("--scheme", default="mean-field", choices=["mean-field", "correlated"])
+    ap.add_argument("--latency", action="store_true", help="also time the compiled net (batch 1, median of 20)")
+    ap.add_argument("--seed", type=int, default=0)
+    args = ap.parse_args()
+    print(f"{args.samples} MC samples, {args.inputs} inputs, scheme {args.scheme}")
+    head = f"{'net':<9} {'var ratio med':>13} {'p10':>6} {'p90':>6} {'argmax %':>9} {'mean err/sd':>11}"
+    rows, verdicts = [head, "-" * len(head)], []
+    for name in args.nets.split(","):
+        make, shape = NETS[name]
+        torch.manual_seed(args.seed)
+        model = make()
+        x = torch.randn(args.inputs, *shape)
+        guide = he_posterior(model, x, scale=0.02, seed=args.seed)
+        net = pyro2pfp.convert(model, guide, input_shape=shape)
+        d = pyro2pfp.diagnose(model, guide, x, num_samples=args.samples, net=net, seed=args.seed, per_layer=False)
+        mean, var = pfp_logits(net, x.numpy().astype(np.float64), args.scheme)
+        r = layer_fidelity("logits", "", mean, var, d.output["mc_mean"], d.output["mc_var"])
+        agree = float(np.mean(mean.argmax(-1) == d.output["mc_prob"].argmax(-1)))
+        line = (f"{name:<9} {r.ratio_median:13.3f} {r.ratio_p10:6.3f} {r.ratio_p90:6.3f} {100 * agree:9.1f} "
+                f"{r.mean_error:11.3f}")
+        if args.latency:
+            line += f"   compiled latency (batch 1) {latency_ms(net, x[:1].numpy()):.3f} ms"
+        rows.append(line)
+        print(line, flush=True)
+        ok = {"median in [0.8, 1.25]": 0.8 <= r.ratio_median <= 1.25,
+              "p10-p90 in [0.6, 1.6]": r.ratio_p10 >= 0.6 and r.ratio_p90 <= 1.6,
+              "argmax >= 99 %": agree >= 0.99, "mean err <= 0.1 sd": r.mean_error <= 0.1}
+        verdicts += [f"{name}: {k}: {'HOLDS' if v else 'SHORT'}" for k, v in ok.items()]
+    print("\n".join(rows))
+    print("\n".join(verdicts))
+
+
+if __name__ == "__main__":
+    main()
