@@ -225,60 +225,6 @@ def load_param_store(path: str) -> set[str]:
     return set(state["params"])
 
 
-def sync_guide(model: Any, guide: Any, input_shape: tuple[int, ...] | None, loaded: set[str],
-               params_path: str) -> None:
-    """After loading a param store: run the guide once so that its parameters exist and take the
-    store's values (PyroModule parameters sync with the store when the module runs).
-
-    An autoguide that has never run has no posterior yet; its prototype is built from the model with
-    every sample site other than the weights (e.g. the likelihood) hidden, so models like
-    ``pyro.sample("obs", Categorical(...), obs=y)`` need no ``y``.  Hand-written guides read
-    ``pyro.param`` from the store when ``convert`` traces them.
-    """
-    import pyro
-    import torch
-    from pyro import poutine
-    from pyro.infer.autoguide import AutoGuide
-    from pyro.infer.autoguide.initialization import InitMessenger
-
-    from .tracing import infer_input_shape, sample_sites
-
-    if not isinstance(guide, AutoGuide):
-        return
-    if input_shape is None:
-        input_shape = infer_input_shape(model)
-    x = torch.zeros((1, *input_shape))
-    original = getattr(guide, "_model", None)
-    swap = guide.prototype_trace is None and original is not None
-    try:
-        if swap:
-            weight_sites = set(sample_sites(model).values()) if isinstance(model, torch.nn.Module) else set()
-
-            def hide(msg: dict) -> bool:
-                return msg.get("type") == "sample" and bool(weight_sites) and msg["name"] not in weight_sites
-
-            # The autoguide wrapped the model in InitMessenger(init_loc_fn); the block must sit
-            # inside it, or the init strategy sees the likelihood site first.
-            inner = poutine.block(model, hide_fn=hide)
-            init_fn = getattr(guide, "init_loc_fn", None)
-            guide._model = (InitMessenger(init_fn)(inner) if init_fn is not None else inner,)
-        with torch.no_grad(), poutine.block():
-            guide(x)
-    except Exception as exc:
-        raise CLIError(f"running the guide once (to give it the parameters of '{params_path}') failed: "
-                       f"{type(exc).__name__}: {exc}") from exc
-    finally:
-        if swap:
-            guide._model = original
-    created = sorted(set(pyro.get_param_store().keys()) - loaded)
-    if created:
-        have = sorted(loaded)
-        raise CLIError(
-            f"'{params_path}' has no values for the guide's parameters {created[:4]}"
-            f"{' …' if len(created) > 4 else ''}; it holds {have[:4]}{' …' if len(have) > 4 else ''}. "
-            "Was it saved from the same model and guide (same builder, same sizes)?")
-
-
 def convert_from_args(args: argparse.Namespace):
     """Builder + param store → PFPNetwork (what convert / inspect / bench share)."""
     import pyro
@@ -288,7 +234,8 @@ def convert_from_args(args: argparse.Namespace):
     pyro.clear_param_store()
     model, guide = build_model_and_guide(args.builder)
     if args.params:
-        sync_guide(model, guide, args.input_shape, load_param_store(args.params), args.params)
+        # convert() takes the guide's parameters from the param store (pyro2pfp.posterior)
+        load_param_store(args.params)
     options = {}
     if getattr(args, "input_variance", False):
         options["input_variance"] = True

@@ -122,7 +122,7 @@ class PFPNetwork:
 
 def convert(model: Any, guide: Any = None, *, input_shape: tuple[int, ...] | None = None,
             calibration: float = 1.0, moment_form: str = "variance",
-            input_variance: bool = False) -> PFPNetwork:
+            input_variance: bool = False, check_posterior: bool = True) -> PFPNetwork:
     """Convert a Pyro BNN (``model``, trained ``guide``) into a PFP network.
 
     Traces ``model`` (a ``PyroModule``) over a deterministic copy holding the posterior means, reads
@@ -142,12 +142,19 @@ def convert(model: Any, guide: Any = None, *, input_shape: tuple[int, ...] | Non
 
     ``input_variance=True`` gives a network whose ``main`` takes ``(x, x_var)``: input (sensor)
     noise is propagated through the whole network, and the first layer uses the full form.
+
+    The posterior is the one the param store holds at the moment of the call: a guide that has
+    not run since ``pyro.get_param_store().load(path)`` / ``.set_state(...)`` / ``store[name] = v``
+    (or has never run) is first brought in line with the store, and one sample of the guide is
+    checked against what was read (:mod:`pyro2pfp.posterior.guard`); a mismatch raises
+    :class:`PosteriorError`.  ``check_posterior=False`` skips that check, for guides that cannot be
+    sampled with the model's input alone.
     """
     if guide is None and hasattr(model, "net") and hasattr(model, "net_guide"):  # TyXe VariationalBNN
         model, guide = model.net, model.net_guide
     if guide is None and hasattr(model, "named_modules"):
         raise PosteriorError("convert(model, guide) needs the trained guide that holds the posterior")
-    traced = trace_model(model, guide, input_shape)
+    traced = trace_model(model, guide, input_shape, check_posterior=check_posterior)
     layer_graph = build_layer_graph(traced)
     layer_graph.input_variance = bool(input_variance)
     return PFPNetwork(layer_graph, plan(layer_graph, calibration, moment_form))

@@ -165,8 +165,10 @@ def infer_input_shape(model: torch.nn.Module) -> tuple[int, ...]:
     )
 
 
-def trace_model(model: Any, guide: Any, input_shape: tuple[int, ...] | None) -> TracedModel:
-    """Trace ``model`` with the posterior of ``guide`` into a :class:`TracedModel`."""
+def trace_model(model: Any, guide: Any, input_shape: tuple[int, ...] | None, *,
+                check_posterior: bool = True) -> TracedModel:
+    """Trace ``model`` with the posterior of ``guide`` (as the param store holds it now) into a
+    :class:`TracedModel`; ``check_posterior``: see :func:`pyro2pfp.posterior.read_posterior`."""
     if not isinstance(model, torch.nn.Module):
         raise TracingError(
             f"convert() needs the model as a torch.nn.Module (e.g. a PyroModule), got "
@@ -181,7 +183,7 @@ def trace_model(model: Any, guide: Any, input_shape: tuple[int, ...] | None) -> 
 
     sites = sample_sites(model)
     prior_shapes = _prior_shapes(model)
-    posterior = read_posterior(guide, sites.values(), (example,))
+    posterior = read_posterior(model, guide, sites.values(), (example,), check=check_posterior)
     means, params = {}, {}
     for path, site in sites.items():
         if site not in posterior:

@@ -28,7 +28,7 @@ from pyro import poutine
 from pyro.distributions import constraints
 from pyro.infer import autoguide
 
-from .errors import PosteriorError
+from ..errors import PosteriorError
 
 SitePosterior = tuple[np.ndarray, np.ndarray]  # (loc, var), float64
 
@@ -82,7 +82,7 @@ def _from_autocontinuous(guide: autoguide.AutoContinuous) -> dict[str, SitePoste
         warnings.warn(
             f"{type(guide).__name__} models correlations between weights; PFP is mean-field and "
             "uses only the marginal variances (correlations are dropped).",
-            stacklevel=3,
+            stacklevel=6,  # the user's convert() call
         )
     scales = {site["name"]: value for site, value in guide._unpack_latent(scale)}
     out = {}
@@ -123,8 +123,10 @@ def _from_trace(guide: Any, example_args: tuple, sites: Iterable[str]) -> dict[s
     return out
 
 
-def read_posterior(guide: Any, sites: Iterable[str], example_args: tuple) -> dict[str, SitePosterior]:
-    """Posterior ``(loc, var)`` of every site in ``sites`` that the guide defines.
+def read_guide(guide: Any, sites: Iterable[str], example_args: tuple) -> dict[str, SitePosterior]:
+    """Posterior ``(loc, var)`` of every site in ``sites`` that the guide defines, read through the
+    guide's own API from its current parameters (see :func:`pyro2pfp.posterior.read_posterior`, which
+    first brings them in line with the param store).
 
     Sites the guide does not define are simply absent from the result (the caller decides whether
     that is an error).  ``example_args`` are model arguments used only to trace guides that must be
