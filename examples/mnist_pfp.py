@@ -25,9 +25,9 @@ import torch  # noqa: E402
 from pyro.infer.autoguide import init_to_uniform  # noqa: E402
 
 import pyro2pfp  # noqa: E402
-from pyro2pfp.datasets import load_mnist  # noqa: E402
-from pyro2pfp.validation import median_seconds, sampling_agreement  # noqa: E402
-from pyro2pfp.zoo import BayesianLeNet5, BayesianMLP, make_guide, predictive_logits, train_svi  # noqa: E402
+from pyro2pfp_experiments.datasets import load_mnist  # noqa: E402
+from pyro2pfp_experiments.validation import median_seconds, sampling_agreement  # noqa: E402
+from pyro2pfp_experiments.zoo import BayesianLeNet5, BayesianMLP, make_guide, predictive_logits, train_svi  # noqa: E402
 
 ARCHS = {
     # name: (constructor, input_shape, epochs, lr, guide init)

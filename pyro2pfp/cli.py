@@ -28,7 +28,7 @@ one pass that predicts the mean and the variance of every output, instead of sam
 You need two things from training:
   1. a BUILDER: a Python function that creates your model and guide and returns (model, guide),
      e.g. in builder.py:
-         from pyro2pfp.zoo import BayesianMLP, make_guide
+         from pyro2pfp_experiments.zoo import BayesianMLP, make_guide
          def build():
              model = BayesianMLP(784, (100,), 10)
              return model, make_guide(model)
@@ -479,7 +479,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
 
     from . import deploy
     from .onnx_export import to_onnx
-    from .zoo import predictive_logits
+    from .sampling import predictive_logits
 
     model, guide, net = convert_from_args(args)
     exe = deploy.compile_network(net, args.target)

@@ -17,7 +17,7 @@ entropies in nats)::
   (``pfp-math.md``), ``l[n] = mean + sqrt(var) · z[n]`` with ``z ~ N(0, 1)`` drawn in one
   vectorised call from ``numpy.random.default_rng(seed)``.
 * :func:`predictive_uncertainty` — the original Pyro BNN: logits from
-  ``pyro.infer.Predictive`` (:func:`pyro2pfp.zoo.predictive_logits`).
+  ``pyro.infer.Predictive`` (:func:`pyro2pfp.sampling.predictive_logits`).
 
 Both also report the sampling-free score ``"logit_variance"``: the summed logit variance
 ``Σk var_k`` (exact for PFP; the unbiased sample variance for BNN samples).
@@ -147,9 +147,9 @@ def predictive_uncertainty(model: Callable[..., Any], guide: Callable[..., Any],
     """The same metrics for the sampled BNN: ``pyro.infer.Predictive`` logits of ``(model, guide)``.
 
     ``x`` is passed to the model as a float32 tensor (shape as the model expects it);
-    ``seed`` (if given) seeds Pyro before sampling. See :func:`pyro2pfp.zoo.predictive_logits`.
+    ``seed`` (if given) seeds Pyro before sampling. See :func:`pyro2pfp.sampling.predictive_logits`.
     """
-    from .zoo import predictive_logits
+    from .sampling import predictive_logits
 
     return uncertainty_from_logit_samples(predictive_logits(model, guide, x, num_samples, seed))
 
@@ -363,7 +363,7 @@ def calibrate(model: Any, guide: Any, x_val: Any, *, input_shape: tuple[int, ...
         warnings.warn(f"samples has {np.shape(samples)[0]} samples per input but num_samples={num_samples}: "
                       "entropy estimates are biased differently for different sample counts", stacklevel=2)
     if objective != "nll" and samples is None:
-        from .zoo import predictive_logits
+        from .sampling import predictive_logits
 
         samples = predictive_logits(model, guide, x, num_samples=num_samples, seed=seed)
     obj = CalibrationObjective(net, x, objective=objective, target_samples=samples, y_val=y_val,

@@ -14,11 +14,11 @@ import torch
 
 import pyro2pfp
 from pyro2pfp.cli import build_parser, load_builder, main
-from pyro2pfp.datasets import load_mnist
-from pyro2pfp.zoo import train_svi
+from pyro2pfp_experiments.datasets import load_mnist
+from pyro2pfp_experiments.zoo import train_svi
 
 BUILDER = textwrap.dedent("""\
-    from pyro2pfp.zoo import BayesianMLP, make_guide
+    from pyro2pfp_experiments.zoo import BayesianMLP, make_guide
 
     HIDDEN = {hidden}
 

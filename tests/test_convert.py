@@ -13,7 +13,7 @@ from pyro.nn import PyroModule, PyroSample
 
 import pyro2pfp
 from pyro2pfp.graph import Repr
-from pyro2pfp.zoo import BayesianLeNet5, BayesianMLP, make_guide
+from pyro2pfp_experiments.zoo import BayesianLeNet5, BayesianMLP, make_guide
 
 
 def initialised_guide(model, x, y, init_scale=0.05):

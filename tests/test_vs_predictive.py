@@ -22,9 +22,9 @@ import torch
 from scipy.special import ndtri
 
 import pyro2pfp
-from pyro2pfp.datasets import load_mnist
-from pyro2pfp.validation import sampling_agreement
-from pyro2pfp.zoo import BayesianLeNet5, BayesianMLP, make_guide, predictive_logits, train_svi
+from pyro2pfp_experiments.datasets import load_mnist
+from pyro2pfp_experiments.validation import sampling_agreement
+from pyro2pfp_experiments.zoo import BayesianLeNet5, BayesianMLP, make_guide, predictive_logits, train_svi
 
 
 @pytest.fixture(scope="module")
