@@ -42,9 +42,15 @@ class PFPNetwork:
     ``net.compile(target)``: a compiled predictor.  ``print(net)`` shows the layer plan.
     """
 
-    def __init__(self, layer_graph: LayerGraph, planned: PlannedGraph, *, fuse: bool = True) -> None:
+    def __init__(self, layer_graph: LayerGraph, planned: PlannedGraph, *, fuse: bool = True,
+                 nonweight_sites: dict[str, Any] | None = None, noise: Any = None) -> None:
         self.layer_graph = layer_graph
         self.plan = planned
+        # Latent sites of the model that do not flow into the network (e.g. a likelihood's noise
+        # scale): {site: pyro2pfp.posterior.SiteReading}.
+        self.nonweight_sites = dict(nonweight_sites or {})
+        # Regression: the Normal likelihood's noise (pyro2pfp.noise.NoiseModel), or why there is none.
+        self.noise = noise
         self.fuse = fuse  # ReLUs after dense layers computed in the dense kernel (tvm_backend.fused_activations)
         self._mod = None
 
@@ -104,6 +110,26 @@ class PFPNetwork:
 
         return compile_network(self, target, schedule=schedule, tune=tune, num_threads=num_threads)
 
+    def regression(self, mean: Any, var: Any) -> dict[str, np.ndarray]:
+        """The predictive distribution of a regression model's observation from the network's output
+        (``net.reference(x)`` or the compiled ``exe(x)``): ``{"mean", "epistemic", "aleatoric",
+        "total"}``, with ``epistemic`` = PFP's variance of the mean (from the weights), ``aleatoric`` =
+        E[sigma²] of the Normal likelihood (input-independent, see :mod:`pyro2pfp.noise`) and
+        ``total`` = their sum (law of total variance)."""
+        from .noise import NoiseModel
+
+        if not isinstance(self.noise, NoiseModel):
+            reason = getattr(self.noise, "reason", "no likelihood was found")
+            raise PosteriorError(f"this network has no regression noise model: {reason}")
+        mean, var = np.asarray(mean, dtype=np.float64), np.asarray(var, dtype=np.float64)
+        try:
+            aleatoric = np.broadcast_to(self.noise.expected_variance.reshape(-1), var.shape[1:])
+        except ValueError as exc:
+            raise InputShapeError(f"the noise variance has shape {self.noise.expected_variance.shape}, the "
+                                  f"network's output {var.shape[1:]}: they do not broadcast") from exc
+        aleatoric = np.broadcast_to(aleatoric, var.shape).copy()
+        return {"mean": mean, "epistemic": var, "aleatoric": aleatoric, "total": var + aleatoric}
+
     def to_onnx(self, path: Any = None, *, opset: int = 17):
         """Write the network as an ONNX model (standard operators; inputs ``x`` [, ``x_var``],
         outputs ``mean``, ``var``; dynamic batch), checked with ``onnx.checker``; returns the
@@ -152,9 +178,10 @@ def convert(model: Any, guide: Any = None, *, input_shape: tuple[int, ...] | Non
     """
     if guide is None and hasattr(model, "net") and hasattr(model, "net_guide"):  # TyXe VariationalBNN
         model, guide = model.net, model.net_guide
-    if guide is None and hasattr(model, "named_modules"):
+    if guide is None:
         raise PosteriorError("convert(model, guide) needs the trained guide that holds the posterior")
     traced = trace_model(model, guide, input_shape, check_posterior=check_posterior)
     layer_graph = build_layer_graph(traced)
     layer_graph.input_variance = bool(input_variance)
-    return PFPNetwork(layer_graph, plan(layer_graph, calibration, moment_form))
+    return PFPNetwork(layer_graph, plan(layer_graph, calibration, moment_form),
+                      nonweight_sites=traced.nonweight_sites, noise=traced.noise)

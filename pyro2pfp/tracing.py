@@ -16,7 +16,9 @@ from __future__ import annotations
 
 import copy
 import functools
-from dataclasses import dataclass
+import operator
+import warnings
+from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
@@ -27,9 +29,12 @@ from pyro.nn.module import _make_name
 from pyro.poutine.messenger import Messenger
 from pyro.poutine.subsample_messenger import _Subsample
 
+from . import random_module
 from .errors import InputShapeError, PosteriorError, TracingError
 from .graph import GaussianParam
-from .posterior import read_posterior
+from .noise import NoiseModel, NoNoiseModel, find_noise
+from .posterior import SiteReading, call_with_model_args, read_posterior
+from .site_matching import check_all_matched, require_weight_posterior
 
 _WRAPPER_PREFIX = "model."
 
@@ -45,16 +50,40 @@ class TracedModel:
     params: dict[str, GaussianParam]
     input_shape: tuple[int, ...]
     model_name: str = ""
+    # Latent sites the model samples that do not flow into the output (e.g. a noise scale).
+    nonweight_sites: dict[str, SiteReading] = field(default_factory=dict)
+    # The regression likelihood's noise (pyro2pfp.noise), or why there is none.
+    noise: NoiseModel | NoNoiseModel | None = None
 
 
-class _LikelihoodAsNoOp(Messenger):
-    """Makes every non-plate ``pyro.sample`` a no-op returning its observed value (or a placeholder)."""
+def _likelihood_mean(fn: Any) -> torch.Tensor:
+    """What a model that returns its likelihood's sample is taken to return: the ``loc`` (the
+    network output) of a Normal-like likelihood, else a placeholder."""
+    while isinstance(fn, torch.distributions.Independent):
+        fn = fn.base_dist
+    loc = getattr(fn, "loc", None)
+    return loc if isinstance(loc, torch.Tensor) else torch.zeros(())
+
+
+class _ModelSites(Messenger):
+    """While the deterministic copy is exported: a latent sample site the guide has a posterior for
+    returns the wrapper's parameter holding its posterior mean (so the graph names it, and whether
+    it flows into the output shows); every other non-plate ``pyro.sample`` (the likelihood) is a
+    no-op returning its observed value or the mean that feeds it."""
+
+    def __init__(self, wrapper: _Wrapper) -> None:
+        super().__init__()
+        self.wrapper = wrapper
 
     def _pyro_sample(self, msg: dict) -> None:
         if isinstance(msg["fn"], _Subsample):  # plates must keep working
             return
-        if msg["value"] is None:
-            msg["value"] = torch.zeros(())
+        key = self.wrapper.site_keys.get(msg["name"])
+        if key is not None and not msg["is_observed"]:
+            self.wrapper.seen_sites.add(msg["name"])
+            msg["value"] = self.wrapper.functional[key]
+        elif msg["value"] is None:
+            msg["value"] = _likelihood_mean(msg["fn"])
         msg["done"] = True
         msg["stop"] = True
 
@@ -100,7 +129,7 @@ def _prior_shapes(model: torch.nn.Module) -> dict[str, tuple[int, ...]]:
             for attr, sample in module._pyro_samples.items():
                 prior = getattr(sample, "prior", sample)
                 if isinstance(prior, torch.distributions.Distribution):
-                    shapes[f"{path}.{attr}" if path else attr] = tuple(prior.shape())
+                    shapes[f"{path}.{attr}" if path else attr] = tuple(prior.batch_shape + prior.event_shape)
     return shapes
 
 
@@ -135,13 +164,24 @@ def _deterministic_copy(model: torch.nn.Module, means: dict[str, torch.Tensor]) 
 
 
 class _Wrapper(torch.nn.Module):
-    def __init__(self, model: torch.nn.Module) -> None:
+    """The exported module: the deterministic copy of the model (``model``, or a model function) and
+    one parameter per latent site sampled in ``forward`` (``functional.site<i>``: its posterior mean)."""
+
+    def __init__(self, model: Any, functional_means: dict[str, torch.Tensor]) -> None:
         super().__init__()
-        self.model = model
+        if isinstance(model, torch.nn.Module):
+            self.model = model
+        else:
+            self.__dict__["model"] = model  # a model function (pyro.random_module style)
+        self.site_keys = {site: f"site{i}" for i, site in enumerate(functional_means)}
+        self.functional = torch.nn.ParameterDict(
+            {self.site_keys[site]: torch.nn.Parameter(mean, requires_grad=False)
+             for site, mean in functional_means.items()})
+        self.seen_sites: set[str] = set()
 
     def forward(self, x: torch.Tensor) -> Any:
-        with _LikelihoodAsNoOp():
-            return self.model(x)
+        with _ModelSites(self):
+            return call_with_model_args(self.model, (x,))
 
 
 def _example_input(input_shape: tuple[int, ...], batch: int = 2) -> torch.Tensor:
@@ -165,48 +205,65 @@ def infer_input_shape(model: torch.nn.Module) -> tuple[int, ...]:
     )
 
 
-def trace_model(model: Any, guide: Any, input_shape: tuple[int, ...] | None, *,
-                check_posterior: bool = True) -> TracedModel:
-    """Trace ``model`` with the posterior of ``guide`` (as the param store holds it now) into a
-    :class:`TracedModel`; ``check_posterior``: see :func:`pyro2pfp.posterior.read_posterior`."""
-    if not isinstance(model, torch.nn.Module):
-        raise TracingError(
-            f"convert() needs the model as a torch.nn.Module (e.g. a PyroModule), got "
-            f"{type(model).__name__}. Write the BNN as a PyroModule with PyroSample weights."
-        )
-    if input_shape is None:
-        input_shape = infer_input_shape(model)
-    input_shape = tuple(int(d) for d in input_shape)
-    if not input_shape or any(d <= 0 for d in input_shape):
-        raise InputShapeError(f"input_shape must be positive sizes without the batch, got {input_shape}")
-    example = _example_input(input_shape)
+def _functional_means(readings: dict[str, SiteReading], pyro_sample_sites: set[str]) -> dict[str, torch.Tensor]:
+    """Posterior means of the latent sites not held by a PyroSample attribute (zeros of the site's
+    shape where the posterior has no mean: an error later, if the site turns out to be a weight)."""
+    return {site: torch.as_tensor(r.mean, dtype=torch.float32) if r.mean is not None else torch.zeros(r.shape)
+            for site, r in readings.items() if site not in pyro_sample_sites}
 
-    sites = sample_sites(model)
-    prior_shapes = _prior_shapes(model)
-    posterior = read_posterior(model, guide, sites.values(), (example,), check=check_posterior)
-    means, params = {}, {}
-    for path, site in sites.items():
-        if site not in posterior:
-            raise PosteriorError(
-                f"sample site '{site}' of the model (parameter {path}) has no posterior in the "
-                f"guide {type(guide).__name__}."
-            )
-        loc, var = posterior[site]
-        expected = prior_shapes.get(path)
-        if expected is not None and tuple(loc.shape) != expected:
-            raise PosteriorError(f"site '{site}': the guide's posterior has shape {tuple(loc.shape)} but the "
-                                 f"model's prior (parameter {path}) has shape {expected}")
-        means[path] = torch.as_tensor(loc, dtype=torch.float32)
-        params[path] = GaussianParam(loc, var, site=site)
 
-    det = _deterministic_copy(model, means)
+def _fold_identity_broadcasts(program: torch.export.ExportedProgram) -> None:
+    """Replace ``broadcast_tensors(xs)[i]`` by ``xs[i]`` and ``expand(x)`` by ``x`` where they leave
+    the tensor unchanged.
 
+    Building the likelihood (``Normal(mean, sigma)``) broadcasts the network's output with the noise
+    scale; the model's returned ``mean`` is then traced as that broadcast.  For an operand that
+    already has the broadcast shape it is the identity (exact), and the noise scale no longer looks
+    like an input of the network.
+    """
+    graph = program.graph_module.graph
+    for node in list(graph.nodes):
+        if node.op != "call_function" or node.target is not operator.getitem:
+            continue
+        src, index = node.args
+        if not (isinstance(src, torch.fx.Node) and src.target is torch.ops.aten.broadcast_tensors.default):
+            continue
+        operands = src.args[0]
+        if isinstance(operands, list | tuple) and isinstance(index, int):
+            _replace_if_same_shape(node, operands[index])
+    for node in list(graph.nodes):  # expand to its own shape (a plate over the likelihood)
+        if node.op == "call_function" and node.target is torch.ops.aten.expand.default:
+            _replace_if_same_shape(node, node.args[0])
+    graph.eliminate_dead_code()
+    program.graph_module.recompile()
+
+
+def _replace_if_same_shape(node: torch.fx.Node, operand: Any) -> None:
+    same = isinstance(operand, torch.fx.Node) and isinstance(operand.meta.get("val"), torch.Tensor) \
+        and isinstance(node.meta.get("val"), torch.Tensor) and operand.meta["val"].shape == node.meta["val"].shape
+    if same:
+        node.replace_all_uses_with(operand)
+
+
+def _used_parameters(program: torch.export.ExportedProgram) -> set[str]:
+    """Fully qualified names of the parameters the graph's output depends on."""
+    output = next(n for n in program.graph.nodes if n.op == "output")
+    seen: set[torch.fx.Node] = set()
+    stack = [output]
+    while stack:
+        node = stack.pop()
+        if node not in seen:
+            seen.add(node)
+            stack.extend(node.all_input_nodes)
+    by_placeholder = program.graph_signature.inputs_to_parameters
+    return {by_placeholder[n.name] for n in seen if n.op == "placeholder" and n.name in by_placeholder}
+
+
+def _export(wrapper: _Wrapper, example: torch.Tensor, input_shape: tuple[int, ...]) -> torch.export.ExportedProgram:
     batch = torch.export.Dim("batch", min=1, max=2**20)
     try:
         with pyro.validation_enabled(False), torch.no_grad():
-            program = torch.export.export(
-                _Wrapper(det), (example,), dynamic_shapes={"x": {0: batch}}, strict=False
-            )
+            return torch.export.export(wrapper, (example,), dynamic_shapes={"x": {0: batch}}, strict=False)
     except Exception as exc:
         raise TracingError(
             f"torch.export could not trace the model for input shape (batch, {', '.join(map(str, input_shape))}): "
@@ -214,14 +271,106 @@ def trace_model(model: Any, guide: Any, input_shape: tuple[int, ...] | None, *,
             "Check input_shape and that forward() works on a batch of that shape."
         ) from exc
 
-    for name, value in program.named_parameters():
+
+def trace_model(model: Any, guide: Any, input_shape: tuple[int, ...] | None, *,
+                check_posterior: bool = True) -> TracedModel:
+    """Trace ``model`` with the posterior of ``guide`` (as the param store holds it now) into a
+    :class:`TracedModel`; ``check_posterior``: see :func:`pyro2pfp.posterior.read_posterior`.
+
+    ``model`` is a ``PyroModule`` (weights as ``PyroSample`` attributes and/or sampled in
+    ``forward``) or a model function (``pyro.random_module`` style; ``input_shape`` required).  Every
+    latent site of the guide must be a weight or a non-weight site of the model
+    (:mod:`pyro2pfp.site_matching`).
+    """
+    is_module = isinstance(model, torch.nn.Module)
+    if not is_module and not callable(model):
+        raise TracingError(
+            f"convert() needs the model as a torch.nn.Module (e.g. a PyroModule) or a Pyro model function, "
+            f"got {type(model).__name__}.")
+    if input_shape is None:
+        if not is_module:
+            raise InputShapeError(f"the model {getattr(model, '__name__', model)!r} is a function: pass "
+                                  "input_shape=(...) (one input, without the batch dimension) to convert().")
+        input_shape = infer_input_shape(model)
+    input_shape = tuple(int(d) for d in input_shape)
+    if not input_shape or any(d <= 0 for d in input_shape):
+        raise InputShapeError(f"input_shape must be positive sizes without the batch, got {input_shape}")
+    example = _example_input(input_shape)
+
+    sites = sample_sites(model) if is_module else {}
+    prior_shapes = _prior_shapes(model) if is_module else {}
+    readings = read_posterior(model, guide, (example,), weight_sites=sites.values(), check=check_posterior)
+    means, params = {}, {}
+    for path, site in sites.items():
+        reading = readings.get(site)
+        if reading is None:
+            raise PosteriorError(
+                f"sample site '{site}' of the model (parameter {path}) has no posterior in the "
+                f"guide {type(guide).__name__}."
+            )
+        require_weight_posterior(site, f"parameter {path}", reading, guide)
+        assert reading.mean is not None and reading.var is not None
+        expected = prior_shapes.get(path)
+        if expected is not None and tuple(reading.mean.shape) != expected:
+            raise PosteriorError(f"site '{site}': the guide's posterior has shape {tuple(reading.mean.shape)} but "
+                                 f"the model's prior (parameter {path}) has shape {expected}")
+        means[path] = torch.as_tensor(reading.mean, dtype=torch.float32)
+        params[path] = GaussianParam(reading.mean, reading.var, site=site)
+
+    lifted = {} if is_module else random_module.lifted_modules(
+        model, lambda fn: call_with_model_args(fn, (example,)))
+    lifted_means = {site: torch.as_tensor(r.mean, dtype=torch.float32) for site, r in readings.items()
+                    if r.mean is not None and any(site.startswith(name + random_module.SEPARATOR) for name in lifted)}
+    det = _deterministic_copy(model, means) if is_module else model
+    wrapper = _Wrapper(det, _functional_means(readings, set(sites.values()) | set(lifted_means)))
+    wrapper.lifted = torch.nn.ModuleDict({f"m{i}": random_module.deterministic_copy(name, module, lifted_means)
+                                          for i, (name, module) in enumerate(lifted.items())})
+    lifted_paths = {f"lifted.m{i}.{path}": f"{name}{random_module.SEPARATOR}{path}"
+                    for i, (name, module) in enumerate(lifted.items()) for path, _ in module.named_parameters()}
+    with random_module.replaced_random_modules({name: wrapper.lifted[f"m{i}"] for i, name in enumerate(lifted)}):
+        program = _export(wrapper, example, input_shape)
+    _fold_identity_broadcasts(program)
+
+    used = _used_parameters(program)
+    functional_weights, nonweights = {}, set()
+    for path, site in lifted_paths.items():
+        if site in readings and path in used:
+            require_weight_posterior(site, f"parameter {site.split(random_module.SEPARATOR)[1]} of the "
+                                           f"random_module '{site.split(random_module.SEPARATOR)[0]}'",
+                                     readings[site], guide)
+            functional_weights[path] = site
+    for site in wrapper.seen_sites:
+        path = f"functional.{wrapper.site_keys[site]}"
+        if path in used:
+            require_weight_posterior(site, f"sampled in forward() and used by the network as {path}",
+                                     readings[site], guide)
+            functional_weights[path] = site
+        else:
+            nonweights.add(site)
+    model_parameters = [lifted_paths.get(name, name.removeprefix(_WRAPPER_PREFIX))
+                        for name, _ in program.named_parameters() if not name.startswith("functional.")]
+    check_all_matched(readings, [*sites.values(), *functional_weights.values()], nonweights,
+                      [*sites, *model_parameters], guide)
+    for path, site in functional_weights.items():
+        reading = readings[site]
+        assert reading.mean is not None and reading.var is not None
+        params[path] = GaussianParam(reading.mean, reading.var, site=site)
+    matched = [f"'{p.site}' ({readings[p.site].reason})" for p in params.values()
+               if p.site is not None and readings[p.site].kind == "moments"]
+    if matched:
+        warnings.warn(f"weights with non-Gaussian posteriors are moment-matched (PFP uses their mean and "
+                      f"variance only): {', '.join(matched)}", stacklevel=3)
+
+    for name, param in program.named_parameters():
         path = name.removeprefix(_WRAPPER_PREFIX)
-        if path not in params:
-            arr = value.detach().to(torch.float64).numpy().copy()
+        if path not in params and not path.startswith("functional."):
+            arr = param.detach().to(torch.float64).numpy().copy()
             params[path] = GaussianParam(arr, np.zeros_like(arr))
-    for name, value in program.named_buffers():
+    for name, buffer in program.named_buffers():
         path = name.removeprefix(_WRAPPER_PREFIX)
-        arr = value.detach().to(torch.float64).numpy().copy()
+        arr = buffer.detach().to(torch.float64).numpy().copy()
         params[path] = GaussianParam(arr, np.zeros_like(arr))
     return TracedModel(program=program, params=params, input_shape=input_shape,
-                       model_name=type(model).__name__)
+                       model_name=type(model).__name__ if is_module else getattr(model, "__name__", "model"),
+                       nonweight_sites={site: readings[site] for site in sorted(nonweights)},
+                       noise=find_noise(model, readings, nonweights, input_shape))

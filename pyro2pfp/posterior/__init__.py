@@ -20,28 +20,30 @@ from collections.abc import Iterable
 from typing import Any
 
 from .guard import check_posterior
-from .readers import SitePosterior, read_guide
+from .readers import SitePosterior, SiteReading, call_with_model_args, read_guide
 from .store import setup_guide_prototype, sync_with_param_store
 
-__all__ = ["read_posterior", "SitePosterior", "check_posterior", "sync_with_param_store",
-           "setup_guide_prototype"]
+__all__ = ["read_posterior", "SitePosterior", "SiteReading", "check_posterior", "sync_with_param_store",
+           "setup_guide_prototype", "call_with_model_args"]
 
 
-def read_posterior(model: Any, guide: Any, sites: Iterable[str], example_args: tuple, *,
-                   check: bool = True) -> dict[str, SitePosterior]:
-    """Posterior ``(mean, var)`` (float64 arrays, ``var = scale²``) of every site in ``sites`` that the
-    guide defines, as the param store holds it now.
+def read_posterior(model: Any, guide: Any, example_args: tuple, *, weight_sites: Iterable[str] = (),
+                   check: bool = True) -> dict[str, SiteReading]:
+    """Every latent site the guide defines (:class:`SiteReading`: mean and variance as float64 arrays,
+    ``var = scale²``, and what kind of posterior it is), as the param store holds it now.
 
     ``model``: the Pyro model (its parameters are synchronised with the store too; it is run, with the
     likelihood hidden, only to set up an autoguide that has never run).  ``example_args``: model
-    arguments (an example input batch), used to run/sample the guide.  Sites the guide does not
-    define are absent from the result (the caller decides whether that is an error).
+    arguments (an example input batch), used to run/sample the guide.  ``weight_sites``: sites known
+    to be weights (never hidden when an autoguide is set up).  Which sites the model uses as weights,
+    and whether their readings are usable, is the caller's decision.
     """
-    sites = list(sites)
-    setup_guide_prototype(model, guide, example_args, set(sites))
+    setup_guide_prototype(model, guide, example_args, set(weight_sites))
     sync_with_param_store(model, "the model")
     sync_with_param_store(guide, f"the {type(guide).__name__} guide")
-    posterior = read_guide(guide, sites, example_args)
+    readings = read_guide(guide, example_args)
     if check:
-        check_posterior(guide, posterior, example_args)
-    return posterior
+        gaussian = {name: (r.mean, r.var) for name, r in readings.items()
+                    if r.kind == "gaussian" and r.mean is not None and r.var is not None}
+        check_posterior(guide, gaussian, example_args)
+    return readings

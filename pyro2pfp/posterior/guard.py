@@ -39,6 +39,7 @@ from pyro.nn import PyroModule
 from scipy import stats
 
 from ..errors import PosteriorError
+from .readers import call_with_model_args
 from .store import full_name, module_local_params, named_pyro_modules
 
 ALPHA = 1e-9
@@ -66,7 +67,7 @@ def mean_bound(n: int, alpha: float = ALPHA) -> float:
 def _sample_guide(guide: Any, example_args: tuple) -> Any:
     try:
         with torch.no_grad(), poutine.block():
-            return poutine.trace(guide).get_trace(*example_args)
+            return poutine.trace(lambda *a: call_with_model_args(guide, a)).get_trace(*example_args)
     except Exception as exc:
         raise PosteriorError(
             f"the consistency check could not sample the guide {type(guide).__name__}: "

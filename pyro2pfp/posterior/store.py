@@ -111,8 +111,9 @@ def sync_with_param_store(module: Any, owner: str = "the module") -> None:
             store = pyro.get_param_store()
             for attr in list(sub._pyro_params):
                 name = full_name(sub, attr)
-                if name in store:
-                    _check_shape(name, store._params[name], sub._parameters[attr + "_unconstrained"], owner)
+                current = sub._parameters.get(attr + "_unconstrained")
+                if name in store and current is not None:
+                    _check_shape(name, store._params[name], current, owner)
                 getattr(sub, attr)  # Pyro's own update: PyroModule <- ParamStore
             for attr, param in list(sub._parameters.items()):
                 if param is not None and not attr.endswith("_unconstrained"):
@@ -129,7 +130,7 @@ def _guides(guide: Any) -> list[autoguide.AutoGuide]:
 
 def _guide_parameter_names(guide: Any) -> set[str]:
     """Param-store names of the parameters a PyroModule guide owns (known only after it has run)."""
-    names = set()
+    names: set[str] = set()
     for sub in named_pyro_modules(guide):
         names.update(full_name(sub, attr) for attr in sub._pyro_params)
         names.update(full_name(sub, attr) for attr, p in sub._parameters.items()
@@ -137,11 +138,11 @@ def _guide_parameter_names(guide: Any) -> set[str]:
     return names
 
 
-def _hide_likelihood(weight_sites: set[str], batch: int) -> Callable[[dict], bool]:
+def _hide_likelihood(weight_sites: set[str], batch: int) -> Callable[[Any], bool]:
     """Hide the sample sites that are neither weights nor anything an autoguide can represent
     without the data: sites inside a plate over the example batch (the likelihood) and discrete ones."""
 
-    def hide(msg: dict) -> bool:
+    def hide(msg: Any) -> bool:
         if msg.get("type") != "sample" or msg["name"] in weight_sites:
             return False
         in_data_plate = any(frame.size == batch for frame in msg.get("cond_indep_stack", ()))
@@ -154,7 +155,7 @@ def _hide_likelihood(weight_sites: set[str], batch: int) -> Callable[[dict], boo
 def _split_init(model: Any) -> tuple[Any, Any]:
     """``(InitMessenger, inner model)`` of a model an autoguide wrapped with ``InitMessenger(init)(model)``
     (``Messenger.__call__`` returns a partial of ``(messenger, fn)``), else ``(None, model)``."""
-    args = getattr(model, "args", ())
+    args: tuple[Any, ...] = tuple(getattr(model, "args", ()))
     if len(args) == 2 and isinstance(args[0], InitMessenger) and callable(args[1]):
         return args[0], args[1]
     return None, model
