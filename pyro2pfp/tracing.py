@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import copy
 import functools
-import operator
 import warnings
 from dataclasses import dataclass, field
 from typing import Any
@@ -31,6 +30,7 @@ from pyro.poutine.subsample_messenger import _Subsample
 
 from . import random_module
 from .errors import InputShapeError, PosteriorError, TracingError
+from .export_passes import fold_identity_broadcasts, used_parameters
 from .graph import GaussianParam
 from .noise import NoiseModel, NoNoiseModel, find_noise
 from .posterior import SiteReading, call_with_model_args, read_posterior
@@ -178,6 +178,8 @@ class _Wrapper(torch.nn.Module):
             {self.site_keys[site]: torch.nn.Parameter(mean, requires_grad=False)
              for site, mean in functional_means.items()})
         self.seen_sites: set[str] = set()
+        self.lifted = torch.nn.ModuleDict()  # deterministic copies of pyro.random_module nets
+        self.lifted_names: list[str] = []
 
     def forward(self, x: torch.Tensor) -> Any:
         with _ModelSites(self):
@@ -212,53 +214,6 @@ def _functional_means(readings: dict[str, SiteReading], pyro_sample_sites: set[s
             for site, r in readings.items() if site not in pyro_sample_sites}
 
 
-def _fold_identity_broadcasts(program: torch.export.ExportedProgram) -> None:
-    """Replace ``broadcast_tensors(xs)[i]`` by ``xs[i]`` and ``expand(x)`` by ``x`` where they leave
-    the tensor unchanged.
-
-    Building the likelihood (``Normal(mean, sigma)``) broadcasts the network's output with the noise
-    scale; the model's returned ``mean`` is then traced as that broadcast.  For an operand that
-    already has the broadcast shape it is the identity (exact), and the noise scale no longer looks
-    like an input of the network.
-    """
-    graph = program.graph_module.graph
-    for node in list(graph.nodes):
-        if node.op != "call_function" or node.target is not operator.getitem:
-            continue
-        src, index = node.args
-        if not (isinstance(src, torch.fx.Node) and src.target is torch.ops.aten.broadcast_tensors.default):
-            continue
-        operands = src.args[0]
-        if isinstance(operands, list | tuple) and isinstance(index, int):
-            _replace_if_same_shape(node, operands[index])
-    for node in list(graph.nodes):  # expand to its own shape (a plate over the likelihood)
-        if node.op == "call_function" and node.target is torch.ops.aten.expand.default:
-            _replace_if_same_shape(node, node.args[0])
-    graph.eliminate_dead_code()
-    program.graph_module.recompile()
-
-
-def _replace_if_same_shape(node: torch.fx.Node, operand: Any) -> None:
-    same = isinstance(operand, torch.fx.Node) and isinstance(operand.meta.get("val"), torch.Tensor) \
-        and isinstance(node.meta.get("val"), torch.Tensor) and operand.meta["val"].shape == node.meta["val"].shape
-    if same:
-        node.replace_all_uses_with(operand)
-
-
-def _used_parameters(program: torch.export.ExportedProgram) -> set[str]:
-    """Fully qualified names of the parameters the graph's output depends on."""
-    output = next(n for n in program.graph.nodes if n.op == "output")
-    seen: set[torch.fx.Node] = set()
-    stack = [output]
-    while stack:
-        node = stack.pop()
-        if node not in seen:
-            seen.add(node)
-            stack.extend(node.all_input_nodes)
-    by_placeholder = program.graph_signature.inputs_to_parameters
-    return {by_placeholder[n.name] for n in seen if n.op == "placeholder" and n.name in by_placeholder}
-
-
 def _export(wrapper: _Wrapper, example: torch.Tensor, input_shape: tuple[int, ...]) -> torch.export.ExportedProgram:
     batch = torch.export.Dim("batch", min=1, max=2**20)
     try:
@@ -272,36 +227,29 @@ def _export(wrapper: _Wrapper, example: torch.Tensor, input_shape: tuple[int, ..
         ) from exc
 
 
-def trace_model(model: Any, guide: Any, input_shape: tuple[int, ...] | None, *,
-                check_posterior: bool = True) -> TracedModel:
-    """Trace ``model`` with the posterior of ``guide`` (as the param store holds it now) into a
-    :class:`TracedModel`; ``check_posterior``: see :func:`pyro2pfp.posterior.read_posterior`.
-
-    ``model`` is a ``PyroModule`` (weights as ``PyroSample`` attributes and/or sampled in
-    ``forward``) or a model function (``pyro.random_module`` style; ``input_shape`` required).  Every
-    latent site of the guide must be a weight or a non-weight site of the model
-    (:mod:`pyro2pfp.site_matching`).
-    """
-    is_module = isinstance(model, torch.nn.Module)
-    if not is_module and not callable(model):
+def _checked_input_shape(model: Any, input_shape: tuple[int, ...] | None) -> tuple[int, ...]:
+    if not isinstance(model, torch.nn.Module) and not callable(model):
         raise TracingError(
             f"convert() needs the model as a torch.nn.Module (e.g. a PyroModule) or a Pyro model function, "
             f"got {type(model).__name__}.")
     if input_shape is None:
-        if not is_module:
+        if not isinstance(model, torch.nn.Module):
             raise InputShapeError(f"the model {getattr(model, '__name__', model)!r} is a function: pass "
                                   "input_shape=(...) (one input, without the batch dimension) to convert().")
         input_shape = infer_input_shape(model)
     input_shape = tuple(int(d) for d in input_shape)
     if not input_shape or any(d <= 0 for d in input_shape):
         raise InputShapeError(f"input_shape must be positive sizes without the batch, got {input_shape}")
-    example = _example_input(input_shape)
+    return input_shape
 
-    sites = sample_sites(model) if is_module else {}
-    prior_shapes = _prior_shapes(model) if is_module else {}
-    readings = read_posterior(model, guide, (example,), weight_sites=sites.values(), check=check_posterior)
-    means, params = {}, {}
-    for path, site in sites.items():
+
+def _pyro_sample_weights(model: Any, readings: dict[str, SiteReading], guide: Any) -> dict[str, GaussianParam]:
+    """The posterior of every ``PyroSample`` attribute, keyed by parameter path (``fc1.weight``)."""
+    if not isinstance(model, torch.nn.Module):
+        return {}
+    prior_shapes = _prior_shapes(model)
+    params = {}
+    for path, site in sample_sites(model).items():
         reading = readings.get(site)
         if reading is None:
             raise PosteriorError(
@@ -314,52 +262,96 @@ def trace_model(model: Any, guide: Any, input_shape: tuple[int, ...] | None, *,
         if expected is not None and tuple(reading.mean.shape) != expected:
             raise PosteriorError(f"site '{site}': the guide's posterior has shape {tuple(reading.mean.shape)} but "
                                  f"the model's prior (parameter {path}) has shape {expected}")
-        means[path] = torch.as_tensor(reading.mean, dtype=torch.float32)
         params[path] = GaussianParam(reading.mean, reading.var, site=site)
+    return params
 
-    lifted = {} if is_module else random_module.lifted_modules(
-        model, lambda fn: call_with_model_args(fn, (example,)))
-    lifted_means = {site: torch.as_tensor(r.mean, dtype=torch.float32) for site, r in readings.items()
-                    if r.mean is not None and any(site.startswith(name + random_module.SEPARATOR) for name in lifted)}
-    det = _deterministic_copy(model, means) if is_module else model
-    wrapper = _Wrapper(det, _functional_means(readings, set(sites.values()) | set(lifted_means)))
-    wrapper.lifted = torch.nn.ModuleDict({f"m{i}": random_module.deterministic_copy(name, module, lifted_means)
-                                          for i, (name, module) in enumerate(lifted.items())})
+
+def _build_wrapper(model: Any, readings: dict[str, SiteReading], weights: dict[str, GaussianParam],
+                   example: torch.Tensor) -> tuple[_Wrapper, dict[str, str]]:
+    """The module to export: the deterministic copy (posterior means), a parameter per site sampled in
+    ``forward``, a deterministic copy per ``pyro.random_module`` net.  Also ``{parameter path: site}``
+    of the random modules' parameters."""
+    pyro_sample_sites = {p.site for p in weights.values() if p.site is not None}
+    if isinstance(model, torch.nn.Module):
+        det = _deterministic_copy(model, {path: torch.as_tensor(p.mean, dtype=torch.float32)
+                                          for path, p in weights.items()})
+        lifted: dict[str, torch.nn.Module] = {}
+    else:
+        det = model
+        lifted = random_module.lifted_modules(model, lambda fn: call_with_model_args(fn, (example,)))
     lifted_paths = {f"lifted.m{i}.{path}": f"{name}{random_module.SEPARATOR}{path}"
                     for i, (name, module) in enumerate(lifted.items()) for path, _ in module.named_parameters()}
-    with random_module.replaced_random_modules({name: wrapper.lifted[f"m{i}"] for i, name in enumerate(lifted)}):
-        program = _export(wrapper, example, input_shape)
-    _fold_identity_broadcasts(program)
+    lifted_means = {site: torch.as_tensor(readings[site].mean, dtype=torch.float32)
+                    for site in lifted_paths.values() if site in readings and readings[site].mean is not None}
+    wrapper = _Wrapper(det, _functional_means(readings, pyro_sample_sites | set(lifted_means)))
+    for i, (name, module) in enumerate(lifted.items()):
+        wrapper.lifted[f"m{i}"] = random_module.deterministic_copy(name, module, lifted_means)
+    wrapper.lifted_names = list(lifted)
+    return wrapper, lifted_paths
 
-    used = _used_parameters(program)
-    functional_weights, nonweights = {}, set()
-    for path, site in lifted_paths.items():
-        if site in readings and path in used:
-            require_weight_posterior(site, f"parameter {site.split(random_module.SEPARATOR)[1]} of the "
-                                           f"random_module '{site.split(random_module.SEPARATOR)[0]}'",
-                                     readings[site], guide)
-            functional_weights[path] = site
-    for site in wrapper.seen_sites:
-        path = f"functional.{wrapper.site_keys[site]}"
+
+def _classify_exported_sites(wrapper: _Wrapper, lifted_paths: dict[str, str], program: torch.export.ExportedProgram,
+                             readings: dict[str, SiteReading], guide: Any) -> tuple[dict[str, str], set[str]]:
+    """``({parameter path: site}`` of the weights sampled in ``forward`` or lifted by ``random_module``,
+    ``{non-weight sites}``): a site is a weight when the output depends on its parameter."""
+    used = used_parameters(program)
+    weights: dict[str, str] = {}
+    nonweights: set[str] = set()
+    candidates = [(path, site, f"parameter {site.split(random_module.SEPARATOR)[1]} of the random_module "
+                               f"'{site.split(random_module.SEPARATOR)[0]}'")
+                  for path, site in lifted_paths.items() if site in readings]
+    candidates += [(f"functional.{wrapper.site_keys[site]}", site, "sampled in forward() and used by the network")
+                   for site in wrapper.seen_sites]
+    for path, site, where in candidates:
         if path in used:
-            require_weight_posterior(site, f"sampled in forward() and used by the network as {path}",
-                                     readings[site], guide)
-            functional_weights[path] = site
+            require_weight_posterior(site, where, readings[site], guide)
+            weights[path] = site
         else:
             nonweights.add(site)
-    model_parameters = [lifted_paths.get(name, name.removeprefix(_WRAPPER_PREFIX))
-                        for name, _ in program.named_parameters() if not name.startswith("functional.")]
-    check_all_matched(readings, [*sites.values(), *functional_weights.values()], nonweights,
-                      [*sites, *model_parameters], guide)
-    for path, site in functional_weights.items():
-        reading = readings[site]
-        assert reading.mean is not None and reading.var is not None
-        params[path] = GaussianParam(reading.mean, reading.var, site=site)
+    return weights, nonweights
+
+
+def _warn_moment_matched(params: dict[str, GaussianParam], readings: dict[str, SiteReading]) -> None:
     matched = [f"'{p.site}' ({readings[p.site].reason})" for p in params.values()
                if p.site is not None and readings[p.site].kind == "moments"]
     if matched:
         warnings.warn(f"weights with non-Gaussian posteriors are moment-matched (PFP uses their mean and "
-                      f"variance only): {', '.join(matched)}", stacklevel=3)
+                      f"variance only): {', '.join(matched)}", stacklevel=4)
+
+
+def trace_model(model: Any, guide: Any, input_shape: tuple[int, ...] | None, *,
+                check_posterior: bool = True) -> TracedModel:
+    """Trace ``model`` with the posterior of ``guide`` (as the param store holds it now) into a
+    :class:`TracedModel`; ``check_posterior``: see :func:`pyro2pfp.posterior.read_posterior`.
+
+    ``model`` is a ``PyroModule`` (weights as ``PyroSample`` attributes and/or sampled in
+    ``forward``) or a model function (``pyro.random_module`` style; ``input_shape`` required).  Every
+    latent site of the guide must be a weight or a non-weight site of the model
+    (:mod:`pyro2pfp.site_matching`).
+    """
+    input_shape = _checked_input_shape(model, input_shape)
+    example = _example_input(input_shape)
+    pyro_sample_sites = sample_sites(model) if isinstance(model, torch.nn.Module) else {}
+    readings = read_posterior(model, guide, (example,), weight_sites=pyro_sample_sites.values(),
+                              check=check_posterior)
+    params = _pyro_sample_weights(model, readings, guide)
+
+    wrapper, lifted_paths = _build_wrapper(model, readings, params, example)
+    with random_module.replaced_random_modules(
+            {name: wrapper.lifted[f"m{i}"] for i, name in enumerate(wrapper.lifted_names)}):
+        program = _export(wrapper, example, input_shape)
+    fold_identity_broadcasts(program)
+
+    exported_weights, nonweights = _classify_exported_sites(wrapper, lifted_paths, program, readings, guide)
+    model_parameters = [lifted_paths.get(name, name.removeprefix(_WRAPPER_PREFIX))
+                        for name, _ in program.named_parameters() if not name.startswith("functional.")]
+    check_all_matched(readings, [*pyro_sample_sites.values(), *exported_weights.values()], nonweights,
+                      [*pyro_sample_sites, *model_parameters], guide)
+    for path, site in exported_weights.items():
+        reading = readings[site]
+        assert reading.mean is not None and reading.var is not None
+        params[path] = GaussianParam(reading.mean, reading.var, site=site)
+    _warn_moment_matched(params, readings)
 
     for name, param in program.named_parameters():
         path = name.removeprefix(_WRAPPER_PREFIX)
@@ -371,6 +363,6 @@ def trace_model(model: Any, guide: Any, input_shape: tuple[int, ...] | None, *,
         arr = buffer.detach().to(torch.float64).numpy().copy()
         params[path] = GaussianParam(arr, np.zeros_like(arr))
     return TracedModel(program=program, params=params, input_shape=input_shape,
-                       model_name=type(model).__name__ if is_module else getattr(model, "__name__", "model"),
+                       model_name=getattr(model, "__name__", type(model).__name__),
                        nonweight_sites={site: readings[site] for site in sorted(nonweights)},
                        noise=find_noise(model, readings, nonweights, input_shape))
