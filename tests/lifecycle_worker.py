@@ -20,8 +20,9 @@ import pyro.distributions as dist
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+from pyro import poutine
 from pyro.infer import SVI, Predictive, Trace_ELBO
-from pyro.infer.autoguide import AutoDiagonalNormal, AutoLowRankMultivariateNormal, AutoNormal
+from pyro.infer.autoguide import AutoDiagonalNormal, AutoGuideList, AutoLowRankMultivariateNormal, AutoNormal
 from pyro.nn import PyroModule, PyroSample
 
 D_IN, HIDDEN, CLASSES, IMAGE = 8, 24, 3, 12
@@ -95,17 +96,27 @@ def _tyxe_bnn():
                                functools.partial(tyxe.guides.AutoNormal, init_scale=0.01))
 
 
+def guide_list(model: TutorialMLP):
+    """An AutoGuideList: AutoNormal on the first layer, AutoDiagonalNormal on the output layer."""
+    first = ["fc1.weight", "fc1.bias"]
+    guide = AutoGuideList(model)
+    guide.append(AutoNormal(poutine.block(model, expose=first), init_scale=0.01))
+    guide.append(AutoDiagonalNormal(poutine.block(model, hide=first), init_scale=0.01))
+    return guide
+
+
 KINDS = {
     "autonormal-mlp": (TutorialMLP, AutoNormal),
     "diagonal-mlp": (TutorialMLP, AutoDiagonalNormal),
     "lowrank-mlp": (TutorialMLP, functools.partial(AutoLowRankMultivariateNormal, rank=2, init_scale=0.01)),
     "handwritten-mlp": (TutorialMLP, handwritten_guide),
+    "guidelist-mlp": (TutorialMLP, guide_list),
     "tyxe-mlp": (None, None),
     "autonormal-lenet": (SmallLeNet, AutoNormal),
 }
 # Mean-field posterior, one hidden layer, deterministic input: PFP's logit moments are exact.
 # (The low-rank guide correlates the weights, which PFP drops: approximate.)
-EXACT = {"autonormal-mlp", "diagonal-mlp", "handwritten-mlp", "tyxe-mlp"}
+EXACT = {"autonormal-mlp", "diagonal-mlp", "handwritten-mlp", "guidelist-mlp", "tyxe-mlp"}
 
 
 def build(kind: str):
