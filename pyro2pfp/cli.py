@@ -10,13 +10,14 @@ import os
 import sys
 import textwrap
 import time
+import traceback
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
-from .errors import InputShapeError, PFPError
+from .errors import PFPError
 
 DEFAULT_FUNCTION = "build"
 LIBRARY_EXTS = (".so", ".tar")
@@ -304,16 +305,11 @@ class _OnnxPredictor:
         self.session = ort.InferenceSession(path, providers=["CPUExecutionProvider"])
 
     def __call__(self, x: Any, x_var: Any = None) -> tuple[np.ndarray, np.ndarray]:
-        from .network import as_input_array
+        from .inputs import check_finite_outputs, checked_inputs
 
-        feeds = {"x": as_input_array(x, self.input_shape)}
-        if self.input_variance:
-            if x_var is None:
-                raise InputShapeError("this network takes (x, x_var): pass the input variance too")
-            feeds["x_var"] = as_input_array(x_var, self.input_shape, "x_var")
-            if np.any(feeds["x_var"] < 0):
-                raise InputShapeError("x_var must be non-negative")
-        mean, var = self.session.run(["mean", "var"], feeds)
+        arrays = checked_inputs(x, x_var, self.input_shape, self.input_variance, np.float32)
+        mean, var = self.session.run(["mean", "var"], dict(zip(("x", "x_var"), arrays, strict=False)))
+        check_finite_outputs(mean, var)
         return mean, var
 
 
@@ -456,14 +452,6 @@ def cmd_predict(args: argparse.Namespace) -> int:
     return 0
 
 
-def _latency_script() -> Path | None:
-    for root in (Path.cwd(), Path(__file__).resolve().parents[1]):
-        candidate = root / "benchmarks" / "latency.py"
-        if candidate.is_file():
-            return candidate
-    return None
-
-
 def _median_ms(fn, repeat: int) -> float:
     fn()  # warm-up
     times = []
@@ -485,18 +473,6 @@ def cmd_bench(args: argparse.Namespace) -> int:
     exe = deploy.compile_network(net, args.target)
     if not exe.runnable:
         raise CLIError(f"--target {args.target} is for another CPU; bench runs on this machine")
-    script = _latency_script()
-    if script is not None and not args.builtin:
-        spec = importlib.util.spec_from_file_location("_pyro2pfp_latency", script)
-        module = importlib.util.module_from_spec(spec)
-        spec.loader.exec_module(module)
-        if callable(getattr(module, "bench", None)):
-            print(f"(using {script})")
-            out = module.bench(model, guide, net, exe=exe, batch_sizes=args.batch_sizes,
-                               num_samples=args.samples, repeats=args.repeat)
-            if out is not None:
-                print(out)
-            return 0
     ort_session = None
     try:
         import onnxruntime as ort
@@ -559,9 +535,11 @@ def build_parser() -> argparse.ArgumentParser:
     formatter = argparse.RawDescriptionHelpFormatter
     parser = argparse.ArgumentParser(prog="pyro2pfp", description=MAIN_DESCRIPTION, epilog=MAIN_EPILOG,
                                      formatter_class=formatter)
-    from . import __version__
+    from ._version import __version__
 
     parser.add_argument("--version", action="version", version=f"pyro2pfp {__version__}")
+    parser.add_argument("--debug", action="store_true",
+                        help="show the full traceback of an internal error (for bug reports)")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
 
     p = sub.add_parser("convert", formatter_class=formatter, help="convert a trained model to .so/.tar or .onnx",
@@ -615,7 +593,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="batch sizes to time (default 1,32)")
     p.add_argument("--samples", type=positive_int, default=30, help="Predictive samples (default 30)")
     p.add_argument("--repeat", type=positive_int, default=20, help="timed runs per measurement (default 20)")
-    p.add_argument("--builtin", action="store_true", help="ignore benchmarks/latency.py if present")
+    # Kept for old command lines: bench never runs benchmarks/latency.py (or any file) any more.
+    p.add_argument("--builtin", action="store_true", help=argparse.SUPPRESS)
     p.set_defaults(func=cmd_bench)
     return parser
 
@@ -626,13 +605,20 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parser.parse_args(argv)
     try:
         return int(args.func(args) or 0)
-    except (PFPError, FileNotFoundError, ValueError) as exc:
-        message = str(exc) or type(exc).__name__
+    except (PFPError, OSError) as exc:  # a user error (or a file system one): one clear line, no traceback
+        message = " ".join(str(exc).split()) or type(exc).__name__
         print(f"pyro2pfp {args.command}: error: {message}", file=sys.stderr)
         return 1
     except KeyboardInterrupt:
         print("interrupted", file=sys.stderr)
         return 130
+    except Exception as exc:  # noqa: BLE001 -- a bug in pyro2pfp or a dependency
+        print(f"pyro2pfp {args.command}: internal error ({type(exc).__name__}: {' '.join(str(exc).split())[:300]}). "
+              "Please report it with the command line"
+              + (":" if args.debug else "; rerun with --debug for the traceback."), file=sys.stderr)
+        if args.debug:
+            traceback.print_exc()
+        return 2
 
 
 if __name__ == "__main__":  # pragma: no cover

@@ -52,3 +52,31 @@ def used_parameters(program: torch.export.ExportedProgram) -> set[str]:
             stack.extend(node.all_input_nodes)
     by_placeholder = program.graph_signature.inputs_to_parameters
     return {by_placeholder[n.name] for n in seen if n.op == "placeholder" and n.name in by_placeholder}
+
+
+# Ops that only move or view data: a graph traced at batch 1 may use other ones than at batch ≥ 2.
+_LAYOUT_OPS = {"view", "reshape", "_unsafe_view", "flatten", "unflatten", "expand", "squeeze", "unsqueeze",
+               "clone", "contiguous", "alias", "detach", "detach_", "lift_fresh_copy", "dropout", "t",
+               "permute", "transpose", "broadcast_tensors", "identity"}
+
+
+def compute_ops(program: torch.export.ExportedProgram) -> list[torch.fx.Node]:
+    """The graph's computing nodes in order (not shape queries, indexing or layout-only ops)."""
+    out = []
+    for node in program.graph.nodes:
+        if node.op != "call_function" or node.target is operator.getitem:
+            continue
+        name = str(node.target).removeprefix("aten.").split(".")[0]
+        if name.startswith("sym_") or name in _LAYOUT_OPS:
+            continue
+        out.append(node)
+    return out
+
+
+def user_line(node: torch.fx.Node) -> str:
+    """``file:line`` of the model code that produced ``node`` (from its recorded stack trace)."""
+    trace = node.meta.get("stack_trace") or ""
+    frames = [line.strip() for line in trace.splitlines() if line.strip().startswith("File ")]
+    user = [f for f in frames if "/torch/" not in f and "/pyro/" not in f and "/pyro2pfp/" not in f]
+    frame = (user or frames or ["(unknown location)"])[-1]
+    return frame.replace("File ", "").replace('"', "")

@@ -8,30 +8,10 @@ import numpy as np
 from .converters import build_layer_graph
 from .errors import InputShapeError, PosteriorError
 from .graph import LayerGraph, Repr
+from .inputs import checked_inputs
 from .plan import PlannedGraph, plan
 from .reference import execute
 from .tracing import trace_model
-
-
-def as_input_array(x: Any, input_shape: tuple[int, ...], name: str = "x",
-                   dtype: Any = np.float32) -> np.ndarray:
-    """A contiguous array of shape (batch, *input_shape) from a NumPy array or torch tensor."""
-    if hasattr(x, "detach"):
-        x = x.detach().cpu().numpy()
-    x = np.asarray(x)
-    if x.ndim == len(input_shape):  # a single example
-        raise InputShapeError(
-            f"{name} has shape {x.shape}; the network takes a batch (batch, {', '.join(map(str, input_shape))}). "
-            f"Use {name}[None] for a single example.")
-    if x.ndim != len(input_shape) + 1 or tuple(x.shape[1:]) != tuple(input_shape) or x.shape[0] < 1:
-        raise InputShapeError(
-            f"{name} has shape {tuple(x.shape)}, expected (batch, {', '.join(map(str, input_shape))})")
-    if x.dtype != dtype and (not np.issubdtype(x.dtype, np.number) or np.iscomplexobj(x)):
-        raise InputShapeError(f"{name} must be real numbers, got dtype {x.dtype}")
-    x = np.ascontiguousarray(x, dtype=dtype)
-    if not np.isfinite(x).all():
-        raise InputShapeError(f"{name} contains NaN or infinite values")
-    return x
 
 
 class PFPNetwork:
@@ -77,14 +57,8 @@ class PFPNetwork:
 
     def reference(self, x: Any, x_var: Any = None) -> tuple[np.ndarray, np.ndarray]:
         """Float64 NumPy execution: ``(mean, var)`` of the logits, each (batch, classes)."""
-        xs = as_input_array(x, self.input_shape, dtype=np.float64)
-        if self.input_variance:
-            if x_var is None:
-                raise InputShapeError("this network was converted with input_variance=True: pass x_var")
-            x_var = as_input_array(x_var, self.input_shape, "x_var", dtype=np.float64)
-            if np.any(x_var < 0):
-                raise InputShapeError("x_var must be non-negative")
-        return execute(self.plan, xs, x_var)
+        arrays = checked_inputs(x, x_var, self.input_shape, self.input_variance, np.float64)
+        return execute(self.plan, arrays[0], arrays[1] if len(arrays) > 1 else None)
 
     def compile(self, target: Any = "native", *, tune: Any = None, schedule: bool = True,
                 num_threads: int | None = None):
@@ -106,7 +80,7 @@ class PFPNetwork:
         schedules.  ``num_threads``: TVM threads (process-wide, default: the physical cores).
         ``schedule=False`` skips the default CPU schedules (naive loops; for debugging).
         """
-        from .deploy import compile_network
+        from .compile import compile_network
 
         return compile_network(self, target, schedule=schedule, tune=tune, num_threads=num_threads)
 

@@ -467,7 +467,7 @@ def build_model(net: Any, *, opset: int = DEFAULT_OPSET, graph_name: str | None 
     import onnx
     from onnx import TensorProto, helper
 
-    from . import __version__
+    from ._version import __version__
 
     graph = _planned(net)
     if int(opset) < MIN_OPSET:

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import copy
 import functools
+import numbers
 import warnings
 from dataclasses import dataclass, field
 from typing import Any
@@ -30,7 +31,7 @@ from pyro.poutine.subsample_messenger import _Subsample
 
 from . import random_module
 from .errors import InputShapeError, PosteriorError, TracingError
-from .export_passes import fold_identity_broadcasts, used_parameters
+from .export_passes import compute_ops, fold_identity_broadcasts, used_parameters, user_line
 from .graph import GaussianParam
 from .noise import NoiseModel, NoNoiseModel, find_noise
 from .posterior import SiteReading, call_with_model_args, read_posterior
@@ -214,11 +215,33 @@ def _functional_means(readings: dict[str, SiteReading], pyro_sample_sites: set[s
             for site, r in readings.items() if site not in pyro_sample_sites}
 
 
-def _export(wrapper: _Wrapper, example: torch.Tensor, input_shape: tuple[int, ...]) -> torch.export.ExportedProgram:
-    batch = torch.export.Dim("batch", min=1, max=2**20)
+def _check_batch_independent(program: torch.export.ExportedProgram, wrapper: _Wrapper,
+                             input_shape: tuple[int, ...]) -> None:
+    """Raise :class:`TracingError` if ``forward`` computes something else at batch 1.
+
+    The program is traced with a symbolic batch, which torch assumes to be ≥ 2 (sizes 0 and 1 are
+    specialised), so ``if x.shape[0] > 1:`` is baked in without a guard.  A second trace at batch 1
+    must run the same computing ops in the same order, or the converted network would be wrong there.
+    """
+    single = _export(wrapper, _example_input(input_shape, batch=1), input_shape, dynamic=False)
+    fold_identity_broadcasts(single)
+    ops, ops1 = compute_ops(program), compute_ops(single)
+    for i in range(max(len(ops), len(ops1))):
+        a, b = (ops[i] if i < len(ops) else None), (ops1[i] if i < len(ops1) else None)
+        if a is None or b is None or a.target != b.target:
+            where = user_line(a if a is not None else b)  # type: ignore[arg-type]
+            raise TracingError(
+                f"the model computes differently at batch 1 than at batch ≥ 2 ({a.target if a is not None else 'nothing'}"
+                f" vs {b.target if b is not None else 'nothing'} at {where}): forward() branches on the batch "
+                "size (e.g. `if x.shape[0] > 1:`). PFP needs one network for every batch size: remove the branch.")
+
+
+def _export(wrapper: _Wrapper, example: torch.Tensor, input_shape: tuple[int, ...], *,
+            dynamic: bool = True) -> torch.export.ExportedProgram:
+    dynamic_shapes = {"x": {0: torch.export.Dim("batch", min=1, max=2**20)}} if dynamic else None
     try:
         with pyro.validation_enabled(False), torch.no_grad():
-            return torch.export.export(wrapper, (example,), dynamic_shapes={"x": {0: batch}}, strict=False)
+            return torch.export.export(wrapper, (example,), dynamic_shapes=dynamic_shapes, strict=False)
     except Exception as exc:
         raise TracingError(
             f"torch.export could not trace the model for input shape (batch, {', '.join(map(str, input_shape))}): "
@@ -237,10 +260,16 @@ def _checked_input_shape(model: Any, input_shape: tuple[int, ...] | None) -> tup
             raise InputShapeError(f"the model {getattr(model, '__name__', model)!r} is a function: pass "
                                   "input_shape=(...) (one input, without the batch dimension) to convert().")
         input_shape = infer_input_shape(model)
-    input_shape = tuple(int(d) for d in input_shape)
-    if not input_shape or any(d <= 0 for d in input_shape):
-        raise InputShapeError(f"input_shape must be positive sizes without the batch, got {input_shape}")
-    return input_shape
+    if isinstance(input_shape, numbers.Integral) and not isinstance(input_shape, bool):
+        input_shape = (int(input_shape),)  # one feature dimension
+    if isinstance(input_shape, str | bytes) or not isinstance(input_shape, tuple | list | torch.Size) or not all(
+            isinstance(d, numbers.Integral) and not isinstance(d, bool) for d in input_shape):
+        raise InputShapeError(f"input_shape must be a tuple of positive ints without the batch dimension, e.g. "
+                              f"(784,) or (1, 28, 28); got {input_shape!r}")
+    shape = tuple(int(d) for d in input_shape)
+    if not shape or any(d <= 0 for d in shape):
+        raise InputShapeError(f"input_shape must be positive sizes without the batch, got {shape}")
+    return shape
 
 
 def _pyro_sample_weights(model: Any, readings: dict[str, SiteReading], guide: Any) -> dict[str, GaussianParam]:
@@ -311,6 +340,22 @@ def _classify_exported_sites(wrapper: _Wrapper, lifted_paths: dict[str, str], pr
     return weights, nonweights
 
 
+_TRAIN_DIFFERS = (torch.nn.modules.dropout._DropoutNd, torch.nn.modules.batchnorm._BatchNorm)
+
+
+def _warn_train_mode(model: Any) -> None:
+    """PFP converts eval semantics (Dropout off, BatchNorm with its running statistics); say so when
+    the model is left in train mode, where these layers compute something else."""
+    if not isinstance(model, torch.nn.Module):
+        return
+    training = [path or type(model).__name__ for path, m in model.named_modules()
+                if m.training and isinstance(m, _TRAIN_DIFFERS)]
+    if training:
+        warnings.warn(f"the model is in train mode ({', '.join(training[:4])}{' …' if len(training) > 4 else ''}): "
+                      "converted with eval semantics (Dropout off, BatchNorm with its running statistics). "
+                      "Call model.eval() before convert() to make this explicit.", stacklevel=4)
+
+
 def _warn_moment_matched(params: dict[str, GaussianParam], readings: dict[str, SiteReading]) -> None:
     matched = [f"'{p.site}' ({readings[p.site].reason})" for p in params.values()
                if p.site is not None and readings[p.site].kind == "moments"]
@@ -330,6 +375,7 @@ def trace_model(model: Any, guide: Any, input_shape: tuple[int, ...] | None, *,
     (:mod:`pyro2pfp.site_matching`).
     """
     input_shape = _checked_input_shape(model, input_shape)
+    _warn_train_mode(model)
     example = _example_input(input_shape)
     pyro_sample_sites = sample_sites(model) if isinstance(model, torch.nn.Module) else {}
     readings = read_posterior(model, guide, (example,), weight_sites=pyro_sample_sites.values(),
@@ -340,7 +386,8 @@ def trace_model(model: Any, guide: Any, input_shape: tuple[int, ...] | None, *,
     with random_module.replaced_random_modules(
             {name: wrapper.lifted[f"m{i}"] for i, name in enumerate(wrapper.lifted_names)}):
         program = _export(wrapper, example, input_shape)
-    fold_identity_broadcasts(program)
+        fold_identity_broadcasts(program)
+        _check_batch_independent(program, wrapper, input_shape)
 
     exported_weights, nonweights = _classify_exported_sites(wrapper, lifted_paths, program, readings, guide)
     model_parameters = [lifted_paths.get(name, name.removeprefix(_WRAPPER_PREFIX))

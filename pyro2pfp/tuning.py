@@ -172,7 +172,7 @@ def _physical_cores() -> int:
 
 def _check_runs_here(target: tvm.target.Target) -> None:
     """Tuning measures candidates on this machine: refuse a target for another architecture."""
-    from .deploy import host_arch, target_arch
+    from .targets import host_arch, target_arch
 
     if target_arch(target) != host_arch():
         raise TuningError(
@@ -182,7 +182,7 @@ def _check_runs_here(target: tvm.target.Target) -> None:
 
 def tuning_target(target: Any) -> tvm.target.Target:
     """``target`` as a ``tvm.target.Target`` with ``num-cores`` (MetaSchedule requires it)."""
-    from .tvm_backend.runtime import make_target
+    from .targets import make_target
 
     tgt = make_target(target)
     cores = tgt.attrs.get("num-cores")
@@ -662,7 +662,7 @@ def tune(mod: tvm.IRModule, target: Any, *, batch: int, trials: int = DEFAULT_TR
     Args:
         mod: a Relax IRModule whose ``main``'s first parameter has a (symbolic) batch dimension:
             ``net.mod`` of a PFP network, or any module (e.g. from TVM's torch frontend).
-        target: what :func:`pyro2pfp.tvm_backend.runtime.make_target` accepts; ``num-cores`` is
+        target: what :func:`pyro2pfp.targets.make_target` accepts; ``num-cores`` is
             added if missing (:func:`tuning_target`).
         batch: the batch size the result is specialised to.
         trials: candidates measured in total over all tuned kernels (MetaSchedule's

@@ -200,7 +200,7 @@ class CalibrationObjective:
     def __init__(self, net: Any, x_val: Any, *, objective: str = "mutual_information",
                  target_samples: Any = None, y_val: Any = None, num_samples: int = 100,
                  seed: int = 0) -> None:
-        from .network import as_input_array
+        from .inputs import as_input_array
 
         if objective not in CALIBRATION_OBJECTIVES:
             raise ValueError(f"objective must be one of {CALIBRATION_OBJECTIVES}, got {objective!r}")
@@ -352,7 +352,8 @@ def calibrate(model: Any, guide: Any, x_val: Any, *, input_shape: tuple[int, ...
     Returns:
         The factor as a float (pass it to ``convert(..., calibration=factor)``).
     """
-    from .network import as_input_array, convert
+    from .inputs import as_input_array
+    from .network import convert
 
     if objective is None:
         objective = "nll" if y_val is not None else "mutual_information"
