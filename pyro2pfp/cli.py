@@ -133,6 +133,8 @@ def load_builder(spec: str):
             raise CLIError(f"builder file '{where}' not found (expected FILE.py:FUNCTION, e.g. builder.py:build)")
         mod_name = f"_pyro2pfp_builder_{abs(hash(str(path.resolve())))}"
         module_spec = importlib.util.spec_from_file_location(mod_name, path)
+        if module_spec is None or module_spec.loader is None:
+            raise CLIError(f"builder file '{where}' cannot be imported as Python")
         module = importlib.util.module_from_spec(module_spec)
         sys.path.insert(0, str(path.resolve().parent))  # let the builder import its neighbours
         try:
@@ -200,7 +202,7 @@ def load_param_store(path: str) -> set[str]:
         raise CLIError(f"parameter file '{path}' not found (save it after training with "
                        "pyro.get_param_store().save(path))")
     try:
-        with torch.serialization.safe_globals(_constraint_classes()):
+        with torch.serialization.safe_globals(list[Any](_constraint_classes())):
             state = torch.load(path, map_location="cpu", weights_only=True)
     except pickle.UnpicklingError as exc:
         boilerplate = ("Weights only load failed", "Check the documentation", "Please file an issue")
@@ -222,7 +224,7 @@ def load_param_store(path: str) -> set[str]:
     bad = [k for k, v in state["params"].items() if not isinstance(v, torch.Tensor)]
     if bad:
         raise CLIError(f"'{path}': parameters {bad[:3]} are not tensors")
-    pyro.get_param_store().set_state(state)
+    pyro.get_param_store().set_state(state)  # type: ignore[arg-type]  # checked above: params and constraints
     return set(state["params"])
 
 
@@ -393,7 +395,8 @@ def cmd_inspect(args: argparse.Namespace) -> int:
         if isinstance(target, dict):
             keys = ("mtriple", "mcpu", "mattr", "num-cores")
             parts = [str(target.get("kind", "?"))] + [
-                f"{k} {','.join(target[k]) if isinstance(target[k], list) else target[k]}" for k in keys if target.get(k)]
+                f"{k} {','.join(target[k]) if isinstance(target[k], list) else target[k]}"
+                for k in keys if target.get(k)]
             target = ", ".join(parts)
         print(f"  target: {target}")
         if info.get("plan"):
@@ -484,7 +487,8 @@ def cmd_bench(args: argparse.Namespace) -> int:
     except ImportError:
         print("note: onnxruntime is not installed; its column is skipped", file=sys.stderr)
     rng = np.random.default_rng(0)
-    header = f"{'batch':>6}  {'PFP TVM ms':>11}  {'PFP onnxruntime ms':>19}  {f'Predictive ({args.samples} samples) ms':>28}  {'speed-up':>8}"
+    predictive = f"Predictive ({args.samples} samples) ms"
+    header = f"{'batch':>6}  {'PFP TVM ms':>11}  {'PFP onnxruntime ms':>19}  {predictive:>28}  {'speed-up':>8}"
     print(f"target {exe.target.attrs.get('mcpu', '') or exe.target.kind.name}; median of {args.repeat} runs")
     print(header)
     print("-" * len(header))
@@ -493,10 +497,11 @@ def cmd_bench(args: argparse.Namespace) -> int:
         feeds = {"x": x}
         if net.input_variance:
             feeds["x_var"] = np.full_like(x, 1e-4)
-        t_tvm = _median_ms(lambda: exe(*feeds.values()), args.repeat)
-        t_ort = (_median_ms(lambda: ort_session.run(None, feeds), args.repeat)
+        # The lambdas run inside _median_ms, in this iteration: binding the loop variables is safe.
+        t_tvm = _median_ms(lambda: exe(*feeds.values()), args.repeat)  # noqa: B023
+        t_ort = (_median_ms(lambda: ort_session.run(None, feeds), args.repeat)  # noqa: B023
                  if ort_session is not None else float("nan"))
-        t_mc = _median_ms(lambda: predictive_logits(model, guide, x, num_samples=args.samples),
+        t_mc = _median_ms(lambda: predictive_logits(model, guide, x, num_samples=args.samples),  # noqa: B023
                           max(1, min(args.repeat, 5)))
         print(f"{batch:>6}  {t_tvm:>11.3f}  {t_ort:>19.3f}  {t_mc:>28.2f}  {t_mc / t_tvm:>7.0f}x")
     return 0
@@ -564,7 +569,8 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("inspect", formatter_class=formatter, help="print the layer plan of a model or file",
                        description="Print the PFP layer plan (ops, shapes, mean/variance representations) "
                                    "of a builder + parameters, or describe a .so/.tar/.onnx file.",
-                       epilog="examples:\n  pyro2pfp inspect builder.py:build --params params.pt --input-shape 1,28,28\n"
+                       epilog="examples:\n"
+                              "  pyro2pfp inspect builder.py:build --params params.pt --input-shape 1,28,28\n"
                               "  pyro2pfp inspect net.so\n  pyro2pfp inspect net.onnx")
     _add_conversion_options(p, BUILDER_HELP + " Or a .so/.tar/.onnx file written by 'convert'.")
     p.set_defaults(func=cmd_inspect)

@@ -36,3 +36,7 @@ class LoadError(PFPError):
 
 class LibraryNotFoundError(LoadError, FileNotFoundError):
     """The library file to load does not exist."""
+
+
+class TuningError(PFPError, RuntimeError):
+    """Tuning cannot run (environment, another CPU architecture, a module without a batch axis)."""

@@ -30,7 +30,6 @@ calibration factor first.
 from __future__ import annotations
 
 import numbers
-
 from collections import Counter
 from dataclasses import dataclass, field
 

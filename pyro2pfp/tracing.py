@@ -230,9 +230,10 @@ def _check_batch_independent(program: torch.export.ExportedProgram, wrapper: _Wr
         a, b = (ops[i] if i < len(ops) else None), (ops1[i] if i < len(ops1) else None)
         if a is None or b is None or a.target != b.target:
             where = user_line(a if a is not None else b)  # type: ignore[arg-type]
+            first, second = (n.target if n is not None else "nothing" for n in (a, b))
             raise TracingError(
-                f"the model computes differently at batch 1 than at batch ≥ 2 ({a.target if a is not None else 'nothing'}"
-                f" vs {b.target if b is not None else 'nothing'} at {where}): forward() branches on the batch "
+                f"the model computes differently at batch 1 than at batch ≥ 2 ({first} vs {second} at {where}): "
+                "forward() branches on the batch "
                 "size (e.g. `if x.shape[0] > 1:`). PFP needs one network for every batch size: remove the branch.")
 
 

@@ -298,7 +298,7 @@ def minimise_log_scale(fn: Callable[[float], float], bounds: tuple[float, float]
             a, x1, f1 = x1, x2, f2
             x2 = a + g * (b - a)
             f2 = f(x2)
-    t_best = min(cache, key=cache.get)
+    t_best = min(cache, key=lambda t: cache[t])
     if best in (0, len(logs) - 1) and t_best in (logs[0], logs[-1]):
         warnings.warn(f"the calibration optimum lies at the edge of bounds {bounds}; widen them",
                       stacklevel=3)

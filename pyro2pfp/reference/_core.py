@@ -23,12 +23,14 @@ class Activation:
     def variance(self) -> np.ndarray:
         if self.repr is Repr.DETERMINISTIC:
             return np.zeros_like(self.mean)
+        assert self.second is not None  # carried by every non-deterministic activation
         if self.repr is Repr.VARIANCE:
             return self.second
         return moments.second_to_variance(self.mean, self.second)
 
     def second_moment(self) -> np.ndarray:
         if self.repr is Repr.SECOND_MOMENT:
+            assert self.second is not None
             return self.second
         return moments.variance_to_second(self.mean, self.variance())
 

@@ -132,11 +132,11 @@ def te_shared(build: Callable[[SimpleNamespace], Any]) -> list[tirx.PrimExpr]:
     while True:
         bindings: list[tuple[tirx.Var, tirx.PrimExpr]] = []
 
-        def bind(value: tirx.PrimExpr) -> tirx.PrimExpr:
+        def bind(value: tirx.PrimExpr) -> tirx.PrimExpr:  # used within this iteration only
             if _is_leaf(value):
                 return value
-            var = tirx.Var(f"s{len(bindings)}", value.ty)
-            bindings.append((var, value))
+            var = tirx.Var(f"s{len(bindings)}", value.ty)  # noqa: B023
+            bindings.append((var, value))  # noqa: B023
             return var
 
         ops = SimpleNamespace(**vars(TE_OPS))

@@ -138,6 +138,8 @@ class CompiledPFP:
         self._tuned_vms = {b: relax.VirtualMachine(ex, self.device) for b, ex in self.tuned.items()}
         self._local = threading.local()
         self._local.state = _ThreadState(self.vm, self._tuned_vms)
+        self.metadata_extra: dict[str, Any] = {}  # from an exported library's sidecar (pyro2pfp.load)
+        self.library_path: str | None = None
 
     def _state(self) -> _ThreadState:
         state = getattr(self._local, "state", None)

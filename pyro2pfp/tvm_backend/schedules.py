@@ -71,6 +71,8 @@ the one here."""
 def _schedule_fn(op: str | None) -> ScheduleFn | None:
     from . import _core
 
+    if op is None:
+        return None
     return _core.SCHEDULES.get(op) or SCHEDULES.get(op)
 
 
@@ -101,6 +103,14 @@ def _extent(sch: s_tir.Schedule, loop: Any) -> int | None:
     """Static extent of a loop, or None for a symbolic (batch) extent."""
     ext = sch.get(loop).extent
     return int(ext) if isinstance(ext, tirx.IntImm | int) else None
+
+
+def _static_extent(sch: s_tir.Schedule, loop: Any) -> int:
+    """Static extent of a loop that is not the batch axis (a symbolic one is a bug of the caller)."""
+    ext = _extent(sch, loop)
+    if ext is None:
+        raise ValueError(f"loop {sch.get(loop)} has a symbolic extent; only the batch axis may")
+    return ext
 
 
 def _pow2_divisor(n: int, cap: int) -> int:
@@ -230,7 +240,7 @@ def schedule_dense(sch: s_tir.Schedule, layer: Any, target: tvm.target.Target) -
     lanes = simd_lanes(target)
     blk = sch.get_sblock("dense")
     i, j, k = sch.get_loops(blk)
-    m, kk = _extent(sch, j), _extent(sch, k)
+    m, kk = _static_extent(sch, j), _static_extent(sch, k)
     vectorize = _vectorizable(sch, [blk])
     vec = _pow2_divisor(m, lanes) if vectorize else 1
     n_vec = m // vec
@@ -291,7 +301,7 @@ def schedule_conv2d(sch: s_tir.Schedule, layer: Any, target: tvm.target.Target) 
     blk = sch.get_sblock("conv2d")
     pads = list(sch.get_producers(blk))
     b, o, i, j, rc, rp, rq = sch.get_loops(blk)
-    n_o, ow = _extent(sch, o), _extent(sch, j)
+    n_o, ow = _static_extent(sch, o), _static_extent(sch, j)
     vectorize = _vectorizable(sch, [blk])
     vec_o = _pow2_divisor(n_o, lanes) if vectorize else 1
     vec_j = _pow2_divisor(ow, lanes) if vectorize else 1
@@ -301,7 +311,8 @@ def schedule_conv2d(sch: s_tir.Schedule, layer: Any, target: tvm.target.Target) 
         jo, jm = sch.split(j, [None, _divisor_at_most(ow, CONV_TILE_COLUMNS)])
         sch.reorder(b, oo, i, jo, rc, rp, rq, jm, ov)
         par = sch.fuse(b, oo, i, jo)
-        unrolled, vector = (rp, rq, jm), ov
+        unrolled: tuple[Any, ...] = (rp, rq, jm)
+        vector = ov
     else:
         jm = _divisor_at_most(ow // vec_j, 4)
         ot = _divisor_at_most(n_o, max(1, budget // (2 * jm)))
@@ -315,7 +326,7 @@ def schedule_conv2d(sch: s_tir.Schedule, layer: Any, target: tvm.target.Target) 
     for pad in pads:
         sch.compute_at(pad, par)
         _vectorize_inner(sch, pad, lanes)
-    window = _extent(sch, rp) * _extent(sch, rq)
+    window = _static_extent(sch, rp) * _static_extent(sch, rq)
     for loop in unrolled:
         if window <= CONV_MAX_UNROLLED_WINDOW or not (loop.same_as(rp) or loop.same_as(rq)):
             sch.unroll(loop)
@@ -384,9 +395,9 @@ def schedule_max_pool2d(sch: s_tir.Schedule, layer: Any, target: tvm.target.Targ
         return
     b, c, i, j, *window = sch.get_loops(blk)
     vectorize = _vectorizable(sch, [blk])
-    vec_c = _pow2_divisor(_extent(sch, c), lanes) if vectorize else 1
-    vec_j = _pow2_divisor(_extent(sch, j), lanes) if vectorize else 1
-    per_sample = _extent(sch, c) * _extent(sch, i) * _extent(sch, j)
+    vec_c = _pow2_divisor(_static_extent(sch, c), lanes) if vectorize else 1
+    vec_j = _pow2_divisor(_static_extent(sch, j), lanes) if vectorize else 1
+    per_sample = _static_extent(sch, c) * _static_extent(sch, i) * _static_extent(sch, j)
     vec_flat = _pow2_divisor(per_sample, lanes) if vectorize else 1
     if vec_flat >= 4 * max(vec_c, vec_j):  # a vector of the flattened output (gathered taps)
         fo, fv = sch.split(sch.fuse(c, i, j), [None, vec_flat])
@@ -441,13 +452,13 @@ def _schedule_deinterleaved_pool(sch: s_tir.Schedule, blk: Any, lanes: int) -> N
     copy = sch.get_sblock("deinterleave_v0")
     consumers = list(sch.get_consumers(blk))
     # the copy: (b, rp, rq, c, i, j) with c*OH*OW + i*OW + j = p (output plane from the epilogue)
-    _, _, oh, ow = (_extent(sch, loop) for loop in sch.get_loops(consumers[0]))
+    _, _, oh, ow = (_extent(sch, loop) for loop in sch.get_loops(consumers[0]))  # (batch, c, oh, ow)
     b, rp, rq, p = sch.get_loops(copy)
     _, i, j = sch.split(p, [None, oh, ow])
     sch.parallel(sch.fuse(b, rp, rq, sch.get_loops(copy)[3]))
     # the reduction
     b, p, rp, rq = sch.get_loops(blk)
-    n = _extent(sch, p)
+    n = _static_extent(sch, p)
     vectorize = _vectorizable(sch, [blk])
     vec = _pow2_divisor(n, lanes) if vectorize else 1
     tile = _divisor_at_most(n // vec, POOL_REGISTER_TILE)
@@ -471,9 +482,9 @@ def _flat_nest(sch: s_tir.Schedule, loops: list[Any], lanes: int) -> None:
     :func:`_schedule_flat`."""
     blocks = list(sch.get_child_blocks(loops[0]))
     batch, *dims = loops
-    extents = [_extent(sch, d) for d in dims]
-    if not dims or any(e is None for e in extents):
+    if not dims:
         raise ValueError("expected one batch axis followed by static axes")
+    extents = [_static_extent(sch, d) for d in dims]
     per_sample = 1
     for e in extents:
         per_sample *= e
@@ -495,7 +506,8 @@ def _flat_nest(sch: s_tir.Schedule, loops: list[Any], lanes: int) -> None:
         if vec > 1:
             sch.vectorize(inner)
     else:
-        flat = sch.fuse(*dims) if len(dims) > 1 else dims[0]  # a serial tile of at most ELEMENTWISE_TILE elements and half an example, inputs staged
+        # a serial tile of at most ELEMENTWISE_TILE elements and half an example, inputs staged
+        flat = sch.fuse(*dims) if len(dims) > 1 else dims[0]
         tile = _divisor_at_most(per_sample, max(1, min(ELEMENTWISE_TILE, per_sample // 2)))
         outer, _ = sch.split(flat, [None, tile])
         par = sch.fuse(batch, outer)
@@ -585,7 +597,7 @@ def schedule_module(mod: tvm.IRModule, plan: Any, target: tvm.target.Target) -> 
             continue
         layer = layers.get(gv.name_hint)
         op = layer.op if layer is not None else _op_from_name(gv.name_hint)
-        if _schedule_fn(op) is None:
+        if op is None or _schedule_fn(op) is None:
             continue
         if func.attrs is not None and func.attrs.get("tirx.is_scheduled", False):
             continue
