@@ -97,7 +97,8 @@ class PFPNetwork:
             raise PosteriorError(f"this network has no regression noise model: {reason}")
         mean, var = np.asarray(mean, dtype=np.float64), np.asarray(var, dtype=np.float64)
         try:
-            aleatoric = np.broadcast_to(self.noise.expected_variance.reshape(-1), var.shape[1:])
+            noise = self.noise.expected_variance
+            aleatoric = np.broadcast_to(noise.reshape(()) if noise.size == 1 else noise.reshape(-1), var.shape[1:])
         except ValueError as exc:
             raise InputShapeError(f"the noise variance has shape {self.noise.expected_variance.shape}, the "
                                   f"network's output {var.shape[1:]}: they do not broadcast") from exc

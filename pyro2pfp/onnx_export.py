@@ -38,6 +38,7 @@ from . import moments
 from .errors import PFPError, UnsupportedLayerError
 from .graph import INPUT, Repr
 from .plan import PlannedGraph, PlannedLayer
+from .registry import add_to
 
 D, V, S = Repr.DETERMINISTIC, Repr.VARIANCE, Repr.SECOND_MOMENT
 _INV_SQRT2 = 1.0 / math.sqrt(2.0)
@@ -269,14 +270,8 @@ Exporter = Callable[[_Ctx, PlannedLayer, list[_Act]], _Act]
 EXPORTERS: dict[str, Exporter] = {}
 
 
-def exporter(op: str) -> Callable[[Exporter], Exporter]:
-    """Register the ONNX emitter of PFP op ``op``."""
-
-    def deco(fn: Exporter) -> Exporter:
-        EXPORTERS[op] = fn
-        return fn
-
-    return deco
+#: ``@exporter(op)`` registers the ONNX emitter of PFP op ``op`` (once).
+exporter = add_to(EXPORTERS, "ONNX export of op")
 
 
 def _compute_layer(ctx: _Ctx, layer: PlannedLayer, x: _Act,

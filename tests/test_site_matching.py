@@ -335,3 +335,34 @@ def test_classifier_has_no_regression_noise():
     net = pyro2pfp.convert(model, guide)
     with pytest.raises(pyro2pfp.PosteriorError, match="no regression noise model"):
         net.regression(*net.reference(data(4)[0].numpy()))
+
+
+def test_regression_tutorial_with_squeeze():
+    """Pyro's Bayesian regression tutorial style: ``.squeeze(-1)`` on the output, a ``sigma`` site with a
+    Uniform prior, an observation per row (no event dimension)."""
+
+    class TutorialRegression(Regression):
+        def forward(self, x, y=None):
+            sigma = pyro.sample("sigma", dist.Uniform(0.0, 10.0))
+            mean = self.out(F.relu(self.fc1(x))).squeeze(-1)
+            with pyro.plate("data", x.shape[0]):
+                pyro.sample("obs", dist.Normal(mean, sigma), obs=y)
+            return mean
+
+    model = TutorialRegression()
+    guide = autoguide.AutoNormal(model, init_scale=0.05)
+    x, y = regression_data()
+    svi = SVI(model, guide, pyro.optim.Adam({"lr": 0.03}), Trace_ELBO())
+    for _ in range(150):
+        svi.step(x, y.squeeze(-1))
+    net = pyro2pfp.convert(model, guide)
+    xt, _ = regression_data(16)
+    mean, var = net.compile()(xt.numpy())
+    assert mean.shape == (16,)
+    out = net.regression(*net.reference(xt.numpy()))
+    np.testing.assert_allclose(mean, out["mean"], rtol=1e-4, atol=1e-5)
+    obs = _predictive_obs(model, guide, xt)
+    n = obs.shape[0]
+    mc_mean, mc_var = obs.mean(0), obs.var(0, ddof=1)
+    assert np.all(np.abs(out["mean"] - mc_mean) < 5 * np.sqrt(mc_var / n))
+    assert np.all(np.abs(out["total"] - mc_var) < 6 * mc_var * np.sqrt(2 / (n - 1)))

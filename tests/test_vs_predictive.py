@@ -17,6 +17,7 @@ Bounds and why:
 from __future__ import annotations
 
 import numpy as np
+from op_coverage import COMPILED, MONTE_CARLO, covers
 import pytest
 import torch
 from scipy.special import ndtri
@@ -73,6 +74,7 @@ def test_wrong_calibration_is_detected_by_the_same_check(mlp_and_samples):
     assert sampling_agreement(mean, var, mc).var_z > z_limit(mean.size)
 
 
+@covers("reshape", kind=MONTE_CARLO)
 @pytest.mark.parametrize("arch", ["mlp2", "lenet"])
 def test_deeper_networks_agree_with_sampling(arch, digits):
     if arch == "mlp2":

@@ -10,6 +10,7 @@ from .. import moments
 from ..errors import PFPError
 from ..graph import INPUT, Repr
 from ..plan import PlannedGraph, PlannedLayer
+from ..registry import add_to
 
 
 @dataclass
@@ -48,14 +49,8 @@ RefFn = Callable[[PlannedLayer, list[Activation]], Activation]
 REFERENCES: dict[str, RefFn] = {}
 
 
-def reference(op: str) -> Callable[[RefFn], RefFn]:
-    """Register the reference function of PFP op ``op``."""
-
-    def deco(fn: RefFn) -> RefFn:
-        REFERENCES[op] = fn
-        return fn
-
-    return deco
+#: ``@reference(op)`` registers the NumPy reference function of PFP op ``op`` (once).
+reference = add_to(REFERENCES, "reference of op")
 
 
 def execute(graph: PlannedGraph, x: np.ndarray, x_var: np.ndarray | None = None

@@ -15,6 +15,7 @@ from .. import moments
 from ..errors import PFPError
 from ..graph import INPUT, Repr
 from ..plan import PlannedGraph, PlannedLayer
+from ..registry import add_to
 
 F32 = "float32"
 
@@ -228,14 +229,8 @@ ScheduleFn = Callable[..., Any]
 SCHEDULES: dict[str, ScheduleFn] = {}
 
 
-def kernel(op: str) -> Callable[[KernelFn], KernelFn]:
-    """Register the Relax/TE emitter of PFP op ``op``."""
-
-    def deco(fn: KernelFn) -> KernelFn:
-        KERNELS[op] = fn
-        return fn
-
-    return deco
+#: ``@kernel(op)`` registers the Relax/TE emitter of PFP op ``op`` (once).
+kernel = add_to(KERNELS, "TVM kernel of op")
 
 
 def schedule(op: str) -> Callable[[ScheduleFn], ScheduleFn]:

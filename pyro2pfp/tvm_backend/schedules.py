@@ -60,6 +60,8 @@ import tvm
 import tvm_ffi
 from tvm import s_tir, tirx
 
+from ..registry import add_to
+
 ScheduleFn = Callable[[s_tir.Schedule, Any, tvm.target.Target], None]
 
 SCHEDULES: dict[str, ScheduleFn] = {}
@@ -76,13 +78,8 @@ def _schedule_fn(op: str | None) -> ScheduleFn | None:
     return _core.SCHEDULES.get(op) or SCHEDULES.get(op)
 
 
-def _register(*ops: str) -> Callable[[ScheduleFn], ScheduleFn]:
-    def deco(fn: ScheduleFn) -> ScheduleFn:
-        for op in ops:
-            SCHEDULES[op] = fn
-        return fn
-
-    return deco
+#: ``@_register(op, ...)`` registers the default CPU schedule of PFP ops (once each).
+_register = add_to(SCHEDULES, "CPU schedule of op")
 
 
 # ------------------------------------------------------------------------------------ helpers
@@ -543,9 +540,30 @@ def _schedule_flat(sch: s_tir.Schedule, lanes: int) -> None:
     _flat_nests(sch, sch.get_child_blocks(sch.get_sblock("root")), lanes)
 
 
-@_register("relu", "convert")
+@_register("avg_pool2d")
+def schedule_avg_pool2d(sch: s_tir.Schedule, layer: Any, target: tvm.target.Target) -> None:
+    """Average pooling: the window-sum reduction ``avg_pool2d`` (one or two outputs: mean and
+    variance) runs parallel over (batch, channel) with the window loops unrolled inside the output
+    columns (row-major window order, as the reference sums), the output columns vectorised when the
+    body allows; the ``epilogue`` (scaling by the divisor) is an elementwise nest of its own."""
+    lanes = simd_lanes(target)
+    blk = sch.get_sblock("avg_pool2d" if _has_block(sch, "avg_pool2d") else "avg_pool2d_v0")
+    epilogues = list(sch.get_consumers(blk))
+    b, c, i, j, rp, rq = sch.get_loops(blk)
+    sch.reorder(b, c, i, rp, rq, j)
+    sch.parallel(sch.fuse(b, c))
+    window = _static_extent(sch, rp) * _static_extent(sch, rq)
+    if window <= CONV_MAX_UNROLLED_WINDOW:
+        sch.unroll(rp)
+        sch.unroll(rq)
+    sch.decompose_reduction(blk, rp)
+    _flat_nests(sch, epilogues, lanes)
+
+
+@_register("relu", "convert", "leaky_relu", "affine", "add")
 def schedule_elementwise(sch: s_tir.Schedule, layer: Any, target: tvm.target.Target) -> None:
-    """Elementwise ops (ReLU moment matching, representation conversions): :func:`_schedule_flat`.
+    """Elementwise ops (ReLU/LeakyReLU moment matching, per-channel affine maps, sums of independent
+    Gaussians, representation conversions): :func:`_schedule_flat`.
 
     A two-output ``te.compute`` lowers to two blocks (``<name>_v0``, ``<name>_v1``) in one loop
     nest.  ReLU moments (``fast_erf``, ``fast_exp``: no libm call, see ``_core``) vectorise like
