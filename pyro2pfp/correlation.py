@@ -72,7 +72,7 @@ def _conv_shared(layer: PlannedLayer, x: Activation, s_in: np.ndarray | None) ->
         raise NotImplementedError(f"{layer.layer.source}: grouped convolutions in the correlated prototype")
     o, c, kh, kw = wm.shape
     mu = x.mean
-    sx = np.zeros_like(mu) if s_in is None else s_in.reshape(mu.shape)
+    sx = np.zeros_like(mu) if s_in is None else s_in[0].reshape(mu.shape)
     second = x.second_moment() if x.repr is not Repr.DETERMINISTIC else mu**2
     b = mu.shape[0]
     oh, ow = layer.layer.out_shape[1:]
@@ -89,17 +89,21 @@ def _conv_shared(layer: PlannedLayer, x: Activation, s_in: np.ndarray | None) ->
         if u is not None:
             u += ps[:, None] * wm[None, :, :, i, j, None, None]
             pooled_u += sbar[:, None, :] * wm[None, :, :, i, j]
-    shared2 = _scaled_to_pooled(prof_w, pooled_w) ** 2
+    loading2 = _scaled_to_pooled(prof_w, pooled_w) ** 2
+    corr2 = prof_w.copy()
     if u is not None:
-        shared2 += _scaled_to_pooled((u**2).sum(axis=2), (pooled_u**2).sum(axis=2)) ** 2
+        b2 = (u**2).sum(axis=2)
+        loading2 += _scaled_to_pooled(b2, (pooled_u**2).sum(axis=2)) ** 2
+        corr2 += b2
     if "bias_var" in t:
-        shared2 += t["bias_var"].reshape(1, -1, 1, 1)
-    return np.sqrt(shared2)
+        loading2 += t["bias_var"].reshape(1, -1, 1, 1)
+        corr2 += t["bias_var"].reshape(1, -1, 1, 1)
+    return np.stack([np.sqrt(loading2), np.sqrt(corr2)])
 
 
 def _channels(s: np.ndarray, shape: tuple[int, ...]) -> np.ndarray:
-    """Keep ``s`` grouped as (batch, channels, positions)."""
-    return s.reshape(s.shape[0], shape[0], -1) if len(shape) >= 2 else s.reshape(s.shape[0], -1, 1)
+    """Keep ``(s, r)`` grouped as (2, batch, channels, positions)."""
+    return s.reshape(2, s.shape[1], shape[0], -1) if len(shape) >= 2 else s.reshape(2, s.shape[1], -1, 1)
 
 
 def execute_correlated(graph: PlannedGraph, x: np.ndarray, add_rule: str = "independent"
@@ -116,7 +120,8 @@ def execute_correlated_all(graph: PlannedGraph, x: np.ndarray, add_rule: str = "
     if add_rule not in ADD_RULES:
         raise ValueError(f"add_rule must be one of {ADD_RULES}")
     values = {INPUT: Activation(np.asarray(x, dtype=np.float64), None, Repr.DETERMINISTIC)}
-    shared: dict[str, np.ndarray | None] = {INPUT: None}  # (batch, channels, positions) or None
+    # (loading s, correlated sd r) stacked: (2, batch, channels, positions), or None
+    shared: dict[str, np.ndarray | None] = {INPUT: None}
     for layer in graph.layers:
         ins = [values[n] for n in layer.inputs]
         s_ins = [shared[n] for n in layer.inputs]
@@ -127,16 +132,16 @@ def execute_correlated_all(graph: PlannedGraph, x: np.ndarray, add_rule: str = "
             s = None
             if op == "conv2d":
                 s = _conv_shared(layer, ins[0], s_ins[0])
-            elif op == "dense" and s_ins[0] is not None and s_ins[0].shape[2] > 1:
+            elif op == "dense" and s_ins[0] is not None and s_ins[0].shape[3] > 1:
                 wm = layer.tensors["weight_mean"]
-                sc = s_ins[0]
+                sc = s_ins[0][0]
                 t = np.einsum("ncp,ocp->noc", sc, wm.reshape(wm.shape[0], sc.shape[1], sc.shape[2]))
                 var = var + (t**2).sum(axis=2) - sc.reshape(sc.shape[0], -1) ** 2 @ (wm**2).T
             elif s_ins[0] is not None and op in ("affine", "relu", "leaky_relu", "reshape", "convert",
                                                  "max_pool2d", "avg_pool2d", "add"):
-                s_in = s_ins[0].reshape(ins[0].mean.shape)
+                s_in = s_ins[0].reshape((2, *ins[0].mean.shape))
                 if op == "affine":
-                    s = np.abs(layer.tensors["scale"].reshape((1, -1) + (1,) * (s_in.ndim - 2))) * s_in
+                    s = np.abs(layer.tensors["scale"].reshape((1, 1, -1) + (1,) * (s_in.ndim - 3))) * s_in
                 elif op in ("relu", "leaky_relu"):
                     sd = np.sqrt(ins[0].variance())
                     safe = np.where(sd > 0, sd, 1.0)
@@ -153,12 +158,14 @@ def execute_correlated_all(graph: PlannedGraph, x: np.ndarray, add_rule: str = "
                 elif op in ("avg_pool2d", "max_pool2d"):
                     s, var = _pool_shared(layer, ins[0], s_in, var)
                 elif op == "add":
-                    sb = np.zeros_like(s_in) if s_ins[1] is None else s_ins[1].reshape(ins[1].mean.shape)
+                    sb = np.zeros_like(s_in) if s_ins[1] is None else s_ins[1].reshape((2, *ins[1].mean.shape))
                     s = np.sqrt(s_in**2 + sb**2) if add_rule == "independent" else s_in + sb
             elif op == "add" and s_ins[1] is not None:
-                s = s_ins[1].reshape(ins[1].mean.shape)
+                s = s_ins[1].reshape((2, *ins[1].mean.shape))
         if s is not None:
-            s = np.minimum(s.reshape(mean.shape), np.sqrt(np.maximum(var, 0.0)))
+            s = s.reshape((2, *mean.shape))
+            r = np.minimum(s[1], np.sqrt(np.maximum(var, 0.0)))
+            s = np.stack([np.minimum(s[0], r), r])
             s = _channels(s, layer.layer.out_shape) if op != "reshape" else s_ins[0].reshape(s_ins[0].shape)
         values[layer.name] = _emit(mean, var, layer)
         shared[layer.name] = s
@@ -167,21 +174,25 @@ def execute_correlated_all(graph: PlannedGraph, x: np.ndarray, add_rule: str = "
 
 def _pool_shared(layer: PlannedLayer, x: Activation, s_in: np.ndarray, var: np.ndarray
                  ) -> tuple[np.ndarray, np.ndarray]:
+    """Pooling of ``(s, r)`` (stacked): window means of the loadings; for average pooling the
+    variance ``Σ(v − r²)/n² + (Σ s/n)²`` (the correlated part summed as fully correlated)."""
     from .reference.pooling import average_divisor
 
     a = dict(layer.layer.attrs)
+    a.setdefault("divisor", None)
+    a.setdefault("count_include_pad", False)
     out_hw = layer.layer.out_shape[1:]
-    if layer.op == "max_pool2d":
-        a.setdefault("divisor", None)
-        a["count_include_pad"] = False
-        divisor = average_divisor(a, x.mean.shape[2:], out_hw)
-        s = sum(window_views(padded(s_in, a, out_hw, 0.0), a["kernel"], a["stride"], out_hw)) / divisor
-        return s, var
     divisor = average_divisor(a, x.mean.shape[2:], out_hw)
-    indep = np.maximum(x.variance() - s_in**2, 0.0)
-    s = sum(window_views(padded(s_in, a, out_hw, 0.0), a["kernel"], a["stride"], out_hw)) / divisor
+
+    def window_mean(t: np.ndarray) -> np.ndarray:
+        return sum(window_views(padded(t, a, out_hw, 0.0), a["kernel"], a["stride"], out_hw)) / divisor
+
+    s = window_mean(s_in[0])
+    if layer.op == "max_pool2d":
+        return np.stack([s, window_mean(s_in[1])]), var
+    indep = np.maximum(x.variance() - s_in[1] ** 2, 0.0)
     var = sum(window_views(padded(indep, a, out_hw, 0.0), a["kernel"], a["stride"], out_hw)) / divisor**2 + s**2
-    return s, var
+    return np.stack([s, s]), var
 
 
 def _emit(mean: np.ndarray, var: np.ndarray, layer: PlannedLayer) -> Activation:

@@ -27,6 +27,7 @@ import torch
 import torch.fx
 
 from .errors import PFPError
+from .posterior import call_with_model_args
 from .tracing import _WRAPPER_PREFIX
 
 
@@ -122,7 +123,7 @@ class _Welford:
 
 
 def _guide_sample(guide: Any, example: torch.Tensor) -> dict[str, torch.Tensor]:
-    tr = pyro.poutine.trace(guide).get_trace(example)
+    tr = pyro.poutine.trace(lambda *a: call_with_model_args(guide, a)).get_trace(example)
     return {name: site["value"].detach() for name, site in tr.nodes.items() if site["type"] == "sample"}
 
 
@@ -154,7 +155,8 @@ def diagnose(model: Any, guide: Any, x: Any, *, num_samples: int = 300, input_sh
     returned ``layers`` then hold the output layer alone.  ``execute(plan, x) -> {layer: Activation}``
     replaces the NumPy reference (:func:`pyro2pfp.reference.execute_all`) as the PFP side.
     """
-    from .network import as_input_array, convert
+    from .inputs import as_input_array
+    from .network import convert
     from .reference import execute_all
     from .tracing import trace_model
 
@@ -170,7 +172,8 @@ def diagnose(model: Any, guide: Any, x: Any, *, num_samples: int = 300, input_sh
     traced = trace_model(model, guide, net.input_shape)
     gm = traced.program.module()
     params = dict(gm.named_parameters())
-    by_site = {p.site: path for path, p in traced.params.items() if p.site is not None}
+    by_site = {p.site: params[path] if path in params else params[_WRAPPER_PREFIX + path]
+               for path, p in traced.params.items() if p.site is not None}
     origins = net.layer_graph.origins
     planned = [layer for layer in net.plan.layers if layer.name in origins
                and (per_layer or layer.name == net.plan.output)]
@@ -184,9 +187,9 @@ def diagnose(model: Any, guide: Any, x: Any, *, num_samples: int = 300, input_sh
     with torch.no_grad(), pyro.validation_enabled(False):
         for _ in range(num_samples):
             for site, value in _guide_sample(guide, example).items():
-                path = by_site.get(site)
-                if path is not None:
-                    params[_WRAPPER_PREFIX + path].data.copy_(value.reshape(params[_WRAPPER_PREFIX + path].shape))
+                param = by_site.get(site)
+                if param is not None:
+                    param.data.copy_(value.reshape(param.shape))
             cap = _Capture(gm, wanted)
             cap.run(xt)
             for node, value in cap.values.items():

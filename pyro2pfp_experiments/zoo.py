@@ -41,12 +41,16 @@ import pyro
 import pyro.distributions as dist
 import torch
 import torch.nn.functional as F
-from pyro.infer import SVI, Predictive, Trace_ELBO
+from pyro.infer import SVI, Trace_ELBO
 from pyro.infer.autoguide import AutoNormal
 from pyro.nn import PyroModule, PyroSample
 from pyro.poutine.messenger import Messenger
 from pyro.poutine.util import site_is_subsample
 from torch import nn
+
+from pyro2pfp.sampling import predictive_logits
+
+__all__ = ["predictive_logits"]  # re-exported: the sampling baseline lives in the library
 
 __all__ = [
     "AnnealingMessenger",
