@@ -531,7 +531,7 @@ def _schedule_flat(sch: s_tir.Schedule, lanes: int) -> None:
     _flat_nests(sch, sch.get_child_blocks(sch.get_sblock("root")), lanes)
 
 
-@_register("relu", "convert")
+@_register("relu", "convert", "leaky_relu", "affine", "add")
 def schedule_elementwise(sch: s_tir.Schedule, layer: Any, target: tvm.target.Target) -> None:
     """Elementwise ops (ReLU moment matching, representation conversions): :func:`_schedule_flat`.
 
@@ -540,6 +540,29 @@ def schedule_elementwise(sch: s_tir.Schedule, layer: Any, target: tvm.target.Tar
     the conversions.
     """
     _schedule_flat(sch, simd_lanes(target))
+
+
+@_register("avg_pool2d")
+def schedule_avg_pool2d(sch: s_tir.Schedule, layer: Any, target: tvm.target.Target) -> None:
+    """Average pooling (window sums of means and of variances, then a division): each block's loop
+    nest gets :func:`_schedule_flat`'s layout -- the batch and leading output axes parallel, the
+    widest power-of-two split of the fused static output axes vectorised (bodies TVM can vectorise)
+    with the window loops inside the parallel loop.
+
+    The window-sum nest (``avg_pool2d`` blocks, one or two in a shared nest) has reduction loops
+    inside ``(b, c, i, j)``, so it cannot take the flat layout: its ``(b, c, i)`` loops are fused
+    and parallel (each thread sums whole output rows); the epilogue nest gets
+    :func:`_flat_nests`'s layout (parallel outer loop, vectorised inner loop).
+    """
+    lanes = simd_lanes(target)
+    blocks = sch.get_child_blocks(sch.get_sblock("root"))
+    sums = [b for b in blocks if sch.get(b).name_hint.startswith("avg_pool2d")]
+    rest = [b for b in blocks if not sch.get(b).name_hint.startswith("avg_pool2d")]
+    if sums:
+        loops = sch.get_loops(sums[0])
+        sch.parallel(sch.fuse(*loops[:3]))
+    if rest:
+        _flat_nests(sch, rest, lanes)
 
 
 # ------------------------------------------------------------------------------------ driver
