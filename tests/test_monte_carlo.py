@@ -302,6 +302,7 @@ def dense_samples(case, n=N_MC):
                     case["w_mean"], rc * case["w_std"], case["b_mean"], b_std)
 
 
+@pytest.mark.pfp_op("dense", "monte_carlo")
 @MC_SETTINGS
 @given(dense_cases())
 def test_dense_moments_match_monte_carlo(case):
@@ -404,6 +405,7 @@ def conv_samples(case, n=N_MC):
                    case["w_mean"], rc * case["w_std"], case["b_mean"], b_std, case["attrs"])
 
 
+@pytest.mark.pfp_op("conv2d", "monte_carlo")
 @MC_SETTINGS
 @given(conv_cases())
 def test_conv2d_moments_match_monte_carlo(case):
@@ -507,6 +509,7 @@ def relu_cases(draw):
     return alpha * std, std, draw(seeds)
 
 
+@pytest.mark.pfp_op("relu", "monte_carlo")
 @MC_SETTINGS
 @given(relu_cases())
 def test_relu_moments_match_monte_carlo(case):
@@ -628,6 +631,7 @@ def max_cases(draw):
     return m1, s1, m2, s2, draw(st.booleans()), draw(seeds)
 
 
+@pytest.mark.pfp_op("max_pool2d", "monte_carlo")
 @MC_SETTINGS
 @given(max_cases())
 def test_max_pool_pair_matches_monte_carlo(case):
@@ -689,6 +693,7 @@ def test_max_check_rejects_wrong_formula(wrong):
 # Representation conversions
 # --------------------------------------------------------------------------------------------
 
+@pytest.mark.pfp_op("convert", "monte_carlo")
 @MC_SETTINGS
 @given(st.floats(-3, 3), st.floats(-3, 1), seeds)
 def test_raw_second_moment_matches_monte_carlo(mu, log_std, seed):
