@@ -601,11 +601,13 @@ def _default_schedules(mod: tvm.IRModule, plan: Any, target: tvm.target.Target) 
     """The default (hand-written) schedule of every PFP kernel of ``mod`` that has one."""
     from .tvm_backend import schedules
 
-    layers = {f"pfp_{layer.op}_{layer.name}": layer for layer in getattr(plan, "layers", ())}
+    from .tvm_backend._core import LAYER_ATTR
+
+    layers = {layer.name: layer for layer in getattr(plan, "layers", ())}
     out = {}
     for name, func in _prim_funcs(mod).items():
-        layer = layers.get(name)
-        op = layer.op if layer is not None else schedules._op_from_name(name)
+        layer = layers.get(str((func.attrs or {}).get(LAYER_ATTR)))
+        op = schedules.op_of(func, name)
         if op is None or schedules._schedule_fn(op) is None:
             continue
         try:

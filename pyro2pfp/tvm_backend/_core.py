@@ -199,11 +199,14 @@ class EmitContext:
 
     def emit_te(self, fn: Callable[..., Any], args: list[relax.Expr], layer: PlannedLayer) -> list[relax.Expr]:
         """Emit one TE function as one PrimFunc named after the layer (``pfp_<op>_<layer>``, plus
-        ``_<relu layer>`` when a ReLU is fused into it); returns its output tensors."""
+        ``_<relu layer>`` when a ReLU is fused into it) with the PFP op and layer name as its
+        :data:`OP_ATTR` / :data:`LAYER_ATTR` attributes; returns its output tensors."""
         name = f"pfp_{layer.op}_{layer.name}"
         if self.activation is not None:
             name += f"_{self.activation.name}"
         out = self.bb.emit_te(fn, *args, primfunc_name_hint=name)
+        gv = self.bb.lookup_binding(out).args[0]  # call_tir(gv, args)
+        self.bb.update_func(gv, self.bb.get()[gv].with_attrs({OP_ATTR: layer.op, LAYER_ATTR: layer.name}))
         if isinstance(out.ty, relax.TupleType):
             return [self.bb.emit(relax.TupleGetItem(out, i)) for i in range(len(out.ty.fields))]
         return [out]
@@ -221,6 +224,11 @@ def epilogue(mean: Any, var: Any, layer: PlannedLayer) -> list[Any]:
         return [mean, moments.variance_to_second(mean, var, TE_OPS)]
     return [mean, var]
 
+
+OP_ATTR = "pfp.op"
+"""PrimFunc attribute: the PFP op (``Layer.op``) a kernel computes (read by the schedules and tuning)."""
+LAYER_ATTR = "pfp.layer"
+"""PrimFunc attribute: the name of the planned layer a kernel computes."""
 
 KernelFn = Callable[[EmitContext, PlannedLayer, list[RelaxActivation]], RelaxActivation]
 KERNELS: dict[str, KernelFn] = {}

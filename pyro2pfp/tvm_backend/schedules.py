@@ -575,6 +575,15 @@ def _op_from_name(name: str) -> str | None:
     return max(ops, key=len) if ops else None
 
 
+def op_of(func: tirx.PrimFunc, name: str) -> str | None:
+    """The PFP op of a kernel: its ``pfp.op`` attribute (set by ``EmitContext.emit_te``), else (a
+    module built elsewhere) parsed from its ``pfp_<op>_<layer>`` name."""
+    from . import _core
+
+    op = (func.attrs or {}).get(_core.OP_ATTR)
+    return str(op) if op is not None else _op_from_name(name)
+
+
 def schedule_function(func: tirx.PrimFunc, op: str, layer: Any, target: tvm.target.Target
                       ) -> tirx.PrimFunc:
     """``func`` with the default schedule of PFP op ``op`` (``layer``: its planned layer, may be
@@ -601,13 +610,16 @@ def schedule_module(mod: tvm.IRModule, plan: Any, target: tvm.target.Target) -> 
     if not isinstance(target, tvm.target.Target):
         target = tvm.target.Target(target)
     out = mod.clone()
-    layers = {f"pfp_{layer.op}_{layer.name}": layer for layer in getattr(plan, "layers", ())}
+    from . import _core
+
+    by_name = {layer.name: layer for layer in getattr(plan, "layers", ())}
     for gv in mod.get_global_vars():
         func = mod[gv]
         if not isinstance(func, tirx.PrimFunc):
             continue
-        layer = layers.get(gv.name_hint)
-        op = layer.op if layer is not None else _op_from_name(gv.name_hint)
+        op = op_of(func, gv.name_hint)
+        layer_name = (func.attrs or {}).get(_core.LAYER_ATTR)
+        layer = by_name.get(str(layer_name)) if layer_name is not None else None
         if _schedule_fn(op) is None:
             continue
         if func.attrs is not None and func.attrs.get("tirx.is_scheduled", False):
