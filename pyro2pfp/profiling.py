@@ -7,7 +7,8 @@ call the VM makes: the PFP kernels (``pfp_<op>_<layer>`` PrimFuncs) and the VM's
 * ``method="isolated"`` (default): one instrumented call of ``main`` records every kernel and a
   private copy of its arguments; each kernel is then timed *alone* by ``time_evaluator`` on the
   compiled library (C++ loop, median of ``repeats``; a Python loop would let the thread pool's
-  workers fall asleep between calls, and waking them can cost more than the kernel).  ``total_us`` is the median of ``main`` timed by
+  workers fall asleep between calls, and waking them can cost more than the kernel).  ``total_us``
+  is the median of ``main`` timed by
   ``vm.time_evaluator`` (C++ loop, no Python), and the ``(vm overhead)`` row is
   ``total - sum(kernels)``: allocation, shape checks and dispatch inside the VM.
 * ``method="in_vm"``: kernels are timed in place, between the instrument's before/after hooks,

@@ -88,7 +88,7 @@ from tvm.s_tir.meta_schedule.runner.local_runner import LocalRunnerFuture
 from tvm.s_tir.meta_schedule.runner.utils import alloc_argument_common, run_evaluator_common
 
 from . import _fast_inspect
-from .errors import PFPError
+from .errors import TuningError
 
 __all__ = [
     "DEFAULT_TRIALS",
@@ -137,10 +137,6 @@ _EVALUATOR = EvaluatorConfig(number=1, repeat=3, min_repeat_ms=10, enable_cpu_ca
 repeat (on a machine shared with other jobs the minimum is the stable statistic)."""
 
 
-class TuningError(PFPError, RuntimeError):
-    """Tuning cannot run (environment, another CPU architecture, a module without a batch axis)."""
-
-
 # ----------------------------------------------------------------------------------- environment
 def check_environment() -> None:
     """Raise :class:`TuningError` for package versions known to crash MetaSchedule."""
@@ -172,7 +168,7 @@ def _physical_cores() -> int:
 
 def _check_runs_here(target: tvm.target.Target) -> None:
     """Tuning measures candidates on this machine: refuse a target for another architecture."""
-    from .deploy import host_arch, target_arch
+    from .targets import host_arch, target_arch
 
     if target_arch(target) != host_arch():
         raise TuningError(
@@ -182,7 +178,7 @@ def _check_runs_here(target: tvm.target.Target) -> None:
 
 def tuning_target(target: Any) -> tvm.target.Target:
     """``target`` as a ``tvm.target.Target`` with ``num-cores`` (MetaSchedule requires it)."""
-    from .tvm_backend.runtime import make_target
+    from .targets import make_target
 
     tgt = make_target(target)
     cores = tgt.attrs.get("num-cores")
@@ -464,10 +460,18 @@ class _BatchRunner:
         return _run_built(self.rt_mod, entry[1], arrays, time_it)
 
 
+def _seconds(result: tuple[Any, float | None]) -> float:
+    """The time of a ``(outputs, seconds)`` result that was asked to time the call."""
+    seconds = result[1]
+    if seconds is None:
+        raise TuningError("a kernel run that was asked to be timed returned no time")
+    return seconds
+
+
 def time_prim_func(func: tirx.PrimFunc, target: tvm.target.Target, *, repeat: int | None = None,
                    min_repeat_ms: int | None = None) -> float:
     """Seconds of one call of ``func`` (static shapes), built alone: the fastest of ``repeat``."""
-    return run_prim_func(func, target, _kernel_inputs(func), repeat=repeat, min_repeat_ms=min_repeat_ms)[1]
+    return _seconds(run_prim_func(func, target, _kernel_inputs(func), repeat=repeat, min_repeat_ms=min_repeat_ms))
 
 
 def _same_outputs(got: list[np.ndarray], want: list[np.ndarray], rtol: float = 1e-3) -> bool:
@@ -600,7 +604,6 @@ def _write_meta(directory: Path, meta: dict[str, Any]) -> None:
 def _default_schedules(mod: tvm.IRModule, plan: Any, target: tvm.target.Target) -> dict[str, tirx.PrimFunc]:
     """The default (hand-written) schedule of every PFP kernel of ``mod`` that has one."""
     from .tvm_backend import schedules
-
     from .tvm_backend._core import LAYER_ATTR
 
     layers = {layer.name: layer for layer in getattr(plan, "layers", ())}
@@ -664,7 +667,7 @@ def tune(mod: tvm.IRModule, target: Any, *, batch: int, trials: int = DEFAULT_TR
     Args:
         mod: a Relax IRModule whose ``main``'s first parameter has a (symbolic) batch dimension:
             ``net.mod`` of a PFP network, or any module (e.g. from TVM's torch frontend).
-        target: what :func:`pyro2pfp.tvm_backend.runtime.make_target` accepts; ``num-cores`` is
+        target: what :func:`pyro2pfp.targets.make_target` accepts; ``num-cores`` is
             added if missing (:func:`tuning_target`).
         batch: the batch size the result is specialised to.
         trials: candidates measured in total over all tuned kernels (MetaSchedule's
@@ -725,7 +728,7 @@ def tune(mod: tvm.IRModule, target: Any, *, batch: int, trials: int = DEFAULT_TR
             _fast_inspect.preimport_tensor_intrin()  # TuneContext imports it: ~3 s instead of ~130 s
             # kernels worth searching: by their time with the default schedule (naive if none)
             run = _BatchRunner(list(defaults.values()), tgt)
-            base_us = {name: run(f, _kernel_inputs(f))[1] * 1e6 for name, f in defaults.items()}
+            base_us = {name: _seconds(run(f, _kernel_inputs(f))) * 1e6 for name, f in defaults.items()}
             todo = _select_tasks(static, tgt, base_us, min_share, search_ops)
             if todo:
                 tuned_now = True
@@ -906,9 +909,9 @@ def _choose(static: tvm.IRModule, tuned: tvm.IRModule, defaults: dict[str, tirx.
                               f"than the unscheduled kernel at this batch size (a TVM miscompile?); not used",
                               RuntimeWarning, stacklevel=3)
                 continue
-            times[kind] = seconds * 1e6
+            times[kind] = _seconds((got, seconds)) * 1e6
         if not times:  # nothing valid: the unscheduled kernel
-            times["naive"] = (naive_s if naive_s is not None else run(func, arrays, time_it=True)[1]) * 1e6
+            times["naive"] = (naive_s if naive_s is not None else _seconds(run(func, arrays, time_it=True))) * 1e6
         best = min(times, key=times.__getitem__)
         choices[name] = {"choice": best, "times_us": times, "rejected": rejected}
     return choices

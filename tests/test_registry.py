@@ -1,10 +1,10 @@
 """The op registry (pyro2pfp.ops) against every stage's implementation registry.
 
-Adding an op without one of its parts fails here with the op and the missing part named.
+(The per-op completeness check -- converter, reference, kernel, schedule, ONNX export, tests --
+is tests/test_op_completeness.py.)
 """
 from __future__ import annotations
 
-import ast
 import subprocess
 import sys
 from pathlib import Path
@@ -15,68 +15,19 @@ from pyro2pfp import onnx_export
 from pyro2pfp.converters import CONVERTERS
 from pyro2pfp.ops import OPS, OpDef, OpRegistryError, register_op, render_layer_table
 from pyro2pfp.ops.registry import PASS_THROUGH_TORCH_OPS
+from pyro2pfp.plan import OP_SPECS
 from pyro2pfp.reference._core import REFERENCES
 from pyro2pfp.tvm_backend import _core
-from pyro2pfp.tvm_backend.schedules import _schedule_fn
 
 TESTS = Path(__file__).parent
 REPO = TESTS.parent
-
-
-def op_test_marks() -> set[tuple[str, str]]:
-    """``(op, kind)`` of every ``@pytest.mark.pfp_op(op, kind)`` decorator in the test files."""
-    marks = set()
-    for path in TESTS.glob("test_*.py"):
-        for node in ast.walk(ast.parse(path.read_text())):
-            if (isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute)
-                    and node.func.attr == "pfp_op" and len(node.args) == 2
-                    and all(isinstance(a, ast.Constant) and isinstance(a.value, str) for a in node.args)):
-                marks.add((node.args[0].value, node.args[1].value))
-    return marks
-
-
-def missing_parts(op: OpDef, marks: set[tuple[str, str]]) -> list[str]:
-    missing = []
-    if not op.internal:
-        if not op.torch_ops:
-            missing.append("torch ops (OpDef.torch_ops)")
-        missing += [f"converter for {t}" for t in op.torch_ops if t not in CONVERTERS]
-    if op.name not in REFERENCES:
-        missing.append("reference (@pyro2pfp.reference.reference)")
-    if op.name not in _core.KERNELS:
-        missing.append("TVM kernel (@tvm_backend.kernel)")
-    if not op.view and _schedule_fn(op.name) is None:
-        missing.append("CPU schedule (@tvm_backend.schedule)")
-    if op.name not in onnx_export.EXPORTERS:
-        missing.append("ONNX export (@onnx_export.exporter)")
-    missing += [f"{kind} test (@pytest.mark.pfp_op({op.name!r}, {kind!r}))"
-                for kind in op.required_tests if (op.name, kind) not in marks]
-    return missing
-
-
-def test_every_op_is_complete():
-    marks = op_test_marks()
-    incomplete = {name: missing_parts(op, marks) for name, op in OPS.items()}
-    incomplete = {name: parts for name, parts in incomplete.items() if parts}
-    assert not incomplete, "ops with missing parts: " + "; ".join(
-        f"{name}: {', '.join(parts)}" for name, parts in incomplete.items())
-
-
-def test_completeness_check_names_what_is_missing():
-    """The check itself can fail: an op registered nowhere else misses every part."""
-    ghost = OpDef("ghost", ("aten.ghost.default",))
-    parts = missing_parts(ghost, op_test_marks())
-    assert parts == ["converter for aten.ghost.default", "reference (@pyro2pfp.reference.reference)",
-                     "TVM kernel (@tvm_backend.kernel)", "CPU schedule (@tvm_backend.schedule)",
-                     "ONNX export (@onnx_export.exporter)",
-                     "monte_carlo test (@pytest.mark.pfp_op('ghost', 'monte_carlo'))",
-                     "compiled test (@pytest.mark.pfp_op('ghost', 'compiled'))"]
 
 
 def test_no_unregistered_implementations():
     """Every stage implements only registered ops, and every converter target belongs to an op
     (or is a pass-through: dropout, identity, the final softmax)."""
     names = set(OPS)
+    assert names == set(OP_SPECS), "pyro2pfp.ops and the planner's OP_SPECS know different ops"
     for what, impl in [("reference", REFERENCES), ("kernel", _core.KERNELS),
                        ("ONNX exporter", onnx_export.EXPORTERS)]:
         assert set(impl) <= names, f"{what} for unregistered ops: {sorted(set(impl) - names)}"

@@ -9,8 +9,8 @@ import torch.fx
 
 from ..errors import TracingError, UnsupportedLayerError
 from ..graph import INPUT, GaussianParam, Layer, LayerGraph
-from ..tracing import _WRAPPER_PREFIX, TracedModel
 from ..ops import supported_modules
+from ..tracing import _WRAPPER_PREFIX, TracedModel
 from ._registry import CONVERTERS, Alias, supported_ops
 
 # Ops that only compute shapes (SymInts) or are bookkeeping; never activations.

@@ -5,7 +5,8 @@ from .registry import OpDef, register_op
 
 RESHAPE = register_op(OpDef(
     "reshape", ("aten.view.default", "aten.reshape.default", "aten._unsafe_view.default",
-                "aten.flatten.using_ints", "aten.unflatten.int"),
+                "aten.flatten.using_ints", "aten.unflatten.int", "aten.squeeze.default", "aten.squeeze.dim",
+                "aten.squeeze.dims", "aten.unsqueeze.default"),
     modules="`Flatten`, `view`, `reshape`, `Dropout` (inference), `Identity`",
     modules_short=("Flatten/view/reshape",), moments="identity", assumptions="—", table_op="reshape / none",
     view=True, required_tests=("compiled",)))  # the identity on moments: nothing to sample

@@ -15,6 +15,7 @@ from .. import moments
 from ..errors import PFPError
 from ..graph import INPUT, Repr
 from ..plan import PlannedGraph, PlannedLayer
+from ..registry import add_to
 
 F32 = "float32"
 
@@ -132,11 +133,11 @@ def te_shared(build: Callable[[SimpleNamespace], Any]) -> list[tirx.PrimExpr]:
     while True:
         bindings: list[tuple[tirx.Var, tirx.PrimExpr]] = []
 
-        def bind(value: tirx.PrimExpr) -> tirx.PrimExpr:
+        def bind(value: tirx.PrimExpr) -> tirx.PrimExpr:  # used within this iteration only
             if _is_leaf(value):
                 return value
-            var = tirx.Var(f"s{len(bindings)}", value.ty)
-            bindings.append((var, value))
+            var = tirx.Var(f"s{len(bindings)}", value.ty)  # noqa: B023
+            bindings.append((var, value))  # noqa: B023
             return var
 
         ops = SimpleNamespace(**vars(TE_OPS))
@@ -236,14 +237,8 @@ ScheduleFn = Callable[..., Any]
 SCHEDULES: dict[str, ScheduleFn] = {}
 
 
-def kernel(op: str) -> Callable[[KernelFn], KernelFn]:
-    """Register the Relax/TE emitter of PFP op ``op``."""
-
-    def deco(fn: KernelFn) -> KernelFn:
-        KERNELS[op] = fn
-        return fn
-
-    return deco
+#: ``@kernel(op)`` registers the Relax/TE emitter of PFP op ``op`` (once).
+kernel = add_to(KERNELS, "TVM kernel of op")
 
 
 def schedule(op: str) -> Callable[[ScheduleFn], ScheduleFn]:
