@@ -4,7 +4,10 @@
 
 Each thread gets its own Relax VMs and input tensors on its first call (pyro2pfp.tvm_backend.runtime):
 this measures that first call, the per-call time single-threaded, and the throughput of 1, 2 and 4
-Python threads sharing one predictor (MLP 784-100-10, batch 1; TVM threads per call as configured).
+Python threads sharing one predictor (MLP 784-100-10, batch 1; TVM threads per call as configured),
+calling it concurrently and with the calls serialised by a lock (the alternative design: one VM
+behind a lock).  Every Python thread that launches TVM kernels gets its own TVM worker pool, so
+more Python threads than cores oversubscribe the machine; the table shows what that costs here.
 """
 from __future__ import annotations
 
@@ -45,22 +48,28 @@ def main() -> None:
     worker.start()
     worker.join()
     print(f"single thread: {1e6 * single:.1f} us per call; first call in a new thread: {1e3 * first[0]:.2f} ms")
-    print(f"{'threads':>7}  {'calls/s':>9}  {'us per call (wall / calls)':>27}")
+    lock = threading.Lock()
+
+    def serialised(xs: np.ndarray) -> None:
+        with lock:
+            exe(xs)
+
+    print(f"{'threads':>7}  {'calls/s, concurrent':>19}  {'calls/s, serialised by a lock':>29}")
     for n in (1, 2, 4):
-        def work() -> None:
-            for _ in range(calls // n):
-                exe(x)
+        rates = []
+        for call in (exe, serialised):
+            def work(call=call, n=n) -> None:
+                for _ in range(calls // n):
+                    call(x)
 
-        pool = [threading.Thread(target=work) for _ in range(n)]
-        t0 = time.perf_counter()
-        for t in pool:
-            t.start()
-        for t in pool:
-            t.join()
-        wall = time.perf_counter() - t0
-        done = n * (calls // n)
-        print(f"{n:>7}  {done / wall:>9.0f}  {1e6 * wall / done:>27.1f}")
-
+            pool = [threading.Thread(target=work) for _ in range(n)]
+            t0 = time.perf_counter()
+            for t in pool:
+                t.start()
+            for t in pool:
+                t.join()
+            rates.append(n * (calls // n) / (time.perf_counter() - t0))
+        print(f"{n:>7}  {rates[0]:>19.0f}  {rates[1]:>29.0f}")
 
 if __name__ == "__main__":
     main()

@@ -17,7 +17,8 @@ from pyro.nn import PyroModule, PyroSample
 
 import pyro2pfp
 from pyro2pfp.deploy import FORMAT
-from pyro2pfp.errors import InputShapeError, LibraryNotFoundError, LoadError, NumericalError, TracingError
+from pyro2pfp.errors import (ArgumentError, InputShapeError, LibraryNotFoundError, LoadError, NumericalError,
+                             TracingError)
 from pyro2pfp.network import PFPNetwork
 from pyro2pfp.plan import plan
 
@@ -232,3 +233,50 @@ def test_load_errors_are_pfp_errors_with_the_path(tmp_path):
     (tmp_path / "fake.so.json").write_text("{not json")
     with pytest.raises(LoadError, match="not a pyro2pfp metadata file"):
         pyro2pfp.load(str(fake))
+
+
+# ---------------------------------------------------------------------------------------------
+# Wrong arguments to the public API are PFPErrors (ArgumentError is also a ValueError)
+# ---------------------------------------------------------------------------------------------
+
+
+def test_input_variance_must_be_a_bool():
+    model, guide = _tiny()
+    with pytest.raises(ArgumentError, match="input_variance must be True or False, got 'no'"):
+        pyro2pfp.convert(model, guide, input_variance="no")  # bool("no") would be True
+
+
+@pytest.mark.parametrize("kwargs, match", [
+    ({"num_threads": 0}, "num_threads must be a positive int, got 0"),
+    ({"num_threads": "2"}, "num_threads must be a positive int, got '2'"),
+    ({"tune": "x"}, r"tune='x'.*a batch size, a list of them or a dict"),
+    ({"tune": -1}, r"tune=-1.*positive ints"),
+])
+def test_compile_arguments_are_checked_before_building(compiled, kwargs, match):
+    net, _ = compiled
+    with pytest.raises(ArgumentError, match=match) as info:
+        net.compile(**kwargs)
+    assert isinstance(info.value, pyro2pfp.PFPError) and isinstance(info.value, ValueError)
+    with pytest.raises(ArgumentError, match="num_threads must be a positive int"):
+        pyro2pfp.set_num_threads(2.0)
+
+
+def test_profile_and_uncertainty_arguments_are_pfp_errors(compiled):
+    net, exe = compiled
+    x = np.zeros((2, D_IN), np.float32)
+    with pytest.raises(ArgumentError, match="method must be 'isolated' or 'in_vm'"):
+        exe.profile(x, method="fast")
+    mean, var = net.reference(x)
+    with pytest.raises(ArgumentError, match="num_samples must be >= 1"):
+        pyro2pfp.uncertainty(mean, var, num_samples=0)
+    with pytest.raises(ArgumentError, match="var must be non-negative"):
+        pyro2pfp.uncertainty(mean, -np.ones_like(var))
+    with pytest.raises(ArgumentError, match="at least one in-domain and one out-of-domain"):
+        pyro2pfp.auroc(np.array([]), np.array([1.0]))
+
+
+def test_load_names_the_library_when_given_its_metadata_file_or_a_bad_override(exported):
+    with pytest.raises(LoadError, match=r"is the metadata file: pass the library itself.*net\.so'\)"):
+        pyro2pfp.load(exported + ".json")
+    with pytest.raises(LoadError, match=r"load\(input_shape=\.\.\.\): input_shape must be a list of positive ints"):
+        pyro2pfp.load(exported, input_shape="20")

@@ -19,6 +19,7 @@ import numpy as np
 import tvm
 from tvm import relax
 
+from ..errors import ArgumentError
 from ..inputs import check_finite_outputs, checked_inputs
 from ..targets import make_target
 from .schedules import schedule_module
@@ -59,7 +60,7 @@ def set_num_threads(n: int) -> int:
     which is fixed when it starts: set ``TVM_NUM_THREADS`` before the first run for more).
     Threads are not pinned to cores.  Returns the number now in use."""
     if not isinstance(n, int) or isinstance(n, bool) or n < 1:
-        raise ValueError(f"num_threads must be a positive int, got {n!r}")
+        raise ArgumentError(f"num_threads must be a positive int, got {n!r}")
     configure = tvm.get_global_func("runtime.config_threadpool")
     configure(-3, n, [str(c) for c in _available_cpus()])  # -3: kSpecifyThreadShareAllCore (no pinning)
     got = num_threads()
