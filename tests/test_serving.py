@@ -17,8 +17,14 @@ from pyro.nn import PyroModule, PyroSample
 
 import pyro2pfp
 from pyro2pfp.deploy import FORMAT
-from pyro2pfp.errors import (ArgumentError, InputShapeError, LibraryNotFoundError, LoadError, NumericalError,
-                             TracingError)
+from pyro2pfp.errors import (
+    ArgumentError,
+    InputShapeError,
+    LibraryNotFoundError,
+    LoadError,
+    NumericalError,
+    TracingError,
+)
 from pyro2pfp.network import PFPNetwork
 from pyro2pfp.plan import plan
 
@@ -73,6 +79,35 @@ def test_one_compiled_predictor_shared_by_threads(compiled):
 
 def test_one_loaded_predictor_shared_by_threads(exported):
     assert _hammer(pyro2pfp.load(exported)) == []
+
+
+def test_profiling_while_other_threads_call_the_same_predictor(compiled):
+    """``exe.profile`` runs in the calling thread's VM, so it may overlap calls from other threads,
+    including the thread that created the predictor (the "in_vm" method instruments and runs
+    ``main``: the VM's whole state)."""
+    _, exe = compiled  # created by this (the main) thread
+    x = np.random.default_rng(2).standard_normal((3, D_IN)).astype(np.float32)
+    expected = tuple(a.copy() for a in exe(x))
+    problems: list = []
+
+    def profile() -> None:
+        try:
+            for _ in range(20):
+                exe.profile(x, repeats=3, method="in_vm")
+        except Exception as exc:  # noqa: BLE001 -- reported by the test
+            problems.append(repr(exc))
+
+    worker = threading.Thread(target=profile)
+    worker.start()
+    calls = 0
+    while worker.is_alive() or calls < 100:
+        mean, var = exe(x)
+        calls += 1
+        if not (np.array_equal(mean, expected[0]) and np.array_equal(var, expected[1])):
+            problems.append(f"mismatch at call {calls}")
+            break
+    worker.join()
+    assert problems == []
 
 
 def test_float32_overflow_is_an_error_not_a_silent_inf(compiled):

@@ -105,6 +105,7 @@ class _ThreadState:
     its register file and is not safe to share) and its own cached input tensors."""
 
     def __init__(self, vm: Any, tuned_vms: dict[int, Any]) -> None:
+        self.vm, self.tuned_vms = vm, tuned_vms
         self.main = vm["main"]
         self.tuned_mains = {b: tvm_vm["main"] for b, tvm_vm in tuned_vms.items()}
         self.inputs: dict[tuple[int, ...], list[tuple[Any, np.ndarray]]] = {}
@@ -151,8 +152,10 @@ class CompiledPFP:
         return state
 
     def vm_for_batch(self, batch: int) -> relax.VirtualMachine:
-        """The VM a call with ``batch`` rows runs (a tuned one if there is one for that size)."""
-        return self._tuned_vms.get(int(batch), self.vm)
+        """The VM a call with ``batch`` rows runs in the calling thread (a tuned one if there is one
+        for that size); :meth:`profile` times this one, so profiling is as thread-safe as calls."""
+        state = self._state()
+        return state.tuned_vms.get(int(batch), state.vm)
 
     def _input_buffers(self, shape: tuple[int, ...], count: int) -> list[tuple[Any, np.ndarray]]:
         cache = self._state().inputs
@@ -219,6 +222,7 @@ class CompiledPFP:
 
         state = self._local.state = _ThreadState.__new__(_ThreadState)
         state.main, state.tuned_mains, state.inputs = not_here, {}, {}
+        state.vm, state.tuned_vms = None, {}
 
         def every_thread() -> _ThreadState:
             return state
