@@ -25,7 +25,39 @@ from pyro2pfp.network import PFPNetwork  # noqa: E402
 from pyro2pfp.plan import plan  # noqa: E402
 
 
+def _rss_mb() -> float:
+    with open("/proc/self/status") as f:
+        return next(int(line.split()[1]) for line in f if line.startswith("VmRSS")) / 1024
+
+
+def memory_per_thread(threads: int = 8) -> None:
+    """Resident memory added by the per-thread VMs of a predictor with ~43 MB of weights."""
+    sizes = [784, 2000, 2000, 10]
+    graph = mlp_graph(np.random.default_rng(0), sizes)
+    exe = PFPNetwork(graph, plan(graph, 1.0, "variance")).compile()
+    x = np.zeros((1, 784), np.float32)
+    exe(x)
+    before = _rss_mb()
+    barrier = threading.Barrier(threads + 1)
+
+    def first_call() -> None:
+        exe(x)
+        barrier.wait()  # all threads (and their VMs) alive when memory is read
+
+    pool = [threading.Thread(target=first_call) for _ in range(threads)]
+    for t in pool:
+        t.start()
+    barrier.wait()
+    after = _rss_mb()
+    for t in pool:
+        t.join()
+    weights = sum(a * b for a, b in zip(sizes[:-1], sizes[1:])) * 2 * 4 / 2**20
+    print(f"memory: MLP {'-'.join(map(str, sizes))} ({weights:.0f} MB of float32 weight means and variances): "
+          f"+{(after - before) / threads:.1f} MB resident per extra thread ({threads} threads)")
+
+
 def main() -> None:
+    memory_per_thread()
     graph = mlp_graph(np.random.default_rng(0), [784, 100, 10])
     exe = PFPNetwork(graph, plan(graph, 1.0, "variance")).compile()
     x = np.random.default_rng(1).random((1, 784), dtype=np.float32)
