@@ -21,6 +21,7 @@ def compile_network(net: Any, target: Any = "native", *, schedule: bool = True, 
     be tuned here (MetaSchedule measures candidates on the machine it runs on).
     """
     from .tvm_backend import runtime
+    from .tvm_backend._core import kernel_table
 
     tgt = resolve_target(target)
     if not is_cross_target(tgt):
@@ -34,7 +35,9 @@ def compile_network(net: Any, target: Any = "native", *, schedule: bool = True, 
             from .tuning import tune_network
 
             tuned = tune_network(net, tgt, tune)
-        return runtime.CompiledPFP(executable, net.input_shape, net.input_variance, tgt, tuned=tuned)
+        exe = runtime.CompiledPFP(executable, net.input_shape, net.input_variance, tgt, tuned=tuned)
+        exe.kernels = kernel_table(net.mod)
+        return exe
     if tune is not None and tune is not False:
         raise PFPError(f"cannot tune for {target_arch(tgt)} on this {host_arch()} machine: MetaSchedule "
                        "measures every candidate where it runs; compile without tune= or tune on the device")

@@ -154,4 +154,6 @@ def load(path: str | os.PathLike, *, input_shape: tuple[int, ...] | None = None,
     keep = ("model", "builder", "plan", "calibration", "moment_form", "source", "params")
     exe.metadata_extra = {k: v for k, v in info.items() if k in keep}
     exe.library_path = path
+    exe.kernels = {str(k): (str(v[0]), str(v[1])) for k, v in (info.get("kernels") or {}).items()
+                   if isinstance(v, list | tuple) and len(v) == 2}
     return exe

@@ -135,6 +135,7 @@ def export_library(exe: Any, path: str | os.PathLike, *, cc: str | None = None,
         "target_arch": arch,
         "pyro2pfp_version": __version__,
         "tvm_version": tvm.__version__,
+        "kernels": {symbol: list(op_layer) for symbol, op_layer in getattr(exe, "kernels", {}).items()},
     }
     info.update(getattr(exe, "metadata_extra", None) or {})
     info.update(metadata or {})

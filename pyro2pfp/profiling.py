@@ -105,7 +105,8 @@ class Profile:
 
 
 def split_kernel_name(symbol: str) -> tuple[str, str]:
-    """``("dense", "fc1")`` for ``"pfp_dense_fc1"`` (longest registered PFP op that prefixes it);
+    """Fallback for libraries exported without the kernel table (and raw VMs): ``("dense", "fc1")``
+    for ``"pfp_dense_fc1"`` (longest registered PFP op that prefixes it);
     ``(symbol, "")`` for anything else."""
     if symbol.startswith("pfp_"):
         try:
@@ -234,6 +235,9 @@ def profile(target: Any, args: Sequence[Any], repeats: int = 30, *, method: str 
     else:
         rows, total_us = _profile_isolated(vm, main, tensors, repeats, device, func_name,
                                            VMInstrumentReturnKind)
+    kernels = getattr(target, "kernels", None) or {}  # (op, layer) from the PrimFuncs' attributes
+    rows = [dataclasses.replace(row, op=kernels[row.name][0], layer=kernels[row.name][1])
+            if row.name in kernels else row for row in rows]
     return Profile(rows=rows, total_us=total_us, batch=batch, method=method, repeats=repeats,
                    threads=_threads())
 

@@ -604,12 +604,13 @@ def _write_meta(directory: Path, meta: dict[str, Any]) -> None:
 def _default_schedules(mod: tvm.IRModule, plan: Any, target: tvm.target.Target) -> dict[str, tirx.PrimFunc]:
     """The default (hand-written) schedule of every PFP kernel of ``mod`` that has one."""
     from .tvm_backend import schedules
+    from .tvm_backend._core import kernel_info
 
-    layers = {f"pfp_{layer.op}_{layer.name}": layer for layer in getattr(plan, "layers", ())}
+    layers = {layer.name: layer for layer in getattr(plan, "layers", ())}
     out = {}
     for name, func in _prim_funcs(mod).items():
-        layer = layers.get(name)
-        op = layer.op if layer is not None else schedules._op_from_name(name)
+        op, layer_name = kernel_info(func)
+        layer = layers.get(layer_name) if layer_name is not None else None
         if op is None or schedules._schedule_fn(op) is None:
             continue
         try:
@@ -628,8 +629,9 @@ def _any_batch_defaults(mod: tvm.IRModule, plan: Any, target: tvm.target.Target,
     candidates in the specialised module as well: the tuned module is then never slower, kernel
     by kernel, than the untuned one (a schedule applied to the static kernel can differ)."""
     from .tvm_backend import schedules
+    from .tvm_backend._core import kernel_table
 
-    if not any(name.startswith("pfp_") for name in names):
+    if not set(kernel_table(mod)) & names:
         return {}
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
@@ -677,7 +679,7 @@ def tune(mod: tvm.IRModule, target: Any, *, batch: int, trials: int = DEFAULT_TR
         progress: True prints one line per measured batch of candidates; a callable receives
             the lines; False is silent.
         plan: the network's ``PlannedGraph`` (``net.plan``), to find each kernel's default
-            schedule by layer; without it the op is taken from the ``pfp_<op>_<layer>`` name.
+            schedule by layer; without it the schedules read only the PrimFuncs (``pfp.op`` attribute).
         cost_model: ``"auto"`` (xgb if xgboost is installed, else random), ``"xgb"``, ``"random"``.
         builder: where candidates are compiled: ``"pool"`` (default: a persistent pool of worker
             processes, parallel, killed after :data:`BUILD_TIMEOUT_SEC`), ``"inprocess"`` (this
@@ -782,8 +784,9 @@ def _select_tasks(static: tvm.IRModule, target: tvm.target.Target, base_us: dict
                   min_share: float, search_ops: Sequence[str] | None = None) -> list[Any]:
     """The extracted tasks worth searching: PFP kernels of ``search_ops`` taking at least
     ``min_share`` of the default-scheduled time, and every kernel without a default schedule."""
-    from .profiling import split_kernel_name
+    from .tvm_backend._core import kernel_table
 
+    ops = {name: op for name, (op, _) in kernel_table(static).items()}
     tasks = ms.relax_integration.extract_tasks(static, target)
     total = sum(base_us.values())
     chosen = []
@@ -794,7 +797,7 @@ def _select_tasks(static: tvm.IRModule, target: tvm.target.Target, base_us: dict
         if name not in base_us:
             chosen.append(task)
             continue
-        if search_ops is not None and split_kernel_name(name)[0] not in search_ops:
+        if search_ops is not None and ops.get(name) not in search_ops:
             continue
         if total > 0 and base_us[name] < min_share * total:
             continue

@@ -141,6 +141,8 @@ class CompiledPFP:
         self._local = threading.local()
         self._local.state = _ThreadState(self.vm, self._tuned_vms)
         self.metadata_extra: dict[str, Any] = {}  # from an exported library's sidecar (pyro2pfp.load)
+        # {kernel symbol: (PFP op, layer)} from the PrimFuncs' attributes (profiling reads it)
+        self.kernels: dict[str, tuple[str, str]] = {}
         self.library_path: str | None = None
 
     def _state(self) -> _ThreadState:

@@ -573,15 +573,6 @@ def schedule_elementwise(sch: s_tir.Schedule, layer: Any, target: tvm.target.Tar
 
 
 # ------------------------------------------------------------------------------------ driver
-def _op_from_name(name: str) -> str | None:
-    """The PFP op of a ``pfp_<op>_<layer>`` PrimFunc whose layer is not in the plan (e.g. renamed
-    by the BlockBuilder): the longest registered op that prefixes it."""
-    from . import _core
-
-    ops = [op for op in {*SCHEDULES, *_core.SCHEDULES} if name.startswith(f"pfp_{op}_")]
-    return max(ops, key=len) if ops else None
-
-
 def schedule_function(func: tirx.PrimFunc, op: str, layer: Any, target: tvm.target.Target
                       ) -> tirx.PrimFunc:
     """``func`` with the default schedule of PFP op ``op`` (``layer``: its planned layer, may be
@@ -600,21 +591,23 @@ def schedule_function(func: tirx.PrimFunc, op: str, layer: Any, target: tvm.targ
 def schedule_module(mod: tvm.IRModule, plan: Any, target: tvm.target.Target) -> tvm.IRModule:
     """Apply each op's registered default schedule to its PrimFunc (unregistered ops stay naive).
 
-    PrimFuncs are matched to planned layers by name (``pfp_<op>_<layer name>``, else by the
-    ``pfp_<op>_`` prefix); functions that are already scheduled (``tirx.is_scheduled``) are left
-    alone.  Returns a new module (``mod`` is not modified).  A schedule that raises leaves its
-    function unscheduled and emits a ``RuntimeWarning`` naming it.
+    PrimFuncs are matched to planned layers by their ``pfp.op`` / ``pfp.layer`` attributes
+    (:func:`~pyro2pfp.tvm_backend._core.kernel_info`); functions that are already scheduled
+    (``tirx.is_scheduled``) are left alone.  Returns a new module (``mod`` is not modified).  A
+    schedule that raises leaves its function unscheduled and emits a ``RuntimeWarning`` naming it.
     """
     if not isinstance(target, tvm.target.Target):
         target = tvm.target.Target(target)
+    from ._core import kernel_info
+
     out = mod.clone()
-    layers = {f"pfp_{layer.op}_{layer.name}": layer for layer in getattr(plan, "layers", ())}
+    layers = {layer.name: layer for layer in getattr(plan, "layers", ())}
     for gv in mod.get_global_vars():
         func = mod[gv]
         if not isinstance(func, tirx.PrimFunc):
             continue
-        layer = layers.get(gv.name_hint)
-        op = layer.op if layer is not None else _op_from_name(gv.name_hint)
+        op, layer_name = kernel_info(func)
+        layer = layers.get(layer_name) if layer_name is not None else None
         if op is None or _schedule_fn(op) is None:
             continue
         if func.attrs is not None and func.attrs.get("tirx.is_scheduled", False):
