@@ -9,6 +9,7 @@
 from ._version import __version__ as __version__
 from .deploy import load
 from .errors import (
+    ArgumentError,
     InputShapeError,
     LibraryNotFoundError,
     LoadError,
@@ -33,6 +34,7 @@ def set_num_threads(n: int) -> int:
 
 
 __all__ = ["convert", "load", "PFPNetwork", "Repr", "PFPError", "UnsupportedLayerError", "PosteriorError",
-           "InputShapeError", "TracingError", "NumericalError", "LoadError", "LibraryNotFoundError", "uncertainty",
+           "InputShapeError", "TracingError", "NumericalError", "LoadError", "LibraryNotFoundError",
+           "ArgumentError", "uncertainty",
            "uncertainty_from_logit_samples", "predictive_uncertainty", "auroc", "calibrate", "set_num_threads",
            "diagnose", "Diagnosis"]

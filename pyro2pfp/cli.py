@@ -465,6 +465,21 @@ def _median_ms(fn, repeat: int) -> float:
     return 1e3 * float(np.median(times))
 
 
+def cmd_diagnose(args: argparse.Namespace) -> int:
+    """Per-layer PFP vs Monte Carlo (pyro2pfp.diagnose) on inputs from a .npy file."""
+    import pyro2pfp
+
+    model, guide, net = convert_from_args(args)
+    x = _batched(_load_array(args.input, "input"), net.input_shape, "input")
+    result = pyro2pfp.diagnose(model, guide, x[: args.max_inputs], num_samples=args.samples, net=net,
+                               seed=args.seed)
+    print(result.table())
+    if args.plot:
+        result.plot(args.plot)
+        print(f"plot written to {args.plot}")
+    return 0
+
+
 def cmd_bench(args: argparse.Namespace) -> int:
     import tempfile
 
@@ -589,6 +604,20 @@ def build_parser() -> argparse.ArgumentParser:
                    help="where to save the arrays 'mean' and 'var' (each (batch, outputs))")
     p.add_argument("--show", type=int, default=5, help="print the top class of the first N inputs (default 5)")
     p.set_defaults(func=cmd_predict)
+
+    p = sub.add_parser("diagnose", formatter_class=formatter, help="per-layer PFP moments against sampling",
+                       description="Run the guide's weight samples through the traced model and report, per "
+                                   "planned layer, the PFP mean error in MC standard deviations and the PFP/MC "
+                                   "variance ratio (median, p10, p90); optionally a PNG of the ratio along the depth.",
+                       epilog="example:\n  pyro2pfp diagnose builder.py:build images.npy --params params.pt "
+                              "--input-shape 3,32,32 --plot ratio.png")
+    _add_conversion_options(p)
+    p.add_argument("input", metavar="INPUT.npy", help="inputs (batch, *input_shape), saved with np.save")
+    p.add_argument("--samples", "-n", type=positive_int, default=300, help="Monte Carlo samples (default 300)")
+    p.add_argument("--max-inputs", type=positive_int, default=32, help="use the first N inputs (default 32)")
+    p.add_argument("--seed", type=int, default=0, help="seed of the guide's samples (default 0)")
+    p.add_argument("--plot", metavar="OUT.png", help="write the variance ratio along the depth as a PNG")
+    p.set_defaults(func=cmd_diagnose)
 
     p = sub.add_parser("bench", formatter_class=formatter, help="time the PFP network against sampling",
                        description="Convert and compile the model for this machine, then time one PFP pass "

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from .errors import PFPError
+from .errors import ArgumentError, PFPError
 from .targets import host_arch, is_cross_target, resolve_target, target_arch
 
 
@@ -25,6 +25,8 @@ def compile_network(net: Any, target: Any = "native", *, schedule: bool = True, 
 
     tgt = resolve_target(target)
     if not is_cross_target(tgt):
+        if tune is not None and tune is not False:
+            _check_tune_spec(tune)  # before the (slow) build
         if num_threads is not None:
             runtime.set_num_threads(num_threads)
         executable = runtime.build_network(net, tgt, schedule)
@@ -41,3 +43,14 @@ def compile_network(net: Any, target: Any = "native", *, schedule: bool = True, 
                        "measures every candidate where it runs; compile without tune= or tune on the device")
     executable = runtime.build_network(net, tgt, schedule)
     return runtime.CompiledPFP.for_cross_target(executable, net.input_shape, net.input_variance, tgt)
+
+
+def _check_tune_spec(tune: Any) -> None:
+    """A malformed ``tune=`` is an :class:`ArgumentError` (what :func:`pyro2pfp.tuning.parse_tune_spec`
+    expects is in its message)."""
+    from .tuning import parse_tune_spec
+
+    try:
+        parse_tune_spec(tune)
+    except (TypeError, ValueError) as exc:
+        raise ArgumentError(f"net.compile(tune={tune!r}): {exc}") from None

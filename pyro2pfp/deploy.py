@@ -63,9 +63,11 @@ def _metadata_signature(info: dict[str, Any], meta: str, input_shape: Any,
                         f"{'=..., '.join(missing)}=... to load()")
     if isinstance(shape, str | bytes) or not isinstance(shape, list | tuple) or not shape or not all(
             isinstance(d, int) and not isinstance(d, bool) and d > 0 for d in shape):
-        raise LoadError(f"{meta}: input_shape must be a list of positive ints, got {shape!r}")
+        where = "load(input_shape=...)" if input_shape is not None else meta
+        raise LoadError(f"{where}: input_shape must be a list of positive ints, got {shape!r}")
     if not isinstance(takes_var, bool):
-        raise LoadError(f"{meta}: input_variance must be true or false, got {takes_var!r}")
+        where = "load(input_variance=...)" if input_variance is not None else meta
+        raise LoadError(f"{where}: input_variance must be true or false, got {takes_var!r}")
     return tuple(shape), takes_var
 
 
@@ -86,8 +88,8 @@ def _check_signature(exe: Any, path: str, shape: tuple[int, ...], takes_var: boo
     except Exception as exc:
         first = str(exc).strip().splitlines()[-1] if str(exc).strip() else type(exc).__name__
         raise LoadError(f"{path}: the library does not accept input of shape (batch, "
-                        f"{', '.join(map(str, shape))}) that its metadata states ({first}); the two files do "
-                        "not belong together: re-export them") from None
+                        f"{', '.join(map(str, shape))}) that its metadata (or load's input_shape) states ({first}); "
+                        "the library and the shape do not belong together") from None
     if mean.shape != var.shape or mean.shape[:1] != (1,):
         raise LoadError(f"{path}: main returned outputs of shapes {mean.shape} and {var.shape} for one input; "
                         "this is not a pyro2pfp library")
@@ -114,6 +116,9 @@ def load(path: str | os.PathLike, *, input_shape: tuple[int, ...] | None = None,
     from .tvm_backend.runtime import CompiledPFP
 
     path = os.fspath(path)
+    if path.endswith(SIDECAR_SUFFIX) and os.path.isfile(path[: -len(SIDECAR_SUFFIX)]):
+        raise LoadError(f"{path} is the metadata file: pass the library itself, "
+                        f"pyro2pfp.load({path[: -len(SIDECAR_SUFFIX)]!r})")
     if not os.path.isfile(path):
         raise LibraryNotFoundError(f"no such library: {path}")
     meta = sidecar_path(path)

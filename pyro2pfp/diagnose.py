@@ -147,7 +147,8 @@ def diagnose(model: Any, guide: Any, x: Any, *, num_samples: int = 300, input_sh
              execute: Any = None) -> Diagnosis:
     """Compare every planned layer's PFP moments with Monte Carlo over the guide's samples.
 
-    ``x``: a batch of inputs ``(B, *input_shape)``; ``input_shape`` defaults to ``x.shape[1:]``.  ``net``: an already converted
+    ``x``: a batch of inputs ``(B, *input_shape)``; ``input_shape`` defaults to ``x.shape[1:]``.
+    ``net``: an already converted
     :class:`~pyro2pfp.PFPNetwork` of ``(model, guide)`` (skips conversion; its plan is diagnosed,
     whatever its calibration).  Layers inserted by the planner (representation conversions) and
     layers that share a traced node with a later one are not listed.  See the module docstring

@@ -40,3 +40,8 @@ class LibraryNotFoundError(LoadError, FileNotFoundError):
 
 class TuningError(PFPError, RuntimeError):
     """Tuning cannot run (environment, another CPU architecture, a module without a batch axis)."""
+
+
+class ArgumentError(PFPError, ValueError):
+    """An argument of a public function has the wrong type or value (the message says what is
+    expected).  Also a ``ValueError``, for callers that catch that."""

@@ -6,7 +6,7 @@ from typing import Any
 import numpy as np
 
 from .converters import build_layer_graph
-from .errors import InputShapeError, PosteriorError
+from .errors import ArgumentError, InputShapeError, PosteriorError
 from .graph import LayerGraph, Repr
 from .inputs import checked_inputs
 from .plan import PlannedGraph, plan
@@ -151,6 +151,8 @@ def convert(model: Any, guide: Any = None, *, input_shape: tuple[int, ...] | Non
     :class:`PosteriorError`.  ``check_posterior=False`` skips that check, for guides that cannot be
     sampled with the model's input alone.
     """
+    if not isinstance(input_variance, bool | np.bool_):
+        raise ArgumentError(f"input_variance must be True or False, got {input_variance!r}")
     if guide is None and hasattr(model, "net") and hasattr(model, "net_guide"):  # TyXe VariationalBNN
         model, guide = model.net, model.net_guide
     if guide is None:

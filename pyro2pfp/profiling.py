@@ -30,6 +30,8 @@ from typing import Any
 
 import numpy as np
 
+from .errors import ArgumentError, PFPError
+
 __all__ = ["KernelTime", "Profile", "profile", "split_kernel_name", "OVERHEAD_ROW"]
 
 OVERHEAD_ROW = "(vm overhead)"
@@ -141,7 +143,7 @@ def _resolve_vm(target: Any, batch: int | None) -> Any:
     if vm is not None:
         return vm
     if getattr(target, "runnable", True) is False:
-        raise ValueError("this network was cross-compiled for another CPU architecture: profile it on the device")
+        raise PFPError("this network was cross-compiled for another CPU architecture: profile it on the device")
     import tvm
 
     return relax.VirtualMachine(target, tvm.cpu())
@@ -217,7 +219,7 @@ def profile(target: Any, args: Sequence[Any], repeats: int = 30, *, method: str 
     from tvm.runtime.vm import VMInstrumentReturnKind
 
     if method not in ("isolated", "in_vm"):
-        raise ValueError(f"method must be 'isolated' or 'in_vm', got {method!r}")
+        raise ArgumentError(f"method must be 'isolated' or 'in_vm', got {method!r}")
     device = tvm.cpu()
     batch = None
     if args:

@@ -35,6 +35,8 @@ from typing import Any
 import numpy as np
 from scipy.special import logsumexp
 
+from .errors import ArgumentError
+
 __all__ = [
     "CALIBRATION_OBJECTIVES",
     "CalibrationObjective",
@@ -56,7 +58,7 @@ def _as_float64(a: Any, name: str) -> np.ndarray:
         a = a.detach().cpu().numpy()
     a = np.asarray(a, dtype=np.float64)
     if not np.all(np.isfinite(a)):
-        raise ValueError(f"{name} contains NaN or infinite values")
+        raise ArgumentError(f"{name} contains NaN or infinite values")
     return a
 
 
@@ -79,7 +81,7 @@ def uncertainty_from_logit_samples(samples: Any) -> dict[str, np.ndarray]:
     if s.ndim == 2:
         s = s[:, None, :]
     if s.ndim != 3 or min(s.shape) < 1:
-        raise ValueError(f"samples must have shape (num_samples, batch, classes), got {s.shape}")
+        raise ArgumentError(f"samples must have shape (num_samples, batch, classes), got {s.shape}")
     n = s.shape[0]
     logp = s - logsumexp(s, axis=-1, keepdims=True)  # (N, B, K) log-softmax
     p = np.exp(logp)
@@ -102,9 +104,9 @@ def _check_mean_var(mean: Any, var: Any) -> tuple[np.ndarray, np.ndarray]:
     mu = _as_float64(mean, "mean")
     v = _as_float64(var, "var")
     if mu.ndim != 2 or mu.shape != v.shape:
-        raise ValueError(f"mean and var must both have shape (batch, classes), got {mu.shape} and {v.shape}")
+        raise ArgumentError(f"mean and var must both have shape (batch, classes), got {mu.shape} and {v.shape}")
     if np.any(v < 0):
-        raise ValueError("var must be non-negative")
+        raise ArgumentError("var must be non-negative")
     return mu, v
 
 
@@ -121,7 +123,7 @@ def sample_logits(mean: Any, var: Any, num_samples: int = 100, seed: Any = None)
     """
     mu, v = _check_mean_var(mean, var)
     if num_samples < 1:
-        raise ValueError(f"num_samples must be >= 1, got {num_samples}")
+        raise ArgumentError(f"num_samples must be >= 1, got {num_samples}")
     z = _standard_normal((int(num_samples), *mu.shape), seed)
     return mu + np.sqrt(v) * z
 
@@ -168,7 +170,7 @@ def auroc(score_in_domain: Any, score_out_of_domain: Any) -> float:
     s_in = _as_float64(score_in_domain, "score_in_domain").ravel()
     s_out = _as_float64(score_out_of_domain, "score_out_of_domain").ravel()
     if s_in.size == 0 or s_out.size == 0:
-        raise ValueError("auroc needs at least one in-domain and one out-of-domain score")
+        raise ArgumentError("auroc needs at least one in-domain and one out-of-domain score")
     ranks = rankdata(np.concatenate([s_in, s_out]))  # mid-ranks for ties
     n_in, n_out = s_in.size, s_out.size
     u = ranks[n_in:].sum() - n_out * (n_out + 1) / 2.0
@@ -203,9 +205,9 @@ class CalibrationObjective:
         from .inputs import as_input_array
 
         if objective not in CALIBRATION_OBJECTIVES:
-            raise ValueError(f"objective must be one of {CALIBRATION_OBJECTIVES}, got {objective!r}")
+            raise ArgumentError(f"objective must be one of {CALIBRATION_OBJECTIVES}, got {objective!r}")
         if net.input_variance:
-            raise ValueError("calibrate supports networks with a deterministic input only")
+            raise ArgumentError("calibrate supports networks with a deterministic input only")
         self.net = net
         self.objective = objective
         self.x = as_input_array(x_val, net.input_shape, "x_val", dtype=np.float64)
@@ -215,18 +217,18 @@ class CalibrationObjective:
         if y_val is not None:
             self.y = np.asarray(y_val).astype(np.int64).ravel()
             if self.y.shape != (b,):
-                raise ValueError(f"y_val must have shape ({b},), got {np.shape(y_val)}")
+                raise ArgumentError(f"y_val must have shape ({b},), got {np.shape(y_val)}")
         if target_samples is not None:
             self.target = uncertainty_from_logit_samples(target_samples)
             if self.target["total"].shape != (b,):
-                raise ValueError(f"target_samples must have shape (N, {b}, K), got {np.shape(target_samples)}")
+                raise ArgumentError(f"target_samples must have shape (N, {b}, K), got {np.shape(target_samples)}")
         if objective == "nll" and self.y is None:
-            raise ValueError("objective 'nll' needs the labels y_val")
+            raise ArgumentError("objective 'nll' needs the labels y_val")
         if objective != "nll" and self.target is None:
-            raise ValueError(f"objective {objective!r} needs the BNN's logit samples (target_samples)")
+            raise ArgumentError(f"objective {objective!r} needs the BNN's logit samples (target_samples)")
         self.num_samples = int(num_samples)
         if self.num_samples < 1:
-            raise ValueError(f"num_samples must be >= 1, got {num_samples}")
+            raise ArgumentError(f"num_samples must be >= 1, got {num_samples}")
         self.seed = seed
         self._z: np.ndarray | None = None
         self.history: list[tuple[float, float]] = []
@@ -272,9 +274,9 @@ def minimise_log_scale(fn: Callable[[float], float], bounds: tuple[float, float]
     on the bracket around the best grid point until it is narrower than ``rtol`` (relative)."""
     lo, hi = float(bounds[0]), float(bounds[1])
     if not 0 < lo < hi or not math.isfinite(hi):
-        raise ValueError(f"bounds must satisfy 0 < lo < hi < inf, got {bounds}")
+        raise ArgumentError(f"bounds must satisfy 0 < lo < hi < inf, got {bounds}")
     if grid < 3:
-        raise ValueError(f"grid must be >= 3, got {grid}")
+        raise ArgumentError(f"grid must be >= 3, got {grid}")
     logs = np.linspace(math.log(lo), math.log(hi), int(grid))
     values = [fn(math.exp(t)) for t in logs]
     best = int(np.argmin(values))

@@ -12,6 +12,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
+from builders import conv_layer
+from stats import check_moments
 
 import pyro2pfp
 from pyro2pfp.correlation import execute_correlated, execute_correlated_all
@@ -20,8 +22,6 @@ from pyro2pfp.graph import INPUT, Layer, LayerGraph
 from pyro2pfp.plan import plan
 from pyro2pfp.reference import execute
 from pyro2pfp.reference.compute import conv2d_nchw
-from builders import conv_layer
-from stats import check_moments
 
 
 def _conv_pool_graph(rng, image: int = 6, channels: int = 3):

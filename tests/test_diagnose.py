@@ -59,3 +59,22 @@ def test_mc_moments_match_numpy_on_the_logits(resnet_case):
     b = pyro2pfp.diagnose(model, guide, x, num_samples=20, per_layer=True, seed=3)
     assert [r.name for r in a.layers] == ["fc"]
     np.testing.assert_allclose(a.output["mc_var"], b.output["mc_var"], rtol=1e-10)
+
+
+def test_cli_diagnose(tmp_path, capsys):
+    from pyro2pfp.cli import main
+
+    (tmp_path / "builder.py").write_text(
+        "import torch\nfrom pyro2pfp_experiments.zoo import bayesian_resnet, he_posterior\n"
+        "def build():\n    torch.manual_seed(0)\n    m = bayesian_resnet(blocks=1, widths=(4,))\n"
+        "    return m, he_posterior(m, torch.randn(2, 3, 8, 8))\n")
+    np.save(tmp_path / "x.npy", np.random.default_rng(0).standard_normal((2, 3, 8, 8)).astype(np.float32))
+    png = tmp_path / "r.png"
+    status = main(["diagnose", str(tmp_path / "builder.py") + ":build", str(tmp_path / "x.npy"), "-s", "3,8,8",
+                   "-n", "10", "--plot", str(png)])
+    out = capsys.readouterr().out
+    assert status == 0, out
+    assert "adaptive_avg_pool2d" in out and "10 MC samples, 2 inputs" in out
+    assert png.exists()
+    assert main(["diagnose", str(tmp_path / "builder.py") + ":build", str(tmp_path / "missing.npy"),
+                 "-s", "3,8,8"]) != 0

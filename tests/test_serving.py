@@ -17,7 +17,14 @@ from pyro.nn import PyroModule, PyroSample
 
 import pyro2pfp
 from pyro2pfp.deploy import FORMAT
-from pyro2pfp.errors import InputShapeError, LibraryNotFoundError, LoadError, NumericalError, TracingError
+from pyro2pfp.errors import (
+    ArgumentError,
+    InputShapeError,
+    LibraryNotFoundError,
+    LoadError,
+    NumericalError,
+    TracingError,
+)
 from pyro2pfp.network import PFPNetwork
 from pyro2pfp.plan import plan
 
@@ -72,6 +79,35 @@ def test_one_compiled_predictor_shared_by_threads(compiled):
 
 def test_one_loaded_predictor_shared_by_threads(exported):
     assert _hammer(pyro2pfp.load(exported)) == []
+
+
+def test_profiling_while_other_threads_call_the_same_predictor(compiled):
+    """``exe.profile`` runs in the calling thread's VM, so it may overlap calls from other threads,
+    including the thread that created the predictor (the "in_vm" method instruments and runs
+    ``main``: the VM's whole state)."""
+    _, exe = compiled  # created by this (the main) thread
+    x = np.random.default_rng(2).standard_normal((3, D_IN)).astype(np.float32)
+    expected = tuple(a.copy() for a in exe(x))
+    problems: list = []
+
+    def profile() -> None:
+        try:
+            for _ in range(20):
+                exe.profile(x, repeats=3, method="in_vm")
+        except Exception as exc:  # noqa: BLE001 -- reported by the test
+            problems.append(repr(exc))
+
+    worker = threading.Thread(target=profile)
+    worker.start()
+    calls = 0
+    while worker.is_alive() or calls < 100:
+        mean, var = exe(x)
+        calls += 1
+        if not (np.array_equal(mean, expected[0]) and np.array_equal(var, expected[1])):
+            problems.append(f"mismatch at call {calls}")
+            break
+    worker.join()
+    assert problems == []
 
 
 def test_float32_overflow_is_an_error_not_a_silent_inf(compiled):
@@ -232,3 +268,50 @@ def test_load_errors_are_pfp_errors_with_the_path(tmp_path):
     (tmp_path / "fake.so.json").write_text("{not json")
     with pytest.raises(LoadError, match="not a pyro2pfp metadata file"):
         pyro2pfp.load(str(fake))
+
+
+# ---------------------------------------------------------------------------------------------
+# Wrong arguments to the public API are PFPErrors (ArgumentError is also a ValueError)
+# ---------------------------------------------------------------------------------------------
+
+
+def test_input_variance_must_be_a_bool():
+    model, guide = _tiny()
+    with pytest.raises(ArgumentError, match="input_variance must be True or False, got 'no'"):
+        pyro2pfp.convert(model, guide, input_variance="no")  # bool("no") would be True
+
+
+@pytest.mark.parametrize("kwargs, match", [
+    ({"num_threads": 0}, "num_threads must be a positive int, got 0"),
+    ({"num_threads": "2"}, "num_threads must be a positive int, got '2'"),
+    ({"tune": "x"}, r"tune='x'.*a batch size, a list of them or a dict"),
+    ({"tune": -1}, r"tune=-1.*positive ints"),
+])
+def test_compile_arguments_are_checked_before_building(compiled, kwargs, match):
+    net, _ = compiled
+    with pytest.raises(ArgumentError, match=match) as info:
+        net.compile(**kwargs)
+    assert isinstance(info.value, pyro2pfp.PFPError) and isinstance(info.value, ValueError)
+    with pytest.raises(ArgumentError, match="num_threads must be a positive int"):
+        pyro2pfp.set_num_threads(2.0)
+
+
+def test_profile_and_uncertainty_arguments_are_pfp_errors(compiled):
+    net, exe = compiled
+    x = np.zeros((2, D_IN), np.float32)
+    with pytest.raises(ArgumentError, match="method must be 'isolated' or 'in_vm'"):
+        exe.profile(x, method="fast")
+    mean, var = net.reference(x)
+    with pytest.raises(ArgumentError, match="num_samples must be >= 1"):
+        pyro2pfp.uncertainty(mean, var, num_samples=0)
+    with pytest.raises(ArgumentError, match="var must be non-negative"):
+        pyro2pfp.uncertainty(mean, -np.ones_like(var))
+    with pytest.raises(ArgumentError, match="at least one in-domain and one out-of-domain"):
+        pyro2pfp.auroc(np.array([]), np.array([1.0]))
+
+
+def test_load_names_the_library_when_given_its_metadata_file_or_a_bad_override(exported):
+    with pytest.raises(LoadError, match=r"is the metadata file: pass the library itself.*net\.so'\)"):
+        pyro2pfp.load(exported + ".json")
+    with pytest.raises(LoadError, match=r"load\(input_shape=\.\.\.\): input_shape must be a list of positive ints"):
+        pyro2pfp.load(exported, input_shape="20")

@@ -9,6 +9,7 @@ import torch.fx
 
 from ..errors import TracingError, UnsupportedLayerError
 from ..graph import INPUT, GaussianParam, Layer, LayerGraph
+from ..ops import supported_modules
 from ..tracing import _WRAPPER_PREFIX, TracedModel
 from ._registry import CONVERTERS, Alias, supported_ops
 
@@ -124,9 +125,7 @@ def _unsupported_message(ctx: ConversionContext, node: torch.fx.Node) -> str:
     return (
         f"{ctx.source(node)} is not supported by PFP. Supported torch ops: "
         + ", ".join(t.removesuffix(".default") for t in supported_ops())
-        + ". Supported modules: Linear, Conv1d, Conv2d, ReLU, LeakyReLU, MaxPool2d, AvgPool2d, "
-        "AdaptiveAvgPool2d(1), BatchNorm1d/2d (eval), Flatten/view/reshape, Dropout, Identity, residual '+', "
-        "and a final softmax/log_softmax (stripped)."
+        + ". Supported modules: " + ", ".join(supported_modules()) + "."
     )
 
 

@@ -19,6 +19,7 @@ import numpy as np
 import tvm
 from tvm import relax
 
+from ..errors import ArgumentError
 from ..inputs import check_finite_outputs, checked_inputs
 from ..targets import make_target
 from .schedules import schedule_module
@@ -59,7 +60,7 @@ def set_num_threads(n: int) -> int:
     which is fixed when it starts: set ``TVM_NUM_THREADS`` before the first run for more).
     Threads are not pinned to cores.  Returns the number now in use."""
     if not isinstance(n, int) or isinstance(n, bool) or n < 1:
-        raise ValueError(f"num_threads must be a positive int, got {n!r}")
+        raise ArgumentError(f"num_threads must be a positive int, got {n!r}")
     configure = tvm.get_global_func("runtime.config_threadpool")
     configure(-3, n, [str(c) for c in _available_cpus()])  # -3: kSpecifyThreadShareAllCore (no pinning)
     got = num_threads()
@@ -104,6 +105,7 @@ class _ThreadState:
     its register file and is not safe to share) and its own cached input tensors."""
 
     def __init__(self, vm: Any, tuned_vms: dict[int, Any]) -> None:
+        self.vm, self.tuned_vms = vm, tuned_vms
         self.main = vm["main"]
         self.tuned_mains = {b: tvm_vm["main"] for b, tvm_vm in tuned_vms.items()}
         self.inputs: dict[tuple[int, ...], list[tuple[Any, np.ndarray]]] = {}
@@ -152,8 +154,10 @@ class CompiledPFP:
         return state
 
     def vm_for_batch(self, batch: int) -> relax.VirtualMachine:
-        """The VM a call with ``batch`` rows runs (a tuned one if there is one for that size)."""
-        return self._tuned_vms.get(int(batch), self.vm)
+        """The VM a call with ``batch`` rows runs in the calling thread (a tuned one if there is one
+        for that size); :meth:`profile` times this one, so profiling is as thread-safe as calls."""
+        state = self._state()
+        return state.tuned_vms.get(int(batch), state.vm)
 
     def _input_buffers(self, shape: tuple[int, ...], count: int) -> list[tuple[Any, np.ndarray]]:
         cache = self._state().inputs
@@ -220,6 +224,7 @@ class CompiledPFP:
 
         state = self._local.state = _ThreadState.__new__(_ThreadState)
         state.main, state.tuned_mains, state.inputs = not_here, {}, {}
+        state.vm, state.tuned_vms = None, {}
 
         def every_thread() -> _ThreadState:
             return state
