@@ -8,6 +8,7 @@
 """
 from ._version import __version__ as __version__
 from .deploy import load
+from .diagnose import Diagnosis, diagnose
 from .errors import (
     ArgumentError,
     InputShapeError,
@@ -20,7 +21,6 @@ from .errors import (
     UnsupportedLayerError,
 )
 from .graph import Repr
-from .diagnose import Diagnosis, diagnose
 from .network import PFPNetwork, convert
 from .uncertainty import auroc, calibrate, predictive_uncertainty, uncertainty, uncertainty_from_logit_samples
 

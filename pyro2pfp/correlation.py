@@ -162,11 +162,13 @@ def execute_correlated_all(graph: PlannedGraph, x: np.ndarray, add_rule: str = "
                     s = np.sqrt(s_in**2 + sb**2) if add_rule == "independent" else s_in + sb
             elif op == "add" and s_ins[1] is not None:
                 s = s_ins[1].reshape((2, *ins[1].mean.shape))
-        if s is not None:
+        source = s_ins[0]
+        if s is not None and op == "reshape" and source is not None:
+            s = source  # keeps its (channel, position) grouping through flatten
+        elif s is not None:
             s = s.reshape((2, *mean.shape))
             r = np.minimum(s[1], np.sqrt(np.maximum(var, 0.0)))
-            s = np.stack([np.minimum(s[0], r), r])
-            s = _channels(s, layer.layer.out_shape) if op != "reshape" else s_ins[0].reshape(s_ins[0].shape)
+            s = _channels(np.stack([np.minimum(s[0], r), r]), layer.layer.out_shape)
         values[layer.name] = _emit(mean, var, layer)
         shared[layer.name] = s
     return values

@@ -106,11 +106,13 @@ class _Capture(torch.fx.Interpreter):
 
 class _Welford:
     def __init__(self) -> None:
-        self.n, self.mean, self.m2 = 0, None, None
+        self.n = 0
+        self.mean: np.ndarray = np.zeros(())
+        self.m2: np.ndarray = np.zeros(())
 
     def add(self, x: np.ndarray) -> None:
         self.n += 1
-        if self.mean is None:
+        if self.n == 1:
             self.mean, self.m2 = x.copy(), np.zeros_like(x)
             return
         delta = x - self.mean
@@ -124,7 +126,8 @@ class _Welford:
 
 def _guide_sample(guide: Any, example: torch.Tensor) -> dict[str, torch.Tensor]:
     tr = pyro.poutine.trace(lambda *a: call_with_model_args(guide, a)).get_trace(example)
-    return {name: site["value"].detach() for name, site in tr.nodes.items() if site["type"] == "sample"}
+    return {name: torch.as_tensor(site["value"]).detach() for name, site in tr.nodes.items()
+            if site["type"] == "sample"}
 
 
 def layer_fidelity(name: str, op: str, pfp_mean: np.ndarray, pfp_var: np.ndarray, mc_mean: np.ndarray,
