@@ -12,7 +12,7 @@ import numpy as np
 import torch
 
 import pyro2pfp
-from pyro2pfp.correlation import execute_correlated
+from pyro2pfp_experiments.correlation import execute_correlated
 from pyro2pfp_experiments.zoo import bayesian_resnet, he_posterior
 
 

@@ -33,7 +33,7 @@ NETS = {
 def pfp_logits(net, x: np.ndarray, scheme: str) -> tuple[np.ndarray, np.ndarray]:
     if scheme == "mean-field":
         return net.reference(x)
-    from pyro2pfp.correlation import execute_correlated
+    from pyro2pfp_experiments.correlation import execute_correlated
 
     return execute_correlated(net.plan, x)
 

@@ -16,12 +16,12 @@ from builders import conv_layer
 from stats import check_moments
 
 import pyro2pfp
-from pyro2pfp.correlation import execute_correlated, execute_correlated_all
 from pyro2pfp.diagnose import layer_fidelity
 from pyro2pfp.graph import INPUT, Layer, LayerGraph
 from pyro2pfp.plan import plan
 from pyro2pfp.reference import execute
 from pyro2pfp.reference.compute import conv2d_nchw
+from pyro2pfp_experiments.correlation import execute_correlated, execute_correlated_all
 
 
 def _conv_pool_graph(rng, image: int = 6, channels: int = 3):

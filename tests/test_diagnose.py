@@ -6,7 +6,7 @@ import pytest
 import torch
 
 import pyro2pfp
-from pyro2pfp.correlation import execute_correlated_all
+from pyro2pfp_experiments.correlation import execute_correlated_all
 
 
 @pytest.fixture(scope="module")
