@@ -24,3 +24,12 @@ class InputShapeError(PFPError):
 
 class TracingError(PFPError):
     """The model could not be traced into a graph of torch operations."""
+
+
+class TuningError(PFPError, RuntimeError):
+    """Tuning cannot run (environment, another CPU architecture, a module without a batch axis)."""
+
+
+class RemoteError(PFPError, RuntimeError):
+    """A remote board (TVM RPC tracker or server) cannot be reached, has no server under the key
+    asked for, or did not answer within the session timeout."""
