@@ -6,7 +6,8 @@
 >>> exe = net.compile("native", tune=10)   # + MetaSchedule-tuned executable for batch 10 (cached)
 >>> print(exe.profile(x))                  # time per kernel
 """
-from .errors import InputShapeError, PFPError, PosteriorError, TracingError, UnsupportedLayerError
+from .errors import (InputShapeError, PFPError, PosteriorError, RemoteError, TracingError, TuningError,
+                     UnsupportedLayerError)
 from .graph import Repr
 from .deploy import load
 from .network import PFPNetwork, convert
@@ -24,6 +25,6 @@ def set_num_threads(n: int) -> int:
 
 
 __version__ = "0.1.0"
-__all__ = ["convert", "load", "PFPNetwork", "Repr", "PFPError", "UnsupportedLayerError", "PosteriorError",
+__all__ = ["convert", "load", "PFPNetwork", "Repr", "PFPError", "RemoteError", "TuningError", "UnsupportedLayerError", "PosteriorError",
            "InputShapeError", "TracingError", "uncertainty", "uncertainty_from_logit_samples",
            "predictive_uncertainty", "auroc", "calibrate", "set_num_threads"]
