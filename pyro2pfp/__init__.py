@@ -25,6 +25,7 @@ def set_num_threads(n: int) -> int:
 
 
 __version__ = "0.1.0"
-__all__ = ["convert", "load", "PFPNetwork", "Repr", "PFPError", "RemoteError", "TuningError", "UnsupportedLayerError", "PosteriorError",
+__all__ = ["convert", "load", "PFPNetwork", "Repr", "PFPError", "RemoteError", "TuningError",
+           "UnsupportedLayerError", "PosteriorError",
            "InputShapeError", "TracingError", "uncertainty", "uncertainty_from_logit_samples",
            "predictive_uncertainty", "auroc", "calibrate", "set_num_threads"]

@@ -32,8 +32,16 @@ import numpy as np
 
 from .errors import RemoteError
 
-__all__ = ["Remote", "RemotePredictor", "RemoteTiming", "ValidationReport", "as_remote", "upload",
-           "benchmark", "validate"]
+__all__ = [
+    "Remote",
+    "RemotePredictor",
+    "RemoteTiming",
+    "ValidationReport",
+    "as_remote",
+    "benchmark",
+    "upload",
+    "validate",
+]
 
 T = TypeVar("T")
 
@@ -67,7 +75,7 @@ class Remote:
             raise RemoteError(f"remote parallel must be >= 1, got {self.parallel}")
 
     @classmethod
-    def parse(cls, spec: str, **options: Any) -> "Remote":
+    def parse(cls, spec: str, **options: Any) -> Remote:
         """``"host:port/key"`` (tracker) or ``"host:port"`` (direct server)."""
         m = _SPEC.match(str(spec).strip())
         if m is None:

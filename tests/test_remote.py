@@ -12,8 +12,8 @@ import time
 
 import numpy as np
 import pytest
-
 from builders import mlp_graph
+
 from pyro2pfp import tuning
 from pyro2pfp.errors import PFPError, RemoteError
 from pyro2pfp.network import PFPNetwork
@@ -144,7 +144,7 @@ def test_wrong_key_is_refused_at_once(boards, net_and_exe):
 
 
 def test_dead_server_and_silent_peer_give_bounded_errors(net_and_exe):
-    net, exe = net_and_exe
+    _net, exe = net_and_exe
     dead = Remote("127.0.0.1", _free_port(), None, connect_timeout=5)  # nothing listens there
     with pytest.raises(RemoteError, match="connecting to the RPC server"):
         upload(exe, dead)
