@@ -89,7 +89,7 @@ os.environ.setdefault("TVM_BIND_THREADS", "0")
 
 import numpy as np  # noqa: E402
 
-from pyro2pfp.validation import median_seconds  # noqa: E402
+from pyro2pfp_experiments.validation import median_seconds  # noqa: E402
 
 
 # ------------------------------------------------------------------------------------------ timing
@@ -124,7 +124,7 @@ def build_models(name: str):
     from pyro.infer.autoguide import init_to_uniform
     from torch import nn
 
-    from pyro2pfp.zoo import BayesianLeNet5, BayesianMLP, make_guide
+    from pyro2pfp_experiments.zoo import BayesianLeNet5, BayesianMLP, make_guide
 
     if name == "mlp":
         model = BayesianMLP(784, (100,), 10)
@@ -199,7 +199,7 @@ def run_net(name: str, args, tgt, x_all: np.ndarray, y_all: np.ndarray, log) -> 
     from pyro2pfp import tuning
     from pyro2pfp.profiling import profile
     from pyro2pfp.tvm_backend.runtime import CompiledPFP, build
-    from pyro2pfp.zoo import train_svi
+    from pyro2pfp_experiments.zoo import train_svi
 
     pyro.clear_param_store()
     pyro.set_rng_seed(args.seed)
@@ -431,7 +431,7 @@ def main(argv=None) -> int:
     import tvm
 
     from pyro2pfp import tuning
-    from pyro2pfp.datasets import load_mnist
+    from pyro2pfp_experiments.datasets import load_mnist
 
     tgt = tuning.tuning_target(args.target)
     lines_log: list[str] = []

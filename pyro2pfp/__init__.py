@@ -6,14 +6,23 @@
 >>> exe = net.compile("native", tune=10)   # + MetaSchedule-tuned executable for batch 10 (cached)
 >>> print(exe.profile(x))                  # time per kernel
 """
-from .errors import (InputShapeError, PFPError, PosteriorError, RemoteError, TracingError, TuningError,
-                     UnsupportedLayerError)
-from .graph import Repr
+from ._version import __version__ as __version__
 from .deploy import load
+from .errors import (
+    InputShapeError,
+    LibraryNotFoundError,
+    LoadError,
+    NumericalError,
+    PFPError,
+    PosteriorError,
+    RemoteError,
+    TracingError,
+    TuningError,
+    UnsupportedLayerError,
+)
+from .graph import Repr
 from .network import PFPNetwork, convert
-from .uncertainty import (auroc, calibrate, predictive_uncertainty, uncertainty,
-                          uncertainty_from_logit_samples)
-
+from .uncertainty import auroc, calibrate, predictive_uncertainty, uncertainty, uncertainty_from_logit_samples
 
 
 def set_num_threads(n: int) -> int:
@@ -24,8 +33,6 @@ def set_num_threads(n: int) -> int:
     return _set(n)
 
 
-__version__ = "0.1.0"
-__all__ = ["convert", "load", "PFPNetwork", "Repr", "PFPError", "RemoteError", "TuningError",
-           "UnsupportedLayerError", "PosteriorError",
-           "InputShapeError", "TracingError", "uncertainty", "uncertainty_from_logit_samples",
-           "predictive_uncertainty", "auroc", "calibrate", "set_num_threads"]
+__all__ = ["convert", "load", "PFPNetwork", "Repr", "PFPError", "RemoteError", "TuningError", "UnsupportedLayerError", "PosteriorError",
+           "InputShapeError", "TracingError", "NumericalError", "LoadError", "LibraryNotFoundError", "uncertainty",
+           "uncertainty_from_logit_samples", "predictive_uncertainty", "auroc", "calibrate", "set_num_threads"]

@@ -22,12 +22,14 @@ import inspect
 import linecache
 import sys
 from collections.abc import Iterator
+from typing import Any
 
 _ORIGINAL_STACK = inspect.stack
 
 
 def _fast_stack(context: int = 1) -> list[inspect.FrameInfo]:
-    frame, out = sys._getframe(1), []
+    frame: Any = sys._getframe(1)
+    out = []
     while frame is not None:
         filename, lineno = frame.f_code.co_filename, frame.f_lineno
         line = linecache.getline(filename, lineno) if context > 0 else ""

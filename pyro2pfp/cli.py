@@ -10,13 +10,14 @@ import os
 import sys
 import textwrap
 import time
+import traceback
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
-from .errors import InputShapeError, PFPError
+from .errors import PFPError
 
 DEFAULT_FUNCTION = "build"
 LIBRARY_EXTS = (".so", ".tar")
@@ -28,7 +29,7 @@ one pass that predicts the mean and the variance of every output, instead of sam
 You need two things from training:
   1. a BUILDER: a Python function that creates your model and guide and returns (model, guide),
      e.g. in builder.py:
-         from pyro2pfp.zoo import BayesianMLP, make_guide
+         from pyro2pfp_experiments.zoo import BayesianMLP, make_guide
          def build():
              model = BayesianMLP(784, (100,), 10)
              return model, make_guide(model)
@@ -137,6 +138,8 @@ def load_builder(spec: str):
             raise CLIError(f"builder file '{where}' not found (expected FILE.py:FUNCTION, e.g. builder.py:build)")
         mod_name = f"_pyro2pfp_builder_{abs(hash(str(path.resolve())))}"
         module_spec = importlib.util.spec_from_file_location(mod_name, path)
+        if module_spec is None or module_spec.loader is None:
+            raise CLIError(f"builder file '{where}' cannot be imported as Python")
         module = importlib.util.module_from_spec(module_spec)
         sys.path.insert(0, str(path.resolve().parent))  # let the builder import its neighbours
         try:
@@ -204,7 +207,7 @@ def load_param_store(path: str) -> set[str]:
         raise CLIError(f"parameter file '{path}' not found (save it after training with "
                        "pyro.get_param_store().save(path))")
     try:
-        with torch.serialization.safe_globals(_constraint_classes()):
+        with torch.serialization.safe_globals(list[Any](_constraint_classes())):
             state = torch.load(path, map_location="cpu", weights_only=True)
     except pickle.UnpicklingError as exc:
         boilerplate = ("Weights only load failed", "Check the documentation", "Please file an issue")
@@ -226,62 +229,8 @@ def load_param_store(path: str) -> set[str]:
     bad = [k for k, v in state["params"].items() if not isinstance(v, torch.Tensor)]
     if bad:
         raise CLIError(f"'{path}': parameters {bad[:3]} are not tensors")
-    pyro.get_param_store().set_state(state)
+    pyro.get_param_store().set_state(state)  # type: ignore[arg-type]  # checked above: params and constraints
     return set(state["params"])
-
-
-def sync_guide(model: Any, guide: Any, input_shape: tuple[int, ...] | None, loaded: set[str],
-               params_path: str) -> None:
-    """After loading a param store: run the guide once so that its parameters exist and take the
-    store's values (PyroModule parameters sync with the store when the module runs).
-
-    An autoguide that has never run has no posterior yet; its prototype is built from the model with
-    every sample site other than the weights (e.g. the likelihood) hidden, so models like
-    ``pyro.sample("obs", Categorical(...), obs=y)`` need no ``y``.  Hand-written guides read
-    ``pyro.param`` from the store when ``convert`` traces them.
-    """
-    import pyro
-    import torch
-    from pyro import poutine
-    from pyro.infer.autoguide import AutoGuide
-    from pyro.infer.autoguide.initialization import InitMessenger
-
-    from .tracing import infer_input_shape, sample_sites
-
-    if not isinstance(guide, AutoGuide):
-        return
-    if input_shape is None:
-        input_shape = infer_input_shape(model)
-    x = torch.zeros((1, *input_shape))
-    original = getattr(guide, "_model", None)
-    swap = guide.prototype_trace is None and original is not None
-    try:
-        if swap:
-            weight_sites = set(sample_sites(model).values()) if isinstance(model, torch.nn.Module) else set()
-
-            def hide(msg: dict) -> bool:
-                return msg.get("type") == "sample" and bool(weight_sites) and msg["name"] not in weight_sites
-
-            # The autoguide wrapped the model in InitMessenger(init_loc_fn); the block must sit
-            # inside it, or the init strategy sees the likelihood site first.
-            inner = poutine.block(model, hide_fn=hide)
-            init_fn = getattr(guide, "init_loc_fn", None)
-            guide._model = (InitMessenger(init_fn)(inner) if init_fn is not None else inner,)
-        with torch.no_grad(), poutine.block():
-            guide(x)
-    except Exception as exc:
-        raise CLIError(f"running the guide once (to give it the parameters of '{params_path}') failed: "
-                       f"{type(exc).__name__}: {exc}") from exc
-    finally:
-        if swap:
-            guide._model = original
-    created = sorted(set(pyro.get_param_store().keys()) - loaded)
-    if created:
-        have = sorted(loaded)
-        raise CLIError(
-            f"'{params_path}' has no values for the guide's parameters {created[:4]}"
-            f"{' …' if len(created) > 4 else ''}; it holds {have[:4]}{' …' if len(have) > 4 else ''}. "
-            "Was it saved from the same model and guide (same builder, same sizes)?")
 
 
 def convert_from_args(args: argparse.Namespace):
@@ -293,7 +242,8 @@ def convert_from_args(args: argparse.Namespace):
     pyro.clear_param_store()
     model, guide = build_model_and_guide(args.builder)
     if args.params:
-        sync_guide(model, guide, args.input_shape, load_param_store(args.params), args.params)
+        # convert() takes the guide's parameters from the param store (pyro2pfp.posterior)
+        load_param_store(args.params)
     options = {}
     if getattr(args, "input_variance", False):
         options["input_variance"] = True
@@ -362,16 +312,11 @@ class _OnnxPredictor:
         self.session = ort.InferenceSession(path, providers=["CPUExecutionProvider"])
 
     def __call__(self, x: Any, x_var: Any = None) -> tuple[np.ndarray, np.ndarray]:
-        from .network import as_input_array
+        from .inputs import check_finite_outputs, checked_inputs
 
-        feeds = {"x": as_input_array(x, self.input_shape)}
-        if self.input_variance:
-            if x_var is None:
-                raise InputShapeError("this network takes (x, x_var): pass the input variance too")
-            feeds["x_var"] = as_input_array(x_var, self.input_shape, "x_var")
-            if np.any(feeds["x_var"] < 0):
-                raise InputShapeError("x_var must be non-negative")
-        mean, var = self.session.run(["mean", "var"], feeds)
+        arrays = checked_inputs(x, x_var, self.input_shape, self.input_variance, np.float32)
+        mean, var = self.session.run(["mean", "var"], dict(zip(("x", "x_var"), arrays, strict=False)))
+        check_finite_outputs(mean, var)
         return mean, var
 
 
@@ -455,7 +400,8 @@ def cmd_inspect(args: argparse.Namespace) -> int:
         if isinstance(target, dict):
             keys = ("mtriple", "mcpu", "mattr", "num-cores")
             parts = [str(target.get("kind", "?"))] + [
-                f"{k} {','.join(target[k]) if isinstance(target[k], list) else target[k]}" for k in keys if target.get(k)]
+                f"{k} {','.join(target[k]) if isinstance(target[k], list) else target[k]}"
+                for k in keys if target.get(k)]
             target = ", ".join(parts)
         print(f"  target: {target}")
         if info.get("plan"):
@@ -514,14 +460,6 @@ def cmd_predict(args: argparse.Namespace) -> int:
     return 0
 
 
-def _latency_script() -> Path | None:
-    for root in (Path.cwd(), Path(__file__).resolve().parents[1]):
-        candidate = root / "benchmarks" / "latency.py"
-        if candidate.is_file():
-            return candidate
-    return None
-
-
 def _median_ms(fn, repeat: int) -> float:
     fn()  # warm-up
     times = []
@@ -537,7 +475,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
 
     from . import deploy
     from .onnx_export import to_onnx
-    from .zoo import predictive_logits
+    from .sampling import predictive_logits
 
     model, guide, net = convert_from_args(args)
     exe = deploy.compile_network(net, args.target)
@@ -545,18 +483,6 @@ def cmd_bench(args: argparse.Namespace) -> int:
         return _bench_remote(net, exe, args)
     if not exe.runnable:
         raise CLIError(f"--target {args.target} is for another CPU; bench runs on this machine")
-    script = _latency_script()
-    if script is not None and not args.builtin:
-        spec = importlib.util.spec_from_file_location("_pyro2pfp_latency", script)
-        module = importlib.util.module_from_spec(spec)
-        spec.loader.exec_module(module)
-        if callable(getattr(module, "bench", None)):
-            print(f"(using {script})")
-            out = module.bench(model, guide, net, exe=exe, batch_sizes=args.batch_sizes,
-                               num_samples=args.samples, repeats=args.repeat)
-            if out is not None:
-                print(out)
-            return 0
     ort_session = None
     try:
         import onnxruntime as ort
@@ -568,7 +494,8 @@ def cmd_bench(args: argparse.Namespace) -> int:
     except ImportError:
         print("note: onnxruntime is not installed; its column is skipped", file=sys.stderr)
     rng = np.random.default_rng(0)
-    header = f"{'batch':>6}  {'PFP TVM ms':>11}  {'PFP onnxruntime ms':>19}  {f'Predictive ({args.samples} samples) ms':>28}  {'speed-up':>8}"
+    predictive = f"Predictive ({args.samples} samples) ms"
+    header = f"{'batch':>6}  {'PFP TVM ms':>11}  {'PFP onnxruntime ms':>19}  {predictive:>28}  {'speed-up':>8}"
     print(f"target {exe.target.attrs.get('mcpu', '') or exe.target.kind.name}; median of {args.repeat} runs")
     print(header)
     print("-" * len(header))
@@ -577,10 +504,11 @@ def cmd_bench(args: argparse.Namespace) -> int:
         feeds = {"x": x}
         if net.input_variance:
             feeds["x_var"] = np.full_like(x, 1e-4)
-        t_tvm = _median_ms(lambda: exe(*feeds.values()), args.repeat)
-        t_ort = (_median_ms(lambda: ort_session.run(None, feeds), args.repeat)
+        # The lambdas run inside _median_ms, in this iteration: binding the loop variables is safe.
+        t_tvm = _median_ms(lambda: exe(*feeds.values()), args.repeat)  # noqa: B023
+        t_ort = (_median_ms(lambda: ort_session.run(None, feeds), args.repeat)  # noqa: B023
                  if ort_session is not None else float("nan"))
-        t_mc = _median_ms(lambda: predictive_logits(model, guide, x, num_samples=args.samples),
+        t_mc = _median_ms(lambda: predictive_logits(model, guide, x, num_samples=args.samples),  # noqa: B023
                           max(1, min(args.repeat, 5)))
         print(f"{batch:>6}  {t_tvm:>11.3f}  {t_ort:>19.3f}  {t_mc:>28.2f}  {t_mc / t_tvm:>7.0f}x")
     return 0
@@ -659,9 +587,11 @@ def build_parser() -> argparse.ArgumentParser:
     formatter = argparse.RawDescriptionHelpFormatter
     parser = argparse.ArgumentParser(prog="pyro2pfp", description=MAIN_DESCRIPTION, epilog=MAIN_EPILOG,
                                      formatter_class=formatter)
-    from . import __version__
+    from ._version import __version__
 
     parser.add_argument("--version", action="version", version=f"pyro2pfp {__version__}")
+    parser.add_argument("--debug", action="store_true",
+                        help="show the full traceback of an internal error (for bug reports)")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
 
     p = sub.add_parser("convert", formatter_class=formatter, help="convert a trained model to .so/.tar or .onnx",
@@ -686,7 +616,8 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("inspect", formatter_class=formatter, help="print the layer plan of a model or file",
                        description="Print the PFP layer plan (ops, shapes, mean/variance representations) "
                                    "of a builder + parameters, or describe a .so/.tar/.onnx file.",
-                       epilog="examples:\n  pyro2pfp inspect builder.py:build --params params.pt --input-shape 1,28,28\n"
+                       epilog="examples:\n"
+                              "  pyro2pfp inspect builder.py:build --params params.pt --input-shape 1,28,28\n"
                               "  pyro2pfp inspect net.so\n  pyro2pfp inspect net.onnx")
     _add_conversion_options(p, BUILDER_HELP + " Or a .so/.tar/.onnx file written by 'convert'.")
     p.set_defaults(func=cmd_inspect)
@@ -715,7 +646,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="batch sizes to time (default 1,32)")
     p.add_argument("--samples", type=positive_int, default=30, help="Predictive samples (default 30)")
     p.add_argument("--repeat", type=positive_int, default=20, help="timed runs per measurement (default 20)")
-    p.add_argument("--builtin", action="store_true", help="ignore benchmarks/latency.py if present")
+    # Kept for old command lines: bench never runs benchmarks/latency.py (or any file) any more.
+    p.add_argument("--builtin", action="store_true", help=argparse.SUPPRESS)
     _add_remote_options(p, required=False)
     p.set_defaults(func=cmd_bench)
 
@@ -741,13 +673,20 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parser.parse_args(argv)
     try:
         return int(args.func(args) or 0)
-    except (PFPError, FileNotFoundError, ValueError) as exc:
-        message = str(exc) or type(exc).__name__
+    except (PFPError, OSError) as exc:  # a user error (or a file system one): one clear line, no traceback
+        message = " ".join(str(exc).split()) or type(exc).__name__
         print(f"pyro2pfp {args.command}: error: {message}", file=sys.stderr)
         return 1
     except KeyboardInterrupt:
         print("interrupted", file=sys.stderr)
         return 130
+    except Exception as exc:  # noqa: BLE001 -- a bug in pyro2pfp or a dependency
+        print(f"pyro2pfp {args.command}: internal error ({type(exc).__name__}: {' '.join(str(exc).split())[:300]}). "
+              "Please report it with the command line"
+              + (":" if args.debug else "; rerun with --debug for the traceback."), file=sys.stderr)
+        if args.debug:
+            traceback.print_exc()
+        return 2
 
 
 if __name__ == "__main__":  # pragma: no cover

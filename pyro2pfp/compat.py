@@ -21,4 +21,4 @@ def _deep_getattr(obj: Any, name: str) -> Any:
 def patch_pyro_for_tyxe() -> None:
     """Restore ``pyro.util.deep_getattr`` (removed in Pyro 1.9) for TyXe 0.0.2."""
     if not hasattr(pyro.util, "deep_getattr"):
-        pyro.util.deep_getattr = _deep_getattr
+        pyro.util.deep_getattr = _deep_getattr  # type: ignore[attr-defined]  # restoring a removed name

@@ -26,6 +26,18 @@ class TracingError(PFPError):
     """The model could not be traced into a graph of torch operations."""
 
 
+class NumericalError(PFPError):
+    """A computation left its number format: e.g. the compiled network's float32 outputs overflowed."""
+
+
+class LoadError(PFPError):
+    """An exported library or its metadata cannot be loaded (names the path and what is wrong)."""
+
+
+class LibraryNotFoundError(LoadError, FileNotFoundError):
+    """The library file to load does not exist."""
+
+
 class TuningError(PFPError, RuntimeError):
     """Tuning cannot run (environment, another CPU architecture, a module without a batch axis)."""
 

@@ -8,30 +8,10 @@ import numpy as np
 from .converters import build_layer_graph
 from .errors import InputShapeError, PosteriorError
 from .graph import LayerGraph, Repr
+from .inputs import checked_inputs
 from .plan import PlannedGraph, plan
 from .reference import execute
 from .tracing import trace_model
-
-
-def as_input_array(x: Any, input_shape: tuple[int, ...], name: str = "x",
-                   dtype: Any = np.float32) -> np.ndarray:
-    """A contiguous array of shape (batch, *input_shape) from a NumPy array or torch tensor."""
-    if hasattr(x, "detach"):
-        x = x.detach().cpu().numpy()
-    x = np.asarray(x)
-    if x.ndim == len(input_shape):  # a single example
-        raise InputShapeError(
-            f"{name} has shape {x.shape}; the network takes a batch (batch, {', '.join(map(str, input_shape))}). "
-            f"Use {name}[None] for a single example.")
-    if x.ndim != len(input_shape) + 1 or tuple(x.shape[1:]) != tuple(input_shape) or x.shape[0] < 1:
-        raise InputShapeError(
-            f"{name} has shape {tuple(x.shape)}, expected (batch, {', '.join(map(str, input_shape))})")
-    if x.dtype != dtype and (not np.issubdtype(x.dtype, np.number) or np.iscomplexobj(x)):
-        raise InputShapeError(f"{name} must be real numbers, got dtype {x.dtype}")
-    x = np.ascontiguousarray(x, dtype=dtype)
-    if not np.isfinite(x).all():
-        raise InputShapeError(f"{name} contains NaN or infinite values")
-    return x
 
 
 class PFPNetwork:
@@ -42,9 +22,15 @@ class PFPNetwork:
     ``net.compile(target)``: a compiled predictor.  ``print(net)`` shows the layer plan.
     """
 
-    def __init__(self, layer_graph: LayerGraph, planned: PlannedGraph, *, fuse: bool = True) -> None:
+    def __init__(self, layer_graph: LayerGraph, planned: PlannedGraph, *, fuse: bool = True,
+                 nonweight_sites: dict[str, Any] | None = None, noise: Any = None) -> None:
         self.layer_graph = layer_graph
         self.plan = planned
+        # Latent sites of the model that do not flow into the network (e.g. a likelihood's noise
+        # scale): {site: pyro2pfp.posterior.SiteReading}.
+        self.nonweight_sites = dict(nonweight_sites or {})
+        # Regression: the Normal likelihood's noise (pyro2pfp.noise.NoiseModel), or why there is none.
+        self.noise = noise
         self.fuse = fuse  # ReLUs after dense layers computed in the dense kernel (tvm_backend.fused_activations)
         self._mod = None
 
@@ -71,14 +57,8 @@ class PFPNetwork:
 
     def reference(self, x: Any, x_var: Any = None) -> tuple[np.ndarray, np.ndarray]:
         """Float64 NumPy execution: ``(mean, var)`` of the logits, each (batch, classes)."""
-        xs = as_input_array(x, self.input_shape, dtype=np.float64)
-        if self.input_variance:
-            if x_var is None:
-                raise InputShapeError("this network was converted with input_variance=True: pass x_var")
-            x_var = as_input_array(x_var, self.input_shape, "x_var", dtype=np.float64)
-            if np.any(x_var < 0):
-                raise InputShapeError("x_var must be non-negative")
-        return execute(self.plan, xs, x_var)
+        arrays = checked_inputs(x, x_var, self.input_shape, self.input_variance, np.float64)
+        return execute(self.plan, arrays[0], arrays[1] if len(arrays) > 1 else None)
 
     def compile(self, target: Any = "native", *, tune: Any = None, schedule: bool = True,
                 num_threads: int | None = None, remote: Any = None):
@@ -103,13 +83,34 @@ class PFPNetwork:
         ``"tracker-host:9190/rpi4"``, ``"server-host:9090"`` or a :class:`pyro2pfp.remote.Remote`
         (the tuning database is then keyed by the board key as well as the target).
         """
-        from .deploy import compile_network
+        from .compile import compile_network
 
         if remote is not None:
             from .tuning import with_remote
 
             tune = with_remote(tune, remote)
         return compile_network(self, target, schedule=schedule, tune=tune, num_threads=num_threads)
+
+    def regression(self, mean: Any, var: Any) -> dict[str, np.ndarray]:
+        """The predictive distribution of a regression model's observation from the network's output
+        (``net.reference(x)`` or the compiled ``exe(x)``): ``{"mean", "epistemic", "aleatoric",
+        "total"}``, with ``epistemic`` = PFP's variance of the mean (from the weights), ``aleatoric`` =
+        E[sigma²] of the Normal likelihood (input-independent, see :mod:`pyro2pfp.noise`) and
+        ``total`` = their sum (law of total variance)."""
+        from .noise import NoiseModel
+
+        if not isinstance(self.noise, NoiseModel):
+            reason = getattr(self.noise, "reason", "no likelihood was found")
+            raise PosteriorError(f"this network has no regression noise model: {reason}")
+        mean, var = np.asarray(mean, dtype=np.float64), np.asarray(var, dtype=np.float64)
+        try:
+            noise = self.noise.expected_variance
+            aleatoric = np.broadcast_to(noise.reshape(()) if noise.size == 1 else noise.reshape(-1), var.shape[1:])
+        except ValueError as exc:
+            raise InputShapeError(f"the noise variance has shape {self.noise.expected_variance.shape}, the "
+                                  f"network's output {var.shape[1:]}: they do not broadcast") from exc
+        aleatoric = np.broadcast_to(aleatoric, var.shape).copy()
+        return {"mean": mean, "epistemic": var, "aleatoric": aleatoric, "total": var + aleatoric}
 
     def to_onnx(self, path: Any = None, *, opset: int = 17):
         """Write the network as an ONNX model (standard operators; inputs ``x`` [, ``x_var``],
@@ -129,7 +130,7 @@ class PFPNetwork:
 
 def convert(model: Any, guide: Any = None, *, input_shape: tuple[int, ...] | None = None,
             calibration: float = 1.0, moment_form: str = "variance",
-            input_variance: bool = False) -> PFPNetwork:
+            input_variance: bool = False, check_posterior: bool = True) -> PFPNetwork:
     """Convert a Pyro BNN (``model``, trained ``guide``) into a PFP network.
 
     Traces ``model`` (a ``PyroModule``) over a deterministic copy holding the posterior means, reads
@@ -149,12 +150,20 @@ def convert(model: Any, guide: Any = None, *, input_shape: tuple[int, ...] | Non
 
     ``input_variance=True`` gives a network whose ``main`` takes ``(x, x_var)``: input (sensor)
     noise is propagated through the whole network, and the first layer uses the full form.
+
+    The posterior is the one the param store holds at the moment of the call: a guide that has
+    not run since ``pyro.get_param_store().load(path)`` / ``.set_state(...)`` / ``store[name] = v``
+    (or has never run) is first brought in line with the store, and one sample of the guide is
+    checked against what was read (:mod:`pyro2pfp.posterior.guard`); a mismatch raises
+    :class:`PosteriorError`.  ``check_posterior=False`` skips that check, for guides that cannot be
+    sampled with the model's input alone.
     """
     if guide is None and hasattr(model, "net") and hasattr(model, "net_guide"):  # TyXe VariationalBNN
         model, guide = model.net, model.net_guide
-    if guide is None and hasattr(model, "named_modules"):
+    if guide is None:
         raise PosteriorError("convert(model, guide) needs the trained guide that holds the posterior")
-    traced = trace_model(model, guide, input_shape)
+    traced = trace_model(model, guide, input_shape, check_posterior=check_posterior)
     layer_graph = build_layer_graph(traced)
     layer_graph.input_variance = bool(input_variance)
-    return PFPNetwork(layer_graph, plan(layer_graph, calibration, moment_form))
+    return PFPNetwork(layer_graph, plan(layer_graph, calibration, moment_form),
+                      nonweight_sites=traced.nonweight_sites, noise=traced.noise)

@@ -38,6 +38,7 @@ from . import moments
 from .errors import PFPError, UnsupportedLayerError
 from .graph import INPUT, Repr
 from .plan import PlannedGraph, PlannedLayer
+from .registry import add_to
 
 D, V, S = Repr.DETERMINISTIC, Repr.VARIANCE, Repr.SECOND_MOMENT
 _INV_SQRT2 = 1.0 / math.sqrt(2.0)
@@ -119,6 +120,7 @@ class _Sym:
     @property
     def name(self) -> str:
         if self._name is None:
+            assert self.value is not None  # a _Sym is a named tensor or a constant
             self._name = self.b.scalar(self.value)
         return self._name
 
@@ -135,7 +137,7 @@ class _Sym:
         if swap:
             a, c = c, a
         if a.value is not None and c.value is not None:
-            return _Sym(self.b, value=float(fold(np.float32(a.value), np.float32(c.value))))
+            return _Sym(self.b, value=float(fold(float(np.float32(a.value)), float(np.float32(c.value)))))
         return _Sym(self.b, self.b.node(op, [a.name, c.name]))
 
     def __add__(self, o: Any) -> _Sym:
@@ -242,8 +244,16 @@ class _Ctx:
             return x.second
         return moments.second_to_variance(x.mean, x.second, self.ops)
 
+    def random_variance(self, x: _Act) -> _Sym:
+        """The variance of an activation the plan marks as random (not deterministic)."""
+        var = self.variance(x)
+        if var is None:
+            raise PFPError("internal: a deterministic activation where the plan expects a random one")
+        return var
+
     def second_moment(self, x: _Act) -> _Sym:
         if x.repr is S:
+            assert x.second is not None
             return x.second
         var = self.variance(x)
         return x.mean * x.mean if var is None else moments.variance_to_second(x.mean, var, self.ops)
@@ -260,14 +270,8 @@ Exporter = Callable[[_Ctx, PlannedLayer, list[_Act]], _Act]
 EXPORTERS: dict[str, Exporter] = {}
 
 
-def exporter(op: str) -> Callable[[Exporter], Exporter]:
-    """Register the ONNX emitter of PFP op ``op``."""
-
-    def deco(fn: Exporter) -> Exporter:
-        EXPORTERS[op] = fn
-        return fn
-
-    return deco
+#: ``@exporter(op)`` registers the ONNX emitter of PFP op ``op`` (once).
+exporter = add_to(EXPORTERS, "ONNX export of op")
 
 
 def _compute_layer(ctx: _Ctx, layer: PlannedLayer, x: _Act,
@@ -279,7 +283,7 @@ def _compute_layer(ctx: _Ctx, layer: PlannedLayer, x: _Act,
         var = apply(x.mean * x.mean, t["weight_var"], "weight_var")
     elif x.repr is V:
         var = (apply(ctx.second_moment(x), t["weight_var"], "weight_var")
-               + apply(x.second, t["weight_mean"] ** 2, "weight_mean_sq"))
+               + apply(ctx.random_variance(x), t["weight_mean"] ** 2, "weight_mean_sq"))
     else:
         var = (apply(ctx.second_moment(x), t["weight_second_moment"], "weight_second_moment")
                - apply(x.mean * x.mean, t["weight_mean"] ** 2, "weight_mean_sq"))
@@ -323,7 +327,7 @@ def _relu(ctx: _Ctx, layer: PlannedLayer, inputs: list[_Act]) -> _Act:
 @exporter("convert")
 def _convert(ctx: _Ctx, layer: PlannedLayer, inputs: list[_Act]) -> _Act:
     x = inputs[0]
-    return ctx.emit_output(x.mean, ctx.variance(x), layer)
+    return ctx.emit_output(x.mean, ctx.random_variance(x), layer)
 
 
 @exporter("reshape")
@@ -334,7 +338,7 @@ def _reshape(ctx: _Ctx, layer: PlannedLayer, inputs: list[_Act]) -> _Act:
     return _Act(x.mean.nary("Reshape", shape), second, x.repr)
 
 
-def _window_views(ctx: _Ctx, x: _Sym, kernel: list[int], stride: list[int], out_hw: tuple[int, int]):
+def _window_views(ctx: _Ctx, x: _Sym, kernel: list[int], stride: list[int], out_hw: tuple[int, ...]):
     """``reference.pooling.window_views``: the strided slice of each window offset, row-major."""
     oh, ow = out_hw
     axes = ctx.b.ints([2, 3], "axes")
@@ -346,7 +350,7 @@ def _window_views(ctx: _Ctx, x: _Sym, kernel: list[int], stride: list[int], out_
             yield x.nary("Slice", starts, ends, axes, steps)
 
 
-def _window_pads(layer: PlannedLayer, in_hw: tuple[int, int]) -> list[int] | None:
+def _window_pads(layer: PlannedLayer, in_hw: tuple[int, ...]) -> list[int] | None:
     """ONNX ``Pad`` amounts (N, C, H, W begins, then ends) that put every window inside the input
     (begin padding + ceil-mode overhang, as ``reference.pooling.padded``); None if none needed."""
     a, out_hw = layer.layer.attrs, layer.layer.out_shape[1:]
@@ -378,7 +382,7 @@ def _max_pool2d(ctx: _Ctx, layer: PlannedLayer, inputs: list[_Act]) -> _Act:
         mean = _pad(ctx, x.mean, pads, float("-inf")).nary("MaxPool", kernel_shape=kernel, strides=stride)
         return _Act(mean, None, D)
     means = _window_views(ctx, _pad(ctx, x.mean, pads, _LOWEST32), kernel, stride, out_hw)
-    vars_ = _window_views(ctx, _pad(ctx, ctx.variance(x), pads, 0.0), kernel, stride, out_hw)
+    vars_ = _window_views(ctx, _pad(ctx, ctx.random_variance(x), pads, 0.0), kernel, stride, out_hw)
     mean, var = next(means), next(vars_)
     for m, v in zip(means, vars_):
         mean, var = moments.max_moments(mean, var, m, v, ctx.ops)
@@ -408,7 +412,7 @@ def _avg_pool2d(ctx: _Ctx, layer: PlannedLayer, inputs: list[_Act]) -> _Act:
     mean = window_sum_over(x.mean, window / divisor, "mean_scale")
     if x.repr is D:
         return _Act(mean, None, D)
-    var = window_sum_over(ctx.variance(x), window / divisor**2, "var_scale")
+    var = window_sum_over(ctx.random_variance(x), window / divisor**2, "var_scale")
     return ctx.emit_output(mean, var, layer)
 
 
@@ -445,6 +449,7 @@ def _add(ctx: _Ctx, layer: PlannedLayer, inputs: list[_Act]) -> _Act:
         return _Act(mean, None, D)
     va, vc = ctx.variance(a), ctx.variance(c)
     var = va if vc is None else vc if va is None else va + vc
+    assert var is not None  # both deterministic returned above
     return ctx.emit_output(mean, var, layer)
 
 
@@ -467,7 +472,7 @@ def build_model(net: Any, *, opset: int = DEFAULT_OPSET, graph_name: str | None 
     import onnx
     from onnx import TensorProto, helper
 
-    from . import __version__
+    from ._version import __version__
 
     graph = _planned(net)
     if int(opset) < MIN_OPSET:
@@ -482,7 +487,7 @@ def build_model(net: Any, *, opset: int = DEFAULT_OPSET, graph_name: str | None 
     b = _Builder()
     ctx = _Ctx(b, _onnx_ops(b), {INPUT: tuple(graph.input_shape)})
     ctx.shapes.update({layer.name: tuple(layer.layer.out_shape) for layer in graph.layers})
-    in_dims = ["batch", *graph.input_shape]
+    in_dims: list[str | int] = ["batch", *graph.input_shape]
     inputs = [helper.make_tensor_value_info("x", TensorProto.FLOAT, in_dims)]
     b._used["x"] += 1
     if graph.input_repr is D:
@@ -506,7 +511,7 @@ def build_model(net: Any, *, opset: int = DEFAULT_OPSET, graph_name: str | None 
         var = _Sym(b, b.node("ConstantOfShape", [b.node("Shape", [result.mean.name])], value=zero))
     b.nodes.append(helper.make_node("Identity", [result.mean.name], ["mean"], name="output/mean"))
     b.nodes.append(helper.make_node("Identity", [var.name], ["var"], name="output/var"))
-    out_dims = ["batch", *graph.shape_of(graph.output)]
+    out_dims: list[str | int] = ["batch", *graph.shape_of(graph.output)]
     outputs = [helper.make_tensor_value_info(n, TensorProto.FLOAT, out_dims) for n in ("mean", "var")]
 
     name = graph_name or "pfp_network"

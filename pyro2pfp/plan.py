@@ -29,6 +29,7 @@ calibration factor first.
 """
 from __future__ import annotations
 
+import numbers
 from collections import Counter
 from dataclasses import dataclass, field
 
@@ -176,6 +177,9 @@ def _stored_tensors(layer: Layer, input_repr: Repr, calibration: float) -> dict[
 
 def plan(graph: LayerGraph, calibration: float = 1.0, moment_form: str = "variance") -> PlannedGraph:
     """Assign representations, insert conversions and compute the stored weights."""
+    if isinstance(calibration, bool) or not isinstance(calibration, numbers.Real):
+        raise PFPError(f"calibration must be a number (the factor on every weight variance, e.g. 1.0), "
+                       f"got {calibration!r} of type {type(calibration).__name__}")
     if not np.isfinite(calibration) or calibration < 0:
         raise PFPError(f"calibration must be a finite non-negative factor, got {calibration}")
     if moment_form not in MOMENT_FORMS:

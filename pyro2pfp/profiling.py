@@ -7,7 +7,8 @@ call the VM makes: the PFP kernels (``pfp_<op>_<layer>`` PrimFuncs) and the VM's
 * ``method="isolated"`` (default): one instrumented call of ``main`` records every kernel and a
   private copy of its arguments; each kernel is then timed *alone* by ``time_evaluator`` on the
   compiled library (C++ loop, median of ``repeats``; a Python loop would let the thread pool's
-  workers fall asleep between calls, and waking them can cost more than the kernel).  ``total_us`` is the median of ``main`` timed by
+  workers fall asleep between calls, and waking them can cost more than the kernel).  ``total_us``
+  is the median of ``main`` timed by
   ``vm.time_evaluator`` (C++ loop, no Python), and the ``(vm overhead)`` row is
   ``total - sum(kernels)``: allocation, shape checks and dispatch inside the VM.
 * ``method="in_vm"``: kernels are timed in place, between the instrument's before/after hooks,
@@ -102,7 +103,8 @@ class Profile:
 
 
 def split_kernel_name(symbol: str) -> tuple[str, str]:
-    """``("dense", "fc1")`` for ``"pfp_dense_fc1"`` (longest registered PFP op that prefixes it);
+    """Fallback for libraries exported without the kernel table (and raw VMs): ``("dense", "fc1")``
+    for ``"pfp_dense_fc1"`` (longest registered PFP op that prefixes it);
     ``(symbol, "")`` for anything else."""
     if symbol.startswith("pfp_"):
         try:
@@ -231,6 +233,9 @@ def profile(target: Any, args: Sequence[Any], repeats: int = 30, *, method: str 
     else:
         rows, total_us = _profile_isolated(vm, main, tensors, repeats, device, func_name,
                                            VMInstrumentReturnKind)
+    kernels = getattr(target, "kernels", None) or {}  # (op, layer) from the PrimFuncs' attributes
+    rows = [dataclasses.replace(row, op=kernels[row.name][0], layer=kernels[row.name][1])
+            if row.name in kernels else row for row in rows]
     return Profile(rows=rows, total_us=total_us, batch=batch, method=method, repeats=repeats,
                    threads=_threads())
 

@@ -202,11 +202,9 @@ class RemotePredictor:
     def _set_input(self, x: Any, x_var: Any) -> int:
         import tvm
 
-        from .network import as_input_array
+        from .inputs import checked_inputs
 
-        arrays = [as_input_array(x, self.input_shape)]
-        if self.input_variance:
-            arrays.append(as_input_array(x_var, self.input_shape, "x_var"))
+        arrays = checked_inputs(x, x_var, self.input_shape, self.input_variance, np.float32)
         self.vm.set_input("main", *[tvm.runtime.tensor(a, self.device) for a in arrays])
         return int(arrays[0].shape[0])
 

@@ -16,7 +16,9 @@ from __future__ import annotations
 
 import copy
 import functools
-from dataclasses import dataclass
+import numbers
+import warnings
+from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
@@ -27,9 +29,13 @@ from pyro.nn.module import _make_name
 from pyro.poutine.messenger import Messenger
 from pyro.poutine.subsample_messenger import _Subsample
 
+from . import random_module
 from .errors import InputShapeError, PosteriorError, TracingError
+from .export_passes import compute_ops, fold_identity_broadcasts, used_parameters, user_line
 from .graph import GaussianParam
-from .posterior import read_posterior
+from .noise import NoiseModel, NoNoiseModel, find_noise
+from .posterior import SiteReading, call_with_model_args, read_posterior
+from .site_matching import check_all_matched, require_weight_posterior
 
 _WRAPPER_PREFIX = "model."
 
@@ -45,16 +51,40 @@ class TracedModel:
     params: dict[str, GaussianParam]
     input_shape: tuple[int, ...]
     model_name: str = ""
+    # Latent sites the model samples that do not flow into the output (e.g. a noise scale).
+    nonweight_sites: dict[str, SiteReading] = field(default_factory=dict)
+    # The regression likelihood's noise (pyro2pfp.noise), or why there is none.
+    noise: NoiseModel | NoNoiseModel | None = None
 
 
-class _LikelihoodAsNoOp(Messenger):
-    """Makes every non-plate ``pyro.sample`` a no-op returning its observed value (or a placeholder)."""
+def _likelihood_mean(fn: Any) -> torch.Tensor:
+    """What a model that returns its likelihood's sample is taken to return: the ``loc`` (the
+    network output) of a Normal-like likelihood, else a placeholder."""
+    while isinstance(fn, torch.distributions.Independent):
+        fn = fn.base_dist
+    loc = getattr(fn, "loc", None)
+    return loc if isinstance(loc, torch.Tensor) else torch.zeros(())
+
+
+class _ModelSites(Messenger):
+    """While the deterministic copy is exported: a latent sample site the guide has a posterior for
+    returns the wrapper's parameter holding its posterior mean (so the graph names it, and whether
+    it flows into the output shows); every other non-plate ``pyro.sample`` (the likelihood) is a
+    no-op returning its observed value or the mean that feeds it."""
+
+    def __init__(self, wrapper: _Wrapper) -> None:
+        super().__init__()
+        self.wrapper = wrapper
 
     def _pyro_sample(self, msg: dict) -> None:
         if isinstance(msg["fn"], _Subsample):  # plates must keep working
             return
-        if msg["value"] is None:
-            msg["value"] = torch.zeros(())
+        key = self.wrapper.site_keys.get(msg["name"])
+        if key is not None and not msg["is_observed"]:
+            self.wrapper.seen_sites.add(msg["name"])
+            msg["value"] = self.wrapper.functional[key]
+        elif msg["value"] is None:
+            msg["value"] = _likelihood_mean(msg["fn"])
         msg["done"] = True
         msg["stop"] = True
 
@@ -100,7 +130,7 @@ def _prior_shapes(model: torch.nn.Module) -> dict[str, tuple[int, ...]]:
             for attr, sample in module._pyro_samples.items():
                 prior = getattr(sample, "prior", sample)
                 if isinstance(prior, torch.distributions.Distribution):
-                    shapes[f"{path}.{attr}" if path else attr] = tuple(prior.shape())
+                    shapes[f"{path}.{attr}" if path else attr] = tuple(prior.batch_shape + prior.event_shape)
     return shapes
 
 
@@ -135,13 +165,26 @@ def _deterministic_copy(model: torch.nn.Module, means: dict[str, torch.Tensor]) 
 
 
 class _Wrapper(torch.nn.Module):
-    def __init__(self, model: torch.nn.Module) -> None:
+    """The exported module: the deterministic copy of the model (``model``, or a model function) and
+    one parameter per latent site sampled in ``forward`` (``functional.site<i>``: its posterior mean)."""
+
+    def __init__(self, model: Any, functional_means: dict[str, torch.Tensor]) -> None:
         super().__init__()
-        self.model = model
+        if isinstance(model, torch.nn.Module):
+            self.model = model
+        else:
+            self.__dict__["model"] = model  # a model function (pyro.random_module style)
+        self.site_keys = {site: f"site{i}" for i, site in enumerate(functional_means)}
+        self.functional = torch.nn.ParameterDict(
+            {self.site_keys[site]: torch.nn.Parameter(mean, requires_grad=False)
+             for site, mean in functional_means.items()})
+        self.seen_sites: set[str] = set()
+        self.lifted = torch.nn.ModuleDict()  # deterministic copies of pyro.random_module nets
+        self.lifted_names: list[str] = []
 
     def forward(self, x: torch.Tensor) -> Any:
-        with _LikelihoodAsNoOp():
-            return self.model(x)
+        with _ModelSites(self):
+            return call_with_model_args(self.model, (x,))
 
 
 def _example_input(input_shape: tuple[int, ...], batch: int = 2) -> torch.Tensor:
@@ -165,46 +208,41 @@ def infer_input_shape(model: torch.nn.Module) -> tuple[int, ...]:
     )
 
 
-def trace_model(model: Any, guide: Any, input_shape: tuple[int, ...] | None) -> TracedModel:
-    """Trace ``model`` with the posterior of ``guide`` into a :class:`TracedModel`."""
-    if not isinstance(model, torch.nn.Module):
-        raise TracingError(
-            f"convert() needs the model as a torch.nn.Module (e.g. a PyroModule), got "
-            f"{type(model).__name__}. Write the BNN as a PyroModule with PyroSample weights."
-        )
-    if input_shape is None:
-        input_shape = infer_input_shape(model)
-    input_shape = tuple(int(d) for d in input_shape)
-    if not input_shape or any(d <= 0 for d in input_shape):
-        raise InputShapeError(f"input_shape must be positive sizes without the batch, got {input_shape}")
-    example = _example_input(input_shape)
+def _functional_means(readings: dict[str, SiteReading], pyro_sample_sites: set[str]) -> dict[str, torch.Tensor]:
+    """Posterior means of the latent sites not held by a PyroSample attribute (zeros of the site's
+    shape where the posterior has no mean: an error later, if the site turns out to be a weight)."""
+    return {site: torch.as_tensor(r.mean, dtype=torch.float32) if r.mean is not None else torch.zeros(r.shape)
+            for site, r in readings.items() if site not in pyro_sample_sites}
 
-    sites = sample_sites(model)
-    prior_shapes = _prior_shapes(model)
-    posterior = read_posterior(guide, sites.values(), (example,))
-    means, params = {}, {}
-    for path, site in sites.items():
-        if site not in posterior:
-            raise PosteriorError(
-                f"sample site '{site}' of the model (parameter {path}) has no posterior in the "
-                f"guide {type(guide).__name__}."
-            )
-        loc, var = posterior[site]
-        expected = prior_shapes.get(path)
-        if expected is not None and tuple(loc.shape) != expected:
-            raise PosteriorError(f"site '{site}': the guide's posterior has shape {tuple(loc.shape)} but the "
-                                 f"model's prior (parameter {path}) has shape {expected}")
-        means[path] = torch.as_tensor(loc, dtype=torch.float32)
-        params[path] = GaussianParam(loc, var, site=site)
 
-    det = _deterministic_copy(model, means)
+def _check_batch_independent(program: torch.export.ExportedProgram, wrapper: _Wrapper,
+                             input_shape: tuple[int, ...]) -> None:
+    """Raise :class:`TracingError` if ``forward`` computes something else at batch 1.
 
-    batch = torch.export.Dim("batch", min=1, max=2**20)
+    The program is traced with a symbolic batch, which torch assumes to be ≥ 2 (sizes 0 and 1 are
+    specialised), so ``if x.shape[0] > 1:`` is baked in without a guard.  A second trace at batch 1
+    must run the same computing ops in the same order, or the converted network would be wrong there.
+    """
+    single = _export(wrapper, _example_input(input_shape, batch=1), input_shape, dynamic=False)
+    fold_identity_broadcasts(single)
+    ops, ops1 = compute_ops(program), compute_ops(single)
+    for i in range(max(len(ops), len(ops1))):
+        a, b = (ops[i] if i < len(ops) else None), (ops1[i] if i < len(ops1) else None)
+        if a is None or b is None or a.target != b.target:
+            where = user_line(a if a is not None else b)  # type: ignore[arg-type]
+            first, second = (n.target if n is not None else "nothing" for n in (a, b))
+            raise TracingError(
+                f"the model computes differently at batch 1 than at batch ≥ 2 ({first} vs {second} at {where}): "
+                "forward() branches on the batch "
+                "size (e.g. `if x.shape[0] > 1:`). PFP needs one network for every batch size: remove the branch.")
+
+
+def _export(wrapper: _Wrapper, example: torch.Tensor, input_shape: tuple[int, ...], *,
+            dynamic: bool = True) -> torch.export.ExportedProgram:
+    dynamic_shapes = {"x": {0: torch.export.Dim("batch", min=1, max=2**20)}} if dynamic else None
     try:
         with pyro.validation_enabled(False), torch.no_grad():
-            program = torch.export.export(
-                _Wrapper(det), (example,), dynamic_shapes={"x": {0: batch}}, strict=False
-            )
+            return torch.export.export(wrapper, (example,), dynamic_shapes=dynamic_shapes, strict=False)
     except Exception as exc:
         raise TracingError(
             f"torch.export could not trace the model for input shape (batch, {', '.join(map(str, input_shape))}): "
@@ -212,14 +250,167 @@ def trace_model(model: Any, guide: Any, input_shape: tuple[int, ...] | None) -> 
             "Check input_shape and that forward() works on a batch of that shape."
         ) from exc
 
-    for name, value in program.named_parameters():
+
+def _checked_input_shape(model: Any, input_shape: tuple[int, ...] | None) -> tuple[int, ...]:
+    if not isinstance(model, torch.nn.Module) and not callable(model):
+        raise TracingError(
+            f"convert() needs the model as a torch.nn.Module (e.g. a PyroModule) or a Pyro model function, "
+            f"got {type(model).__name__}.")
+    if input_shape is None:
+        if not isinstance(model, torch.nn.Module):
+            raise InputShapeError(f"the model {getattr(model, '__name__', model)!r} is a function: pass "
+                                  "input_shape=(...) (one input, without the batch dimension) to convert().")
+        input_shape = infer_input_shape(model)
+    if isinstance(input_shape, numbers.Integral) and not isinstance(input_shape, bool):
+        input_shape = (int(input_shape),)  # one feature dimension
+    if isinstance(input_shape, str | bytes) or not isinstance(input_shape, tuple | list | torch.Size) or not all(
+            isinstance(d, numbers.Integral) and not isinstance(d, bool) for d in input_shape):
+        raise InputShapeError(f"input_shape must be a tuple of positive ints without the batch dimension, e.g. "
+                              f"(784,) or (1, 28, 28); got {input_shape!r}")
+    shape = tuple(int(d) for d in input_shape)
+    if not shape or any(d <= 0 for d in shape):
+        raise InputShapeError(f"input_shape must be positive sizes without the batch, got {shape}")
+    return shape
+
+
+def _pyro_sample_weights(model: Any, readings: dict[str, SiteReading], guide: Any) -> dict[str, GaussianParam]:
+    """The posterior of every ``PyroSample`` attribute, keyed by parameter path (``fc1.weight``)."""
+    if not isinstance(model, torch.nn.Module):
+        return {}
+    prior_shapes = _prior_shapes(model)
+    params = {}
+    for path, site in sample_sites(model).items():
+        reading = readings.get(site)
+        if reading is None:
+            raise PosteriorError(
+                f"sample site '{site}' of the model (parameter {path}) has no posterior in the "
+                f"guide {type(guide).__name__}."
+            )
+        require_weight_posterior(site, f"parameter {path}", reading, guide)
+        assert reading.mean is not None and reading.var is not None
+        expected = prior_shapes.get(path)
+        if expected is not None and tuple(reading.mean.shape) != expected:
+            raise PosteriorError(f"site '{site}': the guide's posterior has shape {tuple(reading.mean.shape)} but "
+                                 f"the model's prior (parameter {path}) has shape {expected}")
+        params[path] = GaussianParam(reading.mean, reading.var, site=site)
+    return params
+
+
+def _build_wrapper(model: Any, readings: dict[str, SiteReading], weights: dict[str, GaussianParam],
+                   example: torch.Tensor) -> tuple[_Wrapper, dict[str, str]]:
+    """The module to export: the deterministic copy (posterior means), a parameter per site sampled in
+    ``forward``, a deterministic copy per ``pyro.random_module`` net.  Also ``{parameter path: site}``
+    of the random modules' parameters."""
+    pyro_sample_sites = {p.site for p in weights.values() if p.site is not None}
+    if isinstance(model, torch.nn.Module):
+        det = _deterministic_copy(model, {path: torch.as_tensor(p.mean, dtype=torch.float32)
+                                          for path, p in weights.items()})
+        lifted: dict[str, torch.nn.Module] = {}
+    else:
+        det = model
+        lifted = random_module.lifted_modules(model, lambda fn: call_with_model_args(fn, (example,)))
+    lifted_paths = {f"lifted.m{i}.{path}": f"{name}{random_module.SEPARATOR}{path}"
+                    for i, (name, module) in enumerate(lifted.items()) for path, _ in module.named_parameters()}
+    lifted_means = {site: torch.as_tensor(readings[site].mean, dtype=torch.float32)
+                    for site in lifted_paths.values() if site in readings and readings[site].mean is not None}
+    wrapper = _Wrapper(det, _functional_means(readings, pyro_sample_sites | set(lifted_means)))
+    for i, (name, module) in enumerate(lifted.items()):
+        wrapper.lifted[f"m{i}"] = random_module.deterministic_copy(name, module, lifted_means)
+    wrapper.lifted_names = list(lifted)
+    return wrapper, lifted_paths
+
+
+def _classify_exported_sites(wrapper: _Wrapper, lifted_paths: dict[str, str], program: torch.export.ExportedProgram,
+                             readings: dict[str, SiteReading], guide: Any) -> tuple[dict[str, str], set[str]]:
+    """``({parameter path: site}`` of the weights sampled in ``forward`` or lifted by ``random_module``,
+    ``{non-weight sites}``): a site is a weight when the output depends on its parameter."""
+    used = used_parameters(program)
+    weights: dict[str, str] = {}
+    nonweights: set[str] = set()
+    candidates = [(path, site, f"parameter {site.split(random_module.SEPARATOR)[1]} of the random_module "
+                               f"'{site.split(random_module.SEPARATOR)[0]}'")
+                  for path, site in lifted_paths.items() if site in readings]
+    candidates += [(f"functional.{wrapper.site_keys[site]}", site, "sampled in forward() and used by the network")
+                   for site in wrapper.seen_sites]
+    for path, site, where in candidates:
+        if path in used:
+            require_weight_posterior(site, where, readings[site], guide)
+            weights[path] = site
+        else:
+            nonweights.add(site)
+    return weights, nonweights
+
+
+_TRAIN_DIFFERS = (torch.nn.modules.dropout._DropoutNd, torch.nn.modules.batchnorm._BatchNorm)
+
+
+def _warn_train_mode(model: Any) -> None:
+    """PFP converts eval semantics (Dropout off, BatchNorm with its running statistics); say so when
+    the model is left in train mode, where these layers compute something else."""
+    if not isinstance(model, torch.nn.Module):
+        return
+    training = [path or type(model).__name__ for path, m in model.named_modules()
+                if m.training and isinstance(m, _TRAIN_DIFFERS)]
+    if training:
+        warnings.warn(f"the model is in train mode ({', '.join(training[:4])}{' …' if len(training) > 4 else ''}): "
+                      "converted with eval semantics (Dropout off, BatchNorm with its running statistics). "
+                      "Call model.eval() before convert() to make this explicit.", stacklevel=4)
+
+
+def _warn_moment_matched(params: dict[str, GaussianParam], readings: dict[str, SiteReading]) -> None:
+    matched = [f"'{p.site}' ({readings[p.site].reason})" for p in params.values()
+               if p.site is not None and readings[p.site].kind == "moments"]
+    if matched:
+        warnings.warn(f"weights with non-Gaussian posteriors are moment-matched (PFP uses their mean and "
+                      f"variance only): {', '.join(matched)}", stacklevel=4)
+
+
+def trace_model(model: Any, guide: Any, input_shape: tuple[int, ...] | None, *,
+                check_posterior: bool = True) -> TracedModel:
+    """Trace ``model`` with the posterior of ``guide`` (as the param store holds it now) into a
+    :class:`TracedModel`; ``check_posterior``: see :func:`pyro2pfp.posterior.read_posterior`.
+
+    ``model`` is a ``PyroModule`` (weights as ``PyroSample`` attributes and/or sampled in
+    ``forward``) or a model function (``pyro.random_module`` style; ``input_shape`` required).  Every
+    latent site of the guide must be a weight or a non-weight site of the model
+    (:mod:`pyro2pfp.site_matching`).
+    """
+    input_shape = _checked_input_shape(model, input_shape)
+    _warn_train_mode(model)
+    example = _example_input(input_shape)
+    pyro_sample_sites = sample_sites(model) if isinstance(model, torch.nn.Module) else {}
+    readings = read_posterior(model, guide, (example,), weight_sites=pyro_sample_sites.values(),
+                              check=check_posterior)
+    params = _pyro_sample_weights(model, readings, guide)
+
+    wrapper, lifted_paths = _build_wrapper(model, readings, params, example)
+    with random_module.replaced_random_modules(
+            {name: wrapper.lifted[f"m{i}"] for i, name in enumerate(wrapper.lifted_names)}):
+        program = _export(wrapper, example, input_shape)
+        fold_identity_broadcasts(program)
+        _check_batch_independent(program, wrapper, input_shape)
+
+    exported_weights, nonweights = _classify_exported_sites(wrapper, lifted_paths, program, readings, guide)
+    model_parameters = [lifted_paths.get(name, name.removeprefix(_WRAPPER_PREFIX))
+                        for name, _ in program.named_parameters() if not name.startswith("functional.")]
+    check_all_matched(readings, [*pyro_sample_sites.values(), *exported_weights.values()], nonweights,
+                      [*pyro_sample_sites, *model_parameters], guide)
+    for path, site in exported_weights.items():
+        reading = readings[site]
+        assert reading.mean is not None and reading.var is not None
+        params[path] = GaussianParam(reading.mean, reading.var, site=site)
+    _warn_moment_matched(params, readings)
+
+    for name, param in program.named_parameters():
         path = name.removeprefix(_WRAPPER_PREFIX)
-        if path not in params:
-            arr = value.detach().to(torch.float64).numpy().copy()
+        if path not in params and not path.startswith("functional."):
+            arr = param.detach().to(torch.float64).numpy().copy()
             params[path] = GaussianParam(arr, np.zeros_like(arr))
-    for name, value in program.named_buffers():
+    for name, buffer in program.named_buffers():
         path = name.removeprefix(_WRAPPER_PREFIX)
-        arr = value.detach().to(torch.float64).numpy().copy()
+        arr = buffer.detach().to(torch.float64).numpy().copy()
         params[path] = GaussianParam(arr, np.zeros_like(arr))
     return TracedModel(program=program, params=params, input_shape=input_shape,
-                       model_name=type(model).__name__)
+                       model_name=getattr(model, "__name__", type(model).__name__),
+                       nonweight_sites={site: readings[site] for site in sorted(nonweights)},
+                       noise=find_noise(model, readings, nonweights, input_shape))

@@ -168,7 +168,7 @@ def _physical_cores() -> int:
 
 def _check_runs_here(target: tvm.target.Target) -> None:
     """Tuning measures candidates on this machine: refuse a target for another architecture."""
-    from .deploy import host_arch, target_arch
+    from .targets import host_arch, target_arch
 
     if target_arch(target) != host_arch():
         raise TuningError(
@@ -178,7 +178,7 @@ def _check_runs_here(target: tvm.target.Target) -> None:
 
 def tuning_target(target: Any) -> tvm.target.Target:
     """``target`` as a ``tvm.target.Target`` with ``num-cores`` (MetaSchedule requires it)."""
-    from .tvm_backend.runtime import make_target
+    from .targets import make_target
 
     tgt = make_target(target)
     cores = tgt.attrs.get("num-cores")
@@ -490,10 +490,18 @@ def _upload_module(rt_mod: Any, remote: Any) -> tuple[Any, Any]:
     return loaded, session.cpu()
 
 
+def _seconds(result: tuple[Any, float | None]) -> float:
+    """The time of a ``(outputs, seconds)`` result that was asked to time the call."""
+    seconds = result[1]
+    if seconds is None:
+        raise TuningError("a kernel run that was asked to be timed returned no time")
+    return seconds
+
+
 def time_prim_func(func: tirx.PrimFunc, target: tvm.target.Target, *, repeat: int | None = None,
                    min_repeat_ms: int | None = None) -> float:
     """Seconds of one call of ``func`` (static shapes), built alone: the fastest of ``repeat``."""
-    return run_prim_func(func, target, _kernel_inputs(func), repeat=repeat, min_repeat_ms=min_repeat_ms)[1]
+    return _seconds(run_prim_func(func, target, _kernel_inputs(func), repeat=repeat, min_repeat_ms=min_repeat_ms))
 
 
 def _same_outputs(got: list[np.ndarray], want: list[np.ndarray], rtol: float = 1e-3) -> bool:
@@ -626,12 +634,13 @@ def _write_meta(directory: Path, meta: dict[str, Any]) -> None:
 def _default_schedules(mod: tvm.IRModule, plan: Any, target: tvm.target.Target) -> dict[str, tirx.PrimFunc]:
     """The default (hand-written) schedule of every PFP kernel of ``mod`` that has one."""
     from .tvm_backend import schedules
+    from .tvm_backend._core import kernel_info
 
-    layers = {f"pfp_{layer.op}_{layer.name}": layer for layer in getattr(plan, "layers", ())}
+    layers = {layer.name: layer for layer in getattr(plan, "layers", ())}
     out = {}
     for name, func in _prim_funcs(mod).items():
-        layer = layers.get(name)
-        op = layer.op if layer is not None else schedules._op_from_name(name)
+        op, layer_name = kernel_info(func)
+        layer = layers.get(layer_name) if layer_name is not None else None
         if op is None or schedules._schedule_fn(op) is None:
             continue
         try:
@@ -650,8 +659,9 @@ def _any_batch_defaults(mod: tvm.IRModule, plan: Any, target: tvm.target.Target,
     candidates in the specialised module as well: the tuned module is then never slower, kernel
     by kernel, than the untuned one (a schedule applied to the static kernel can differ)."""
     from .tvm_backend import schedules
+    from .tvm_backend._core import kernel_table
 
-    if not any(name.startswith("pfp_") for name in names):
+    if not set(kernel_table(mod)) & names:
         return {}
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
@@ -688,7 +698,7 @@ def tune(mod: tvm.IRModule, target: Any, *, batch: int, trials: int = DEFAULT_TR
     Args:
         mod: a Relax IRModule whose ``main``'s first parameter has a (symbolic) batch dimension:
             ``net.mod`` of a PFP network, or any module (e.g. from TVM's torch frontend).
-        target: what :func:`pyro2pfp.tvm_backend.runtime.make_target` accepts; ``num-cores`` is
+        target: what :func:`pyro2pfp.targets.make_target` accepts; ``num-cores`` is
             added if missing (:func:`tuning_target`).
         batch: the batch size the result is specialised to.
         trials: candidates measured in total over all tuned kernels (MetaSchedule's
@@ -699,7 +709,7 @@ def tune(mod: tvm.IRModule, target: Any, *, batch: int, trials: int = DEFAULT_TR
         progress: True prints one line per measured batch of candidates; a callable receives
             the lines; False is silent.
         plan: the network's ``PlannedGraph`` (``net.plan``), to find each kernel's default
-            schedule by layer; without it the op is taken from the ``pfp_<op>_<layer>`` name.
+            schedule by layer; without it the schedules read only the PrimFuncs (``pfp.op`` attribute).
         cost_model: ``"auto"`` (xgb if xgboost is installed, else random), ``"xgb"``, ``"random"``.
         builder: where candidates are compiled: ``"pool"`` (default: a persistent pool of worker
             processes, parallel, killed after :data:`BUILD_TIMEOUT_SEC`), ``"inprocess"`` (this
@@ -765,7 +775,7 @@ def tune(mod: tvm.IRModule, target: Any, *, batch: int, trials: int = DEFAULT_TR
             _fast_inspect.preimport_tensor_intrin()  # TuneContext imports it: ~3 s instead of ~130 s
             # kernels worth searching: by their time with the default schedule (naive if none)
             run = _BatchRunner(list(defaults.values()), tgt, remote)
-            base_us = {name: run(f, _kernel_inputs(f))[1] * 1e6 for name, f in defaults.items()}
+            base_us = {name: _seconds(run(f, _kernel_inputs(f))) * 1e6 for name, f in defaults.items()}
             todo = _select_tasks(static, tgt, base_us, min_share, search_ops)
             if todo:
                 tuned_now = True
@@ -820,8 +830,9 @@ def _select_tasks(static: tvm.IRModule, target: tvm.target.Target, base_us: dict
                   min_share: float, search_ops: Sequence[str] | None = None) -> list[Any]:
     """The extracted tasks worth searching: PFP kernels of ``search_ops`` taking at least
     ``min_share`` of the default-scheduled time, and every kernel without a default schedule."""
-    from .profiling import split_kernel_name
+    from .tvm_backend._core import kernel_table
 
+    ops = {name: op for name, (op, _) in kernel_table(static).items()}
     tasks = ms.relax_integration.extract_tasks(static, target)
     total = sum(base_us.values())
     chosen = []
@@ -832,7 +843,7 @@ def _select_tasks(static: tvm.IRModule, target: tvm.target.Target, base_us: dict
         if name not in base_us:
             chosen.append(task)
             continue
-        if search_ops is not None and split_kernel_name(name)[0] not in search_ops:
+        if search_ops is not None and ops.get(name) not in search_ops:
             continue
         if total > 0 and base_us[name] < min_share * total:
             continue
@@ -958,9 +969,9 @@ def _choose(static: tvm.IRModule, tuned: tvm.IRModule, defaults: dict[str, tirx.
                               f"than the unscheduled kernel at this batch size (a TVM miscompile?); not used",
                               RuntimeWarning, stacklevel=3)
                 continue
-            times[kind] = seconds * 1e6
+            times[kind] = _seconds((got, seconds)) * 1e6
         if not times:  # nothing valid: the unscheduled kernel
-            times["naive"] = (naive_s if naive_s is not None else run(func, arrays, time_it=True)[1]) * 1e6
+            times["naive"] = (naive_s if naive_s is not None else _seconds(run(func, arrays, time_it=True))) * 1e6
         best = min(times, key=times.__getitem__)
         choices[name] = {"choice": best, "times_us": times, "rejected": rejected}
     return choices

@@ -17,7 +17,7 @@ entropies in nats)::
   (``pfp-math.md``), ``l[n] = mean + sqrt(var) · z[n]`` with ``z ~ N(0, 1)`` drawn in one
   vectorised call from ``numpy.random.default_rng(seed)``.
 * :func:`predictive_uncertainty` — the original Pyro BNN: logits from
-  ``pyro.infer.Predictive`` (:func:`pyro2pfp.zoo.predictive_logits`).
+  ``pyro.infer.Predictive`` (:func:`pyro2pfp.sampling.predictive_logits`).
 
 Both also report the sampling-free score ``"logit_variance"``: the summed logit variance
 ``Σk var_k`` (exact for PFP; the unbiased sample variance for BNN samples).
@@ -147,9 +147,9 @@ def predictive_uncertainty(model: Callable[..., Any], guide: Callable[..., Any],
     """The same metrics for the sampled BNN: ``pyro.infer.Predictive`` logits of ``(model, guide)``.
 
     ``x`` is passed to the model as a float32 tensor (shape as the model expects it);
-    ``seed`` (if given) seeds Pyro before sampling. See :func:`pyro2pfp.zoo.predictive_logits`.
+    ``seed`` (if given) seeds Pyro before sampling. See :func:`pyro2pfp.sampling.predictive_logits`.
     """
-    from .zoo import predictive_logits
+    from .sampling import predictive_logits
 
     return uncertainty_from_logit_samples(predictive_logits(model, guide, x, num_samples, seed))
 
@@ -200,7 +200,7 @@ class CalibrationObjective:
     def __init__(self, net: Any, x_val: Any, *, objective: str = "mutual_information",
                  target_samples: Any = None, y_val: Any = None, num_samples: int = 100,
                  seed: int = 0) -> None:
-        from .network import as_input_array
+        from .inputs import as_input_array
 
         if objective not in CALIBRATION_OBJECTIVES:
             raise ValueError(f"objective must be one of {CALIBRATION_OBJECTIVES}, got {objective!r}")
@@ -298,7 +298,7 @@ def minimise_log_scale(fn: Callable[[float], float], bounds: tuple[float, float]
             a, x1, f1 = x1, x2, f2
             x2 = a + g * (b - a)
             f2 = f(x2)
-    t_best = min(cache, key=cache.get)
+    t_best = min(cache, key=lambda t: cache[t])
     if best in (0, len(logs) - 1) and t_best in (logs[0], logs[-1]):
         warnings.warn(f"the calibration optimum lies at the edge of bounds {bounds}; widen them",
                       stacklevel=3)
@@ -352,7 +352,8 @@ def calibrate(model: Any, guide: Any, x_val: Any, *, input_shape: tuple[int, ...
     Returns:
         The factor as a float (pass it to ``convert(..., calibration=factor)``).
     """
-    from .network import as_input_array, convert
+    from .inputs import as_input_array
+    from .network import convert
 
     if objective is None:
         objective = "nll" if y_val is not None else "mutual_information"
@@ -363,7 +364,7 @@ def calibrate(model: Any, guide: Any, x_val: Any, *, input_shape: tuple[int, ...
         warnings.warn(f"samples has {np.shape(samples)[0]} samples per input but num_samples={num_samples}: "
                       "entropy estimates are biased differently for different sample counts", stacklevel=2)
     if objective != "nll" and samples is None:
-        from .zoo import predictive_logits
+        from .sampling import predictive_logits
 
         samples = predictive_logits(model, guide, x, num_samples=num_samples, seed=seed)
     obj = CalibrationObjective(net, x, objective=objective, target_samples=samples, y_val=y_val,

@@ -14,11 +14,11 @@ import torch
 
 import pyro2pfp
 from pyro2pfp.cli import build_parser, load_builder, main
-from pyro2pfp.datasets import load_mnist
-from pyro2pfp.zoo import train_svi
+from pyro2pfp_experiments.datasets import load_mnist
+from pyro2pfp_experiments.zoo import train_svi
 
 BUILDER = textwrap.dedent("""\
-    from pyro2pfp.zoo import BayesianMLP, make_guide
+    from pyro2pfp_experiments.zoo import BayesianMLP, make_guide
 
     HIDDEN = {hidden}
 
@@ -195,3 +195,37 @@ def test_help_is_for_newcomers(capsys):
     if script.exists():  # the installed entry point ([project.scripts])
         result = subprocess.run([str(script), "--help"], capture_output=True, text=True, timeout=120)
         assert result.returncode == 0 and "convert" in result.stdout
+
+
+def test_bench_never_runs_code_from_the_working_directory(trained, tmp_path, capsys, monkeypatch):
+    """A benchmarks/latency.py under the current directory is not executed (it could be anyone's)."""
+    work, _, _ = trained
+    marker = tmp_path / "executed"
+    (tmp_path / "benchmarks").mkdir()
+    (tmp_path / "benchmarks" / "latency.py").write_text(
+        f"open({str(marker)!r}, 'w').write('x')\ndef bench(*a, **k):\n    return 'from cwd'\n")
+    monkeypatch.chdir(tmp_path)
+    assert main(["bench", str(work / "builder.py"), "-p", str(work / "params.pt"), "--input-shape", "1,28,28",
+                 "--batch-sizes", "1", "--samples", "2", "--repeat", "1"]) == 0
+    out = capsys.readouterr().out
+    assert "from cwd" not in out and "PFP TVM ms" in out
+    assert not marker.exists()
+
+
+def test_internal_errors_are_short_unless_debug(trained, capsys, monkeypatch):
+    """A PFPError is one line (exit 1); anything else is an 'internal error' (exit 2), traceback only
+    with --debug."""
+    work, _, _ = trained
+    argv = ["inspect", str(work / "builder.py"), "-p", str(work / "params.pt")]
+
+    def broken(*args, **kwargs):
+        raise RuntimeError("something deep\nbroke")
+
+    monkeypatch.setattr(pyro2pfp.cli, "convert_from_args", broken)
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert "internal error" in err and "something deep broke" in err and "Traceback" not in err
+    assert "--debug" in err
+    assert main(["--debug", *argv]) == 2
+    err = capsys.readouterr().err
+    assert "Traceback" in err and "RuntimeError: something deep" in err

@@ -8,6 +8,7 @@ absolute values of their terms; elementwise ops against a few ulps of their inpu
 from __future__ import annotations
 
 import numpy as np
+from op_coverage import COMPILED, MONTE_CARLO, covers
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
@@ -46,6 +47,7 @@ def run_both(net, exe, x, x_var):
 @given(seed=st.integers(0, 2**31 - 1), batch=st.integers(1, 9), k=st.integers(1, 64),
        m=st.integers(1, 40), mean_scale=scales, var_scale=var_scales, x_scale=scales,
        x_var=input_var, bias=st.sampled_from(["none", "det", "prob"]), form=forms)
+@covers("dense", kind=COMPILED)
 def test_dense_matches_reference(seed, batch, k, m, mean_scale, var_scale, x_scale, x_var, bias, form):
     rng = np.random.default_rng(seed)
     layer = dense_layer(rng, "fc", INPUT, k, m, mean_scale, var_scale, bias)
@@ -75,6 +77,7 @@ def conv_cases(draw):
 @given(seed=st.integers(0, 2**31 - 1), batch=st.integers(1, 4), case=conv_cases(), mean_scale=scales,
        var_scale=var_scales, x_scale=scales, x_var=input_var, bias=st.sampled_from(["none", "det", "prob"]),
        form=forms)
+@covers("conv2d", kind=COMPILED)
 def test_conv2d_matches_reference(seed, batch, case, mean_scale, var_scale, x_scale, x_var, bias, form):
     c, h, w, o, kernel, stride, pad, dil, groups = case
     rng = np.random.default_rng(seed)
@@ -92,6 +95,7 @@ def test_conv2d_matches_reference(seed, batch, case, mean_scale, var_scale, x_sc
 @SETTINGS
 @given(seed=st.integers(0, 2**31 - 1), batch=st.integers(1, 6), n=st.integers(1, 50),
        x_scale=scales, x_var=st.sampled_from([0.0, 1e-30, 1e-8, 1e-2, 1.0, 100.0]))
+@covers("relu", kind=COMPILED)
 def test_relu_matches_reference(seed, batch, n, x_scale, x_var):
     rng = np.random.default_rng(seed)
     graph = LayerGraph(input_shape=(n,), layers=[relu_layer("relu", INPUT, (n,))], output="relu",
@@ -109,6 +113,7 @@ def test_relu_matches_reference(seed, batch, n, x_scale, x_var):
 @given(seed=st.integers(0, 2**31 - 1), batch=st.integers(1, 4), c=st.integers(1, 3),
        h=st.integers(3, 9), w=st.integers(3, 9), kernel=st.integers(1, 3), stride=st.integers(1, 3),
        x_scale=scales, x_var=st.sampled_from([None, 0.0, 1e-8, 1e-2, 1.0, 100.0]))
+@covers("max_pool2d", kind=COMPILED)
 def test_max_pool_matches_reference(seed, batch, c, h, w, kernel, stride, x_scale, x_var):
     rng = np.random.default_rng(seed)
     graph = LayerGraph(input_shape=(c, h, w), layers=[pool_layer("pool", INPUT, (c, h, w), kernel, stride)],
@@ -124,6 +129,7 @@ def test_max_pool_matches_reference(seed, batch, c, h, w, kernel, stride, x_scal
         np.testing.assert_array_equal(out[1], 0.0)
 
 
+@covers("reshape", "convert", kind=COMPILED)
 @pytest.mark.parametrize("form", ["variance", "raw"])
 @pytest.mark.parametrize("arch", ["mlp", "mlp2", "lenet"])
 def test_networks_match_reference_any_batch(arch, form):

@@ -13,7 +13,7 @@ from pyro.nn import PyroModule, PyroSample
 
 import pyro2pfp
 from pyro2pfp.graph import Repr
-from pyro2pfp.zoo import BayesianLeNet5, BayesianMLP, make_guide
+from pyro2pfp_experiments.zoo import BayesianLeNet5, BayesianMLP, make_guide
 
 
 def initialised_guide(model, x, y, init_scale=0.05):
@@ -191,8 +191,17 @@ def test_guide_errors_name_the_guide_and_site():
         pyro.sample("fc1.weight", dist.Laplace(torch.zeros(4, 6), torch.ones(4, 6)).to_event(2))
         pyro.sample("fc1.bias", dist.Normal(torch.zeros(4), torch.ones(4)).to_event(1))
 
-    with pytest.raises(pyro2pfp.PosteriorError, match=r"'fc1.weight'.*Laplace"):
-        pyro2pfp.convert(model, laplace_guide)
+    # A non-Gaussian weight posterior with finite moments is moment-matched, with a warning.
+    with pytest.warns(UserWarning, match=r"fc1.weight.*Laplace"):
+        w = pyro2pfp.convert(model, laplace_guide, check_posterior=False).layer_graph.layer("fc1").params["weight"]
+    np.testing.assert_array_equal(w.var, np.full((4, 6), 2.0))  # Var Laplace(0, b) = 2 b²
+
+    def cauchy_guide(x, y=None):
+        pyro.sample("fc1.weight", dist.Cauchy(torch.zeros(4, 6), torch.ones(4, 6)).to_event(2))
+        pyro.sample("fc1.bias", dist.Normal(torch.zeros(4), torch.ones(4)).to_event(1))
+
+    with pytest.raises(pyro2pfp.PosteriorError, match=r"'fc1.weight'.*Cauchy"):
+        pyro2pfp.convert(model, cauchy_guide)
 
     def partial_guide(x, y=None):
         pyro.sample("fc1.weight", dist.Normal(torch.zeros(4, 6), torch.ones(4, 6)).to_event(2))
@@ -230,7 +239,7 @@ def test_unsupported_layer_names_module_path_and_op():
 
 
 def test_non_module_model_and_bad_calibration_are_rejected():
-    with pytest.raises(pyro2pfp.TracingError, match="torch.nn.Module"):
+    with pytest.raises(pyro2pfp.PosteriorError, match="needs the trained guide"):
         pyro2pfp.convert(lambda x: x, None, input_shape=(3,))
     model = _HandWrittenGuideNet()
 
@@ -238,5 +247,7 @@ def test_non_module_model_and_bad_calibration_are_rejected():
         pyro.sample("fc1.weight", dist.Normal(torch.zeros(4, 6), torch.ones(4, 6)).to_event(2))
         pyro.sample("fc1.bias", dist.Normal(torch.zeros(4), torch.ones(4)).to_event(1))
 
+    with pytest.raises(pyro2pfp.TracingError, match="torch.nn.Module"):
+        pyro2pfp.convert(42, guide, input_shape=(6,))
     with pytest.raises(pyro2pfp.PFPError, match="calibration"):
         pyro2pfp.convert(model, guide, calibration=-1.0)

@@ -35,7 +35,7 @@ from pyro2pfp import deploy
 from pyro2pfp.errors import InputShapeError, PFPError
 from pyro2pfp.network import PFPNetwork
 from pyro2pfp.plan import plan
-from pyro2pfp.zoo import BayesianLeNet5, make_guide
+from pyro2pfp_experiments.zoo import BayesianLeNet5, make_guide
 
 CROSS_GCC = "aarch64-linux-gnu-gcc"
 APT_LINE = "apt-get install -y gcc-aarch64-linux-gnu g++-aarch64-linux-gnu qemu-user"

@@ -7,6 +7,7 @@ import copy
 import warnings
 
 import numpy as np
+from op_coverage import COMPILED, MONTE_CARLO, covers
 import pyro
 import pyro.distributions as dist
 import pytest
@@ -44,6 +45,7 @@ def assert_close(out, ref, scale):
 @SETTINGS
 @given(seed=st.integers(0, 2**31 - 1), n=st.integers(1, 40), slope=st.sampled_from([0.0, 0.01, 0.2, 0.5, 1.0]),
        x_var=st.sampled_from([None, 0.0, 1e-6, 1.0, 100.0]), form=st.sampled_from(["variance", "raw"]))
+@covers("leaky_relu", kind=COMPILED)
 def test_leaky_relu_compiled_matches_reference(seed, n, slope, x_var, form):
     rng = np.random.default_rng(seed)
     graph = LayerGraph((n,), [Layer("lrelu", "leaky_relu", [INPUT], (n,), "t", {"slope": slope})], "lrelu",
@@ -63,6 +65,7 @@ def torch_pool_shape(kind, c, h, w, kernel, stride, pad, ceil, **kw):
 @SETTINGS
 @given(seed=st.integers(0, 2**31 - 1), case=pool_cases(), kind=st.sampled_from(["max", "avg"]),
        include_pad=st.booleans(), x_var=st.sampled_from([None, 0.0, 1e-4, 1.0]))
+@covers("avg_pool2d", "max_pool2d", kind=COMPILED)
 def test_pooling_with_padding_and_ceil_mode_compiled_matches_reference(seed, case, kind, include_pad, x_var):
     graph, torch_pool = pool_graph(kind, case, include_pad, input_variance=x_var is not None)
     rng = np.random.default_rng(seed)
@@ -75,6 +78,8 @@ def test_pooling_with_padding_and_ceil_mode_compiled_matches_reference(seed, cas
         np.testing.assert_allclose(ref[0], expected.numpy(), rtol=1e-12, atol=1e-12)
 
 
+@covers("affine", "add", kind=COMPILED)
+@covers("affine", "add", kind=MONTE_CARLO)
 def test_affine_add_compiled_match_reference_and_sampling():
     rng = np.random.default_rng(0)
     c, n = 3, 4
@@ -94,6 +99,7 @@ def test_affine_add_compiled_match_reference_and_sampling():
     np.testing.assert_allclose(ref[1], xv * a**2 + xv, rtol=1e-6)
 
 
+@covers("leaky_relu", kind=MONTE_CARLO)
 def test_leaky_relu_moments_match_sampling():
     """LeakyReLU moments are exact for a Gaussian input: z-test with the sample standard errors."""
     rng = np.random.default_rng(1)
@@ -226,6 +232,7 @@ def test_unsupported_padding_and_softmax_inside_are_clear_errors():
             pyro2pfp.convert(model, guide, input_shape=shape)
 
 
+@covers("avg_pool2d", kind=MONTE_CARLO)
 def test_avg_pool_matches_sampling():
     """Average pooling with padding (count_include_pad=False), plus an independent branch added by
     the residual rule (means add, variances add): the moments are exact, so sampling must agree

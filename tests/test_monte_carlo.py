@@ -30,6 +30,7 @@ from fractions import Fraction
 import hypothesis.extra.numpy as hnp
 import mpmath
 import numpy as np
+from op_coverage import COMPILED, MONTE_CARLO, covers
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
@@ -302,6 +303,7 @@ def dense_samples(case, n=N_MC):
                     case["w_mean"], rc * case["w_std"], case["b_mean"], b_std)
 
 
+@covers("dense", kind=MONTE_CARLO)
 @MC_SETTINGS
 @given(dense_cases())
 def test_dense_moments_match_monte_carlo(case):
@@ -404,6 +406,7 @@ def conv_samples(case, n=N_MC):
                    case["w_mean"], rc * case["w_std"], case["b_mean"], b_std, case["attrs"])
 
 
+@covers("conv2d", kind=MONTE_CARLO)
 @MC_SETTINGS
 @given(conv_cases())
 def test_conv2d_moments_match_monte_carlo(case):
@@ -507,6 +510,7 @@ def relu_cases(draw):
     return alpha * std, std, draw(seeds)
 
 
+@covers("relu", kind=MONTE_CARLO)
 @MC_SETTINGS
 @given(relu_cases())
 def test_relu_moments_match_monte_carlo(case):
@@ -628,6 +632,7 @@ def max_cases(draw):
     return m1, s1, m2, s2, draw(st.booleans()), draw(seeds)
 
 
+@covers("max_pool2d", kind=MONTE_CARLO)
 @MC_SETTINGS
 @given(max_cases())
 def test_max_pool_pair_matches_monte_carlo(case):
@@ -689,6 +694,7 @@ def test_max_check_rejects_wrong_formula(wrong):
 # Representation conversions
 # --------------------------------------------------------------------------------------------
 
+@covers("convert", kind=MONTE_CARLO)
 @MC_SETTINGS
 @given(st.floats(-3, 3), st.floats(-3, 1), seeds)
 def test_raw_second_moment_matches_monte_carlo(mu, log_std, seed):

@@ -161,7 +161,7 @@ def test_dead_server_and_silent_peer_give_bounded_errors(net_and_exe):
 
 
 BUILDER = textwrap.dedent("""\
-    from pyro2pfp.zoo import BayesianMLP, make_guide
+    from pyro2pfp_experiments.zoo import BayesianMLP, make_guide
 
     def build():
         import torch

@@ -23,7 +23,7 @@ from tvm import relax
 from builders import lenet_graph, mlp_graph
 from pyro2pfp.graph import INPUT, GaussianParam, Layer, LayerGraph
 from pyro2pfp.network import PFPNetwork
-from pyro2pfp.plan import plan
+from pyro2pfp.plan import OP_SPECS, plan
 from pyro2pfp.reference import execute
 from pyro2pfp.tvm_backend import _core, emit_module
 from pyro2pfp.tvm_backend import schedules
@@ -98,6 +98,20 @@ def case_graphs() -> dict[str, LayerGraph]:
     g["pool_pad"] = LayerGraph((3, 7, 7), [Layer("p", "max_pool2d", [INPUT], (3, 4, 4), "p", attrs={
         "kernel": [3, 3], "stride": [2, 2], "padding": [1, 1], "dilation": [1, 1], "ceil_mode": True})],
         "p", input_variance=True)
+    # average pooling (with padding: the divisor varies) of Gaussians and of a deterministic input
+    avg = {"kernel": [3, 3], "stride": [2, 2], "padding": [1, 1], "dilation": [1, 1], "ceil_mode": False,
+           "count_include_pad": False, "divisor": None}
+    g["avg_gauss"] = LayerGraph((4, 9, 9), [Layer("p", "avg_pool2d", [INPUT], (4, 5, 5), "p", attrs=avg)], "p",
+                                input_variance=True)
+    g["avg_det"] = LayerGraph((4, 9, 9), [Layer("p", "avg_pool2d", [INPUT], (4, 5, 5), "p", attrs=avg)], "p")
+    # leaky ReLU, a per-channel affine map (eval BatchNorm) and a residual add of Gaussians
+    c0 = conv(rng, "c", INPUT, (3, 6, 6), 4, 3, pad=1)
+    bn = Layer("bn", "affine", ["c"], c0.out_shape, "bn", params={
+        "scale": GaussianParam(rng.uniform(0.5, 2.0, 4), np.zeros(4)),
+        "shift": GaussianParam(rng.standard_normal(4), np.zeros(4))})
+    g["leaky_affine_add"] = LayerGraph((3, 6, 6), [
+        c0, bn, Layer("lr", "leaky_relu", ["bn"], c0.out_shape, "lr", attrs={"slope": 0.1}),
+        Layer("sum", "add", ["lr", "c"], c0.out_shape, "sum")], "sum", input_variance=True)
     # relu of Gaussians (3-d) and of a deterministic input
     g["relu_gauss"] = LayerGraph((5, 6, 7), [relu("r", INPUT, (5, 6, 7))], "r", input_variance=True)
     g["relu_det"] = LayerGraph((30,), [relu("r", INPUT, (30,)), dense(rng, "fc", "r", 30, 9)], "fc")
@@ -168,7 +182,8 @@ def test_every_primfunc_is_scheduled():
                 assert "T.vectorized" in script, name
             # the unscheduled function is untouched
             assert prim_funcs(mod)[name].attrs.get("tirx.is_scheduled", False) is False
-    assert seen_ops == {"dense", "conv2d", "relu", "max_pool2d", "convert"}
+    # every op that computes something has a default schedule (reshape emits no kernel)
+    assert seen_ops == set(OP_SPECS) - {"reshape"}, set(OP_SPECS) - {"reshape"} - seen_ops
     assert seen_ops <= set(SCHEDULES)
 
 

@@ -24,7 +24,7 @@ from scipy.special import ndtri
 
 import pyro2pfp
 import pyro2pfp.compat
-from pyro2pfp.validation import sampling_agreement
+from pyro2pfp_experiments.validation import sampling_agreement
 
 D_IN, HIDDEN, CLASSES = 12, 10, 4
 

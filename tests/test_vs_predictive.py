@@ -17,14 +17,15 @@ Bounds and why:
 from __future__ import annotations
 
 import numpy as np
+from op_coverage import COMPILED, MONTE_CARLO, covers
 import pytest
 import torch
 from scipy.special import ndtri
 
 import pyro2pfp
-from pyro2pfp.datasets import load_mnist
-from pyro2pfp.validation import sampling_agreement
-from pyro2pfp.zoo import BayesianLeNet5, BayesianMLP, make_guide, predictive_logits, train_svi
+from pyro2pfp_experiments.datasets import load_mnist
+from pyro2pfp_experiments.validation import sampling_agreement
+from pyro2pfp_experiments.zoo import BayesianLeNet5, BayesianMLP, make_guide, predictive_logits, train_svi
 
 
 @pytest.fixture(scope="module")
@@ -73,6 +74,7 @@ def test_wrong_calibration_is_detected_by_the_same_check(mlp_and_samples):
     assert sampling_agreement(mean, var, mc).var_z > z_limit(mean.size)
 
 
+@covers("reshape", kind=MONTE_CARLO)
 @pytest.mark.parametrize("arch", ["mlp2", "lenet"])
 def test_deeper_networks_agree_with_sampling(arch, digits):
     if arch == "mlp2":

@@ -1,4 +1,4 @@
-"""Tests for pyro2pfp.datasets and pyro2pfp.zoo (all fast, CPU only, offline)."""
+"""Tests for pyro2pfp_experiments.datasets and pyro2pfp_experiments.zoo (all fast, CPU only, offline)."""
 
 from __future__ import annotations
 
@@ -14,8 +14,8 @@ from pyro.infer import Trace_ELBO
 from pyro.infer.autoguide import AutoNormal, init_to_sample
 from torch.distributions import Normal, kl_divergence
 
-from pyro2pfp.datasets import load_mnist
-from pyro2pfp.zoo import (
+from pyro2pfp_experiments.datasets import load_mnist
+from pyro2pfp_experiments.zoo import (
     AnnealingMessenger,
     BayesianLeNet5,
     BayesianMLP,

@@ -7,8 +7,8 @@ node is the identity on one of its inputs (dropout at inference, ``contiguous``,
 One small module per op family registers its converters (``linear``, ``conv``, ``activation``,
 ``pooling``, ``shape``).
 """
-from ._registry import CONVERTERS, Alias, register, supported_ops
-from ._walk import ConversionContext, build_layer_graph
 from . import activation, arithmetic, conv, linear, normalization, pooling, shape  # noqa: F401,E501
+from ._registry import CONVERTERS, PRODUCES, Alias, register, supported_ops
+from ._walk import ConversionContext, build_layer_graph
 
-__all__ = ["CONVERTERS", "Alias", "ConversionContext", "build_layer_graph", "register", "supported_ops"]
+__all__ = ["CONVERTERS", "PRODUCES", "Alias", "ConversionContext", "build_layer_graph", "register", "supported_ops"]

@@ -5,6 +5,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+from ..registry import add_to
+
 
 @dataclass(frozen=True)
 class Alias:
@@ -15,17 +17,25 @@ class Alias:
 
 Converter = Callable[..., Any]
 CONVERTERS: dict[str, Converter] = {}
+#: PFP op -> the torch op names whose converters produce it.
+PRODUCES: dict[str, set[str]] = {}
 
 
-def register(*targets: str) -> Callable[[Converter], Converter]:
-    """Register a converter ``fn(node, ctx) -> Layer | Alias`` for torch op names (``str(node.target)``)."""
+def register(*targets: str, produces: tuple[str, ...] = ()) -> Callable[[Converter], Converter]:
+    """Register a converter ``fn(node, ctx) -> Layer | list[Layer] | Alias`` for torch op names
+    (``str(node.target)``); ``produces``: the PFP ops its layers have (none for an alias).
+    Registering a torch op twice is an error."""
 
     def deco(fn: Converter) -> Converter:
-        for target in targets:
-            CONVERTERS[target] = fn
+        _add(*targets)(fn)
+        for op in produces:
+            PRODUCES.setdefault(op, set()).update(targets)
         return fn
 
     return deco
+
+
+_add = add_to(CONVERTERS, "converter of torch op")
 
 
 def supported_ops() -> list[str]:

@@ -7,14 +7,14 @@ from ..graph import Layer
 from ._registry import Alias, register
 
 
-@register("aten.relu.default", "aten.relu_.default")
+@register("aten.relu.default", "aten.relu_.default", produces=("relu",))
 def convert_relu(node, ctx) -> Layer:
     x = node.args[0]
     return Layer(name=ctx.new_name(node, prefer_module=False), op="relu",
                  inputs=[ctx.activation(x, node)], out_shape=ctx.shape(node), source=ctx.source(node))
 
 
-@register("aten.leaky_relu.default", "aten.leaky_relu_.default")
+@register("aten.leaky_relu.default", "aten.leaky_relu_.default", produces=("leaky_relu",))
 def convert_leaky_relu(node, ctx) -> Layer:
     x = node.args[0]
     slope = float(node.args[1]) if len(node.args) > 1 else float(node.kwargs.get("negative_slope", 0.01))

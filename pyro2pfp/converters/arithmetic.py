@@ -7,7 +7,7 @@ from ..graph import Layer
 from ._registry import register
 
 
-@register("aten.add.Tensor", "aten.add_.Tensor")
+@register("aten.add.Tensor", "aten.add_.Tensor", produces=("add",))
 def convert_add(node, ctx) -> Layer:
     a, b = node.args[:2]
     alpha = node.kwargs.get("alpha", 1)

@@ -35,7 +35,7 @@ def _conv_params(node, ctx, weight, bias, reshape_to_2d: bool) -> dict[str, Gaus
     return params
 
 
-@register("aten.conv2d.default", "aten.conv2d.padding")
+@register("aten.conv2d.default", "aten.conv2d.padding", produces=("conv2d",))
 def convert_conv2d(node, ctx) -> Layer:
     args = list(node.args) + [None] * 7
     x, weight, bias, stride, padding, dilation, groups = args[:7]
@@ -56,7 +56,7 @@ def convert_conv2d(node, ctx) -> Layer:
                  source=ctx.source(node), attrs=attrs, params=params)
 
 
-@register("aten.conv1d.default", "aten.conv1d.padding")
+@register("aten.conv1d.default", "aten.conv1d.padding", produces=("conv2d", "reshape"))
 def convert_conv1d(node, ctx) -> list[Layer]:
     args = list(node.args) + [None] * 7
     x, weight, bias, stride, padding, dilation, groups = args[:7]

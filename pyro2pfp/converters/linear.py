@@ -5,7 +5,7 @@ from ..graph import Layer
 from ._registry import register
 
 
-@register("aten.linear.default")
+@register("aten.linear.default", produces=("dense",))
 def convert_linear(node, ctx) -> Layer:
     x, weight, bias = (list(node.args) + [None])[:3]
     in_shape = ctx.shape(x)

@@ -7,7 +7,8 @@ from ..graph import GaussianParam, Layer
 from ._registry import register
 
 
-@register("aten.batch_norm.default", "aten._native_batch_norm_legit_no_training.default")
+@register("aten.batch_norm.default", "aten._native_batch_norm_legit_no_training.default",
+          produces=("affine",))
 def convert_batch_norm(node, ctx) -> Layer:
     args = list(node.args)
     if str(node.target) == "aten.batch_norm.default":

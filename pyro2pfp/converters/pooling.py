@@ -25,7 +25,7 @@ def _check_4d(node, ctx, x) -> None:
         raise ctx.unsupported(node, f"expects (batch, C, H, W) input, got (batch, {ctx.shape(x)})")
 
 
-@register("aten.max_pool2d.default", "aten.max_pool2d_with_indices.default")
+@register("aten.max_pool2d.default", "aten.max_pool2d_with_indices.default", produces=("max_pool2d",))
 def convert_max_pool2d(node, ctx) -> Layer:
     args = list(node.args) + [None] * 6
     x, kernel, stride, padding, dilation, ceil_mode = args[:6]
@@ -39,7 +39,7 @@ def convert_max_pool2d(node, ctx) -> Layer:
                  source=ctx.source(node), attrs=attrs)
 
 
-@register("aten.avg_pool2d.default")
+@register("aten.avg_pool2d.default", produces=("avg_pool2d",))
 def convert_avg_pool2d(node, ctx) -> Layer:
     args = list(node.args) + [None] * 7
     x, kernel, stride, padding, ceil_mode, count_include_pad, divisor = args[:7]
@@ -67,7 +67,7 @@ def _global_average(node, ctx, x, keep_shape: bool) -> list[Layer]:
     return [pool, flat]
 
 
-@register("aten.adaptive_avg_pool2d.default")
+@register("aten.adaptive_avg_pool2d.default", produces=("avg_pool2d", "reshape"))
 def convert_adaptive_avg_pool2d(node, ctx) -> list[Layer]:
     x, size = node.args[:2]
     _check_4d(node, ctx, x)
@@ -84,7 +84,7 @@ def convert_adaptive_avg_pool2d(node, ctx) -> list[Layer]:
                   inputs=[ctx.activation(x, node)], out_shape=(c, oh, ow), source=ctx.source(node), attrs=attrs)]
 
 
-@register("aten.mean.dim")
+@register("aten.mean.dim", produces=("avg_pool2d", "reshape"))
 def convert_mean(node, ctx) -> list[Layer]:
     x, dims = node.args[:2]
     keepdim = bool(node.args[2]) if len(node.args) > 2 else bool(node.kwargs.get("keepdim", False))

@@ -8,7 +8,8 @@ from ._registry import Alias, register
 
 
 @register("aten.view.default", "aten.reshape.default", "aten._unsafe_view.default",
-          "aten.flatten.using_ints", "aten.unflatten.int")
+          "aten.flatten.using_ints", "aten.unflatten.int", "aten.squeeze.dim", "aten.squeeze.dims",
+          "aten.squeeze.default", "aten.unsqueeze.default", produces=("reshape",))
 def convert_reshape(node, ctx) -> Layer | Alias:
     x = node.args[0]
     if ctx.shape(x) == ctx.shape(node):

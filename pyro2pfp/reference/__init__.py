@@ -5,7 +5,7 @@ layer and the :class:`Activation` of each input and returns the layer's output a
 representation the plan asks for (``layer.out_repr``).  The executor is the ground truth the
 compiled TVM module is tested against.
 """
-from ._core import REFERENCES, Activation, emit_output, execute, reference
 from . import compute, elementwise, pooling, shape  # noqa: F401  (registration)
+from ._core import REFERENCES, Activation, emit_output, execute, reference
 
 __all__ = ["REFERENCES", "Activation", "emit_output", "execute", "reference"]

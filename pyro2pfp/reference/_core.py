@@ -10,6 +10,7 @@ from .. import moments
 from ..errors import PFPError
 from ..graph import INPUT, Repr
 from ..plan import PlannedGraph, PlannedLayer
+from ..registry import add_to
 
 
 @dataclass
@@ -23,12 +24,14 @@ class Activation:
     def variance(self) -> np.ndarray:
         if self.repr is Repr.DETERMINISTIC:
             return np.zeros_like(self.mean)
+        assert self.second is not None  # carried by every non-deterministic activation
         if self.repr is Repr.VARIANCE:
             return self.second
         return moments.second_to_variance(self.mean, self.second)
 
     def second_moment(self) -> np.ndarray:
         if self.repr is Repr.SECOND_MOMENT:
+            assert self.second is not None
             return self.second
         return moments.variance_to_second(self.mean, self.variance())
 
@@ -46,14 +49,8 @@ RefFn = Callable[[PlannedLayer, list[Activation]], Activation]
 REFERENCES: dict[str, RefFn] = {}
 
 
-def reference(op: str) -> Callable[[RefFn], RefFn]:
-    """Register the reference function of PFP op ``op``."""
-
-    def deco(fn: RefFn) -> RefFn:
-        REFERENCES[op] = fn
-        return fn
-
-    return deco
+#: ``@reference(op)`` registers the NumPy reference function of PFP op ``op`` (once).
+reference = add_to(REFERENCES, "reference of op")
 
 
 def execute(graph: PlannedGraph, x: np.ndarray, x_var: np.ndarray | None = None

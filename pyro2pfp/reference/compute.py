@@ -24,7 +24,7 @@ def _compute_layer(layer: PlannedLayer, x: Activation,
     if x.repr is Repr.DETERMINISTIC:
         var = apply(x.mean**2, t["weight_var"])
     elif x.repr is Repr.VARIANCE:
-        var = apply(x.second_moment(), t["weight_var"]) + apply(x.second, t["weight_mean"] ** 2)
+        var = apply(x.second_moment(), t["weight_var"]) + apply(x.variance(), t["weight_mean"] ** 2)
     else:
         var = apply(x.second_moment(), t["weight_second_moment"]) - apply(x.mean**2, t["weight_mean"] ** 2)
     if "bias_mean" in t:

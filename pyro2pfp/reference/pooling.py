@@ -17,17 +17,16 @@ from ._core import Activation, emit_output, reference
 LOWEST = float(np.finfo(np.float64).min)
 
 
-def padded(x: np.ndarray, attrs: dict, out_hw: tuple[int, int], fill: float) -> np.ndarray:
+def padded(x: np.ndarray, attrs: dict, out_hw: tuple[int, ...], fill: float) -> np.ndarray:
     """``x`` padded so that every window of the layer lies inside (begin padding + overhang)."""
     pads = [(0, 0), (0, 0)]
-    for axis, (n, k, s, p, o) in enumerate(zip(x.shape[2:], attrs["kernel"], attrs["stride"],
-                                               attrs["padding"], out_hw)):
+    for n, k, s, p, o in zip(x.shape[2:], attrs["kernel"], attrs["stride"], attrs["padding"], out_hw):
         end = max(0, (o - 1) * s + k - n - p)
         pads.append((p, end))
     return np.pad(x, pads, constant_values=fill)
 
 
-def window_views(x: np.ndarray, kernel: list[int], stride: list[int], out_hw: tuple[int, int]):
+def window_views(x: np.ndarray, kernel: list[int], stride: list[int], out_hw: tuple[int, ...]):
     """Yield, for each window offset (row-major), the strided (N, C, OH, OW) view of ``x``."""
     oh, ow = out_hw
     for p in range(kernel[0]):
@@ -53,7 +52,7 @@ def max_pool2d(layer: PlannedLayer, inputs: list[Activation]) -> Activation:
     return emit_output(mean, var, layer)
 
 
-def average_divisor(attrs: dict, in_hw: tuple[int, int], out_hw: tuple[int, int]) -> np.ndarray:
+def average_divisor(attrs: dict, in_hw: tuple[int, ...], out_hw: tuple[int, ...]) -> np.ndarray:
     """The divisor of each output position (torch's rules: ``divisor``, ``count_include_pad``)."""
     if attrs["divisor"] is not None:
         return np.full(out_hw, float(attrs["divisor"]))

@@ -5,7 +5,7 @@ Each PFP op has one emitter registered with :func:`kernel` (it calls ``bb.emit_t
 function computing mean and second component together) and may register a default CPU
 schedule with :func:`schedule`.
 """
-from ._core import KERNELS, SCHEDULES, RelaxActivation, emit_module, kernel, schedule
 from . import compute, elementwise, pooling, shape  # noqa: F401  (registration)
+from ._core import KERNELS, SCHEDULES, RelaxActivation, emit_module, kernel, schedule
 
 __all__ = ["KERNELS", "SCHEDULES", "RelaxActivation", "emit_module", "kernel", "schedule"]

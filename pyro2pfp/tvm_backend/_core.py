@@ -15,6 +15,7 @@ from .. import moments
 from ..errors import PFPError
 from ..graph import INPUT, Repr
 from ..plan import PlannedGraph, PlannedLayer
+from ..registry import add_to
 
 F32 = "float32"
 
@@ -132,11 +133,11 @@ def te_shared(build: Callable[[SimpleNamespace], Any]) -> list[tirx.PrimExpr]:
     while True:
         bindings: list[tuple[tirx.Var, tirx.PrimExpr]] = []
 
-        def bind(value: tirx.PrimExpr) -> tirx.PrimExpr:
+        def bind(value: tirx.PrimExpr) -> tirx.PrimExpr:  # used within this iteration only
             if _is_leaf(value):
                 return value
-            var = tirx.Var(f"s{len(bindings)}", value.ty)
-            bindings.append((var, value))
+            var = tirx.Var(f"s{len(bindings)}", value.ty)  # noqa: B023
+            bindings.append((var, value))  # noqa: B023
             return var
 
         ops = SimpleNamespace(**vars(TE_OPS))
@@ -201,9 +202,11 @@ class EmitContext:
         """Emit one TE function as one PrimFunc named after the layer (``pfp_<op>_<layer>``, plus
         ``_<relu layer>`` when a ReLU is fused into it); returns its output tensors."""
         name = f"pfp_{layer.op}_{layer.name}"
+        attrs = {OP_ATTR: layer.op, LAYER_ATTR: layer.name}
         if self.activation is not None:
             name += f"_{self.activation.name}"
-        out = self.bb.emit_te(fn, *args, primfunc_name_hint=name)
+            attrs[FUSED_ATTR] = self.activation.name
+        out = self.bb.emit_te(fn, *args, primfunc_name_hint=name, primfunc_attrs=attrs)
         if isinstance(out.ty, relax.TupleType):
             return [self.bb.emit(relax.TupleGetItem(out, i)) for i in range(len(out.ty.fields))]
         return [out]
@@ -224,18 +227,33 @@ def epilogue(mean: Any, var: Any, layer: PlannedLayer) -> list[Any]:
 
 KernelFn = Callable[[EmitContext, PlannedLayer, list[RelaxActivation]], RelaxActivation]
 KERNELS: dict[str, KernelFn] = {}
+
+# Every PFP PrimFunc carries the PFP op and the layer it computes (and a ReLU fused into it):
+# schedules, tuning and profiling read these, not the function's name.
+OP_ATTR, LAYER_ATTR, FUSED_ATTR = "pfp.op", "pfp.layer", "pfp.fused"
+
+
+def kernel_info(func: Any) -> tuple[str | None, str | None]:
+    """``(op, layer)`` of a PFP PrimFunc (``(None, None)`` for any other function)."""
+    attrs = getattr(func, "attrs", None) or {}
+    op, layer = attrs.get(OP_ATTR), attrs.get(LAYER_ATTR)
+    return (str(op) if op is not None else None, str(layer) if layer is not None else None)
+
+
+def kernel_table(mod: Any) -> dict[str, tuple[str, str]]:
+    """``{function symbol: (op, layer)}`` of the PFP PrimFuncs of an IRModule."""
+    table = {}
+    for gv in mod.get_global_vars():
+        op, layer = kernel_info(mod[gv])
+        if op is not None and layer is not None:
+            table[gv.name_hint] = (op, layer)
+    return table
 ScheduleFn = Callable[..., Any]
 SCHEDULES: dict[str, ScheduleFn] = {}
 
 
-def kernel(op: str) -> Callable[[KernelFn], KernelFn]:
-    """Register the Relax/TE emitter of PFP op ``op``."""
-
-    def deco(fn: KernelFn) -> KernelFn:
-        KERNELS[op] = fn
-        return fn
-
-    return deco
+#: ``@kernel(op)`` registers the Relax/TE emitter of PFP op ``op`` (once).
+kernel = add_to(KERNELS, "TVM kernel of op")
 
 
 def schedule(op: str) -> Callable[[ScheduleFn], ScheduleFn]:

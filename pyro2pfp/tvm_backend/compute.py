@@ -18,10 +18,10 @@ from typing import Any
 import numpy as np
 from tvm import te, tirx
 
+from .. import moments
 from ..graph import Repr
 from ..plan import PlannedLayer
-from .. import moments
-from ._core import (F32, EmitContext, RelaxActivation, activation_out, epilogue, kernel, pair_sum, te_shared)
+from ._core import F32, EmitContext, RelaxActivation, activation_out, epilogue, kernel, pair_sum, te_shared
 
 
 def _terms(x_mean: Any, x_second: Any, w_mean: Any, w_second: Any, x_repr: Repr) -> tuple[Any, Any]:

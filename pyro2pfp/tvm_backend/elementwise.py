@@ -2,6 +2,8 @@
 representation conversions."""
 from __future__ import annotations
 
+from typing import Any
+
 from tvm import te, tirx
 
 from .. import moments
@@ -23,12 +25,17 @@ def _activation(ctx: EmitContext, layer: PlannedLayer, x: RelaxActivation, deter
     ``matched(μ, v, ops) -> (μ', v')``, emitted in the representation the plan asks for (with its
     shared sub-expressions computed once, :func:`te_shared`)."""
     if x.repr is Repr.DETERMINISTIC:
-        fn = lambda m: te.compute(m.shape, lambda *i: deterministic(m[i]), name=layer.op)
-        return activation_out(ctx.emit_te(fn, [x.mean], layer), layer)
+        def exact(m: te.Tensor) -> te.Tensor:
+            return te.compute(m.shape, lambda *i: deterministic(m[i]), name=layer.op)
+
+        return activation_out(ctx.emit_te(exact, [x.mean], layer), layer)
 
     def fn(m: te.Tensor, s: te.Tensor) -> list[te.Tensor]:
-        return te.compute(m.shape, lambda *i: te_shared(
-            lambda ops: epilogue(*matched(m[i], variance_of(m[i], s[i], x.repr), ops), layer)), name=layer.op)
+        def moments_at(i: tuple, ops: Any) -> list[Any]:
+            mean, var = matched(m[i], variance_of(m[i], s[i], x.repr), ops)
+            return epilogue(mean, var, layer)
+
+        return te.compute(m.shape, lambda *i: te_shared(lambda ops: moments_at(i, ops)), name=layer.op)
 
     return activation_out(ctx.emit_te(fn, x.tensors(), layer), layer)
 
@@ -84,7 +91,9 @@ def add(ctx: EmitContext, layer: PlannedLayer, inputs: list[RelaxActivation]) ->
     """Sum of two independent Gaussians: means and variances add."""
     a, b = inputs
     if a.repr is Repr.DETERMINISTIC and b.repr is Repr.DETERMINISTIC:
-        det = lambda x, y: te.compute(x.shape, lambda *i: x[i] + y[i], name="add")
+        def det(x: te.Tensor, y: te.Tensor) -> te.Tensor:
+            return te.compute(x.shape, lambda *i: x[i] + y[i], name="add")
+
         return activation_out(ctx.emit_te(det, [a.mean, b.mean], layer), layer)
     n_a = len(a.tensors())
 

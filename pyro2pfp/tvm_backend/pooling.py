@@ -112,13 +112,13 @@ def max_pool2d(ctx: EmitContext, layer: PlannedLayer, inputs: list[RelaxActivati
     win = _Windows(layer, _input_shape(ctx, layer))
 
     if x.repr is Repr.DETERMINISTIC:
-        def fn(m: te.Tensor) -> te.Tensor:
+        def exact(m: te.Tensor) -> te.Tensor:
             rp, rq = win.axes()
             return te.compute((m.shape[0], *win.out_shape),
                               lambda b, c, i, j: te.max(win.load(m, b, c, i, j, rp, rq, _LOWEST), axis=[rp, rq]),
                               name="max_pool2d")
 
-        return activation_out(ctx.emit_te(fn, [x.mean], layer), layer)
+        return activation_out(ctx.emit_te(exact, [x.mean], layer), layer)
 
     assert x.repr is Repr.VARIANCE, x.repr  # the plan delivers variances to max pooling
 
@@ -149,14 +149,14 @@ def avg_pool2d(ctx: EmitContext, layer: PlannedLayer, inputs: list[RelaxActivati
     inv = ctx.const(1.0 / average_divisor(layer.layer.attrs, in_shape[1:], layer.layer.out_shape[1:]))
 
     if x.repr is Repr.DETERMINISTIC:
-        def fn(m: te.Tensor, r: te.Tensor) -> te.Tensor:
+        def exact(m: te.Tensor, r: te.Tensor) -> te.Tensor:
             rp, rq = win.axes()
             acc = te.compute((m.shape[0], *win.out_shape),
                              lambda b, c, i, j: te.sum(win.load(m, b, c, i, j, rp, rq, 0.0), axis=[rp, rq]),
                              name="avg_pool2d")
             return te.compute(acc.shape, lambda b, c, i, j: acc[b, c, i, j] * r[i, j], name="epilogue")
 
-        return activation_out(ctx.emit_te(fn, [x.mean, inv], layer), layer)
+        return activation_out(ctx.emit_te(exact, [x.mean, inv], layer), layer)
 
     def fn(m: te.Tensor, v: te.Tensor, r: te.Tensor) -> list[te.Tensor]:
         rp, rq = win.axes()

@@ -11,6 +11,7 @@ process may use (:func:`default_num_threads`) and ``TVM_BIND_THREADS=0``;
 from __future__ import annotations
 
 import os
+import threading
 import warnings
 from typing import Any
 
@@ -18,8 +19,8 @@ import numpy as np
 import tvm
 from tvm import relax
 
-from ..errors import InputShapeError
-from ..network import as_input_array
+from ..inputs import check_finite_outputs, checked_inputs
+from ..targets import make_target
 from .schedules import schedule_module
 
 
@@ -98,26 +99,31 @@ def build(mod: tvm.IRModule, target: Any, relax_pipeline: Any = "default") -> An
     return tvm.compile(mod, target=tgt, relax_pipeline=pipeline)
 
 
-def make_target(target: Any) -> tvm.target.Target:
-    """A ``tvm.target.Target`` from a name (``"llvm"``, ``"native"``), a tag, a dict or a Target."""
-    if isinstance(target, tvm.target.Target):
-        return target
-    if target == "native":
-        cpu = tvm.target.codegen.llvm_get_system_cpu()
-        return tvm.target.Target({"kind": "llvm", "mcpu": cpu})
-    return tvm.target.Target(target)
+class _ThreadState:
+    """What one thread needs to call the network: its own VMs (a Relax VM keeps per-call state in
+    its register file and is not safe to share) and its own cached input tensors."""
+
+    def __init__(self, vm: Any, tuned_vms: dict[int, Any]) -> None:
+        self.main = vm["main"]
+        self.tuned_mains = {b: tvm_vm["main"] for b, tvm_vm in tuned_vms.items()}
+        self.inputs: dict[tuple[int, ...], list[tuple[Any, np.ndarray]]] = {}
 
 
 class CompiledPFP:
     """A compiled PFP network: ``exe(x[, x_var]) -> (mean, var)`` float32 NumPy arrays.
 
     ``x``: ``(batch, *input_shape)`` NumPy array or torch tensor, any batch size.  The input is
-    checked (shape, real, finite), copied into a TVM-allocated, 64-byte aligned input tensor
-    cached per batch size (a VM would otherwise get the caller's buffer, whose alignment the
-    kernels may not assume), and the outputs are zero-copy NumPy views of the tensors the VM
-    returns (fresh for every call).  ``tuned``: ``{batch: executable}`` specialised by
-    MetaSchedule (``net.compile(tune=...)``); a call with one of those batch sizes runs that
-    executable, other sizes the any-batch one.
+    checked (shape, real, finite, within float32 range), copied into a TVM-allocated, 64-byte
+    aligned input tensor cached per batch size (a VM would otherwise get the caller's buffer, whose
+    alignment the kernels may not assume), and the outputs are zero-copy NumPy views of the tensors
+    the VM returns (fresh for every call), checked to be finite (float32 overflow raises
+    :class:`~pyro2pfp.errors.NumericalError`; ``net.reference`` computes in float64).  ``tuned``:
+    ``{batch: executable}`` specialised by MetaSchedule (``net.compile(tune=...)``); a call with one
+    of those batch sizes runs that executable, other sizes the any-batch one.
+
+    **Threads**: one predictor may be shared by any number of threads.  Each thread gets its own
+    Relax VMs and input tensors on its first call (the executable and its constants are shared),
+    so concurrent calls give exactly the single-threaded results.
     """
 
     def __init__(self, executable: Any, input_shape: tuple[int, ...], input_variance: bool,
@@ -128,46 +134,52 @@ class CompiledPFP:
         self.target = target
         self.device = tvm.cpu()
         self.vm = relax.VirtualMachine(executable, self.device)
-        self._main = self.vm["main"]
         self.tuned = dict(tuned or {})
         self._tuned_vms = {b: relax.VirtualMachine(ex, self.device) for b, ex in self.tuned.items()}
-        self._tuned_mains = {b: vm["main"] for b, vm in self._tuned_vms.items()}
-        self._inputs: dict[tuple[int, ...], list[tuple[Any, np.ndarray]]] = {}
+        self._local = threading.local()
+        self._local.state = _ThreadState(self.vm, self._tuned_vms)
+        self.metadata_extra: dict[str, Any] = {}  # from an exported library's sidecar (pyro2pfp.load)
+        # {kernel symbol: (PFP op, layer)} from the PrimFuncs' attributes (profiling reads it)
+        self.kernels: dict[str, tuple[str, str]] = {}
+        self.library_path: str | None = None
+
+    def _state(self) -> _ThreadState:
+        state = getattr(self._local, "state", None)
+        if state is None:  # first call from this thread: VMs of its own over the shared executables
+            state = self._local.state = _ThreadState(
+                relax.VirtualMachine(self.executable, self.device),
+                {b: relax.VirtualMachine(ex, self.device) for b, ex in self.tuned.items()})
+        return state
 
     def vm_for_batch(self, batch: int) -> relax.VirtualMachine:
         """The VM a call with ``batch`` rows runs (a tuned one if there is one for that size)."""
         return self._tuned_vms.get(int(batch), self.vm)
 
     def _input_buffers(self, shape: tuple[int, ...], count: int) -> list[tuple[Any, np.ndarray]]:
-        buffers = self._inputs.get(shape)
+        cache = self._state().inputs
+        buffers = cache.get(shape)
         if buffers is None:
-            if len(self._inputs) >= 8:  # bounded cache: many batch sizes
-                self._inputs.pop(next(iter(self._inputs)))
+            if len(cache) >= 8:  # bounded cache: many batch sizes
+                cache.pop(next(iter(cache)))
             tensors = [tvm.runtime.empty(shape, "float32", self.device) for _ in range(count)]
-            buffers = self._inputs[shape] = [(t, np.from_dlpack(t)) for t in tensors]
+            buffers = cache[shape] = [(t, np.from_dlpack(t)) for t in tensors]
         return buffers
 
     def _args(self, x: Any, x_var: Any) -> list:
-        arrays = [as_input_array(x, self.input_shape)]
-        if self.input_variance:
-            if x_var is None:
-                raise InputShapeError("this network was converted with input_variance=True: pass x_var too")
-            var = as_input_array(x_var, self.input_shape, "x_var")
-            if var.shape != arrays[0].shape:
-                raise InputShapeError(f"x_var has shape {var.shape}, x has {arrays[0].shape}")
-            if np.any(var < 0):
-                raise InputShapeError("x_var must be non-negative")
-            arrays.append(var)
+        arrays = list(checked_inputs(x, x_var, self.input_shape, self.input_variance, np.float32))
         buffers = self._input_buffers(arrays[0].shape, len(arrays))
-        for array, (_, view) in zip(arrays, buffers):
+        for array, (_, view) in zip(arrays, buffers, strict=True):
             np.copyto(view, array)
         return [tensor for tensor, _ in buffers]
 
     def __call__(self, x: Any, x_var: Any = None) -> tuple[np.ndarray, np.ndarray]:
         args = self._args(x, x_var)
-        main = self._tuned_mains.get(args[0].shape[0], self._main) if self._tuned_mains else self._main
+        state = self._state()
+        main = state.tuned_mains.get(args[0].shape[0], state.main) if state.tuned_mains else state.main
         mean, var = main(*args)
-        return np.from_dlpack(mean), np.from_dlpack(var)
+        mean, var = np.from_dlpack(mean), np.from_dlpack(var)
+        check_finite_outputs(mean, var)
+        return mean, var
 
     def profile(self, x: Any, x_var: Any = None, *, repeats: int = 30, method: str = "isolated",
                 remote: Any = None):
@@ -192,10 +204,10 @@ class CompiledPFP:
 
     @classmethod
     def for_cross_target(cls, executable: Any, input_shape: tuple[int, ...], input_variance: bool,
-                         target: tvm.target.Target) -> "CompiledPFP":
+                         target: tvm.target.Target) -> CompiledPFP:
         """A predictor compiled for another CPU architecture: it cannot run here, only export."""
-        from ..deploy import target_arch, host_arch
         from ..errors import PFPError
+        from ..targets import host_arch, target_arch
 
         self = cls.__new__(cls)
         self.executable = executable
@@ -204,7 +216,8 @@ class CompiledPFP:
         self.target = target
         self.device = None
         self.vm = None
-        self.tuned, self._tuned_vms, self._tuned_mains, self._inputs = {}, {}, {}, {}
+        self.tuned, self._tuned_vms = {}, {}
+        self._local = threading.local()
         arch = target_arch(target)
 
         def not_here(*_: Any) -> None:
@@ -212,7 +225,13 @@ class CompiledPFP:
                 f"this network was compiled for {arch} and cannot run on this {host_arch()} machine: "
                 f"exe.export_library('net.so') and run it on the device with pyro2pfp.load('net.so')")
 
-        self._main = not_here
+        state = self._local.state = _ThreadState.__new__(_ThreadState)
+        state.main, state.tuned_mains, state.inputs = not_here, {}, {}
+
+        def every_thread() -> _ThreadState:
+            return state
+
+        self._state = every_thread  # type: ignore[method-assign]
         return self
 
     @property
@@ -227,7 +246,7 @@ class CompiledPFP:
         (``cc``, default ``aarch64-linux-gnu-gcc`` for AArch64), ``.tar`` needs no toolchain.
         Only the any-batch executable is written: batch-specialised (tuned) executables are not
         exported (tune on the device, where MetaSchedule can measure)."""
-        from ..deploy import export_library
+        from ..exporting import export_library
 
         return export_library(self, path, cc=cc, metadata=metadata)
 
@@ -236,20 +255,3 @@ def build_network(net: Any, target: tvm.target.Target, schedule: bool = True) ->
     """``net.mod`` with the default CPU schedules (unless ``schedule=False``), built for ``target``."""
     mod = schedule_module(net.mod, net.plan, target) if schedule else net.mod
     return build(mod, target)
-
-
-def compile_network(net: Any, target: Any = "native", *, schedule: bool = True, tune: Any = None,
-                    num_threads: int | None = None) -> CompiledPFP:
-    """Schedule (default CPU schedules) and build ``net.mod`` for ``target``; with ``tune`` also
-    build MetaSchedule-tuned executables for the batch sizes it names
-    (:func:`pyro2pfp.tuning.parse_tune_spec`); ``num_threads``: :func:`set_num_threads`."""
-    if num_threads is not None:
-        set_num_threads(num_threads)
-    tgt = make_target(target)
-    executable = build_network(net, tgt, schedule)
-    tuned = None
-    if tune is not None and tune is not False:
-        from ..tuning import tune_network
-
-        tuned = tune_network(net, tgt, tune)
-    return CompiledPFP(executable, net.input_shape, net.input_variance, tgt, tuned=tuned)

@@ -60,6 +60,8 @@ import tvm
 import tvm_ffi
 from tvm import s_tir, tirx
 
+from ..registry import add_to
+
 ScheduleFn = Callable[[s_tir.Schedule, Any, tvm.target.Target], None]
 
 SCHEDULES: dict[str, ScheduleFn] = {}
@@ -71,16 +73,13 @@ the one here."""
 def _schedule_fn(op: str | None) -> ScheduleFn | None:
     from . import _core
 
+    if op is None:
+        return None
     return _core.SCHEDULES.get(op) or SCHEDULES.get(op)
 
 
-def _register(*ops: str) -> Callable[[ScheduleFn], ScheduleFn]:
-    def deco(fn: ScheduleFn) -> ScheduleFn:
-        for op in ops:
-            SCHEDULES[op] = fn
-        return fn
-
-    return deco
+#: ``@_register(op, ...)`` registers the default CPU schedule of PFP ops (once each).
+_register = add_to(SCHEDULES, "CPU schedule of op")
 
 
 # ------------------------------------------------------------------------------------ helpers
@@ -101,6 +100,14 @@ def _extent(sch: s_tir.Schedule, loop: Any) -> int | None:
     """Static extent of a loop, or None for a symbolic (batch) extent."""
     ext = sch.get(loop).extent
     return int(ext) if isinstance(ext, tirx.IntImm | int) else None
+
+
+def _static_extent(sch: s_tir.Schedule, loop: Any) -> int:
+    """Static extent of a loop that is not the batch axis (a symbolic one is a bug of the caller)."""
+    ext = _extent(sch, loop)
+    if ext is None:
+        raise ValueError(f"loop {sch.get(loop)} has a symbolic extent; only the batch axis may")
+    return ext
 
 
 def _pow2_divisor(n: int, cap: int) -> int:
@@ -230,7 +237,7 @@ def schedule_dense(sch: s_tir.Schedule, layer: Any, target: tvm.target.Target) -
     lanes = simd_lanes(target)
     blk = sch.get_sblock("dense")
     i, j, k = sch.get_loops(blk)
-    m, kk = _extent(sch, j), _extent(sch, k)
+    m, kk = _static_extent(sch, j), _static_extent(sch, k)
     vectorize = _vectorizable(sch, [blk])
     vec = _pow2_divisor(m, lanes) if vectorize else 1
     n_vec = m // vec
@@ -291,7 +298,7 @@ def schedule_conv2d(sch: s_tir.Schedule, layer: Any, target: tvm.target.Target) 
     blk = sch.get_sblock("conv2d")
     pads = list(sch.get_producers(blk))
     b, o, i, j, rc, rp, rq = sch.get_loops(blk)
-    n_o, ow = _extent(sch, o), _extent(sch, j)
+    n_o, ow = _static_extent(sch, o), _static_extent(sch, j)
     vectorize = _vectorizable(sch, [blk])
     vec_o = _pow2_divisor(n_o, lanes) if vectorize else 1
     vec_j = _pow2_divisor(ow, lanes) if vectorize else 1
@@ -301,7 +308,8 @@ def schedule_conv2d(sch: s_tir.Schedule, layer: Any, target: tvm.target.Target) 
         jo, jm = sch.split(j, [None, _divisor_at_most(ow, CONV_TILE_COLUMNS)])
         sch.reorder(b, oo, i, jo, rc, rp, rq, jm, ov)
         par = sch.fuse(b, oo, i, jo)
-        unrolled, vector = (rp, rq, jm), ov
+        unrolled: tuple[Any, ...] = (rp, rq, jm)
+        vector = ov
     else:
         jm = _divisor_at_most(ow // vec_j, 4)
         ot = _divisor_at_most(n_o, max(1, budget // (2 * jm)))
@@ -315,7 +323,7 @@ def schedule_conv2d(sch: s_tir.Schedule, layer: Any, target: tvm.target.Target) 
     for pad in pads:
         sch.compute_at(pad, par)
         _vectorize_inner(sch, pad, lanes)
-    window = _extent(sch, rp) * _extent(sch, rq)
+    window = _static_extent(sch, rp) * _static_extent(sch, rq)
     for loop in unrolled:
         if window <= CONV_MAX_UNROLLED_WINDOW or not (loop.same_as(rp) or loop.same_as(rq)):
             sch.unroll(loop)
@@ -384,9 +392,9 @@ def schedule_max_pool2d(sch: s_tir.Schedule, layer: Any, target: tvm.target.Targ
         return
     b, c, i, j, *window = sch.get_loops(blk)
     vectorize = _vectorizable(sch, [blk])
-    vec_c = _pow2_divisor(_extent(sch, c), lanes) if vectorize else 1
-    vec_j = _pow2_divisor(_extent(sch, j), lanes) if vectorize else 1
-    per_sample = _extent(sch, c) * _extent(sch, i) * _extent(sch, j)
+    vec_c = _pow2_divisor(_static_extent(sch, c), lanes) if vectorize else 1
+    vec_j = _pow2_divisor(_static_extent(sch, j), lanes) if vectorize else 1
+    per_sample = _static_extent(sch, c) * _static_extent(sch, i) * _static_extent(sch, j)
     vec_flat = _pow2_divisor(per_sample, lanes) if vectorize else 1
     if vec_flat >= 4 * max(vec_c, vec_j):  # a vector of the flattened output (gathered taps)
         fo, fv = sch.split(sch.fuse(c, i, j), [None, vec_flat])
@@ -441,13 +449,13 @@ def _schedule_deinterleaved_pool(sch: s_tir.Schedule, blk: Any, lanes: int) -> N
     copy = sch.get_sblock("deinterleave_v0")
     consumers = list(sch.get_consumers(blk))
     # the copy: (b, rp, rq, c, i, j) with c*OH*OW + i*OW + j = p (output plane from the epilogue)
-    _, _, oh, ow = (_extent(sch, loop) for loop in sch.get_loops(consumers[0]))
+    _, _, oh, ow = (_extent(sch, loop) for loop in sch.get_loops(consumers[0]))  # (batch, c, oh, ow)
     b, rp, rq, p = sch.get_loops(copy)
     _, i, j = sch.split(p, [None, oh, ow])
     sch.parallel(sch.fuse(b, rp, rq, sch.get_loops(copy)[3]))
     # the reduction
     b, p, rp, rq = sch.get_loops(blk)
-    n = _extent(sch, p)
+    n = _static_extent(sch, p)
     vectorize = _vectorizable(sch, [blk])
     vec = _pow2_divisor(n, lanes) if vectorize else 1
     tile = _divisor_at_most(n // vec, POOL_REGISTER_TILE)
@@ -471,9 +479,9 @@ def _flat_nest(sch: s_tir.Schedule, loops: list[Any], lanes: int) -> None:
     :func:`_schedule_flat`."""
     blocks = list(sch.get_child_blocks(loops[0]))
     batch, *dims = loops
-    extents = [_extent(sch, d) for d in dims]
-    if not dims or any(e is None for e in extents):
+    if not dims:
         raise ValueError("expected one batch axis followed by static axes")
+    extents = [_static_extent(sch, d) for d in dims]
     per_sample = 1
     for e in extents:
         per_sample *= e
@@ -495,7 +503,8 @@ def _flat_nest(sch: s_tir.Schedule, loops: list[Any], lanes: int) -> None:
         if vec > 1:
             sch.vectorize(inner)
     else:
-        flat = sch.fuse(*dims) if len(dims) > 1 else dims[0]  # a serial tile of at most ELEMENTWISE_TILE elements and half an example, inputs staged
+        # a serial tile of at most ELEMENTWISE_TILE elements and half an example, inputs staged
+        flat = sch.fuse(*dims) if len(dims) > 1 else dims[0]
         tile = _divisor_at_most(per_sample, max(1, min(ELEMENTWISE_TILE, per_sample // 2)))
         outer, _ = sch.split(flat, [None, tile])
         par = sch.fuse(batch, outer)
@@ -531,9 +540,30 @@ def _schedule_flat(sch: s_tir.Schedule, lanes: int) -> None:
     _flat_nests(sch, sch.get_child_blocks(sch.get_sblock("root")), lanes)
 
 
-@_register("relu", "convert")
+@_register("avg_pool2d")
+def schedule_avg_pool2d(sch: s_tir.Schedule, layer: Any, target: tvm.target.Target) -> None:
+    """Average pooling: the window-sum reduction ``avg_pool2d`` (one or two outputs: mean and
+    variance) runs parallel over (batch, channel) with the window loops unrolled inside the output
+    columns (row-major window order, as the reference sums), the output columns vectorised when the
+    body allows; the ``epilogue`` (scaling by the divisor) is an elementwise nest of its own."""
+    lanes = simd_lanes(target)
+    blk = sch.get_sblock("avg_pool2d" if _has_block(sch, "avg_pool2d") else "avg_pool2d_v0")
+    epilogues = list(sch.get_consumers(blk))
+    b, c, i, j, rp, rq = sch.get_loops(blk)
+    sch.reorder(b, c, i, rp, rq, j)
+    sch.parallel(sch.fuse(b, c))
+    window = _static_extent(sch, rp) * _static_extent(sch, rq)
+    if window <= CONV_MAX_UNROLLED_WINDOW:
+        sch.unroll(rp)
+        sch.unroll(rq)
+    sch.decompose_reduction(blk, rp)
+    _flat_nests(sch, epilogues, lanes)
+
+
+@_register("relu", "convert", "leaky_relu", "affine", "add")
 def schedule_elementwise(sch: s_tir.Schedule, layer: Any, target: tvm.target.Target) -> None:
-    """Elementwise ops (ReLU moment matching, representation conversions): :func:`_schedule_flat`.
+    """Elementwise ops (ReLU/LeakyReLU moment matching, per-channel affine maps, sums of independent
+    Gaussians, representation conversions): :func:`_schedule_flat`.
 
     A two-output ``te.compute`` lowers to two blocks (``<name>_v0``, ``<name>_v1``) in one loop
     nest.  ReLU moments (``fast_erf``, ``fast_exp``: no libm call, see ``_core``) vectorise like
@@ -543,15 +573,6 @@ def schedule_elementwise(sch: s_tir.Schedule, layer: Any, target: tvm.target.Tar
 
 
 # ------------------------------------------------------------------------------------ driver
-def _op_from_name(name: str) -> str | None:
-    """The PFP op of a ``pfp_<op>_<layer>`` PrimFunc whose layer is not in the plan (e.g. renamed
-    by the BlockBuilder): the longest registered op that prefixes it."""
-    from . import _core
-
-    ops = [op for op in {*SCHEDULES, *_core.SCHEDULES} if name.startswith(f"pfp_{op}_")]
-    return max(ops, key=len) if ops else None
-
-
 def schedule_function(func: tirx.PrimFunc, op: str, layer: Any, target: tvm.target.Target
                       ) -> tirx.PrimFunc:
     """``func`` with the default schedule of PFP op ``op`` (``layer``: its planned layer, may be
@@ -570,22 +591,24 @@ def schedule_function(func: tirx.PrimFunc, op: str, layer: Any, target: tvm.targ
 def schedule_module(mod: tvm.IRModule, plan: Any, target: tvm.target.Target) -> tvm.IRModule:
     """Apply each op's registered default schedule to its PrimFunc (unregistered ops stay naive).
 
-    PrimFuncs are matched to planned layers by name (``pfp_<op>_<layer name>``, else by the
-    ``pfp_<op>_`` prefix); functions that are already scheduled (``tirx.is_scheduled``) are left
-    alone.  Returns a new module (``mod`` is not modified).  A schedule that raises leaves its
-    function unscheduled and emits a ``RuntimeWarning`` naming it.
+    PrimFuncs are matched to planned layers by their ``pfp.op`` / ``pfp.layer`` attributes
+    (:func:`~pyro2pfp.tvm_backend._core.kernel_info`); functions that are already scheduled
+    (``tirx.is_scheduled``) are left alone.  Returns a new module (``mod`` is not modified).  A
+    schedule that raises leaves its function unscheduled and emits a ``RuntimeWarning`` naming it.
     """
     if not isinstance(target, tvm.target.Target):
         target = tvm.target.Target(target)
+    from ._core import kernel_info
+
     out = mod.clone()
-    layers = {f"pfp_{layer.op}_{layer.name}": layer for layer in getattr(plan, "layers", ())}
+    layers = {layer.name: layer for layer in getattr(plan, "layers", ())}
     for gv in mod.get_global_vars():
         func = mod[gv]
         if not isinstance(func, tirx.PrimFunc):
             continue
-        layer = layers.get(gv.name_hint)
-        op = layer.op if layer is not None else _op_from_name(gv.name_hint)
-        if _schedule_fn(op) is None:
+        op, layer_name = kernel_info(func)
+        layer = layers.get(layer_name) if layer_name is not None else None
+        if op is None or _schedule_fn(op) is None:
             continue
         if func.attrs is not None and func.attrs.get("tirx.is_scheduled", False):
             continue

@@ -41,12 +41,16 @@ import pyro
 import pyro.distributions as dist
 import torch
 import torch.nn.functional as F
-from pyro.infer import SVI, Predictive, Trace_ELBO
+from pyro.infer import SVI, Trace_ELBO
 from pyro.infer.autoguide import AutoNormal
 from pyro.nn import PyroModule, PyroSample
 from pyro.poutine.messenger import Messenger
 from pyro.poutine.util import site_is_subsample
 from torch import nn
+
+from pyro2pfp.sampling import predictive_logits
+
+__all__ = ["predictive_logits"]  # re-exported: the sampling baseline lives in the library
 
 __all__ = [
     "AnnealingMessenger",
@@ -337,37 +341,3 @@ def train_svi(
                 flush=True,
             )
     return losses
-
-
-def predictive_logits(
-    model: Callable[..., Any],
-    guide: Callable[..., Any],
-    x: np.ndarray | torch.Tensor,
-    num_samples: int = 30,
-    seed: int | None = None,
-) -> np.ndarray:
-    """Monte Carlo logits from the posterior: the sampling baseline.
-
-    Runs ``pyro.infer.Predictive(model, guide=guide, num_samples=num_samples,
-    return_sites=("_RETURN",))(x)`` under ``torch.no_grad``.
-
-    Args:
-        model: Pyro model returning logits.
-        guide: Trained guide.
-        x: Inputs (converted to float32).
-        num_samples: Number of posterior weight samples.
-        seed: If given, ``pyro.set_rng_seed(seed)`` is called first.
-
-    Returns:
-        ``float64`` array of shape ``(num_samples, B, classes)``. Class predictions are
-        ``predictive_logits(...).mean(0).argmax(-1)``.
-    """
-    if seed is not None:
-        pyro.set_rng_seed(seed)
-    x_t = _as_tensor(x, torch.float32)
-    predictive = Predictive(
-        model, guide=guide, num_samples=num_samples, return_sites=("_RETURN",)
-    )
-    with torch.no_grad():
-        out = predictive(x_t)["_RETURN"]
-    return out.detach().cpu().numpy().astype(np.float64)

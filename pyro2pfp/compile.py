@@ -1,0 +1,43 @@
+"""The one compile path: ``net.compile(target, tune=...)`` → a predictor.
+
+Host targets give a runnable :class:`~pyro2pfp.tvm_backend.runtime.CompiledPFP` (default CPU
+schedules, optionally MetaSchedule-tuned executables per batch size); targets for another
+architecture give one that only exports.
+"""
+from __future__ import annotations
+
+from typing import Any
+
+from .errors import PFPError
+from .targets import host_arch, is_cross_target, resolve_target, target_arch
+
+
+def compile_network(net: Any, target: Any = "native", *, schedule: bool = True, tune: Any = None,
+                    num_threads: int | None = None):
+    """``net.compile(target)`` with presets and cross-compilation.
+
+    Host targets give a runnable :class:`~pyro2pfp.tvm_backend.runtime.CompiledPFP`; targets for
+    another architecture give one that only exports (``exe.export_library(path)``); those cannot
+    be tuned here (MetaSchedule measures candidates on the machine it runs on).
+    """
+    from .tvm_backend import runtime
+    from .tvm_backend._core import kernel_table
+
+    tgt = resolve_target(target)
+    if not is_cross_target(tgt):
+        if num_threads is not None:
+            runtime.set_num_threads(num_threads)
+        executable = runtime.build_network(net, tgt, schedule)
+        tuned = None
+        if tune is not None and tune is not False:
+            from .tuning import tune_network
+
+            tuned = tune_network(net, tgt, tune)
+        exe = runtime.CompiledPFP(executable, net.input_shape, net.input_variance, tgt, tuned=tuned)
+        exe.kernels = kernel_table(net.mod)
+        return exe
+    if tune is not None and tune is not False:
+        raise PFPError(f"cannot tune for {target_arch(tgt)} on this {host_arch()} machine: MetaSchedule "
+                       "measures every candidate where it runs; compile without tune= or tune on the device")
+    executable = runtime.build_network(net, tgt, schedule)
+    return runtime.CompiledPFP.for_cross_target(executable, net.input_shape, net.input_variance, tgt)

@@ -1,0 +1,82 @@
+"""Small passes over a ``torch.export`` program, run by the tracing stage."""
+from __future__ import annotations
+
+import operator
+from typing import Any
+
+import torch
+
+
+def fold_identity_broadcasts(program: torch.export.ExportedProgram) -> None:
+    """Replace ``broadcast_tensors(xs)[i]`` by ``xs[i]`` and ``expand(x)`` by ``x`` where they leave
+    the tensor unchanged.
+
+    Building the likelihood (``Normal(mean, sigma)``) broadcasts the network's output with the noise
+    scale; the model's returned ``mean`` is then traced as that broadcast.  For an operand that
+    already has the broadcast shape it is the identity (exact), and the noise scale no longer looks
+    like an input of the network.
+    """
+    graph = program.graph_module.graph
+    for node in list(graph.nodes):
+        if node.op != "call_function" or node.target is not operator.getitem:
+            continue
+        src, index = node.args
+        if not (isinstance(src, torch.fx.Node) and src.target is torch.ops.aten.broadcast_tensors.default):
+            continue
+        operands = src.args[0]
+        if isinstance(operands, list | tuple) and isinstance(index, int):
+            _replace_if_same_shape(node, operands[index])
+    for node in list(graph.nodes):  # expand to its own shape (a plate over the likelihood)
+        if node.op == "call_function" and node.target is torch.ops.aten.expand.default:
+            _replace_if_same_shape(node, node.args[0])
+    graph.eliminate_dead_code()
+    program.graph_module.recompile()
+
+
+def _replace_if_same_shape(node: torch.fx.Node, operand: Any) -> None:
+    same = isinstance(operand, torch.fx.Node) and isinstance(operand.meta.get("val"), torch.Tensor) \
+        and isinstance(node.meta.get("val"), torch.Tensor) and operand.meta["val"].shape == node.meta["val"].shape
+    if same:
+        node.replace_all_uses_with(operand)
+
+
+def used_parameters(program: torch.export.ExportedProgram) -> set[str]:
+    """Fully qualified names of the parameters the graph's output depends on."""
+    output = next(n for n in program.graph.nodes if n.op == "output")
+    seen: set[torch.fx.Node] = set()
+    stack = [output]
+    while stack:
+        node = stack.pop()
+        if node not in seen:
+            seen.add(node)
+            stack.extend(node.all_input_nodes)
+    by_placeholder = program.graph_signature.inputs_to_parameters
+    return {by_placeholder[n.name] for n in seen if n.op == "placeholder" and n.name in by_placeholder}
+
+
+# Ops that only move or view data: a graph traced at batch 1 may use other ones than at batch ≥ 2.
+_LAYOUT_OPS = {"view", "reshape", "_unsafe_view", "flatten", "unflatten", "expand", "squeeze", "unsqueeze",
+               "clone", "contiguous", "alias", "detach", "detach_", "lift_fresh_copy", "dropout", "t",
+               "permute", "transpose", "broadcast_tensors", "identity"}
+
+
+def compute_ops(program: torch.export.ExportedProgram) -> list[torch.fx.Node]:
+    """The graph's computing nodes in order (not shape queries, indexing or layout-only ops)."""
+    out = []
+    for node in program.graph.nodes:
+        if node.op != "call_function" or node.target is operator.getitem:
+            continue
+        name = str(node.target).removeprefix("aten.").split(".")[0]
+        if name.startswith("sym_") or name in _LAYOUT_OPS:
+            continue
+        out.append(node)
+    return out
+
+
+def user_line(node: torch.fx.Node) -> str:
+    """``file:line`` of the model code that produced ``node`` (from its recorded stack trace)."""
+    trace = node.meta.get("stack_trace") or ""
+    frames = [line.strip() for line in trace.splitlines() if line.strip().startswith("File ")]
+    user = [f for f in frames if "/torch/" not in f and "/pyro/" not in f and "/pyro2pfp/" not in f]
+    frame = (user or frames or ["(unknown location)"])[-1]
+    return frame.replace("File ", "").replace('"', "")

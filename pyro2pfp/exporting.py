@@ -1,0 +1,145 @@
+"""Export a compiled predictor: the library (TVM's ``export_library``) and its JSON sidecar.
+
+``export_library(exe, path)`` writes ``path`` (``.so``: a shared library; ``.tar``: the object files,
+linked by ``load`` on the machine that loads it) and ``path + ".json"``: the input shape, whether it
+takes an input variance, the target, versions and the sha256 of the library
+(:func:`pyro2pfp.deploy.load` checks them against the library itself).
+"""
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import json
+import os
+import re
+import shutil
+import sys
+import tempfile
+from typing import Any
+
+from ._version import __version__
+from .errors import PFPError
+from .targets import host_arch, target_arch
+
+SIDECAR_SUFFIX = ".json"
+FORMAT = "pyro2pfp-library/1"
+
+#: Debian's cross compilers, by target architecture.
+CROSS_COMPILERS = {"aarch64": "aarch64-linux-gnu-gcc", "arm": "arm-linux-gnueabihf-gcc",
+                   "armv7l": "arm-linux-gnueabihf-gcc", "armv8l": "arm-linux-gnueabihf-gcc",
+                   "riscv64": "riscv64-linux-gnu-gcc"}
+_APT_PACKAGE = {"aarch64-linux-gnu-gcc": "gcc-aarch64-linux-gnu",
+                "arm-linux-gnueabihf-gcc": "gcc-arm-linux-gnueabihf",
+                "riscv64-linux-gnu-gcc": "gcc-riscv64-linux-gnu"}
+
+
+def sidecar_path(path: str | os.PathLike) -> str:
+    """The metadata file written next to a library: ``path + ".json"``."""
+    return os.fspath(path) + SIDECAR_SUFFIX
+
+
+def _sha256(path: str) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            h.update(block)
+    return h.hexdigest()
+
+
+_NOISE = re.compile(r"Warning: Scope (Saving|Loaded):\s*$")
+
+
+@contextlib.contextmanager
+def _native_stderr_filtered():
+    """Drop the ``Warning: Scope Saving:`` lines TVM's C++ runtime prints on export/load."""
+    try:
+        fd = sys.stderr.fileno()
+    except (AttributeError, OSError, ValueError):
+        yield
+        return
+    sys.stderr.flush()
+    saved = os.dup(fd)
+    with tempfile.TemporaryFile(mode="w+b") as tmp:
+        os.dup2(tmp.fileno(), fd)
+        try:
+            yield
+        finally:
+            sys.stderr.flush()
+            os.dup2(saved, fd)
+            os.close(saved)
+            tmp.seek(0)
+            text = tmp.read().decode(errors="replace")
+            kept = [line for line in text.splitlines() if line.strip() and not _NOISE.search(line)]
+            if kept:
+                sys.stderr.write("\n".join(kept) + "\n")
+
+
+def _cross_fcompile(arch: str, cc: str | None):
+    from tvm.support import cc as tvm_cc
+
+    compiler = cc or os.environ.get("PYRO2PFP_CROSS_CC") or CROSS_COMPILERS.get(arch)
+    if compiler is None:
+        raise PFPError(f"no known cross compiler for {arch}: pass cc='<triple>-gcc' or export a .tar")
+    if shutil.which(compiler) is None:
+        package = _APT_PACKAGE.get(compiler, f"a {arch} cross toolchain")
+        raise PFPError(
+            f"exporting a {arch} shared library needs the cross compiler '{compiler}', which is not on "
+            f"PATH. Install it (Debian/Ubuntu: apt-get install -y {package}), set PYRO2PFP_CROSS_CC, "
+            f"or export a .tar instead (object files only; no toolchain needed, link on the device).")
+    return tvm_cc.cross_compiler(compiler)
+
+
+def export_library(exe: Any, path: str | os.PathLike, *, cc: str | None = None,
+                   metadata: dict[str, Any] | None = None) -> str:
+    """Write ``exe`` (a CompiledPFP) to ``path`` (``.so`` or ``.tar``) plus ``path + ".json"``.
+
+    For a cross target, ``.so`` is linked with the target's cross compiler (``cc`` or
+    ``$PYRO2PFP_CROSS_CC`` overrides the default, e.g. ``aarch64-linux-gnu-gcc``); ``.tar`` holds
+    the object files and needs no toolchain.  ``metadata``: extra JSON-serialisable entries for the
+    sidecar (the CLI stores the layer plan).  Returns the library path.
+    """
+    import tvm
+
+    path = os.fspath(path)
+    ext = os.path.splitext(path)[1].lower()
+    if ext not in (".so", ".tar"):
+        raise PFPError(f"{path}: the library must end in .so (shared library) or .tar (object files); "
+                       "for ONNX use net.to_onnx(path)")
+    directory = os.path.dirname(os.path.abspath(path))
+    if not os.path.isdir(directory):
+        raise PFPError(f"cannot write {path}: directory {directory} does not exist")
+    executable = exe.executable
+    if not hasattr(executable, "export_library"):
+        raise PFPError(f"this predictor ({type(executable).__name__}) cannot be exported")
+    arch = target_arch(exe.target)
+    kwargs = {}
+    if ext == ".so" and arch != host_arch():
+        kwargs["fcompile"] = _cross_fcompile(arch, cc)
+    elif ext == ".so" and cc:
+        from tvm.support import cc as tvm_cc
+
+        kwargs["fcompile"] = tvm_cc.cross_compiler(cc)
+    with _native_stderr_filtered():
+        executable.export_library(path, **kwargs)
+
+    info = {
+        "format": FORMAT,
+        "library": os.path.basename(path),
+        "sha256": _sha256(path),
+        "input_shape": list(exe.input_shape),
+        "input_variance": bool(exe.input_variance),
+        "inputs": ["x", "x_var"] if exe.input_variance else ["x"],
+        "outputs": ["mean", "var"],
+        "dtype": "float32",
+        "target": json.loads(str(exe.target)),
+        "target_arch": arch,
+        "pyro2pfp_version": __version__,
+        "tvm_version": tvm.__version__,
+        "kernels": {symbol: list(op_layer) for symbol, op_layer in getattr(exe, "kernels", {}).items()},
+    }
+    info.update(getattr(exe, "metadata_extra", None) or {})
+    info.update(metadata or {})
+    with open(sidecar_path(path), "w") as f:
+        json.dump(info, f, indent=2)
+        f.write("\n")
+    return path

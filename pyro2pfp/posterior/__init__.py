@@ -1,0 +1,49 @@
+"""Stage 2: the posterior ``{site: (mean, var)}`` of a trained Pyro guide, as the param store holds it.
+
+One reader for everything (``convert``, ``calibrate``, the CLI): :func:`read_posterior`
+
+1. builds the parameters of an autoguide that has never run (a guide made in a fresh process before
+   ``pyro.get_param_store().load(path)``) — :func:`~.store.setup_guide_prototype`;
+2. brings the model's and the guide's parameters in line with the param store (they are a cache of
+   it) — :func:`~.store.sync_with_param_store`;
+3. reads each site's mean and variance through the guide's own API — :func:`~.readers.read_guide`;
+4. checks that one sample of the guide is plausible under what was read —
+   :func:`~.guard.check_posterior` (opt out with ``check=False`` for guides that cannot be sampled).
+
+So the converted network reflects the param store at the moment of the call, whether the store was
+filled by training, ``load``, ``set_state`` or ``store[name] = value``, and whether or not the guide
+has run since.
+"""
+from __future__ import annotations
+
+from collections.abc import Iterable
+from typing import Any
+
+from .guard import check_posterior
+from .readers import SitePosterior, SiteReading, call_with_model_args, read_guide
+from .store import setup_guide_prototype, sync_with_param_store
+
+__all__ = ["read_posterior", "SitePosterior", "SiteReading", "check_posterior", "sync_with_param_store",
+           "setup_guide_prototype", "call_with_model_args"]
+
+
+def read_posterior(model: Any, guide: Any, example_args: tuple, *, weight_sites: Iterable[str] = (),
+                   check: bool = True) -> dict[str, SiteReading]:
+    """Every latent site the guide defines (:class:`SiteReading`: mean and variance as float64 arrays,
+    ``var = scale²``, and what kind of posterior it is), as the param store holds it now.
+
+    ``model``: the Pyro model (its parameters are synchronised with the store too; it is run, with the
+    likelihood hidden, only to set up an autoguide that has never run).  ``example_args``: model
+    arguments (an example input batch), used to run/sample the guide.  ``weight_sites``: sites known
+    to be weights (never hidden when an autoguide is set up).  Which sites the model uses as weights,
+    and whether their readings are usable, is the caller's decision.
+    """
+    setup_guide_prototype(model, guide, example_args, set(weight_sites))
+    sync_with_param_store(model, "the model")
+    sync_with_param_store(guide, f"the {type(guide).__name__} guide")
+    readings = read_guide(guide, example_args)
+    if check:
+        gaussian = {name: (r.mean, r.var) for name, r in readings.items()
+                    if r.kind == "gaussian" and r.mean is not None and r.var is not None}
+        check_posterior(guide, gaussian, example_args)
+    return readings

@@ -1,0 +1,253 @@
+"""Read every latent site of a Pyro guide, through the guide's own API.
+
+Result: ``{site_name: SiteReading}``.  PFP's linear layers need only each weight's mean and variance,
+so a reading is one of
+
+* ``gaussian``: the guide's posterior of the site is Gaussian in the site's value (``var = scale²``,
+  Pyro guides keep the standard deviation) — read exactly;
+* ``moments``: a non-Gaussian posterior with closed-form mean and variance (e.g. a positive site
+  under ``AutoNormal``: ``exp`` of a Normal, i.e. LogNormal with mean ``exp(μ + σ²/2)`` and variance
+  ``(exp(σ²) − 1)·exp(2μ + σ²)``) — *moment-matched*: PFP then treats the weight as Gaussian with
+  those moments (exact for the mean of a linear layer, and for its variance given independent
+  inputs; the shape beyond two moments is dropped);
+* ``point``: a point estimate (``AutoDelta``): fine for a non-weight site such as a noise scale, an
+  error for a weight;
+* ``unsupported``: anything else (``reason`` says what), an error only if the site is a weight.
+
+Guides read through their own API:
+
+* :class:`~pyro.infer.autoguide.AutoNormal` and subclasses: ``guide._get_loc_and_scale(site)``.
+* :class:`~pyro.infer.autoguide.AutoContinuous` guides with a Gaussian posterior
+  (``AutoDiagonalNormal``, ``AutoLowRankMultivariateNormal``, ``AutoMultivariateNormal``, the
+  ``laplace_approximation()`` of an ``AutoLaplaceApproximation``): ``guide._loc_scale()`` (flat mean
+  and marginal standard deviation) unpacked per site with ``guide._unpack_latent``.  Correlations
+  are dropped (PFP is mean-field) and a warning says so for the non-diagonal guides.
+* :class:`~pyro.infer.autoguide.AutoGuideList`: each part through its own reader.
+* Any other guide (hand-written, TyXe, …): the guide is traced once and each sample site's
+  distribution is read (``Independent`` unwrapped; ``Normal``; an affine transform of a Normal).
+"""
+from __future__ import annotations
+
+import inspect
+import warnings
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import pyro.distributions as dist
+import torch
+from pyro import poutine
+from pyro.distributions import constraints
+from pyro.distributions.transforms import AffineTransform, ComposeTransform, ExpTransform, IndependentTransform
+from pyro.infer import autoguide
+from pyro.poutine.subsample_messenger import _Subsample
+
+from ..errors import PosteriorError
+
+SitePosterior = tuple[np.ndarray, np.ndarray]  # (mean, var), float64
+
+
+@dataclass
+class SiteReading:
+    """The posterior of one latent site as PFP sees it: ``mean``/``var`` (float64, the site's shape)
+    for ``kind`` in ``gaussian``/``moments``/``point`` (``var`` 0); ``reason`` says what it is."""
+
+    kind: str
+    mean: np.ndarray | None = None
+    var: np.ndarray | None = None
+    reason: str = ""
+    shape: tuple[int, ...] = ()
+    # The site as transform(z), z ~ Normal(loc, scale) elementwise, where the guide says so:
+    # (loc, scale, torch Transform); used to integrate functions of the site by quadrature.
+    latent: tuple[np.ndarray, np.ndarray, Any] | None = None
+
+    def __post_init__(self) -> None:
+        if self.mean is not None:
+            self.shape = tuple(self.mean.shape)
+
+    @property
+    def usable_as_weight(self) -> bool:
+        return self.kind in ("gaussian", "moments")
+
+
+def _np(t: torch.Tensor) -> np.ndarray:
+    return t.detach().cpu().to(torch.float64).numpy().copy()
+
+
+def _base_constraint(support: Any) -> Any:
+    while isinstance(support, constraints.independent):
+        support = support.base_constraint
+    return support
+
+
+def _transform_of(support: Any) -> Any:
+    """The bijection from the real line to ``support`` that Pyro's autoguides use."""
+    return dist.transforms.biject_to(support)
+
+
+def _reading(loc: torch.Tensor, scale: torch.Tensor, support: Any, what: str) -> SiteReading:
+    """A Normal(loc, scale) in unconstrained space, pushed to ``support`` by Pyro's bijection."""
+    transform = _transform_of(support)
+    latent = (_np(loc), _np(scale), transform)
+    if _base_constraint(support) is constraints.real:
+        return SiteReading("gaussian", _np(loc), _np(scale) ** 2, what, latent=latent)
+    base = transform
+    while isinstance(base, IndependentTransform):
+        base = base.base_transform
+    parts = base.parts if isinstance(base, ComposeTransform) else [base]
+    if all(isinstance(p, ExpTransform | AffineTransform) for p in parts) and \
+            sum(isinstance(p, ExpTransform) for p in parts) == 1 and isinstance(parts[0], ExpTransform):
+        # exp of a Normal is LogNormal(loc, scale); a following affine a + b·v maps the moments.
+        lognormal = dist.LogNormal(loc, scale)
+        mean, var = lognormal.mean, lognormal.variance
+        for p in parts[1:]:
+            assert isinstance(p, AffineTransform)
+            mean, var = p.loc + p.scale * mean, p.scale ** 2 * var
+        return SiteReading("moments", _np(mean), _np(var),
+                           f"{what}: support {support}, exp of a Normal (LogNormal), moment-matched", latent=latent)
+    return SiteReading("unsupported", reason=f"{what}: support {support}, a Normal pushed through "
+                                             f"{type(transform).__name__} (no closed-form moments)",
+                       shape=tuple(loc.shape), latent=latent)
+
+
+def _from_autonormal(guide: autoguide.AutoNormal) -> dict[str, SiteReading]:
+    out = {}
+    assert guide.prototype_trace is not None
+    for name, site in guide.prototype_trace.iter_stochastic_nodes():
+        loc, scale = guide._get_loc_and_scale(name)
+        out[name] = _reading(loc, scale, site["fn"].support, type(guide).__name__)
+    return out
+
+
+_CORRELATED = (autoguide.AutoMultivariateNormal, autoguide.AutoLowRankMultivariateNormal)
+
+
+def _from_autocontinuous(guide: autoguide.AutoContinuous) -> dict[str, SiteReading]:
+    if isinstance(guide, autoguide.AutoNormalizingFlow):
+        raise PosteriorError(
+            f"{type(guide).__name__} is a normalizing-flow guide: its posterior is not Gaussian, so "
+            "PFP cannot represent it. Use AutoNormal or AutoDiagonalNormal.")
+    if isinstance(guide, autoguide.AutoLaplaceApproximation):
+        raise PosteriorError(
+            "an AutoLaplaceApproximation is trained as a point estimate (MAP); its Gaussian is "
+            "guide.laplace_approximation(*model_args), which needs the training data (the Hessian of "
+            "the loss). Convert that: pyro2pfp.convert(model, guide.laplace_approximation(x, y)).")
+    try:
+        loc, scale = guide._loc_scale()
+    except NotImplementedError as exc:
+        raise PosteriorError(
+            f"{type(guide).__name__} does not expose a Gaussian (loc, scale); PFP needs a Gaussian "
+            "posterior (AutoNormal, AutoDiagonalNormal, AutoLowRankMultivariateNormal, "
+            "AutoMultivariateNormal).") from exc
+    if isinstance(guide, _CORRELATED):
+        warnings.warn(
+            f"{type(guide).__name__} models correlations between weights; PFP is mean-field and "
+            "uses only the marginal variances (correlations are dropped).",
+            stacklevel=6,  # the user's convert() call
+        )
+    scales = {site["name"]: value for site, value in guide._unpack_latent(scale)}
+    return {site["name"]: _reading(value, scales[site["name"]], site["fn"].support, type(guide).__name__)
+            for site, value in guide._unpack_latent(loc)}
+
+
+def _from_delta(guide: autoguide.AutoDelta) -> dict[str, SiteReading]:
+    values = guide.median()
+    return {name: SiteReading("point", _np(value), np.zeros(tuple(value.shape)),
+                              f"{type(guide).__name__}: a point estimate (no posterior variance)")
+            for name, value in values.items()}
+
+
+def _unwrap(fn: Any) -> Any:
+    while isinstance(fn, dist.Independent | torch.distributions.Independent):
+        fn = fn.base_dist
+    return fn
+
+
+def _read_distribution(fn: Any, what: str) -> SiteReading:
+    """A traced sample site's distribution: Normal, an affine map of a Normal, Delta, or moments."""
+    shape = tuple(fn.shape())
+    fn = _unwrap(fn)
+    if isinstance(fn, torch.distributions.Normal):
+        loc, scale = torch.broadcast_tensors(fn.loc, fn.scale)
+        return SiteReading("gaussian", _np(loc), _np(scale) ** 2, what,
+                           latent=(_np(loc), _np(scale), torch.distributions.transforms.identity_transform))
+    latent = None
+    if isinstance(fn, torch.distributions.TransformedDistribution) and \
+            isinstance(_unwrap(fn.base_dist), torch.distributions.Normal):
+        normal = _unwrap(fn.base_dist)
+        loc, scale = torch.broadcast_tensors(normal.loc, normal.scale)
+        latent = (_np(loc), _np(scale), ComposeTransform(list(fn.transforms)))
+    if isinstance(fn, torch.distributions.TransformedDistribution):
+        base = _unwrap(fn.base_dist)
+        if isinstance(base, torch.distributions.Normal) and all(isinstance(t, AffineTransform) for t in fn.transforms):
+            mean, var = base.loc, base.scale ** 2
+            for t in fn.transforms:
+                assert isinstance(t, AffineTransform)
+                mean, var = t.loc + t.scale * mean, t.scale ** 2 * var
+            mean, var = torch.broadcast_tensors(mean, var)
+            return SiteReading("gaussian", _np(mean), _np(var), f"{what}: affine map of a Normal")
+    if isinstance(fn, dist.Delta):
+        return SiteReading("point", _np(fn.v), np.zeros(tuple(fn.v.shape)), f"{what}: Delta (a point estimate)")
+    try:
+        mean, var = torch.broadcast_tensors(fn.mean, fn.variance)
+    except NotImplementedError:
+        return SiteReading("unsupported", reason=f"{what}: {type(fn).__name__} (no closed-form mean/variance)",
+                           shape=shape, latent=latent)
+    if torch.isfinite(mean).all() and torch.isfinite(var).all():
+        return SiteReading("moments", _np(mean), _np(var),
+                           f"{what}: {type(fn).__name__}, moment-matched (mean and variance)", latent=latent)
+    return SiteReading("unsupported", reason=f"{what}: {type(fn).__name__} with infinite moments", shape=shape,
+                       latent=latent)
+
+
+def call_with_model_args(fn: Callable[..., Any], example_args: tuple) -> Any:
+    """Call a guide with the model's arguments: ``example_args`` (the input batch) padded with
+    ``None`` for further required positional parameters (``guide(x, y)`` written with the model's
+    signature, ``y`` unused when sampling)."""
+    try:
+        params = list(inspect.signature(fn).parameters.values())
+    except (TypeError, ValueError):
+        return fn(*example_args)
+    required = [p for p in params if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)
+                and p.default is p.empty]
+    return fn(*example_args, *([None] * max(0, len(required) - len(example_args))))
+
+
+def _from_trace(guide: Any, example_args: tuple) -> dict[str, SiteReading]:
+    try:
+        with torch.no_grad(), poutine.block():
+            trace = poutine.trace(lambda *a: call_with_model_args(guide, a)).get_trace(*example_args)
+    except Exception as exc:  # the guide's own error, re-raised with context
+        raise PosteriorError(
+            f"could not run the guide {getattr(guide, '__name__', type(guide).__name__)} to read its "
+            f"posterior: {type(exc).__name__}: {exc}") from exc
+    what = getattr(guide, "__name__", type(guide).__name__)
+    return {name: _read_distribution(site["fn"], what) for name, site in trace.nodes.items()
+            if site["type"] == "sample" and not site["is_observed"]
+            and not (site["infer"] or {}).get("is_auxiliary", False)
+            and not isinstance(site["fn"], _Subsample)}
+
+
+def read_guide(guide: Any, example_args: tuple) -> dict[str, SiteReading]:
+    """Every latent site the guide defines, read through the guide's own API from its current
+    parameters (see :func:`pyro2pfp.posterior.read_posterior`, which first brings them in line with
+    the param store)."""
+    if isinstance(guide, autoguide.AutoGuideList):
+        out: dict[str, SiteReading] = {}
+        for part in guide:
+            out.update(read_guide(part, example_args))
+        return out
+    if isinstance(guide, autoguide.AutoGuide) and guide.prototype_trace is None \
+            and not isinstance(guide, autoguide.AutoCallable):
+        raise PosteriorError(
+            f"the {type(guide).__name__} guide has never been run, so it holds no posterior. "
+            "Train it with SVI (or load its trained param store) before converting.")
+    if isinstance(guide, autoguide.AutoDelta):
+        return _from_delta(guide)
+    if isinstance(guide, autoguide.AutoNormal):
+        return _from_autonormal(guide)
+    if isinstance(guide, autoguide.AutoContinuous):
+        return _from_autocontinuous(guide)
+    return _from_trace(guide, example_args)
+

@@ -1,0 +1,68 @@
+"""Models written with ``pyro.random_module`` (the older tutorials' style).
+
+``pyro.random_module(name, net, priors)()`` deep-copies the ``nn.Module`` ``net`` and lifts each of its
+parameters to a sample site named ``f"{name}$$${parameter}"`` (``module$$$fc1.weight``); the model
+and the hand-written guide are functions.  To trace such a model, :func:`lifted_modules` runs it once
+recording every ``random_module`` call, and :func:`replaced_random_modules` makes ``random_module``
+return a deterministic copy of the net (its parameters: the posterior means) while the model is
+exported, so the graph reads those parameters and each one maps back to its site.
+"""
+from __future__ import annotations
+
+import contextlib
+import copy
+from collections.abc import Iterator
+from typing import Any
+
+import pyro
+import pyro.primitives
+import torch
+from pyro import poutine
+
+SEPARATOR = "$$$"  # pyro.params.param_store._MODULE_NAMESPACE_DIVIDER
+
+
+@contextlib.contextmanager
+def _patched(replacement: Any) -> Iterator[None]:
+    originals = (pyro.random_module, pyro.primitives.random_module)
+    pyro.random_module = pyro.primitives.random_module = replacement
+    try:
+        yield
+    finally:
+        pyro.random_module, pyro.primitives.random_module = originals
+
+
+def lifted_modules(model: Any, run: Any) -> dict[str, torch.nn.Module]:
+    """``{name: nn.Module}`` of every ``pyro.random_module(name, module, prior)`` call the model makes
+    when ``run(model)`` runs it once (nothing is recorded in the param store)."""
+    found: dict[str, torch.nn.Module] = {}
+
+    def record(name: str, nn_module: torch.nn.Module, prior: Any, *args: Any, **kwargs: Any) -> Any:
+        found[name] = nn_module
+        return lambda: nn_module
+
+    with _patched(record), poutine.block(), torch.no_grad():
+        run(model)
+    return found
+
+
+def deterministic_copy(name: str, module: torch.nn.Module, means: dict[str, torch.Tensor]) -> torch.nn.Module:
+    """A copy of ``module`` whose parameter ``p`` holds ``means[f"{name}$$${p}"]`` where given."""
+    det = copy.deepcopy(module).eval()
+    for path, param in list(det.named_parameters()):
+        owner_path, _, attr = path.rpartition(".")
+        owner = det.get_submodule(owner_path) if owner_path else det
+        value = means.get(f"{name}{SEPARATOR}{path}", param.detach())
+        owner._parameters[attr] = torch.nn.Parameter(value.detach().clone().to(param.dtype), requires_grad=False)
+    return det
+
+
+@contextlib.contextmanager
+def replaced_random_modules(replacements: dict[str, torch.nn.Module]) -> Iterator[None]:
+    """While active, ``pyro.random_module(name, …)()`` returns ``replacements[name]``."""
+
+    def replace(name: str, nn_module: torch.nn.Module, prior: Any, *args: Any, **kwargs: Any) -> Any:
+        return lambda: replacements[name]
+
+    with _patched(replace):
+        yield

@@ -1,0 +1,84 @@
+"""The library's shape: what importing it pulls in."""
+from __future__ import annotations
+
+import subprocess
+import sys
+
+
+def _modules_after(code: str) -> set[str]:
+    out = subprocess.run([sys.executable, "-c", f"{code}\nimport sys; print(' '.join(sys.modules))"],
+                         capture_output=True, text=True, timeout=300, check=True).stdout
+    return set(out.split())
+
+
+def test_core_library_needs_no_experiment_packages():
+    """Converting, the reference, uncertainty and the CLI work without matplotlib and mlxtend (the
+    ``experiments`` extra) and without the experiment code (pyro2pfp_experiments)."""
+    loaded = _modules_after("import pyro2pfp, pyro2pfp.network, pyro2pfp.uncertainty, pyro2pfp.cli, "
+                            "pyro2pfp.onnx_export, pyro2pfp.posterior")
+    assert "pyro2pfp.network" in loaded
+    for module in ("matplotlib", "mlxtend", "pyro2pfp_experiments"):
+        assert module not in loaded, f"importing the core library imported {module}"
+
+
+def _import_graph() -> dict[str, set[str]]:
+    """``{module: modules of the package it imports}``, counting every import statement, also the
+    ones inside functions (a lazy import is still a dependency)."""
+    import ast
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1] / "pyro2pfp"
+    modules = {}
+    for path in root.rglob("*.py"):
+        parts = path.relative_to(root.parent).with_suffix("").parts
+        modules[".".join(parts[:-1] if parts[-1] == "__init__" else parts)] = path
+    graph: dict[str, set[str]] = {name: set() for name in modules}
+    for name, path in modules.items():
+        package = name if path.name == "__init__.py" else name.rpartition(".")[0]
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ImportFrom):
+                base = package.split(".")[: len(package.split(".")) - (node.level - 1)] if node.level else []
+                target = ".".join(base + ([node.module] if node.module else [])) if node.level else node.module
+                for alias in node.names:
+                    for candidate in (f"{target}.{alias.name}", target):
+                        if candidate in modules:
+                            graph[name].add(candidate)
+                            break
+            elif isinstance(node, ast.Import):
+                graph[name].update(a.name for a in node.names if a.name in modules)
+        graph[name].discard(name)
+    return graph
+
+
+def _cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+    state: dict[str, int] = {}
+    stack: list[str] = []
+    found: list[list[str]] = []
+
+    def visit(node: str) -> None:
+        state[node] = 1
+        stack.append(node)
+        for nxt in sorted(graph[node]):
+            if state.get(nxt) == 1:
+                found.append(stack[stack.index(nxt):] + [nxt])
+            elif nxt not in state:
+                visit(nxt)
+        stack.pop()
+        state[node] = 2
+
+    for node in sorted(graph):
+        if node not in state:
+            visit(node)
+    return found
+
+
+def test_no_import_cycles():
+    """The package's modules form a layered graph: no module imports (even lazily) one that imports it."""
+    graph = _import_graph()
+    assert "pyro2pfp.network" in graph and "pyro2pfp.deploy" in graph["pyro2pfp"]
+    cycles = _cycles(graph)
+    assert not cycles, "import cycles: " + "; ".join(" -> ".join(c) for c in cycles)
+
+
+def test_cycle_detector_sees_a_cycle():
+    assert _cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}}) == [["a", "b", "c", "a"]]
