@@ -873,6 +873,9 @@ def _run_search(tasks: list[Any], target: tvm.target.Target, directory: Path, bu
     strategy = ms.search_strategy.EvolutionarySearch(**SEARCH)
     ms_logger = logging.getLogger("tvm.s_tir.meta_schedule")
     level = ms_logger.level
+    for handler in list(ms_logger.handlers):
+        if handler.get_name() is None:  # MetaSchedule's dictConfig lists its logger's handlers by
+            ms_logger.removeHandler(handler)  # name and fails on an unnamed one (seen after an RPC run)
     ms_logger.setLevel(logging.WARNING)  # the console handler MetaSchedule creates gets this level
     try:
         contexts, weights = ms.relax_integration.extracted_tasks_to_tune_contexts(
