@@ -17,7 +17,9 @@ from .errors import (
     NumericalError,
     PFPError,
     PosteriorError,
+    RemoteError,
     TracingError,
+    TuningError,
     UnsupportedLayerError,
 )
 from .graph import Repr
@@ -35,6 +37,6 @@ def set_num_threads(n: int) -> int:
 
 __all__ = ["convert", "load", "PFPNetwork", "Repr", "PFPError", "UnsupportedLayerError", "PosteriorError",
            "InputShapeError", "TracingError", "NumericalError", "LoadError", "LibraryNotFoundError",
-           "ArgumentError", "uncertainty",
+           "ArgumentError", "RemoteError", "TuningError", "uncertainty",
            "uncertainty_from_logit_samples", "predictive_uncertainty", "auroc", "calibrate", "set_num_threads",
            "diagnose", "Diagnosis"]

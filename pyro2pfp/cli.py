@@ -106,6 +106,11 @@ def non_negative_float(text: str) -> float:
                     "a finite number >= 0 is expected")
 
 
+def positive_float(text: str) -> float:
+    return _checked(text, float, "a number", lambda v: np.isfinite(v) and v > 0,
+                    "a finite number > 0 is expected")
+
+
 def positive_int(text: str) -> int:
     return _checked(text, int, "an integer", lambda v: v > 0, "a positive integer is expected")
 
@@ -489,6 +494,8 @@ def cmd_bench(args: argparse.Namespace) -> int:
 
     model, guide, net = convert_from_args(args)
     exe = deploy.compile_network(net, args.target)
+    if args.remote:
+        return _bench_remote(net, exe, args)
     if not exe.runnable:
         raise CLIError(f"--target {args.target} is for another CPU; bench runs on this machine")
     ort_session = None
@@ -522,6 +529,38 @@ def cmd_bench(args: argparse.Namespace) -> int:
     return 0
 
 
+def _bench_remote(net, exe, args: argparse.Namespace) -> int:
+    """``bench --remote``: upload the library to a board and time it there (time_evaluator)."""
+    from .remote import Remote, fixed_inputs, upload
+
+    remote = Remote.parse(args.remote, session_timeout=args.remote_timeout)
+    board = upload(exe, remote)
+    print(f"target {exe.target.attrs.get('mcpu', '') or exe.target.kind.name} on {remote.address}; "
+          f"time_evaluator on the board, {args.repeat} repeats")
+    header = f"{'batch':>6}  {'median ms':>10}  {'mean ms':>10}  {'min ms':>10}"
+    print(header)
+    print("-" * len(header))
+    for batch in args.batch_sizes:
+        x = fixed_inputs(net.input_shape, batch)
+        x_var = np.full_like(x, 1e-4) if net.input_variance else None
+        t = board.time(x, x_var, repeats=args.repeat)
+        print(f"{batch:>6}  {t.median_ms:>10.4f}  {t.mean_ms:>10.4f}  {t.min_ms:>10.4f}")
+    return 0
+
+
+def cmd_validate(args: argparse.Namespace) -> int:
+    """``validate --remote``: the board's outputs on a fixed input set against the float64 reference."""
+    from . import deploy
+    from .remote import Remote, validate
+
+    _model, _guide, net = convert_from_args(args)
+    exe = deploy.compile_network(net, args.target)
+    report = validate(net, exe, Remote.parse(args.remote, session_timeout=args.remote_timeout),
+                      count=args.count, rtol=args.rtol)
+    print(report)
+    return 0 if report.ok else 1
+
+
 # ---------------------------------------------------------------------------------------------
 # Parser
 # ---------------------------------------------------------------------------------------------
@@ -541,6 +580,14 @@ def _add_conversion_options(p: argparse.ArgumentParser, builder_help: str = BUIL
                    help="'variance' (default, accurate in float32) or 'raw' (the paper's raw-moment plan)")
     p.add_argument("--input-variance", action="store_true",
                    help="the network also takes the variance of its input (sensor noise): inputs x, x_var")
+
+
+def _add_remote_options(p: argparse.ArgumentParser, required: bool) -> None:
+    p.add_argument("--remote", "-r", required=required, metavar="HOST:PORT[/KEY]",
+                   help="a board through TVM RPC: 'tracker-host:9190/rpi4' (tracker and key) or "
+                        "'server-host:9090' (one rpc_server, no tracker)")
+    p.add_argument("--remote-timeout", type=positive_float, default=60.0, metavar="SEC",
+                   help="RPC session timeout in seconds (default 60)")
 
 
 def _target_help() -> str:
@@ -630,7 +677,22 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--repeat", type=positive_int, default=20, help="timed runs per measurement (default 20)")
     # Kept for old command lines: bench never runs benchmarks/latency.py (or any file) any more.
     p.add_argument("--builtin", action="store_true", help=argparse.SUPPRESS)
+    _add_remote_options(p, required=False)
     p.set_defaults(func=cmd_bench)
+
+    p = sub.add_parser("validate", formatter_class=formatter, help="check the library on a remote board",
+                       description="Convert and compile the model for --target, upload the library to a "
+                                   "board through TVM RPC, run a fixed input set there and compare with the "
+                                   "float64 NumPy reference (max error; exit status 1 above --rtol).",
+                       epilog="example:\n  pyro2pfp validate builder.py:build -p params.pt -t rpi4 "
+                              "--remote tracker-host:9190/rpi4")
+    _add_conversion_options(p)
+    p.add_argument("--target", "-t", default="llvm", help=_target_help())
+    p.add_argument("--count", type=positive_int, default=32, help="inputs in the fixed set (default 32)")
+    p.add_argument("--rtol", type=non_negative_float, default=1e-4,
+                   help="allowed error relative to the largest reference value (default 1e-4)")
+    _add_remote_options(p, required=True)
+    p.set_defaults(func=cmd_validate)
     return parser
 
 

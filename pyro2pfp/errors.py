@@ -45,3 +45,8 @@ class TuningError(PFPError, RuntimeError):
 class ArgumentError(PFPError, ValueError):
     """An argument of a public function has the wrong type or value (the message says what is
     expected).  Also a ``ValueError``, for callers that catch that."""
+
+
+class RemoteError(PFPError, RuntimeError):
+    """A remote board (TVM RPC tracker or server) cannot be reached, has no server under the key
+    asked for, or did not answer within the session timeout."""

@@ -61,7 +61,7 @@ class PFPNetwork:
         return execute(self.plan, arrays[0], arrays[1] if len(arrays) > 1 else None)
 
     def compile(self, target: Any = "native", *, tune: Any = None, schedule: bool = True,
-                num_threads: int | None = None):
+                num_threads: int | None = None, remote: Any = None):
         """Compile ``mod`` for ``target``: ``"native"`` (default: this machine's CPU and its full
         instruction set, e.g. AVX-512), ``"llvm"`` (generic x86-64: SSE2 only, portable, slower),
         a board preset (``"aarch64"``, ``"rpi3"``, ``"rpi4"``, ``"rpi5"``), a TVM tag, a dict or a
@@ -79,9 +79,16 @@ class PFPNetwork:
         size run the tuned executable, each kernel the fastest correct of its tuned and default
         schedules.  ``num_threads``: TVM threads (process-wide, default: the physical cores).
         ``schedule=False`` skips the default CPU schedules (naive loops; for debugging).
+        ``remote``: with ``tune``, measure the candidates on boards through TVM RPC --
+        ``"tracker-host:9190/rpi4"``, ``"server-host:9090"`` or a :class:`pyro2pfp.remote.Remote`
+        (the tuning database is then keyed by the board key as well as the target).
         """
         from .compile import compile_network
 
+        if remote is not None:
+            from .tuning import with_remote
+
+            tune = with_remote(tune, remote)
         return compile_network(self, target, schedule=schedule, tune=tune, num_threads=num_threads)
 
     def regression(self, mean: Any, var: Any) -> dict[str, np.ndarray]:

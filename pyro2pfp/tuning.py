@@ -247,13 +247,16 @@ def _target_json(target: tvm.target.Target) -> str:
     return json.dumps(dict(target.export()), sort_keys=True, default=str)
 
 
-def tuning_key(mod: tvm.IRModule, target: tvm.target.Target, batch: int) -> str:
-    """Hex key of a tuning run: the specialised kernels' structure, the target, the batch, TVM.
+def tuning_key(mod: tvm.IRModule, target: tvm.target.Target, batch: int, board: str | None = None) -> str:
+    """Hex key of a tuning run: the specialised kernels' structure, the target, the batch, TVM,
+    and the board (the RPC tracker key of a remote run; ``None``: this machine).
 
     The weights (Relax constants) do not enter it: retraining a network keeps its tuning.
     """
     h = hashlib.sha256()
     h.update(f"pyro2pfp-tuning-v{FORMAT_VERSION}|tvm {tvm.__version__}|batch {int(batch)}|".encode())
+    if board is not None:
+        h.update(f"board {board}|".encode())
     h.update(_target_json(target).encode())
     for name, func in sorted(_prim_funcs(mod).items()):
         h.update(f"|{name}:{tvm_ffi.structural_hash(func)}".encode())
@@ -418,10 +421,10 @@ of at least ``min_repeat_ms``)."""
 
 
 def _run_built(rt_mod: Any, symbol: str, arrays: list[np.ndarray], time_it: bool, repeat: int | None = None,
-               min_repeat_ms: int | None = None) -> tuple[list[np.ndarray], float | None]:
+               min_repeat_ms: int | None = None, device: Any = None) -> tuple[list[np.ndarray], float | None]:
     repeat = KERNEL_TIMING["repeat"] if repeat is None else repeat
     min_repeat_ms = KERNEL_TIMING["min_repeat_ms"] if min_repeat_ms is None else min_repeat_ms
-    device = tvm.cpu()
+    device = tvm.cpu() if device is None else device
     # TVM-allocated (64-byte aligned) copies: kernels compiled for static shapes may use aligned
     # vector loads, and a NumPy buffer handed over without a copy can be misaligned (segfault)
     args = [tvm.runtime.tensor(a.copy(), device) for a in arrays]
@@ -436,10 +439,13 @@ def _run_built(rt_mod: Any, symbol: str, arrays: list[np.ndarray], time_it: bool
 
 class _BatchRunner:
     """Builds many PrimFuncs as one module (one LLVM compile instead of one per kernel) and runs
-    them by identity; falls back to one build per function if the joint build fails."""
+    them by identity; falls back to one build per function if the joint build fails.  With
+    ``remote`` (a :class:`pyro2pfp.remote.Remote`) the module is uploaded and run on a board."""
 
-    def __init__(self, funcs: list[tirx.PrimFunc], target: tvm.target.Target) -> None:
+    def __init__(self, funcs: list[tirx.PrimFunc], target: tvm.target.Target, remote: Any = None) -> None:
         self.target = target
+        self.remote = remote
+        self.device = None
         self.symbols = {}
         self.rt_mod = None
         entries = {}
@@ -451,13 +457,37 @@ class _BatchRunner:
             self.rt_mod = _build_prim_module(tvm.IRModule(entries), target)
         except Exception:  # noqa: BLE001 -- one bad candidate: build them one by one
             self.rt_mod = None
+        if remote is not None:
+            if self.rt_mod is None:
+                raise TuningError(f"the kernels to time on {remote.address} do not build as one module")
+            self.rt_mod, self.device = _upload_module(self.rt_mod, remote)
 
     def __call__(self, func: tirx.PrimFunc, arrays: list[np.ndarray], time_it: bool = True
                  ) -> tuple[list[np.ndarray], float | None]:
         entry = self.symbols.get(id(func))
+        if self.remote is not None:
+            if entry is None or not entry[0].same_as(func):
+                raise TuningError(f"kernel {func} was not uploaded to {self.remote.address}")
+            return self.remote._bounded("running a kernel on the board", lambda: _run_built(
+                self.rt_mod, entry[1], arrays, time_it, device=self.device), timeout=self.remote.session_timeout)
         if self.rt_mod is None or entry is None or not entry[0].same_as(func):
             return run_prim_func(func, self.target, arrays, time_it=time_it)
         return _run_built(self.rt_mod, entry[1], arrays, time_it)
+
+
+def _upload_module(rt_mod: Any, remote: Any) -> tuple[Any, Any]:
+    """Export ``rt_mod``, upload it to a board of ``remote`` and load it there: (module, device)."""
+    import tempfile
+
+    session = remote.connect()
+    with tempfile.TemporaryDirectory(prefix="pyro2pfp-rpc-") as tmp:
+        path = os.path.join(tmp, "kernels.so")
+        rt_mod.export_library(path)
+        name = f"pyro2pfp_kernels_{os.getpid()}_{time.perf_counter_ns()}.so"
+        remote._bounded("uploading kernels", lambda: session.upload(path, name), timeout=remote.session_timeout)
+    loaded = remote._bounded("loading kernels on the board", lambda: session.load_module(name),
+                             timeout=remote.session_timeout)
+    return loaded, session.cpu()
 
 
 def _seconds(result: tuple[Any, float | None]) -> float:
@@ -662,7 +692,7 @@ def tune(mod: tvm.IRModule, target: Any, *, batch: int, trials: int = DEFAULT_TR
          plan: Any = None, cost_model: str = "auto", builder: str = "pool",
          num_trials_per_iter: int | None = None, min_share: float = 0.03,
          search_ops: Sequence[str] | None = SEARCH_OPS, seed: int = 0,
-         label: str | None = None) -> TuneResult:
+         label: str | None = None, remote: Any = None) -> TuneResult:
     """Tune ``mod`` (symbolic batch) for ``batch`` with MetaSchedule; reuse a previous run's database.
 
     Args:
@@ -695,6 +725,11 @@ def tune(mod: tvm.IRModule, target: Any, *, batch: int, trials: int = DEFAULT_TR
             search every kernel.  Kernels that are not PFP kernels are always searched.
         seed: search seed.
         label: prefix of the progress lines.
+        remote: measure on boards through TVM RPC instead of this machine: ``"tracker:9190/key"``,
+            ``"server:9090"`` or a :class:`pyro2pfp.remote.Remote`.  Candidates are built here and
+            timed on the boards by MetaSchedule's ``RPCRunner`` (``remote.parallel`` boards at a
+            time); the per-kernel choice is timed and checked on a board too.  The database is
+            keyed by the board (tracker key) as well as the target.
 
     Returns:
         a :class:`TuneResult`; ``result.build()`` compiles it.
@@ -708,9 +743,20 @@ def tune(mod: tvm.IRModule, target: Any, *, batch: int, trials: int = DEFAULT_TR
         raise ValueError(f"trials must be >= 0, got {trials}")
     out = (progress if callable(progress) else _print) if progress else (lambda _msg: None)
     tgt = tuning_target(target)
-    _check_runs_here(tgt)
+    board = None
+    if remote is not None:
+        from .remote import as_remote
+
+        remote = as_remote(remote)
+        remote.servers()  # no server under the key: a clear error now, not a queue that never ends
+        board = remote.tag
+        if builder != "pool":
+            raise TuningError(f"tuning on {remote.address} needs builder='pool' (libraries written to disk "
+                              f"for upload), got {builder!r}")
+    else:
+        _check_runs_here(tgt)
     static = specialize_batch(mod, batch)
-    key = tuning_key(static, tgt, batch)
+    key = tuning_key(static, tgt, batch, board)
     root = Path(work_dir).expanduser() if work_dir is not None else default_cache_dir()
     directory = root / key
     label = label or f"tune batch {batch}"
@@ -728,7 +774,7 @@ def tune(mod: tvm.IRModule, target: Any, *, batch: int, trials: int = DEFAULT_TR
         if trials > done:
             _fast_inspect.preimport_tensor_intrin()  # TuneContext imports it: ~3 s instead of ~130 s
             # kernels worth searching: by their time with the default schedule (naive if none)
-            run = _BatchRunner(list(defaults.values()), tgt)
+            run = _BatchRunner(list(defaults.values()), tgt, remote)
             base_us = {name: _seconds(run(f, _kernel_inputs(f))) * 1e6 for name, f in defaults.items()}
             todo = _select_tasks(static, tgt, base_us, min_share, search_ops)
             if todo:
@@ -739,16 +785,16 @@ def tune(mod: tvm.IRModule, target: Any, *, batch: int, trials: int = DEFAULT_TR
                 out(f"[{label}] tuning {n_tasks} kernel(s), {budget} trials "
                     f"({per_iter} per round), work dir {directory}")
                 _run_search(todo, tgt, directory, budget, per_iter, cost_model, builder, seed,
-                            _Progress([t.task_name for t in todo], trials, label, out, done))
+                            _Progress([t.task_name for t in todo], trials, label, out, done), remote)
             meta = {}
         if not meta:
             meta = {"format": FORMAT_VERSION, "key": key, "batch": int(batch), "trials": 0,
-                    "target": _target_json(tgt), "tvm": tvm.__version__}
+                    "target": _target_json(tgt), "tvm": tvm.__version__, "board": board}
         database = ms.database.JSONDatabase(work_dir=str(directory), module_equality="structural")
         tuned = _apply_database(static, database, tgt)
         choices = meta.get("choices") if meta.get("schedules") == fingerprint and not tuned_now else None
         if choices is None or set(choices) != set(funcs):
-            choices = _choose(static, tuned, defaults, tgt, any_batch)
+            choices = _choose(static, tuned, defaults, tgt, any_batch, remote=remote)
             meta.update({"choices": choices, "schedules": fingerprint})
         meta["trials"] = max(int(meta.get("trials", 0)), trials)
         _write_meta(directory, meta)
@@ -823,16 +869,20 @@ def _binds_let(func: tirx.PrimFunc) -> bool:
 
 
 def _run_search(tasks: list[Any], target: tvm.target.Target, directory: Path, budget: int, per_iter: int,
-                cost_model: str, builder: str, seed: int, progress: Any) -> None:
+                cost_model: str, builder: str, seed: int, progress: Any, remote: Any = None) -> None:
     strategy = ms.search_strategy.EvolutionarySearch(**SEARCH)
     ms_logger = logging.getLogger("tvm.s_tir.meta_schedule")
     level = ms_logger.level
+    for handler in list(ms_logger.handlers):
+        if handler.get_name() is None:  # MetaSchedule's dictConfig lists its logger's handlers by
+            ms_logger.removeHandler(handler)  # name and fails on an unnamed one (seen after an RPC run)
     ms_logger.setLevel(logging.WARNING)  # the console handler MetaSchedule creates gets this level
     try:
         contexts, weights = ms.relax_integration.extracted_tasks_to_tune_contexts(
             extracted_tasks=tasks, work_dir=str(directory), space="post-order-apply",
             strategy=strategy, num_threads=_physical_cores(), seed=seed)
-        _tune_contexts(contexts, weights, target, directory, budget, per_iter, cost_model, builder, progress)
+        _tune_contexts(contexts, weights, target, directory, budget, per_iter, cost_model, builder, progress,
+                       remote)
     finally:
         ms_logger.setLevel(level)
 
@@ -841,7 +891,8 @@ BUILDERS = ("pool", "inprocess", "local")
 
 
 def _tune_contexts(contexts: list[Any], weights: list[float], target: tvm.target.Target, directory: Path,
-                   budget: int, per_iter: int, cost_model: str, builder_kind: str, progress: Any) -> None:
+                   budget: int, per_iter: int, cost_model: str, builder_kind: str, progress: Any,
+                   remote: Any = None) -> None:
     callbacks = [ms.measure_callback.AddToDatabase(), ms.measure_callback.UpdateCostModel(), progress]
     pooled = None
     if builder_kind == "local":
@@ -857,7 +908,7 @@ def _tune_contexts(contexts: list[Any], weights: list[float], target: tvm.target
         builder, runner = InProcessBuilder(), InProcessRunner(_EVALUATOR)
     else:
         builder = pooled = PooledBuilder(timeout_sec=BUILD_TIMEOUT_SEC)
-        runner = InProcessRunner(_EVALUATOR)
+        runner = InProcessRunner(_EVALUATOR) if remote is None else _rpc_runner(remote)
         callbacks.insert(1, ms.measure_callback.RemoveBuildArtifact())
     try:
         ms.tune.tune_tasks(
@@ -871,9 +922,18 @@ def _tune_contexts(contexts: list[Any], weights: list[float], target: tvm.target
             pooled.shutdown()
 
 
+def _rpc_runner(remote: Any) -> Any:
+    """MetaSchedule's ``RPCRunner``: candidates uploaded to and timed on ``remote.parallel`` boards."""
+    from .remote import create_session
+
+    return ms.runner.RPCRunner(rpc_config=remote.rpc_config(), evaluator_config=_EVALUATOR,
+                               max_workers=int(remote.parallel),
+                               f_create_session=None if remote.key else create_session)
+
+
 def _choose(static: tvm.IRModule, tuned: tvm.IRModule, defaults: dict[str, tirx.PrimFunc],
             target: tvm.target.Target, any_batch: dict[str, tirx.PrimFunc] | None = None,
-            run: Callable[..., tuple[list[np.ndarray], float | None]] | None = None
+            run: Callable[..., tuple[list[np.ndarray], float | None]] | None = None, remote: Any = None
             ) -> dict[str, dict[str, Any]]:
     """Per kernel: check each available schedule against the unscheduled kernel on the same data
     (a schedule that computes something else -- a miscompile -- is never chosen), time them back
@@ -892,7 +952,8 @@ def _choose(static: tvm.IRModule, tuned: tvm.IRModule, defaults: dict[str, tirx.
             candidates["any-batch"] = any_batch[name]
         per_kernel[name] = (func, candidates)
     if run is None:
-        run = _BatchRunner([f for func, cands in per_kernel.values() for f in (func, *cands.values())], target)
+        run = _BatchRunner([f for func, cands in per_kernel.values() for f in (func, *cands.values())], target,
+                           remote)
     choices = {}
     for name, (func, candidates) in per_kernel.items():
         arrays = _kernel_inputs(func)
@@ -937,7 +998,7 @@ def parse_tune_spec(tune: Any) -> dict[str, Any]:
     else:
         raise TypeError(f"tune must be a batch size, a list of them or a dict, got {type(tune).__name__}")
     allowed = {"batch", "trials", "work_dir", "progress", "cost_model", "builder", "min_share",
-               "search_ops", "seed"}
+               "search_ops", "seed", "remote"}
     unknown = set(spec) - allowed
     if unknown:
         raise TypeError(f"unknown tune option(s) {sorted(unknown)}; allowed: {sorted(allowed)}")
@@ -948,6 +1009,21 @@ def parse_tune_spec(tune: Any) -> dict[str, Any]:
     if not batches or any(not isinstance(b, int) or isinstance(b, bool) or b < 1 for b in batches):
         raise ValueError(f"tune batch sizes must be positive ints, got {batches!r}")
     spec["batches"] = tuple(dict.fromkeys(batches))
+    return spec
+
+
+def with_remote(tune: Any, remote: Any) -> Any:
+    """``compile(tune=..., remote=...)``: the tune spec with ``remote`` added (``remote`` without
+    ``tune`` is an error: there is nothing to measure on the board at compile time)."""
+    if remote is None:
+        return tune
+    if tune is None or tune is False:
+        raise TypeError("compile(remote=...) measures tuning candidates on the board: give tune= too "
+                        "(to time or validate a compiled network on a board: exe.profile(x, remote=...), "
+                        "pyro2pfp.remote.validate)")
+    spec = parse_tune_spec(tune)
+    spec["batch"] = list(spec.pop("batches"))
+    spec["remote"] = remote
     return spec
 
 

@@ -185,10 +185,17 @@ class CompiledPFP:
         check_finite_outputs(mean, var)
         return mean, var
 
-    def profile(self, x: Any, x_var: Any = None, *, repeats: int = 30, method: str = "isolated"):
+    def profile(self, x: Any, x_var: Any = None, *, repeats: int = 30, method: str = "isolated",
+                remote: Any = None):
         """Time every kernel of one call on ``x`` (the paper's Figure 5 / Table 4): a
         :class:`pyro2pfp.profiling.Profile` (``print(prof)`` shows the table; ``prof.by_op()`` the
-        share per PFP op)."""
+        share per PFP op).  ``remote`` (``"tracker:9190/key"``, ``"host:port"`` or a
+        :class:`pyro2pfp.remote.Remote`): upload the library to a board and time the whole call
+        there with ``time_evaluator`` (a :class:`pyro2pfp.remote.RemoteTiming`; no per-kernel split)."""
+        if remote is not None:
+            from ..remote import benchmark
+
+            return benchmark(self, x, remote, x_var, repeats=repeats)
         from ..profiling import profile
 
         if not self.runnable:
