@@ -39,15 +39,16 @@ def as_input_array(x: Any, input_shape: tuple[int, ...], name: str = "x", dtype:
             f"{name} has shape {tuple(x.shape)}, expected (batch, {', '.join(map(str, input_shape))})")
     if not (np.issubdtype(x.dtype, np.number) or x.dtype == np.bool_) or np.iscomplexobj(x):
         raise InputShapeError(f"{name} must be real numbers, got dtype {x.dtype}")
-    wide = np.asarray(x, dtype=np.float64)
-    if not np.isfinite(wide).all():
-        bad = int(np.size(wide) - np.count_nonzero(np.isfinite(wide)))
-        raise InputShapeError(f"{name} contains {bad} NaN or infinite value(s)")
-    if np.dtype(dtype) == np.float32 and wide.size and np.abs(wide).max() > FLOAT32_MAX:
-        raise InputShapeError(
-            f"{name} has finite values up to {np.abs(wide).max():.3g}, beyond float32's range "
-            f"({FLOAT32_MAX:.3g}); the compiled network computes in float32. net.reference(x) computes "
-            "in float64.")
+    if x.dtype.kind == "f":  # integers and booleans are always finite and within float32's range
+        if not np.isfinite(x).all():
+            bad = int(x.size - np.count_nonzero(np.isfinite(x)))
+            raise InputShapeError(f"{name} contains {bad} NaN or infinite value(s)")
+        if np.dtype(dtype) == np.float32 and x.dtype.itemsize > 4 and x.size:
+            largest = float(np.abs(x).max())
+            if largest > FLOAT32_MAX:
+                raise InputShapeError(
+                    f"{name} has finite values up to {largest:.3g}, beyond float32's range ({FLOAT32_MAX:.3g}); "
+                    "the compiled network computes in float32. net.reference(x) computes in float64.")
     return np.ascontiguousarray(x, dtype=dtype)
 
 
