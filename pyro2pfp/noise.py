@@ -29,7 +29,7 @@ from pyro import poutine
 from pyro.poutine.messenger import Messenger
 from pyro.poutine.subsample_messenger import _Subsample
 
-from .posterior import SiteReading, call_with_model_args
+from .posterior import SiteReading, call_with_model_args, unwrap_independent
 
 NODES = 64
 
@@ -81,12 +81,6 @@ def _value(reading: SiteReading) -> torch.Tensor:
     return transform(torch.as_tensor(loc, dtype=torch.float32))
 
 
-def _unwrap(fn: Any) -> Any:
-    while isinstance(fn, torch.distributions.Independent):
-        fn = fn.base_dist
-    return fn
-
-
 def _likelihood_scale(model: Any, values: dict[str, torch.Tensor], x: torch.Tensor) -> tuple[str, Any]:
     """(likelihood site, its scale tensor or None) of one eager run with the sites at ``values``."""
     capture = _AtValues(values)
@@ -95,7 +89,7 @@ def _likelihood_scale(model: Any, values: dict[str, torch.Tensor], x: torch.Tens
     if len(capture.likelihoods) != 1:
         return "", None
     name, fn = capture.likelihoods[0]
-    fn = _unwrap(fn)
+    fn = unwrap_independent(fn)
     return name, fn.scale.detach().to(torch.float64) if isinstance(fn, torch.distributions.Normal) else None
 
 

@@ -34,7 +34,7 @@ from .errors import InputShapeError, PosteriorError, TracingError
 from .export_passes import compute_ops, fold_identity_broadcasts, used_parameters, user_line
 from .graph import GaussianParam
 from .noise import NoiseModel, NoNoiseModel, find_noise
-from .posterior import SiteReading, call_with_model_args, read_posterior
+from .posterior import SiteReading, call_with_model_args, read_posterior, unwrap_independent
 from .site_matching import check_all_matched, require_weight_posterior
 
 _WRAPPER_PREFIX = "model."
@@ -60,9 +60,7 @@ class TracedModel:
 def _likelihood_mean(fn: Any) -> torch.Tensor:
     """What a model that returns its likelihood's sample is taken to return: the ``loc`` (the
     network output) of a Normal-like likelihood, else a placeholder."""
-    while isinstance(fn, torch.distributions.Independent):
-        fn = fn.base_dist
-    loc = getattr(fn, "loc", None)
+    loc = getattr(unwrap_independent(fn), "loc", None)
     return loc if isinstance(loc, torch.Tensor) else torch.zeros(())
 
 

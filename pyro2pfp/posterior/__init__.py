@@ -20,11 +20,11 @@ from collections.abc import Iterable
 from typing import Any
 
 from .guard import check_posterior
-from .readers import SitePosterior, SiteReading, call_with_model_args, read_guide
+from .readers import SitePosterior, SiteReading, call_with_model_args, read_guide, unwrap_independent
 from .store import setup_guide_prototype, sync_with_param_store
 
 __all__ = ["read_posterior", "SitePosterior", "SiteReading", "check_posterior", "sync_with_param_store",
-           "setup_guide_prototype", "call_with_model_args"]
+           "setup_guide_prototype", "call_with_model_args", "unwrap_independent"]
 
 
 def read_posterior(model: Any, guide: Any, example_args: tuple, *, weight_sites: Iterable[str] = (),

@@ -158,8 +158,9 @@ def _from_delta(guide: autoguide.AutoDelta) -> dict[str, SiteReading]:
             for name, value in values.items()}
 
 
-def _unwrap(fn: Any) -> Any:
-    while isinstance(fn, dist.Independent | torch.distributions.Independent):
+def unwrap_independent(fn: Any) -> Any:
+    """The base distribution under any ``Independent`` wrappers (Pyro's subclasses torch's)."""
+    while isinstance(fn, torch.distributions.Independent):
         fn = fn.base_dist
     return fn
 
@@ -167,19 +168,19 @@ def _unwrap(fn: Any) -> Any:
 def _read_distribution(fn: Any, what: str) -> SiteReading:
     """A traced sample site's distribution: Normal, an affine map of a Normal, Delta, or moments."""
     shape = tuple(fn.shape())
-    fn = _unwrap(fn)
+    fn = unwrap_independent(fn)
     if isinstance(fn, torch.distributions.Normal):
         loc, scale = torch.broadcast_tensors(fn.loc, fn.scale)
         return SiteReading("gaussian", _np(loc), _np(scale) ** 2, what,
                            latent=(_np(loc), _np(scale), torch.distributions.transforms.identity_transform))
     latent = None
     if isinstance(fn, torch.distributions.TransformedDistribution) and \
-            isinstance(_unwrap(fn.base_dist), torch.distributions.Normal):
-        normal = _unwrap(fn.base_dist)
+            isinstance(unwrap_independent(fn.base_dist), torch.distributions.Normal):
+        normal = unwrap_independent(fn.base_dist)
         loc, scale = torch.broadcast_tensors(normal.loc, normal.scale)
         latent = (_np(loc), _np(scale), ComposeTransform(list(fn.transforms)))
     if isinstance(fn, torch.distributions.TransformedDistribution):
-        base = _unwrap(fn.base_dist)
+        base = unwrap_independent(fn.base_dist)
         if isinstance(base, torch.distributions.Normal) and all(isinstance(t, AffineTransform) for t in fn.transforms):
             mean, var = base.loc, base.scale ** 2
             for t in fn.transforms:
