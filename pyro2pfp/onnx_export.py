@@ -204,7 +204,7 @@ def _onnx_ops(b: _Builder) -> SimpleNamespace:
         half_erf = _Sym(b, value=0.5) * (alpha * _Sym(b, value=_INV_SQRT2)).unary("Erf")
         return _Sym(b, value=0.5) + half_erf, _Sym(b, value=0.5) - half_erf
 
-    return SimpleNamespace(
+    ns = SimpleNamespace(
         where=where,
         normal_cdfs=normal_cdfs,
         erf=lambda x: x.unary("Erf"),
@@ -215,6 +215,8 @@ def _onnx_ops(b: _Builder) -> SimpleNamespace:
         minimum=lambda x, y: elementwise("Min", x, y),
         const=lambda v: _Sym(b, value=float(v)),
     )
+    ns.erfcx = lambda x: moments.erfcx_rational(x, ns)  # e^{x²}·erfc(x), x ≥ 0, as the TVM kernels
+    return ns
 
 
 # ---------------------------------------------------------------------------------------------

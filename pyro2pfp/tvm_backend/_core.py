@@ -91,10 +91,17 @@ def _normal_cdfs(alpha: tirx.PrimExpr, bind: Callable[[tirx.PrimExpr], tirx.Prim
     return bind(_const(0.5) + half_erf), bind(_const(0.5) - half_erf)
 
 
+def fast_erfcx(x: tirx.PrimExpr, bind: Callable[[tirx.PrimExpr], tirx.PrimExpr] = _no_bind) -> tirx.PrimExpr:
+    """``e^{x²}·erfc(x)`` for ``x ≥ 0`` in float32: :func:`moments.erfcx_rational` on ``fast_exp``
+    (one exp, a degree-9 polynomial; 1.2e-7 relative, vectorisable)."""
+    return moments.erfcx_rational(x, SimpleNamespace(const=_const, exp=lambda e: bind(fast_exp(e, bind))))
+
+
 TE_OPS = SimpleNamespace(
     where=tirx.Select,
     normal_cdfs=_normal_cdfs,
     exp=fast_exp,
+    erfcx=fast_erfcx,
     sqrt=te.sqrt,
     maximum=te.max,
     minimum=te.min,
@@ -145,6 +152,7 @@ def te_shared(build: Callable[[SimpleNamespace], Any]) -> list[tirx.PrimExpr]:
         ops.sqrt = lambda x: bind(te.sqrt(x))
         ops.minimum = lambda a, b: bind(te.min(a, b))
         ops.exp = lambda x: bind(fast_exp(x, bind))
+        ops.erfcx = lambda x: bind(fast_erfcx(x, bind))
         ops.normal_cdfs = lambda alpha: _normal_cdfs(alpha, bind)
         built = list(build(ops))
         outs.append(_with_lets(built[index], bindings))
