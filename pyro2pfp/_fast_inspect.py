@@ -10,7 +10,7 @@ builder's timeout (``LocalBuilder: Timeout, killed after 30.0 seconds``).
 :func:`patch` / :func:`patched` replace ``inspect.stack`` with a frame walk that gives the same
 ``FrameInfo`` records (file, line, function, one line of context) without the module lookup;
 :func:`worker_init` is the initializer for MetaSchedule's builder/runner worker processes
-(``LocalBuilder(initializer=worker_init)``, :class:`pyro2pfp.tuning.PooledBuilder`), and
+(``LocalBuilder(initializer=worker_init)``, :class:`pyro2pfp.tuning.measure.PooledBuilder`), and
 :func:`worker_build` the build job of ``PooledBuilder``'s workers.  This module imports nothing
 from ``pyro2pfp`` or TVM at import time, so that these functions can be pickled by value into a
 fresh worker (which then does not import ``pyro2pfp``, torch or Pyro).

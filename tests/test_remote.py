@@ -19,6 +19,7 @@ from pyro2pfp.errors import PFPError, RemoteError
 from pyro2pfp.network import PFPNetwork
 from pyro2pfp.plan import plan
 from pyro2pfp.remote import Remote, fixed_inputs, upload, validate
+from pyro2pfp.tuning import measure
 
 KEY = "loopback"
 START_TIMEOUT = 90.0  # python -m tvm.exec.* imports TVM: slow on a loaded 2-core machine
@@ -106,8 +107,8 @@ def test_run_bench_validate_on_the_boards_agree_with_local(boards, net_and_exe):
 
 def test_tuning_measures_on_the_boards(boards, net_and_exe, tmp_path, monkeypatch):
     net, exe = net_and_exe
-    monkeypatch.setitem(tuning.KERNEL_TIMING, "repeat", 2)
-    monkeypatch.setitem(tuning.KERNEL_TIMING, "min_repeat_ms", 2)
+    monkeypatch.setitem(measure.KERNEL_TIMING, "repeat", 2)
+    monkeypatch.setitem(measure.KERNEL_TIMING, "min_repeat_ms", 2)
     lines: list[str] = []
     target = tuning.tuning_target("llvm")
     result = tuning.tune(net.mod, target, batch=4, trials=2, work_dir=tmp_path, plan=net.plan,
