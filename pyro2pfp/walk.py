@@ -1,4 +1,11 @@
-"""The walk over an exported program that calls the registered converters."""
+"""Stage 3: walk the exported torch graph and build the :class:`~pyro2pfp.graph.LayerGraph`.
+
+One walk over the nodes the output depends on, in graph order; each ``call_function`` node is
+dispatched by its op name (``"aten.linear.default"``) to the converter registered for it
+(:mod:`pyro2pfp.converters`; the converters live in the op family files, ``pyro2pfp/ops/``).  A
+converter returns a :class:`~pyro2pfp.graph.Layer` (or a list), or :class:`Alias` when the node is
+the identity on one of its inputs (dropout at inference, ``contiguous``, …).
+"""
 from __future__ import annotations
 
 import operator
@@ -7,11 +14,12 @@ from typing import Any
 import torch
 import torch.fx
 
-from ..errors import TracingError, UnsupportedLayerError
-from ..graph import INPUT, GaussianParam, Layer, LayerGraph
-from ..ops import supported_modules
-from ..tracing import _WRAPPER_PREFIX, TracedModel
-from ._registry import CONVERTERS, Alias, supported_ops
+from . import ops  # noqa: F401  (registers the converters)
+from .converters import CONVERTERS, Alias, supported_ops
+from .errors import TracingError, UnsupportedLayerError
+from .graph import INPUT, GaussianParam, Layer, LayerGraph
+from .registry import supported_modules
+from .tracing import _WRAPPER_PREFIX, TracedModel
 
 # Ops that only compute shapes (SymInts) or are bookkeeping; never activations.
 _SHAPE_OPS = {"aten.sym_size.int", "aten.sym_numel.default"}
