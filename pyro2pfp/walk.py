@@ -70,6 +70,15 @@ class ConversionContext:
             "parameter/sample site; PFP needs weights that are model parameters."
         )
 
+    def is_parameter(self, arg: Any) -> bool:
+        """Whether an argument is a model parameter/buffer (a weight or sample site), not an activation."""
+        return isinstance(arg, torch.fx.Node) and arg.name in self._param_of
+
+    def producer(self, arg: Any) -> Layer | None:
+        """The layer whose output an activation argument is (None for the network input)."""
+        name = self._names.get(arg) if isinstance(arg, torch.fx.Node) else None
+        return next((layer for layer in self.layers if layer.name == name), None)
+
     def activation(self, arg: Any, node: torch.fx.Node) -> str:
         """The layer name that produces an activation argument."""
         if isinstance(arg, torch.fx.Node) and arg in self._names:

@@ -14,7 +14,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from ..converters import register
+from ..converters import Alias, register
 from ..graph import GaussianParam, Layer, Repr
 from ..plan import PlannedLayer
 from ..registry import OpDef, register_op
@@ -27,7 +27,7 @@ AFFINE = register_op(OpDef(
 
 ADD = register_op(OpDef(
     "add", ("aten.add.Tensor", "aten.add_.Tensor"),
-    modules="`x + y` (residual)", modules_short=("residual '+'",),
+    modules="`x + y` (residual; `h + b` after a bias-free dense/conv is its bias)", modules_short=("residual '+'",),
     moments="exact for independent summands",
     assumptions="**the two branches are treated as independent** (they share their input, so this "
                 "underestimates or overestimates the variance by their covariance)"))
@@ -89,13 +89,38 @@ def convert_batch_norm(node, ctx) -> Layer:
 
 
 @register("aten.add.Tensor", "aten.add_.Tensor", produces=("add",))
-def convert_add(node, ctx) -> Layer:
+def convert_add(node, ctx) -> Layer | Alias:
+    """``a + b`` of two activations -> ``add`` (a residual connection); ``h + b`` with ``b`` a parameter or
+    sample site right after a bias-free dense/conv layer (``x @ W + b``) -> that layer's bias."""
     a, b = node.args[:2]
     alpha = node.kwargs.get("alpha", 1)
-    if not (isinstance(a, torch.fx.Node) and isinstance(b, torch.fx.Node)) or alpha != 1:
-        raise ctx.unsupported(node, "only the sum of two activations (a residual connection) is supported")
+    if alpha != 1:
+        raise ctx.unsupported(node, f"add with alpha={alpha} is not supported")
+    if ctx.is_parameter(a) or ctx.is_parameter(b):
+        return _bias_add(node, ctx, b if ctx.is_parameter(a) else a, a if ctx.is_parameter(a) else b)
+    if not (isinstance(a, torch.fx.Node) and isinstance(b, torch.fx.Node)):
+        raise ctx.unsupported(node, "only the sum of two activations (a residual connection) or a bias after a "
+                                    "dense/conv layer is supported")
     if ctx.shape(a) != ctx.shape(b):
         raise ctx.unsupported(node, f"adding shapes {ctx.shape(a)} and {ctx.shape(b)} (broadcasting) is not supported")
     return Layer(name=ctx.new_name(node, prefer_module=False), op="add",
                  inputs=[ctx.activation(a, node), ctx.activation(b, node)], out_shape=ctx.shape(node),
                  source=ctx.source(node))
+
+
+def _bias_add(node, ctx, activation, bias_arg) -> Alias:
+    """Attach a parameter added to the output of a bias-free dense/conv layer as that layer's bias (exact:
+    the bias is independent of the weights, ``pfp-math.md`` "Compute layers")."""
+    producer = ctx.producer(activation)
+    if producer is None or producer.op not in ("dense", "conv2d") or "bias" in producer.params \
+            or len(activation.users) != 1:
+        raise ctx.unsupported(node, "adding a parameter to an activation is supported only as the bias of the "
+                                    "bias-free dense/conv layer that computes it (x @ W + b)")
+    bias = ctx.param(bias_arg, node, "bias")
+    channels = producer.out_shape[0]
+    per_channel = (channels,) + (1,) * (len(producer.out_shape) - 1)  # (M,) for dense, (C, 1, 1) for conv
+    if bias.shape != per_channel:
+        raise ctx.unsupported(node, f"a bias of shape {bias.shape} added to a {producer.op} output of shape "
+                                    f"(batch, {', '.join(map(str, producer.out_shape))}); expected {per_channel}")
+    producer.params["bias"] = GaussianParam(bias.mean.reshape(channels), bias.var.reshape(channels), site=bias.site)
+    return Alias(activation)

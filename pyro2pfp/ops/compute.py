@@ -26,8 +26,9 @@ from ._formula import formula
 _COMPUTE = Contract(takes=COMPUTE_INPUT, natural=Repr.VARIANCE, keeps_deterministic=False)
 
 DENSE = register_op(OpDef(
-    "dense", ("aten.linear.default",),
-    modules="`Linear`", modules_short=("Linear",),
+    "dense", ("aten.linear.default", "aten.matmul.default", "aten.mm.default"),
+    modules="`Linear`, `F.linear`, `x @ W` / `torch.matmul(x, W)` (+ `b`) with `W`, `b` parameters or sample sites",
+    modules_short=("Linear", "x @ W"),
     moments="mean, variance exact for independent inputs/weights",
     assumptions="mean-field weights, independent inputs", contract=_COMPUTE, compute_layer=True))
 
@@ -157,3 +158,24 @@ def convert_conv1d(node, ctx) -> list[Layer]:
               source=source, attrs=attrs, params=params),
         Layer(name=name, op="reshape", inputs=[f"{name}_2d"], out_shape=(o, out_len), source=source),
     ]
+
+
+@register("aten.matmul.default", "aten.mm.default", produces=("dense",))
+def convert_matmul(node, ctx) -> Layer:
+    """``x @ W`` / ``torch.matmul(x, W)`` with ``x`` (batch, in) and ``W`` (in, out) a parameter or
+    sample site -> ``dense`` with weight ``Wᵀ`` (a following ``+ b`` becomes its bias, see
+    ``ops/arithmetic.py``)."""
+    x, weight = node.args[:2]
+    in_shape = ctx.shape(x)
+    if len(in_shape) != 1:
+        raise ctx.unsupported(node, f"x @ W with x of shape (batch, {', '.join(map(str, in_shape))}); PFP dense "
+                                    "layers take (batch, features): flatten first")
+    if not ctx.is_parameter(weight):
+        raise ctx.unsupported(node, "x @ W needs W to be a model parameter or sample site (the product of two "
+                                    "activations is not a PFP layer)")
+    w = ctx.param(weight, node, "weight")
+    if w.mean.ndim != 2:
+        raise ctx.unsupported(node, f"x @ W with W of shape {w.shape}; PFP needs a 2-D (in, out) weight")
+    return Layer(name=ctx.new_name(node, prefer_module=True), op="dense", inputs=[ctx.activation(x, node)],
+                 out_shape=ctx.shape(node), source=ctx.source(node),
+                 params={"weight": GaussianParam(w.mean.T.copy(), w.var.T.copy(), site=w.site)})
