@@ -5,13 +5,13 @@ from typing import Any
 
 import numpy as np
 
-from .converters import build_layer_graph
 from .errors import ArgumentError, InputShapeError, PosteriorError
 from .graph import LayerGraph, Repr
 from .inputs import checked_inputs
 from .plan import PlannedGraph, plan
 from .reference import execute
 from .tracing import trace_model
+from .walk import build_layer_graph
 
 
 class PFPNetwork:

@@ -43,7 +43,7 @@ from scipy.special import ndtr
 from pyro2pfp.graph import INPUT, Repr
 from pyro2pfp.plan import PlannedGraph, PlannedLayer
 from pyro2pfp.reference import REFERENCES, Activation
-from pyro2pfp.reference.pooling import padded, window_views
+from pyro2pfp.reference.arrays import padded, window_views
 
 ADD_RULES = ("independent", "aligned")
 
@@ -196,7 +196,7 @@ def _pool_shared(layer: PlannedLayer, x: Activation, s_in: np.ndarray, var: np.n
                  ) -> tuple[np.ndarray, np.ndarray]:
     """Pooling of ``(s, r)`` (stacked): window means of the loadings; for average pooling the
     variance ``Σ(v − r²)/n² + (Σ s/n)²`` (the correlated part summed as fully correlated)."""
-    from pyro2pfp.reference.pooling import average_divisor
+    from pyro2pfp.reference.arrays import average_divisor
 
     a = dict(layer.layer.attrs)
     a.setdefault("divisor", None)

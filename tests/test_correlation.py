@@ -20,7 +20,7 @@ from pyro2pfp.diagnose import layer_fidelity
 from pyro2pfp.graph import INPUT, Layer, LayerGraph
 from pyro2pfp.plan import plan
 from pyro2pfp.reference import execute
-from pyro2pfp.reference.compute import conv2d_nchw
+from pyro2pfp.reference.arrays import conv2d_nchw
 from pyro2pfp_experiments.correlation import execute_correlated, execute_correlated_all
 
 

@@ -30,7 +30,7 @@ from pyro2pfp.network import PFPNetwork
 from pyro2pfp.onnx_export import onnx_ops_used, to_onnx
 from pyro2pfp.plan import plan
 from pyro2pfp.reference import execute
-from pyro2pfp.reference.compute import conv2d_nchw
+from pyro2pfp.reference.arrays import conv2d_nchw
 
 STANDARD_OPS = {"MatMul", "Conv", "Mul", "Add", "Sub", "Div", "Neg", "Erf", "Exp", "Sqrt", "Max", "Min",
                 "Greater", "Less", "Where", "Slice", "Pad", "MaxPool", "AveragePool", "Relu", "Reshape", "Shape",
