@@ -285,3 +285,21 @@ def test_fused_kernels_keep_their_default(tmp_path, monkeypatch):
     assert calls == [["pfp_dense_fc2"]]
     assert {k.name: k.choice for k in result.kernels}["pfp_dense_fc1_relu1"] in ("default", "any-batch")
     assert_matches_reference(net, relax.VirtualMachine(result.build(), tvm.cpu()), 2)
+
+
+def test_the_schedule_fingerprint_covers_every_op_family_file(monkeypatch):
+    """Cached per-kernel choices are invalidated when any default schedule changes: the schedules live in
+    tvm_backend/schedules.py *and* the op family files tvm_backend/ops/<family>.py."""
+    import inspect
+
+    from pyro2pfp.tuning import specialize
+    from pyro2pfp.tvm_backend.ops import compute
+
+    before = specialize._schedules_fingerprint()
+    real = inspect.getsource
+
+    def edited(module):
+        return real(module) + ("\n# edited" if module is compute else "")
+
+    monkeypatch.setattr(specialize.inspect, "getsource", edited)
+    assert specialize._schedules_fingerprint() != before

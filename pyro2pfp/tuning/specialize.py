@@ -86,11 +86,15 @@ def tuning_key(mod: tvm.IRModule, target: tvm.target.Target, batch: int, board: 
 
 
 def _schedules_fingerprint() -> str:
-    """Hash of the default-schedule source: the per-kernel choices depend on it."""
-    from ..tvm_backend import schedules
+    """Hash of the default schedules' and kernels' source (the schedule helpers and every op family's
+    TVM file): the per-kernel choices depend on it."""
+    from ..tvm_backend import ops, schedules
 
-    try:
-        src = inspect.getsource(schedules)
-    except OSError:  # pragma: no cover -- no source (zipped install)
-        src = schedules.__file__ or ""
-    return hashlib.sha256(src.encode()).hexdigest()[:16]
+    sources = []
+    for module in (schedules, *(getattr(ops, name) for name in sorted(vars(ops)) if not name.startswith("_")
+                                if inspect.ismodule(getattr(ops, name)))):
+        try:
+            sources.append(inspect.getsource(module))
+        except OSError:  # pragma: no cover -- no source (zipped install)
+            sources.append(module.__file__ or "")
+    return hashlib.sha256("\n".join(sources).encode()).hexdigest()[:16]
