@@ -33,16 +33,17 @@ def _scaled(param: GaussianParam, scale: np.ndarray, shift: np.ndarray | None = 
 
 def fold_batch_norm(graph: LayerGraph) -> LayerGraph:
     """The graph with every ``affine`` layer that follows a ``dense``/``conv2d`` layer feeding only it
-    folded into that layer (see the module docstring).  The folded layer takes the affine layer's name,
-    source and origin, so its consumers, the output and the per-layer diagnostics are unchanged.
-    Other affine layers (after a pooling, an add, the input, …) stay.  ``graph`` is not modified."""
+    folded into that layer (see the module docstring).  The folded layer keeps the compute layer's name
+    (its consumers are rewired to it) and now computes what the batch norm computed (its origin, for
+    the per-layer diagnostics, is the batch norm's).  Other affine layers (after a pooling, an add, the
+    input, …) stay.  ``graph`` is not modified."""
     by_name = {layer.name: layer for layer in graph.layers}
     uses: dict[str, int] = {}
     for layer in graph.layers:
         for name in layer.inputs:
             uses[name] = uses.get(name, 0) + 1
-    folded: dict[str, Layer] = {}  # affine layer name -> folded compute layer
-    absorbed: set[str] = set()  # compute layers folded into their affine
+    folded: dict[str, Layer] = {}  # compute layer name -> the folded compute layer
+    renamed: dict[str, str] = {}  # folded affine layer name -> compute layer name
     for layer in graph.layers:
         producer = by_name.get(layer.inputs[0]) if layer.op == "affine" else None
         if (producer is None or producer.op not in FOLDABLE_PRODUCERS or uses.get(producer.name) != 1
@@ -54,11 +55,13 @@ def fold_batch_norm(graph: LayerGraph) -> LayerGraph:
         bias = producer.params.get("bias")
         params["bias"] = (_scaled(bias, scale, shift) if bias is not None
                           else GaussianParam(np.asarray(shift, dtype=np.float64).copy(), np.zeros_like(shift)))
-        folded[layer.name] = replace(producer, name=layer.name, out_shape=layer.out_shape,
-                                     source=f"{producer.source} + {layer.source} (folded)", params=params)
-        absorbed.add(producer.name)
+        folded[producer.name] = replace(producer, out_shape=layer.out_shape,
+                                        source=f"{producer.source} + {layer.source} (folded)", params=params)
+        renamed[layer.name] = producer.name
     if not folded:
         return graph
-    layers = [folded.get(layer.name, layer) for layer in graph.layers if layer.name not in absorbed]
-    origins = {name: node for name, node in graph.origins.items() if name not in absorbed}
-    return replace(graph, layers=layers, origins=origins)
+    layers = [replace(folded.get(layer.name, layer), inputs=[renamed.get(i, i) for i in layer.inputs])
+              for layer in graph.layers if layer.name not in renamed]
+    origins = {name: node for name, node in graph.origins.items() if name not in renamed}
+    origins.update({compute: graph.origins[affine] for affine, compute in renamed.items() if affine in graph.origins})
+    return replace(graph, layers=layers, origins=origins, output=renamed.get(graph.output, graph.output))

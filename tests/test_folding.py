@@ -60,7 +60,7 @@ def test_folded_equals_unfolded_in_the_reference(form, conv_bias):
     assert "affine" in {p.op for p in unfolded.plan.layers}
     assert "affine" not in {p.op for p in folded.plan.layers}
     assert len(folded.plan.layers) == len(unfolded.plan.layers) - 1
-    conv = folded.layer_graph.layer("bn")  # the folded conv takes the batch norm's name
+    conv = folded.layer_graph.layer("conv")  # the folded conv keeps its name, now computes the batch norm's output
     assert conv.op == "conv2d" and "bias" in conv.params and conv.params["weight"].site == "conv.weight"
     rng = np.random.default_rng(0)
     x = rng.standard_normal((4, 3, 9, 9))

@@ -23,7 +23,8 @@ from ._formula import formula
 AFFINE = register_op(OpDef(
     "affine", ("aten.batch_norm.default", "aten._native_batch_norm_legit_no_training.default"),
     modules="`BatchNorm1d/2d` in eval mode (folded into the Linear/Conv before it, `pyro2pfp.folding`)",
-    modules_short=("BatchNorm1d/2d (eval)",), moments="exact (linear)", assumptions="deterministic normalisation parameters"))
+    modules_short=("BatchNorm1d/2d (eval)",), moments="exact (linear)",
+    assumptions="deterministic normalisation parameters"))
 
 ADD = register_op(OpDef(
     "add", ("aten.add.Tensor", "aten.add_.Tensor"),
