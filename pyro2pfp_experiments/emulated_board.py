@@ -252,7 +252,9 @@ class EmulatedBoard:
     """The emulated AArch64 board as a subprocess (context manager): ``.remote`` is the
     :class:`pyro2pfp.remote.Remote` to use (the tracker and ``key`` when ``tracker`` is given,
     otherwise the server directly).  Every wait is bounded; on exit the server and any session it
-    is serving are killed (one process group).  Server logs go to ``log`` (default: discarded)."""
+    is serving are killed (one process group), and if this process dies without exiting cleanly the
+    server notices within a second and kills its group itself (``--exit-with-parent``).  Server
+    logs go to ``log`` (default: discarded)."""
 
     def __init__(self, host: str = "127.0.0.1", port: int | None = None, *, tracker: tuple[str, int] | None = None,
                  key: str = "qemu-a72", cpu: str = "cortex-a72", log: str | Path | None = None,
@@ -285,7 +287,7 @@ class EmulatedBoard:
         program = build_session_server()  # fetch and build here, before the clock of the start starts
         port = self.port or _free_port(self.host)
         cmd = [sys.executable, "-m", "pyro2pfp_experiments.emulated_board", "--host", self.host,
-               "--port", str(port), "--cpu", self.cpu, "--session-program", str(program)]
+               "--port", str(port), "--cpu", self.cpu, "--session-program", str(program), "--exit-with-parent"]
         if self.tracker is not None:
             cmd += ["--tracker", f"{self.tracker[0]}:{self.tracker[1]}", "--key", self.key]
         log = open(self.log, "ab") if self.log else subprocess.DEVNULL  # noqa: SIM115 -- closed below
@@ -359,6 +361,24 @@ def _read_line(proc: subprocess.Popen[bytes], timeout: float) -> str:
     return buf.split(b"\n", 1)[0].decode(errors="replace").strip()
 
 
+def _exit_with_parent(period: float = 1.0) -> None:
+    """A watchdog thread: when the parent process is gone (this one re-parented), kill this process's
+    group -- the server and its qemu sessions (:class:`EmulatedBoard` starts it as a group leader)
+    -- so that a killed test run leaves no board listening behind."""
+    import threading
+
+    parent = os.getppid()
+
+    def watch() -> None:
+        while os.getppid() == parent:
+            time.sleep(period)
+        if os.getpgrp() == os.getpid():
+            os.killpg(os.getpid(), signal.SIGKILL)
+        os._exit(1)
+
+    threading.Thread(target=watch, daemon=True, name="emulated-board-watchdog").start()
+
+
 def main(argv: list[str] | None = None) -> int:
     """``python -m pyro2pfp_experiments.emulated_board``: run the board until killed."""
     p = argparse.ArgumentParser(prog="python -m pyro2pfp_experiments.emulated_board",
@@ -371,7 +391,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--key", default="qemu-a72", help="the key to register under (default qemu-a72)")
     p.add_argument("--cpu", default="cortex-a72", help="qemu -cpu (default cortex-a72, the Raspberry Pi 4's core)")
     p.add_argument("--session-program", default=None, help="the built session program (default: build/cache it)")
+    p.add_argument("--exit-with-parent", action="store_true",
+                   help="stop (with the sessions being served) when the process that started this one exits")
     args = p.parse_args(argv)
+    if args.exit_with_parent:
+        _exit_with_parent()
     tracker = None
     if args.tracker:
         thost, _, tport = args.tracker.rpartition(":")

@@ -3,7 +3,9 @@
 (:mod:`pyro2pfp_experiments.emulated_board`).  Networks cross-compiled for the Raspberry Pi 4
 (``net.compile("rpi4")``) are uploaded, run, timed and validated against the float64 reference
 through ``pyro2pfp.remote`` and the CLI, and tuned with MetaSchedule's ``RPCRunner`` measuring on the
-board, as on a real Pi.  An x86 library is refused by the board (it really is AArch64).
+board, as on a real Pi.  An x86 library is refused by the board (it really is AArch64); a session
+past its timeout is ended (its AArch64 process too) and the board serves on; a board whose starting
+process is killed stops by itself.
 
 Needs what ``tests/test_deploy.py``'s qemu test needs: ``apt-get install -y gcc-aarch64-linux-gnu
 g++-aarch64-linux-gnu qemu-user`` and the AArch64 TVM runtime (fetched once with ``pip download``
@@ -68,6 +70,23 @@ def emulated(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
+def direct(tmp_path_factory):
+    """A second emulated board, without a tracker: its Remote is the server itself (``127.0.0.1:<port>``)."""
+    from pyro2pfp_experiments.emulated_board import EmulatedBoard, EmulatedBoardError
+
+    log = tmp_path_factory.mktemp("direct") / "board.log"
+    emulated = EmulatedBoard(log=log, start_timeout=START_TIMEOUT, session_timeout=90, connect_timeout=10)
+    try:
+        try:
+            emulated.start()
+        except EmulatedBoardError as err:
+            pytest.fail(f"{err}\n--- board log ---\n{log.read_text() if log.exists() else ''}", pytrace=False)
+        yield emulated.remote
+    finally:
+        emulated.stop()
+
+
+@pytest.fixture(scope="module")
 def board(emulated):
     """The board through the tracker: ``127.0.0.1:<tracker port>/qemu-a72``."""
     return emulated.remote
@@ -80,7 +99,7 @@ def mlp():
     return net, net.compile("llvm"), net.compile("rpi4")
 
 
-def test_cross_compiled_net_runs_on_the_emulated_board(board, emulated, mlp):
+def test_cross_compiled_net_runs_on_the_emulated_board(board, direct, mlp):
     net, exe_x86, exe_a64 = mlp
     assert not exe_a64.runnable and str(exe_a64.target.attrs["mcpu"]) == "cortex-a72"
     x = fixed_inputs(net.input_shape, 10, seed=3)
@@ -94,9 +113,9 @@ def test_cross_compiled_net_runs_on_the_emulated_board(board, emulated, mlp):
     report = validate(net, exe_a64, board, count=16)
     assert report.ok and report.inputs == 16 and report.remote == f"127.0.0.1:{board.port}/{KEY}"
     assert max(report.max_rel_error_mean, report.max_rel_error_var) < 1e-5
-    # several sessions in a row on the one server, directly (no tracker queue): each session is
-    # closed when done, else the next connection would not be answered within connect_timeout
-    direct = Remote("127.0.0.1", emulated.port, None, session_timeout=90, connect_timeout=10)
+    # several sessions in a row on one server, directly (no tracker queue): each session is closed
+    # when done, else the next connection would not be answered within connect_timeout
+    assert direct.key is None
     timing = exe_a64.profile(x, remote=direct, repeats=3)
     assert timing.batch == 10 and timing.repeats == 3 and 0 < timing.min_ms <= timing.median_ms
     again = validate(net, exe_a64, direct, count=16)
@@ -179,13 +198,72 @@ def test_tuning_measures_on_the_emulated_board(board, mlp, tmp_path, monkeypatch
         net.compile("rpi4", tune={"batch": 4, "trials": 1}, remote=board)
 
 
-def test_a_session_over_its_timeout_is_ended_and_the_board_serves_on(board, mlp):
+def _qemu_sessions(emulated) -> list:
+    """The AArch64 session processes (qemu-aarch64) under the board's server process."""
+    import psutil
+
+    found = []
+    for proc in psutil.Process(emulated.proc.pid).children(recursive=True):
+        try:
+            if "qemu-aarch64" in " ".join(proc.cmdline()):
+                found.append(proc)
+        except psutil.Error:  # exited meanwhile
+            pass
+    return found
+
+
+def test_a_session_over_its_timeout_is_ended_and_the_board_serves_on(board, emulated, mlp):
     net, _x86, exe_a64 = mlp
     short = Remote(board.host, board.port, KEY, session_timeout=3, connect_timeout=10)
     pred = upload(exe_a64, short)
+    assert len(_qemu_sessions(emulated)) == 1  # this session's AArch64 process
     t0 = time.monotonic()
     with pytest.raises(RemoteError, match="timing on the board"):
-        pred.time(fixed_inputs(net.input_shape, 10), repeats=1, min_repeat_ms=60_000)  # a 60 s measurement
+        pred.time(fixed_inputs(net.input_shape, 10), repeats=1, min_repeat_ms=120_000)  # a 2-minute measurement
     assert time.monotonic() - t0 < 30
+    # the board ends the session at its 3 s timeout, AArch64 process included, not after the measurement
+    deadline = time.monotonic() + 30
+    while _qemu_sessions(emulated) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert not _qemu_sessions(emulated), "the session's qemu process outlived its session timeout"
     del pred
-    assert validate(net, exe_a64, board, count=4).ok  # the board killed that session and serves the next
+    assert validate(net, exe_a64, board, count=4).ok  # and the board serves the next session
+
+
+PARENT = """\
+import time
+from pyro2pfp_experiments.emulated_board import EmulatedBoard
+
+board = EmulatedBoard(start_timeout=120)
+board.start()
+print(board.proc.pid, flush=True)
+time.sleep(600)
+"""
+
+
+def test_the_board_stops_when_the_process_that_started_it_dies(tmp_path):
+    """A killed test run (or script) leaves no board listening: the server watches its parent."""
+    import psutil
+
+    from pyro2pfp_experiments.emulated_board import _read_line
+
+    (tmp_path / "parent.py").write_text(PARENT)
+    parent = subprocess.Popen([sys.executable, str(tmp_path / "parent.py")], stdout=subprocess.PIPE,
+                              stderr=subprocess.DEVNULL)
+    server = None
+    try:
+        line = _read_line(parent, START_TIMEOUT)
+        assert line.isdigit(), f"the parent script did not start a board: {line!r}"
+        server = psutil.Process(int(line))
+        assert server.is_running()
+        parent.kill()  # SIGKILL: EmulatedBoard.stop() never runs
+        parent.wait(timeout=10)
+        server.wait(timeout=15)  # raises psutil.TimeoutExpired if the board outlives its parent
+    finally:
+        if parent.poll() is None:
+            parent.kill()
+            parent.wait(timeout=10)
+        if server is not None and server.is_running():
+            os.killpg(server.pid, 9)
+        if parent.stdout is not None:
+            parent.stdout.close()
