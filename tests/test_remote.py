@@ -188,3 +188,21 @@ def test_cli_bench_and_validate_remote(boards, tmp_path, capsys):
     assert "time_evaluator on the board" in out and out.count("\n") >= 4
     assert main(["validate", str(tmp_path / "builder.py"), "--remote", f"{boards.host}:{boards.port}/nope"]) == 1
     assert "no server with key 'nope'" in capsys.readouterr().err
+
+
+def test_a_finished_prediction_releases_its_session(boards, net_and_exe):
+    """No reference cycle keeps the VM (and so the RPC session, and the board) after use: a board
+    that serves one session at a time (a direct rpc_server, the emulated board) is free again at once."""
+    import gc
+    import weakref
+
+    net, exe = net_and_exe
+    gc.disable()
+    try:
+        pred = upload(exe, boards)
+        pred(fixed_inputs(net.input_shape, 2))
+        vm = weakref.ref(pred.vm)
+        del pred
+        assert vm() is None
+    finally:
+        gc.enable()

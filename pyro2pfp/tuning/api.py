@@ -118,7 +118,10 @@ def tune(mod: tvm.IRModule, target: Any, *, batch: int, trials: int = DEFAULT_TR
             _fast_inspect.preimport_tensor_intrin()  # TuneContext imports it: ~3 s instead of ~130 s
             # kernels worth searching: by their time with the default schedule (naive if none)
             run = _BatchRunner(list(defaults.values()), tgt, remote)
-            base_us = {name: _seconds(run(f, _kernel_inputs(f))) * 1e6 for name, f in defaults.items()}
+            try:
+                base_us = {name: _seconds(run(f, _kernel_inputs(f))) * 1e6 for name, f in defaults.items()}
+            finally:
+                run.close()  # its RPC session must not hold the board during the search (one board: a deadlock)
             todo = _select_tasks(static, tgt, base_us, min_share, search_ops)
             if todo:
                 tuned_now = True

@@ -54,10 +54,11 @@ def _check_runs_here(target: tvm.target.Target) -> None:
 
 
 def tuning_target(target: Any) -> tvm.target.Target:
-    """``target`` as a ``tvm.target.Target`` with ``num-cores`` (MetaSchedule requires it)."""
-    from ..targets import make_target
+    """``target`` (a preset such as ``"rpi4"``, a name, tag, dict or Target) as a
+    ``tvm.target.Target`` with ``num-cores`` (MetaSchedule requires it)."""
+    from ..targets import resolve_target
 
-    tgt = make_target(target)
+    tgt = resolve_target(target)
     cores = tgt.attrs.get("num-cores")
     if cores is not None and int(cores) > 0:
         return tgt

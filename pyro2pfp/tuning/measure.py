@@ -44,6 +44,17 @@ def _build_prim_module(mod: tvm.IRModule, target: tvm.target.Target) -> Any:
     return tvm.tirx.build(mod, target=target)
 
 
+def _cross_linker(target: tvm.target.Target) -> str | None:
+    """The cross compiler that links kernels built for ``target`` here (``aarch64-linux-gnu-gcc``
+    for an AArch64 board tuned from an x86 machine; ``$PYRO2PFP_CROSS_CC`` overrides), ``None`` for
+    this machine's architecture.  Missing: a :class:`~pyro2pfp.errors.PFPError` with the apt line."""
+    from ..exporting import cross_compiler
+    from ..targets import host_arch, target_arch
+
+    arch = target_arch(target)
+    return None if arch == host_arch() else cross_compiler(arch)
+
+
 @derived_object
 class InProcessBuilder(PyBuilder):
     """MetaSchedule builder that compiles candidates in the calling process.
@@ -94,7 +105,7 @@ class PooledBuilder(PyBuilder):
         from tvm.support.popen_pool import StatusKind
 
         results = []
-        jobs = [(b.mod, b.target) for b in build_inputs]
+        jobs = [(b.mod, b.target, _cross_linker(b.target)) for b in build_inputs]
         for res in self.pool.map_with_error_catching(lambda job: _fast_inspect.worker_build(*job), jobs):
             if res.status == StatusKind.COMPLETE:
                 results.append(BuilderResult(res.value, None))
@@ -216,7 +227,12 @@ class _BatchRunner:
         if remote is not None:
             if self.rt_mod is None:
                 raise TuningError(f"the kernels to time on {remote.address} do not build as one module")
-            self.rt_mod, self.device = _upload_module(self.rt_mod, remote)
+            self.rt_mod, self.device = _upload_module(self.rt_mod, remote, target)
+
+    def close(self) -> None:
+        """Drop the built module (and with it the RPC session of a remote run: the board is free)."""
+        self.rt_mod = self.device = None
+        self.symbols = {}
 
     def __call__(self, func: tirx.PrimFunc, arrays: list[np.ndarray], time_it: bool = True
                  ) -> tuple[list[np.ndarray], float | None]:
@@ -231,14 +247,21 @@ class _BatchRunner:
         return _run_built(self.rt_mod, entry[1], arrays, time_it)
 
 
-def _upload_module(rt_mod: Any, remote: Any) -> tuple[Any, Any]:
-    """Export ``rt_mod``, upload it to a board of ``remote`` and load it there: (module, device)."""
+def _upload_module(rt_mod: Any, remote: Any, target: tvm.target.Target) -> tuple[Any, Any]:
+    """Export ``rt_mod`` (built for ``target``: linked with the cross compiler for another
+    architecture), upload it to a board of ``remote`` and load it there: (module, device)."""
     import tempfile
 
+    from tvm.support import cc as tvm_cc
+
+    linker = _cross_linker(target)
     session = remote.connect()
     with tempfile.TemporaryDirectory(prefix="pyro2pfp-rpc-") as tmp:
         path = os.path.join(tmp, "kernels.so")
-        rt_mod.export_library(path)
+        if linker:
+            rt_mod.export_library(path, fcompile=tvm_cc.cross_compiler(linker))
+        else:
+            rt_mod.export_library(path)
         name = f"pyro2pfp_kernels_{os.getpid()}_{time.perf_counter_ns()}.so"
         remote._bounded("uploading kernels", lambda: session.upload(path, name), timeout=remote.session_timeout)
     loaded = remote._bounded("loading kernels on the board", lambda: session.load_module(name),
