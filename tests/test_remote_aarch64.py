@@ -30,6 +30,7 @@ from pyro2pfp.errors import InputShapeError, PFPError, RemoteError
 from pyro2pfp.network import PFPNetwork
 from pyro2pfp.plan import plan
 from pyro2pfp.remote import Remote, fixed_inputs, upload, validate
+from pyro2pfp.tuning import measure
 from pyro2pfp.tvm_backend.runtime import CompiledPFP
 
 pytestmark = pytest.mark.skipif(os.environ.get("PYRO2PFP_SKIP_QEMU") == "1", reason="PYRO2PFP_SKIP_QEMU=1")
@@ -179,8 +180,8 @@ def test_tuning_measures_on_the_emulated_board(board, mlp, tmp_path, monkeypatch
     """MetaSchedule's RPCRunner times AArch64 candidates (linked with the cross compiler here) on the
     board; the kernel choice is timed and checked there too; the tuned network runs on the board."""
     net, _exe_x86, _exe_a64 = mlp
-    monkeypatch.setitem(tuning.KERNEL_TIMING, "repeat", 2)
-    monkeypatch.setitem(tuning.KERNEL_TIMING, "min_repeat_ms", 2)
+    monkeypatch.setitem(measure.KERNEL_TIMING, "repeat", 2)
+    monkeypatch.setitem(measure.KERNEL_TIMING, "min_repeat_ms", 2)
     target = tuning.tuning_target("rpi4")
     result = tuning.tune(net.mod, "rpi4", batch=4, trials=2, work_dir=tmp_path, plan=net.plan,
                          progress=False, remote=board, min_share=0.0)
