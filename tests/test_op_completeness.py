@@ -16,7 +16,7 @@ from pyro2pfp.onnx_export import EXPORTERS
 from pyro2pfp.reference import REFERENCES
 from pyro2pfp.registry import OPS, OpDef
 
-TEST_MODULES = ("test_monte_carlo", "test_compiled_vs_reference", "test_layers", "test_vs_predictive")
+TEST_MODULES = ("test_monte_carlo", "test_compiled_vs_reference", "test_layers", "test_vs_predictive", "test_scale")
 TEST_KINDS = {"monte_carlo": MONTE_CARLO, "compiled": COMPILED}
 
 

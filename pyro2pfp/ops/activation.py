@@ -1,4 +1,5 @@
-"""Elementwise activations with Gaussian moments: ReLU, LeakyReLU; a final softmax is stripped.
+"""Elementwise activations with Gaussian moments: ReLU, LeakyReLU, scaling by a constant; a final softmax
+is stripped.
 
 Each activation is one :class:`~pyro2pfp.registry.OpDef` with an
 :class:`~pyro2pfp.registry.ActivationRule` -- the exact function and its moments for a Gaussian
@@ -17,7 +18,7 @@ from .. import moments
 from ..converters import Alias, register
 from ..graph import Layer, Repr
 from ..plan import PlannedLayer
-from ..registry import ACTIVATION, ActivationRule, OpDef, register_op
+from ..registry import ACTIVATION, VARIANCE_IN_OUT, ActivationRule, OpDef, register_op
 from ._formula import formula
 
 
@@ -60,7 +61,38 @@ LEAKY_RELU = register_activation(OpDef(
         moments=lambda mean, var, attrs, ops: moments.leaky_relu_moments(mean, var, attrs["slope"], ops))))
 
 
+SCALE = register_activation(OpDef(
+    "scale", ("aten.mul.Tensor", "aten.div.Tensor", "aten.neg.default"),
+    modules="`x * c`, `x / c`, `-x` (a constant `c`, e.g. a temperature)", modules_short=("x * c",),
+    moments="exact (linear: `μ ↦ c·μ`, `v ↦ c²·v`)", assumptions="—", contract=VARIANCE_IN_OUT,
+    activation=ActivationRule(
+        exact=lambda x, attrs, ops: ops.const(attrs["factor"]) * x,
+        moments=lambda mean, var, attrs, ops: (ops.const(attrs["factor"]) * mean,
+                                               ops.const(attrs["factor"] ** 2) * var))))
+
+
 # ------------------------------------------------------------------------------------ converters
+@register("aten.mul.Tensor", "aten.div.Tensor", "aten.neg.default", produces=("scale",))
+def convert_scale(node, ctx) -> Layer:
+    """``x * c``, ``c * x``, ``x / c``, ``-x`` with ``c`` a Python number -> ``scale`` by ``c`` (``1/c``)."""
+    op = str(node.target)
+    if op == "aten.neg.default":
+        x, factor = node.args[0], -1.0
+    else:
+        a, b = node.args[:2]
+        numbers = (int, float)
+        if op == "aten.mul.Tensor" and isinstance(a, numbers) and not isinstance(b, numbers):
+            a, b = b, a
+        if not isinstance(b, numbers) or isinstance(b, bool):
+            raise ctx.unsupported(node, "only the product/quotient of an activation and a constant number is "
+                                        "supported (not of two tensors)")
+        if op == "aten.div.Tensor" and b == 0:
+            raise ctx.unsupported(node, "division by zero")
+        x, factor = a, float(b) if op == "aten.mul.Tensor" else 1.0 / float(b)
+    return Layer(name=ctx.new_name(node, prefer_module=False), op="scale", inputs=[ctx.activation(x, node)],
+                 out_shape=ctx.shape(node), source=ctx.source(node), attrs={"factor": factor})
+
+
 @register("aten.relu.default", "aten.relu_.default", produces=("relu",))
 def convert_relu(node, ctx) -> Layer:
     x = node.args[0]
