@@ -85,7 +85,7 @@ profile, one with ``2C`` input channels (``[μ_in, s_in]``, weights ``[V·m̄μ_
 weight-noise profile, and ``O·C·(K_in + K_out)`` for the loadings (mean-field: 3 convolutions).
 ResNet-8: 37.3 M mean-field multiply-adds + 45.6 M (×2.2), ResNet-20: 122.5 M + 148.7 M (×2.2; ×1.55
 with ``injection='rescaled'``); memory ``+ C·P + C·K`` floats per edge (ResNet-20 +85 % over all
-edges, K ≤ 320 with compaction, 1482 without).  NumPy float64 batch 1: ResNet-20 45 ms → 99 ms.
+edges, K ≤ 320 with compaction, 1482 without).  NumPy float64 batch 1: ResNet-20 41 ms → 91 ms, ResNet-8 14 → 33 ms.
 
 Back ends
 ---------
@@ -102,12 +102,16 @@ Back ends
   (input reshaped to (1, B·C, H, W), weights (B·O, C, kh, kw), ``group = B``); no QR (export without
   compaction, K grows with depth: fine for ResNet-20, K = 1482).
 
-Measured (``benchmarks/fidelity.py``, and a 1000–2000-sample plan-based Monte Carlo on 8 inputs)
--------------------------------------------------------------------------------------------------------
-Median (p10–p90) logit variance ratio, 1000/2000 MC samples: ResNet-20 mean-field 0.18 (0.14–0.21)
-→ 0.97 (0.83–1.04); ResNet-8 0.30 (0.21–0.41) → 1.00 (0.93–1.03); LeNet-5 1.01 (0.90–1.09) → 1.01
-(0.97–1.05); MLP unchanged (0.998, the scheme reduces to mean-field).  The previous rank-1
-prototype (positive rescaled profiles, no cross-channel factors) gave ResNet-20 0.92 (0.63–1.12).
+Measured
+--------
+``PYTHONPATH=. python benchmarks/fidelity.py --cost`` (300 MC samples over the guide, 32 inputs),
+median (p10–p90) of the PFP/MC logit-variance ratio, mean-field → shared factors: MLP 0.992
+(0.89–1.11) → the same (the scheme reduces to mean-field); LeNet-5 0.991 (0.87–1.14) → 1.014
+(0.89–1.11); ResNet-8 0.283 (0.20–0.39) → 0.968 (0.85–1.03); ResNet-20 0.171 (0.12–0.23) → 0.953
+(0.81–1.19); mean error 0.04–0.06 MC sd, argmax agreement 100 % on both ResNets.  Against a
+1000/2000-sample plan-based Monte Carlo on 8 inputs (less MC noise): ResNet-20 0.97 (0.83–1.04),
+ResNet-8 1.00 (0.93–1.03), LeNet-5 1.01 (0.97–1.05).  The previous rank-1 prototype (positive
+rescaled profiles, channels independent) gave ResNet-20 0.92 (0.63–1.12) on the same truth.
 
 Not modelled (measured with single-layer-noise Monte Carlo and a statistically linearised reverse
 pass): the part of early layers' noise that reaches the pooled output through spatially rough

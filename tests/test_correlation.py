@@ -21,6 +21,7 @@ from pyro2pfp.graph import INPUT, GaussianParam, Layer, LayerGraph, Repr
 from pyro2pfp.plan import plan
 from pyro2pfp.reference import Activation, execute
 from pyro2pfp_experiments.correlation import (
+    FactorPlan,
     Shared,
     execute_correlated,
     execute_correlated_all,
@@ -100,6 +101,26 @@ def test_single_channel_conv_then_global_pool_is_exact_and_mean_field_is_not():
     assert not check_moments(samples, *execute(graph, x)).ok  # mean-field divides a shared variance by H·W
 
 
+def test_stacked_convs_weight_noise_profile_on_a_random_input_is_exact():
+    """Two noisy 1×1 single-channel convs, then global pooling: all noise is ∝ x_p (rank 1), so the
+    second conv's regression profile V·(m̄μ·μ_p + m̄s·s_p) and the pooled variance are exact (the
+    product of the two weights' noise included)."""
+    rng = np.random.default_rng(8)
+    conv0 = conv_layer(rng, "conv0", INPUT, (1, 4, 4), 1, 1, 1, 0, 1, 1, 0.8, 0.1, bias="none")
+    conv1 = conv_layer(rng, "conv1", "conv0", (1, 4, 4), 1, 1, 1, 0, 1, 1, 0.8, 0.1, bias="none")
+    graph = plan(LayerGraph(input_shape=(1, 4, 4), layers=[conv0, conv1, _pool_layer("pool", "conv1", 1, 4)],
+                            output="pool"))
+    x = rng.standard_normal((3, 1, 4, 4))
+    n = 40000
+    w = [c.params["weight"] for c in (conv0, conv1)]
+    draws = [p.mean.reshape(()) + np.sqrt(p.var.reshape(())) * rng.standard_normal(n) for p in w]
+    samples = (draws[0] * draws[1])[:, None] * x.mean(axis=(2, 3)).reshape(1, -1)
+    check = check_moments(samples.reshape(n, 3, 1, 1, 1), *execute_correlated(graph, x))
+    assert check.ok, check.report()
+    rescaled = check_moments(samples.reshape(n, 3, 1, 1, 1), *execute_correlated(graph, x, injection="rescaled"))
+    assert not rescaled.ok  # an unsigned (|x_p|) profile leaves a remainder that pooling over-counts
+
+
 def _relu_input(rng: np.random.Generator, shape: tuple[int, ...]) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     mean = 1.5 * rng.standard_normal(shape)
     s = rng.uniform(-1.0, 1.0, shape)
@@ -121,7 +142,7 @@ def test_relu_stein_and_second_hermite_loadings_are_exact(op, slope):
     k = 4  # factors: η_0, η_1 (the channels' normals), then the Hermite block
     g = np.zeros((1, 2, k))
     g[0, 0, 0] = g[0, 1, 1] = 1.0
-    fp = plan_factors_for_relu(planned, offset=2, width=k)
+    fp = FactorPlan(offsets={"r": 2}, width={"r": k})  # the ReLU's Hermite block after the input's 2 factors
     out = shared_relu(planned.layers[0], x, Shared(s, g), fp)
     n = 200000
     eta = rng.standard_normal((n, 1, 2, 1, 1))
@@ -138,14 +159,6 @@ def test_relu_stein_and_second_hermite_loadings_are_exact(op, slope):
     norm = out.s.mean(axis=(2, 3))  # ‖ℓ‖
     assert_covariances(fbar.reshape(n, -1), eta.reshape(n, -1), (g_lin.reshape(1, 2) * norm).reshape(-1))
     assert_covariances(fbar.reshape(n, -1), xi.reshape(n, -1), (g_her.reshape(1, 2) * norm).reshape(-1))
-
-
-def plan_factors_for_relu(graph, offset: int, width: int):
-    """A FactorPlan for a lone ReLU whose input carries ``offset`` factors (test helper)."""
-    from pyro2pfp_experiments.correlation import FactorPlan
-
-    name = graph.layers[0].name
-    return FactorPlan(offsets={name: offset}, width={name: width})
 
 
 def test_max_pool_linear_response_is_exact_for_a_pair():
