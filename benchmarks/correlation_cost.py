@@ -1,5 +1,6 @@
-"""Prediction-time cost of the correlation-aware NumPy prototype (pyro2pfp.correlation) against the
-mean-field NumPy reference on ResNet-8/20 (3×32×32, batch 1, best of 3).
+"""Prediction-time cost of shared-factor PFP (pyro2pfp_experiments.correlation, NumPy float64) against
+the mean-field NumPy reference on ResNet-8/20 (3×32×32, batch 1, best of 3), and its cost model
+(multiply-adds and stored floats per input).
 
     PYTHONPATH=. python benchmarks/correlation_cost.py
 """
@@ -12,7 +13,7 @@ import numpy as np
 import torch
 
 import pyro2pfp
-from pyro2pfp_experiments.correlation import execute_correlated
+from pyro2pfp_experiments.correlation import cost_model, execute_correlated
 from pyro2pfp_experiments.zoo import bayesian_resnet, he_posterior
 
 
@@ -34,8 +35,8 @@ def main() -> None:
         xn = x.numpy().astype(np.float64)
         ref = best_ms(lambda: net.reference(xn))  # noqa: B023  (called within the iteration)
         corr = best_ms(lambda: execute_correlated(net.plan, xn))  # noqa: B023
-        print(f"resnet{6 * blocks + 2}: NumPy reference {ref:.0f} ms, correlated prototype {corr:.0f} ms "
-              "(batch 1, best of 3)")
+        print(f"resnet{6 * blocks + 2}: NumPy reference {ref:.0f} ms, shared factors {corr:.0f} ms "
+              f"(batch 1, best of 3); {cost_model(net.plan).summary()}")
 
 
 if __name__ == "__main__":

@@ -2,13 +2,16 @@
 paper's nets (MLP 784-100-10, LeNet-5) and CIFAR-style ResNet-8 / ResNet-20 (3×32×32).
 
 Every net has an untrained ``AutoNormal`` posterior with means at He scale and posterior sd 0.02
-(:func:`pyro2pfp.zoo.he_posterior`); inputs are standard normal.  Per net it prints the
+(:func:`pyro2pfp_experiments.zoo.he_posterior`, means from a NumPy generator so that they cannot
+coincide with the guide's first Monte Carlo draw); inputs are standard normal.  Schemes:
+``mean-field`` (the plan, NumPy reference) and ``correlated`` (shared-factor PFP,
+:mod:`pyro2pfp_experiments.correlation`, NumPy float64), on the same MC samples.  Per net it prints the
 median and p10–p90 of the PFP/MC logit-variance ratio (over inputs × classes), the argmax
 agreement (PFP mean logits vs the MC predictive probabilities) and the mean error of the PFP
 logit means in MC standard deviations, then a HOLDS/SHORT line per target.
 
     PYTHONPATH=. python benchmarks/fidelity.py [--samples 300] [--inputs 32] [--nets mlp,lenet,resnet8,resnet20]
-                                              [--schemes mean-field,correlated] [--latency]
+                                              [--schemes mean-field,correlated] [--latency] [--cost]
 """
 from __future__ import annotations
 
@@ -38,6 +41,16 @@ def pfp_logits(net, x: np.ndarray, scheme: str) -> tuple[np.ndarray, np.ndarray]
     return execute_correlated(net.plan, x)
 
 
+def numpy_ms(fn, repeats: int = 3) -> float:
+    """Best of ``repeats`` wall times of ``fn()`` in ms."""
+    times = []
+    for _ in range(repeats):
+        t = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t)
+    return 1e3 * min(times)
+
+
 def latency_ms(net, x: np.ndarray, repeats: int = 20) -> float:
     exe = net.compile("native")
     exe(x)
@@ -56,8 +69,10 @@ def main() -> None:
     ap.add_argument("--nets", default=",".join(NETS))
     ap.add_argument("--schemes", default="mean-field,correlated",
                     help="PFP variants compared with the same MC samples (mean-field: the plan; correlated: "
-                         "the NumPy prototype pyro2pfp.correlation)")
+                         "shared-factor PFP, pyro2pfp_experiments.correlation)")
     ap.add_argument("--latency", action="store_true", help="also time the compiled net (batch 1, median of 20)")
+    ap.add_argument("--cost", action="store_true",
+                    help="also print the scheme's cost model and NumPy float64 times (batch 1, best of 3)")
     ap.add_argument("--seed", type=int, default=0)
     args = ap.parse_args()
     print(f"{args.samples} MC samples, {args.inputs} inputs")
@@ -79,6 +94,14 @@ def main() -> None:
                     f"{100 * agree:9.1f} {r.mean_error:11.3f}")
             if args.latency and scheme == "mean-field":
                 line += f"   compiled latency (batch 1) {latency_ms(net, x[:1].numpy()):.3f} ms"
+            if args.cost and scheme == "correlated":
+                from pyro2pfp_experiments.correlation import cost_model
+
+                x1 = x[:1].numpy().astype(np.float64)
+                ref_ms = numpy_ms(lambda: net.reference(x1))  # noqa: B023
+                corr_ms = numpy_ms(lambda: pfp_logits(net, x1, "correlated"))  # noqa: B023
+                line += (f"\n{'':21}{cost_model(net.plan).summary()}; NumPy batch 1: mean-field {ref_ms:.1f} ms, "
+                         f"correlated {corr_ms:.1f} ms")
             rows.append(line)
             print(line, flush=True)
             ok = {"median in [0.8, 1.25]": 0.8 <= r.ratio_median <= 1.25,

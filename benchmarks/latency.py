@@ -1,8 +1,12 @@
 #!/usr/bin/env python
 """Latency of PFP vs sampling vs the deterministic net: one table per run.
 
-For the paper's MLP (784-100-10) and LeNet-5, at batch sizes 1, 10 and 100, on the same inputs
-(real MNIST test digits), the median of repeated calls of:
+For the paper's MLP (784-100-10) and LeNet-5 (real MNIST test digits) and Bayesian ResNet-8 / ResNet-20
+for 3×32×32 inputs (``--nets resnet8 resnet20``: the issue-12/13 style -- ``to_pyro_module_`` with
+``PyroSample`` priors on every conv/linear weight and bias, BatchNorm in eval mode (folded into the
+convolutions by ``convert``), residual blocks, global average pooling; an untrained ``AutoNormal``
+posterior at He scale, seeded random inputs: latency does not depend on the values), at batch sizes 1,
+10 and 100, on the same inputs, the median of repeated calls of:
 
 1. ``pyro.infer.Predictive(model, guide, num_samples=30)`` -- the sampling BNN of the paper;
 2. the same 30 samples done the fast way in torch: weights drawn from the guide's Normal
@@ -41,7 +45,9 @@ import time
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
-NETS = ("mlp", "lenet")
+NETS = ("mlp", "lenet", "resnet8", "resnet20")
+DEFAULT_NETS = ("mlp", "lenet")
+RESNET_BLOCKS = {"resnet8": 1, "resnet20": 3}
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -70,7 +76,7 @@ def parse_args(argv=None) -> argparse.Namespace:
         args.trials = 0 if args.trials is None else args.trials
         args.epochs = 0 if args.epochs is None else args.epochs
         args.budget = args.budget or 0.3
-    args.nets = args.nets or list(NETS)
+    args.nets = args.nets or list(DEFAULT_NETS)
     args.batches = args.batches or [1, 10, 100]
     args.trials = 32 if args.trials is None else args.trials
     args.epochs = 2 if args.epochs is None else args.epochs
@@ -158,12 +164,34 @@ def build_models(name: str):
     return model, guide, Det(), (1, 28, 28)
 
 
+def build_resnet(name: str):
+    """A Bayesian ResNet (``pyro2pfp_experiments.zoo.bayesian_resnet``) and its deterministic twin (a plain
+    ``zoo.ResNet`` whose batch norms are copied from the Bayesian one)."""
+    import torch
+    import torch.nn.functional as F
+
+    from pyro2pfp_experiments.zoo import ResNet, bayesian_resnet
+
+    class DetResNet(ResNet):
+        def forward(self, x, y=None):  # the logits, without the likelihood
+            out = self.layers(F.relu(self.bn1(self.conv1(x))))
+            return self.fc(torch.flatten(F.adaptive_avg_pool2d(out, 1), 1))
+
+    model = bayesian_resnet(blocks=RESNET_BLOCKS[name])
+    det = DetResNet(RESNET_BLOCKS[name], (16, 32, 64), 3, 10).eval()
+    det.load_state_dict(model.state_dict(), strict=False)  # batch norm weights and running statistics
+    return model, None, det, (3, 32, 32)
+
+
 def posterior(guide, det) -> dict:
-    """{site: (loc, scale)} of every parameter of the deterministic twin, from the AutoNormal guide."""
+    """{site: (loc, scale)} of every parameter of the deterministic twin that is a site of the
+    AutoNormal guide (the others, e.g. batch norm weights, are deterministic)."""
     out = {}
+    sites = {name for name, _ in guide.prototype_trace.iter_stochastic_nodes()}
     for name, _ in det.named_parameters():
-        loc, scale = guide._get_loc_and_scale(name)
-        out[name] = (loc.detach().clone(), scale.detach().clone())
+        if name in sites:
+            loc, scale = guide._get_loc_and_scale(name)
+            out[name] = (loc.detach().clone(), scale.detach().clone())
     return out
 
 
@@ -203,11 +231,23 @@ def run_net(name: str, args, tgt, x_all: np.ndarray, y_all: np.ndarray, log) -> 
 
     pyro.clear_param_store()
     pyro.set_rng_seed(args.seed)
-    model, guide, det, input_shape = build_models(name)
+    resnet = name in RESNET_BLOCKS
+    if resnet:
+        from pyro2pfp_experiments.zoo import he_posterior
+
+        model, _, det, input_shape = build_resnet(name)
+        rng = np.random.default_rng(args.seed)
+        x_all = rng.standard_normal((max(args.batches) + 2, *input_shape)).astype(np.float32)
+        y_all = rng.integers(0, 10, len(x_all))
+        guide = he_posterior(model, torch.as_tensor(x_all[:2]), seed=args.seed)
+    else:
+        model, guide, det, input_shape = build_models(name)
     x_train = x_all[:2000].reshape(-1, *input_shape)
     y_train = y_all[:2000]
     t0 = time.perf_counter()
-    if args.epochs > 0:
+    if resnet:
+        log(f"[{name}] untrained AutoNormal posterior at He scale (sd 0.02), random 3x32x32 inputs")
+    elif args.epochs > 0:
         train_svi(model, guide, x_train, y_train, epochs=args.epochs, lr=1e-2, batch_size=100, seed=args.seed)
         log(f"[{name}] trained {args.epochs} epochs on {len(x_train)} digits in {time.perf_counter() - t0:.0f} s")
     else:
@@ -216,13 +256,18 @@ def run_net(name: str, args, tgt, x_all: np.ndarray, y_all: np.ndarray, log) -> 
     post = posterior(guide, det)
     with torch.no_grad():
         for pname, p in det.named_parameters():
-            p.copy_(post[pname][0])
+            if pname in post:  # a site of the guide (batch norm weights are plain parameters)
+                p.copy_(post[pname][0])
     det.eval()
 
     t0 = time.perf_counter()
     net = pyro2pfp.convert(model, guide, input_shape=input_shape)
+    t1 = time.perf_counter()
     exe = net.compile(tgt)
-    log(f"[{name}] converted and compiled (default schedules) in {time.perf_counter() - t0:.1f} s")
+    t2 = time.perf_counter()
+    compile_s = t2 - t1
+    log(f"[{name}] converted in {t1 - t0:.1f} s, compiled (default schedules) in {compile_s:.1f} s "
+        f"({sum(p.op != 'reshape' for p in net.plan.layers)} PFP kernels)")
     ort_session = None
     try:
         import onnxruntime as ort
@@ -257,7 +302,7 @@ def run_net(name: str, args, tgt, x_all: np.ndarray, y_all: np.ndarray, log) -> 
         return vmap(lambda p: functional_call(det, p, (xt,)))(params)
 
     rows: list[Row] = []
-    checks: list[str] = []
+    checks: list[str] = [f"{name}: PFP compile time (default schedules, any batch) {compile_s:.1f} s"]
     profiles = []
     budget = args.budget
     for batch in args.batches:
@@ -379,6 +424,13 @@ TARGETS = [
     ("MLP: PFP compiled <= 2.5x deterministic compiled", "mlp", None, "vs_det", 2.5),
     ("LeNet-5: PFP compiled <= 4x deterministic compiled", "lenet", None, "vs_det", 4.0),
     ("PFP compiled faster than the NumPy reference", None, None, "vs_ref", 1.0),
+    # issue 13 (ResNet-class nets); ``vs_det_torch`` compares the PFP e2e call with torch eager
+    ("ResNet-8 b1: PFP >= 150x faster than Predictive(30)", "resnet8", 1, "vs_pred", 150),
+    ("ResNet-20 b1: PFP >= 150x faster than Predictive(30)", "resnet20", 1, "vs_pred", 150),
+    ("ResNet-8: PFP compiled <= 2.5x deterministic torch eager", "resnet8", None, "vs_det_torch", 2.5),
+    ("ResNet-20: PFP compiled <= 2.5x deterministic torch eager", "resnet20", None, "vs_det_torch", 2.5),
+    ("ResNet-8: PFP compiled <= 2.5x deterministic compiled", "resnet8", None, "vs_det", 2.5),
+    ("ResNet-20: PFP compiled <= 2.5x deterministic compiled", "resnet20", None, "vs_det", 2.5),
 ]
 
 
@@ -408,6 +460,12 @@ def evaluate_targets(summary: dict) -> list[str]:
                 ok &= r_vm <= thr
                 parts.append(f"{tag}: {r_vm:.2f}x VM, {r_e2e:.2f}x e2e"
                              + ("" if s["det_tuned"] else " (det untuned!)"))
+            elif kind == "vs_det_torch":
+                if s["det_torch"] is None or s["pfp"] is None:
+                    continue
+                r = s["pfp"] / s["det_torch"]
+                ok &= r <= thr
+                parts.append(f"{tag}: {r:.2f}x e2e")
             else:
                 if s["ref"] is None or s["pfp"] is None:
                     continue
@@ -462,7 +520,7 @@ def main(argv=None) -> int:
         f"load average (1/5/15 min): start {load0[0]:.1f}/{load0[1]:.1f}/{load0[2]:.1f}, "
         f"end {load1[0]:.1f}/{load1[1]:.1f}/{load1[2]:.1f}  (a shared machine: expect noise)",
         f"weights: {'SVI ' + str(args.epochs) + ' epochs, lr 1e-2, 2000 digits' if args.epochs else 'initialised guide (untrained)'};"
-        f" inputs: MNIST digits; medians of repeated calls",
+        f" inputs: MNIST digits (ResNets: seeded random 3x32x32, He-scale posterior); medians of repeated calls",
         f"tuning: {'off' if args.no_tune else f'MetaSchedule, {args.trials} trials per (net, batch), cache {cache}'}",
         "e2e = user call from NumPy (exe(x); vm['main'](tvm.runtime.tensor(x)).numpy(); the torch or Pyro call); VM = vm.time_evaluator",
         "xPred, xvmap = baseline e2e / row e2e;  /det = row / deterministic TVM net (MetaSchedule, same trials)",

@@ -10,7 +10,7 @@ builder's timeout (``LocalBuilder: Timeout, killed after 30.0 seconds``).
 :func:`patch` / :func:`patched` replace ``inspect.stack`` with a frame walk that gives the same
 ``FrameInfo`` records (file, line, function, one line of context) without the module lookup;
 :func:`worker_init` is the initializer for MetaSchedule's builder/runner worker processes
-(``LocalBuilder(initializer=worker_init)``, :class:`pyro2pfp.tuning.PooledBuilder`), and
+(``LocalBuilder(initializer=worker_init)``, :class:`pyro2pfp.tuning.measure.PooledBuilder`), and
 :func:`worker_build` the build job of ``PooledBuilder``'s workers.  This module imports nothing
 from ``pyro2pfp`` or TVM at import time, so that these functions can be pickled by value into a
 fresh worker (which then does not import ``pyro2pfp``, torch or Pyro).
@@ -82,10 +82,12 @@ def worker_init() -> None:
     import tvm.s_tir.tensor_intrin  # noqa: F401  -- now ~3-15 s instead of ~130 s
 
 
-def worker_build(mod, target) -> str:  # noqa: ANN001 -- runs in a MetaSchedule worker process
+def worker_build(mod, target, cc=None) -> str:  # noqa: ANN001 -- runs in a MetaSchedule worker process
     """Build one MetaSchedule candidate in a worker process and export it as a shared library;
-    returns its path (the in-process runner loads it).  No ``tvm.s_tir.tensor_intrin`` import
-    is needed for the build itself (``worker_init`` already did it, patched)."""
+    returns its path (the in-process runner loads it, or ``RPCRunner`` uploads it to a board).
+    ``cc``: the cross compiler that links it for another architecture (``aarch64-linux-gnu-gcc``
+    for an AArch64 board); ``None``: the host's.  No ``tvm.s_tir.tensor_intrin`` import is needed
+    for the build itself (``worker_init`` already did it, patched)."""
     import os
     import tempfile
 
@@ -95,5 +97,10 @@ def worker_build(mod, target) -> str:  # noqa: ANN001 -- runs in a MetaSchedule 
     mod = RemoveWeightLayoutRewriteBlock(skip_tensor_rewrite=True)(mod)
     rt_mod = tvm.tirx.build(mod, target=target)
     path = os.path.join(tempfile.mkdtemp(prefix="pyro2pfp-ms-"), "candidate.so")
-    rt_mod.export_library(path)
+    if cc:
+        from tvm.support import cc as tvm_cc
+
+        rt_mod.export_library(path, fcompile=tvm_cc.cross_compiler(cc))
+    else:
+        rt_mod.export_library(path)
     return path

@@ -38,6 +38,12 @@ def compile_network(net: Any, target: Any = "native", *, schedule: bool = True, 
         exe = runtime.CompiledPFP(executable, net.input_shape, net.input_variance, tgt, tuned=tuned)
         exe.kernels = kernel_table(net.mod)
         return exe
+    if isinstance(tune, dict) and tune.get("remote") is not None:
+        raise PFPError(f"net.compile({target!r}, tune=..., remote=...) is not supported yet: a network "
+                       f"cross-compiled for {target_arch(tgt)} exports only its any-batch executable, so "
+                       "executables tuned on the board would not reach it. Tune the kernels on the board with "
+                       f"pyro2pfp.tuning.tune(net.mod, {target!r}, batch=..., plan=net.plan, remote=...) (its "
+                       ".build() is the batch-specialised executable), or compile without tune=")
     if tune is not None and tune is not False:
         raise PFPError(f"cannot tune for {target_arch(tgt)} on this {host_arch()} machine: MetaSchedule "
                        "measures every candidate where it runs; compile without tune= or tune on the device")

@@ -77,6 +77,12 @@ def _native_stderr_filtered():
 def _cross_fcompile(arch: str, cc: str | None):
     from tvm.support import cc as tvm_cc
 
+    return tvm_cc.cross_compiler(cross_compiler(arch, cc))
+
+
+def cross_compiler(arch: str, cc: str | None = None) -> str:
+    """The compiler that links shared libraries for ``arch`` on this machine: ``cc``, else
+    ``$PYRO2PFP_CROSS_CC``, else Debian's (:data:`CROSS_COMPILERS`); a clear error if not on PATH."""
     compiler = cc or os.environ.get("PYRO2PFP_CROSS_CC") or CROSS_COMPILERS.get(arch)
     if compiler is None:
         raise PFPError(f"no known cross compiler for {arch}: pass cc='<triple>-gcc' or export a .tar")
@@ -86,7 +92,7 @@ def _cross_fcompile(arch: str, cc: str | None):
             f"exporting a {arch} shared library needs the cross compiler '{compiler}', which is not on "
             f"PATH. Install it (Debian/Ubuntu: apt-get install -y {package}), set PYRO2PFP_CROSS_CC, "
             f"or export a .tar instead (object files only; no toolchain needed, link on the device).")
-    return tvm_cc.cross_compiler(compiler)
+    return compiler
 
 
 def export_library(exe: Any, path: str | os.PathLike, *, cc: str | None = None,

@@ -5,13 +5,14 @@ from typing import Any
 
 import numpy as np
 
-from .converters import build_layer_graph
+from . import folding
 from .errors import ArgumentError, InputShapeError, PosteriorError
 from .graph import LayerGraph, Repr
 from .inputs import checked_inputs
 from .plan import PlannedGraph, plan
 from .reference import execute
 from .tracing import trace_model
+from .walk import build_layer_graph
 
 
 class PFPNetwork:
@@ -130,7 +131,8 @@ class PFPNetwork:
 
 def convert(model: Any, guide: Any = None, *, input_shape: tuple[int, ...] | None = None,
             calibration: float = 1.0, moment_form: str = "variance",
-            input_variance: bool = False, check_posterior: bool = True) -> PFPNetwork:
+            input_variance: bool = False, check_posterior: bool = True,
+            fold_batch_norm: bool = True) -> PFPNetwork:
     """Convert a Pyro BNN (``model``, trained ``guide``) into a PFP network.
 
     Traces ``model`` (a ``PyroModule``) over a deterministic copy holding the posterior means, reads
@@ -157,6 +159,9 @@ def convert(model: Any, guide: Any = None, *, input_shape: tuple[int, ...] | Non
     checked against what was read (:mod:`pyro2pfp.posterior.guard`); a mismatch raises
     :class:`PosteriorError`.  ``check_posterior=False`` skips that check, for guides that cannot be
     sampled with the model's input alone.
+
+    ``fold_batch_norm=True`` (default) folds every eval-mode batch norm that follows a Linear/Conv layer
+    into that layer's weight and bias moments (exact, :mod:`pyro2pfp.folding`): one kernel fewer each.
     """
     if not isinstance(input_variance, bool | np.bool_):
         raise ArgumentError(f"input_variance must be True or False, got {input_variance!r}")
@@ -165,7 +170,11 @@ def convert(model: Any, guide: Any = None, *, input_shape: tuple[int, ...] | Non
     if guide is None:
         raise PosteriorError("convert(model, guide) needs the trained guide that holds the posterior")
     traced = trace_model(model, guide, input_shape, check_posterior=check_posterior)
+    if not isinstance(fold_batch_norm, bool | np.bool_):
+        raise ArgumentError(f"fold_batch_norm must be True or False, got {fold_batch_norm!r}")
     layer_graph = build_layer_graph(traced)
     layer_graph.input_variance = bool(input_variance)
+    if fold_batch_norm:
+        layer_graph = folding.fold_batch_norm(layer_graph)
     return PFPNetwork(layer_graph, plan(layer_graph, calibration, moment_form),
                       nonweight_sites=traced.nonweight_sites, noise=traced.noise)

@@ -42,14 +42,15 @@ from .registry import add_to
 
 D, V, S = Repr.DETERMINISTIC, Repr.VARIANCE, Repr.SECOND_MOMENT
 _INV_SQRT2 = 1.0 / math.sqrt(2.0)
-_LOWEST32 = float(np.finfo(np.float32).min)  # the max-pool fold's identity mean (as the TVM kernels)
+LOWEST32 = float(np.finfo(np.float32).min)  # the max-pool fold's identity mean (as the TVM kernels)
 
 DEFAULT_OPSET = 17
 MIN_OPSET = 17
 # IR version 8 is the one that introduced opset 17: the oldest runtimes that can run the model load it.
 _IR_VERSION_FOR_OPSET = {17: 8, 18: 8, 19: 9, 20: 9, 21: 10, 22: 10, 23: 11}
 
-__all__ = ["to_onnx", "onnx_ops_used", "DEFAULT_OPSET"]
+__all__ = ["to_onnx", "onnx_ops_used", "DEFAULT_OPSET", "exporter", "EXPORTERS", "Sym", "OnnxActivation",
+           "OnnxContext"]
 
 
 # ---------------------------------------------------------------------------------------------
@@ -107,7 +108,7 @@ class _Builder:
         return self.initializer(np.asarray(values, dtype=np.int64), hint, dtype=np.int64)
 
 
-class _Sym:
+class Sym:
     """A symbolic float32 ONNX tensor (or a folded scalar constant) with Python operators."""
 
     __array_priority__ = 1000  # make numpy scalars defer to our reflected operators
@@ -120,339 +121,184 @@ class _Sym:
     @property
     def name(self) -> str:
         if self._name is None:
-            assert self.value is not None  # a _Sym is a named tensor or a constant
+            assert self.value is not None  # a Sym is a named tensor or a constant
             self._name = self.b.scalar(self.value)
         return self._name
 
     # -- helpers
-    def _wrap(self, other: Any) -> _Sym:
-        if isinstance(other, _Sym):
+    def _wrap(self, other: Any) -> Sym:
+        if isinstance(other, Sym):
             return other
         if isinstance(other, (int, float, np.floating, np.integer)):
-            return _Sym(self.b, value=float(other))
+            return Sym(self.b, value=float(other))
         raise TypeError(f"cannot combine an ONNX tensor with {type(other).__name__}")
 
-    def _binary(self, op: str, other: Any, fold: Callable[[float, float], float], swap: bool = False) -> _Sym:
+    def _binary(self, op: str, other: Any, fold: Callable[[float, float], float], swap: bool = False) -> Sym:
         a, c = self, self._wrap(other)
         if swap:
             a, c = c, a
         if a.value is not None and c.value is not None:
-            return _Sym(self.b, value=float(fold(float(np.float32(a.value)), float(np.float32(c.value)))))
-        return _Sym(self.b, self.b.node(op, [a.name, c.name]))
+            return Sym(self.b, value=float(fold(float(np.float32(a.value)), float(np.float32(c.value)))))
+        return Sym(self.b, self.b.node(op, [a.name, c.name]))
 
-    def __add__(self, o: Any) -> _Sym:
+    def __add__(self, o: Any) -> Sym:
         return self._binary("Add", o, lambda a, c: a + c)
 
-    def __radd__(self, o: Any) -> _Sym:
+    def __radd__(self, o: Any) -> Sym:
         return self._binary("Add", o, lambda a, c: a + c, swap=True)
 
-    def __sub__(self, o: Any) -> _Sym:
+    def __sub__(self, o: Any) -> Sym:
         return self._binary("Sub", o, lambda a, c: a - c)
 
-    def __rsub__(self, o: Any) -> _Sym:
+    def __rsub__(self, o: Any) -> Sym:
         return self._binary("Sub", o, lambda a, c: a - c, swap=True)
 
-    def __mul__(self, o: Any) -> _Sym:
+    def __mul__(self, o: Any) -> Sym:
         return self._binary("Mul", o, lambda a, c: a * c)
 
-    def __rmul__(self, o: Any) -> _Sym:
+    def __rmul__(self, o: Any) -> Sym:
         return self._binary("Mul", o, lambda a, c: a * c, swap=True)
 
-    def __truediv__(self, o: Any) -> _Sym:
+    def __truediv__(self, o: Any) -> Sym:
         return self._binary("Div", o, lambda a, c: a / c)
 
-    def __rtruediv__(self, o: Any) -> _Sym:
+    def __rtruediv__(self, o: Any) -> Sym:
         return self._binary("Div", o, lambda a, c: a / c, swap=True)
 
-    def __neg__(self) -> _Sym:
+    def __neg__(self) -> Sym:
         if self.value is not None:
-            return _Sym(self.b, value=-self.value)
-        return _Sym(self.b, self.b.node("Neg", [self.name]))
+            return Sym(self.b, value=-self.value)
+        return Sym(self.b, self.b.node("Neg", [self.name]))
 
-    def __gt__(self, o: Any) -> _Sym:
-        return _Sym(self.b, self.b.node("Greater", [self.name, self._wrap(o).name]))
+    def __gt__(self, o: Any) -> Sym:
+        return Sym(self.b, self.b.node("Greater", [self.name, self._wrap(o).name]))
 
-    def __lt__(self, o: Any) -> _Sym:
-        return _Sym(self.b, self.b.node("Less", [self.name, self._wrap(o).name]))
+    def __lt__(self, o: Any) -> Sym:
+        return Sym(self.b, self.b.node("Less", [self.name, self._wrap(o).name]))
 
-    def __pow__(self, p: int) -> _Sym:
+    def __pow__(self, p: int) -> Sym:
         if p != 2:
             raise ValueError("only squares are needed")
         return self * self
 
     # -- named ops
-    def unary(self, op: str) -> _Sym:
-        return _Sym(self.b, self.b.node(op, [self.name]))
+    def unary(self, op: str) -> Sym:
+        return Sym(self.b, self.b.node(op, [self.name]))
 
-    def nary(self, op: str, *others: Any, **attrs: Any) -> _Sym:
+    def nary(self, op: str, *others: Any, **attrs: Any) -> Sym:
         names = [self.name] + [o if isinstance(o, str) else self._wrap(o).name for o in others]
-        return _Sym(self.b, self.b.node(op, names, **attrs))
+        return Sym(self.b, self.b.node(op, names, **attrs))
 
 
 def _onnx_ops(b: _Builder) -> SimpleNamespace:
     """The ``ops`` namespace of :mod:`pyro2pfp.moments` on symbolic ONNX tensors."""
 
-    def where(cond: _Sym, a: Any, c: Any) -> _Sym:
+    def where(cond: Sym, a: Any, c: Any) -> Sym:
         return cond.nary("Where", a, c)
 
-    def elementwise(op: str, x: Any, y: Any) -> _Sym:
-        x = x if isinstance(x, _Sym) else _Sym(b, value=float(x))
+    def elementwise(op: str, x: Any, y: Any) -> Sym:
+        x = x if isinstance(x, Sym) else Sym(b, value=float(x))
         return x.nary(op, y)
 
-    def normal_cdfs(alpha: _Sym) -> tuple[_Sym, _Sym]:
+    def normal_cdfs(alpha: Sym) -> tuple[Sym, Sym]:
         """(Φ(α), Φ(−α)) from one Erf, as the TVM kernels compute them."""
-        half_erf = _Sym(b, value=0.5) * (alpha * _Sym(b, value=_INV_SQRT2)).unary("Erf")
-        return _Sym(b, value=0.5) + half_erf, _Sym(b, value=0.5) - half_erf
+        half_erf = Sym(b, value=0.5) * (alpha * Sym(b, value=_INV_SQRT2)).unary("Erf")
+        return Sym(b, value=0.5) + half_erf, Sym(b, value=0.5) - half_erf
 
     ns = SimpleNamespace(
         where=where,
         normal_cdfs=normal_cdfs,
         erf=lambda x: x.unary("Erf"),
-        erfc=lambda x: _Sym(b, value=1.0) - x.unary("Erf"),  # as the TVM kernels: 1 − erf
+        erfc=lambda x: Sym(b, value=1.0) - x.unary("Erf"),  # as the TVM kernels: 1 − erf
         exp=lambda x: x.unary("Exp"),
         sqrt=lambda x: x.unary("Sqrt"),
         maximum=lambda x, y: elementwise("Max", x, y),
         minimum=lambda x, y: elementwise("Min", x, y),
-        const=lambda v: _Sym(b, value=float(v)),
+        const=lambda v: Sym(b, value=float(v)),
     )
     ns.erfcx = lambda x: moments.erfcx_rational(x, ns)  # e^{x²}·erfc(x), x ≥ 0, as the TVM kernels
     return ns
 
 
 # ---------------------------------------------------------------------------------------------
-# Activations and the per-op emitters (mirror pyro2pfp/reference/*.py)
+# Activations, the ONNX back end of the shared formulas, and the exporter table
 # ---------------------------------------------------------------------------------------------
 
 
 @dataclass
-class _Act:
+class OnnxActivation:
     """A batch of independent Gaussians in the ONNX graph (``second`` is None when deterministic)."""
 
-    mean: _Sym
-    second: _Sym | None
+    mean: Sym
+    second: Sym | None
     repr: Repr
 
 
 @dataclass
-class _Ctx:
+class OnnxContext:
     b: _Builder
     ops: SimpleNamespace
     shapes: dict[str, tuple[int, ...]] = field(default_factory=dict)  # edge name -> shape (no batch)
 
-    def variance(self, x: _Act) -> _Sym | None:
+    def variance(self, x: OnnxActivation) -> Sym | None:
         if x.repr is D:
             return None
         if x.repr is V:
             return x.second
         return moments.second_to_variance(x.mean, x.second, self.ops)
 
-    def random_variance(self, x: _Act) -> _Sym:
+    def random_variance(self, x: OnnxActivation) -> Sym:
         """The variance of an activation the plan marks as random (not deterministic)."""
         var = self.variance(x)
         if var is None:
             raise PFPError("internal: a deterministic activation where the plan expects a random one")
         return var
 
-    def second_moment(self, x: _Act) -> _Sym:
+    def second_moment(self, x: OnnxActivation) -> Sym:
         if x.repr is S:
             assert x.second is not None
             return x.second
         var = self.variance(x)
         return x.mean * x.mean if var is None else moments.variance_to_second(x.mean, var, self.ops)
 
-    def emit_output(self, mean: _Sym, var: _Sym, layer: PlannedLayer) -> _Act:
+    def emit(self, mean: Sym, var: Sym, layer: PlannedLayer) -> OnnxActivation:
+        """The layer's (mean, variance) in the representation the plan asks it to emit."""
         if layer.out_repr is V:
-            return _Act(mean, var, V)
+            return OnnxActivation(mean, var, V)
         if layer.out_repr is S:
-            return _Act(mean, moments.variance_to_second(mean, var, self.ops), S)
-        return _Act(mean, None, D)
+            return OnnxActivation(mean, moments.variance_to_second(mean, var, self.ops), S)
+        return OnnxActivation(mean, None, D)
+
+    # -- the back end of the formulas shared with the NumPy reference (reference.NumpyBackend)
+    @staticmethod
+    def deterministic(mean: Sym) -> OnnxActivation:
+        return OnnxActivation(mean, None, D)
+
+    def tensor(self, array: np.ndarray, hint: str) -> Sym:
+        """A float32 initializer."""
+        return Sym(self.b, self.b.initializer(array, hint))
+
+    def dense(self, x: Sym, weight: np.ndarray, hint: str) -> Sym:
+        """``x @ weight.T`` (weight in torch layout (out, in), stored transposed)."""
+        return x.nary("MatMul", self.b.initializer(weight.T, hint + "_t"))
+
+    def conv2d(self, x: Sym, weight: np.ndarray, attrs: dict, hint: str) -> Sym:
+        (ph, pw), (kh, kw) = attrs["padding"], weight.shape[2:]
+        return x.nary("Conv", self.b.initializer(weight, hint), kernel_shape=[int(kh), int(kw)],
+                      strides=list(attrs["stride"]), pads=[ph, pw, ph, pw], dilations=list(attrs["dilation"]),
+                      group=int(attrs["groups"]))
+
+    def reshape(self, t: Sym, shape: tuple[int, ...]) -> Sym:
+        """``t`` reshaped to ``(batch, *shape)``."""
+        return t.nary("Reshape", self.b.ints([-1, *shape], "shape"))
 
 
-Exporter = Callable[[_Ctx, PlannedLayer, list[_Act]], _Act]
+Exporter = Callable[[OnnxContext, PlannedLayer, list[OnnxActivation]], OnnxActivation]
 EXPORTERS: dict[str, Exporter] = {}
 
 
 #: ``@exporter(op)`` registers the ONNX emitter of PFP op ``op`` (once).
 exporter = add_to(EXPORTERS, "ONNX export of op")
-
-
-def _compute_layer(ctx: _Ctx, layer: PlannedLayer, x: _Act,
-                   apply: Callable[[_Sym, np.ndarray, str], _Sym], bias_shape: tuple[int, ...]) -> _Act:
-    """``reference.compute._compute_layer`` on ONNX tensors (same formulas, same order)."""
-    t = layer.tensors
-    mean = apply(x.mean, t["weight_mean"], "weight_mean")
-    if x.repr is D:
-        var = apply(x.mean * x.mean, t["weight_var"], "weight_var")
-    elif x.repr is V:
-        var = (apply(ctx.second_moment(x), t["weight_var"], "weight_var")
-               + apply(ctx.random_variance(x), t["weight_mean"] ** 2, "weight_mean_sq"))
-    else:
-        var = (apply(ctx.second_moment(x), t["weight_second_moment"], "weight_second_moment")
-               - apply(x.mean * x.mean, t["weight_mean"] ** 2, "weight_mean_sq"))
-    if "bias_mean" in t:
-        mean = mean + _Sym(ctx.b, ctx.b.initializer(t["bias_mean"].reshape(bias_shape), "bias_mean"))
-    if "bias_var" in t:
-        var = var + _Sym(ctx.b, ctx.b.initializer(t["bias_var"].reshape(bias_shape), "bias_var"))
-    return ctx.emit_output(mean, ctx.ops.maximum(var, ctx.ops.const(0.0)), layer)
-
-
-@exporter("dense")
-def _dense(ctx: _Ctx, layer: PlannedLayer, inputs: list[_Act]) -> _Act:
-    def apply(x: _Sym, w: np.ndarray, hint: str) -> _Sym:
-        return x.nary("MatMul", ctx.b.initializer(w.T, hint + "_t"))  # x @ w.T, weights stored (K, M)
-
-    return _compute_layer(ctx, layer, inputs[0], apply, (-1,))
-
-
-@exporter("conv2d")
-def _conv2d(ctx: _Ctx, layer: PlannedLayer, inputs: list[_Act]) -> _Act:
-    a = layer.layer.attrs
-    (ph, pw), (kh, kw) = a["padding"], layer.tensors["weight_mean"].shape[2:]
-
-    def apply(x: _Sym, w: np.ndarray, hint: str) -> _Sym:
-        return x.nary("Conv", ctx.b.initializer(w, hint), kernel_shape=[int(kh), int(kw)],
-                      strides=list(a["stride"]), pads=[ph, pw, ph, pw], dilations=list(a["dilation"]),
-                      group=int(a["groups"]))
-
-    return _compute_layer(ctx, layer, inputs[0], apply, (-1, 1, 1))
-
-
-@exporter("relu")
-def _relu(ctx: _Ctx, layer: PlannedLayer, inputs: list[_Act]) -> _Act:
-    x = inputs[0]
-    if x.repr is D:
-        return _Act(x.mean.unary("Relu"), None, D)
-    mean, var = moments.relu_moments(x.mean, ctx.variance(x), ctx.ops)
-    return ctx.emit_output(mean, var, layer)
-
-
-@exporter("convert")
-def _convert(ctx: _Ctx, layer: PlannedLayer, inputs: list[_Act]) -> _Act:
-    x = inputs[0]
-    return ctx.emit_output(x.mean, ctx.random_variance(x), layer)
-
-
-@exporter("reshape")
-def _reshape(ctx: _Ctx, layer: PlannedLayer, inputs: list[_Act]) -> _Act:
-    x = inputs[0]
-    shape = ctx.b.ints([-1, *layer.layer.out_shape], "shape")
-    second = None if x.second is None else x.second.nary("Reshape", shape)
-    return _Act(x.mean.nary("Reshape", shape), second, x.repr)
-
-
-def _window_views(ctx: _Ctx, x: _Sym, kernel: list[int], stride: list[int], out_hw: tuple[int, ...]):
-    """``reference.pooling.window_views``: the strided slice of each window offset, row-major."""
-    oh, ow = out_hw
-    axes = ctx.b.ints([2, 3], "axes")
-    steps = ctx.b.ints(list(stride), "steps")
-    for p in range(kernel[0]):
-        for q in range(kernel[1]):
-            starts = ctx.b.ints([p, q], "starts")
-            ends = ctx.b.ints([p + stride[0] * (oh - 1) + 1, q + stride[1] * (ow - 1) + 1], "ends")
-            yield x.nary("Slice", starts, ends, axes, steps)
-
-
-def _window_pads(layer: PlannedLayer, in_hw: tuple[int, ...]) -> list[int] | None:
-    """ONNX ``Pad`` amounts (N, C, H, W begins, then ends) that put every window inside the input
-    (begin padding + ceil-mode overhang, as ``reference.pooling.padded``); None if none needed."""
-    a, out_hw = layer.layer.attrs, layer.layer.out_shape[1:]
-    begins, ends = [], []
-    for n, k, s, p, o in zip(in_hw, a["kernel"], a["stride"], a.get("padding", [0, 0]), out_hw):
-        begins.append(int(p))
-        ends.append(max(0, (o - 1) * s + k - n - p))
-    if not any(begins) and not any(ends):
-        return None
-    return [0, 0, *begins, 0, 0, *ends]
-
-
-def _pad(ctx: _Ctx, x: _Sym, pads: list[int] | None, value: float) -> _Sym:
-    if pads is None:
-        return x
-    return x.nary("Pad", ctx.b.ints(pads, "pads"), _Sym(ctx.b, value=value), mode="constant")
-
-
-@exporter("max_pool2d")
-def _max_pool2d(ctx: _Ctx, layer: PlannedLayer, inputs: list[_Act]) -> _Act:
-    """``reference.pooling.max_pool2d``: positions outside the input hold the fold's identity."""
-    a, x = layer.layer.attrs, inputs[0]
-    kernel, stride = list(a["kernel"]), list(a["stride"])
-    out_hw = tuple(layer.layer.out_shape[1:])
-    if list(a.get("dilation", [1, 1])) != [1, 1]:
-        raise UnsupportedLayerError(f"{layer.layer.source}: max pooling with dilation {a['dilation']}")
-    pads = _window_pads(layer, ctx.shapes[layer.inputs[0]][1:])
-    if x.repr is D:  # max over the (−inf padded) window views == MaxPool on the padded input
-        mean = _pad(ctx, x.mean, pads, float("-inf")).nary("MaxPool", kernel_shape=kernel, strides=stride)
-        return _Act(mean, None, D)
-    means = _window_views(ctx, _pad(ctx, x.mean, pads, _LOWEST32), kernel, stride, out_hw)
-    vars_ = _window_views(ctx, _pad(ctx, ctx.random_variance(x), pads, 0.0), kernel, stride, out_hw)
-    mean, var = next(means), next(vars_)
-    for m, v in zip(means, vars_):
-        mean, var = moments.max_moments(mean, var, m, v, ctx.ops)
-    return ctx.emit_output(mean, var, layer)
-
-
-@exporter("avg_pool2d")
-def _avg_pool2d(ctx: _Ctx, layer: PlannedLayer, inputs: list[_Act]) -> _Act:
-    """``reference.pooling.avg_pool2d``: ``μ ↦ Σμ/d``, ``v ↦ Σv/d²`` with torch's divisors ``d``.
-
-    ``AveragePool`` on the zero-padded input gives ``Σ/(kh·kw)``; a constant per output position
-    rescales it to ``Σ/d`` (and ``Σ/d²``)."""
-    from .reference.pooling import average_divisor
-
-    a, x = layer.layer.attrs, inputs[0]
-    kernel, stride = list(a["kernel"]), list(a["stride"])
-    in_hw = tuple(ctx.shapes[layer.inputs[0]][1:])
-    out_hw = tuple(layer.layer.out_shape[1:])
-    pads = _window_pads(layer, in_hw)
-    divisor = average_divisor(a, in_hw, out_hw)
-    window = float(kernel[0] * kernel[1])
-
-    def window_sum_over(t: _Sym, scale: np.ndarray, hint: str) -> _Sym:
-        pooled = _pad(ctx, t, pads, 0.0).nary("AveragePool", kernel_shape=kernel, strides=stride)
-        return pooled * _Sym(ctx.b, ctx.b.initializer(scale, hint))
-
-    mean = window_sum_over(x.mean, window / divisor, "mean_scale")
-    if x.repr is D:
-        return _Act(mean, None, D)
-    var = window_sum_over(ctx.random_variance(x), window / divisor**2, "var_scale")
-    return ctx.emit_output(mean, var, layer)
-
-
-@exporter("leaky_relu")
-def _leaky_relu(ctx: _Ctx, layer: PlannedLayer, inputs: list[_Act]) -> _Act:
-    x, slope = inputs[0], float(layer.layer.attrs["slope"])
-    if x.repr is D:
-        mean = ctx.ops.where(x.mean > ctx.ops.const(0.0), x.mean, ctx.ops.const(slope) * x.mean)
-        return _Act(mean, None, D)
-    mean, var = moments.leaky_relu_moments(x.mean, ctx.variance(x), slope, ctx.ops)
-    return ctx.emit_output(mean, var, layer)
-
-
-@exporter("affine")
-def _affine(ctx: _Ctx, layer: PlannedLayer, inputs: list[_Act]) -> _Act:
-    """Per-channel ``μ ↦ a·μ + c``, ``v ↦ a²·v`` (channel axis 1)."""
-    x = inputs[0]
-    shape = (-1,) + (1,) * (len(layer.layer.out_shape) - 1)
-    scale = layer.tensors["scale"].reshape(shape)
-    mean = x.mean * _Sym(ctx.b, ctx.b.initializer(scale, "scale")) + _Sym(
-        ctx.b, ctx.b.initializer(layer.tensors["shift"].reshape(shape), "shift"))
-    if x.repr is D:
-        return _Act(mean, None, D)
-    var = ctx.variance(x) * _Sym(ctx.b, ctx.b.initializer(scale**2, "scale_sq"))
-    return ctx.emit_output(mean, var, layer)
-
-
-@exporter("add")
-def _add(ctx: _Ctx, layer: PlannedLayer, inputs: list[_Act]) -> _Act:
-    """Sum of two independent Gaussians: means and variances add."""
-    a, c = inputs
-    mean = a.mean + c.mean
-    if a.repr is D and c.repr is D:
-        return _Act(mean, None, D)
-    va, vc = ctx.variance(a), ctx.variance(c)
-    var = va if vc is None else vc if va is None else va + vc
-    assert var is not None  # both deterministic returned above
-    return ctx.emit_output(mean, var, layer)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -487,17 +333,17 @@ def build_model(net: Any, *, opset: int = DEFAULT_OPSET, graph_name: str | None 
             f"supported: {sorted(EXPORTERS)}")
 
     b = _Builder()
-    ctx = _Ctx(b, _onnx_ops(b), {INPUT: tuple(graph.input_shape)})
+    ctx = OnnxContext(b, _onnx_ops(b), {INPUT: tuple(graph.input_shape)})
     ctx.shapes.update({layer.name: tuple(layer.layer.out_shape) for layer in graph.layers})
     in_dims: list[str | int] = ["batch", *graph.input_shape]
     inputs = [helper.make_tensor_value_info("x", TensorProto.FLOAT, in_dims)]
     b._used["x"] += 1
     if graph.input_repr is D:
-        values = {INPUT: _Act(_Sym(b, "x"), None, D)}
+        values = {INPUT: OnnxActivation(Sym(b, "x"), None, D)}
     else:
         inputs.append(helper.make_tensor_value_info("x_var", TensorProto.FLOAT, in_dims))
         b._used["x_var"] += 1
-        values = {INPUT: _Act(_Sym(b, "x"), _Sym(b, "x_var"), V)}
+        values = {INPUT: OnnxActivation(Sym(b, "x"), Sym(b, "x_var"), V)}
 
     for layer in graph.layers:
         b.scope = layer.name
@@ -510,7 +356,7 @@ def build_model(net: Any, *, opset: int = DEFAULT_OPSET, graph_name: str | None 
     var = ctx.variance(result)
     if var is None:  # a deterministic output: exact zeros of the mean's shape
         zero = helper.make_tensor("zero", TensorProto.FLOAT, [1], [0.0])
-        var = _Sym(b, b.node("ConstantOfShape", [b.node("Shape", [result.mean.name])], value=zero))
+        var = Sym(b, b.node("ConstantOfShape", [b.node("Shape", [result.mean.name])], value=zero))
     b.nodes.append(helper.make_node("Identity", [result.mean.name], ["mean"], name="output/mean"))
     b.nodes.append(helper.make_node("Identity", [var.name], ["var"], name="output/var"))
     out_dims: list[str | int] = ["batch", *graph.shape_of(graph.output)]

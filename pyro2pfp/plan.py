@@ -37,13 +37,15 @@ import numpy as np
 
 from .errors import PFPError
 from .graph import INPUT, Layer, LayerGraph, Repr
+from .registry import COMPUTE_INPUT, OPS
 
 D, V, S = Repr.DETERMINISTIC, Repr.VARIANCE, Repr.SECOND_MOMENT
 
 
 @dataclass(frozen=True)
 class OpSpec:
-    """Representation contract of a PFP op."""
+    """Representation contract of a PFP op under one plan (its :class:`~pyro2pfp.registry.Contract`
+    with :data:`~pyro2pfp.registry.COMPUTE_INPUT` resolved)."""
 
     takes: Repr | None  # the non-deterministic input it wants; None = passes its input through
     natural: Repr | None  # what its formula gives; None = passes through
@@ -54,23 +56,18 @@ MOMENT_FORMS = ("variance", "raw")
 
 
 def op_specs(moment_form: str = "variance") -> dict[str, OpSpec]:
-    """The representation contract of every op under the given plan."""
+    """The representation contract of every registered op (:data:`pyro2pfp.registry.OPS`) under the
+    given plan: compute layers take the second raw moment in the ``"raw"`` plan, the variance otherwise."""
     compute_takes = S if moment_form == "raw" else V
-    return {
-        "dense": OpSpec(takes=compute_takes, natural=V, keeps_deterministic=False),
-        "conv2d": OpSpec(takes=compute_takes, natural=V, keeps_deterministic=False),
-        "relu": OpSpec(takes=V, natural=compute_takes, keeps_deterministic=True),
-        "leaky_relu": OpSpec(takes=V, natural=compute_takes, keeps_deterministic=True),
-        "max_pool2d": OpSpec(takes=V, natural=V, keeps_deterministic=True),
-        "avg_pool2d": OpSpec(takes=V, natural=V, keeps_deterministic=True),
-        "affine": OpSpec(takes=V, natural=V, keeps_deterministic=True),
-        "add": OpSpec(takes=V, natural=V, keeps_deterministic=True),
-        "reshape": OpSpec(takes=None, natural=None, keeps_deterministic=True),
-        "convert": OpSpec(takes=None, natural=None, keeps_deterministic=True),
-    }
 
+    def resolve(r: Repr | str | None) -> Repr | None:
+        if r == COMPUTE_INPUT:
+            return compute_takes
+        assert r is None or isinstance(r, Repr), r
+        return r
 
-OP_SPECS = op_specs()  # ops known to the planner (the contract of the default plan)
+    return {name: OpSpec(resolve(op.contract.takes), resolve(op.contract.natural), op.contract.keeps_deterministic)
+            for name, op in OPS.items()}
 
 
 @dataclass

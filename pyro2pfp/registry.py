@@ -1,9 +1,39 @@
-"""One helper for the per-op tables every stage keeps (converters, references, kernels, schedules,
-ONNX exporters): registration by decorator, a second registration of the same key is an error."""
+"""The op registry: one :class:`OpDef` per PFP op, and the per-stage tables filled against its name.
+
+An op is defined once, NumPy-only, in its family file ``pyro2pfp/ops/<family>.py``: the
+:class:`OpDef` (torch ops it converts from, torch modules it covers, its representation contract,
+its moment rule and assumptions for the README's layer table, flags), its converter, its float64
+reference and its ONNX export.  Its TVM kernel and default CPU schedule live in
+``pyro2pfp/tvm_backend/ops/<family>.py``.  Each stage keeps a table keyed by the op name, filled by
+the decorators made with :func:`add_to` (a second registration of a key is an error):
+
+=================  ====================================================  =================================
+table              decorator                                             module
+=================  ====================================================  =================================
+converters         ``converters.register("aten.x.default", produces=)``  :mod:`pyro2pfp.converters`
+references         ``reference.reference(op)``                           :mod:`pyro2pfp.reference`
+ONNX exporters     ``onnx_export.exporter(op)``                          :mod:`pyro2pfp.onnx_export`
+TVM kernels        ``tvm_backend.kernel(op)``                            :mod:`pyro2pfp.tvm_backend`
+CPU schedules      ``tvm_backend.schedule(op)``                          :mod:`pyro2pfp.tvm_backend.schedules`
+=================  ====================================================  =================================
+
+Elementwise activations need less: an :class:`ActivationRule` (the exact activation and its
+Gaussian moments, written against an ``ops`` namespace, see :mod:`pyro2pfp.moments`) in the OpDef
+gives the reference, the ONNX export and (through ``tvm_backend/ops/activation.py``) the TE kernel
+and its schedule.  ``tests/test_op_completeness.py`` names anything an op still lacks.  Modelled on
+onnx2torch's ``node_converters/registry.py`` (decorator registration, duplicates rejected).
+
+Importing this module imports neither TVM nor ONNX nor the op families (``pyro2pfp.ops`` loads
+those; ``import pyro2pfp`` does so first).
+"""
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
 from typing import Any, TypeVar
+
+from .errors import PFPError
+from .graph import Repr
 
 F = TypeVar("F", bound=Callable[..., Any])
 
@@ -22,3 +52,135 @@ def add_to(table: dict[str, Any], what: str) -> Callable[..., Callable[[F], F]]:
         return deco
 
     return register
+
+
+class OpRegistryError(PFPError):
+    """An op was registered twice, or looked up but never registered."""
+
+
+COMPUTE_INPUT = "compute input"
+"""In a :class:`Contract`: the representation compute layers take under the plan's moment form
+(the second raw moment in the paper's ``"raw"`` plan, the variance in the default plan)."""
+
+
+@dataclass(frozen=True)
+class Contract:
+    """The representation contract of an op (read by :mod:`pyro2pfp.plan`).
+
+    ``takes``: the representation it wants for a non-deterministic input (None: it passes its input
+    through, e.g. reshape); ``natural``: what its formula gives (None: passes through);
+    ``keeps_deterministic``: deterministic inputs give a deterministic output (no parameters).
+    ``takes``/``natural`` may be :data:`COMPUTE_INPUT`.
+    """
+
+    takes: Repr | str | None
+    natural: Repr | str | None
+    keeps_deterministic: bool
+
+
+VARIANCE_IN_OUT = Contract(Repr.VARIANCE, Repr.VARIANCE, keeps_deterministic=True)
+"""Elementwise/pooling ops: variance in, variance out, no parameters."""
+ACTIVATION = Contract(Repr.VARIANCE, COMPUTE_INPUT, keeps_deterministic=True)
+"""Activations: variance in, out in what the next compute layer takes (an epilogue converts)."""
+
+
+@dataclass(frozen=True)
+class ActivationRule:
+    """An elementwise activation ``y = f(x)``, written once for every back end.
+
+    ``exact(x, attrs, ops)``: ``f`` on a deterministic input; ``moments(mean, var, attrs, ops)``:
+    ``(E[f(a)], Var[f(a)])`` for ``a ~ N(mean, var)``.  Both use only the ``ops`` namespace of
+    :mod:`pyro2pfp.moments` and Python operators, so the same function runs on float64 arrays
+    (reference), TE expressions (TVM kernel) and ONNX symbols (export).  ``attrs``: the layer's
+    attributes (e.g. ``{"slope": 0.01}``).
+    """
+
+    exact: Callable[[Any, dict[str, Any], Any], Any]
+    moments: Callable[[Any, Any, dict[str, Any], Any], tuple[Any, Any]]
+
+
+@dataclass(frozen=True)
+class OpDef:
+    """One PFP op.
+
+    ``torch_ops``: the ``str(node.target)`` names its converters handle; ``modules``: the torch
+    modules/expressions they come from, as the README table shows them (``modules_short``: the
+    names listed in the unsupported-op message); ``moments``/``assumptions``: the moment rule's
+    exactness and what it assumes (see docs/pfp-math.md); ``contract``: its representation contract;
+    ``activation``: the rule of an elementwise activation (then the reference, ONNX export and TVM
+    kernel are the generic ones); ``compute_layer``: has Gaussian weights (dense, conv);
+    ``internal``: inserted by the planner, never converted from torch (no table row, no converter);
+    ``table_op``: the op column of the table when it is not just ``name``; ``view``: emitted as a
+    Relax view (no PrimFunc, so no schedule); ``required_tests``: the test kinds the completeness
+    test demands (an op with no moments to sample, e.g. ``reshape``, omits ``"monte_carlo"``).
+    """
+
+    name: str
+    torch_ops: tuple[str, ...] = ()
+    modules: str = ""
+    modules_short: tuple[str, ...] = ()
+    moments: str = ""
+    assumptions: str = ""
+    contract: Contract = VARIANCE_IN_OUT
+    activation: ActivationRule | None = None
+    compute_layer: bool = False
+    internal: bool = False
+    table_op: str = ""
+    view: bool = False
+    required_tests: tuple[str, ...] = field(default=("monte_carlo", "compiled"))
+
+
+OPS: dict[str, OpDef] = {}
+"""``{op name: OpDef}`` in registration order."""
+
+# Torch ops that convert to no PFP layer of their own (the identity on an activation, or stripped).
+PASS_THROUGH_TORCH_OPS = (
+    "aten.dropout.default", "aten.feature_dropout.default", "aten.alpha_dropout.default",
+    "aten.clone.default", "aten.contiguous.default", "aten.detach.default", "aten.alias.default",
+    "aten.identity.default",
+    "aten.softmax.int", "aten._softmax.default", "aten.log_softmax.int", "aten._log_softmax.default",
+)
+PASS_THROUGH_MODULES = ("Dropout", "Identity", "a final softmax/log_softmax (stripped)")
+EXTRA_TABLE_ROWS = (
+    ("final `softmax` / `log_softmax`", "stripped, with a warning", "—",
+     "the network outputs the logits' (mean, variance)"),
+)
+
+
+def register_op(op: OpDef) -> OpDef:
+    """Add ``op`` to :data:`OPS`; a second op of the same name or claiming the same torch op raises."""
+    if op.name in OPS:
+        raise OpRegistryError(f"PFP op {op.name!r} is registered twice")
+    for other in OPS.values():
+        shared = set(op.torch_ops) & set(other.torch_ops)
+        if shared:
+            raise OpRegistryError(f"torch op(s) {sorted(shared)} claimed by both {other.name!r} and {op.name!r}")
+    OPS[op.name] = op
+    return op
+
+
+def get_op(name: str) -> OpDef:
+    """The registered op ``name``; :class:`OpRegistryError` naming the known ops otherwise."""
+    try:
+        return OPS[name]
+    except KeyError:
+        raise OpRegistryError(f"unknown PFP op {name!r}; registered: {', '.join(OPS)}") from None
+
+
+def supported_modules() -> list[str]:
+    """The torch modules/expressions PFP converts, for messages."""
+    names: list[str] = []
+    for op in OPS.values():
+        names.extend(n for n in op.modules_short if n not in names)
+    return names + list(PASS_THROUGH_MODULES)
+
+
+def render_layer_table(ops: Iterable[OpDef] | None = None) -> str:
+    """The README's "supported layers" markdown table, one row per (non-internal) op."""
+    rows = ["| layer (torch) | PFP op | moments | assumptions |", "|---|---|---|---|"]
+    for op in (OPS.values() if ops is None else ops):
+        if op.internal:
+            continue
+        rows.append(f"| {op.modules} | {op.table_op or op.name} | {op.moments} | {op.assumptions} |")
+    rows.extend(f"| {' | '.join(row)} |" for row in EXTRA_TABLE_ROWS)
+    return "\n".join(rows)

@@ -108,7 +108,7 @@ class Remote:
         if thread.is_alive():
             raise RemoteError(f"{what} at {self.address}: no answer within {timeout:g} s (timeout)")
         if "error" in box:
-            err = box["error"]
+            err = box.pop("error")  # the box is in the traceback's frames: no cycle keeping a session open
             raise RemoteError(f"{what} at {self.address} failed: {type(err).__name__}: "
                               f"{str(err).strip().splitlines()[-1] if str(err).strip() else ''}") from err
         return box["value"]
@@ -212,7 +212,11 @@ class RemotePredictor:
     def __call__(self, x: Any, x_var: Any = None) -> tuple[np.ndarray, np.ndarray]:
         self._set_input(x, x_var)
         self.vm.invoke_stateful("main")
-        mean, var = self.vm.get_outputs("main")
+        # not vm.get_outputs(): its recursive closure is a reference cycle holding the VM, and so the
+        # RPC session, open until the next garbage collection -- a one-session board (a direct
+        # rpc_server) would refuse the next connection until then
+        get_output = self.vm.module["get_output"]
+        mean, var = get_output("main", 0), get_output("main", 1)
         return mean.numpy(), var.numpy()
 
     def time(self, x: Any, x_var: Any = None, *, repeats: int = 10, number: int = 0,
@@ -233,14 +237,24 @@ def upload(exe: Any, remote: Any) -> RemotePredictor:
     target), upload the library to a board and load it there."""
     remote = as_remote(remote)
     session = remote.connect()
-    with tempfile.TemporaryDirectory(prefix="pyro2pfp-rpc-") as tmp:
-        path = os.path.join(tmp, "pyro2pfp_net.so")
-        exe.export_library(path)
-        name = f"pyro2pfp_net_{os.getpid()}_{id(exe):x}.so"
-        remote._bounded("uploading the library", lambda: session.upload(path, name),
-                        timeout=remote.session_timeout)
-    library = remote._bounded("loading the library on the board", lambda: session.load_module(name),
-                              timeout=remote.session_timeout)
+    try:
+        with tempfile.TemporaryDirectory(prefix="pyro2pfp-rpc-") as tmp:
+            path = os.path.join(tmp, "pyro2pfp_net.so")
+            exe.export_library(path)
+            name = f"pyro2pfp_net_{os.getpid()}_{id(exe):x}.so"
+            remote._bounded("uploading the library", lambda: session.upload(path, name),
+                            timeout=remote.session_timeout)
+        try:
+            library = remote._bounded("loading the library on the board", lambda: session.load_module(name),
+                                      timeout=remote.session_timeout)
+        except RemoteError as err:
+            from .targets import target_arch
+
+            raise RemoteError(f"{err} (the library is compiled for {target_arch(exe.target)}: is the board "
+                              "of that architecture?)") from err
+    except BaseException:
+        session = None  # close the session now: the error's traceback keeps this frame (and so it) alive
+        raise
     return RemotePredictor(session, library, exe, remote)
 
 

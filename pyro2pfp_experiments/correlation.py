@@ -1,221 +1,559 @@
-"""Correlation-aware PFP (issue 12, NumPy prototype): a per-channel component of every activation
-that is perfectly correlated across spatial positions.
+"""Shared-factor PFP (issue 12): mean-field moments plus, per channel, the part of the noise that is
+shared by all positions and, across channels, by the same upstream weight noise.
 
-Mean-field PFP (``pfp-math.md``) treats all activations as independent.  A conv weight is shared
-by every position, so the part of an activation's variance that comes from weight noise is
-correlated across positions; average pooling (global pooling in ResNets) and flatten → dense then
-sum positions as if independent and lose most of the variance.  This module keeps the
-per-position ``(μ, v)`` of the mean-field plan (its per-position variances match sampling) and
-carries beside them ``s ≥ 0``, ``s² ≤ v``: the standard deviation of the part of the activation
-``a[c, p] = μ[c, p] + s[c, p]·ζ_c + (independent rest)`` that loads on one standard normal ``ζ_c``
-shared by all positions of channel ``c`` (a rank-1 covariance per channel,
-``Cov(a[c,p], a[c,q]) ≈ s_p·s_q`` for ``p ≠ q``).  Rules (``vw``, ``μw``: weight variance/mean;
-``m̄`` a mean over the output positions; ``x_{p+k}`` the input under kernel offset ``k``):
+Why
+---
+Mean-field PFP (``pfp-math.md``) keeps per element ``(μ, v)`` and treats all elements as
+independent.  Its per-position variances match sampling even in a ResNet-20 (``pyro2pfp.diagnose``:
+every layer's median PFP/MC variance ratio 0.95–1.08), but a conv weight is shared by all
+positions and every channel mixes all upstream channels, so *sums* over positions (global average
+pooling, flatten → dense) lose most of the variance (ResNet-20 logit variance ratio 0.18).  This
+module keeps the mean-field ``(μ, v)`` and carries beside them the covariance of every activation
+with a few normals per channel, used where positions and channels are summed.  Prediction stays a
+single forward pass without sampling; nothing is fitted to Monte Carlo.
 
-* conv2d: three independent sources of shared noise, combined as a sum of squares:
-  weight noise ``s_w[o,p] = κ_o·√(Σ vw·E[x²_{p+k}])`` with ``κ_o`` chosen so that the pooled
-  variance ``(m̄ s_w)²`` equals ``Σ_{c,k} vw·(m̄ μx_{p+k})² + (m̄ sx_{p+k})²``, the exact weight-noise
-  variance of the pooled output for a deterministic input (moment-rules.md); the input's shared
-  part through the mean weights, ``u_c[o,p] = Σ_k μw·sx[c,p+k]``, collapsed the same way
-  (``√Σ_c u_c²`` scaled so the pooled variance is ``Σ_c (m̄ u_c)²``, exact for the pooled value); and
-  the bias variance ``vb`` (shared by all positions).  Minkowski's inequality gives ``κ ≤ 1``.
-* affine (BatchNorm eval): ``s ↦ |a|·s``.  ReLU: ``s ↦ Φ(μ/σ)·s`` — by Stein's lemma the exact
-  covariance of ``relu(z)`` with the shared normal; LeakyReLU: ``(Φ + slope·(1 − Φ))·s``.
-* add: the two branches' shared parts are treated as independent, ``s = √(s_a² + s_b²)``.
-* avg_pool2d: ``v = Σ(v − s²)/n² + (Σ s/n)²``, ``s ↦ Σ s/n``.  max_pool2d: mean-field ``(μ, v)``,
-  ``s ↦`` window mean of ``s`` (linearisation).  Reshape keeps ``s`` with its channel grouping.
-* dense after flatten: ``v += Σ_c (Σ_{i∈c} μw_i s_i)² − Σ_i μw_i² s_i²`` (the within-channel
-  covariances); its output has no shared part.
+Representation (per edge, per input ``b``; ``C`` channels, ``P`` positions)
+-------------------------------------------------------------------------------
+* ``μ, v`` (B, C, P): the mean-field plan's moments, unchanged except at average pooling (pooled
+  variance), dense layers (output variance) and residual adds (branch covariance).
+* factors ``ζ_1 … ζ_K``: independent standard normals.  The planner (:func:`plan_factors`) gives
+  every layer that creates shared noise a block of columns: one factor per output channel of every
+  Bayesian conv2d/dense (its weight and bias noise), one per channel of every ReLU (its second
+  Hermite term, ``hermite='factor'``).
+* ``g`` (B, C, K), unit rows: the channel's normal ``η_c = Σ_f g[c, f]·ζ_f``.
+* ``s`` (B, C, P), signed: ``s[c, p] = Cov(a[c, p], η_c)``, the regression profile of the channel on
+  its normal.  The one approximation every rule shares is the rank-1-per-channel closure
+  ``Cov(a[c, p], ζ_f) ≈ s[c, p]·g[c, f]`` (what is carried of an activation's covariance with the
+  factors is its component along its channel's normal), so ``Cov(a[c, p], a[c', q]) ≈
+  s[c, p]·s[c', q]·⟨g[c], g[c']⟩`` for ``(c, p) ≠ (c', q)``; the rest of ``v`` (``v − s²``) is
+  independent across elements, as in mean-field.  Mean-field is the special case ``s ≡ 0``.
+* A flattened edge keeps ``g`` per channel and ``s`` flat (``group = P`` elements per channel).
 
-Measured (``benchmarks/fidelity.py``): ResNet-8 logit variance ratio 0.35 → 0.91, ResNet-20 0.14 →
-0.57; the diagnostic shows that in ResNet-20 the *per-position* variances themselves fall to ~0.55
-of MC by the last stage (cross-channel correlations from shared upstream noise, not modelled here).
+Rules (``m̄``: mean over the output positions; ``W, V``: weight mean and variance; ``⊕ x·e_o``: x
+in the layer's own factor column; Φ, φ the normal CDF/PDF; ``(μ, v)`` are mean-field unless said)
+----------------------------------------------------------------------------------------------------------
+* conv2d (stride/padding/dilation, groups 1).  Pooled loading ``ℓ[o] = Σ_c A[o, c]·g_in[c] ⊕
+  w̄[o]·e_o`` with ``A[o, c] = Σ_k W[o, c, k]·m̄ s_in[c, p+k]`` (the input's shared parts through
+  the mean weights, exact given the closure) and ``w̄² = Σ_{c,k} V[o, c, k]·((m̄ μ_in[c, p+k])² +
+  (m̄ s_in[c, p+k])²) + v_bias`` (the variance of the spatial mean of the weight and bias noise:
+  the weight-variance term evaluated on the pooled input, exact for a deterministic input; the
+  input's pooled variance taken as its shared part).  ``g = ℓ/‖ℓ‖``; profile ``s[o, p] =
+  Σ_{c,k} W[o, c, k]·⟨g_in[c], g[o]⟩·s_in[c, p+k] + (g[o, e_o]/w̄)·(Σ_{c,k} V[o, c, k]·(m̄μ_k·μ_in[c, p+k]
+  + m̄s_k·s_in[c, p+k]) + v_bias)`` — the exact covariance of ``out[o, p]`` with ``η'_o`` given the
+  closure (``injection='regression'``).  ``injection='rescaled'`` replaces the second sum by the
+  mean-field weight-variance term's square root rescaled to the same spatial mean (no extra
+  convolution; measured ResNet-20 median 0.92 instead of 0.97).  ``m̄ s = ‖ℓ‖`` by construction.
+* dense: ``ℓ[o] = Σ_c (Σ_p W[o, (c, p)]·s[c, p])·g[c] ⊕ √(Σ V·E[x²] + v_bias)·e_o``,
+  ``v_out = v_mf + ‖Σ_c (…)·g[c]‖² − Σ_i W[o, i]²·s_i²`` (the shared parts summed with their
+  correlations instead of as independent); ``s = ‖ℓ‖``, ``g = ℓ/‖ℓ‖`` (each unit its own channel).
+* affine (BatchNorm eval, scale ``a``): ``s ↦ a·s``; ``g`` unchanged.
+* relu / leaky_relu (slope ``λ``), ``α = μ/σ``: Stein's lemma, exact for a Gaussian pre-activation
+  jointly Gaussian with the factors: ``lin = Cov(f(a_p), η) = (Φ(α) + λ(1 − Φ(α)))·s_p``.  Second
+  Hermite (Mehler) term: ``h = Cov(f(a_p), (η² − 1)/√2) = (1 − λ)·φ(α)/σ·s_p²/√2``, exact for a
+  Gaussian ``a``; ``(η² − 1)/√2`` is uncorrelated with every ``ζ``, so it is a new factor of the
+  channel (its correlation ``ρ²`` with other channels' Hermite terms is dropped; measured negligible,
+  ``|ρ| ≈ 0.07``).  ``ℓ = m̄(lin)·g ⊕ m̄(h)·e_c``, ``s = (m̄(lin)·lin + m̄(h)·h)/‖ℓ‖``.
+  ``hermite='none'`` keeps ``lin`` only (measured ResNet-20 median 0.89 instead of 0.97).
+* add (residual): ``ℓ = m̄ s_a·g_a + m̄ s_b·g_b`` — branches that share upstream factors (both
+  functions of the block input) add coherently; ``g = ℓ/‖ℓ‖``, ``s = s_a·⟨g_a, g⟩ + s_b·⟨g_b, g⟩``;
+  ``v = v_a + v_b + 2·s_a·s_b·⟨g_a, g_b⟩`` (the branch covariance; exact in a linear Gaussian net).
+* avg_pool2d / global average pool (divisor ``n``): ``s ↦`` window mean of ``s`` (exact);
+  ``v = Σ(v − s²)/n² + s_out²`` (the shared part summed coherently, the remainder as independent:
+  an approximation — directly after a conv with a deterministic input the remainder sums to zero and
+  this over-states the pooled variance; after ReLUs it stands in for what the closure misses;
+  measured better than dropping it).
+* max_pool2d: Clark's fold for ``(μ, v)``; ``s`` by the linear response of the pairwise maximum,
+  ``Cov(max(A, B), η) = Φ(α)·Cov(A, η) + Φ(−α)·Cov(B, η)`` (exact for jointly Gaussian ``A, B, η``;
+  ``α`` from the mean-field ``θ = √(v_A + v_B)``, i.e. ignoring ``Cov(A, B)``).
+* reshape/flatten: ``s`` reshaped, ``g`` kept per channel (reshapes must keep or flatten the
+  channel axis); convert: identity.
+* compaction: where a layer's output is the only live edge (every ResNet block boundary) and
+  ``K ≥ 4·C``, ``g`` (C × K) becomes ``Rᵀ`` from ``gᵀ = Q·R`` (C × C).  Exact (only ``g·gᵀ``
+  matters from there on; later factors are new).  Bounds K by ~5·C instead of growing with depth.
 
-Approximations: rank-1 per channel (exact for the pooled value of conv → avg-pool, an
-approximation for other pairs of positions), cross-channel correlations are dropped, the branches
-of a residual add are independent.  Prediction stays a single pass without sampling.
+What the planner stores (:class:`FactorPlan`, static; nothing new per weight)
+------------------------------------------------------------------------------
+Per layer: the offset of its factor block (conv/dense with variance; ReLU with a shared input);
+per edge: ``K`` (columns of ``g``), rows of ``g`` and the group size of flat edges; the set of
+compaction points.  Conv layers need ``V`` itself (a plan that stores ``μW² + V`` for raw-moment
+inputs also stores ``V``).
+
+Cost (per input; :func:`cost_model`, ``benchmarks/fidelity.py --cost``)
+--------------------------------------------------------------------------
+Per conv layer: one convolution with per-input weights ``W·⟨g_in[c], g[o]⟩`` for the propagated
+profile, one with ``2C`` input channels (``[μ_in, s_in]``, weights ``[V·m̄μ_k, V·m̄s_k]``) for the
+weight-noise profile, and ``O·C·(K_in + K_out)`` for the loadings (mean-field: 3 convolutions).
+ResNet-8: 37.3 M mean-field multiply-adds + 45.6 M (×2.2), ResNet-20: 122.5 M + 148.7 M (×2.2; ×1.55
+with ``injection='rescaled'``); memory ``+ C·P + C·K`` floats per edge (ResNet-20 +85 % over all
+edges, K ≤ 320 with compaction, 1482 without).  NumPy float64 batch 1: ResNet-20 41 ms → 91 ms, ResNet-8 14 → 33 ms.
+
+Back ends
+---------
+* TVM: per conv layer three kernels beside the mean-field one: (1) the pooled views ``m̄μ_k, m̄s_k``
+  (B, C, k) — a reduction over the output positions of each kernel offset (or a depthwise conv with
+  a ones kernel of the output size and dilation = stride); (2) the small batched products ``A = W·m̄s``,
+  ``ℓ = A·g_in ⊕ w̄``, normalisation, ``β = g_in·gᵀ`` — dense/matmul schedules; (3) one conv kernel
+  whose weight carries a batch index (``W[o,c,k]·β[b,o,c]`` and ``V·m̄(·)[b,c,k]``), fused with the
+  ``s`` epilogue.  ReLU/add/affine/pool are elementwise or channel reductions fused into the existing
+  kernels; the QR compaction is a C × K modified Gram–Schmidt (C ≤ 64 here), or can be skipped for
+  shallow nets.
+* ONNX: everything maps to standard ops — ReduceMean/Slice (pooled views), MatMul/Einsum (loadings),
+  and the per-input-weight convolutions as one grouped Conv by folding the batch into channels
+  (input reshaped to (1, B·C, H, W), weights (B·O, C, kh, kw), ``group = B``); no QR (export without
+  compaction, K grows with depth: fine for ResNet-20, K = 1482).
+
+Measured
+--------
+``PYTHONPATH=. python benchmarks/fidelity.py --cost`` (300 MC samples over the guide, 32 inputs),
+median (p10–p90) of the PFP/MC logit-variance ratio, mean-field → shared factors: MLP 0.992
+(0.89–1.11) → the same (the scheme reduces to mean-field); LeNet-5 0.991 (0.87–1.14) → 1.014
+(0.89–1.11); ResNet-8 0.283 (0.20–0.39) → 0.968 (0.85–1.03); ResNet-20 0.171 (0.12–0.23) → 0.953
+(0.81–1.19); mean error 0.04–0.06 MC sd, argmax agreement 100 % on both ResNets.  Against a
+1000/2000-sample plan-based Monte Carlo on 8 inputs (less MC noise): ResNet-20 0.97 (0.83–1.04),
+ResNet-8 1.00 (0.93–1.03), LeNet-5 1.01 (0.97–1.05).  The previous rank-1 prototype (positive
+rescaled profiles, channels independent) gave ResNet-20 0.92 (0.63–1.12) on the same truth.
+
+Not modelled (measured with single-layer-noise Monte Carlo and a statistically linearised reverse
+pass): the part of early layers' noise that reaches the pooled output through spatially rough
+sensitivity paths (the backward field of the pooled logits at stage 1 has only ~8 % of its energy in
+the per-channel uniform profile): stage-1 layers' noise is captured at ~0.4–0.55 of its MC
+variance, stage-3 at ~0.9; most of the remaining deficit is one direction, the pooled features'
+mean direction (a global scale mode of the homogeneous ReLU/BN-without-shift network), and
+interactions between layers' noises (the MC variance with all layers noisy is ~1.5× the sum of the
+single-layer variances in ResNet-20) are only partly covered.
 """
 from __future__ import annotations
+
+from collections.abc import Iterator
+from dataclasses import dataclass, field
 
 import numpy as np
 from scipy.special import ndtr
 
+from pyro2pfp import moments
 from pyro2pfp.graph import INPUT, Repr
 from pyro2pfp.plan import PlannedGraph, PlannedLayer
-from pyro2pfp.reference import REFERENCES, Activation
-from pyro2pfp.reference.pooling import padded, window_views
+from pyro2pfp.reference import REFERENCES, Activation, emit_output
+from pyro2pfp.reference.arrays import LOWEST, average_divisor, conv2d_nchw, padded, window_views
 
-ADD_RULES = ("independent", "aligned")
+HERMITE_MODES = ("factor", "none")
+SUPPORTED_OPS = ("conv2d", "dense", "affine", "relu", "leaky_relu", "add", "avg_pool2d", "max_pool2d",
+                 "reshape", "convert")
+_SQRT2PI = float(np.sqrt(2.0 * np.pi))
+INJECTIONS = ("regression", "rescaled")
+#: compact an edge's ``g`` when its factor count reaches this multiple of its rows (cost 2·C²·K)
+COMPACT_RATIO = 4
 
 
-def _patches(x: np.ndarray, layer: PlannedLayer, kernel: tuple[int, int]):
-    """The strided input views of every kernel offset (as in ``conv2d_nchw``), shape (B, C, H', W')."""
+@dataclass(frozen=True)
+class FactorPlan:
+    """What the planner stores for the scheme (module docstring).
+
+    ``offsets[layer]``: first factor column of the block a layer creates (size = its channels);
+    ``width[edge]``: the number of factor columns ``K`` the edge's rule produces (0: no shared part;
+    after a compaction the edge carries ``rows[edge]`` columns);
+    ``rows[edge]``: rows of ``g`` (channels; units of a dense edge); ``group[edge]``: elements per
+    channel of a flat edge; ``compact_at``: layers after which ``g`` is compacted to ``rows`` columns."""
+
+    offsets: dict[str, int] = field(default_factory=dict)
+    width: dict[str, int] = field(default_factory=dict)
+    rows: dict[str, int] = field(default_factory=dict)
+    group: dict[str, int] = field(default_factory=dict)
+    compact_at: frozenset[str] = frozenset()
+
+
+def _is_noisy(layer: PlannedLayer) -> bool:
+    t = layer.tensors
+    return layer.op in ("conv2d", "dense") and any(k in t for k in ("weight_var", "weight_second_moment", "bias_var"))
+
+
+def plan_factors(graph: PlannedGraph, hermite: str = "factor", compact: bool = True) -> FactorPlan:
+    """Allocate the factor blocks and compaction points of ``graph`` (static: no input needed)."""
+    if hermite not in HERMITE_MODES:
+        raise ValueError(f"hermite must be one of {HERMITE_MODES}, got {hermite!r}")
+    remaining: dict[str, int] = {}
+    for layer in graph.layers:
+        for n in layer.inputs:
+            remaining[n] = remaining.get(n, 0) + 1
+    offsets: dict[str, int] = {}
+    width: dict[str, int] = {INPUT: 0}
+    rows: dict[str, int] = {INPUT: 0}
+    group: dict[str, int] = {INPUT: 1}
+    compact_at: set[str] = set()
+    live: set[str] = set()
+    k = 0
+    for layer in graph.layers:
+        name, op, ins = layer.name, layer.op, layer.inputs
+        if op not in SUPPORTED_OPS:
+            raise NotImplementedError(f"{layer.layer.source}: op '{op}' is not supported by shared-factor PFP "
+                                      f"(supported: {', '.join(SUPPORTED_OPS)})")
+        has_in = any(width[n] > 0 for n in ins)
+        shape = layer.layer.out_shape
+        if op == "reshape" and has_in:
+            src = ins[0]
+            if len(shape) != 1 and shape[0] != rows[src]:
+                raise NotImplementedError(f"{layer.layer.source}: shared-factor PFP supports reshapes that keep the "
+                                          f"channel axis or flatten it, not {graph.shape_of(src)} -> {shape}")
+            rows[name] = rows[src]
+            group[name] = int(np.prod(shape)) // max(rows[src], 1) if len(shape) == 1 else group[src]
+        else:
+            rows[name], group[name] = shape[0], 1
+        if _is_noisy(layer) or (op in ("relu", "leaky_relu") and has_in and hermite == "factor"):
+            offsets[name] = k
+            k += shape[0]
+        width[name] = k if (has_in or name in offsets) else 0
+        for n in ins:
+            remaining[n] -= 1
+            if remaining[n] == 0:
+                live.discard(n)
+        if width[name] and remaining.get(name, 0) > 0:
+            live.add(name)
+            if compact and live == {name} and k >= COMPACT_RATIO * rows[name]:
+                compact_at.add(name)
+                k = rows[name]
+    return FactorPlan(offsets, width, rows, group, frozenset(compact_at))
+
+
+@dataclass
+class Shared:
+    """The shared part of one edge: ``s`` (B, C, *spatial) or flat (B, C·group), ``g`` (B, C, K)."""
+
+    s: np.ndarray
+    g: np.ndarray
+
+    def widened(self, k: int) -> np.ndarray:
+        """``g`` with zero columns appended up to ``k``."""
+        extra = k - self.g.shape[2]
+        return self.g if extra <= 0 else np.concatenate([self.g, np.zeros((*self.g.shape[:2], extra))], axis=2)
+
+
+def _safe_div(num: np.ndarray, den: np.ndarray) -> np.ndarray:
+    return np.where(den > 0, num / np.where(den > 0, den, 1.0), 0.0)
+
+
+def _spatial_mean(t: np.ndarray) -> np.ndarray:
+    return t.reshape(t.shape[0], t.shape[1], -1).mean(axis=2)
+
+
+def _expand(t: np.ndarray, ndim: int) -> np.ndarray:
+    return t.reshape(t.shape + (1,) * (ndim - t.ndim))
+
+
+def _normalised(loading: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    norm = np.sqrt((loading**2).sum(axis=2))
+    return norm, loading / np.where(norm > 0, norm, 1.0)[..., None]
+
+
+def _conv_views(t: np.ndarray, layer: PlannedLayer, kernel: tuple[int, int]) -> Iterator[np.ndarray]:
+    """The strided input view of every kernel offset (row-major), each (B, C, OH, OW)."""
     a = layer.layer.attrs
     stride, pad, dil = a["stride"], a["padding"], a["dilation"]
     oh, ow = layer.layer.out_shape[1:]
-    xp = np.pad(x, ((0, 0), (0, 0), (pad[0], pad[0]), (pad[1], pad[1])))
+    tp = np.pad(t, ((0, 0), (0, 0), (pad[0], pad[0]), (pad[1], pad[1])))
     for p in range(kernel[0]):
         for q in range(kernel[1]):
             r0, c0 = p * dil[0], q * dil[1]
-            yield xp[:, :, r0:r0 + stride[0] * (oh - 1) + 1:stride[0], c0:c0 + stride[1] * (ow - 1) + 1:stride[1]]
+            yield tp[:, :, r0:r0 + stride[0] * (oh - 1) + 1:stride[0], c0:c0 + stride[1] * (ow - 1) + 1:stride[1]]
 
 
-def _scaled_to_pooled(profile2: np.ndarray, pooled: np.ndarray) -> np.ndarray:
-    """``κ·√profile2`` with ``κ`` per (batch, channel) making ``(mean_p κ√profile2)² = pooled``."""
-    root = np.sqrt(np.maximum(profile2, 0.0))
-    avg = root.mean(axis=(2, 3), keepdims=True)
-    kappa = np.where(avg > 0, np.sqrt(pooled)[..., None, None] / np.where(avg > 0, avg, 1.0), 0.0)
-    return kappa * root
+def _weight_var(t: dict[str, np.ndarray]) -> np.ndarray:
+    if "weight_var" in t:
+        return t["weight_var"]
+    if "weight_second_moment" in t:
+        return np.maximum(t["weight_second_moment"] - t["weight_mean"] ** 2, 0.0)
+    return np.zeros_like(t["weight_mean"])
 
 
-def _conv_shared(layer: PlannedLayer, x: Activation, s_in: np.ndarray | None
-                 ) -> tuple[np.ndarray, np.ndarray]:
-    """``(stacked (s, r) of the output, variance to add for the within-window covariances)``."""
-    t = layer.tensors
-    wm = t["weight_mean"]
-    wv = t["weight_var"] if "weight_var" in t else t["weight_second_moment"] - wm**2
-    if layer.layer.attrs.get("groups", 1) != 1:
-        raise NotImplementedError(f"{layer.layer.source}: grouped convolutions in the correlated prototype")
+def shared_conv2d(layer: PlannedLayer, x: Activation, sh: Shared | None, fp: FactorPlan,
+                  injection: str = "regression") -> Shared | None:
+    """conv2d rule (module docstring); ``x`` the input's mean-field activation."""
+    t, a = layer.tensors, layer.layer.attrs
+    if a.get("groups", 1) != 1:
+        raise NotImplementedError(f"{layer.layer.source}: grouped convolutions in shared-factor PFP")
+    wm, wv = t["weight_mean"], _weight_var(t)
     o, c, kh, kw = wm.shape
+    k = fp.width[layer.name]
+    offset = fp.offsets.get(layer.name)
     mu = x.mean
-    sx = np.zeros_like(mu) if s_in is None else s_in[0].reshape(mu.shape)
-    second = x.second_moment() if x.repr is not Repr.DETERMINISTIC else mu**2
     b = mu.shape[0]
-    oh, ow = layer.layer.out_shape[1:]
-    prof_w = np.zeros((b, o, oh, ow))
-    pooled_w = np.zeros((b, o))
-    u = np.zeros((b, o, c, oh, ow)) if s_in is not None else None
-    pooled_u = np.zeros((b, o, c))
-    diag_u = np.zeros((b, o, oh, ow))
-    views = zip(_patches(mu, layer, (kh, kw)), _patches(sx, layer, (kh, kw)), _patches(second, layer, (kh, kw)))
-    for k, (pm, ps, p2) in enumerate(views):
-        i, j = divmod(k, kw)
-        prof_w += np.einsum("nchw,oc->nohw", p2, wv[:, :, i, j])
-        mbar, sbar = pm.mean(axis=(2, 3)), ps.mean(axis=(2, 3))
-        pooled_w += (mbar**2 + sbar**2) @ wv[:, :, i, j].T
-        if u is not None:
-            u += ps[:, None] * wm[None, :, :, i, j, None, None]
-            diag_u += np.einsum("nchw,oc->nohw", ps**2, wm[:, :, i, j] ** 2)
-            pooled_u += sbar[:, None, :] * wm[None, :, :, i, j]
-    loading2 = _scaled_to_pooled(prof_w, pooled_w) ** 2
-    corr2 = prof_w.copy()
-    var_extra = np.zeros_like(prof_w)
-    if u is not None:
-        b2 = (u**2).sum(axis=2)
-        # the 3×3 window of one input channel shares ζ_c: Var += Σ_c (Σ_k μw·s)² − Σ_{c,k} μw²·s²
-        var_extra = b2 - diag_u
-        loading2 += _scaled_to_pooled(b2, (pooled_u**2).sum(axis=2)) ** 2
-        corr2 += b2
-    if "bias_var" in t:
-        loading2 += t["bias_var"].reshape(1, -1, 1, 1)
-        corr2 += t["bias_var"].reshape(1, -1, 1, 1)
-    return np.stack([np.sqrt(loading2), np.sqrt(corr2)]), var_extra
+    if sh is None and offset is None:
+        return None
+    s_in = np.zeros_like(mu) if sh is None else sh.s.reshape(mu.shape)
+    mbar = np.stack([_spatial_mean(v) for v in _conv_views(mu, layer, (kh, kw))], axis=2)  # (B, C, k)
+    sbar = np.stack([_spatial_mean(v) for v in _conv_views(s_in, layer, (kh, kw))], axis=2)
+    loading = np.zeros((b, o, k))
+    if sh is not None:
+        amap = np.einsum("ock,bck->boc", wm.reshape(o, c, -1), sbar)
+        loading += amap @ sh.widened(k)
+    if offset is not None:
+        pooled_w = np.einsum("ock,bck->bo", wv.reshape(o, c, -1), mbar**2 + sbar**2)
+        if "bias_var" in t:
+            pooled_w = pooled_w + t["bias_var"][None]
+        wbar = np.sqrt(np.maximum(pooled_w, 0.0))
+        loading[:, np.arange(o), offset + np.arange(o)] += wbar
+    norm, g = _normalised(loading)
+    if not norm.any():
+        return None
+    s_out = np.zeros((b, o, *layer.layer.out_shape[1:]))
+    if sh is not None:
+        beta = np.einsum("bcf,bof->boc", sh.widened(k), g)  # ⟨g_in[c], g[o]⟩
+        for kk, view in enumerate(_conv_views(s_in, layer, (kh, kw))):
+            i, j = divmod(kk, kw)
+            s_out += np.einsum("bchw,boc->bohw", view, wm[None, :, :, i, j] * beta)
+    if offset is not None and injection == "rescaled":
+        ex2 = x.second_moment() if x.repr is not Repr.DETERMINISTIC else mu**2
+        prof = conv2d_nchw(ex2, wv, a["stride"], a["padding"], a["dilation"], 1)
+        if "bias_var" in t:
+            prof = prof + t["bias_var"].reshape(1, -1, 1, 1)
+        root = np.sqrt(np.maximum(prof, 0.0))
+        scale = g[:, np.arange(o), offset + np.arange(o)] * _safe_div(wbar, _spatial_mean(root))
+        s_out += scale[..., None, None] * root
+    elif offset is not None:
+        # Cov(noise[o, p], pooled noise[o]) = Σ_{c,k} V·(m̄μ_k·μ_{p+k} + m̄s_k·s_{p+k}) + v_bias
+        reg = np.zeros_like(s_out)
+        for kk, (vm, vs) in enumerate(zip(_conv_views(mu, layer, (kh, kw)), _conv_views(s_in, layer, (kh, kw)))):
+            i, j = divmod(kk, kw)
+            reg += np.einsum("bchw,boc->bohw", vm, wv[None, :, :, i, j] * mbar[:, None, :, kk])
+            reg += np.einsum("bchw,boc->bohw", vs, wv[None, :, :, i, j] * sbar[:, None, :, kk])
+        if "bias_var" in t:
+            reg += t["bias_var"].reshape(1, -1, 1, 1)
+        s_out += _safe_div(g[:, np.arange(o), offset + np.arange(o)], wbar)[..., None, None] * reg
+    return Shared(s_out, g)
 
 
-def _channels(s: np.ndarray, shape: tuple[int, ...]) -> np.ndarray:
-    """Keep ``(s, r)`` grouped as (2, batch, channels, positions)."""
-    return s.reshape(2, s.shape[1], shape[0], -1) if len(shape) >= 2 else s.reshape(2, s.shape[1], -1, 1)
+def shared_dense(layer: PlannedLayer, x: Activation, sh: Shared | None, fp: FactorPlan, var: np.ndarray
+                 ) -> tuple[Shared | None, np.ndarray]:
+    """dense rule: ``(shared part of the output, corrected output variance)``."""
+    t = layer.tensors
+    wm, wv = t["weight_mean"], _weight_var(t)
+    b, o = x.mean.shape[0], wm.shape[0]
+    k = fp.width[layer.name]
+    offset = fp.offsets.get(layer.name)
+    loading = np.zeros((b, o, k))
+    if sh is not None:
+        s = sh.s.reshape(b, -1)
+        rows = sh.g.shape[1]
+        coef = np.einsum("ocp,bcp->boc", wm.reshape(o, rows, -1), s.reshape(b, rows, -1))
+        loading += coef @ sh.widened(k)
+        var = np.maximum(var + (loading**2).sum(axis=2) - s**2 @ (wm**2).T, 0.0)
+    if offset is not None:
+        ex2 = x.second_moment() if x.repr is not Repr.DETERMINISTIC else x.mean**2
+        inj = ex2.reshape(b, -1) @ wv.T + (t["bias_var"][None] if "bias_var" in t else 0.0)
+        loading[:, np.arange(o), offset + np.arange(o)] += np.sqrt(np.maximum(inj, 0.0))
+    norm, g = _normalised(loading)
+    if not norm.any():
+        return None, var
+    return Shared(norm, g), var
 
 
-def execute_correlated(graph: PlannedGraph, x: np.ndarray, add_rule: str = "independent"
-                       ) -> tuple[np.ndarray, np.ndarray]:
-    """Run the planned network in float64 with the shared per-channel component (module docstring);
-    returns the output ``(mean, variance)``.  Deterministic network input only."""
-    result = execute_correlated_all(graph, x, add_rule)[graph.output]
-    return result.mean, result.variance()
+def shared_affine(layer: PlannedLayer, sh: Shared) -> Shared:
+    """affine rule: ``s ↦ a·s`` (per channel)."""
+    scale = layer.tensors["scale"]
+    shape = sh.s.shape
+    rows = sh.g.shape[1]
+    s = sh.s.reshape(shape[0], rows, -1) * scale.reshape(1, rows, 1)
+    return Shared(s.reshape(shape), sh.g)
 
 
-def execute_correlated_all(graph: PlannedGraph, x: np.ndarray, add_rule: str = "independent",
-                           self_hermite2: bool = True, within_window: bool = False) -> dict[str, Activation]:
-    """:func:`execute_correlated`, returning every layer's activation by name.
+def shared_relu(layer: PlannedLayer, x: Activation, sh: Shared, fp: FactorPlan) -> Shared:
+    """relu/leaky_relu rule: Stein's linear response plus (``hermite='factor'``) the second
+    Hermite term as a new factor of the channel."""
+    slope = float(layer.layer.attrs["slope"]) if layer.op == "leaky_relu" else 0.0
+    var = x.variance()
+    sd = np.sqrt(var)
+    safe = np.where(sd > 0, sd, 1.0)
+    alpha = np.clip(np.where(sd > 0, x.mean / safe, 0.0), -40.0, 40.0)
+    cdf = np.where(sd > 0, ndtr(alpha), (x.mean > 0).astype(np.float64))
+    s_in = sh.s.reshape(x.mean.shape)
+    lin = (cdf + slope * (1.0 - cdf)) * s_in
+    offset = fp.offsets.get(layer.name)
+    if offset is None:
+        return Shared(lin.reshape(sh.s.shape), sh.g)
+    k = fp.width[layer.name]
+    h = np.where(sd > 0, (1.0 - slope) * np.exp(-0.5 * alpha**2) / _SQRT2PI / safe, 0.0) * s_in**2 / np.sqrt(2.0)
+    rows = sh.g.shape[1]
+    lin3, h3 = lin.reshape(lin.shape[0], rows, -1), h.reshape(h.shape[0], rows, -1)
+    lbar, hbar = lin3.mean(axis=2), h3.mean(axis=2)
+    loading = lbar[..., None] * sh.widened(k)
+    loading[:, np.arange(rows), offset + np.arange(rows)] += hbar
+    norm, g = _normalised(loading)
+    s = _safe_div(lbar, norm)[..., None] * lin3 + _safe_div(hbar, norm)[..., None] * h3
+    return Shared(s.reshape(sh.s.shape), g)
 
-    ``self_hermite2``: add the second Hermite term at ReLUs (measured: ResNet-8 logit variance ratio
-    0.836 → 0.860).  ``within_window``: add to conv variances the covariances of the kernel window's
-    positions of one input channel through the mean weights (measured: no gain on ResNet-8/20,
-    0.308 → 0.304 on ResNet-20, so off by default)."""
-    if add_rule not in ADD_RULES:
-        raise ValueError(f"add_rule must be one of {ADD_RULES}")
+
+def shared_add(sa: Shared | None, sb: Shared | None, shape: tuple[int, ...], k: int
+               ) -> tuple[Shared | None, np.ndarray | float]:
+    """add rule: ``(the two branches' shared parts added with their common factors, the per-position
+    covariance of the branches 2·s_a·s_b·⟨g_a, g_b⟩ to add to v_a + v_b)``."""
+    if sa is None or sb is None:
+        return (sa if sb is None else sb), 0.0
+    a_s, b_s = sa.s.reshape(shape), sb.s.reshape(shape)
+    ga, gb = sa.widened(k), sb.widened(k)
+    cross = 2.0 * a_s * b_s * _expand((ga * gb).sum(axis=2), len(shape))
+    loading = _spatial_mean(a_s)[..., None] * ga + _spatial_mean(b_s)[..., None] * gb
+    norm, g = _normalised(loading)
+    s = a_s * _expand((ga * g).sum(axis=2), len(shape)) + b_s * _expand((gb * g).sum(axis=2), len(shape))
+    return Shared(s, g), cross
+
+
+def shared_pool(layer: PlannedLayer, x: Activation, sh: Shared, var: np.ndarray) -> tuple[Shared, np.ndarray]:
+    """avg_pool2d / max_pool2d rules: ``(shared part, output variance)``."""
+    a = dict(layer.layer.attrs)
+    out_hw = layer.layer.out_shape[1:]
+    s_in = sh.s.reshape(x.mean.shape)
+    if layer.op == "avg_pool2d":
+        a.setdefault("divisor", None)
+        a.setdefault("count_include_pad", False)
+        div = average_divisor(a, x.mean.shape[2:], out_hw)
+        s = sum(window_views(padded(s_in, a, out_hw, 0.0), a["kernel"], a["stride"], out_hw)) / div
+        indep = np.maximum(x.variance() - s_in**2, 0.0)
+        var = sum(window_views(padded(indep, a, out_hw, 0.0), a["kernel"], a["stride"], out_hw)) / div**2 + s**2
+        return Shared(s, sh.g), var
+    ms = window_views(padded(x.mean, a, out_hw, LOWEST), a["kernel"], a["stride"], out_hw)
+    vs = window_views(padded(x.variance(), a, out_hw, 0.0), a["kernel"], a["stride"], out_hw)
+    ss = window_views(padded(s_in, a, out_hw, 0.0), a["kernel"], a["stride"], out_hw)
+    mean, v, s = next(ms), next(vs), next(ss)
+    for m2, v2, s2 in zip(ms, vs, ss):
+        theta = np.sqrt(v + v2)
+        cdf = np.where(theta > 0, ndtr(np.clip((mean - m2) / np.where(theta > 0, theta, 1.0), -40, 40)),
+                       (mean >= m2).astype(np.float64))
+        s = cdf * s + (1.0 - cdf) * s2
+        mean, v = moments.max_moments(mean, v, m2, v2)
+    return Shared(s, sh.g), var
+
+
+def _compacted(sh: Shared) -> Shared:
+    """``g`` (B, C, K) → ``Rᵀ`` (B, C, C) with ``gᵀ = Q·R``: same ``g·gᵀ`` (exact)."""
+    _, r = np.linalg.qr(np.swapaxes(sh.g, 1, 2))
+    return Shared(sh.s, np.swapaxes(r, 1, 2))
+
+
+def execute_correlated_all(graph: PlannedGraph, x: np.ndarray, *, hermite: str = "factor", compact: bool = True,
+                         add_covariance: bool = True, injection: str = "regression",
+                         keep: dict[str, Shared | None] | None = None) -> dict[str, Activation]:
+    """Run ``graph`` in float64 with shared factors; every layer's activation by name (in the
+    plan's representation).  Deterministic network input only.  ``keep``: names whose
+    :class:`Shared` part is written into it (for diagnostics and tests)."""
+    if graph.input_repr is not Repr.DETERMINISTIC:
+        raise NotImplementedError("shared-factor PFP: networks with an input variance are not supported")
+    if injection not in INJECTIONS:
+        raise ValueError(f"injection must be one of {INJECTIONS}, got {injection!r}")
+    fp = plan_factors(graph, hermite, compact)
     values = {INPUT: Activation(np.asarray(x, dtype=np.float64), None, Repr.DETERMINISTIC)}
-    # (loading s, correlated sd r) stacked: (2, batch, channels, positions), or None
-    shared: dict[str, np.ndarray | None] = {INPUT: None}
+    shared: dict[str, Shared | None] = {INPUT: None}
+    remaining: dict[str, int] = {}
+    for layer in graph.layers:
+        for n in layer.inputs:
+            remaining[n] = remaining.get(n, 0) + 1
     for layer in graph.layers:
         ins = [values[n] for n in layer.inputs]
-        s_ins = [shared[n] for n in layer.inputs]
+        shs = [shared[n] for n in layer.inputs]
         op = layer.op
         with np.errstate(over="ignore", invalid="ignore", divide="ignore"):
             out = REFERENCES[op](layer, ins)
             mean, var = out.mean, out.variance()
-            s = None
+            sh: Shared | None = None
             if op == "conv2d":
-                s, var_extra = _conv_shared(layer, ins[0], s_ins[0])
-                if within_window:
-                    var = np.maximum(var + var_extra, 0.0)
-            elif op == "dense" and s_ins[0] is not None and s_ins[0].shape[3] > 1:
-                wm = layer.tensors["weight_mean"]
-                sc = s_ins[0][0]
-                t = np.einsum("ncp,ocp->noc", sc, wm.reshape(wm.shape[0], sc.shape[1], sc.shape[2]))
-                var = var + (t**2).sum(axis=2) - sc.reshape(sc.shape[0], -1) ** 2 @ (wm**2).T
-            elif s_ins[0] is not None and op in ("affine", "relu", "leaky_relu", "reshape", "convert",
-                                                 "max_pool2d", "avg_pool2d", "add"):
-                s_in = s_ins[0].reshape((2, *ins[0].mean.shape))
-                if op == "affine":
-                    s = np.abs(layer.tensors["scale"].reshape((1, 1, -1) + (1,) * (s_in.ndim - 3))) * s_in
-                elif op in ("relu", "leaky_relu"):
-                    sd = np.sqrt(ins[0].variance())
-                    safe = np.where(sd > 0, sd, 1.0)
-                    alpha = ins[0].mean / safe
-                    phi = np.where(sd > 0, ndtr(alpha), ins[0].mean > 0)
-                    slope = layer.layer.attrs["slope"] if op == "leaky_relu" else 0.0
-                    first = (phi + slope * (1 - phi)) * s_in
-                    # second Hermite (Mehler) term: E[f''] = (1 − slope)·pdf(α)/σ, loading s²/√2
-                    second = np.where(sd > 0, (1 - slope) * np.exp(-0.5 * alpha**2) / np.sqrt(2 * np.pi) / safe, 0.0) \
-                        * s_in**2 / np.sqrt(2.0)
-                    s = np.sqrt(first**2 + second**2) if self_hermite2 else first
-                elif op in ("reshape", "convert"):
-                    s = s_in
-                elif op in ("avg_pool2d", "max_pool2d"):
-                    s, var = _pool_shared(layer, ins[0], s_in, var)
-                elif op == "add":
-                    sb = np.zeros_like(s_in) if s_ins[1] is None else s_ins[1].reshape((2, *ins[1].mean.shape))
-                    s = np.sqrt(s_in**2 + sb**2) if add_rule == "independent" else s_in + sb
-            elif op == "add" and s_ins[1] is not None:
-                s = s_ins[1].reshape((2, *ins[1].mean.shape))
-        source = s_ins[0]
-        if s is not None and op == "reshape" and source is not None:
-            s = source  # keeps its (channel, position) grouping through flatten
-        elif s is not None:
-            s = s.reshape((2, *mean.shape))
-            r = np.minimum(s[1], np.sqrt(np.maximum(var, 0.0)))
-            s = _channels(np.stack([np.minimum(s[0], r), r]), layer.layer.out_shape)
-        values[layer.name] = _emit(mean, var, layer)
-        shared[layer.name] = s
+                sh = shared_conv2d(layer, ins[0], shs[0], fp, injection)
+            elif op == "dense":
+                sh, var = shared_dense(layer, ins[0], shs[0], fp, var)
+            elif op == "add":
+                sh, cross = shared_add(shs[0], shs[1], mean.shape, fp.width[layer.name])
+                if add_covariance:
+                    var = np.maximum(var + cross, 0.0)
+            elif shs[0] is None:
+                sh = None
+            elif op == "affine":
+                sh = shared_affine(layer, shs[0])
+            elif op in ("relu", "leaky_relu"):
+                sh = shared_relu(layer, ins[0], shs[0], fp)
+            elif op in ("avg_pool2d", "max_pool2d"):
+                sh, var = shared_pool(layer, ins[0], shs[0], var)
+            elif op in ("reshape", "convert"):
+                sh = Shared(shs[0].s.reshape((shs[0].s.shape[0], -1) if op == "reshape" and mean.ndim == 2
+                                             else mean.shape), shs[0].g)
+            if sh is not None:
+                sd = np.sqrt(np.maximum(var, 0.0)).reshape(sh.s.shape)
+                sh = Shared(np.clip(sh.s, -sd, sd), sh.g)
+                if layer.name in fp.compact_at:
+                    sh = _compacted(sh)
+        values[layer.name] = emit_output(mean, var, layer)
+        shared[layer.name] = sh
+        if keep is not None and layer.name in keep:
+            keep[layer.name] = sh
+        for n in layer.inputs:
+            remaining[n] -= 1
+            if remaining[n] == 0:
+                shared[n] = None
     return values
 
 
-def _pool_shared(layer: PlannedLayer, x: Activation, s_in: np.ndarray, var: np.ndarray
-                 ) -> tuple[np.ndarray, np.ndarray]:
-    """Pooling of ``(s, r)`` (stacked): window means of the loadings; for average pooling the
-    variance ``Σ(v − r²)/n² + (Σ s/n)²`` (the correlated part summed as fully correlated)."""
-    from pyro2pfp.reference.pooling import average_divisor
-
-    a = dict(layer.layer.attrs)
-    a.setdefault("divisor", None)
-    a.setdefault("count_include_pad", False)
-    out_hw = layer.layer.out_shape[1:]
-    divisor = average_divisor(a, x.mean.shape[2:], out_hw)
-
-    def window_mean(t: np.ndarray) -> np.ndarray:
-        return sum(window_views(padded(t, a, out_hw, 0.0), a["kernel"], a["stride"], out_hw)) / divisor
-
-    s = window_mean(s_in[0])
-    if layer.op == "max_pool2d":
-        return np.stack([s, window_mean(s_in[1])]), var
-    indep = np.maximum(x.variance() - s_in[1] ** 2, 0.0)
-    var = sum(window_views(padded(indep, a, out_hw, 0.0), a["kernel"], a["stride"], out_hw)) / divisor**2 + s**2
-    return np.stack([s, s]), var
+def execute_correlated(graph: PlannedGraph, x: np.ndarray, **options: object) -> tuple[np.ndarray, np.ndarray]:
+    """Output ``(mean, variance)`` of :func:`execute_correlated_all` (options: ``hermite``, ``compact``)."""
+    out = execute_correlated_all(graph, x, **options)[graph.output]  # type: ignore[arg-type]
+    return out.mean, out.variance()
 
 
-def _emit(mean: np.ndarray, var: np.ndarray, layer: PlannedLayer) -> Activation:
-    from pyro2pfp.reference import emit_output
+@dataclass(frozen=True)
+class Cost:
+    """Per-input multiply-adds and stored floats of mean-field PFP and of the scheme's additions
+    (:func:`cost_model`)."""
 
-    return emit_output(mean, var, layer)
+    mean_field_macs: int
+    extra_macs: int
+    mean_field_floats: int  # μ and second moment of every edge
+    extra_floats: int  # s and g of every edge
+    max_factors: int  # the largest K of any edge
+
+    def summary(self) -> str:
+        total = self.mean_field_macs + self.extra_macs
+        return (f"multiply-adds: mean-field {self.mean_field_macs / 1e6:.1f} M, shared factors "
+                f"+{self.extra_macs / 1e6:.1f} M (x{total / self.mean_field_macs:.2f}); floats per input over all "
+                f"edges: mean-field {self.mean_field_floats / 1e3:.1f} k, +{self.extra_floats / 1e3:.1f} k; "
+                f"K ≤ {self.max_factors}")
+
+
+def cost_model(graph: PlannedGraph, hermite: str = "factor", compact: bool = True,
+               injection: str = "regression") -> Cost:
+    """Count the work of one input (module docstring rules).  Mean-field: every dense/conv layer is
+    3 products of its size (mean, weight-variance term, mean-weight² term; 2 for a deterministic
+    input); elementwise ops count their elements.  The scheme adds, per conv layer, one convolution
+    with per-input weights for the propagated profile (if the input has a shared part), two (one
+    with ``injection='rescaled'``, which reuses the mean-field weight-variance term) for the
+    weight-noise regression profile, and ``O·C·(K_in + K_out)`` for the loadings; per dense layer
+    two products of its size and ``O·C·K``; per ReLU/add ``~3·C·K``; per compaction ``2·C²·K``."""
+    fp = plan_factors(graph, hermite, compact)
+    mf = extra = mf_floats = extra_floats = 0
+    for layer in graph.layers:
+        shape = layer.layer.out_shape
+        n_out = int(np.prod(shape))
+        ins = layer.inputs
+        det_in = ins[0] == INPUT and graph.input_repr is Repr.DETERMINISTIC
+        mf_floats += 2 * n_out
+        k_in = max((fp.width.get(n, 0) for n in ins), default=0)
+        k = fp.width[layer.name]
+        rows = fp.rows[layer.name]
+        if k:
+            extra_floats += n_out + rows * k
+        if layer.op in ("conv2d", "dense"):
+            wm = layer.tensors["weight_mean"]
+            o, size = wm.shape[0], int(wm.size)
+            positions = int(np.prod(shape[1:])) if layer.op == "conv2d" else 1
+            macs = positions * size
+            mf += macs * (2 if det_in else 3)
+            if not k:
+                continue
+            c_in = wm.shape[1] if layer.op == "conv2d" else fp.rows.get(ins[0], 1)
+            if layer.op == "conv2d":
+                extra += (macs if k_in else 0) + o * c_in * (k_in + k) + 2 * size
+                if layer.name in fp.offsets:
+                    extra += (2 if k_in else 1) * macs if injection == "regression" else 0
+            else:
+                extra += (2 * macs + o * c_in * k_in if k_in else 0) + o * k
+        else:
+            mf += n_out
+            if k:
+                extra += 10 * n_out + 3 * rows * k
+        if layer.name in fp.compact_at:
+            extra += 2 * rows * rows * k
+    return Cost(mf, extra, mf_floats, extra_floats, max(fp.width.values(), default=0))

@@ -18,7 +18,7 @@ from builders import (assert_compute_layer, conv_layer, dense_layer, forms, inpu
 from pyro2pfp.graph import INPUT, LayerGraph
 from pyro2pfp.network import PFPNetwork
 from pyro2pfp.plan import plan
-from pyro2pfp.reference.compute import conv2d_nchw
+from pyro2pfp.reference.arrays import conv2d_nchw
 
 SETTINGS = settings(max_examples=12, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 

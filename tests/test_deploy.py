@@ -12,16 +12,12 @@ fetches them once with ``pip download --platform manylinux_2_28_aarch64``.
 from __future__ import annotations
 
 import hashlib
-import importlib.metadata
 import json
 import os
 import shutil
 import struct
 import subprocess
-import sys
 import tarfile
-import tempfile
-import zipfile
 from pathlib import Path
 
 import numpy as np
@@ -304,35 +300,15 @@ int main(int argc, char** argv) {
 
 
 def aarch64_tvm_runtime() -> Path:
-    """A directory with the AArch64 libtvm_runtime.so and libtvm_ffi.so of the installed versions."""
-    import tvm
+    """A directory with the AArch64 libtvm_runtime.so and libtvm_ffi.so of the installed versions
+    (:func:`pyro2pfp_experiments.emulated_board.aarch64_runtime`: the cache the emulated RPC board
+    of tests/test_remote_aarch64.py uses too)."""
+    from pyro2pfp_experiments.emulated_board import EmulatedBoardError, aarch64_runtime
 
-    tvm_version = tvm.__version__
-    ffi_version = importlib.metadata.version("apache-tvm-ffi")
-    root = Path(os.environ.get("PYRO2PFP_AARCH64_RUNTIME")
-                or Path.home() / ".cache" / "pyro2pfp" / f"aarch64-tvm-{tvm_version}-ffi-{ffi_version}")
-    libs = ("libtvm_runtime.so", "libtvm_ffi.so")
-    if all((root / lib).is_file() for lib in libs):
-        return root
-    root.mkdir(parents=True, exist_ok=True)
-    with tempfile.TemporaryDirectory() as tmp:
-        cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary=:all:",
-               "--platform", "manylinux_2_28_aarch64",
-               "--python-version", f"{sys.version_info.major}.{sys.version_info.minor}",
-               "-d", tmp, f"apache-tvm=={tvm_version}", f"apache-tvm-ffi=={ffi_version}"]
-        result = subprocess.run(cmd, capture_output=True, text=True)
-        if result.returncode != 0:
-            pytest.fail("could not fetch the AArch64 TVM runtime wheels (" + " ".join(cmd) + "):\n"
-                        + result.stderr[-1500:] + "\nSet PYRO2PFP_AARCH64_RUNTIME to a directory holding "
-                        "libtvm_runtime.so and libtvm_ffi.so for aarch64, or PYRO2PFP_SKIP_QEMU=1.",
-                        pytrace=False)
-        for wheel in Path(tmp).glob("*.whl"):
-            with zipfile.ZipFile(wheel) as zf:
-                for name in zf.namelist():
-                    if name.endswith(("lib/libtvm_runtime.so", "lib/libtvm_ffi.so")):
-                        (root / Path(name).name).write_bytes(zf.read(name))
-    assert all((root / lib).is_file() for lib in libs), f"runtime libraries not found in the wheels ({root})"
-    return root
+    try:
+        return aarch64_runtime()
+    except EmulatedBoardError as err:
+        pytest.fail(f"{err}\nOr PYRO2PFP_SKIP_QEMU=1 to skip this test.", pytrace=False)
 
 
 def build_runner(runtime: Path, workdir: Path) -> Path:

@@ -41,7 +41,7 @@ from pyro2pfp import moments
 from pyro2pfp.graph import GaussianParam, Layer, LayerGraph, Repr
 from pyro2pfp.plan import PlannedLayer, plan
 from pyro2pfp.reference import REFERENCES, Activation, execute
-from pyro2pfp.reference.compute import conv2d_nchw
+from pyro2pfp.reference.arrays import conv2d_nchw
 
 D, V, S = Repr.DETERMINISTIC, Repr.VARIANCE, Repr.SECOND_MOMENT
 

@@ -1,45 +1,44 @@
-"""Every PFP op the planner knows is complete: something converts to it (or the planner inserts
-it), the NumPy reference executes it, the TVM back end has its kernel and a default CPU schedule,
-the ONNX exporter writes it, and a Monte Carlo test and a compiled-vs-reference test check it.
+"""Every registered PFP op is complete: something converts to it (or the planner inserts it), the
+NumPy reference executes it, the TVM back end has its kernel and a default CPU schedule, the ONNX
+exporter writes it, and the tests its OpDef requires (a Monte Carlo test and a compiled-vs-reference
+test) check it.
 
 Adding an op without one of these fails here, with the name of what is missing (the checklist of
 docs/architecture.md)."""
 from __future__ import annotations
 
 import importlib
+from pathlib import Path
 
 from op_coverage import COMPILED, COVERAGE, MONTE_CARLO
 
 from pyro2pfp.converters import PRODUCES
 from pyro2pfp.onnx_export import EXPORTERS
-from pyro2pfp.plan import OP_SPECS
-from pyro2pfp.reference._core import REFERENCES
+from pyro2pfp.reference import REFERENCES
+from pyro2pfp.registry import OPS, OpDef
 
-# Ops the planner inserts between layers (representation conversions): no torch op converts to them.
-PLAN_INSERTED = {"convert"}
-# Ops whose TVM kernel is a Relax operator (no PrimFunc, so nothing to schedule): tvm_backend/shape.py.
-RELAX_ONLY = {"reshape"}
-TEST_MODULES = ("test_monte_carlo", "test_compiled_vs_reference", "test_layers", "test_vs_predictive")
+# every test module: their @covers decorators fill COVERAGE (pytest has imported them already when it
+# collects the whole suite; a new test file needs no registration here)
+TEST_MODULES = tuple(sorted(p.stem for p in Path(__file__).parent.glob("test_*.py") if p.stem != Path(__file__).stem))
+TEST_KINDS = {"monte_carlo": MONTE_CARLO, "compiled": COMPILED}
 
 
 def missing_parts() -> list[str]:
-    from pyro2pfp.tvm_backend import KERNELS
-    from pyro2pfp.tvm_backend.schedules import SCHEDULES
+    from pyro2pfp.tvm_backend import KERNELS, SCHEDULES
 
-    for name in TEST_MODULES:  # their @covers decorators fill COVERAGE
+    for name in TEST_MODULES:
         importlib.import_module(name)
     missing = []
-    for op in sorted(OP_SPECS):
+    for name, op in sorted(OPS.items()):
         parts = {
-            "converter": op in PRODUCES or op in PLAN_INSERTED,
-            "NumPy reference": op in REFERENCES,
-            "TVM kernel": op in KERNELS,
-            "CPU schedule": op in SCHEDULES or op in RELAX_ONLY,
-            "ONNX export": op in EXPORTERS,
-            MONTE_CARLO: MONTE_CARLO in COVERAGE[op],
-            COMPILED: COMPILED in COVERAGE[op],
+            "converter": name in PRODUCES or op.internal,  # internal: inserted by the planner
+            "NumPy reference": name in REFERENCES,
+            "TVM kernel": name in KERNELS,
+            "CPU schedule": name in SCHEDULES or op.view,  # a view emits no PrimFunc
+            "ONNX export": name in EXPORTERS,
         }
-        missing += [f"{op}: no {part}" for part, present in parts.items() if not present]
+        parts.update({TEST_KINDS[kind]: TEST_KINDS[kind] in COVERAGE[name] for kind in op.required_tests})
+        missing += [f"{name}: no {part}" for part, present in parts.items() if not present]
     return missing
 
 
@@ -48,7 +47,7 @@ def test_every_op_is_complete():
 
 
 def test_an_incomplete_op_is_reported(monkeypatch):
-    monkeypatch.setitem(OP_SPECS, "gelu", OP_SPECS["relu"])
+    monkeypatch.setitem(OPS, "gelu", OpDef("gelu", ("aten.gelu.default",)))
     assert missing_parts() == [f"gelu: no {part}" for part in (
         "converter", "NumPy reference", "TVM kernel", "CPU schedule", "ONNX export", MONTE_CARLO, COMPILED)]
 

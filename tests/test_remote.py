@@ -19,6 +19,7 @@ from pyro2pfp.errors import PFPError, RemoteError
 from pyro2pfp.network import PFPNetwork
 from pyro2pfp.plan import plan
 from pyro2pfp.remote import Remote, fixed_inputs, upload, validate
+from pyro2pfp.tuning import measure
 
 KEY = "loopback"
 START_TIMEOUT = 90.0  # python -m tvm.exec.* imports TVM: slow on a loaded 2-core machine
@@ -106,8 +107,8 @@ def test_run_bench_validate_on_the_boards_agree_with_local(boards, net_and_exe):
 
 def test_tuning_measures_on_the_boards(boards, net_and_exe, tmp_path, monkeypatch):
     net, exe = net_and_exe
-    monkeypatch.setitem(tuning.KERNEL_TIMING, "repeat", 2)
-    monkeypatch.setitem(tuning.KERNEL_TIMING, "min_repeat_ms", 2)
+    monkeypatch.setitem(measure.KERNEL_TIMING, "repeat", 2)
+    monkeypatch.setitem(measure.KERNEL_TIMING, "min_repeat_ms", 2)
     lines: list[str] = []
     target = tuning.tuning_target("llvm")
     result = tuning.tune(net.mod, target, batch=4, trials=2, work_dir=tmp_path, plan=net.plan,
@@ -187,3 +188,21 @@ def test_cli_bench_and_validate_remote(boards, tmp_path, capsys):
     assert "time_evaluator on the board" in out and out.count("\n") >= 4
     assert main(["validate", str(tmp_path / "builder.py"), "--remote", f"{boards.host}:{boards.port}/nope"]) == 1
     assert "no server with key 'nope'" in capsys.readouterr().err
+
+
+def test_a_finished_prediction_releases_its_session(boards, net_and_exe):
+    """No reference cycle keeps the VM (and so the RPC session, and the board) after use: a board
+    that serves one session at a time (a direct rpc_server, the emulated board) is free again at once."""
+    import gc
+    import weakref
+
+    net, exe = net_and_exe
+    gc.disable()
+    try:
+        pred = upload(exe, boards)
+        pred(fixed_inputs(net.input_shape, 2))
+        vm = weakref.ref(pred.vm)
+        del pred
+        assert vm() is None
+    finally:
+        gc.enable()

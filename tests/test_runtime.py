@@ -8,10 +8,10 @@ import numpy as np
 import pytest
 
 from builders import mlp_graph
-from pyro2pfp import tuning
 from pyro2pfp.errors import InputShapeError, PFPError
 from pyro2pfp.network import PFPNetwork
 from pyro2pfp.plan import plan
+from pyro2pfp.tuning import api as tuning_api
 from pyro2pfp.tvm_backend import runtime
 
 
@@ -93,7 +93,7 @@ def test_compile_with_tune_dispatches_by_batch(tmp_path, monkeypatch):
     """``compile(tune=...)`` builds one batch-specialised executable per batch (the search itself
     is stubbed out: the real MetaSchedule run is tested in test_tuning.py) and calls with that
     batch size run it; other sizes run the any-batch executable."""
-    monkeypatch.setattr(tuning, "_run_search", lambda *a, **k: None)
+    monkeypatch.setattr(tuning_api, "_run_search", lambda *a, **k: None)
     net = tiny_net()
     exe = net.compile("llvm", tune={"batch": [3], "trials": 1, "work_dir": str(tmp_path), "progress": False})
     assert sorted(exe.tuned) == [3]

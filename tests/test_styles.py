@@ -274,3 +274,105 @@ def test_tyxe_variational_bnn():
     np.testing.assert_allclose(w.var, bnn.net_guide.get_scale("net.0.weight").detach().double().numpy() ** 2,
                                rtol=1e-5)
     assert_exact_against_sampling(bnn.net, bnn.net_guide, net)
+
+
+class FunctionalBNN(PyroModule):
+    """Weights as PyroSample attributes of the model itself, layers written as ``x @ W + b`` /
+    ``torch.matmul`` (the style of Pyro's regression tutorials and many notebooks)."""
+
+    def __init__(self, second_bias: str = "none"):
+        super().__init__()
+        self.W1 = prior((D_IN, HIDDEN))
+        self.b1 = prior((HIDDEN,))
+        self.W2 = prior((HIDDEN, CLASSES))
+        self.second_bias = second_bias
+        if second_bias == "prob":
+            self.b2 = prior((CLASSES,))
+
+    def forward(self, x, y=None):
+        h = torch.relu(x @ self.W1 + self.b1)
+        logits = torch.matmul(h, self.W2)
+        if self.second_bias == "prob":
+            logits = self.b2 + logits  # the parameter on the left works too
+        return likelihood(logits, y)
+
+
+@pytest.mark.parametrize("second_bias", ["none", "prob"])
+def test_matmul_layers_with_bias_sites(second_bias):
+    pyro.clear_param_store()
+    pyro.set_rng_seed(0)
+    model = FunctionalBNN(second_bias)
+    guide = autoguide.AutoNormal(model)
+    fit(model, guide)
+    net = pyro2pfp.convert(model, guide, input_shape=(D_IN,))
+    first, last = (layer for layer in net.layer_graph.layers if layer.op == "dense")
+    np.testing.assert_allclose(first.params["weight"].mean, guide.median()["W1"].detach().double().numpy().T,
+                               rtol=1e-6)
+    assert first.params["bias"].site == "b1"
+    assert ("bias" in last.params) == (second_bias == "prob")
+    assert_exact_against_sampling(model, guide, net)
+
+
+def test_a_parameter_added_anywhere_else_is_refused_with_the_reason():
+    class BiasTwice(PyroModule):
+        def __init__(self):
+            super().__init__()
+            self.fc = PyroModule[nn.Linear](D_IN, CLASSES)
+            self.fc.weight = prior((CLASSES, D_IN))
+            self.shift = prior((CLASSES,))
+
+        def forward(self, x, y=None):
+            return likelihood(self.fc(x) + self.shift, y)  # fc already has a bias
+
+    pyro.clear_param_store()
+    model = BiasTwice()
+    guide = autoguide.AutoNormal(model)
+    guide(*data(4))
+    with pytest.raises(pyro2pfp.UnsupportedLayerError, match=r"bias-free dense/conv layer"):
+        pyro2pfp.convert(model, guide, input_shape=(D_IN,))
+
+
+def structured_guide(model, conditional: str, dependencies=None):
+    conditionals = {"fc1.weight": conditional, "fc1.bias": "normal", "fc2.weight": "normal", "fc2.bias": "delta"}
+    kwargs = {} if dependencies is None else {"dependencies": dependencies}
+    return autoguide.AutoStructured(model, conditionals=conditionals, **kwargs)
+
+
+def test_autostructured_without_dependencies_is_exact():
+    pyro.clear_param_store()
+    pyro.set_rng_seed(0)
+    model = MLP(bias="det")
+    guide = structured_guide(model, "normal", dependencies={})
+    fit(model, guide)
+    net = pyro2pfp.convert(model, guide)
+    np.testing.assert_allclose(net.layer_graph.layer("fc1").params["weight"].var,
+                               guide.scales.fc1.weight.detach().double().numpy().reshape(HIDDEN, D_IN) ** 2,
+                               rtol=1e-6)
+    assert net.layer_graph.layer("fc2").params["bias"].is_deterministic  # a PyroParam: no guide site
+    assert_exact_against_sampling(model, guide, net)
+
+
+def test_autostructured_mvn_uses_the_marginals_and_warns():
+    pyro.clear_param_store()
+    pyro.set_rng_seed(0)
+    model = MLP(bias="det")
+    guide = structured_guide(model, "mvn", dependencies={})
+    fit(model, guide, steps=10)
+    n = HIDDEN * D_IN  # a correlation factor far from the identity (set in the store, as after a load)
+    a = torch.randn(n, n, generator=torch.Generator().manual_seed(3)) / n**0.5
+    pyro.get_param_store()["AutoStructured.scale_trils.fc1.weight"] = torch.linalg.cholesky(a @ a.T + 0.5 * torch.eye(n))
+    with pytest.warns(UserWarning, match="correlations are dropped"):
+        net = pyro2pfp.convert(model, guide)
+    with torch.no_grad():
+        samples = torch.stack([guide()["fc1.weight"] for _ in range(4000)]).double().numpy()
+    var = net.layer_graph.layer("fc1").params["weight"].var
+    np.testing.assert_allclose(var, samples.var(axis=0), rtol=0.15)  # 4,000 samples: ±4.5 % sd
+
+
+def test_autostructured_with_dependencies_is_refused_with_the_sites_named():
+    pyro.clear_param_store()
+    model = MLP()
+    guide = autoguide.AutoStructured(model)  # default: every site depends linearly on the earlier ones
+    fit(model, guide, steps=1)
+    with pytest.raises(pyro2pfp.PosteriorError, match=r"dependencies.*fc2\.weight"):
+        pyro2pfp.convert(model, guide)

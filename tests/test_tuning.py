@@ -14,14 +14,15 @@ from tvm import relax, tirx
 
 from builders import lenet_graph, mlp_graph
 from pyro2pfp import _fast_inspect, tuning
+from pyro2pfp.tuning import api, choose, database, measure, search, specialize
 from pyro2pfp.network import PFPNetwork
 from pyro2pfp.plan import plan
 
 @pytest.fixture(autouse=True)
 def _quick_kernel_timing(monkeypatch):
     """Choosing among schedules times each kernel; a coarse timing is enough for these tests."""
-    monkeypatch.setitem(tuning.KERNEL_TIMING, "repeat", 2)
-    monkeypatch.setitem(tuning.KERNEL_TIMING, "min_repeat_ms", 2)
+    monkeypatch.setitem(measure.KERNEL_TIMING, "repeat", 2)
+    monkeypatch.setitem(measure.KERNEL_TIMING, "min_repeat_ms", 2)
 
 
 TARGET = tuning.tuning_target({"kind": "llvm", "mcpu": tvm.target.codegen.llvm_get_system_cpu()})
@@ -99,7 +100,7 @@ def test_fast_inspect_patch_is_scoped_and_equivalent():
 def test_specialize_batch_makes_every_kernel_static():
     net = tiny_mlp()
     static = tuning.specialize_batch(net.mod, 3)
-    assert tuning.batch_var(static) == 3
+    assert specialize.batch_var(static) == 3
     for gv, func in static.functions_items():
         if isinstance(func, tirx.PrimFunc):
             assert "batch" not in func.script(), gv.name_hint
@@ -124,7 +125,7 @@ def test_database_is_keyed_reused_and_topped_up(tmp_path, monkeypatch):
     per-kernel choice among default / tuned (an empty database: every kernel keeps its default).
     ``min_share=0``: which kernels are searched must not depend on timings (a loaded machine)."""
     calls = []
-    monkeypatch.setattr(tuning, "_run_search", lambda tasks, *a, **k: calls.append((len(tasks), a[2])))
+    monkeypatch.setattr(api, "_run_search", lambda tasks, *a, **k: calls.append((len(tasks), a[2])))
     net = tiny_mlp()
     lines = []
     first = tuning.tune(net.mod, TARGET, batch=5, trials=6, plan=net.plan, work_dir=tmp_path,
@@ -132,7 +133,7 @@ def test_database_is_keyed_reused_and_topped_up(tmp_path, monkeypatch):
     assert calls == [(2, 6)]  # the two dense kernels (ReLU keeps its default), budget 6
     assert not first.reused and first.trials == 6
     assert first.work_dir.parent == tmp_path and first.work_dir.name == first.key
-    meta = json.loads((first.work_dir / tuning.META_FILE).read_text())
+    meta = json.loads((first.work_dir / database.META_FILE).read_text())
     assert meta["trials"] == 6 and meta["batch"] == 5
     assert {k.choice for k in first.kernels} <= {"default", "any-batch"}
     assert {k.name for k in first.kernels} == set(meta["choices"])
@@ -166,12 +167,12 @@ def test_fallback_picks_faster_valid_schedule():
     outputs differ from the unscheduled kernel's (a miscompile)."""
     net = tiny_mlp()
     static = tuning.specialize_batch(net.mod, 2)
-    defaults = tuning._default_schedules(static, net.plan, TARGET)
+    defaults = choose._default_schedules(static, net.plan, TARGET)
     assert set(defaults) == {"pfp_dense_fc1", "pfp_relu_relu1", "pfp_dense_fc2"}
     tuned = _pretend_tuned(static, defaults)
     fake_us = {"pfp_dense_fc1": (5.0, 9.0), "pfp_relu_relu1": (1.0, 0.5), "pfp_dense_fc2": (2.0, 1.5)}
     wrong = {"pfp_dense_fc2"}  # its "tuned" schedule computes garbage
-    real_run = tuning.run_prim_func
+    real_run = measure.run_prim_func
 
     def fake_run(func, arrays, time_it=True):
         for name in defaults:
@@ -184,7 +185,7 @@ def test_fallback_picks_faster_valid_schedule():
         raise AssertionError("unknown kernel")
 
     with pytest.warns(RuntimeWarning, match="pfp_dense_fc2 computes different values"):
-        choices = tuning._choose(static, tuned, defaults, TARGET, run=fake_run)
+        choices = choose._choose(static, tuned, defaults, TARGET, run=fake_run)
     assert {n: c["choice"] for n, c in choices.items()} == {
         "pfp_dense_fc1": "default", "pfp_relu_relu1": "tuned", "pfp_dense_fc2": "default"}
     assert all(set(c["times_us"]) == ({"default"} if n == "pfp_dense_fc2" else {"default", "tuned"})
@@ -193,7 +194,7 @@ def test_fallback_picks_faster_valid_schedule():
 
 
 def test_tune_network_builds_one_executable_per_batch(tmp_path, monkeypatch):
-    monkeypatch.setattr(tuning, "_run_search", lambda *a, **k: None)
+    monkeypatch.setattr(api, "_run_search", lambda *a, **k: None)
     net = tiny_mlp()
     exes = tuning.tune_network(net, TARGET, {"batch": [1, 3], "trials": 2, "work_dir": str(tmp_path),
                                              "progress": False})
@@ -216,7 +217,7 @@ def test_real_metaschedule_run_matches_reference(tmp_path):
     # ReLU binds Let expressions, which MetaSchedule 0.27 cannot analyse: only the dense kernels
     # are searched even with search_ops=None (ReLU keeps its default schedule)
     static = tuning.specialize_batch(net.mod, 4)
-    assert tuning._binds_let(static["pfp_relu_relu1"]) and not tuning._binds_let(static["pfp_dense_fc1"])
+    assert search._binds_let(static["pfp_relu_relu1"]) and not search._binds_let(static["pfp_dense_fc1"])
     assert any("tuning 2 kernel(s)" in line for line in lines), lines
     records = result.database.get_all_tuning_records()
     assert len(records) >= 4, lines
@@ -225,7 +226,7 @@ def test_real_metaschedule_run_matches_reference(tmp_path):
     assert_matches_reference(net, relax.VirtualMachine(result.build(), tvm.cpu()), 4)
     # force the tuned schedules (whatever was faster) and check them against the reference too
     static = tuning.specialize_batch(net.mod, 4)
-    forced = tuning._apply_database(static, result.database, result.target)
+    forced = database._apply_database(static, result.database, result.target)
     scheduled = [gv.name_hint for gv, f in forced.functions_items()
                  if isinstance(f, tirx.PrimFunc) and f.attrs.get("tirx.is_scheduled", False)]
     assert scheduled, "no kernel got a tuned schedule from the database"
@@ -240,7 +241,7 @@ def test_real_metaschedule_run_matches_reference(tmp_path):
 @pytest.mark.filterwarnings("ignore:.*computes different values:RuntimeWarning")
 def test_conv_pool_kernels_get_defaults_in_a_specialised_module(tmp_path, monkeypatch):
     """Every op of LeNet keeps a working (default) schedule after batch specialisation."""
-    monkeypatch.setattr(tuning, "_run_search", lambda *a, **k: None)
+    monkeypatch.setattr(api, "_run_search", lambda *a, **k: None)
     graph = lenet_graph(np.random.default_rng(0), widths=(2, 4, 8, 6), image=12)
     net = PFPNetwork(graph, plan(graph))
     result = tuning.tune(net.mod, TARGET, batch=3, trials=0, plan=net.plan, work_dir=tmp_path, progress=False)
@@ -261,7 +262,7 @@ def test_inprocess_builder_and_runner_round_trip():
 
     net = tiny_mlp()
     static = tuning.specialize_batch(net.mod, 2)
-    mod = tuning._normalized(static["pfp_dense_fc1"])
+    mod = measure._normalized(static["pfp_dense_fc1"])
     (built,) = tuning.InProcessBuilder().build([BuilderInput(mod, TARGET)])
     assert built.error_msg is None
     (future,) = tuning.InProcessRunner().run([RunnerInput(built.artifact_path, "cpu", ArgInfo.from_prim_func(mod["main"]))])
@@ -275,12 +276,27 @@ def test_fused_kernels_keep_their_default(tmp_path, monkeypatch):
     """With the ReLU fused into the first dense kernel (the default module), only the second dense
     kernel is searched; the fused one keeps its default schedule and the result is correct."""
     calls = []
-    monkeypatch.setattr(tuning, "_run_search", lambda tasks, *a, **k: calls.append([t.task_name for t in tasks]))
+    monkeypatch.setattr(api, "_run_search", lambda tasks, *a, **k: calls.append([t.task_name for t in tasks]))
     net = tiny_mlp(fuse=True)
     static = tuning.specialize_batch(net.mod, 2)
-    assert tuning._binds_let(static["pfp_dense_fc1_relu1"])
+    assert search._binds_let(static["pfp_dense_fc1_relu1"])
     result = tuning.tune(net.mod, TARGET, batch=2, trials=4, plan=net.plan, work_dir=tmp_path, progress=False,
                          min_share=0.0)
     assert calls == [["pfp_dense_fc2"]]
     assert {k.name: k.choice for k in result.kernels}["pfp_dense_fc1_relu1"] in ("default", "any-batch")
     assert_matches_reference(net, relax.VirtualMachine(result.build(), tvm.cpu()), 2)
+
+
+def test_the_schedule_fingerprint_covers_every_op_family_file(monkeypatch):
+    """Cached per-kernel choices are invalidated when any default schedule changes: the schedules live in
+    tvm_backend/schedules.py *and* the op family files tvm_backend/ops/<family>.py."""
+    from pyro2pfp.tvm_backend.ops import compute
+
+    before = specialize._schedules_fingerprint()
+    real = inspect.getsource
+
+    def edited(module):
+        return real(module) + ("\n# edited" if module is compute else "")
+
+    monkeypatch.setattr(specialize.inspect, "getsource", edited)
+    assert specialize._schedules_fingerprint() != before

@@ -1,14 +1,10 @@
-"""Stage 2: walk the exported torch graph and build the :class:`~pyro2pfp.graph.LayerGraph`.
+"""The dispatch table from torch op names to converters (the converters themselves are in the op
+family files, ``pyro2pfp/ops/<family>.py``; the walk over an exported program that calls them is
+:mod:`pyro2pfp.walk`).
 
-One walk over the nodes the output depends on, in graph order; each ``call_function`` node is
-dispatched by its op name (``"aten.linear.default"``) to a converter registered with
-:func:`register`.  A converter returns a :class:`~pyro2pfp.graph.Layer`, or :class:`Alias` when the
-node is the identity on one of its inputs (dropout at inference, ``contiguous``, …).
-One small module per op family registers its converters (``linear``, ``conv``, ``activation``,
-``pooling``, ``shape``).
+A converter ``fn(node, ctx) -> Layer | list[Layer] | Alias`` is registered with :func:`register` for
+the torch op names it handles (``str(node.target)``, e.g. ``"aten.linear.default"``).
 """
-from . import activation, arithmetic, conv, linear, normalization, pooling, shape  # noqa: F401,E501
 from ._registry import CONVERTERS, PRODUCES, Alias, register, supported_ops
-from ._walk import ConversionContext, build_layer_graph
 
-__all__ = ["CONVERTERS", "PRODUCES", "Alias", "ConversionContext", "build_layer_graph", "register", "supported_ops"]
+__all__ = ["CONVERTERS", "PRODUCES", "Alias", "register", "supported_ops"]

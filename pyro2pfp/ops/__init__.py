@@ -1,9 +1,14 @@
-"""The PFP op registry (NumPy-only): one :class:`OpDef` per op, in one module per op family.
+"""The PFP ops, one file per op family (NumPy-only: no TVM is imported here).
 
-See :mod:`pyro2pfp.ops.registry` and docs/architecture.md ("how to add an op").
+Each family file defines its ops completely for the NumPy side -- the :class:`~pyro2pfp.registry.OpDef`
+(torch ops, modules, representation contract, moment rule, assumptions), the converter(s) from torch
+ops, the float64 reference and the ONNX export (one shared formula for both where the back ends
+allow, :mod:`pyro2pfp.ops._formula`).  Their TVM kernels and CPU schedules are the matching files of
+``pyro2pfp/tvm_backend/ops/``.  Importing this package registers everything (``import pyro2pfp`` does
+it first).  See :mod:`pyro2pfp.registry` and docs/architecture.md ("how to add an op").
 """
+from ..registry import OPS, OpDef, OpRegistryError, get_op, register_op, render_layer_table, supported_modules
 from . import activation, arithmetic, compute, pooling, shape  # noqa: F401  (registers the ops)
-from .registry import OPS, OpDef, OpRegistryError, get_op, register_op, render_layer_table, supported_modules
 
 __all__ = ["OPS", "OpDef", "OpRegistryError", "get_op", "register_op", "render_layer_table",
            "supported_modules"]

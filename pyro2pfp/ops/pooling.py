@@ -1,7 +1,33 @@
-"""Pooling ops: max pooling (Clark's max) and average pooling (linear)."""
+"""Pooling: ``max_pool2d`` (Clark's pairwise Gaussian max over each window) and ``avg_pool2d`` (linear;
+also global/adaptive average pooling and ``mean`` over (H, W)).
+
+* Max pooling folds Clark's max of two independent Gaussians (``pfp-math.md`` "Max pooling",
+  :func:`pyro2pfp.moments.max_moments`) over each window in row-major order.  Positions outside the
+  input (padding, ceil-mode overhang) hold the fold's exact identity ``(−MAX, 0)``
+  (``max_moments(−MAX, 0, μ, v) = (μ, v)``).
+* Average pooling: ``μ ↦ Σμ/d``, ``v ↦ Σv/d²`` with torch's divisor ``d`` per output position
+  (``divisor``, ``count_include_pad``); padded positions are zeros.
+
+The reference and the ONNX export are written separately here (ONNX has ``MaxPool``/``AveragePool``
+and strided ``Slice``; NumPy folds strided views).  The TVM kernels and schedules are in
+``tvm_backend/ops/pooling.py``.
+"""
 from __future__ import annotations
 
-from .registry import OpDef, register_op
+import numpy as np
+
+from .. import moments
+from ..converters import register
+from ..errors import UnsupportedLayerError
+from ..graph import Layer, Repr
+from ..onnx_export import LOWEST32, OnnxActivation, OnnxContext, Sym, exporter
+from ..plan import PlannedLayer
+from ..reference import Activation, emit_output, reference
+from ..reference.arrays import LOWEST, average_divisor, padded, window_views
+from ..registry import OpDef, register_op
+from .compute import _pair
+
+D = Repr.DETERMINISTIC
 
 MAX_POOL2D = register_op(OpDef(
     "max_pool2d", ("aten.max_pool2d.default", "aten.max_pool2d_with_indices.default"),
@@ -14,3 +40,200 @@ AVG_POOL2D = register_op(OpDef(
     modules="`AvgPool2d`, `AdaptiveAvgPool2d` (output dividing the input, e.g. 1×1), `x.mean((2, 3))`",
     modules_short=("AvgPool2d", "AdaptiveAvgPool2d(1)"),
     moments="exact (linear)", assumptions="independent inputs"))
+
+
+# ------------------------------------------------------------------------------------ reference
+@reference("max_pool2d")
+def max_pool2d(layer: PlannedLayer, inputs: list[Activation]) -> Activation:
+    a, x = layer.layer.attrs, inputs[0]
+    out_hw = layer.layer.out_shape[1:]
+    means = window_views(padded(x.mean, a, out_hw, -np.inf if x.repr is D else LOWEST),
+                         a["kernel"], a["stride"], out_hw)
+    if x.repr is D:
+        mean = next(means)
+        for m in means:
+            mean = np.maximum(mean, m)
+        return Activation(mean, None, D)
+    vars_ = window_views(padded(x.variance(), a, out_hw, 0.0), a["kernel"], a["stride"], out_hw)
+    mean, var = next(means), next(vars_)
+    for m, v in zip(means, vars_):
+        mean, var = moments.max_moments(mean, var, m, v)
+    return emit_output(mean, var, layer)
+
+
+@reference("avg_pool2d")
+def avg_pool2d(layer: PlannedLayer, inputs: list[Activation]) -> Activation:
+    a, x = layer.layer.attrs, inputs[0]
+    out_hw = layer.layer.out_shape[1:]
+    divisor = average_divisor(a, x.mean.shape[2:], out_hw)
+    mean = sum(window_views(padded(x.mean, a, out_hw, 0.0), a["kernel"], a["stride"], out_hw)) / divisor
+    if x.repr is D:
+        return Activation(mean, None, D)
+    var = sum(window_views(padded(x.variance(), a, out_hw, 0.0), a["kernel"], a["stride"], out_hw)) / divisor**2
+    return emit_output(mean, var, layer)
+
+
+# ------------------------------------------------------------------------------------ ONNX
+def _window_views(ctx: OnnxContext, x: Sym, kernel: list[int], stride: list[int], out_hw: tuple[int, ...]):
+    """``window_views``: the strided slice of each window offset, row-major."""
+    oh, ow = out_hw
+    axes = ctx.b.ints([2, 3], "axes")
+    steps = ctx.b.ints(list(stride), "steps")
+    for p in range(kernel[0]):
+        for q in range(kernel[1]):
+            starts = ctx.b.ints([p, q], "starts")
+            ends = ctx.b.ints([p + stride[0] * (oh - 1) + 1, q + stride[1] * (ow - 1) + 1], "ends")
+            yield x.nary("Slice", starts, ends, axes, steps)
+
+
+def _window_pads(layer: PlannedLayer, in_hw: tuple[int, ...]) -> list[int] | None:
+    """ONNX ``Pad`` amounts (N, C, H, W begins, then ends) that put every window inside the input
+    (begin padding + ceil-mode overhang, as ``padded``); None if none needed."""
+    a, out_hw = layer.layer.attrs, layer.layer.out_shape[1:]
+    begins, ends = [], []
+    for n, k, s, p, o in zip(in_hw, a["kernel"], a["stride"], a.get("padding", [0, 0]), out_hw):
+        begins.append(int(p))
+        ends.append(max(0, (o - 1) * s + k - n - p))
+    if not any(begins) and not any(ends):
+        return None
+    return [0, 0, *begins, 0, 0, *ends]
+
+
+def _pad(ctx: OnnxContext, x: Sym, pads: list[int] | None, value: float) -> Sym:
+    if pads is None:
+        return x
+    return x.nary("Pad", ctx.b.ints(pads, "pads"), Sym(ctx.b, value=value), mode="constant")
+
+
+@exporter("max_pool2d")
+def max_pool2d_onnx(ctx: OnnxContext, layer: PlannedLayer, inputs: list[OnnxActivation]) -> OnnxActivation:
+    """``max_pool2d``: positions outside the input hold the fold's identity."""
+    a, x = layer.layer.attrs, inputs[0]
+    kernel, stride = list(a["kernel"]), list(a["stride"])
+    out_hw = tuple(layer.layer.out_shape[1:])
+    if list(a.get("dilation", [1, 1])) != [1, 1]:
+        raise UnsupportedLayerError(f"{layer.layer.source}: max pooling with dilation {a['dilation']}")
+    pads = _window_pads(layer, ctx.shapes[layer.inputs[0]][1:])
+    if x.repr is D:  # max over the (−inf padded) window views == MaxPool on the padded input
+        mean = _pad(ctx, x.mean, pads, float("-inf")).nary("MaxPool", kernel_shape=kernel, strides=stride)
+        return OnnxActivation(mean, None, D)
+    means = _window_views(ctx, _pad(ctx, x.mean, pads, LOWEST32), kernel, stride, out_hw)
+    vars_ = _window_views(ctx, _pad(ctx, ctx.random_variance(x), pads, 0.0), kernel, stride, out_hw)
+    mean, var = next(means), next(vars_)
+    for m, v in zip(means, vars_):
+        mean, var = moments.max_moments(mean, var, m, v, ctx.ops)
+    return ctx.emit(mean, var, layer)
+
+
+@exporter("avg_pool2d")
+def avg_pool2d_onnx(ctx: OnnxContext, layer: PlannedLayer, inputs: list[OnnxActivation]) -> OnnxActivation:
+    """``avg_pool2d``: ``μ ↦ Σμ/d``, ``v ↦ Σv/d²`` with torch's divisors ``d``.
+
+    ``AveragePool`` on the zero-padded input gives ``Σ/(kh·kw)``; a constant per output position
+    rescales it to ``Σ/d`` (and ``Σ/d²``)."""
+    a, x = layer.layer.attrs, inputs[0]
+    kernel, stride = list(a["kernel"]), list(a["stride"])
+    in_hw = tuple(ctx.shapes[layer.inputs[0]][1:])
+    out_hw = tuple(layer.layer.out_shape[1:])
+    pads = _window_pads(layer, in_hw)
+    divisor = average_divisor(a, in_hw, out_hw)
+    window = float(kernel[0] * kernel[1])
+
+    def window_sum_over(t: Sym, scale: np.ndarray, hint: str) -> Sym:
+        pooled = _pad(ctx, t, pads, 0.0).nary("AveragePool", kernel_shape=kernel, strides=stride)
+        return pooled * Sym(ctx.b, ctx.b.initializer(scale, hint))
+
+    mean = window_sum_over(x.mean, window / divisor, "mean_scale")
+    if x.repr is D:
+        return OnnxActivation(mean, None, D)
+    var = window_sum_over(ctx.random_variance(x), window / divisor**2, "var_scale")
+    return ctx.emit(mean, var, layer)
+
+
+# ------------------------------------------------------------------------------------ converters
+def _window_attrs(node, ctx, kernel, stride, padding, ceil_mode) -> dict:
+    kernel = _pair(kernel)
+    attrs = {
+        "kernel": kernel,
+        "stride": _pair(stride) if stride not in (None, [], ()) else list(kernel),
+        "padding": _pair(padding if padding is not None else 0),
+        "ceil_mode": bool(ceil_mode),
+    }
+    if any(p > k // 2 for p, k in zip(attrs["padding"], kernel)):
+        raise ctx.unsupported(node, f"padding {attrs['padding']} larger than half the kernel {kernel}")
+    return attrs
+
+
+def _check_4d(node, ctx, x) -> None:
+    if len(ctx.shape(x)) != 3:
+        raise ctx.unsupported(node, f"expects (batch, C, H, W) input, got (batch, {ctx.shape(x)})")
+
+
+@register("aten.max_pool2d.default", "aten.max_pool2d_with_indices.default", produces=("max_pool2d",))
+def convert_max_pool2d(node, ctx) -> Layer:
+    args = list(node.args) + [None] * 6
+    x, kernel, stride, padding, dilation, ceil_mode = args[:6]
+    _check_4d(node, ctx, x)
+    attrs = _window_attrs(node, ctx, kernel, stride, padding, ceil_mode)
+    attrs["dilation"] = _pair(dilation if dilation is not None else 1)
+    if attrs["dilation"] != [1, 1]:
+        raise ctx.unsupported(node, f"max pooling with dilation {dilation} is not supported")
+    return Layer(name=ctx.new_name(node, prefer_module=False), op="max_pool2d",
+                 inputs=[ctx.activation(x, node)], out_shape=ctx.shape(node),
+                 source=ctx.source(node), attrs=attrs)
+
+
+@register("aten.avg_pool2d.default", produces=("avg_pool2d",))
+def convert_avg_pool2d(node, ctx) -> Layer:
+    args = list(node.args) + [None] * 7
+    x, kernel, stride, padding, ceil_mode, count_include_pad, divisor = args[:7]
+    _check_4d(node, ctx, x)
+    attrs = _window_attrs(node, ctx, kernel, stride, padding, ceil_mode)
+    attrs["count_include_pad"] = True if count_include_pad is None else bool(count_include_pad)
+    attrs["divisor"] = int(divisor) if divisor is not None else None
+    if attrs["ceil_mode"] and attrs["padding"] != [0, 0]:
+        raise ctx.unsupported(node, "average pooling with both padding and ceil_mode is not supported")
+    return Layer(name=ctx.new_name(node, prefer_module=False), op="avg_pool2d",
+                 inputs=[ctx.activation(x, node)], out_shape=ctx.shape(node),
+                 source=ctx.source(node), attrs=attrs)
+
+
+def _global_average(node, ctx, x, keep_shape: bool) -> list[Layer]:
+    c, h, w = ctx.shape(x)
+    attrs = {"kernel": [h, w], "stride": [h, w], "padding": [0, 0], "ceil_mode": False,
+             "count_include_pad": True, "divisor": None}
+    pool = Layer(name=ctx.new_name(node, prefer_module=False), op="avg_pool2d",
+                 inputs=[ctx.activation(x, node)], out_shape=(c, 1, 1), source=ctx.source(node), attrs=attrs)
+    if keep_shape:
+        return [pool]
+    flat = Layer(name=ctx.new_name(node, prefer_module=False), op="reshape", inputs=[pool.name],
+                 out_shape=ctx.shape(node), source=ctx.source(node))
+    return [pool, flat]
+
+
+@register("aten.adaptive_avg_pool2d.default", produces=("avg_pool2d", "reshape"))
+def convert_adaptive_avg_pool2d(node, ctx) -> list[Layer]:
+    x, size = node.args[:2]
+    _check_4d(node, ctx, x)
+    c, h, w = ctx.shape(x)
+    oh, ow = ctx.shape(node)[1:]
+    if (oh, ow) == (1, 1):
+        return _global_average(node, ctx, x, keep_shape=True)
+    if h % oh or w % ow:
+        raise ctx.unsupported(node, f"adaptive average pooling {h}x{w} -> {oh}x{ow} with unequal windows; "
+                                    "only output sizes that divide the input are supported")
+    attrs = {"kernel": [h // oh, w // ow], "stride": [h // oh, w // ow], "padding": [0, 0],
+             "ceil_mode": False, "count_include_pad": True, "divisor": None}
+    return [Layer(name=ctx.new_name(node, prefer_module=False), op="avg_pool2d",
+                  inputs=[ctx.activation(x, node)], out_shape=(c, oh, ow), source=ctx.source(node), attrs=attrs)]
+
+
+@register("aten.mean.dim", produces=("avg_pool2d", "reshape"))
+def convert_mean(node, ctx) -> list[Layer]:
+    x, dims = node.args[:2]
+    keepdim = bool(node.args[2]) if len(node.args) > 2 else bool(node.kwargs.get("keepdim", False))
+    rank = len(ctx.shape(x)) + 1
+    if rank != 4 or sorted(d % rank for d in dims) != [2, 3]:
+        raise ctx.unsupported(node, f"mean over dims {list(dims)}; only the spatial mean of (batch, C, H, W) "
+                                    "(global average pooling) is supported")
+    return _global_average(node, ctx, x, keep_shape=keepdim)

@@ -22,6 +22,10 @@ Guides read through their own API:
   ``laplace_approximation()`` of an ``AutoLaplaceApproximation``): ``guide._loc_scale()`` (flat mean
   and marginal standard deviation) unpacked per site with ``guide._unpack_latent``.  Correlations
   are dropped (PFP is mean-field) and a warning says so for the non-diagonal guides.
+* :class:`~pyro.infer.autoguide.AutoStructured` with ``"normal"``/``"mvn"``/``"delta"`` conditionals
+  and no dependencies between sites: each site is ``loc + aux`` in unconstrained space with ``aux``
+  Gaussian (``scale`` per element; ``mvn``: ``diag(scale)·L·Lᵀ·diag(scale)``, whose marginals are
+  ``scale²·Σ_j L_ij²`` -- correlations dropped, with a warning).
 * :class:`~pyro.infer.autoguide.AutoGuideList`: each part through its own reader.
 * Any other guide (hand-written, TyXe, …): the guide is traced once and each sample site's
   distribution is read (``Independent`` unwrapped; ``Normal``; an affine transform of a Normal).
@@ -32,6 +36,7 @@ import inspect
 import warnings
 from collections.abc import Callable
 from dataclasses import dataclass
+from operator import attrgetter
 from typing import Any
 
 import numpy as np
@@ -151,6 +156,42 @@ def _from_autocontinuous(guide: autoguide.AutoContinuous) -> dict[str, SiteReadi
             for site, value in guide._unpack_latent(loc)}
 
 
+def _from_autostructured(guide: autoguide.AutoStructured) -> dict[str, SiteReading]:
+    """Read an AutoStructured guide (see the module docstring); dependencies between sites are refused."""
+    what = type(guide).__name__
+    dependencies = guide.dependencies  # a dict once the guide has run (its prototype is set up)
+    assert isinstance(dependencies, dict), dependencies
+    linked = sorted(name for name, deps in dependencies.items() if deps)
+    if linked:
+        raise PosteriorError(
+            f"{what} with dependencies between sites ({', '.join(linked)} depend on other sites): the marginal "
+            "posterior of a site then mixes its upstream sites; PFP reads AutoStructured guides without "
+            "dependencies (conditionals 'normal', 'mvn' or 'delta'). Use AutoNormal or drop `dependencies`.")
+    out = {}
+    correlated = []
+    for name, site in guide._sorted_sites:
+        conditional = guide.conditionals[name]
+        shape = guide._batch_shapes[name] + guide._unconstrained_event_shapes[name]
+        loc = attrgetter(name)(guide.locs).detach()
+        if conditional == "delta":
+            value = _transform_of(site["fn"].support)(loc.reshape(shape))
+            out[name] = SiteReading("point", _np(value), np.zeros(tuple(value.shape)), f"{what}: 'delta' conditional")
+            continue
+        if conditional not in ("normal", "mvn"):
+            out[name] = SiteReading("unsupported", reason=f"{what}: a custom conditional {conditional!r}",
+                                    shape=tuple(site["value"].shape))
+            continue
+        sd = attrgetter(name)(guide.scales).detach()
+        if conditional == "mvn":
+            correlated.append(name)
+            sd = sd * attrgetter(name)(guide.scale_trils).detach().pow(2).sum(-1).sqrt()
+        out[name] = _reading(loc.reshape(shape), sd.reshape(shape), site["fn"].support, what)
+    if correlated:
+        warnings.warn(f"{what} models correlations within {', '.join(correlated)} ('mvn' conditionals); PFP is "
+                      "mean-field and uses only the marginal variances (correlations are dropped).", stacklevel=6)
+    return out
+
+
 def _from_delta(guide: autoguide.AutoDelta) -> dict[str, SiteReading]:
     values = guide.median()
     return {name: SiteReading("point", _np(value), np.zeros(tuple(value.shape)),
@@ -248,6 +289,8 @@ def read_guide(guide: Any, example_args: tuple) -> dict[str, SiteReading]:
         return _from_delta(guide)
     if isinstance(guide, autoguide.AutoNormal):
         return _from_autonormal(guide)
+    if isinstance(guide, autoguide.AutoStructured):
+        return _from_autostructured(guide)
     if isinstance(guide, autoguide.AutoContinuous):
         return _from_autocontinuous(guide)
     return _from_trace(guide, example_args)

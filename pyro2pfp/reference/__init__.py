@@ -1,11 +1,11 @@
 """NumPy float64 reference executor of a :class:`~pyro2pfp.plan.PlannedGraph`.
 
-Each PFP op has one reference function registered with :func:`reference`; it receives the planned
-layer and the :class:`Activation` of each input and returns the layer's output activation in the
-representation the plan asks for (``layer.out_repr``).  The executor is the ground truth the
-compiled TVM module is tested against.
+Each PFP op has one reference function registered with :func:`reference` (in its op family file,
+``pyro2pfp/ops/<family>.py``); it receives the planned layer and the :class:`Activation` of each
+input and returns the layer's output activation in the representation the plan asks for
+(``layer.out_repr``).  The executor is the ground truth the compiled TVM module is tested against.
 """
-from . import compute, elementwise, pooling, shape  # noqa: F401  (registration)
-from ._core import REFERENCES, Activation, emit_output, execute, execute_all, reference
+from ._core import NUMPY_BACKEND, REFERENCES, Activation, NumpyBackend, emit_output, execute, execute_all, reference
 
-__all__ = ["REFERENCES", "Activation", "emit_output", "execute", "execute_all", "reference"]
+__all__ = ["NUMPY_BACKEND", "REFERENCES", "Activation", "NumpyBackend", "emit_output", "execute", "execute_all",
+           "reference"]

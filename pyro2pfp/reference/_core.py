@@ -1,4 +1,7 @@
-"""Registry, activation type and the executor loop of the NumPy reference."""
+"""Registry, activation type, the NumPy back end and the executor loop of the NumPy reference.
+
+The references of the ops are registered from the op family files (``pyro2pfp/ops/<family>.py``);
+``import pyro2pfp`` loads them before anything can call :func:`execute`."""
 from __future__ import annotations
 
 from collections.abc import Callable
@@ -11,6 +14,7 @@ from ..errors import PFPError
 from ..graph import INPUT, Repr
 from ..plan import PlannedGraph, PlannedLayer
 from ..registry import add_to
+from .arrays import conv2d_nchw
 
 
 @dataclass
@@ -44,6 +48,50 @@ def emit_output(mean: np.ndarray, var: np.ndarray, layer: PlannedLayer) -> Activ
         return Activation(mean, moments.variance_to_second(mean, var), Repr.SECOND_MOMENT)
     return Activation(mean, None, Repr.DETERMINISTIC)
 
+
+class NumpyBackend:
+    """The float64 NumPy back end of the formulas shared with the ONNX exporter (``pyro2pfp.ops``):
+    ``ops`` is :data:`pyro2pfp.moments.NUMPY`, constants are the arrays themselves, linear maps are
+    NumPy matmuls and convolutions.  (The ONNX twin is ``onnx_export.OnnxContext``.)"""
+
+    ops = moments.NUMPY
+
+    @staticmethod
+    def variance(x: Activation) -> np.ndarray:
+        return x.variance()
+
+    @staticmethod
+    def second_moment(x: Activation) -> np.ndarray:
+        return x.second_moment()
+
+    @staticmethod
+    def emit(mean: np.ndarray, var: np.ndarray, layer: PlannedLayer) -> Activation:
+        return emit_output(mean, var, layer)
+
+    @staticmethod
+    def deterministic(mean: np.ndarray) -> Activation:
+        return Activation(mean, None, Repr.DETERMINISTIC)
+
+    @staticmethod
+    def tensor(array: np.ndarray, hint: str) -> np.ndarray:
+        return np.asarray(array, dtype=np.float64)
+
+    @staticmethod
+    def dense(x: np.ndarray, weight: np.ndarray, hint: str) -> np.ndarray:
+        """``x @ weight.T`` (weight in torch layout (out, in))."""
+        return x @ weight.T
+
+    @staticmethod
+    def conv2d(x: np.ndarray, weight: np.ndarray, attrs: dict, hint: str) -> np.ndarray:
+        return conv2d_nchw(x, weight, attrs["stride"], attrs["padding"], attrs["dilation"], attrs["groups"])
+
+    @staticmethod
+    def reshape(t: np.ndarray, shape: tuple[int, ...]) -> np.ndarray:
+        """``t`` reshaped to ``(batch, *shape)``."""
+        return t.reshape((t.shape[0], *shape))
+
+
+NUMPY_BACKEND = NumpyBackend()
 
 RefFn = Callable[[PlannedLayer, list[Activation]], Activation]
 REFERENCES: dict[str, RefFn] = {}

@@ -2,10 +2,11 @@
 kernels, schedule them, compile and run.
 
 Each PFP op has one emitter registered with :func:`kernel` (it calls ``bb.emit_te`` with a TE
-function computing mean and second component together) and may register a default CPU
-schedule with :func:`schedule`.
+function computing mean and second component together) and a default CPU schedule registered with
+:func:`schedule`, both in ``tvm_backend/ops/<family>.py``.
 """
-from . import compute, elementwise, pooling, shape  # noqa: F401  (registration)
-from ._core import KERNELS, SCHEDULES, RelaxActivation, emit_module, kernel, schedule
+from . import ops  # noqa: F401  (registers the kernels and schedules)
+from ._core import KERNELS, RelaxActivation, emit_module, kernel
+from .schedules import SCHEDULES, schedule
 
 __all__ = ["KERNELS", "SCHEDULES", "RelaxActivation", "emit_module", "kernel", "schedule"]

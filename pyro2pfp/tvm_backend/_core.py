@@ -1,4 +1,6 @@
-"""Registry, TE math namespace and the Relax emitter loop."""
+"""Kernel registry, TE math namespace and the Relax emitter loop.
+
+The kernels are registered from ``tvm_backend/ops/<family>.py`` (loaded by ``tvm_backend/__init__``)."""
 from __future__ import annotations
 
 from collections import Counter
@@ -226,6 +228,13 @@ def activation_out(outs: list[relax.Expr], layer: PlannedLayer) -> RelaxActivati
     return RelaxActivation(outs[0], outs[1], layer.out_repr)
 
 
+def variance_of(mean: Any, second: Any, repr_: Repr) -> Any:
+    """TE expression of the variance of an input element given in ``repr_`` (variance or raw moment)."""
+    if repr_ is Repr.SECOND_MOMENT:
+        return moments.second_to_variance(mean, second, TE_OPS)
+    return second
+
+
 def epilogue(mean: Any, var: Any, layer: PlannedLayer) -> list[Any]:
     """TE expressions of the layer's output pair in the representation it must emit."""
     if layer.out_repr is Repr.SECOND_MOMENT:
@@ -256,22 +265,8 @@ def kernel_table(mod: Any) -> dict[str, tuple[str, str]]:
         if op is not None and layer is not None:
             table[gv.name_hint] = (op, layer)
     return table
-ScheduleFn = Callable[..., Any]
-SCHEDULES: dict[str, ScheduleFn] = {}
-
-
 #: ``@kernel(op)`` registers the Relax/TE emitter of PFP op ``op`` (once).
 kernel = add_to(KERNELS, "TVM kernel of op")
-
-
-def schedule(op: str) -> Callable[[ScheduleFn], ScheduleFn]:
-    """Register the default CPU schedule of PFP op ``op``: ``fn(sch, layer, target) -> None``."""
-
-    def deco(fn: ScheduleFn) -> ScheduleFn:
-        SCHEDULES[op] = fn
-        return fn
-
-    return deco
 
 
 FUSABLE_PRODUCERS = ("dense",)

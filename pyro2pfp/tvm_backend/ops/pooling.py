@@ -1,4 +1,5 @@
-"""PFP pooling kernels.
+"""PFP pooling kernels and their default CPU schedules.  (The op definitions, converters, reference and
+ONNX export: ``pyro2pfp/ops/pooling.py``.)
 
 Max pooling: Clark's pairwise Gaussian max folded over each window in row-major order (the same
 order as the NumPy reference).  The fold is a TE reduction with a tuple ``comm_reducer`` whose
@@ -13,14 +14,31 @@ Average pooling: ``μ = Σμ/d``, ``v = Σv/d²`` with torch's divisor per outpu
 """
 from __future__ import annotations
 
-import numpy as np
-from tvm import te, tirx
+from typing import Any
 
-from .. import moments
-from ..graph import Repr
-from ..plan import PlannedLayer
-from ..reference.pooling import average_divisor
-from ._core import F32, EmitContext, RelaxActivation, activation_out, epilogue, kernel, te_shared
+import numpy as np
+import tvm
+from tvm import s_tir, te, tirx
+
+from ... import moments
+from ...graph import Repr
+from ...plan import PlannedLayer
+from ...reference.arrays import average_divisor
+from .._core import F32, EmitContext, RelaxActivation, activation_out, epilogue, kernel, te_shared
+from ..schedules import (
+    divisor_at_most,
+    epilogue_at,
+    extent,
+    flat_nests,
+    has_block,
+    pow2_divisor,
+    schedule,
+    simd_lanes,
+    stage_inputs,
+    static_extent,
+    vectorizable,
+)
+from .compute import CONV_MAX_UNROLLED_WINDOW
 
 _LOWEST = float(np.finfo(np.float32).min)
 
@@ -170,3 +188,134 @@ def avg_pool2d(ctx: EmitContext, layer: PlannedLayer, inputs: list[RelaxActivati
             acc[0][b, c, i, j] * r[i, j], acc[1][b, c, i, j] * r[i, j] * r[i, j], layer), name="epilogue")
 
     return activation_out(ctx.emit_te(fn, x.tensors() + [inv], layer), layer)
+
+
+# ------------------------------------------------------------------------------------ max_pool2d
+POOL_REGISTER_TILE = 3  # deinterleaved pool: independent (mean, variance) vectors folded side by side
+
+
+@schedule("max_pool2d")
+def schedule_max_pool2d(sch: s_tir.Schedule, layer: Any, target: tvm.target.Target) -> None:
+    """Max pooling: a ``max_pool2d`` reduction over the window (Clark's Gaussian max, or a plain
+    max for a deterministic input) plus an ``epilogue`` when the input is probabilistic.
+
+    The unrolled window loops ``rp, rq`` always sit outside the vector loop, so each vector of
+    running (mean, variance) pairs is folded over the window in row-major order (the reference's
+    order).  The vector axis (vectorizable bodies: plain max; Clark's max unless the window
+    overhangs the input, whose ``if_then_else`` loads stay serial) is the one with the widest
+    power-of-two divisor:
+
+    * **channels** (LeNet pool2, 16 channels, rows of 5): parallel over (b, channel tile, i),
+      serial ``j``; taps are strided loads (stride H·W), the epilogue writes the tile (a
+      rectangle) from the stack.  (An unrolled register tile of 5 columns inside the window loops
+      measured 20 -> 14 us at batch 10 but doubled LeNet's compile time: not done);
+    * **deinterleaved windows** (kernel == stride, no padding/overhang, Gaussian input with a
+      channel count that is no multiple of 16, e.g. LeNet pool1): the kernel copies the input
+      into a window-tap-major, flattened layout first (``deinterleave`` blocks), see
+      :func:`_schedule_deinterleaved_pool` (pool1: 109 -> 46 us at batch 10);
+    * **the flattened output** ``(c, i, j)`` when it is at least 4x wider (LeNet pool1, 6x14x14
+      = 8·147: 8 lanes where channels and rows give 2): the taps are gathers with per-lane index
+      arithmetic (Clark's max, ~100 flops per tap, still dominates) and the epilogue is its own
+      elementwise nest (a tile of the flat axis is no rectangle, so it cannot be computed at it);
+    * **output columns** ``j`` otherwise (parallel over rows ``(b, c, i)``); a serial body gets its
+      input rows staged (see the module docstring).
+    """
+    lanes = simd_lanes(target)
+    blk = sch.get_sblock("max_pool2d")
+    if has_block(sch, "deinterleave_v0"):
+        _schedule_deinterleaved_pool(sch, blk, lanes)
+        return
+    b, c, i, j, *window = sch.get_loops(blk)
+    vectorize = vectorizable(sch, [blk])
+    vec_c = pow2_divisor(static_extent(sch, c), lanes) if vectorize else 1
+    vec_j = pow2_divisor(static_extent(sch, j), lanes) if vectorize else 1
+    per_sample = static_extent(sch, c) * static_extent(sch, i) * static_extent(sch, j)
+    vec_flat = pow2_divisor(per_sample, lanes) if vectorize else 1
+    if vec_flat >= 4 * max(vec_c, vec_j):  # a vector of the flattened output (gathered taps)
+        fo, fv = sch.split(sch.fuse(c, i, j), [None, vec_flat])
+        sch.reorder(b, fo, *window, fv)
+        sch.parallel(sch.fuse(b, fo))
+        for loop in window:
+            sch.unroll(loop)
+        sch.vectorize(fv)
+        sch.decompose_reduction(blk, window[0])
+        flat_nests(sch, sch.get_consumers(blk), lanes)  # the epilogue: its own nest (no rectangle tile)
+        return
+    if vec_c > vec_j:  # a vector of channels: (b, channel tile, i) | j, window, channels
+        co, cv = sch.split(c, [None, vec_c])
+        sch.reorder(b, co, i, j, *window, cv)
+        par, vector = sch.fuse(b, co, i), cv
+    else:  # a vector of columns: (b, c, i) | window, j
+        sch.reorder(b, c, i, *window, j)
+        par, vector = sch.fuse(b, c, i), None
+        if vec_j > 1:
+            _, vector = sch.split(j, [None, vec_j])
+    sch.parallel(par)
+    if sch.get_consumers(blk):
+        epilogue_at(sch, blk, par, lanes)  # the tile of one `par` iteration is a rectangle
+    for loop in window:
+        sch.unroll(loop)
+    if vector is not None:
+        sch.vectorize(vector)
+    if not vectorize:
+        stage_inputs(sch, [blk], par)
+    sch.decompose_reduction(blk, window[0] if vec_c <= vec_j else j)
+
+
+def _schedule_deinterleaved_pool(sch: s_tir.Schedule, blk: Any, lanes: int) -> None:
+    """The non-overlapping Gaussian max pool (``pooling._gaussian_max_pool_deinterleaved``):
+    three loop nests, each parallel over the batch and a static outer axis.
+
+    * ``deinterleave`` ``(b, rp, rq, p)``: ``p`` is split ``(c, i, j)`` by the output plane
+      (so the copy's ``p // (OH·OW)``, ``p % OW``... can simplify to the loop variables when
+      lowered), parallel over ``(b, rp, rq, c)``; serial (strided reads; the padding lanes'
+      guard is an ``if_then_else``);
+    * ``max_pool2d`` ``(b, p | rp, rq)``: ``p`` split ``(po, pu, pv)``, ``pv`` a whole vector
+      (``p`` is padded to a multiple of 16), ``pu`` unrolled inside the window loops so
+      :data:`POOL_REGISTER_TILE` independent Clark chains hide each other's latency; the fold
+      over ``rp, rq`` stays sequential and row-major; parallel over ``(b, po)``;
+    * ``epilogue`` ``(b, c, i, j)``: :func:`flat_nest` (it reads the flat ``p`` back as
+      ``c·OH·OW + (i·OW + j)``, contiguous along the fused ``(i, j)``).
+    """
+    copy = sch.get_sblock("deinterleave_v0")
+    consumers = list(sch.get_consumers(blk))
+    # the copy: (b, rp, rq, c, i, j) with c*OH*OW + i*OW + j = p (output plane from the epilogue)
+    _, _, oh, ow = (extent(sch, loop) for loop in sch.get_loops(consumers[0]))  # (batch, c, oh, ow)
+    b, rp, rq, p = sch.get_loops(copy)
+    _, i, j = sch.split(p, [None, oh, ow])
+    sch.parallel(sch.fuse(b, rp, rq, sch.get_loops(copy)[3]))
+    # the reduction
+    b, p, rp, rq = sch.get_loops(blk)
+    n = static_extent(sch, p)
+    vectorize = vectorizable(sch, [blk])
+    vec = pow2_divisor(n, lanes) if vectorize else 1
+    tile = divisor_at_most(n // vec, POOL_REGISTER_TILE)
+    po, pu, pv = sch.split(p, [None, tile, vec])
+    sch.reorder(b, po, rp, rq, pu, pv)
+    sch.parallel(sch.fuse(b, po))
+    for loop in (rp, rq, pu):
+        sch.unroll(loop)
+    if vec > 1:
+        sch.vectorize(pv)
+    sch.decompose_reduction(blk, rp)
+    flat_nests(sch, consumers, lanes)  # the epilogue: its own nest (a tile of p is no rectangle of (c, i, j))
+
+
+@schedule("avg_pool2d")
+def schedule_avg_pool2d(sch: s_tir.Schedule, layer: Any, target: tvm.target.Target) -> None:
+    """Average pooling: the window-sum reduction ``avg_pool2d`` (one or two outputs: mean and
+    variance) runs parallel over (batch, channel) with the window loops unrolled inside the output
+    columns (row-major window order, as the reference sums), the output columns vectorised when the
+    body allows; the ``epilogue`` (scaling by the divisor) is an elementwise nest of its own."""
+    lanes = simd_lanes(target)
+    blk = sch.get_sblock("avg_pool2d" if has_block(sch, "avg_pool2d") else "avg_pool2d_v0")
+    epilogues = list(sch.get_consumers(blk))
+    b, c, i, j, rp, rq = sch.get_loops(blk)
+    sch.reorder(b, c, i, rp, rq, j)
+    sch.parallel(sch.fuse(b, c))
+    window = static_extent(sch, rp) * static_extent(sch, rq)
+    if window <= CONV_MAX_UNROLLED_WINDOW:
+        sch.unroll(rp)
+        sch.unroll(rq)
+    sch.decompose_reduction(blk, rp)
+    flat_nests(sch, epilogues, lanes)

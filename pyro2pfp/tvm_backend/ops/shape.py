@@ -3,8 +3,8 @@ from __future__ import annotations
 
 from tvm import relax
 
-from ..plan import PlannedLayer
-from ._core import EmitContext, RelaxActivation, kernel
+from ...plan import PlannedLayer
+from .._core import EmitContext, RelaxActivation, kernel
 
 
 @kernel("reshape")

@@ -1,4 +1,11 @@
-"""The walk over an exported program that calls the registered converters."""
+"""Stage 3: walk the exported torch graph and build the :class:`~pyro2pfp.graph.LayerGraph`.
+
+One walk over the nodes the output depends on, in graph order; each ``call_function`` node is
+dispatched by its op name (``"aten.linear.default"``) to the converter registered for it
+(:mod:`pyro2pfp.converters`; the converters live in the op family files, ``pyro2pfp/ops/``).  A
+converter returns a :class:`~pyro2pfp.graph.Layer` (or a list), or :class:`Alias` when the node is
+the identity on one of its inputs (dropout at inference, ``contiguous``, …).
+"""
 from __future__ import annotations
 
 import operator
@@ -7,11 +14,12 @@ from typing import Any
 import torch
 import torch.fx
 
-from ..errors import TracingError, UnsupportedLayerError
-from ..graph import INPUT, GaussianParam, Layer, LayerGraph
-from ..ops import supported_modules
-from ..tracing import _WRAPPER_PREFIX, TracedModel
-from ._registry import CONVERTERS, Alias, supported_ops
+from . import ops  # noqa: F401  (registers the converters)
+from .converters import CONVERTERS, Alias, supported_ops
+from .errors import TracingError, UnsupportedLayerError
+from .graph import INPUT, GaussianParam, Layer, LayerGraph
+from .registry import supported_modules
+from .tracing import _WRAPPER_PREFIX, TracedModel
 
 # Ops that only compute shapes (SymInts) or are bookkeeping; never activations.
 _SHAPE_OPS = {"aten.sym_size.int", "aten.sym_numel.default"}
@@ -61,6 +69,15 @@ class ConversionContext:
             f"{self.source(node)}: the {role} is computed in forward() rather than being a "
             "parameter/sample site; PFP needs weights that are model parameters."
         )
+
+    def is_parameter(self, arg: Any) -> bool:
+        """Whether an argument is a model parameter/buffer (a weight or sample site), not an activation."""
+        return isinstance(arg, torch.fx.Node) and arg.name in self._param_of
+
+    def producer(self, arg: Any) -> Layer | None:
+        """The layer whose output an activation argument is (None for the network input)."""
+        name = self._names.get(arg) if isinstance(arg, torch.fx.Node) else None
+        return next((layer for layer in self.layers if layer.name == name), None)
 
     def activation(self, arg: Any, node: torch.fx.Node) -> str:
         """The layer name that produces an activation argument."""

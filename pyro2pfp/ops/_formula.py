@@ -1,0 +1,45 @@
+"""One formula for the NumPy reference and the ONNX export of an op.
+
+A shared formula ``fn(bk, layer, inputs) -> activation`` is written against a *back end* ``bk``:
+:data:`pyro2pfp.reference.NUMPY_BACKEND` (float64 arrays) or the exporter's
+:class:`pyro2pfp.onnx_export.OnnxContext` (ONNX symbols).  Both offer the same members:
+
+* ``bk.ops`` -- the :mod:`pyro2pfp.moments` namespace (``where``, ``normal_cdfs``, ``exp``, ``sqrt``,
+  ``maximum``, ``minimum``, ``const``; Python operators work on its values);
+* ``bk.variance(x)``, ``bk.second_moment(x)`` of a non-deterministic input activation ``x``
+  (``x.mean``, ``x.repr`` are plain attributes);
+* ``bk.emit(mean, var, layer)`` -- the output in the representation the plan asks for;
+  ``bk.deterministic(mean)`` -- an exact output;
+* ``bk.tensor(array, hint)`` -- a constant; ``bk.dense(x, w, hint)`` (``x @ w.T``),
+  ``bk.conv2d(x, w, attrs, hint)``, ``bk.reshape(t, shape)`` -- the linear maps.
+
+:func:`formula` registers such a function as both the reference and the ONNX exporter of its ops.
+"""
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+from ..onnx_export import exporter
+from ..reference import NUMPY_BACKEND, reference
+
+Formula = Callable[[Any, Any, list[Any]], Any]
+
+
+def formula(*ops: str) -> Callable[[Formula], Formula]:
+    """Register ``fn(bk, layer, inputs)`` as the NumPy reference and the ONNX export of ``ops``."""
+
+    def deco(fn: Formula) -> Formula:
+        def on_numpy(layer: Any, inputs: list[Any]) -> Any:
+            return fn(NUMPY_BACKEND, layer, inputs)
+
+        def on_onnx(ctx: Any, layer: Any, inputs: list[Any]) -> Any:
+            return fn(ctx, layer, inputs)
+
+        on_numpy.__name__ = on_onnx.__name__ = fn.__name__
+        on_numpy.__doc__ = on_onnx.__doc__ = fn.__doc__
+        reference(*ops)(on_numpy)
+        exporter(*ops)(on_onnx)
+        return fn
+
+    return deco
