@@ -285,10 +285,10 @@ def test_onnx_symbols_match_float64(name: str) -> None:
     ort = pytest.importorskip("onnxruntime")
     from onnx import TensorProto, helper
 
-    from pyro2pfp.onnx_export import _Builder, _onnx_ops, _Sym
+    from pyro2pfp.onnx_export import Sym, _Builder, _onnx_ops
 
     b = _Builder()
-    mean, var = _Sym(b, "m"), _Sym(b, "v")
+    mean, var = Sym(b, "m"), Sym(b, "v")
     out_m, out_v = CASES[name].rule(mean, var, _onnx_ops(b))
     b.nodes += [helper.make_node("Identity", [out.name], [key]) for out, key in ((out_m, "mean"), (out_v, "var"))]
     io = [helper.make_tensor_value_info(k, TensorProto.FLOAT, ["n"]) for k in ("m", "v", "mean", "var")]
