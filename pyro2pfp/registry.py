@@ -112,7 +112,9 @@ class OpDef:
     ``internal``: inserted by the planner, never converted from torch (no table row, no converter);
     ``table_op``: the op column of the table when it is not just ``name``; ``view``: emitted as a
     Relax view (no PrimFunc, so no schedule); ``required_tests``: the test kinds the completeness
-    test demands (an op with no moments to sample, e.g. ``reshape``, omits ``"monte_carlo"``).
+    test demands (an op with no moments to sample, e.g. ``reshape``, omits ``"monte_carlo"``);
+    ``example_attrs``: the attrs of a representative layer of an op that has any (e.g. a LeakyReLU
+    slope), so generic tests can build one layer of every registered activation.
     """
 
     name: str
@@ -128,6 +130,7 @@ class OpDef:
     table_op: str = ""
     view: bool = False
     required_tests: tuple[str, ...] = field(default=("monte_carlo", "compiled"))
+    example_attrs: dict[str, Any] = field(default_factory=dict)
 
 
 OPS: dict[str, OpDef] = {}

@@ -118,6 +118,13 @@ def case_graphs() -> dict[str, LayerGraph]:
     g["relu_det"] = LayerGraph((30,), [relu("r", INPUT, (30,)), dense(rng, "fc", "r", 30, 9)], "fc")
     # a variance input to a dense layer: in the raw-moment plan the planner inserts a `convert`
     g["convert"] = LayerGraph((12,), [dense(rng, "fc", INPUT, 12, 9)], "fc", input_variance=True)
+    # every other registered activation (the generic elementwise kernel), on Gaussians of 3-d shape
+    covered = {layer.op for graph in g.values() for layer in graph.layers}
+    for name, op in OPS.items():
+        if op.activation is not None and name not in covered:
+            g[f"act_{name}"] = LayerGraph((3, 5, 6), [Layer("a", name, [INPUT], (3, 5, 6), "a",
+                                                            attrs=dict(op.example_attrs))], "a",
+                                          input_variance=True)
     return g
 
 

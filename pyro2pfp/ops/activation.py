@@ -55,7 +55,7 @@ LEAKY_RELU = register_activation(OpDef(
     "leaky_relu", ("aten.leaky_relu.default", "aten.leaky_relu_.default"),
     modules="`LeakyReLU(slope)`", modules_short=("LeakyReLU",),
     moments="exact (`Cov(a, relu a) = v·Φ(α)`, Stein's lemma)", assumptions="input treated as Gaussian",
-    contract=ACTIVATION,
+    contract=ACTIVATION, example_attrs={"slope": 0.1},
     activation=ActivationRule(
         exact=lambda x, attrs, ops: ops.where(x > ops.const(0.0), x, ops.const(attrs["slope"]) * x),
         moments=lambda mean, var, attrs, ops: moments.leaky_relu_moments(mean, var, attrs["slope"], ops))))
@@ -65,6 +65,7 @@ SCALE = register_activation(OpDef(
     "scale", ("aten.mul.Tensor", "aten.div.Tensor", "aten.neg.default"),
     modules="`x * c`, `x / c`, `-x` (a constant `c`, e.g. a temperature)", modules_short=("x * c",),
     moments="exact (linear: `μ ↦ c·μ`, `v ↦ c²·v`)", assumptions="—", contract=VARIANCE_IN_OUT,
+    example_attrs={"factor": -0.5},
     activation=ActivationRule(
         exact=lambda x, attrs, ops: ops.const(attrs["factor"]) * x,
         moments=lambda mean, var, attrs, ops: (ops.const(attrs["factor"]) * mean,
