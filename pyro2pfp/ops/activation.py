@@ -84,7 +84,7 @@ _GAUSSIAN_INPUT = "input treated as Gaussian"
 
 SIGMOID = register_activation(OpDef(
     "sigmoid", ("aten.sigmoid.default", "aten.sigmoid_.default"),
-    modules="`Sigmoid` (hidden; a final one before `Bernoulli(probs=…)` is stripped)", modules_short=("Sigmoid",),
+    modules="`Sigmoid` (hidden; a final one is stripped, see below the table)", modules_short=("Sigmoid",),
     moments=_QUADRATURE.format(acc="variance ≤ 1e-6 relative", fn="sigmoid_moments"),
     assumptions=_GAUSSIAN_INPUT, contract=ACTIVATION,
     activation=ActivationRule(

@@ -1,11 +1,11 @@
-"""TE kernel of ``layer_norm`` (fixed-statistics LayerNorm) and its default CPU schedule.  (The op
-definition, its rule and sources, converter, reference and ONNX export: ``pyro2pfp/ops/normalization.py``.)
+"""TE kernel of ``layer_norm`` (LayerNorm linearised at the input means) and its default CPU schedule.
+(The op definition, its rule and sources, converter, reference and ONNX export:
+``pyro2pfp/ops/normalization.py``.)
 
-Three stages per example row (the normalised trailing dims of one position of the leading dims):
-the row mean ``m`` of the input means (a reduction), the row variance ``s²`` about it (a second
-reduction: two passes, no ``E[μ²] − m²`` cancellation), and the elementwise output pair
-``μγ·z + μβ``, ``μγ²·v_z + vγ·(z² + v_z) + vβ`` with ``z = (μ − m)·r``, ``v_z = v·r²``,
-``r = 1/√(s² + ε)``.
+Per example row (the normalised trailing dims at one position of the leading dims): the row mean ``m``
+of the input means (a reduction), the row variance ``s²`` about it (a second reduction: two passes, no
+``E[μ²] − m²`` cancellation), for a random input the row averages ``A0, A1, A2`` of ``v``, ``z·v``,
+``z²·v`` (three reductions), then the elementwise output pair.
 """
 from __future__ import annotations
 
@@ -25,16 +25,19 @@ _TENSORS = ("weight_mean", "weight_var", "bias_mean", "bias_var")
 
 @kernel("layer_norm")
 def layer_norm(ctx: EmitContext, layer: PlannedLayer, inputs: list[RelaxActivation]) -> RelaxActivation:
-    """Fixed-statistics LayerNorm over the trailing ``attrs["dims"]`` axes (see the module docstring)."""
+    """Linearised LayerNorm over the trailing ``attrs["dims"]`` axes (see ``pyro2pfp/ops/normalization.py``)."""
     x = inputs[0]
     shape = tuple(layer.layer.out_shape)
     k = int(layer.layer.attrs["dims"])
     lead = len(shape) - k
     norm = shape[lead:]
-    inv_d = 1.0 / math.prod(norm)
+    d = math.prod(norm)
     eps = float(layer.layer.attrs["eps"])
     consts = [ctx.const(layer.tensors[name].reshape(norm)) for name in _TENSORS]
     n_x = len(x.tensors())
+
+    def c(value: float) -> Any:
+        return tvm.tirx.const(value, F32)
 
     def fn(*t: te.Tensor) -> list[te.Tensor]:
         m = t[0]
@@ -42,29 +45,45 @@ def layer_norm(ctx: EmitContext, layer: PlannedLayer, inputs: list[RelaxActivati
         gm, gv, bm, bv = t[n_x:]
         row_shape = m.shape[:1 + lead]
 
-        def reduce_axes(name: str) -> list[Any]:
-            return [te.reduce_axis((0, n), name=f"{name}{j}") for j, n in enumerate(norm)]
+        def row_average(name: str, term: Any) -> te.Tensor:
+            """``mean_j term(row, j)`` over the normalised axes, one value per row."""
+            axes = [te.reduce_axis((0, n), name=f"{name}_{a}") for a, n in enumerate(norm)]
+            return te.compute(row_shape, lambda *i: te.sum(term(tuple(i), tuple(axes)) * c(1.0 / d), axis=axes),
+                              name=name)
 
-        ra = reduce_axes("r")
-        row_mean = te.compute(row_shape, lambda *i: te.sum(m[tuple(i) + tuple(ra)] * tvm.tirx.const(inv_d, F32),
-                                                           axis=ra), name="ln_mean")
-        rb = reduce_axes("q")
+        row_mean = row_average("ln_mean", lambda i, j: m[i + j])
 
-        def dev2(i: tuple) -> Any:
-            c = m[tuple(i) + tuple(rb)] - row_mean[i]
-            return c * c * tvm.tirx.const(inv_d, F32)
+        def dev2(i: tuple, j: tuple) -> Any:
+            dev = m[i + j] - row_mean[i]
+            return dev * dev
 
-        row_var = te.compute(row_shape, lambda *i: te.sum(dev2(i), axis=rb), name="ln_var")
+        row_var = row_average("ln_var", dev2)
+
+        def inv(row: tuple) -> Any:
+            return c(1.0) / te.sqrt(row_var[row] + c(eps))
+
+        def z(row: tuple, j: tuple) -> Any:
+            return (m[row + j] - row_mean[row]) * inv(row)
+
+        if s is not None:
+            def v(i: tuple) -> Any:
+                return variance_of(m[i], s[i], x.repr)
+
+            a0 = row_average("ln_v", lambda i, j: v(i + j))
+            a1 = row_average("ln_zv", lambda i, j: z(i, j) * v(i + j))
+            a2 = row_average("ln_zzv", lambda i, j: z(i, j) * z(i, j) * v(i + j))
 
         def out(*i: Any) -> list[Any]:
-            row, j = i[:1 + lead], i[1 + lead:]
-            inv = tvm.tirx.const(1.0, F32) / te.sqrt(row_var[row] + tvm.tirx.const(eps, F32))
-            z = (m[i] - row_mean[row]) * inv
-            mean = z * gm[j] + bm[j]
-            var = z * z * gv[j] + bv[j]
+            row, j = tuple(i[:1 + lead]), tuple(i[1 + lead:])
+            r = inv(row)
+            zj = (m[i] - row_mean[row]) * r
+            mean = zj * gm[j] + bm[j]
+            var = zj * zj * gv[j] + bv[j]
             if s is not None:
-                vz = variance_of(m[i], s[i], x.repr) * inv * inv
-                var = var + vz * (gm[j] * gm[j] + gv[j])
+                z2 = zj * zj
+                inner = (v(tuple(i)) * (c(1.0) - c(2.0 / d) * (c(1.0) + z2))
+                         + c(1.0 / d) * (a0[row] + c(2.0) * zj * a1[row] + z2 * a2[row]))
+                var = var + te.max(inner, c(0.0)) * r * r * (gm[j] * gm[j] + gv[j])
             return epilogue(mean, var, layer)
 
         return te.compute(m.shape, out, name="layer_norm")
@@ -84,8 +103,9 @@ def schedule_layer_norm(sch: s_tir.Schedule, layer: Any, target: tvm.target.Targ
     out_loops = sch.get_loops(outs[0])
     row = sch.fuse(*out_loops[:n_row]) if n_row > 1 else out_loops[0]
     sch.parallel(row)
-    sch.compute_at(blocks["ln_var"], row)
-    sch.compute_at(blocks["ln_mean"], row)
+    for name in ("ln_zzv", "ln_zv", "ln_v", "ln_var", "ln_mean"):  # consumers first
+        if name in blocks:
+            sch.compute_at(blocks[name], row)
     vectorize_inner(sch, outs[0], lanes, below=row)  # the output blocks share their loop nest
 
 
