@@ -15,7 +15,6 @@ from typing import Any
 import tvm
 from tvm import s_tir, te
 
-from ...graph import Repr
 from ...plan import PlannedLayer
 from .._core import F32, EmitContext, RelaxActivation, activation_out, epilogue, kernel, variance_of
 from ..schedules import schedule, simd_lanes, vectorize_inner
