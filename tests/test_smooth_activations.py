@@ -12,9 +12,9 @@ Bounds:
   ``GELU('tanh')`` uses the erf-GELU moments: the functions differ by ≤ 4.8e-4, so its bound adds that
   (mean) and ``2·4.8e-4·sd + 4.8e-4²`` (variance).
 * LayerNorm: with a deterministic input and Gaussian ``γ``, ``β`` the rule is exact (pure MC bound); with a
-  random input it is the linearisation at the input means, checked in a regime where it is good
-  (``v ≈ 0.01·spread²``, D = 16: mean within 0.25 output sd, variance ratio in [0.95, 1.06] — measured
-  0.2 sd and 0.99..1.02) and shown to fail where it is documented to (all means equal).
+  random input (statistics at their expected values, linearised variance) it is an approximation, checked
+  for v/spread² from 0.01 to 1e6 at D = 16 and 64 (mean within 0.1 output sd, variance ratio in
+  [0.85, 1.1]; measured 0.05 sd and 0.89–1.06) and shown to be poor where it is documented to be (D = 4).
 * One-hidden-layer MLPs with a deterministic input: hidden units are independent and the activation
   moments exact (tanh/sigmoid to 1e-6), so PFP's logit mean and variance are exact and must agree with
   ``Predictive`` within MC error (z bound, family-wise 1e-4, as ``test_styles``).
@@ -440,7 +440,8 @@ def test_layer_norm_gaussian_affine_is_exact():
 
 
 def layer_norm_mc(v_scale, d=16, spread=1.0, seed=5, n=100_000):
-    """(PFP mean, var, MC mean, var) of LayerNorm on N(μ, v), μ ~ N(0, spread²), v ≈ v_scale·spread²."""
+    """PFP mean, var, MC mean, var of LayerNorm on N(μ, v), μ ~ N(0, spread²), v ≈ v_scale·spread², and the
+    variance of the simplest rule (mean-path statistics held fixed: ``γ²·v/(s²(μ) + ε)``) for comparison."""
     rng = np.random.default_rng(seed)
     gm, bm = rng.uniform(0.5, 1.5, d), rng.normal(0, 0.5, d)
     net = ln_net((d,), 1, GaussianParam(gm, np.zeros(d)), GaussianParam(bm, np.zeros(d)))
@@ -453,23 +454,25 @@ def layer_norm_mc(v_scale, d=16, spread=1.0, seed=5, n=100_000):
 
 
 @covers("layer_norm", kind=MONTE_CARLO)
-def test_layer_norm_random_input_where_the_linearisation_is_good():
-    """v ≈ 0.01·spread², D = 16: mean within 0.25 output sd, variance ratio in [0.95, 1.06] (measured 0.2 sd,
-    0.99–1.02; MC se of a variance at 1e5 draws: 0.5 %).  Holding the statistics fixed instead would be up to
-    2× off there (the outliers' z²/D term), which this test also shows."""
-    mean, var, mc_mean, mc_var, fixed = layer_norm_mc(0.01)
-    assert np.max(np.abs(mean - mc_mean) / np.sqrt(mc_var)) < 0.25
+@pytest.mark.parametrize("v_scale, d", [(0.01, 16), (1.0, 16), (1e6, 16), (1.0, 64)])
+def test_layer_norm_random_input(v_scale, d):
+    """Input variances from 1 % of the spread of the means to all of it (D = 16, 64): mean within 0.1 output
+    sd, variance ratio in [0.85, 1.1] (measured 0.05 sd and 0.89–1.06; MC se of a variance at 1e5 draws
+    ≈ 0.5 %).  The mean-path statistics held fixed would be up to 1.7× off at v = 0.01·spread² and orders of
+    magnitude off when the variance dominates the spread, which this test also shows."""
+    mean, var, mc_mean, mc_var, fixed = layer_norm_mc(v_scale, d=d, n=50_000 if d == 64 else 100_000)
+    assert np.max(np.abs(mean - mc_mean) / np.sqrt(mc_var)) < 0.1
     ratio = var / mc_var
-    assert 0.95 < ratio.min() and ratio.max() < 1.06, (ratio.min(), ratio.max())
+    assert 0.85 < ratio.min() and ratio.max() < 1.1, (ratio.min(), ratio.max())
     assert (fixed / mc_var).max() > 1.3
 
 
-def test_layer_norm_where_it_is_documented_to_fail():
-    """All means equal (spread 1e-3 against v = 1): the true variance is ≤ γ²·(D − 1) (a normalised row has
-    norm √D); the linearised rule exceeds it by orders of magnitude, as the OpDef's assumptions say."""
-    mean, var, mc_mean, mc_var, _ = layer_norm_mc(1e6, spread=1e-3, n=20_000)
-    assert np.all(np.isfinite(var)) and np.all(mc_var <= 1.5**2 * 15)
-    assert (var / mc_var).max() > 100
+def test_layer_norm_over_few_features_is_where_it_is_poor():
+    """D = 4 with v = 0.2·spread²: s² itself fluctuates by O(1), and the variance is up to 2× off (measured
+    0.42–0.91) -- as the OpDef's assumptions say.  Still finite and non-negative."""
+    mean, var, mc_mean, mc_var, _ = layer_norm_mc(0.2, d=4, n=50_000)
+    assert np.all(np.isfinite(var)) and np.all(var >= 0)
+    assert (var / mc_var).min() < 0.7
 
 
 @covers("layer_norm", kind=COMPILED)
@@ -531,6 +534,24 @@ def test_layer_norm_converts(affine):
     assert bool(ln.tensors["weight_var"].any()) is (affine == "sample")
 
 
+def layer_norm_mlp_agreement() -> tuple[float, float, float, float]:
+    model = LNModel("sample")
+    pyro.clear_param_store()
+    pyro.set_rng_seed(0)
+    guide = autoguide.AutoNormal(model, init_scale=0.1)
+    fit(model, guide, steps=30)
+    return predictive_agreement(model, guide, pyro2pfp.convert(model, guide), data(n=16, seed=1)[0])
+
+
+def test_layer_norm_mlp_against_predictive():
+    """Linear → LayerNorm (Gaussian γ, β) → GELU → Linear, 30 SVI steps: the hidden pre-activations have
+    variances ~3× the spread of their means (the LayerNorm makes fc1's scale unidentifiable, so its posterior
+    stays wide).  Stated tolerance for the LayerNorm approximation: logit means within 6 MC se, variance ratio
+    in [0.75, 1.15] (measured 2.8 se, 0.85–1.04; holding the mean-path statistics fixed gave 21 se, 1.7–5.6)."""
+    mz, _, lo, hi = layer_norm_mlp_agreement()
+    assert mz < 6 and 0.75 < lo and hi < 1.15, (mz, lo, hi)
+
+
 # ------------------------------------------------------------------------------------ report
 def report() -> None:  # pragma: no cover - run by hand: python tests/test_smooth_activations.py
     print("per op, Monte Carlo (200k draws) on the grid of input_grid(): max |Δmean|/MC se, max |Δvar|/MC se, "
@@ -546,25 +567,23 @@ def report() -> None:  # pragma: no cover - run by hand: python tests/test_smoot
         print(f"  {case:18s} mean {np.max(np.abs(m[0] - s.mean(0)) / se):5.2f} se, "
               f"var {np.max(np.abs(v[0] - s.var(0)) / se_var):5.2f} se, ratio {ratio.min():.4f}..{ratio.max():.4f} "
               f"({m.size} points, z bound {check_moments(s, m[0], v[0]).z:.2f})")
-    for v_scale in (0.001, 0.01, 0.05):
-        mean, var, mc_mean, mc_var, fixed = layer_norm_mc(v_scale)
-        print(f"  layer_norm v={v_scale}·spread², D=16: mean {np.max(np.abs(mean - mc_mean) / np.sqrt(mc_var)):.3f} "
-              f"output sd, var ratio {(var / mc_var).min():.3f}..{(var / mc_var).max():.3f} "
-              f"(fixed statistics: {(fixed / mc_var).min():.3f}..{(fixed / mc_var).max():.3f})")
+    for d in (16, 64):
+        for v_scale in (0.001, 0.01, 0.05, 0.2, 1.0, 10.0, 1e6):
+            mean, var, mc_mean, mc_var, fixed = layer_norm_mc(v_scale, d=d, n=50_000)
+            err = np.max(np.abs(mean - mc_mean) / np.sqrt(mc_var))
+            ratio, held = var / mc_var, fixed / mc_var
+            print(f"  layer_norm D={d}, v={v_scale:g}·spread²: mean {err:.3f} output sd, var ratio "
+                  f"{ratio.min():.3f}..{ratio.max():.3f} (mean-path statistics held fixed: "
+                  f"{held.min():.3g}..{held.max():.3g})")
     print("one-hidden-layer MLPs vs Predictive (2000 samples, 16 inputs × 4 logits): "
           "max |Δmean|/MC se, max |Δvar|/MC se, variance ratio")
     for name in REPORT_MLP_ACTS:
         mz, vz, lo, hi = mlp_agreement(name)
         print(f"  {name:8s} mean {mz:.2f} se, var {vz:.2f} se, ratio {lo:.3f}..{hi:.3f} (z bound "
               f"{z_bound(16 * CLASSES):.2f})")
-    model = LNModel("sample")
-    pyro.clear_param_store()
-    pyro.set_rng_seed(0)
-    guide = autoguide.AutoNormal(model, init_scale=0.1)
-    fit(model, guide, steps=30)
-    mz, vz, lo, hi = predictive_agreement(model, guide, pyro2pfp.convert(model, guide), data(n=16, seed=1)[0])
-    print(f"  Linear → LayerNorm (Gaussian γ, β) → GELU → Linear (approximate: the LayerNorm rule; two random "
-          f"layers): mean {mz:.2f} se, var {vz:.2f} se, ratio {lo:.3f}..{hi:.3f}")
+    mz, vz, lo, hi = layer_norm_mlp_agreement()
+    print(f"  Linear → LayerNorm (Gaussian γ, β) → GELU → Linear (approximate: the LayerNorm rule): "
+          f"mean {mz:.2f} se, var {vz:.2f} se, ratio {lo:.3f}..{hi:.3f}")
     print("compile time of a small MLP (dense 20→32, activation, dense 32→4; native target, default schedule)")
     rng = np.random.default_rng(0)
     for op in NEW_OPS:

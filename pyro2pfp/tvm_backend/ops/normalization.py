@@ -1,11 +1,11 @@
-"""TE kernel of ``layer_norm`` (LayerNorm linearised at the input means) and its default CPU schedule.
+"""TE kernel of ``layer_norm`` (expected statistics, linearised variance) and its default CPU schedule.
 (The op definition, its rule and sources, converter, reference and ONNX export:
 ``pyro2pfp/ops/normalization.py``.)
 
 Per example row (the normalised trailing dims at one position of the leading dims): the row mean ``m``
-of the input means (a reduction), the row variance ``s²`` about it (a second reduction: two passes, no
-``E[μ²] − m²`` cancellation), for a random input the row averages ``A0, A1, A2`` of ``v``, ``z·v``,
-``z²·v`` (three reductions), then the elementwise output pair.
+of the input means (a reduction), the spread ``mean((μ − m)²)`` about it (a second reduction: two passes,
+no ``E[μ²] − m²`` cancellation), for a random input the row averages ``A0, A1, A2`` of ``v``, ``z·v``,
+``z²·v`` (``s² = spread + (1 − 1/D)·A0``), then the elementwise output pair.
 """
 from __future__ import annotations
 
@@ -24,7 +24,8 @@ _TENSORS = ("weight_mean", "weight_var", "bias_mean", "bias_var")
 
 @kernel("layer_norm")
 def layer_norm(ctx: EmitContext, layer: PlannedLayer, inputs: list[RelaxActivation]) -> RelaxActivation:
-    """Linearised LayerNorm over the trailing ``attrs["dims"]`` axes (see ``pyro2pfp/ops/normalization.py``)."""
+    """LayerNorm (expected statistics, linearised variance) over the trailing ``attrs["dims"]`` axes
+    (see ``pyro2pfp/ops/normalization.py``)."""
     x = inputs[0]
     shape = tuple(layer.layer.out_shape)
     k = int(layer.layer.attrs["dims"])
@@ -57,18 +58,20 @@ def layer_norm(ctx: EmitContext, layer: PlannedLayer, inputs: list[RelaxActivati
             return dev * dev
 
         row_var = row_average("ln_var", dev2)
-
-        def inv(row: tuple) -> Any:
-            return c(1.0) / te.sqrt(row_var[row] + c(eps))
-
-        def z(row: tuple, j: tuple) -> Any:
-            return (m[row + j] - row_mean[row]) * inv(row)
-
         if s is not None:
             def v(i: tuple) -> Any:
                 return variance_of(m[i], s[i], x.repr)
 
             a0 = row_average("ln_v", lambda i, j: v(i + j))
+
+        def inv(row: tuple) -> Any:
+            s2 = row_var[row] if s is None else row_var[row] + c(1.0 - 1.0 / d) * a0[row]
+            return c(1.0) / te.sqrt(s2 + c(eps))
+
+        def z(row: tuple, j: tuple) -> Any:
+            return (m[row + j] - row_mean[row]) * inv(row)
+
+        if s is not None:
             a1 = row_average("ln_zv", lambda i, j: z(i, j) * v(i + j))
             a2 = row_average("ln_zzv", lambda i, j: z(i, j) * z(i, j) * v(i + j))
 
