@@ -24,9 +24,9 @@ def networks():
     depend on the weights' values)."""
     import pyro
     import torch
+    from latency import build_models, build_resnet  # type: ignore[import-not-found]
 
     import pyro2pfp
-    from latency import build_models, build_resnet  # type: ignore[import-not-found]
     from pyro2pfp_experiments.zoo import he_posterior
 
     for name in ("mlp", "lenet"):
