@@ -22,12 +22,12 @@ import numpy as np
 CASES = [(16, 16, 32, 1), (32, 32, 16, 1), (64, 64, 8, 1), (16, 32, 32, 2), (32, 64, 16, 2)]
 
 
-def best_time(fn, repeats: int) -> float:
-    fn()
+def best_time(fn, args: tuple, repeats: int, **kwargs) -> float:
+    fn(*args, **kwargs)
     times = []
     for _ in range(repeats):
         t0 = time.perf_counter()
-        fn()
+        fn(*args, **kwargs)
         times.append(time.perf_counter() - t0)
     return min(times)
 
@@ -66,11 +66,11 @@ def main() -> None:
         ref = net.reference(x, v)
         err = max(float(np.abs(a - r).max() / np.abs(r).max()) for a, r in zip(exe(x, v), ref))
         assert err < 1e-4, f"compiled conv disagrees with the reference: {err:.1e}"
-        pfp = best_time(lambda: exe(x, v), args.repeats)
+        pfp = best_time(exe, (x, v), args.repeats)
         xt, wt, bt = torch.from_numpy(x), torch.from_numpy(weight.mean.astype(np.float32)), torch.from_numpy(
             bias.mean.astype(np.float32))
         with torch.no_grad():
-            det = best_time(lambda: F.conv2d(xt, wt, bt, stride=stride, padding=1), args.repeats)
+            det = best_time(F.conv2d, (xt, wt, bt), args.repeats, stride=stride, padding=1)
         macs = args.batch * o * out_n * out_n * c * 9
         name = f"{c}->{o}, {n}x{n}, stride {stride}"
         print(f"{name:<24} {pfp * 1e3:>8.3f} {6 * macs / pfp / 1e9:>8.1f} {det * 1e3:>9.3f} "
