@@ -1,0 +1,121 @@
+"""TE kernel of the uncertainty head ``softmax_head`` (sigma points over the logits; the rule, its
+sources and the NumPy reference / ONNX export: ``pyro2pfp/ops/head.py``) and its CPU schedule.
+
+One PrimFunc, a fixed loop over the ``2K + 1`` sigma points ``j`` and the ``K`` logits ``l`` per
+input: the points' logits ``z[j, l] = μ_l ± r_l·[l = j]`` are never stored; the stages are the
+per-point max, the per-point sums ``Σ e^{z−c}`` and ``Σ e^{z−c}(z−c)`` (one tuple reduction), the
+points' softmax ``P[j, l]`` (stored once, so the centre row and the moved rows are computed by the same
+code: at ``v = 0`` they are bitwise equal and the mutual information is exactly 0), ``p̄``, the
+points' entropies, and the three statistics.  ``exp`` is ``fast_exp`` (vectorisable); the logs are
+libm calls (``2K + 1`` + ``2K`` per input).
+"""
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import numpy as np
+import tvm
+from tvm import s_tir, te, tirx
+
+from ...graph import Repr
+from ...ops.head import HEAD_OP, VAR_CLAMP, point_weight
+from ...plan import PlannedLayer
+from .._core import F32, EmitContext, RelaxActivation, fast_exp, kernel, pair_sum
+from ..schedules import schedule
+
+
+def _c(value: float) -> tirx.PrimExpr:
+    return tirx.const(value, F32)
+
+
+@kernel(HEAD_OP)
+def softmax_head(ctx: EmitContext, layer: PlannedLayer, inputs: list[RelaxActivation]) -> RelaxActivation:
+    """Logits' (mean, variance) (batch, K) → (probs (batch, K), stats (batch, 3))."""
+    x = inputs[0]
+    deterministic = x.repr is Repr.DETERMINISTIC
+    assert deterministic or x.repr is Repr.VARIANCE, x.repr  # the plan delivers variances
+    k_out = int(layer.layer.out_shape[0])
+    binary = k_out == 1
+    k = 2 if binary else k_out  # one logit z: the pair (0, z)
+    points = 2 * k + 1
+    kappa = float(layer.layer.attrs.get("kappa", 0.0))
+    w = point_weight(k, kappa)
+    sqrt_l = math.sqrt(k + kappa)
+    tiny = float(np.finfo(np.float32).tiny)
+
+    def fn(m: te.Tensor, *rest: te.Tensor) -> list[te.Tensor]:
+        batch = m.shape[0]
+        v = rest[0] if rest else None
+
+        def logit(b: Any, l: Any) -> Any:
+            return tirx.Select(l == 0, _c(0.0), m[b, 0]) if binary else m[b, l]
+
+        def radius_of(b: Any, l: Any) -> Any:
+            if v is None:
+                return _c(0.0)
+            r = _c(sqrt_l) * te.sqrt(te.min(v[b, 0 if binary else l], _c(VAR_CLAMP)))
+            return tirx.Select(l == 0, _c(0.0), r) if binary else r
+
+        radius = te.compute((batch, k), radius_of, name="radius")
+
+        def z(b: Any, j: Any, l: Any) -> Any:
+            r = radius[b, l]
+            return logit(b, l) + tirx.Select(j == l + 1, r, tirx.Select(j == l + 1 + k, -r, _c(0.0)))
+
+        rl = te.reduce_axis((0, k), name="rl")
+        shift = te.compute((batch, points), lambda b, j: te.max(z(b, j, rl), axis=rl), name="shift")
+        rl2 = te.reduce_axis((0, k), name="rl2")
+
+        def sums(b: Any, j: Any) -> Any:
+            d = z(b, j, rl2) - shift[b, j]
+            e = fast_exp(d)
+            return pair_sum((e, e * d), axis=rl2)
+
+        s_t = te.compute((batch, points), sums, name="sums")
+        s, t = s_t[0], s_t[1]
+        p = te.compute((batch, points, k), lambda b, j, l: fast_exp(z(b, j, l) - shift[b, j]) / s[b, j],
+                       name="point_probs")
+        h = te.compute((batch, points), lambda b, j: te.log(s[b, j]) - t[b, j] / s[b, j], name="point_entropy")
+        # exact copies of the centre's row (a reduction reading both p[b, j, l] and p[b, 0, l] defeats
+        # the region analysis of reverse_compute_at)
+        p0 = te.compute((batch, k), lambda b, l: p[b, 0, l], name="centre_probs")
+        h0 = te.compute((batch,), lambda b: h[b, 0], name="centre_entropy")
+        rj = te.reduce_axis((0, points), name="rj")  # the centre (j = 0) adds an exact 0
+        dev = te.compute((batch, k), lambda b, l: te.sum(p[b, rj, l] - p0[b, l], axis=rj), name="deviation")
+        pbar = te.compute((batch, k), lambda b, l: te.max(p0[b, l] + _c(w) * dev[b, l], _c(0.0)), name="pbar")
+        rj2 = te.reduce_axis((0, points), name="rj2")
+        d_eh = te.compute((batch,), lambda b: te.sum(h[b, rj2] - h0[b], axis=rj2), name="entropy_deviation")
+        rl3 = te.reduce_axis((0, k), name="rl3")
+
+        def plogp(q: Any) -> Any:
+            return q * te.log(te.max(q, _c(tiny)))
+
+        neg_h = te.compute((batch,), lambda b: pair_sum((plogp(pbar[b, rl3]), plogp(p0[b, rl3])), axis=rl3),
+                           name="neg_entropies")
+
+        def stat(b: Any, i: Any) -> Any:
+            expected = h0[b] + _c(w) * d_eh[b]
+            mi = te.max((neg_h[1][b] - neg_h[0][b]) - _c(w) * d_eh[b], _c(0.0))
+            return tirx.Select(i == 0, -neg_h[0][b], tirx.Select(i == 1, expected, mi))
+
+        stats = te.compute((batch, 3), stat, name="stats")
+        probs = te.compute((batch, 1), lambda b, _i: pbar[b, 1], name="probs") if binary else pbar
+        return [probs, stats]
+
+    args = [x.mean] if deterministic or x.second is None else [x.mean, x.second]
+    outs = ctx.emit_te(fn, args, layer)
+    return RelaxActivation(outs[0], outs[1], Repr.VARIANCE)
+
+
+@schedule(HEAD_OP)
+def schedule_head(sch: s_tir.Schedule, layer: Any, target: tvm.target.Target) -> None:
+    """Every stage under one parallel loop over the batch: the first stage's batch loop is made
+    parallel and each later stage is moved under it (``reverse_compute_at``), so one input's
+    intermediates (a few hundred floats) live in a thread-private tile and batch 1 starts one
+    parallel region, not ten."""
+    blocks = list(sch.get_child_blocks(sch.get_sblock("root")))
+    outer = sch.get_loops(blocks[0])[0]
+    for block in blocks[1:]:
+        sch.reverse_compute_at(block, outer)
+    sch.parallel(outer)
