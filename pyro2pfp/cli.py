@@ -315,8 +315,15 @@ class _OnnxPredictor:
         from .inputs import check_finite_outputs, checked_inputs
 
         arrays = checked_inputs(x, x_var, self.input_shape, self.input_variance, np.float32)
-        mean, var = self.session.run(["mean", "var"], dict(zip(("x", "x_var"), arrays, strict=False)))
+        names = [o.name for o in self.session.get_outputs()]
+        head = names == ["probs", "uncertainty"]  # converted with head="probs" (pyro2pfp.ops.head)
+        mean, var = self.session.run(names if head else ["mean", "var"],
+                                     dict(zip(("x", "x_var"), arrays, strict=False)))
         check_finite_outputs(mean, var)
+        if head:
+            from .ops.head import head_output
+
+            return head_output(mean, var)
         return mean, var
 
 
@@ -444,8 +451,22 @@ def cmd_predict(args: argparse.Namespace) -> int:
     elif exe.input_variance:
         raise CLIError("this network takes an input variance: pass --input-var VAR.npy")
     t0 = time.perf_counter()
-    mean, var = exe(x, x_var)
+    out = exe(x, x_var)
     elapsed = time.perf_counter() - t0
+    if hasattr(out, "mutual_information"):  # converted with head="probs": probabilities and uncertainty
+        np.savez(args.output, **out._asdict())
+        print(f"wrote {args.output}: probs {out.probs.shape}, predictive_entropy, expected_entropy, "
+              f"mutual_information (batch of {len(out.probs)} in {elapsed * 1e3:.1f} ms)")
+        shown = min(len(out.probs), args.show)
+        for i in range(shown):
+            row = out.probs[i]
+            top = int(row.argmax()) if row.size > 1 else int(row[0] >= 0.5)
+            p = row[top] if row.size > 1 else (row[0] if top else 1 - row[0])
+            print(f"  input {i}: class {top}  p {p:.4g}  mutual information {out.mutual_information[i]:.4g}")
+        if len(out.probs) > shown:
+            print(f"  … ({len(out.probs) - shown} more in {args.output})")
+        return 0
+    mean, var = out
     np.savez(args.output, mean=mean, var=var)
     print(f"wrote {args.output}: mean {mean.shape}, var {var.shape} (batch of {mean.shape[0]} in "
           f"{elapsed * 1e3:.1f} ms)")

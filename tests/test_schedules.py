@@ -23,6 +23,7 @@ from tvm import relax
 from builders import lenet_graph, mlp_graph
 from pyro2pfp.graph import INPUT, GaussianParam, Layer, LayerGraph
 from pyro2pfp.network import PFPNetwork
+from pyro2pfp.ops.head import append_head
 from pyro2pfp.plan import plan
 from pyro2pfp.registry import OPS
 from pyro2pfp.reference import execute
@@ -118,6 +119,10 @@ def case_graphs() -> dict[str, LayerGraph]:
     g["relu_det"] = LayerGraph((30,), [relu("r", INPUT, (30,)), dense(rng, "fc", "r", 30, 9)], "fc")
     # a variance input to a dense layer: in the raw-moment plan the planner inserts a `convert`
     g["convert"] = LayerGraph((12,), [dense(rng, "fc", INPUT, 12, 9)], "fc", input_variance=True)
+    # the uncertainty head (pyro2pfp/ops/head.py) on the logits of a dense layer, ten classes and one logit
+    for classes in (10, 1):
+        g[f"softmax_head_{classes}"] = append_head(
+            LayerGraph((6,), [dense(rng, "fc", INPUT, 6, classes)], "fc", input_variance=True), "probs")
     # every other registered activation (the generic elementwise kernel), on Gaussians of 3-d shape
     covered = {layer.op for graph in g.values() for layer in graph.layers}
     for name, op in OPS.items():

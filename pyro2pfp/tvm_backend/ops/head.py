@@ -48,20 +48,20 @@ def softmax_head(ctx: EmitContext, layer: PlannedLayer, inputs: list[RelaxActiva
         batch = m.shape[0]
         v = rest[0] if rest else None
 
-        def logit(b: Any, l: Any) -> Any:
-            return tirx.Select(l == 0, _c(0.0), m[b, 0]) if binary else m[b, l]
+        def logit(b: Any, c: Any) -> Any:
+            return tirx.Select(c == 0, _c(0.0), m[b, 0]) if binary else m[b, c]
 
-        def radius_of(b: Any, l: Any) -> Any:
+        def radius_of(b: Any, c: Any) -> Any:
             if v is None:
                 return _c(0.0)
-            r = _c(sqrt_l) * te.sqrt(te.min(v[b, 0 if binary else l], _c(VAR_CLAMP)))
-            return tirx.Select(l == 0, _c(0.0), r) if binary else r
+            r = _c(sqrt_l) * te.sqrt(te.min(v[b, 0 if binary else c], _c(VAR_CLAMP)))
+            return tirx.Select(c == 0, _c(0.0), r) if binary else r
 
         radius = te.compute((batch, k), radius_of, name="radius")
 
-        def z(b: Any, j: Any, l: Any) -> Any:
-            r = radius[b, l]
-            return logit(b, l) + tirx.Select(j == l + 1, r, tirx.Select(j == l + 1 + k, -r, _c(0.0)))
+        def z(b: Any, j: Any, c: Any) -> Any:
+            r = radius[b, c]
+            return logit(b, c) + tirx.Select(j == c + 1, r, tirx.Select(j == c + 1 + k, -r, _c(0.0)))
 
         rl = te.reduce_axis((0, k), name="rl")
         shift = te.compute((batch, points), lambda b, j: te.max(z(b, j, rl), axis=rl), name="shift")
@@ -74,16 +74,16 @@ def softmax_head(ctx: EmitContext, layer: PlannedLayer, inputs: list[RelaxActiva
 
         s_t = te.compute((batch, points), sums, name="sums")
         s, t = s_t[0], s_t[1]
-        p = te.compute((batch, points, k), lambda b, j, l: fast_exp(z(b, j, l) - shift[b, j]) / s[b, j],
+        p = te.compute((batch, points, k), lambda b, j, c: fast_exp(z(b, j, c) - shift[b, j]) / s[b, j],
                        name="point_probs")
         h = te.compute((batch, points), lambda b, j: te.log(s[b, j]) - t[b, j] / s[b, j], name="point_entropy")
-        # exact copies of the centre's row (a reduction reading both p[b, j, l] and p[b, 0, l] defeats
+        # exact copies of the centre's row (a reduction reading both p[b, j, c] and p[b, 0, c] defeats
         # the region analysis of reverse_compute_at)
-        p0 = te.compute((batch, k), lambda b, l: p[b, 0, l], name="centre_probs")
+        p0 = te.compute((batch, k), lambda b, c: p[b, 0, c], name="centre_probs")
         h0 = te.compute((batch,), lambda b: h[b, 0], name="centre_entropy")
         rj = te.reduce_axis((0, points), name="rj")  # the centre (j = 0) adds an exact 0
-        dev = te.compute((batch, k), lambda b, l: te.sum(p[b, rj, l] - p0[b, l], axis=rj), name="deviation")
-        pbar = te.compute((batch, k), lambda b, l: te.max(p0[b, l] + _c(w) * dev[b, l], _c(0.0)), name="pbar")
+        dev = te.compute((batch, k), lambda b, c: te.sum(p[b, rj, c] - p0[b, c], axis=rj), name="deviation")
+        pbar = te.compute((batch, k), lambda b, c: te.max(p0[b, c] + _c(w) * dev[b, c], _c(0.0)), name="pbar")
         rj2 = te.reduce_axis((0, points), name="rj2")
         d_eh = te.compute((batch,), lambda b: te.sum(h[b, rj2] - h0[b], axis=rj2), name="entropy_deviation")
         rl3 = te.reduce_axis((0, k), name="rl3")
