@@ -244,7 +244,7 @@ def convert_from_args(args: argparse.Namespace):
     if args.params:
         # convert() takes the guide's parameters from the param store (pyro2pfp.posterior)
         load_param_store(args.params)
-    options = {}
+    options: dict[str, Any] = {}
     if getattr(args, "input_variance", False):
         options["input_variance"] = True
     try:
@@ -311,7 +311,7 @@ class _OnnxPredictor:
         self.input_variance = "x_var" in names
         self.session = ort.InferenceSession(path, providers=["CPUExecutionProvider"])
 
-    def __call__(self, x: Any, x_var: Any = None) -> tuple[np.ndarray, np.ndarray]:
+    def __call__(self, x: Any, x_var: Any = None) -> Any:
         from .inputs import check_finite_outputs, checked_inputs
 
         arrays = checked_inputs(x, x_var, self.input_shape, self.input_variance, np.float32)

@@ -4,35 +4,40 @@ It turns the logits' mean-field Gaussian ``z ~ N(μ, diag(v))`` (one row of ``K`
 into the class probabilities and the uncertainty decomposition, without sampling, inside the same
 compiled module (and the NumPy reference and the ONNX export, the same plan).
 
-**The rule: a fixed symmetric sigma-point set** (the unscented transform of Julier & Uhlmann,
-"A new extension of the Kalman filter to nonlinear systems", 1997, with ``κ = 0``).  The ``2K + 1``
-points are the mean and ``μ ± √(K v_k)·e_k`` for each logit ``k`` (one logit moved at a time: the
-logits are independent under PFP's mean-field assumption).  With weights ``1/(2K)`` on the ``2K``
-moved points (and ``0`` on the centre) they reproduce the mean and the variances of ``z`` exactly;
-the moved points lie at whitened distance ``√K``, the typical distance of a ``K``-dimensional
-Gaussian draw from its mean, so they act as ``2K`` deterministic "samples" of the logits.  Every
-quantity is computed from the same weighted points -- as :func:`pyro2pfp.uncertainty` computes them
+**The rule: a fixed set of rotated sigma points.**  In whitened coordinates ``z = μ + √v ⊙ ε``,
+``ε ~ N(0, I)``, the ``2K`` points ``ε = ±√K·q_k`` (``q_k`` the columns of an orthogonal matrix ``Q``)
+with equal weights ``1/(2K)`` reproduce the mean and the covariance of ``ε`` exactly -- the symmetric
+sigma points of the unscented transform (Julier & Uhlmann 1997, κ = 0), which use ``Q = I``.  Any
+orthogonal ``Q`` gives a rule of the same degree (the Gaussian is rotation invariant); the head uses
+``R = 4`` fixed rotations drawn once (Haar-distributed ``Q``, NumPy ``default_rng(0)``, stored in the
+layer: every back end uses the same points) and averages the rules -- the stochastic spherical-radial
+rules of Genz & Monahan ("Stochastic integration rules for infinite regions", SIAM J. Sci. Comput.
+19(2), 1998) with the randomisation frozen.  Each point moves *every* logit by about one standard
+deviation, as a logit sample does (the axis-aligned ``Q = I`` moves one logit by ``√K`` standard
+deviations, which on the MNIST MLP gave 4x the probability error at the 99th percentile, see
+``benchmarks/uncertainty_head.py``).  So the head is ``2KR`` deterministic, moment-matched "samples"
+of the logits, and every quantity is computed from them as :func:`pyro2pfp.uncertainty` computes it
 from logit samples::
 
-    p_j      = softmax(z_j)                            j = 0 … 2K  (z_0 = μ)
-    probs    = p̄ = p_0 + w Σ_j (p_j − p_0)             w = 1/(2(K + κ)), here 1/(2K)
+    z_j      = μ + √v ⊙ ε_j,  p_j = softmax(z_j)       j = 0 … 2KR  (ε_0 = 0: the centre)
+    probs    = p̄ = p_0 + w Σ_j (p_j − p_0)             w = 1/(2KR)
     H_j      = logsumexp(z_j) − Σ_k p_jk z_jk          (softmax entropy of point j)
     predictive_entropy  = H[p̄] = −Σ_k p̄_k log p̄_k
     expected_entropy    = E[H[softmax(z)]] ≈ H_0 + w Σ_j (H_j − H_0)
     mutual_information  = H[p̄] − E[H]  (computed as (H[p̄] − H[p_0]) − w Σ_j (H_j − H_0), ≥ 0)
 
-The weights are non-negative (``κ ≥ 0``), so ``p̄`` is a probability vector and the mutual
-information is ``≥ 0`` by Jensen (concavity of the entropy), exactly as for samples.  At ``v = 0``
-every point is ``μ``: ``probs = softmax(μ)`` and the mutual information is exactly 0 (both brackets
-are differences of identical terms).  The deviation form ``p_0 + w Σ (p_j − p_0)`` is what makes
-that exact in float32.  Cost per input: ``(2K + 1)·K`` exponentials (K = 10: 210), a fixed loop.
+The weights are positive, so ``p̄`` is a probability vector and the mutual information is ``≥ 0`` by
+Jensen (concavity of the entropy), exactly as for samples.  At ``v = 0`` every point is ``μ``:
+``probs = softmax(μ)`` and the mutual information is exactly 0 (both brackets are differences of
+identical terms; the deviation form ``p_0 + w Σ (p_j − p_0)`` makes that exact in float32 too).  Cost
+per input: ``(2KR + 1)·K`` exponentials (K = 10: 810), a fixed loop over a constant ``(2KR + 1, K)``
+offset table.
 
-Why sigma points rather than the probit/Laplace-bridge formulas for the probabilities: the mutual
-information is a small difference of two entropies, and it ranks inputs like logit sampling only
-when ``p̄`` and ``E[H]`` come from the *same* approximation of the logit distribution (probit
-``softmax(μ_k/√(1 + π v_k/8))`` for ``p̄`` with sigma points for ``E[H]`` lost 0.06 AUROC on the MNIST
-MLP).  ``benchmarks/uncertainty_head.py`` prints the probit, Laplace-bridge and sigma-point
-probabilities' error against logit sampling, and the AUROCs.
+Why not the probit / Laplace-bridge formulas for the probabilities: the mutual information is a
+small difference of two entropies, and it ranks inputs like logit sampling only when ``p̄`` and
+``E[H]`` come from the *same* approximation of the logit distribution (probit ``softmax(μ_k/√(1 +
+π v_k/8))`` for ``p̄`` with sigma points for ``E[H]`` lost 0.06 AUROC on the MNIST MLP); and the
+sigma points' ``p̄`` is also closer to sampling than either (the benchmark prints all three).
 
 **One logit** (a Bernoulli/sigmoid output, ``K = 1``): the logit ``z`` is treated as the pair
 ``(0, z)`` of a two-class softmax (``σ(z) = softmax(0, z)₁``); ``probs`` is ``P(y = 1)`` (shape
@@ -70,8 +75,8 @@ VAR_CLAMP = 1e30
 
 SOFTMAX_HEAD = register_op(OpDef(
     HEAD_OP, modules="(appended by `convert(..., head=\"probs\")`: class probabilities and uncertainty)",
-    moments="sigma points (unscented, κ = 0)",
-    assumptions="independent logits (mean field); a fixed 2K-point quadrature of E[softmax] and E[entropy]",
+    moments="fixed rotated sigma points (8K moment-matched points)",
+    assumptions="independent logits (mean field); a fixed quadrature of E[softmax] and E[entropy]",
     contract=Contract(Repr.VARIANCE, Repr.VARIANCE, keeps_deterministic=False), internal=True))
 
 
@@ -105,21 +110,29 @@ def check_head(head: Any) -> str | None:
     raise ArgumentError(f"head must be None (the logits' mean and variance) or one of {HEADS}, got {head!r}")
 
 
-def append_head(graph: LayerGraph, head: str, *, kappa: float = 0.0) -> LayerGraph:
+ROTATIONS = 4
+"""``R``: the number of rotated 2K-point sigma-point sets the head averages."""
+SEED = 0
+"""The seed of the rotations (drawn once, when the head is appended; stored in the layer)."""
+
+
+def append_head(graph: LayerGraph, head: str, *, rotations: int = ROTATIONS, seed: int = SEED) -> LayerGraph:
     """A copy of ``graph`` with the ``softmax_head`` layer after its output (the logits).
 
-    The output must be one row of logits per input, ``(K,)``; ``kappa ≥ 0`` is the sigma-point
-    parameter (``w = 1/(2(K + κ))``, points at ``√((K + κ) v)``; ``κ = 0`` by default)."""
+    The output must be one row of logits per input, ``(K,)``.  The layer's ``offsets`` attribute holds
+    the sigma points (:func:`sigma_offsets` of ``rotations`` and ``seed``)."""
     check_head(head)
     shape = graph.shape_of(graph.output)
     if len(shape) != 1:
         raise ArgumentError(f"head={head!r} needs a network whose output is a vector of logits (batch, classes); "
                             f"the output of layer '{graph.output}' has shape (batch, {', '.join(map(str, shape))})")
-    if not (isinstance(kappa, int | float) and math.isfinite(kappa) and kappa >= 0):
-        raise ArgumentError(f"the sigma-point parameter kappa must be a finite number >= 0, got {kappa!r}")
+    if isinstance(rotations, bool) or not isinstance(rotations, int) or rotations < 1:
+        raise ArgumentError(f"the number of sigma-point rotations must be a positive int, got {rotations!r}")
+    offsets = sigma_offsets(2 if shape[0] == 1 else shape[0], rotations, seed)
     layer = Layer(name="head", op=HEAD_OP, inputs=[graph.output], out_shape=shape,
                   source=f"convert(head={head!r}) on the logits of '{graph.output}'",
-                  attrs={"kappa": float(kappa), "second_shape": (len(STATS),), "output_names": OUTPUT_NAMES})
+                  attrs={"rotations": rotations, "seed": seed, "offsets": offsets,
+                         "second_shape": (len(STATS),), "output_names": OUTPUT_NAMES})
     names = {existing.name for existing in graph.layers}
     while layer.name in names:
         layer.name += "_"
@@ -132,19 +145,33 @@ def is_head(layer: PlannedLayer | Layer | None) -> bool:
     return layer is not None and getattr(layer, "op", None) == HEAD_OP
 
 
-def sigma_offsets(k: int) -> np.ndarray:
-    """The ``(2K + 1, K)`` unit offsets of the sigma points: row 0 the centre, rows ``1 … K`` ``+e_k``,
-    rows ``K + 1 … 2K`` ``−e_k``."""
-    eye = np.eye(k)
-    return np.concatenate([np.zeros((1, k)), eye, -eye])
+def haar_orthogonal(k: int, rng: np.random.Generator) -> np.ndarray:
+    """A Haar-distributed ``k × k`` orthogonal matrix: the QR factor of a Gaussian matrix, column
+    signs fixed by ``R``'s diagonal (Mezzadri, "How to generate random matrices from the classical
+    compact groups", Notices AMS 2007)."""
+    q, r = np.linalg.qr(rng.standard_normal((k, k)))
+    return q * np.where(np.diag(r) < 0, -1.0, 1.0)
 
 
-def point_weight(k: int, kappa: float) -> float:
-    """``w = 1/(2(K + κ))``, the weight of each moved sigma point."""
-    return 1.0 / (2.0 * (k + kappa))
+def sigma_offsets(k: int, rotations: int = ROTATIONS, seed: int = SEED) -> np.ndarray:
+    """The whitened sigma points ``ε_j``, ``(2KR + 1, K)``: row 0 the centre (zeros), then for each of
+    the ``R`` rotations ``Q`` the rows ``+√K·q_k`` and ``−√K·q_k``.  Their mean is 0 and their
+    covariance (weights ``1/(2KR)``) is exactly ``I``."""
+    rng = np.random.default_rng(seed)
+    rows = [np.zeros((1, k))]
+    for _ in range(rotations):
+        q = math.sqrt(k) * haar_orthogonal(k, rng).T  # row i: √K·q_i
+        rows += [q, -q]
+    return np.concatenate(rows)
 
 
-def head_numpy(mean: np.ndarray, var: np.ndarray, kappa: float = 0.0) -> tuple[np.ndarray, np.ndarray]:
+def point_weight(offsets: np.ndarray) -> float:
+    """``w = 1/(2KR)``, the weight of each moved sigma point (the centre's is 0)."""
+    return 1.0 / (offsets.shape[0] - 1)
+
+
+def head_numpy(mean: np.ndarray, var: np.ndarray, offsets: np.ndarray | None = None
+               ) -> tuple[np.ndarray, np.ndarray]:
     """The head in float64 NumPy: logits' ``(mean, var)`` (batch, K) → ``(probs, stats)``.
 
     ``probs``: (batch, K) (``P(y = 1)``, (batch, 1), when K = 1); ``stats``: (batch, 3) with columns
@@ -156,14 +183,16 @@ def head_numpy(mean: np.ndarray, var: np.ndarray, kappa: float = 0.0) -> tuple[n
         mean = np.concatenate([np.zeros_like(mean), mean], axis=1)
         var = np.concatenate([np.zeros_like(var), var], axis=1)
     k = mean.shape[1]
-    w = point_weight(k, kappa)
-    radius = math.sqrt(k + kappa) * np.sqrt(var)  # (B, K)
-    z = mean[:, None, :] + radius[:, None, :] * sigma_offsets(k)[None]  # (B, 2K+1, K)
+    offsets = sigma_offsets(k) if offsets is None else offsets
+    if offsets.shape[1] != k:
+        raise ArgumentError(f"sigma-point offsets of shape {offsets.shape} for {k} logits")
+    w = point_weight(offsets)
+    z = mean[:, None, :] + np.sqrt(var)[:, None, :] * offsets[None]  # (B, 2KR+1, K)
     shift = z.max(-1, keepdims=True)
     e = np.exp(z - shift)
     s = e.sum(-1)
     p = e / s[..., None]
-    h = np.log(s) - (e * (z - shift)).sum(-1) / s  # (B, 2K+1) softmax entropies
+    h = np.log(s) - (e * (z - shift)).sum(-1) / s  # (B, 2KR+1) softmax entropies
     p0, h0 = p[:, 0], h[:, 0]
     pbar = np.maximum(p0 + w * (p - p0[:, None]).sum(1), 0.0)
     d_eh = w * (h - h0[:, None]).sum(1)
@@ -180,7 +209,7 @@ def head_numpy(mean: np.ndarray, var: np.ndarray, kappa: float = 0.0) -> tuple[n
 def softmax_head_reference(layer: PlannedLayer, inputs: list[Activation]) -> Activation:
     """:func:`head_numpy` on the logits' (mean, variance); the output's second slot holds the stats."""
     x = inputs[0]
-    probs, stats = head_numpy(x.mean, x.variance(), layer.layer.attrs.get("kappa", 0.0))
+    probs, stats = head_numpy(x.mean, x.variance(), layer.layer.attrs["offsets"])
     return Activation(probs, stats, Repr.VARIANCE)
 
 
@@ -191,7 +220,7 @@ def softmax_head_onnx(ctx: Any, layer: PlannedLayer, inputs: list[OnnxActivation
     ReduceSum, Log, Max, Concat)."""
     b = ctx.b
     x = inputs[0]
-    kappa = float(layer.layer.attrs.get("kappa", 0.0))
+    offsets = layer.layer.attrs["offsets"]
     mean = x.mean
     var = ctx.variance(x)
     var = mean * Sym(b, value=0.0) if var is None else ctx.ops.minimum(var, VAR_CLAMP)
@@ -201,8 +230,7 @@ def softmax_head_onnx(ctx: Any, layer: PlannedLayer, inputs: list[OnnxActivation
         zero = mean * Sym(b, value=0.0)
         mean = zero.nary("Concat", mean, axis=1)
         var = zero.nary("Concat", var, axis=1)
-        k = 2
-    w = point_weight(k, kappa)
+    w = point_weight(offsets)
 
     def axes(*values: int) -> str:
         return b.ints(list(values), "axes")
@@ -213,14 +241,13 @@ def softmax_head_onnx(ctx: Any, layer: PlannedLayer, inputs: list[OnnxActivation
     def unsqueeze(t: Sym, axis: int) -> Sym:
         return t.nary("Unsqueeze", axes(axis))
 
-    radius = var.unary("Sqrt") * Sym(b, value=math.sqrt(k + kappa))
-    offsets = Sym(b, b.initializer(sigma_offsets(k), "sigma_offsets"))
-    z = unsqueeze(mean, 1) + unsqueeze(radius, 1) * offsets  # (B, 2K+1, K)
+    table = Sym(b, b.initializer(offsets, "sigma_offsets"))
+    z = unsqueeze(mean, 1) + unsqueeze(var.unary("Sqrt"), 1) * table  # (B, 2KR+1, K)
     p = z.nary("Softmax", axis=-1)
     logp = z.nary("LogSoftmax", axis=-1)
-    h = Sym(b, value=0.0) - sum_over(p * logp, -1)  # (B, 2K+1)
+    h = Sym(b, value=0.0) - sum_over(p * logp, -1)  # (B, 2KR+1)
 
-    def first(t: Sym) -> Sym:  # [:, 0] of a (B, 2K+1, ...) tensor
+    def first(t: Sym) -> Sym:  # [:, 0] of a (B, 2KR+1, ...) tensor
         return t.nary("Gather", b.ints([0], "index"), axis=1).nary("Squeeze", axes(1))
 
     p0, h0 = first(p), first(h)

@@ -1,17 +1,17 @@
 """TE kernel of the uncertainty head ``softmax_head`` (sigma points over the logits; the rule, its
 sources and the NumPy reference / ONNX export: ``pyro2pfp/ops/head.py``) and its CPU schedule.
 
-One PrimFunc, a fixed loop over the ``2K + 1`` sigma points ``j`` and the ``K`` logits ``l`` per
-input: the points' logits ``z[j, l] = μ_l ± r_l·[l = j]`` are never stored; the stages are the
+One PrimFunc, a fixed loop over the ``2KR + 1`` sigma points ``j`` and the ``K`` logits ``c`` per
+input: the points' logits ``z[j, c] = μ_c + √v_c·ε[j, c]`` (``ε`` the constant offset table of the
+layer) are never stored; the stages are the
 per-point max, the per-point sums ``Σ e^{z−c}`` and ``Σ e^{z−c}(z−c)`` (one tuple reduction), the
 points' softmax ``P[j, l]`` (stored once, so the centre row and the moved rows are computed by the same
 code: at ``v = 0`` they are bitwise equal and the mutual information is exactly 0), ``p̄``, the
 points' entropies, and the three statistics.  ``exp`` is ``fast_exp`` (vectorisable); the logs are
-libm calls (``2K + 1`` + ``2K`` per input).
+libm calls (``2KR + 1`` + ``2K`` per input).
 """
 from __future__ import annotations
 
-import math
 from typing import Any
 
 import numpy as np
@@ -38,30 +38,29 @@ def softmax_head(ctx: EmitContext, layer: PlannedLayer, inputs: list[RelaxActiva
     k_out = int(layer.layer.out_shape[0])
     binary = k_out == 1
     k = 2 if binary else k_out  # one logit z: the pair (0, z)
-    points = 2 * k + 1
-    kappa = float(layer.layer.attrs.get("kappa", 0.0))
-    w = point_weight(k, kappa)
-    sqrt_l = math.sqrt(k + kappa)
+    offsets = layer.layer.attrs["offsets"]
+    points = int(offsets.shape[0])
+    w = point_weight(offsets)
     tiny = float(np.finfo(np.float32).tiny)
 
     def fn(m: te.Tensor, *rest: te.Tensor) -> list[te.Tensor]:
         batch = m.shape[0]
-        v = rest[0] if rest else None
+        eps = rest[0]  # (2KR + 1, K) offsets
+        v = rest[1] if len(rest) > 1 else None
 
         def logit(b: Any, c: Any) -> Any:
             return tirx.Select(c == 0, _c(0.0), m[b, 0]) if binary else m[b, c]
 
-        def radius_of(b: Any, c: Any) -> Any:
+        def sd_of(b: Any, c: Any) -> Any:
             if v is None:
                 return _c(0.0)
-            r = _c(sqrt_l) * te.sqrt(te.min(v[b, 0 if binary else c], _c(VAR_CLAMP)))
-            return tirx.Select(c == 0, _c(0.0), r) if binary else r
+            sd = te.sqrt(te.min(v[b, 0 if binary else c], _c(VAR_CLAMP)))
+            return tirx.Select(c == 0, _c(0.0), sd) if binary else sd
 
-        radius = te.compute((batch, k), radius_of, name="radius")
+        sd = te.compute((batch, k), sd_of, name="sd")
 
         def z(b: Any, j: Any, c: Any) -> Any:
-            r = radius[b, c]
-            return logit(b, c) + tirx.Select(j == c + 1, r, tirx.Select(j == c + 1 + k, -r, _c(0.0)))
+            return logit(b, c) + sd[b, c] * eps[j, c]
 
         rl = te.reduce_axis((0, k), name="rl")
         shift = te.compute((batch, points), lambda b, j: te.max(z(b, j, rl), axis=rl), name="shift")
@@ -103,7 +102,8 @@ def softmax_head(ctx: EmitContext, layer: PlannedLayer, inputs: list[RelaxActiva
         probs = te.compute((batch, 1), lambda b, _i: pbar[b, 1], name="probs") if binary else pbar
         return [probs, stats]
 
-    args = [x.mean] if deterministic or x.second is None else [x.mean, x.second]
+    table = ctx.const(offsets)
+    args = [x.mean, table] if deterministic or x.second is None else [x.mean, table, x.second]
     outs = ctx.emit_te(fn, args, layer)
     return RelaxActivation(outs[0], outs[1], Repr.VARIANCE)
 
