@@ -18,10 +18,10 @@ Prints, per network:
    convention) and for misclassification detection (the digits the mean logits get wrong), from the
    in-graph head and from ``uncertainty()`` -- the issue's target is |Δ| ≤ 0.01;
 2. the error of the class probabilities against 4,000-draw logit sampling (per input the largest
-   |Δp| over the classes; median and 99th percentile over all test inputs) for the head's sigma
-   points, the probit approximation softmax(μ/√(1 + πv/8)), the Laplace bridge (laplace-torch's
-   ``link_approx='bridge'``), the plug-in softmax(μ), and 100-draw sampling; and the error of the
-   mutual information;
+   |Δp| over the classes; median and 99th percentile over all test inputs) for the head's
+   quadrature, the unscented transform's axis-aligned sigma points, the probit approximation
+   softmax(μ/√(1 + πv/8)), the Laplace bridge (laplace-torch's ``link_approx='bridge'``), the
+   plug-in softmax(μ), and 100-draw sampling; and the error of the mutual information;
 3. latency at batch 1 (median of many calls): the compiled logits network, the compiled network with
    the head, the logits network followed by ``uncertainty()`` (100 draws), and the head in NumPy.
 """
@@ -40,11 +40,15 @@ import torch  # noqa: E402
 from scipy.special import softmax  # noqa: E402
 
 import pyro2pfp  # noqa: E402
-from pyro2pfp.ops.head import head_numpy  # noqa: E402
+from pyro2pfp.ops.head import head_numpy, sigma_offsets  # noqa: E402
 from pyro2pfp.uncertainty import auroc, uncertainty  # noqa: E402
 from pyro2pfp_experiments.datasets import load_mnist  # noqa: E402
-from pyro2pfp_experiments.ood_data import (ambiguous_digits, fashion_shapes, rendered_letters,  # noqa: E402
-                                           sample_ambiguous_labels)
+from pyro2pfp_experiments.ood_data import (  # noqa: E402
+    ambiguous_digits,
+    fashion_shapes,
+    rendered_letters,
+    sample_ambiguous_labels,
+)
 from pyro2pfp_experiments.zoo import BayesianLeNet5, BayesianMLP, make_guide, train_svi  # noqa: E402
 
 ARCHS = {  # name: (constructor, input shape, epochs, the paper's calibration factor)
@@ -80,6 +84,12 @@ def laplace_bridge(mean: np.ndarray, var: np.ndarray) -> np.ndarray:
     with np.errstate(over="ignore", divide="ignore", invalid="ignore"):
         alpha = (1 - 2 / k + np.exp(mean) / k**2 * np.exp(-mean).sum(1, keepdims=True)) / np.maximum(var, 1e-300)
         return np.nan_to_num(alpha / alpha.sum(1, keepdims=True), nan=1.0 / k)
+
+
+def axis_sigma_points(k: int) -> np.ndarray:
+    """The unscented transform's 2K symmetric sigma points (κ = 0), ``±√K·e_k``, after the centre."""
+    eye = np.sqrt(k) * np.eye(k)
+    return np.concatenate([np.zeros((1, k)), eye, -eye])
 
 
 def median_us(fn: Callable[[], object], calls: int) -> float:
@@ -121,23 +131,40 @@ def run(arch: str, data: dict, quick: bool) -> None:
 
     print(f"\n=== {arch} ({epochs} epochs, calibration {factor}; accuracy {100 * (1 - wrong.mean()):.1f} %, "
           f"{int(wrong.sum())} misclassified digits)")
-    print("AUROC of the mutual information      head    uncertainty(100)  uncertainty(4000)  |head − 100|")
-    for task in (*OOD, "misclassified"):
+    def mi_auroc(u: dict[str, dict[str, np.ndarray]], task: str) -> float:
+        mi = {name: u[name]["epistemic"] for name in SETS}
         if task == "misclassified":
-            scores = [auroc(u["MNIST"]["epistemic"][~wrong], u["MNIST"]["epistemic"][wrong]) for u in (head, s100, s4000)]
-            label = "misclassified digits"
-        else:
-            scores = [auroc(np.concatenate([u["MNIST"]["epistemic"], u["ambiguous"]["epistemic"]]), u[task]["epistemic"])
-                      for u in (head, s100, s4000)]
-            label = f"OOD: {task}"
-        print(f"  {label:<34s} {scores[0]:.4f}  {scores[1]:16.4f}  {scores[2]:17.4f}  {abs(scores[0] - scores[1]):11.4f}")
+            return auroc(mi["MNIST"][~wrong], mi["MNIST"][wrong])
+        return auroc(np.concatenate([mi["MNIST"], mi["ambiguous"]]), mi[task])
+
+    def numpy_head(offsets: np.ndarray) -> dict[str, dict[str, np.ndarray]]:
+        out = {}
+        for name in SETS:
+            probs, stats = head_numpy(*mv[name], offsets)
+            out[name] = {"probs": probs, "epistemic": stats[:, 2]}
+        return out
+
+    # the same rule with other Sobol' scramblings (NumPy, on the same logits): the spread that the
+    # frozen randomisation leaves; and the axis-aligned unscented sigma points (not kept)
+    other_seeds = [numpy_head(sigma_offsets(10, seed=seed)) for seed in range(1, 8)]
+    axis = numpy_head(axis_sigma_points(10))
+    print("AUROC of the mutual information    head  uncertainty(100)  uncertainty(4000)  |head−100|  "
+          "seeds 0-7 (min–max)  axis points")
+    for task in (*OOD, "misclassified"):
+        label = "misclassified digits" if task == "misclassified" else f"OOD: {task}"
+        scores = [mi_auroc(u, task) for u in (head, s100, s4000)]
+        spread = [scores[0]] + [mi_auroc(u, task) for u in other_seeds]
+        delta = abs(scores[0] - scores[1])
+        print(f"  {label:<30s} {scores[0]:.4f}  {scores[1]:16.4f}  {scores[2]:17.4f}  {delta:10.4f}  "
+              f"{min(spread):.4f}–{max(spread):.4f}  {mi_auroc(axis, task):11.4f}")
 
     def err(probs: dict[str, np.ndarray]) -> str:
         e = np.concatenate([np.abs(probs[s] - s4000[s]["probs"]).max(1) for s in SETS])
         return f"{np.median(e):10.2e}  {np.quantile(e, 0.99):10.2e}"
 
     print("class probabilities vs 4000-draw sampling: max_k |Δp|, median      p99")
-    rows = {"sigma points (the head)": {s: head[s]["probs"] for s in SETS},
+    rows = {"quadrature (the head)": {s: head[s]["probs"] for s in SETS},
+            "axis-aligned sigma points (unscented)": {s: axis[s]["probs"] for s in SETS},
             "probit": {s: probit(*mv[s]) for s in SETS},
             "Laplace bridge": {s: laplace_bridge(*mv[s]) for s in SETS},
             "plug-in softmax(μ)": {s: softmax(mv[s][0], -1) for s in SETS},

@@ -4,23 +4,30 @@ It turns the logits' mean-field Gaussian ``z ~ N(μ, diag(v))`` (one row of ``K`
 into the class probabilities and the uncertainty decomposition, without sampling, inside the same
 compiled module (and the NumPy reference and the ONNX export, the same plan).
 
-**The rule: a fixed set of rotated sigma points.**  In whitened coordinates ``z = μ + √v ⊙ ε``,
-``ε ~ N(0, I)``, the ``2K`` points ``ε = ±√K·q_k`` (``q_k`` the columns of an orthogonal matrix ``Q``)
-with equal weights ``1/(2K)`` reproduce the mean and the covariance of ``ε`` exactly -- the symmetric
-sigma points of the unscented transform (Julier & Uhlmann 1997, κ = 0), which use ``Q = I``.  Any
-orthogonal ``Q`` gives a rule of the same degree (the Gaussian is rotation invariant); the head uses
-``R = 4`` fixed rotations drawn once (Haar-distributed ``Q``, NumPy ``default_rng(0)``, stored in the
-layer: every back end uses the same points) and averages the rules -- the stochastic spherical-radial
-rules of Genz & Monahan ("Stochastic integration rules for infinite regions", SIAM J. Sci. Comput.
-19(2), 1998) with the randomisation frozen.  Each point moves *every* logit by about one standard
-deviation, as a logit sample does (the axis-aligned ``Q = I`` moves one logit by ``√K`` standard
-deviations, which on the MNIST MLP gave 4x the probability error at the 99th percentile, see
-``benchmarks/uncertainty_head.py``).  So the head is ``2KR`` deterministic, moment-matched "samples"
-of the logits, and every quantity is computed from them as :func:`pyro2pfp.uncertainty` computes it
-from logit samples::
+**The rule: a fixed, moment-matched quadrature of the logits.**  In whitened coordinates
+``z = μ + √v ⊙ ε``, ``ε ~ N(0, I_K)``, the head evaluates everything at ``S`` fixed points ``ε_j``
+with equal weights, chosen once when the head is appended and stored in the layer (the NumPy
+reference, the TVM kernel and the ONNX export use the same points):
 
-    z_j      = μ + √v ⊙ ε_j,  p_j = softmax(z_j)       j = 0 … 2KR  (ε_0 = 0: the centre)
-    probs    = p̄ = p_0 + w Σ_j (p_j − p_0)             w = 1/(2KR)
+* ``n = max(32, 2^⌈log₂ 2K⌉)`` points of a scrambled Sobol' sequence (Owen scrambling,
+  ``scipy.stats.qmc.Sobol(K, scramble=True, seed=0)``) mapped through ``Φ⁻¹``: randomised
+  quasi-Monte Carlo with the randomisation frozen;
+* made antithetic (``±ε``, so ``S = 2n``; K = 10: 64 points) and whitened by the Cholesky factor of
+  their second moment, so that their mean is exactly 0 and their covariance exactly ``I``: the
+  quadrature reproduces the logits' mean and variance exactly, as the sigma points of the unscented
+  transform do (moment matching: Glasserman, *Monte Carlo Methods in Financial Engineering*, 2003,
+  sec. 4.5); every point moves every logit by about one standard deviation, as a logit sample does.
+
+(Measured and not kept, ``benchmarks/uncertainty_head.py`` and the module's tests: the 2K axis-aligned
+sigma points of the unscented transform, ``ε = ±√K·e_k`` (Julier & Uhlmann 1997, κ = 0), move one
+logit by ``√K`` standard deviations; on the MNIST MLP they had 4x the probability error at the 99th
+percentile and shifted the OOD AUROC of the mutual information by 0.016.  Random rotations of them
+(Genz & Monahan's stochastic spherical-radial rules, 1998) varied more with the seed than these
+points.)  So the head is ``S`` deterministic, moment-matched "samples" of the logits, and every
+quantity is computed from them as :func:`pyro2pfp.uncertainty` computes it from logit samples::
+
+    z_j      = μ + √v ⊙ ε_j,  p_j = softmax(z_j)       j = 0 … S  (ε_0 = 0: the centre, weight 0)
+    probs    = p̄ = p_0 + w Σ_j (p_j − p_0)             w = 1/S
     H_j      = logsumexp(z_j) − Σ_k p_jk z_jk          (softmax entropy of point j)
     predictive_entropy  = H[p̄] = −Σ_k p̄_k log p̄_k
     expected_entropy    = E[H[softmax(z)]] ≈ H_0 + w Σ_j (H_j − H_0)
@@ -30,14 +37,14 @@ The weights are positive, so ``p̄`` is a probability vector and the mutual info
 Jensen (concavity of the entropy), exactly as for samples.  At ``v = 0`` every point is ``μ``:
 ``probs = softmax(μ)`` and the mutual information is exactly 0 (both brackets are differences of
 identical terms; the deviation form ``p_0 + w Σ (p_j − p_0)`` makes that exact in float32 too).  Cost
-per input: ``(2KR + 1)·K`` exponentials (K = 10: 810), a fixed loop over a constant ``(2KR + 1, K)``
-offset table.
+per input: ``(S + 1)·K`` exponentials (K = 10: 650), a fixed loop over a constant ``(S + 1, K)``
+offset table.  The points depend on scipy's Sobol' generator only when the head is appended.
 
-Why not the probit / Laplace-bridge formulas for the probabilities: the mutual information is a
+Why not the probit or Laplace-bridge formula for the probabilities: the mutual information is a
 small difference of two entropies, and it ranks inputs like logit sampling only when ``p̄`` and
 ``E[H]`` come from the *same* approximation of the logit distribution (probit ``softmax(μ_k/√(1 +
-π v_k/8))`` for ``p̄`` with sigma points for ``E[H]`` lost 0.06 AUROC on the MNIST MLP); and the
-sigma points' ``p̄`` is also closer to sampling than either (the benchmark prints all three).
+π v_k/8))`` for ``p̄`` with a quadrature for ``E[H]`` lost 0.06 AUROC on the MNIST MLP); and the
+quadrature's ``p̄`` is also closer to sampling than either (the benchmark prints all three).
 
 **One logit** (a Bernoulli/sigmoid output, ``K = 1``): the logit ``z`` is treated as the pair
 ``(0, z)`` of a two-class softmax (``σ(z) = softmax(0, z)₁``); ``probs`` is ``P(y = 1)`` (shape
@@ -50,7 +57,6 @@ second component (the planner's variance slot; every predictor unpacks it into a
 """
 from __future__ import annotations
 
-import math
 from typing import Any, NamedTuple
 
 import numpy as np
@@ -75,7 +81,7 @@ VAR_CLAMP = 1e30
 
 SOFTMAX_HEAD = register_op(OpDef(
     HEAD_OP, modules="(appended by `convert(..., head=\"probs\")`: class probabilities and uncertainty)",
-    moments="fixed rotated sigma points (8K moment-matched points)",
+    moments="fixed quadrature: 2·max(32, 2K) antithetic Sobol' points, moment-matched",
     assumptions="independent logits (mean field); a fixed quadrature of E[softmax] and E[entropy]",
     contract=Contract(Repr.VARIANCE, Repr.VARIANCE, keeps_deterministic=False), internal=True))
 
@@ -110,28 +116,28 @@ def check_head(head: Any) -> str | None:
     raise ArgumentError(f"head must be None (the logits' mean and variance) or one of {HEADS}, got {head!r}")
 
 
-ROTATIONS = 4
-"""``R``: the number of rotated 2K-point sigma-point sets the head averages."""
 SEED = 0
-"""The seed of the rotations (drawn once, when the head is appended; stored in the layer)."""
+"""The seed of the Sobol' scrambling (the points are drawn once, when the head is appended)."""
 
 
-def append_head(graph: LayerGraph, head: str, *, rotations: int = ROTATIONS, seed: int = SEED) -> LayerGraph:
+def append_head(graph: LayerGraph, head: str, *, points: int | None = None, seed: int = SEED) -> LayerGraph:
     """A copy of ``graph`` with the ``softmax_head`` layer after its output (the logits).
 
     The output must be one row of logits per input, ``(K,)``.  The layer's ``offsets`` attribute holds
-    the sigma points (:func:`sigma_offsets` of ``rotations`` and ``seed``)."""
+    the quadrature points (:func:`sigma_offsets` of ``points`` and ``seed``)."""
     check_head(head)
     shape = graph.shape_of(graph.output)
     if len(shape) != 1:
         raise ArgumentError(f"head={head!r} needs a network whose output is a vector of logits (batch, classes); "
                             f"the output of layer '{graph.output}' has shape (batch, {', '.join(map(str, shape))})")
-    if isinstance(rotations, bool) or not isinstance(rotations, int) or rotations < 1:
-        raise ArgumentError(f"the number of sigma-point rotations must be a positive int, got {rotations!r}")
-    offsets = sigma_offsets(2 if shape[0] == 1 else shape[0], rotations, seed)
+    k = 2 if shape[0] == 1 else shape[0]
+    if points is not None and (isinstance(points, bool) or not isinstance(points, int) or points < k
+                               or points & (points - 1)):
+        raise ArgumentError(f"the number of Sobol' points must be a power of two >= the {k} logits, got {points!r}")
+    offsets = sigma_offsets(k, points, seed)
     layer = Layer(name="head", op=HEAD_OP, inputs=[graph.output], out_shape=shape,
                   source=f"convert(head={head!r}) on the logits of '{graph.output}'",
-                  attrs={"rotations": rotations, "seed": seed, "offsets": offsets,
+                  attrs={"points": len(offsets) - 1, "seed": seed, "offsets": offsets,
                          "second_shape": (len(STATS),), "output_names": OUTPUT_NAMES})
     names = {existing.name for existing in graph.layers}
     while layer.name in names:
@@ -145,28 +151,27 @@ def is_head(layer: PlannedLayer | Layer | None) -> bool:
     return layer is not None and getattr(layer, "op", None) == HEAD_OP
 
 
-def haar_orthogonal(k: int, rng: np.random.Generator) -> np.ndarray:
-    """A Haar-distributed ``k × k`` orthogonal matrix: the QR factor of a Gaussian matrix, column
-    signs fixed by ``R``'s diagonal (Mezzadri, "How to generate random matrices from the classical
-    compact groups", Notices AMS 2007)."""
-    q, r = np.linalg.qr(rng.standard_normal((k, k)))
-    return q * np.where(np.diag(r) < 0, -1.0, 1.0)
+def default_points(k: int) -> int:
+    """``n = max(32, 2^⌈log₂ 2K⌉)`` Sobol' points for ``K`` logits (``2n`` with their antipodes)."""
+    return max(32, 1 << (2 * k - 1).bit_length())
 
 
-def sigma_offsets(k: int, rotations: int = ROTATIONS, seed: int = SEED) -> np.ndarray:
-    """The whitened sigma points ``ε_j``, ``(2KR + 1, K)``: row 0 the centre (zeros), then for each of
-    the ``R`` rotations ``Q`` the rows ``+√K·q_k`` and ``−√K·q_k``.  Their mean is 0 and their
-    covariance (weights ``1/(2KR)``) is exactly ``I``."""
-    rng = np.random.default_rng(seed)
-    rows = [np.zeros((1, k))]
-    for _ in range(rotations):
-        q = math.sqrt(k) * haar_orthogonal(k, rng).T  # row i: √K·q_i
-        rows += [q, -q]
-    return np.concatenate(rows)
+def sigma_offsets(k: int, points: int | None = None, seed: int = SEED) -> np.ndarray:
+    """The whitened quadrature points ``ε_j``, ``(2n + 1, K)``: row 0 the centre (zeros), then ``n``
+    scrambled Sobol' points mapped through ``Φ⁻¹`` and their antipodes, whitened so that their mean
+    is 0 and their covariance (weights ``1/(2n)``) is exactly ``I``."""
+    from scipy.stats import norm, qmc
+
+    n = default_points(k) if points is None else points
+    eps = norm.ppf(qmc.Sobol(k, scramble=True, seed=seed).random(n))
+    eps = np.concatenate([eps, -eps])
+    chol = np.linalg.cholesky(eps.T @ eps / len(eps))
+    eps = np.linalg.solve(chol, eps.T).T  # covariance exactly I
+    return np.concatenate([np.zeros((1, k)), eps])
 
 
 def point_weight(offsets: np.ndarray) -> float:
-    """``w = 1/(2KR)``, the weight of each moved sigma point (the centre's is 0)."""
+    """``w = 1/S``, the weight of each quadrature point (the centre's is 0)."""
     return 1.0 / (offsets.shape[0] - 1)
 
 
@@ -185,14 +190,14 @@ def head_numpy(mean: np.ndarray, var: np.ndarray, offsets: np.ndarray | None = N
     k = mean.shape[1]
     offsets = sigma_offsets(k) if offsets is None else offsets
     if offsets.shape[1] != k:
-        raise ArgumentError(f"sigma-point offsets of shape {offsets.shape} for {k} logits")
+        raise ArgumentError(f"quadrature offsets of shape {offsets.shape} for {k} logits")
     w = point_weight(offsets)
-    z = mean[:, None, :] + np.sqrt(var)[:, None, :] * offsets[None]  # (B, 2KR+1, K)
+    z = mean[:, None, :] + np.sqrt(var)[:, None, :] * offsets[None]  # (B, S+1, K)
     shift = z.max(-1, keepdims=True)
     e = np.exp(z - shift)
     s = e.sum(-1)
     p = e / s[..., None]
-    h = np.log(s) - (e * (z - shift)).sum(-1) / s  # (B, 2KR+1) softmax entropies
+    h = np.log(s) - (e * (z - shift)).sum(-1) / s  # (B, S+1) softmax entropies
     p0, h0 = p[:, 0], h[:, 0]
     pbar = np.maximum(p0 + w * (p - p0[:, None]).sum(1), 0.0)
     d_eh = w * (h - h0[:, None]).sum(1)
@@ -216,7 +221,7 @@ def softmax_head_reference(layer: PlannedLayer, inputs: list[Activation]) -> Act
 # ------------------------------------------------------------------------------------ ONNX
 @exporter(HEAD_OP)
 def softmax_head_onnx(ctx: Any, layer: PlannedLayer, inputs: list[OnnxActivation]) -> OnnxActivation:
-    """The same rule in standard ONNX operators (Softmax/LogSoftmax over the sigma points' logits,
+    """The same rule in standard ONNX operators (Softmax/LogSoftmax over the quadrature points' logits,
     ReduceSum, Log, Max, Concat)."""
     b = ctx.b
     x = inputs[0]
@@ -242,12 +247,12 @@ def softmax_head_onnx(ctx: Any, layer: PlannedLayer, inputs: list[OnnxActivation
         return t.nary("Unsqueeze", axes(axis))
 
     table = Sym(b, b.initializer(offsets, "sigma_offsets"))
-    z = unsqueeze(mean, 1) + unsqueeze(var.unary("Sqrt"), 1) * table  # (B, 2KR+1, K)
+    z = unsqueeze(mean, 1) + unsqueeze(var.unary("Sqrt"), 1) * table  # (B, S+1, K)
     p = z.nary("Softmax", axis=-1)
     logp = z.nary("LogSoftmax", axis=-1)
-    h = Sym(b, value=0.0) - sum_over(p * logp, -1)  # (B, 2KR+1)
+    h = Sym(b, value=0.0) - sum_over(p * logp, -1)  # (B, S+1)
 
-    def first(t: Sym) -> Sym:  # [:, 0] of a (B, 2KR+1, ...) tensor
+    def first(t: Sym) -> Sym:  # [:, 0] of a (B, S+1, ...) tensor
         return t.nary("Gather", b.ints([0], "index"), axis=1).nary("Squeeze", axes(1))
 
     p0, h0 = first(p), first(h)

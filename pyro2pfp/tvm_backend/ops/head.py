@@ -1,14 +1,14 @@
-"""TE kernel of the uncertainty head ``softmax_head`` (sigma points over the logits; the rule, its
+"""TE kernel of the uncertainty head ``softmax_head`` (a fixed quadrature over the logits; the rule, its
 sources and the NumPy reference / ONNX export: ``pyro2pfp/ops/head.py``) and its CPU schedule.
 
-One PrimFunc, a fixed loop over the ``2KR + 1`` sigma points ``j`` and the ``K`` logits ``c`` per
+One PrimFunc, a fixed loop over the ``S + 1`` quadrature points ``j`` and the ``K`` logits ``c`` per
 input: the points' logits ``z[j, c] = μ_c + √v_c·ε[j, c]`` (``ε`` the constant offset table of the
 layer) are never stored; the stages are the
 per-point max, the per-point sums ``Σ e^{z−c}`` and ``Σ e^{z−c}(z−c)`` (one tuple reduction), the
 points' softmax ``P[j, l]`` (stored once, so the centre row and the moved rows are computed by the same
 code: at ``v = 0`` they are bitwise equal and the mutual information is exactly 0), ``p̄``, the
 points' entropies, and the three statistics.  ``exp`` is ``fast_exp`` (vectorisable); the logs are
-libm calls (``2KR + 1`` + ``2K`` per input).
+libm calls (``S + 1`` + ``2K`` per input).
 """
 from __future__ import annotations
 
@@ -45,7 +45,7 @@ def softmax_head(ctx: EmitContext, layer: PlannedLayer, inputs: list[RelaxActiva
 
     def fn(m: te.Tensor, *rest: te.Tensor) -> list[te.Tensor]:
         batch = m.shape[0]
-        eps = rest[0]  # (2KR + 1, K) offsets
+        eps = rest[0]  # (S + 1, K) offsets
         v = rest[1] if len(rest) > 1 else None
 
         def logit(b: Any, c: Any) -> Any:
