@@ -181,7 +181,8 @@ def run(arch: str, data: dict, quick: bool) -> None:
     t_logits = median_us(lambda: exe_logits(x1), 3000)
     t_head = median_us(lambda: exe_head(x1), 3000)
     t_sample = median_us(lambda: uncertainty(*exe_logits(x1), 100, seed=0), 1000)
-    t_numpy_head = median_us(lambda: head_numpy(m1, v1), 1000)
+    offsets = head_net.plan.layer(head_net.plan.output).layer.attrs["offsets"]
+    t_numpy_head = median_us(lambda: head_numpy(m1, v1, offsets), 1000)
     print("latency at batch 1 (median µs)")
     print(f"  compiled logits network                   {t_logits:8.1f}")
     print(f"  compiled network + head (one module)      {t_head:8.1f}   (head: +{t_head - t_logits:.1f})")
