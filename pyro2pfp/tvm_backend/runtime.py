@@ -91,12 +91,15 @@ def mark_prim_funcs_noalias(mod: tvm.IRModule, _ctx: Any) -> tvm.IRModule:
 
 
 def build(mod: tvm.IRModule, target: Any, relax_pipeline: Any = "default") -> Any:
-    """``tvm.compile(mod, target)`` with the Relax pipeline ``relax_pipeline`` (a name or a
-    pass) followed by :func:`mark_prim_funcs_noalias`."""
+    """``tvm.compile(mod, target)`` with identical kernels shared
+    (:func:`~pyro2pfp.tvm_backend.sharing.share_identical_kernels`), then the Relax pipeline
+    ``relax_pipeline`` (a name or a pass), then :func:`mark_prim_funcs_noalias`."""
+    from .sharing import share_identical_kernels_pass
+
     tgt = make_target(target)
     if isinstance(relax_pipeline, str):
         relax_pipeline = relax.get_pipeline(relax_pipeline)
-    pipeline = tvm.transform.Sequential([relax_pipeline, mark_prim_funcs_noalias])
+    pipeline = tvm.transform.Sequential([share_identical_kernels_pass, relax_pipeline, mark_prim_funcs_noalias])
     return tvm.compile(mod, target=tgt, relax_pipeline=pipeline)
 
 
