@@ -22,8 +22,9 @@ Prints, per network:
    quadrature, the unscented transform's axis-aligned sigma points, the probit approximation
    softmax(μ/√(1 + πv/8)), the Laplace bridge (laplace-torch's ``link_approx='bridge'``), the
    plug-in softmax(μ), and 100-draw sampling; and the error of the mutual information;
-3. latency at batch 1 (median of many calls): the compiled logits network, the compiled network with
-   the head, the logits network followed by ``uncertainty()`` (100 draws), and the head in NumPy.
+3. latency at batch 1 and 100 (median of many calls): the compiled logits network, the compiled
+   network with the head, the logits network followed by ``uncertainty()`` (100 draws), and the head
+   in NumPy.
 """
 from __future__ import annotations
 
@@ -176,18 +177,22 @@ def run(arch: str, data: dict, quick: bool) -> None:
         e = np.concatenate([np.abs(u[s]["epistemic"] - s4000[s]["epistemic"]) for s in SETS])
         print(f"  {name:<41s} {np.median(e):10.2e}  {np.quantile(e, 0.99):10.2e}")
 
-    x1 = shaped(data["sets"]["MNIST"][:1])
-    m1, v1 = exe_logits(x1)
-    t_logits = median_us(lambda: exe_logits(x1), 3000)
-    t_head = median_us(lambda: exe_head(x1), 3000)
-    t_sample = median_us(lambda: uncertainty(*exe_logits(x1), 100, seed=0), 1000)
     offsets = head_net.plan.layer(head_net.plan.output).layer.attrs["offsets"]
-    t_numpy_head = median_us(lambda: head_numpy(m1, v1, offsets), 1000)
-    print("latency at batch 1 (median µs)")
-    print(f"  compiled logits network                   {t_logits:8.1f}")
-    print(f"  compiled network + head (one module)      {t_head:8.1f}   (head: +{t_head - t_logits:.1f})")
-    print(f"  compiled logits + uncertainty(100 draws)  {t_sample:8.1f}   (sampling: +{t_sample - t_logits:.1f})")
-    print(f"  the head in NumPy (head_numpy)            {t_numpy_head:8.1f}")
+    print("latency (median µs)                        batch 1   batch 100")
+    times: dict[str, list[float]] = {}
+    for batch in (1, 100):
+        xb = shaped(data["sets"]["MNIST"][:batch])
+        mb, vb = exe_logits(xb)
+        calls = 3000 if batch == 1 else 300
+        times.setdefault("compiled logits network", []).append(median_us(lambda: exe_logits(xb), calls))  # noqa: B023
+        times.setdefault("compiled network + head (one module)", []).append(
+            median_us(lambda: exe_head(xb), calls))  # noqa: B023
+        times.setdefault("compiled logits + uncertainty(100 draws)", []).append(
+            median_us(lambda: uncertainty(*exe_logits(xb), 100, seed=0), calls // 3))  # noqa: B023
+        times.setdefault("the head in NumPy (head_numpy)", []).append(
+            median_us(lambda: head_numpy(mb, vb, offsets), calls // 3))  # noqa: B023
+    for name, (t1, t100) in times.items():
+        print(f"  {name:<41s} {t1:8.1f}  {t100:9.1f}")
 
 
 def main() -> None:
