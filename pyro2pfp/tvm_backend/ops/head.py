@@ -3,11 +3,11 @@ sources and the NumPy reference / ONNX export: ``pyro2pfp/ops/head.py``) and its
 
 One PrimFunc, a fixed loop over the ``S + 1`` quadrature points ``j`` and the ``K`` logits ``c`` per
 input: the points' logits ``z[j, c] = μ_c + √v_c·ε[j, c]`` (``ε`` the constant offset table of the
-layer) are never stored; the stages are the
-per-point max, the per-point sums ``Σ e^{z−c}`` and ``Σ e^{z−c}(z−c)`` (one tuple reduction), the
-points' softmax ``P[j, l]`` (stored once, so the centre row and the moved rows are computed by the same
-code: at ``v = 0`` they are bitwise equal and the mutual information is exactly 0), ``p̄``, the
-points' entropies, and the three statistics.  ``exp`` is ``fast_exp`` (vectorisable); the logs are
+layer) are never stored; the stages are the per-point max ``m_j``, ``e^{z − m_j}`` (one exponential
+per point and logit), the per-point sums ``Σ e^{z−m}`` and ``Σ e^{z−m}(z − m)`` (one tuple
+reduction), the points' softmax ``P[j, c]`` (stored once, so the centre row and the moved rows are
+computed by the same code: at ``v = 0`` they are bitwise equal and the mutual information is exactly
+0), ``p̄``, the points' entropies, and the three statistics.  ``exp`` is ``fast_exp``; the logs are
 libm calls (``S + 1`` + ``2K`` per input).
 """
 from __future__ import annotations
@@ -64,17 +64,16 @@ def softmax_head(ctx: EmitContext, layer: PlannedLayer, inputs: list[RelaxActiva
 
         rl = te.reduce_axis((0, k), name="rl")
         shift = te.compute((batch, points), lambda b, j: te.max(z(b, j, rl), axis=rl), name="shift")
+        # e^{z − c} once per point and logit; the sums and the probabilities read it
+        e = te.compute((batch, points, k), lambda b, j, c: fast_exp(z(b, j, c) - shift[b, j]), name="point_exp")
         rl2 = te.reduce_axis((0, k), name="rl2")
 
         def sums(b: Any, j: Any) -> Any:
-            d = z(b, j, rl2) - shift[b, j]
-            e = fast_exp(d)
-            return pair_sum((e, e * d), axis=rl2)
+            return pair_sum((e[b, j, rl2], e[b, j, rl2] * (z(b, j, rl2) - shift[b, j])), axis=rl2)
 
         s_t = te.compute((batch, points), sums, name="sums")
         s, t = s_t[0], s_t[1]
-        p = te.compute((batch, points, k), lambda b, j, c: fast_exp(z(b, j, c) - shift[b, j]) / s[b, j],
-                       name="point_probs")
+        p = te.compute((batch, points, k), lambda b, j, c: e[b, j, c] / s[b, j], name="point_probs")
         h = te.compute((batch, points), lambda b, j: te.log(s[b, j]) - t[b, j] / s[b, j], name="point_entropy")
         # exact copies of the centre's row (a reduction reading both p[b, j, c] and p[b, 0, c] defeats
         # the region analysis of reverse_compute_at)
