@@ -247,6 +247,8 @@ def convert_from_args(args: argparse.Namespace):
     options: dict[str, Any] = {}
     if getattr(args, "input_variance", False):
         options["input_variance"] = True
+    if getattr(args, "head", None):
+        options["head"] = args.head
     try:
         net = pyro2pfp.convert(model, guide, input_shape=args.input_shape, calibration=args.calibration,
                                moment_form=args.moment_form, **options)
@@ -375,8 +377,9 @@ def cmd_convert(args: argparse.Namespace) -> int:
         if args.target not in (None, "llvm"):
             print(f"note: --target {args.target} is ignored for ONNX output", file=sys.stderr)
         to_onnx(net, args.output, opset=args.opset)
+        outputs = "probs, uncertainty" if net.head else "mean, var"
         print(f"wrote {args.output} (ONNX opset {args.opset}; inputs {'x, x_var' if net.input_variance else 'x'}; "
-              f"outputs mean, var) in {time.perf_counter() - t0:.1f} s")
+              f"outputs {outputs}) in {time.perf_counter() - t0:.1f} s")
         return 0
     exe = deploy.compile_network(net, args.target or "llvm", schedule=not args.no_schedule)
     extra = {"model": type(model).__name__, "builder": args.builder,
@@ -641,6 +644,10 @@ def build_parser() -> argparse.ArgumentParser:
         example:
           pyro2pfp convert builder.py:build --params params.pt --input-shape 1,28,28 -o net.so"""))
     _add_conversion_options(p)
+    p.add_argument("--head", choices=("probs",), default=None,
+                   help="append the uncertainty head (pyro2pfp.ops.head): outputs class probabilities and the "
+                        "predictive entropy, expected entropy and mutual information instead of the logits' "
+                        "mean and variance")
     p.add_argument("--output", "-o", required=True, metavar="OUT",
                    help="output file: net.so, net.tar or net.onnx")
     p.add_argument("--target", "-t", default=None, help=_target_help())

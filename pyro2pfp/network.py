@@ -109,9 +109,7 @@ class PFPNetwork:
             from .tuning import with_remote
 
             tune = with_remote(tune, remote)
-        exe = compile_network(self, target, schedule=schedule, tune=tune, num_threads=num_threads)
-        exe.head = self.head
-        return exe
+        return compile_network(self, target, schedule=schedule, tune=tune, num_threads=num_threads)
 
     def regression(self, mean: Any, var: Any) -> dict[str, np.ndarray]:
         """The predictive distribution of a regression model's observation from the network's output

@@ -24,6 +24,7 @@ from pyro.infer import autoguide
 from pyro.nn import PyroModule
 from scipy.special import softmax
 from scipy.stats import spearmanr
+from test_cli import trained  # noqa: F401  (the fixture: a trained MNIST MLP, its builder and parameters)
 from test_styles import CLASSES, D_IN, HIDDEN, data, fit, likelihood, prior
 
 import pyro2pfp
@@ -239,3 +240,23 @@ def test_head_argument_errors(mlp):
         append_head(graph, "probs")
     with pytest.raises(ArgumentError, match="power of two"):
         append_head(LayerGraph((4,), [Layer("r", "relu", [INPUT], (4,), "r")], "r"), "probs", points=12)
+
+
+def test_cli_convert_with_head_and_predict(trained, capsys, monkeypatch):  # noqa: F811  (the fixture)
+    """``pyro2pfp convert --head probs`` to a library and to ONNX; ``pyro2pfp predict`` writes the four
+    outputs, equal to the head on the in-process network's logits."""
+    from pyro2pfp.cli import main
+
+    work, net, x = trained  # tests/test_cli.py: a briefly trained MNIST MLP, its builder and parameters
+    monkeypatch.chdir(work)
+    expected = head_numpy(*net.reference(x))
+    for out in ("head.so", "head.onnx"):
+        assert main(["convert", "builder.py:build", "-p", "params.pt", "-s", "1,28,28", "--head", "probs",
+                     "-o", out]) == 0
+        assert main(["predict", out, "digits.npy", "-o", "head_out.npz"]) == 0
+        assert "mutual information" in capsys.readouterr().out
+        with np.load(work / "head_out.npz") as res:
+            np.testing.assert_allclose(res["probs"], expected[0], atol=1e-5)
+            for i, key in enumerate(("predictive_entropy", "expected_entropy", "mutual_information")):
+                np.testing.assert_allclose(res[key], expected[1][:, i], atol=1e-5)
+    assert json.loads((work / "head.so.json").read_text())["head"] == "probs"
