@@ -142,7 +142,11 @@ class PFPNetwork:
 
     def summary(self) -> str:
         """The layer plan as a table."""
-        return self.plan.summary()
+        text = self.plan.summary()
+        if self.head is not None:
+            text += ("\nhead: the module outputs (probs, [predictive_entropy, expected_entropy, mutual_information]) "
+                     "instead of the logits' (mean, variance)")
+        return text
 
     def __repr__(self) -> str:
         return f"PFPNetwork(input_shape={self.input_shape}, layers={len(self.plan.layers)})\n{self.summary()}"

@@ -124,7 +124,9 @@ def append_head(graph: LayerGraph, head: str, *, points: int | None = None, seed
     """A copy of ``graph`` with the ``softmax_head`` layer after its output (the logits).
 
     The output must be one row of logits per input, ``(K,)``.  The layer's ``offsets`` attribute holds
-    the quadrature points (:func:`sigma_offsets` of ``points`` and ``seed``)."""
+    the quadrature points (:func:`sigma_offsets` of ``points`` and ``seed``): ``S + 1`` rows of ``K``,
+    ``S = 2·max(32, 2^⌈log₂ 2K⌉)``, so the cost per input grows as ``4K²`` exponentials beyond
+    K = 16 (K = 1000: 4·10⁶ -- meant for tens of classes, not thousands)."""
     check_head(head)
     shape = graph.shape_of(graph.output)
     if len(shape) != 1:
