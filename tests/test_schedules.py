@@ -23,6 +23,7 @@ from tvm import relax
 from builders import lenet_graph, mlp_graph
 from pyro2pfp.graph import INPUT, GaussianParam, Layer, LayerGraph
 from pyro2pfp.network import PFPNetwork
+from pyro2pfp.ops.head import append_head
 from pyro2pfp.plan import plan
 from pyro2pfp.registry import OPS
 from pyro2pfp.reference import execute
@@ -127,6 +128,10 @@ def case_graphs() -> dict[str, LayerGraph]:
                                                  params=ln_params((12,)))], "ln", input_variance=True)
     g["layer_norm_det"] = LayerGraph((2, 3, 5), [Layer("ln", "layer_norm", [INPUT], (2, 3, 5), "ln",
                                                        {"dims": 2, "eps": 1e-5}, params=ln_params((3, 5)))], "ln")
+    # the uncertainty head (pyro2pfp/ops/head.py) on the logits of a dense layer, ten classes and one logit
+    for classes in (10, 1):
+        g[f"softmax_head_{classes}"] = append_head(
+            LayerGraph((6,), [dense(rng, "fc", INPUT, 6, classes)], "fc", input_variance=True), "probs")
     # every other registered activation (the generic elementwise kernel), on Gaussians of 3-d shape
     covered = {layer.op for graph in g.values() for layer in graph.layers}
     for name, op in OPS.items():

@@ -147,6 +147,8 @@ class CompiledPFP:
         # {kernel symbol: (PFP op, layer)} from the PrimFuncs' attributes (profiling reads it)
         self.kernels: dict[str, tuple[str, str]] = {}
         self.library_path: str | None = None
+        # "probs": the module ends in the uncertainty head (outputs (probs, stats), see pyro2pfp.ops.head)
+        self.head: str | None = None
 
     def _state(self) -> _ThreadState:
         state = getattr(self._local, "state", None)
@@ -179,13 +181,20 @@ class CompiledPFP:
             np.copyto(view, array)
         return [tensor for tensor, _ in buffers]
 
-    def __call__(self, x: Any, x_var: Any = None) -> tuple[np.ndarray, np.ndarray]:
+    def __call__(self, x: Any, x_var: Any = None) -> Any:
+        """``(mean, var)`` of the logits; with the uncertainty head (``self.head == "probs"``) a
+        :class:`~pyro2pfp.ops.head.HeadOutput` ``(probs, predictive_entropy, expected_entropy,
+        mutual_information)``."""
         args = self._args(x, x_var)
         state = self._state()
         main = state.tuned_mains.get(args[0].shape[0], state.main) if state.tuned_mains else state.main
         mean, var = main(*args)
         mean, var = np.from_dlpack(mean), np.from_dlpack(var)
         check_finite_outputs(mean, var)
+        if self.head is not None:
+            from ..ops.head import head_output
+
+            return head_output(mean, var)
         return mean, var
 
     def profile(self, x: Any, x_var: Any = None, *, repeats: int = 30, method: str = "isolated",
@@ -225,6 +234,7 @@ class CompiledPFP:
         self.vm = None
         self.tuned, self._tuned_vms = {}, {}
         self._local = threading.local()
+        self.head = None
         arch = target_arch(target)
 
         def not_here(*_: Any) -> None:
