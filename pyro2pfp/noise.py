@@ -357,6 +357,14 @@ def _evaluate_index(source: Any, chain: list[Any]) -> np.ndarray:
     return out[0].to(torch.int64).numpy()
 
 
+def _where(node: Any) -> str:
+    """``'fc2' (aten.linear)``: the module path and op of a traced node, for messages."""
+    stack = node.meta.get("nn_module_stack") or {}
+    path = list(stack.values())[-1][0].removeprefix("L['self'].").removeprefix("model.") if stack else ""
+    op = str(node.target).removeprefix("aten.").split(".")[0] if node.op == "call_function" else node.name
+    return f"'{path}' ({op})" if path and path != "model" else f"'{node.name}' ({op})"
+
+
 def _link_steps(chain: list[Any]) -> tuple[LinkStep, ...]:
     steps = []
     for node in chain:
@@ -387,9 +395,11 @@ def read_head(graph: Any, loc: Any, scale: Any, likelihood_site: str) -> tuple[A
     mean_src, mean_chain = _chain(loc, allow_links=False)
     scale_src, scale_chain = _chain(scale, allow_links=True)
     if mean_src is not scale_src:
-        raise ValueError(f"the likelihood's loc comes from '{mean_src.name}' and its scale from '{scale_src.name}' "
-                         "(two output heads, or an operation other than indexing and an elementwise link "
-                         f"({', '.join(sorted(k.removeprefix('aten.') for k in _LINKS))}) between them)")
+        raise ValueError(f"the likelihood's loc comes from {_where(mean_src)} and its scale from {_where(scale_src)} "
+                         "(two output heads — give the network one output layer with both columns, e.g. "
+                         "nn.Linear(hidden, 2) — or an operation other than indexing and an elementwise link "
+                         f"({', '.join(sorted(k.removeprefix('aten.').split('.')[0] for k in _LINKS))}) "
+                         "between them)")
     mean_index = _evaluate_index(mean_src, mean_chain)
     scale_index = _evaluate_index(scale_src, scale_chain)
     link = _link_steps(scale_chain)

@@ -305,14 +305,31 @@ def _pyro_sample_weights(model: Any, readings: dict[str, SiteReading], guide: An
                 f"sample site '{site}' of the model (parameter {path}) has no posterior in the "
                 f"guide {type(guide).__name__}."
             )
-        require_weight_posterior(site, f"parameter {path}", reading, guide)
-        assert reading.mean is not None and reading.var is not None
         expected = prior_shapes.get(path)
+        if reading.mean is None or reading.var is None:  # not usable as a weight: an error if it is one
+            shape = expected if expected is not None else reading.shape
+            params[path] = GaussianParam(np.zeros(shape), np.zeros(shape), site=site)
+            continue
         if expected is not None and tuple(reading.mean.shape) != expected:
             raise PosteriorError(f"site '{site}': the guide's posterior has shape {tuple(reading.mean.shape)} but "
                                  f"the model's prior (parameter {path}) has shape {expected}")
         params[path] = GaussianParam(reading.mean, reading.var, site=site)
     return params
+
+
+def _split_pyro_samples(program: torch.export.ExportedProgram, pyro_sample_sites: dict[str, str],
+                        params: dict[str, GaussianParam], readings: dict[str, SiteReading], guide: Any) -> set[str]:
+    """``PyroSample`` attributes the network output does not use (e.g. a ``log_sigma`` noise scale) are
+    non-weight sites: dropped from ``params`` and returned; the used ones must have a weight posterior."""
+    used = used_parameters(program)
+    unused = set()
+    for path, site in pyro_sample_sites.items():
+        if _WRAPPER_PREFIX + path in used:
+            require_weight_posterior(site, f"parameter {path}", readings[site], guide)
+        else:
+            unused.add(site)
+            params.pop(path, None)
+    return unused
 
 
 def _build_wrapper(model: Any, readings: dict[str, SiteReading], weights: dict[str, GaussianParam],
@@ -412,9 +429,12 @@ def trace_model(model: Any, guide: Any, input_shape: tuple[int, ...] | None, *,
     head = _end_at_head(program, next(iter(wrapper.head_site))) if wrapper.probe_head else None
 
     exported_weights, nonweights = _classify_exported_sites(wrapper, lifted_paths, program, readings, guide)
+    unused_samples = _split_pyro_samples(program, pyro_sample_sites, params, readings, guide)
+    nonweights |= unused_samples
     model_parameters = [lifted_paths.get(name, name.removeprefix(_WRAPPER_PREFIX))
                         for name, _ in program.named_parameters() if not name.startswith("functional.")]
-    check_all_matched(readings, [*pyro_sample_sites.values(), *exported_weights.values()], nonweights,
+    check_all_matched(readings, [*(set(pyro_sample_sites.values()) - unused_samples), *exported_weights.values()],
+                      nonweights,
                       [*pyro_sample_sites, *model_parameters], guide)
     for path, site in exported_weights.items():
         reading = readings[site]
