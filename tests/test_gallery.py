@@ -269,7 +269,8 @@ def test_tyxe_heteroskedastic_likelihood():
     loader = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(x, y[:, None]), batch_size=64)
     bnn.fit(loader, pyro.optim.Adam({"lr": 0.02}), 150)
     net = pyro2pfp.convert(bnn)
-    assert isinstance(net.noise, HeteroscedasticNoise) and net.noise.link == (LinkStep("aten.softplus.default", (1.0, 20.0)),)
+    assert isinstance(net.noise, HeteroscedasticNoise)
+    assert net.noise.link == (LinkStep("aten.softplus.default", (1.0, 20.0)),)
     xt = G.regression_data(16, 5)[0]
     out = net.regression(*net.reference(xt.numpy()))
     samples = pyro.infer.Predictive(bnn.model, guide=bnn.guide, num_samples=1000,
