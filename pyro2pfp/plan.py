@@ -155,6 +155,9 @@ class PlannedGraph:
 def _stored_tensors(layer: Layer, input_repr: Repr, calibration: float) -> dict[str, np.ndarray]:
     if layer.op == "affine":  # deterministic per-channel scale and shift
         return {"scale": layer.params["scale"].mean, "shift": layer.params["shift"].mean}
+    if layer.op == "layer_norm":  # γ, β: means and calibrated variances (pyro2pfp/ops/normalization.py)
+        return {f"{name}_{what}": value for name in ("weight", "bias")
+                for what, value in (("mean", layer.params[name].mean), ("var", calibration * layer.params[name].var))}
     if layer.op not in ("dense", "conv2d"):
         return {}
     weight = layer.params["weight"]

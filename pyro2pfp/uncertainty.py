@@ -75,7 +75,10 @@ def uncertainty_from_logit_samples(samples: Any) -> dict[str, np.ndarray]:
         A dict of float64 arrays: ``"total"``, ``"aleatoric"``, ``"epistemic"`` and
         ``"logit_variance"`` of shape ``(B,)``; ``"probs"`` ``(B, K)``, the predictive class
         probabilities ``p̄`` (rows sum to 1). Entropies are in nats; ``epistemic`` is clipped at 0
-        (it can only go below through rounding).
+        (it can only go below through rounding).  One logit per input (``K = 1``: a Bernoulli
+        likelihood, e.g. a network whose final sigmoid was stripped) is the two-class case with logits
+        ``[0, l]``: ``probs`` is ``(B, 2)``, ``[P(y=0), P(y=1)] = [1 − mean σ(l), mean σ(l)]``, and the
+        entropies are the Bernoulli ones.
     """
     s = _as_float64(samples, "samples")
     if s.ndim == 2:
@@ -83,6 +86,9 @@ def uncertainty_from_logit_samples(samples: Any) -> dict[str, np.ndarray]:
     if s.ndim != 3 or min(s.shape) < 1:
         raise ArgumentError(f"samples must have shape (num_samples, batch, classes), got {s.shape}")
     n = s.shape[0]
+    logit_variance = s.var(axis=0, ddof=1 if n > 1 else 0).sum(-1)
+    if s.shape[-1] == 1:  # one logit l (Bernoulli, a stripped final sigmoid): softmax([0, l]) = [1 − σ(l), σ(l)]
+        s = np.concatenate([np.zeros_like(s), s], axis=-1)
     logp = s - logsumexp(s, axis=-1, keepdims=True)  # (N, B, K) log-softmax
     p = np.exp(logp)
     aleatoric = -(p * logp).sum(-1).mean(0)  # p·log p → 0 when p underflows (logp is finite)
@@ -90,7 +96,6 @@ def uncertainty_from_logit_samples(samples: Any) -> dict[str, np.ndarray]:
     pbar = np.exp(log_pbar)
     total = -(pbar * log_pbar).sum(-1)
     epistemic = np.maximum(total - aleatoric, 0.0)
-    logit_variance = s.var(axis=0, ddof=1 if n > 1 else 0).sum(-1)
     return {
         "total": total,
         "aleatoric": aleatoric,
@@ -129,7 +134,9 @@ def sample_logits(mean: Any, var: Any, num_samples: int = 100, seed: Any = None)
 
 
 def uncertainty(mean: Any, var: Any, num_samples: int = 100, seed: Any = None) -> dict[str, np.ndarray]:
-    """Uncertainty metrics of a PFP output ``(mean, var)`` of the logits, each ``(B, K)``.
+    """Uncertainty metrics of a PFP output ``(mean, var)`` of the logits, each ``(B, K)`` (``K = 1``: one
+    Bernoulli logit per input, see :func:`uncertainty_from_logit_samples`; give a squeezed ``(B,)`` output
+    as ``mean[:, None]``).
 
     Draws :func:`sample_logits` and applies :func:`uncertainty_from_logit_samples`;
     ``"logit_variance"`` is the exact sampling-free score ``var.sum(-1)``.

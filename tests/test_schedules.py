@@ -118,6 +118,15 @@ def case_graphs() -> dict[str, LayerGraph]:
     g["relu_det"] = LayerGraph((30,), [relu("r", INPUT, (30,)), dense(rng, "fc", "r", 30, 9)], "fc")
     # a variance input to a dense layer: in the raw-moment plan the planner inserts a `convert`
     g["convert"] = LayerGraph((12,), [dense(rng, "fc", INPUT, 12, 9)], "fc", input_variance=True)
+    # layer norm: over the last dim of Gaussians (Gaussian γ, β), and over the last two of a deterministic input
+    def ln_params(norm):
+        return {"weight": GaussianParam(rng.uniform(0.5, 1.5, norm), rng.uniform(0.0, 0.01, norm)),
+                "bias": GaussianParam(rng.standard_normal(norm), rng.uniform(0.0, 0.01, norm))}
+
+    g["layer_norm"] = LayerGraph((3, 12), [Layer("ln", "layer_norm", [INPUT], (3, 12), "ln", {"dims": 1, "eps": 1e-5},
+                                                 params=ln_params((12,)))], "ln", input_variance=True)
+    g["layer_norm_det"] = LayerGraph((2, 3, 5), [Layer("ln", "layer_norm", [INPUT], (2, 3, 5), "ln",
+                                                       {"dims": 2, "eps": 1e-5}, params=ln_params((3, 5)))], "ln")
     # every other registered activation (the generic elementwise kernel), on Gaussians of 3-d shape
     covered = {layer.op for graph in g.values() for layer in graph.layers}
     for name, op in OPS.items():

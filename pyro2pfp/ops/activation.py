@@ -1,5 +1,6 @@
-"""Elementwise activations with Gaussian moments: ReLU, LeakyReLU, scaling by a constant; a final softmax
-is stripped.
+"""Elementwise activations with Gaussian moments: ReLU, LeakyReLU, scaling by a constant, and the smooth
+and clipped activations of issue 16 (Sigmoid, Tanh, GELU, SiLU, ELU, Softplus, Hardtanh/ReLU6); a final
+softmax, and a final sigmoid that gives Bernoulli probabilities, are stripped.
 
 Each activation is one :class:`~pyro2pfp.registry.OpDef` with an
 :class:`~pyro2pfp.registry.ActivationRule` -- the exact function and its moments for a Gaussian
@@ -11,6 +12,7 @@ a converter here, and its tests (a Monte Carlo test and a compiled-vs-reference 
 """
 from __future__ import annotations
 
+import math
 import warnings
 from typing import Any
 
@@ -72,6 +74,105 @@ SCALE = register_activation(OpDef(
                                                ops.const(attrs["factor"] ** 2) * var))))
 
 
+
+# ------------------------------------------------------------------ smooth and clipped activations
+# The moment rules are in pyro2pfp.moments (their docstrings give the method, the sources and the
+# accuracy against adaptive quadrature printed by benchmarks/activation_accuracy.py).
+_QUADRATURE = ("numerical: delta series (v < 0.05), 16-node Gauss–Hermite (σ < 1.1) or tilted split "
+               "Gauss–Laguerre, {acc} (`moments.{fn}`; `benchmarks/activation_accuracy.py`)")
+_GAUSSIAN_INPUT = "input treated as Gaussian"
+
+SIGMOID = register_activation(OpDef(
+    "sigmoid", ("aten.sigmoid.default", "aten.sigmoid_.default"),
+    modules="`Sigmoid` (hidden; a final one is stripped, see below the table)", modules_short=("Sigmoid",),
+    moments=_QUADRATURE.format(acc="variance ≤ 1e-6 relative", fn="sigmoid_moments"),
+    assumptions=_GAUSSIAN_INPUT, contract=ACTIVATION,
+    activation=ActivationRule(
+        exact=lambda x, attrs, ops: moments.sigmoid_exact(x, ops),
+        moments=lambda mean, var, attrs, ops: moments.sigmoid_moments(mean, var, ops))))
+
+TANH = register_activation(OpDef(
+    "tanh", ("aten.tanh.default", "aten.tanh_.default"),
+    modules="`Tanh`", modules_short=("Tanh",),
+    moments="the sigmoid rule via `tanh(x) = 2σ(2x) − 1`, variance ≤ 1.4e-6 relative (`moments.tanh_moments`)",
+    assumptions=_GAUSSIAN_INPUT, contract=ACTIVATION,
+    activation=ActivationRule(
+        exact=lambda x, attrs, ops: moments.tanh_exact(x, ops),
+        moments=lambda mean, var, attrs, ops: moments.tanh_moments(mean, var, ops))))
+
+_GELU_TANH_K = math.sqrt(2.0 / math.pi)
+
+
+def _gelu_exact(x: Any, attrs: dict[str, Any], ops: Any) -> Any:
+    """``x·Φ(x)`` (``approximate='none'``) or torch's tanh form ``½x(1 + tanh(√(2/π)(x + 0.044715x³)))``."""
+    if attrs.get("approximate", "none") == "tanh":
+        inner = ops.const(_GELU_TANH_K) * (x + ops.const(0.044715) * x * x * x)
+        return ops.const(0.5) * x * (ops.const(1.0) + moments.tanh_exact(inner, ops))
+    return moments.gelu_exact(x, ops)
+
+
+GELU = register_activation(OpDef(
+    "gelu", ("aten.gelu.default", "aten.gelu_.default"),
+    modules="`GELU()`, `GELU('tanh')`", modules_short=("GELU",),
+    moments="exact for a Gaussian input (Stein's lemma + the bivariate normal CDF by 20-point Gauss–Legendre, "
+            "`moments.gelu_moments`; arXiv 2403.16163)",
+    assumptions=_GAUSSIAN_INPUT + "; `approximate='tanh'` uses the erf-GELU moments (the two functions differ "
+                "by < 4.8e-4 absolute everywhere, so its moments by less)",
+    contract=ACTIVATION, example_attrs={"approximate": "none"},
+    activation=ActivationRule(
+        exact=_gelu_exact,
+        moments=lambda mean, var, attrs, ops: moments.gelu_moments(mean, var, ops))))
+
+SILU = register_activation(OpDef(
+    "silu", ("aten.silu.default", "aten.silu_.default"),
+    modules="`SiLU` / Swish (`F.silu`)", modules_short=("SiLU",),
+    moments=_QUADRATURE.format(acc="variance ≤ 1e-5 relative", fn="silu_moments"),
+    assumptions=_GAUSSIAN_INPUT, contract=ACTIVATION,
+    activation=ActivationRule(
+        exact=lambda x, attrs, ops: moments.silu_exact(x, ops),
+        moments=lambda mean, var, attrs, ops: moments.silu_moments(mean, var, ops))))
+
+
+def _softplus_moments(mean: Any, var: Any, attrs: dict[str, Any], ops: Any) -> tuple[Any, Any]:
+    """``softplus(βx)/β``: the softplus moments at ``(βμ, β²v)`` scaled by ``1/β``, ``1/β²`` (exact rescaling)."""
+    beta = float(attrs.get("beta", 1.0))
+    m, v = moments.softplus_moments(ops.const(beta) * mean, ops.const(beta * beta) * var, ops)
+    return ops.const(1.0 / beta) * m, ops.const(1.0 / (beta * beta)) * v
+
+
+SOFTPLUS = register_activation(OpDef(
+    "softplus", ("aten.softplus.default",),
+    modules="`Softplus(beta, threshold)`", modules_short=("Softplus",),
+    moments=_QUADRATURE.format(acc="variance ≤ 5e-7 relative", fn="softplus_moments")
+    + "; `beta`: `softplus(βx)/β` exactly",
+    assumptions=_GAUSSIAN_INPUT + "; `threshold` ignored (torch's numerical cut to `x` where βx > threshold "
+                "changes the function by < e^−threshold/β)",
+    contract=ACTIVATION, example_attrs={"beta": 2.0},
+    activation=ActivationRule(
+        exact=lambda x, attrs, ops: ops.const(1.0 / attrs["beta"]) * moments.softplus_exact(
+            ops.const(attrs["beta"]) * x, ops),
+        moments=_softplus_moments)))
+
+ELU = register_activation(OpDef(
+    "elu", ("aten.elu.default", "aten.elu_.default"),
+    modules="`ELU(alpha)` (α > 0)", modules_short=("ELU",),
+    moments="exact for a Gaussian input (lognormal partial expectations + ReLU moments, `moments.elu_moments`)",
+    assumptions=_GAUSSIAN_INPUT + "; `CELU`/`SELU` are not converted", contract=ACTIVATION,
+    example_attrs={"alpha": 0.5},
+    activation=ActivationRule(
+        exact=lambda x, attrs, ops: moments.elu_exact(x, attrs["alpha"], ops),
+        moments=lambda mean, var, attrs, ops: moments.elu_moments(mean, var, attrs["alpha"], ops))))
+
+HARDTANH = register_activation(OpDef(
+    "hardtanh", ("aten.hardtanh.default", "aten.hardtanh_.default", "aten.relu6.default", "aten.relu6_.default"),
+    modules="`Hardtanh(min_val, max_val)`, `ReLU6`", modules_short=("Hardtanh", "ReLU6"),
+    moments="exact for a Gaussian input (moments of a clipped Gaussian, `moments.hardtanh_moments`)",
+    assumptions=_GAUSSIAN_INPUT, contract=ACTIVATION, example_attrs={"lo": -1.0, "hi": 2.0},
+    activation=ActivationRule(
+        exact=lambda x, attrs, ops: moments.hardtanh_exact(x, attrs["lo"], attrs["hi"], ops),
+        moments=lambda mean, var, attrs, ops: moments.hardtanh_moments(mean, var, attrs["lo"], attrs["hi"], ops))))
+
+
 # ------------------------------------------------------------------------------------ converters
 @register("aten.mul.Tensor", "aten.div.Tensor", "aten.neg.default", produces=("scale",))
 def convert_scale(node, ctx) -> Layer:
@@ -119,3 +220,107 @@ def strip_final_softmax(node, ctx) -> Alias:
                   "the (mean, variance) of the logits. Use pyro2pfp.uncertainty() for class probabilities.",
                   stacklevel=2)
     return Alias(node.args[0])
+
+
+def _arg(node: Any, index: int, name: str, default: Any) -> Any:
+    """Argument ``index`` (or keyword ``name``) of an aten call, ``default`` when absent."""
+    if len(node.args) > index:
+        return node.args[index]
+    return node.kwargs.get(name, default)
+
+
+def _elementwise(node: Any, ctx: Any, op: str, attrs: dict[str, Any] | None = None) -> Layer:
+    return Layer(name=ctx.new_name(node, prefer_module=False), op=op, inputs=[ctx.activation(node.args[0], node)],
+                 out_shape=ctx.shape(node), source=ctx.source(node), attrs=attrs or {})
+
+
+# Ops that only re-arrange (or copy) a tensor: a sigmoid followed only by these is still the output.
+_VIEW_OPS = ("aten.view.", "aten.reshape.", "aten._unsafe_view.", "aten.squeeze", "aten.unsqueeze",
+             "aten.flatten.", "aten.clone.", "aten.contiguous.", "aten.detach.", "aten.alias.")
+
+
+def _is_final(node: Any, ctx: Any) -> bool:
+    """Whether ``node`` is the model's output, or reaches it through reshapes/squeezes only."""
+    while not ctx.is_output(node):
+        users = list(node.users)
+        if len(users) != 1 or not str(users[0].target).startswith(_VIEW_OPS):
+            return False
+        node = users[0]
+    return True
+
+
+def _feeds_normal_likelihood(ctx: Any) -> bool:
+    """Whether tracing found a ``Normal(f(x), sigma)`` likelihood (``pyro2pfp.noise``): the output is then a
+    regression mean, not Bernoulli probabilities."""
+    return hasattr(getattr(ctx.traced, "noise", None), "expected_variance")
+
+
+@register("aten.sigmoid.default", "aten.sigmoid_.default", produces=("sigmoid",))
+def convert_sigmoid(node, ctx) -> Layer | Alias:
+    """A hidden sigmoid -> ``sigmoid``.  A sigmoid that *is* the output (possibly through reshapes/squeezes)
+    gives probabilities for a ``Bernoulli(probs=…)`` likelihood: it is stripped with a warning, like a final
+    softmax, so the network outputs the logit moments (``pyro2pfp.uncertainty`` gives the Bernoulli
+    probabilities of a one-logit output) -- unless the model's likelihood is a Normal (then it is a
+    regression onto (0, 1) and the sigmoid is kept as the activation)."""
+    if _is_final(node, ctx) and not _feeds_normal_likelihood(ctx):
+        warnings.warn(f"{ctx.source(node)}: the final sigmoid is stripped (it gives the probabilities of a "
+                      "Bernoulli likelihood); the PFP network outputs the (mean, variance) of the logit. Use "
+                      "pyro2pfp.uncertainty() for the Bernoulli probabilities.", stacklevel=2)
+        return Alias(node.args[0])
+    return _elementwise(node, ctx, "sigmoid")
+
+
+@register("aten.tanh.default", "aten.tanh_.default", produces=("tanh",))
+def convert_tanh(node, ctx) -> Layer:
+    return _elementwise(node, ctx, "tanh")
+
+
+@register("aten.silu.default", "aten.silu_.default", produces=("silu",))
+def convert_silu(node, ctx) -> Layer:
+    return _elementwise(node, ctx, "silu")
+
+
+@register("aten.gelu.default", "aten.gelu_.default", produces=("gelu",))
+def convert_gelu(node, ctx) -> Layer:
+    """``GELU(approximate=…)``: ``'none'`` (erf) or ``'tanh'`` (its moments: the erf rule, see the OpDef)."""
+    approximate = str(_arg(node, 1, "approximate", "none"))
+    if approximate not in ("none", "tanh"):
+        raise ctx.unsupported(node, f"GELU with approximate={approximate!r} (expected 'none' or 'tanh')")
+    return _elementwise(node, ctx, "gelu", {"approximate": approximate})
+
+
+@register("aten.softplus.default", produces=("softplus",))
+def convert_softplus(node, ctx) -> Layer:
+    """``Softplus(beta, threshold)`` -> ``softplus`` with ``beta`` (``threshold`` is a numerical cut, ignored)."""
+    beta = _arg(node, 1, "beta", 1.0)
+    if isinstance(beta, bool) or not isinstance(beta, int | float) or not math.isfinite(beta) or beta <= 0:
+        raise ctx.unsupported(node, f"Softplus needs a finite beta > 0, got {beta!r}")
+    return _elementwise(node, ctx, "softplus", {"beta": float(beta)})
+
+
+@register("aten.elu.default", "aten.elu_.default", produces=("elu",))
+def convert_elu(node, ctx) -> Layer:
+    """``ELU(alpha)`` with ``alpha > 0`` (``aten.elu``'s ``scale``/``input_scale`` must be 1: SELU/CELU are
+    their own aten ops and are not converted)."""
+    alpha = _arg(node, 1, "alpha", 1.0)
+    scale, input_scale = _arg(node, 2, "scale", 1.0), _arg(node, 3, "input_scale", 1.0)
+    if scale != 1 or input_scale != 1:
+        raise ctx.unsupported(node, f"ELU with scale={scale}, input_scale={input_scale} (SELU-like) is not "
+                                    "supported; only ELU(alpha)")
+    if isinstance(alpha, bool) or not isinstance(alpha, int | float) or not math.isfinite(alpha) or alpha <= 0:
+        raise ctx.unsupported(node, f"ELU needs a finite alpha > 0 (the moment rule assumes it), got {alpha!r}")
+    return _elementwise(node, ctx, "elu", {"alpha": float(alpha)})
+
+
+@register("aten.hardtanh.default", "aten.hardtanh_.default", "aten.relu6.default", "aten.relu6_.default",
+          produces=("hardtanh",))
+def convert_hardtanh(node, ctx) -> Layer:
+    """``Hardtanh(min_val, max_val)`` and ``ReLU6`` (``aten.relu6`` or ``hardtanh(0, 6)``) -> ``hardtanh``."""
+    if str(node.target).startswith("aten.relu6"):
+        lo, hi = 0.0, 6.0
+    else:
+        lo, hi = _arg(node, 1, "min_val", -1.0), _arg(node, 2, "max_val", 1.0)
+    if not all(isinstance(b, int | float) and not isinstance(b, bool) and math.isfinite(b) for b in (lo, hi)) \
+            or not lo < hi:
+        raise ctx.unsupported(node, f"Hardtanh needs finite min_val < max_val, got ({lo!r}, {hi!r})")
+    return _elementwise(node, ctx, "hardtanh", {"lo": float(lo), "hi": float(hi)})

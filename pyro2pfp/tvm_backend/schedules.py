@@ -138,6 +138,14 @@ def vectorizable(sch: s_tir.Schedule, blocks: list[Any]) -> bool:
 
     def visit(node: Any, visitor: Any) -> None:
         nonlocal ok
+        if isinstance(node, tirx.Let):
+            # a chain of lets (te_shared binds hundreds in the smooth activations): walk it in a loop,
+            # since recursing through it in this Python callback exceeds Python's recursion limit
+            while isinstance(node, tirx.Let):
+                tvm_ffi.structural_visit(node.value, visit)
+                node = node.body
+            tvm_ffi.structural_visit(node, visit)
+            return
         if isinstance(node, tvm.ir.expr.Call) and isinstance(node.op, tvm.ir.Op):
             if node.op.name not in ALWAYS_VECTORIZABLE and not node.op.get_attr("TVectorizable"):
                 ok = False

@@ -1,0 +1,113 @@
+"""TE kernel of ``layer_norm`` (LayerNorm linearised at the input means) and its default CPU schedule.
+(The op definition, its rule and sources, converter, reference and ONNX export:
+``pyro2pfp/ops/normalization.py``.)
+
+Per example row (the normalised trailing dims at one position of the leading dims): the row mean ``m``
+of the input means (a reduction), the row variance ``s²`` about it (a second reduction: two passes, no
+``E[μ²] − m²`` cancellation), for a random input the row averages ``A0, A1, A2`` of ``v``, ``z·v``,
+``z²·v`` (three reductions), then the elementwise output pair.
+"""
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import tvm
+from tvm import s_tir, te
+
+from ...plan import PlannedLayer
+from .._core import F32, EmitContext, RelaxActivation, activation_out, epilogue, kernel, variance_of
+from ..schedules import schedule, simd_lanes, vectorize_inner
+
+_TENSORS = ("weight_mean", "weight_var", "bias_mean", "bias_var")
+
+
+@kernel("layer_norm")
+def layer_norm(ctx: EmitContext, layer: PlannedLayer, inputs: list[RelaxActivation]) -> RelaxActivation:
+    """Linearised LayerNorm over the trailing ``attrs["dims"]`` axes (see ``pyro2pfp/ops/normalization.py``)."""
+    x = inputs[0]
+    shape = tuple(layer.layer.out_shape)
+    k = int(layer.layer.attrs["dims"])
+    lead = len(shape) - k
+    norm = shape[lead:]
+    d = math.prod(norm)
+    eps = float(layer.layer.attrs["eps"])
+    consts = [ctx.const(layer.tensors[name].reshape(norm)) for name in _TENSORS]
+    n_x = len(x.tensors())
+
+    def c(value: float) -> Any:
+        return tvm.tirx.const(value, F32)
+
+    def fn(*t: te.Tensor) -> list[te.Tensor]:
+        m = t[0]
+        s = t[1] if n_x == 2 else None
+        gm, gv, bm, bv = t[n_x:]
+        row_shape = m.shape[:1 + lead]
+
+        def row_average(name: str, term: Any) -> te.Tensor:
+            """``mean_j term(row, j)`` over the normalised axes, one value per row."""
+            axes = [te.reduce_axis((0, n), name=f"{name}_{a}") for a, n in enumerate(norm)]
+            return te.compute(row_shape, lambda *i: te.sum(term(tuple(i), tuple(axes)) * c(1.0 / d), axis=axes),
+                              name=name)
+
+        row_mean = row_average("ln_mean", lambda i, j: m[i + j])
+
+        def dev2(i: tuple, j: tuple) -> Any:
+            dev = m[i + j] - row_mean[i]
+            return dev * dev
+
+        row_var = row_average("ln_var", dev2)
+
+        def inv(row: tuple) -> Any:
+            return c(1.0) / te.sqrt(row_var[row] + c(eps))
+
+        def z(row: tuple, j: tuple) -> Any:
+            return (m[row + j] - row_mean[row]) * inv(row)
+
+        if s is not None:
+            def v(i: tuple) -> Any:
+                return variance_of(m[i], s[i], x.repr)
+
+            a0 = row_average("ln_v", lambda i, j: v(i + j))
+            a1 = row_average("ln_zv", lambda i, j: z(i, j) * v(i + j))
+            a2 = row_average("ln_zzv", lambda i, j: z(i, j) * z(i, j) * v(i + j))
+
+        def out(*i: Any) -> list[Any]:
+            row, j = tuple(i[:1 + lead]), tuple(i[1 + lead:])
+            r = inv(row)
+            zj = (m[i] - row_mean[row]) * r
+            mean = zj * gm[j] + bm[j]
+            var = zj * zj * gv[j] + bv[j]
+            if s is not None:
+                z2 = zj * zj
+                inner = (v(tuple(i)) * (c(1.0) - c(2.0 / d) * (c(1.0) + z2))
+                         + c(1.0 / d) * (a0[row] + c(2.0) * zj * a1[row] + z2 * a2[row]))
+                var = var + te.max(inner, c(0.0)) * r * r * (gm[j] * gm[j] + gv[j])
+            return epilogue(mean, var, layer)
+
+        return te.compute(m.shape, out, name="layer_norm")
+
+    return activation_out(ctx.emit_te(fn, x.tensors() + consts, layer), layer)
+
+
+@schedule("layer_norm")
+def schedule_layer_norm(sch: s_tir.Schedule, layer: Any, target: tvm.target.Target) -> None:
+    """One parallel loop over (batch × leading positions); each iteration computes its row's two statistics
+    (``compute_at``: the intermediates shrink to one value per thread) and then the row's outputs, whose
+    innermost normalised axis is vectorised (a power-of-two width dividing it, when the body allows)."""
+    lanes = simd_lanes(target)
+    blocks = {sch.get(b).name_hint: b for b in sch.get_child_blocks(sch.get_sblock("root"))}
+    outs = [b for name, b in blocks.items() if name.startswith("layer_norm")]
+    n_row = _row_axes(sch, blocks["ln_mean"])  # batch + leading axes
+    out_loops = sch.get_loops(outs[0])
+    row = sch.fuse(*out_loops[:n_row]) if n_row > 1 else out_loops[0]
+    sch.parallel(row)
+    for name in ("ln_zzv", "ln_zv", "ln_v", "ln_var", "ln_mean"):  # consumers first
+        if name in blocks:
+            sch.compute_at(blocks[name], row)
+    vectorize_inner(sch, outs[0], lanes, below=row)  # the output blocks share their loop nest
+
+
+def _row_axes(sch: s_tir.Schedule, block: Any) -> int:
+    """How many of ``block``'s iteration variables are spatial (the row axes of a statistics block)."""
+    return sum(1 for it in sch.get(block).iter_vars if int(it.iter_type) == 0)  # IterVar.DataPar
