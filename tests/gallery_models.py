@@ -175,16 +175,16 @@ class HeteroscedasticRegression(PyroModule):
 
 
 # -------------------------------------------------------------------------------------- (e) TyXe
-def tyxe_regression(learned_scale: bool = False) -> Any:
-    """TyXe's regression example style: ``VariationalBNN`` over an ``nn.Sequential``, an IID Normal
-    prior, ``HomoskedasticGaussian(n, scale=0.1)`` (or a scale with a LogNormal prior and its own
-    AutoNormal likelihood guide), TyXe's AutoNormal for the net."""
+def tyxe_regression(learned_scale: bool = False, activation: type[nn.Module] = nn.ReLU) -> Any:
+    """TyXe's regression example style: ``VariationalBNN`` over an ``nn.Sequential`` (ReLU, or Tanh as
+    TyXe's own regression example), an IID Normal prior, ``HomoskedasticGaussian(n, scale=0.3)`` (or a
+    scale with a LogNormal prior and its own AutoNormal likelihood guide), TyXe's AutoNormal for the net."""
     import tyxe
 
     import pyro2pfp.compat
 
     pyro2pfp.compat.patch_pyro_for_tyxe()
-    body = nn.Sequential(nn.Linear(D_IN, HIDDEN), nn.ReLU(), nn.Linear(HIDDEN, 1))
+    body = nn.Sequential(nn.Linear(D_IN, HIDDEN), activation(), nn.Linear(HIDDEN, 1))
     prior = tyxe.priors.IIDPrior(dist.Normal(0.0, 1.0))
     guide = functools.partial(tyxe.guides.AutoNormal, init_scale=0.01)
     if not learned_scale:
@@ -197,6 +197,20 @@ def tyxe_regression(learned_scale: bool = False) -> Any:
     hide = [f"net.{name}" for name in tyxe.util.pyro_sample_sites(bnn.net)] + [likelihood.data_name]
     bnn.likelihood_guide = AutoNormal(pyro.poutine.block(bnn.model, hide=hide), init_scale=0.01)
     return bnn
+
+
+def tyxe_sigmoid_classifier() -> Any:
+    """A TyXe binary classifier returning probabilities: Sigmoid hidden layer, a final ``nn.Sigmoid``
+    and ``Bernoulli(n, logit_predictions=False)`` (PFP strips the final sigmoid: logit moments)."""
+    import tyxe
+
+    import pyro2pfp.compat
+
+    pyro2pfp.compat.patch_pyro_for_tyxe()
+    body = nn.Sequential(nn.Linear(D_IN, HIDDEN), nn.Sigmoid(), nn.Linear(HIDDEN, 1), nn.Sigmoid())
+    return tyxe.VariationalBNN(body, tyxe.priors.IIDPrior(dist.Normal(0.0, 1.0)),
+                               tyxe.likelihoods.Bernoulli(N_TRAIN, logit_predictions=False, event_dim=1),
+                               functools.partial(tyxe.guides.AutoNormal, init_scale=0.01))
 
 
 # ------------------------------------------------------------------------------ (f) to_pyro_module_
@@ -259,8 +273,13 @@ def _rm() -> Built:
     return Built(model, guide, net=net)
 
 
-def _tyxe(learned: bool) -> Built:
-    bnn = tyxe_regression(learned)
+def _tyxe(learned: bool, activation: type[nn.Module] = nn.ReLU) -> Built:
+    bnn = tyxe_regression(learned, activation)
+    return Built(bnn.model, bnn.guide, bnn=bnn)
+
+
+def _tyxe_bernoulli() -> Built:
+    bnn = tyxe_sigmoid_classifier()
     return Built(bnn.model, bnn.guide, bnn=bnn)
 
 
@@ -283,6 +302,11 @@ GALLERY = {e.name: e for e in [
     Entry("tyxe-learned-scale", "regression", lambda: _tyxe(True),
           "TyXe VariationalBNN, HomoskedasticGaussian(n, scale=LogNormal(-1, 0.5)) with a likelihood guide",
           exact=True),
+    Entry("tyxe-tanh-regression", "regression", lambda: _tyxe(False, nn.Tanh),
+          "TyXe VariationalBNN, Tanh MLP (TyXe's regression example), HomoskedasticGaussian(n, scale=0.3)",
+          exact=False),
+    Entry("tyxe-sigmoid-bernoulli", "classification", _tyxe_bernoulli,
+          "TyXe VariationalBNN, Sigmoid hidden + final Sigmoid, Bernoulli(logit_predictions=False)", exact=False),
     Entry("to-pyro-module-batchnorm", "classification",
           lambda: (lambda m: Built(m, AutoNormal(m, init_scale=0.01)))(SequentialClassifier()),
           "to_pyro_module_(nn.Sequential) Linear-BatchNorm1d-LeakyReLU-Linear, eval mode", exact=True),
@@ -294,7 +318,7 @@ def train(entry: Entry, built: Built, seed: int = 1) -> None:
     pyro.set_rng_seed(seed)
     x, y = entry.data(N_TRAIN, 0)
     if built.bnn is not None:
-        y = y[:, None]
+        y = y[:, None] if entry.task == "regression" else (y > 0).float()[:, None]
         loader = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(x, y), batch_size=N_TRAIN)
         built.bnn.fit(loader, pyro.optim.Adam({"lr": 0.02}), entry.steps)
         return
@@ -312,6 +336,14 @@ def truth_samples(entry: Entry, built: Built, x: torch.Tensor, num_samples: int 
     with torch.no_grad():
         if built.net is not None:  # the random_module tutorial predicts with guide-sampled modules
             return np.stack([built.guide(None, None)(x).double().numpy() for _ in range(num_samples)])
+        if built.bnn is not None and entry.task == "classification":  # probabilities: the final sigmoid's input
+            logits: list[np.ndarray] = []
+            hook = built.bnn.net[-1].register_forward_hook(lambda m, i, o: logits.append(i[0].double().numpy()))
+            try:
+                Predictive(built.bnn.model, guide=built.bnn.guide, num_samples=num_samples)(x)
+            finally:
+                hook.remove()
+            return np.stack(logits)
         if entry.task == "classification":
             return Predictive(built.model, guide=built.guide, num_samples=num_samples,
                               return_sites=("_RETURN",))(x)["_RETURN"].double().numpy()
@@ -350,7 +382,9 @@ def agreement(entry: Entry, pfp: dict[str, np.ndarray], mc: dict[str, np.ndarray
     out = {"max_mean_err_sd": float(err.max()), "median_mean_err_sd": float(np.median(err)),
            "median_var_ratio": float(np.median(ratio)), "min_var_ratio": float(ratio.min()),
            "max_var_ratio": float(ratio.max()), "max_var_err_se": float(var_err.max())}
-    if entry.task == "classification":
+    if entry.task == "classification" and pfp["mean"].shape[-1] == 1:  # one logit: its sign
+        out["argmax_agreement"] = float(np.mean((pfp["mean"] > 0) == (mc["mc_mean"] > 0)))
+    elif entry.task == "classification":
         out["argmax_agreement"] = float(np.mean(pfp["mean"].argmax(-1) == mc["mc_mean"].argmax(-1)))
     return out
 
