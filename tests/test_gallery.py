@@ -254,6 +254,9 @@ def test_multi_output_heteroscedastic_regression():
     mc = G.moments(samples.double().numpy())
     assert np.all(np.abs(out["mean"] - mc["mc_mean"]) <= 5 * mc["se_mean"])  # one hidden layer: exact mean
     assert np.all(np.abs(out["total"] - mc["mc_var"]) <= 6 * mc["se_var"])  # Gaussian scale column: approximate
+    compiled = net.regression(*net.compile()(xt.numpy()))  # the compiled module ends at the same output
+    for key, value in out.items():
+        np.testing.assert_allclose(compiled[key], value, rtol=1e-4, atol=1e-6 * np.abs(value).max(), err_msg=key)
 
 
 def test_tyxe_heteroskedastic_likelihood():
