@@ -14,8 +14,23 @@ likelihood's ``scale``; the site it depends on is found by perturbing each non-w
 ``E[sigma²]`` is then exact for a point estimate or a constant, and computed by Gauss–Hermite
 quadrature (``NODES`` = 64 nodes, exact for polynomials of degree < 128 in the latent Normal) over
 the guide's Normal of the site in unconstrained space otherwise — e.g. ``E[exp(2z)]`` of a LogNormal
-to ~1e-12 relative.  A noise scale that depends on the input (a heteroscedastic head) or on several
-sites is not supported yet: ``noise`` is then ``None`` with the reason.
+to ~1e-12 relative.  A noise scale that depends on several sites is not supported yet (``noise`` is
+then a :class:`NoNoiseModel` with the reason).
+
+**Heteroscedastic heads** (:class:`HeteroscedasticNoise`): a scale that depends on the input, read
+like the mean from the network output ``S`` (``loc = S[..., i]``, ``scale = g(S[..., j])``, ``g`` an
+elementwise link).  Tracing exports the model once more returning the likelihood's ``loc`` and
+``scale`` (:func:`read_head` walks the graph back from both to ``S``), and the PFP network ends at
+``S``.  Then (law of total variance, no independence needed: ``E[Var(obs | w)] = E[σ(x, w)²]``)
+
+    E[obs]   = E[S_i]                  Var[obs] = Var[S_i] + E[g(S_j)²]
+
+with ``E[g(S_j)²]`` integrated over PFP's Gaussian ``N(μ_j, v_j)`` of the scale column
+(:func:`expected_square`: closed forms for affine and ``exp``-then-affine links, Gauss–Hermite
+quadrature otherwise).  Exact when ``S_j`` is Gaussian (a linear head with a deterministic input);
+behind a hidden layer ``S_j`` is a sum of products, so the Gaussian is an approximation.
+
+**TyXe** (:func:`tyxe_noise`): the likelihood object of a ``VariationalBNN`` (outside ``bnn.net``).
 """
 from __future__ import annotations
 
