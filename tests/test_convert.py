@@ -217,24 +217,24 @@ def test_guide_errors_name_the_guide_and_site():
         pyro2pfp.convert(model, wrong_shape_guide)
 
 
-class _SigmoidNet(PyroModule):
+class _MishNet(PyroModule):
     def __init__(self):
         super().__init__()
         self.fc1 = PyroModule[nn.Linear](6, 4)
         self.fc1.weight = PyroSample(dist.Normal(0.0, 1.0).expand([4, 6]).to_event(2))
-        self.gate = nn.Sigmoid()
+        self.gate = nn.Mish()
 
     def forward(self, x, y=None):
         return self.gate(self.fc1(x))
 
 
 def test_unsupported_layer_names_module_path_and_op():
-    model = _SigmoidNet()
+    model = _MishNet()
 
     def guide(x, y=None):
         pyro.sample("fc1.weight", dist.Normal(torch.zeros(4, 6), torch.ones(4, 6)).to_event(2))
 
-    with pytest.raises(pyro2pfp.UnsupportedLayerError, match=r"gate \(aten\.sigmoid\).*Supported"):
+    with pytest.raises(pyro2pfp.UnsupportedLayerError, match=r"gate \(aten\.mish\).*Supported"):
         pyro2pfp.convert(model, guide)
 
 

@@ -146,7 +146,7 @@ SOFTPLUS = register_activation(OpDef(
     moments=_QUADRATURE.format(acc="variance ≤ 5e-7 relative", fn="softplus_moments")
     + "; `beta`: `softplus(βx)/β` exactly",
     assumptions=_GAUSSIAN_INPUT + "; `threshold` ignored (torch's numerical cut to `x` where βx > threshold "
-                "changes the function by < e^−threshold/β)",
+                "changes the function by < e^−threshold/β; thresholds below 10 are refused)",
     contract=ACTIVATION, example_attrs={"beta": 2.0},
     activation=ActivationRule(
         exact=lambda x, attrs, ops: ops.const(1.0 / attrs["beta"]) * moments.softplus_exact(
@@ -289,12 +289,19 @@ def convert_gelu(node, ctx) -> Layer:
     return _elementwise(node, ctx, "gelu", {"approximate": approximate})
 
 
+_SOFTPLUS_MIN_THRESHOLD = 10.0  # the cut then changes the function by < e^−10/β = 4.5e-5/β
+
+
 @register("aten.softplus.default", produces=("softplus",))
 def convert_softplus(node, ctx) -> Layer:
     """``Softplus(beta, threshold)`` -> ``softplus`` with ``beta`` (``threshold`` is a numerical cut, ignored)."""
-    beta = _arg(node, 1, "beta", 1.0)
+    beta, threshold = _arg(node, 1, "beta", 1.0), _arg(node, 2, "threshold", 20.0)
     if isinstance(beta, bool) or not isinstance(beta, int | float) or not math.isfinite(beta) or beta <= 0:
         raise ctx.unsupported(node, f"Softplus needs a finite beta > 0, got {beta!r}")
+    if not threshold >= _SOFTPLUS_MIN_THRESHOLD:
+        raise ctx.unsupported(node, f"Softplus with threshold={threshold!r}: PFP uses the smooth softplus, which "
+                                    f"differs from torch's cut by log1p(e^-threshold)/beta; supported for threshold "
+                                    f">= {_SOFTPLUS_MIN_THRESHOLD:g} (torch's default is 20)")
     return _elementwise(node, ctx, "softplus", {"beta": float(beta)})
 
 
