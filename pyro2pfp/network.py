@@ -117,8 +117,10 @@ class PFPNetwork:
         "total"}``, with ``epistemic`` = PFP's variance of the mean (from the weights), ``aleatoric`` =
         E[sigma²] of the Normal likelihood (input-independent, see :mod:`pyro2pfp.noise`) and
         ``total`` = their sum (law of total variance)."""
-        from .noise import NoiseModel
+        from .noise import HeteroscedasticNoise, NoiseModel
 
+        if isinstance(self.noise, HeteroscedasticNoise):
+            return self.noise.predictive(mean, var)
         if not isinstance(self.noise, NoiseModel):
             reason = getattr(self.noise, "reason", "no likelihood was found")
             raise PosteriorError(f"this network has no regression noise model: {reason}")
@@ -198,8 +200,9 @@ def convert(model: Any, guide: Any = None, *, input_shape: tuple[int, ...] | Non
     check_head(head)
     if not isinstance(input_variance, bool | np.bool_):
         raise ArgumentError(f"input_variance must be True or False, got {input_variance!r}")
+    tyxe_bnn = None
     if guide is None and hasattr(model, "net") and hasattr(model, "net_guide"):  # TyXe VariationalBNN
-        model, guide = model.net, model.net_guide
+        tyxe_bnn, model, guide = model, model.net, model.net_guide
     if guide is None:
         raise PosteriorError("convert(model, guide) needs the trained guide that holds the posterior")
     traced = trace_model(model, guide, input_shape, check_posterior=check_posterior)
@@ -209,11 +212,17 @@ def convert(model: Any, guide: Any = None, *, input_shape: tuple[int, ...] | Non
     layer_graph.input_variance = bool(input_variance)
     if fold_batch_norm:
         layer_graph = folding.fold_batch_norm(layer_graph)
-    from .noise import NoiseModel
+    noise = traced.noise
+    if tyxe_bnn is not None and hasattr(tyxe_bnn, "likelihood"):  # the likelihood is outside bnn.net
+        from .noise import tyxe_noise
 
-    if head is not None and isinstance(traced.noise, NoiseModel):
+        output_shape = layer_graph.shape_of(layer_graph.output)
+        noise = tyxe_noise(tyxe_bnn, traced.input_shape, tuple(output_shape))
+    from .noise import HeteroscedasticNoise, NoiseModel
+
+    if head is not None and isinstance(noise, NoiseModel | HeteroscedasticNoise):
         raise ArgumentError(f"head={head!r} is for classifiers (logits); this model has a Normal likelihood "
                             "(regression): use net.regression(mean, var) instead")
     planned_graph = append_head(layer_graph, head) if head is not None else layer_graph
     return PFPNetwork(layer_graph, plan(planned_graph, calibration, moment_form),
-                      nonweight_sites=traced.nonweight_sites, noise=traced.noise)
+                      nonweight_sites=traced.nonweight_sites, noise=noise)
