@@ -206,6 +206,9 @@ def convert(model: Any, guide: Any = None, *, input_shape: tuple[int, ...] | Non
     if guide is None:
         raise PosteriorError("convert(model, guide) needs the trained guide that holds the posterior")
     traced = trace_model(model, guide, input_shape, check_posterior=check_posterior)
+    if tyxe_bnn is not None:
+        traced.tyxe_gaussian_likelihood = type(getattr(tyxe_bnn, "likelihood", None)).__name__ in (
+            "HomoskedasticGaussian", "HeteroskedasticGaussian")
     if not isinstance(fold_batch_norm, bool | np.bool_):
         raise ArgumentError(f"fold_batch_norm must be True or False, got {fold_batch_norm!r}")
     layer_graph = build_layer_graph(traced)

@@ -56,6 +56,14 @@ class TracedModel:
     nonweight_sites: dict[str, SiteReading] = field(default_factory=dict)
     # The regression likelihood's noise (pyro2pfp.noise), or why there is none.
     noise: NoiseModel | HeteroscedasticNoise | NoNoiseModel | None = None
+    # Whether the output feeds a Normal likelihood (a regression): set for a TyXe Gaussian likelihood,
+    # which lives outside the traced net; see :meth:`regression`.
+    tyxe_gaussian_likelihood: bool = False
+
+    def regression(self) -> bool:
+        """Whether the network's output is the mean (and scale) of a Normal likelihood (a regression),
+        so that e.g. a final sigmoid is the mean's activation, not Bernoulli probabilities."""
+        return self.tyxe_gaussian_likelihood or isinstance(self.noise, NoiseModel | HeteroscedasticNoise)
 
 
 def _likelihood_mean(fn: Any) -> torch.Tensor:

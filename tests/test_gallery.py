@@ -283,6 +283,29 @@ def test_tyxe_heteroskedastic_likelihood():
     assert np.all(np.abs(out["total"].reshape(16) - mc["mc_var"]) <= 6 * mc["se_var"])
 
 
+def test_tyxe_gaussian_regression_keeps_its_final_sigmoid():
+    """A TyXe regression whose net ends in a Sigmoid (a mean in (0, 1)) under HomoskedasticGaussian: the
+    sigmoid is the mean's activation, not Bernoulli probabilities -- it is kept, not stripped."""
+    import warnings
+
+    import tyxe
+
+    pyro2pfp.compat.patch_pyro_for_tyxe()
+    body = nn.Sequential(nn.Linear(G.D_IN, 8), nn.Tanh(), nn.Linear(8, 1), nn.Sigmoid())
+    bnn = tyxe.VariationalBNN(body, tyxe.priors.IIDPrior(dist.Normal(0.0, 1.0)),
+                              tyxe.likelihoods.HomoskedasticGaussian(64, scale=0.1),
+                              lambda m: tyxe.guides.AutoNormal(m, init_scale=0.01))
+    x, y = G.regression_data(64, 0)
+    loader = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(x, torch.sigmoid(y)[:, None]), batch_size=64)
+    bnn.fit(loader, pyro.optim.Adam({"lr": 0.02}), 2)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", UserWarning)  # no "final sigmoid is stripped" warning
+        net = pyro2pfp.convert(bnn)
+    assert [p.op for p in net.plan.layers] == ["dense", "tanh", "dense", "sigmoid"]
+    mean, _ = net.reference(x[:4].numpy())
+    assert np.all((mean > 0) & (mean < 1))
+
+
 def test_homoscedastic_model_with_a_column_index_converts():
     """``self.out(h)[..., 0]`` on a single output is a reshape (ops/shape.py), not an unsupported select."""
     model = G.ListRegression(sizes=(G.D_IN, 8, 1))
