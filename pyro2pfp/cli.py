@@ -244,9 +244,11 @@ def convert_from_args(args: argparse.Namespace):
     if args.params:
         # convert() takes the guide's parameters from the param store (pyro2pfp.posterior)
         load_param_store(args.params)
-    options = {}
+    options: dict[str, Any] = {}
     if getattr(args, "input_variance", False):
         options["input_variance"] = True
+    if getattr(args, "head", None):
+        options["head"] = args.head
     try:
         net = pyro2pfp.convert(model, guide, input_shape=args.input_shape, calibration=args.calibration,
                                moment_form=args.moment_form, **options)
@@ -311,12 +313,19 @@ class _OnnxPredictor:
         self.input_variance = "x_var" in names
         self.session = ort.InferenceSession(path, providers=["CPUExecutionProvider"])
 
-    def __call__(self, x: Any, x_var: Any = None) -> tuple[np.ndarray, np.ndarray]:
+    def __call__(self, x: Any, x_var: Any = None) -> Any:
         from .inputs import check_finite_outputs, checked_inputs
 
         arrays = checked_inputs(x, x_var, self.input_shape, self.input_variance, np.float32)
-        mean, var = self.session.run(["mean", "var"], dict(zip(("x", "x_var"), arrays, strict=False)))
+        names = [o.name for o in self.session.get_outputs()]
+        head = names == ["probs", "uncertainty"]  # converted with head="probs" (pyro2pfp.ops.head)
+        mean, var = self.session.run(names if head else ["mean", "var"],
+                                     dict(zip(("x", "x_var"), arrays, strict=False)))
         check_finite_outputs(mean, var)
+        if head:
+            from .ops.head import head_output
+
+            return head_output(mean, var)
         return mean, var
 
 
@@ -368,8 +377,9 @@ def cmd_convert(args: argparse.Namespace) -> int:
         if args.target not in (None, "llvm"):
             print(f"note: --target {args.target} is ignored for ONNX output", file=sys.stderr)
         to_onnx(net, args.output, opset=args.opset)
+        outputs = "probs, uncertainty" if net.head else "mean, var"
         print(f"wrote {args.output} (ONNX opset {args.opset}; inputs {'x, x_var' if net.input_variance else 'x'}; "
-              f"outputs mean, var) in {time.perf_counter() - t0:.1f} s")
+              f"outputs {outputs}) in {time.perf_counter() - t0:.1f} s")
         return 0
     exe = deploy.compile_network(net, args.target or "llvm", schedule=not args.no_schedule)
     extra = {"model": type(model).__name__, "builder": args.builder,
@@ -444,8 +454,22 @@ def cmd_predict(args: argparse.Namespace) -> int:
     elif exe.input_variance:
         raise CLIError("this network takes an input variance: pass --input-var VAR.npy")
     t0 = time.perf_counter()
-    mean, var = exe(x, x_var)
+    out = exe(x, x_var)
     elapsed = time.perf_counter() - t0
+    if hasattr(out, "mutual_information"):  # converted with head="probs": probabilities and uncertainty
+        np.savez(args.output, **out._asdict())
+        print(f"wrote {args.output}: probs {out.probs.shape}, predictive_entropy, expected_entropy, "
+              f"mutual_information (batch of {len(out.probs)} in {elapsed * 1e3:.1f} ms)")
+        shown = min(len(out.probs), args.show)
+        for i in range(shown):
+            row = out.probs[i]
+            top = int(row.argmax()) if row.size > 1 else int(row[0] >= 0.5)
+            p = row[top] if row.size > 1 else (row[0] if top else 1 - row[0])
+            print(f"  input {i}: class {top}  p {p:.4g}  mutual information {out.mutual_information[i]:.4g}")
+        if len(out.probs) > shown:
+            print(f"  … ({len(out.probs) - shown} more in {args.output})")
+        return 0
+    mean, var = out
     np.savez(args.output, mean=mean, var=var)
     print(f"wrote {args.output}: mean {mean.shape}, var {var.shape} (batch of {mean.shape[0]} in "
           f"{elapsed * 1e3:.1f} ms)")
@@ -620,6 +644,10 @@ def build_parser() -> argparse.ArgumentParser:
         example:
           pyro2pfp convert builder.py:build --params params.pt --input-shape 1,28,28 -o net.so"""))
     _add_conversion_options(p)
+    p.add_argument("--head", choices=("probs",), default=None,
+                   help="append the uncertainty head (pyro2pfp.ops.head): outputs class probabilities and the "
+                        "predictive entropy, expected entropy and mutual information instead of the logits' "
+                        "mean and variance")
     p.add_argument("--output", "-o", required=True, metavar="OUT",
                    help="output file: net.so, net.tar or net.onnx")
     p.add_argument("--target", "-t", default=None, help=_target_help())

@@ -37,6 +37,7 @@ def compile_network(net: Any, target: Any = "native", *, schedule: bool = True, 
             tuned = tune_network(net, tgt, tune)
         exe = runtime.CompiledPFP(executable, net.input_shape, net.input_variance, tgt, tuned=tuned)
         exe.kernels = kernel_table(net.mod)
+        exe.head = getattr(net, "head", None)  # "probs": outputs unpacked into a HeadOutput
         return exe
     if isinstance(tune, dict) and tune.get("remote") is not None:
         raise PFPError(f"net.compile({target!r}, tune=..., remote=...) is not supported yet: a network "
@@ -48,7 +49,9 @@ def compile_network(net: Any, target: Any = "native", *, schedule: bool = True, 
         raise PFPError(f"cannot tune for {target_arch(tgt)} on this {host_arch()} machine: MetaSchedule "
                        "measures every candidate where it runs; compile without tune= or tune on the device")
     executable = runtime.build_network(net, tgt, schedule)
-    return runtime.CompiledPFP.for_cross_target(executable, net.input_shape, net.input_variance, tgt)
+    exe = runtime.CompiledPFP.for_cross_target(executable, net.input_shape, net.input_variance, tgt)
+    exe.head = getattr(net, "head", None)
+    return exe
 
 
 def _check_tune_spec(tune: Any) -> None:

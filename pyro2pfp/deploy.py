@@ -71,7 +71,7 @@ def _metadata_signature(info: dict[str, Any], meta: str, input_shape: Any,
     return tuple(shape), takes_var
 
 
-def _check_signature(exe: Any, path: str, shape: tuple[int, ...], takes_var: bool) -> None:
+def _check_signature(exe: Any, path: str, shape: tuple[int, ...], takes_var: bool, head: Any = None) -> None:
     """The library's own ``main`` must take what the metadata says: its arity, and one call on zeros."""
     import numpy as np
     import tvm
@@ -90,7 +90,7 @@ def _check_signature(exe: Any, path: str, shape: tuple[int, ...], takes_var: boo
         raise LoadError(f"{path}: the library does not accept input of shape (batch, "
                         f"{', '.join(map(str, shape))}) that its metadata (or load's input_shape) states ({first}); "
                         "the library and the shape do not belong together") from None
-    if mean.shape != var.shape or mean.shape[:1] != (1,):
+    if (mean.shape != var.shape and not head) or mean.shape[:1] != (1,) or var.shape[:1] != (1,):
         raise LoadError(f"{path}: main returned outputs of shapes {mean.shape} and {var.shape} for one input; "
                         "this is not a pyro2pfp library")
 
@@ -100,7 +100,9 @@ def load(path: str | os.PathLike, *, input_shape: tuple[int, ...] | None = None,
     """Load a library written by ``exe.export_library(path)``: a predictor that behaves like ``exe``.
 
     Returns a :class:`~pyro2pfp.tvm_backend.runtime.CompiledPFP`: ``exe(x[, x_var]) -> (mean, var)``
-    float32 NumPy arrays, same input checks.  The input shape and input-variance flag come from
+    float32 NumPy arrays, same input checks (a network converted with ``head="probs"``: a
+    :class:`~pyro2pfp.ops.head.HeadOutput`, as its sidecar's ``"head"`` says).
+    The input shape and input-variance flag come from
     ``path + ".json"``; ``input_shape`` / ``input_variance`` override them (or replace a lost
     sidecar).  Uses ``tvm.runtime.load_module`` (a ``.tar`` is linked here with the system compiler).
 
@@ -150,7 +152,14 @@ def load(path: str | os.PathLike, *, input_shape: tuple[int, ...] | None = None,
     except Exception as exc:
         first = str(exc).strip().splitlines()[-1] if str(exc).strip() else type(exc).__name__
         raise LoadError(f"cannot load {path} as a pyro2pfp library with the TVM runtime: {first}") from exc
-    _check_signature(exe, path, shape, takes_var)
+    head = info.get("head")
+    if head is None and any(isinstance(v, list | tuple) and v and v[0] == "softmax_head"
+                            for v in (info.get("kernels") or {}).values()):
+        head = "probs"  # a sidecar without the "head" entry: the kernel table names the head's kernel
+    if head not in (None, "probs"):
+        raise LoadError(f"{meta}: unknown head {head!r} (expected null or \"probs\")")
+    _check_signature(exe, path, shape, takes_var, head)
+    exe.head = head
     keep = ("model", "builder", "plan", "calibration", "moment_form", "source", "params")
     exe.metadata_extra = {k: v for k, v in info.items() if k in keep}
     exe.library_path = path

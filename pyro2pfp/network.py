@@ -21,6 +21,12 @@ class PFPNetwork:
     ``net.mod``: ``tvm.IRModule`` whose ``main(x)`` maps ``x: (batch, *input_shape) float32`` to
     ``(mean, var)`` of the logits.  ``net.reference(x)``: the same network in float64 NumPy.
     ``net.compile(target)``: a compiled predictor.  ``print(net)`` shows the layer plan.
+
+    With ``head="probs"`` (``convert(..., head="probs")``) the plan ends in the uncertainty head
+    (:mod:`pyro2pfp.ops.head`): ``main`` returns ``(probs (batch, K), stats (batch, 3))`` and
+    ``net.reference(x)`` / ``exe(x)`` return a :class:`~pyro2pfp.ops.head.HeadOutput` ``(probs,
+    predictive_entropy, expected_entropy, mutual_information)``.  ``net.layer_graph`` stays the
+    network up to the logits (re-planning it, e.g. :func:`pyro2pfp.calibrate`, gives the logits).
     """
 
     def __init__(self, layer_graph: LayerGraph, planned: PlannedGraph, *, fuse: bool = True,
@@ -34,6 +40,13 @@ class PFPNetwork:
         self.noise = noise
         self.fuse = fuse  # ReLUs after dense layers computed in the dense kernel (tvm_backend.fused_activations)
         self._mod = None
+
+    @property
+    def head(self) -> str | None:
+        """``"probs"`` if the plan ends in the uncertainty head, else None (outputs: the logits)."""
+        from .ops.head import is_head
+
+        return "probs" if is_head(self.plan.layer(self.plan.output)) else None
 
     @property
     def input_shape(self) -> tuple[int, ...]:
@@ -56,10 +69,16 @@ class PFPNetwork:
             self._mod = emit_module(self.plan, fuse=self.fuse)
         return self._mod
 
-    def reference(self, x: Any, x_var: Any = None) -> tuple[np.ndarray, np.ndarray]:
-        """Float64 NumPy execution: ``(mean, var)`` of the logits, each (batch, classes)."""
+    def reference(self, x: Any, x_var: Any = None) -> Any:
+        """Float64 NumPy execution: ``(mean, var)`` of the logits, each (batch, classes); with the
+        head, a :class:`~pyro2pfp.ops.head.HeadOutput`."""
         arrays = checked_inputs(x, x_var, self.input_shape, self.input_variance, np.float64)
-        return execute(self.plan, arrays[0], arrays[1] if len(arrays) > 1 else None)
+        out = execute(self.plan, arrays[0], arrays[1] if len(arrays) > 1 else None)
+        if self.head is not None:
+            from .ops.head import head_output
+
+            return head_output(*out)
+        return out
 
     def compile(self, target: Any = "native", *, tune: Any = None, schedule: bool = True,
                 num_threads: int | None = None, remote: Any = None):
@@ -98,8 +117,10 @@ class PFPNetwork:
         "total"}``, with ``epistemic`` = PFP's variance of the mean (from the weights), ``aleatoric`` =
         E[sigma²] of the Normal likelihood (input-independent, see :mod:`pyro2pfp.noise`) and
         ``total`` = their sum (law of total variance)."""
-        from .noise import NoiseModel
+        from .noise import HeteroscedasticNoise, NoiseModel
 
+        if isinstance(self.noise, HeteroscedasticNoise):
+            return self.noise.predictive(mean, var)
         if not isinstance(self.noise, NoiseModel):
             reason = getattr(self.noise, "reason", "no likelihood was found")
             raise PosteriorError(f"this network has no regression noise model: {reason}")
@@ -123,7 +144,11 @@ class PFPNetwork:
 
     def summary(self) -> str:
         """The layer plan as a table."""
-        return self.plan.summary()
+        text = self.plan.summary()
+        if self.head is not None:
+            text += ("\nhead: the module outputs (probs, [predictive_entropy, expected_entropy, mutual_information]) "
+                     "instead of the logits' (mean, variance)")
+        return text
 
     def __repr__(self) -> str:
         return f"PFPNetwork(input_shape={self.input_shape}, layers={len(self.plan.layers)})\n{self.summary()}"
@@ -132,7 +157,7 @@ class PFPNetwork:
 def convert(model: Any, guide: Any = None, *, input_shape: tuple[int, ...] | None = None,
             calibration: float = 1.0, moment_form: str = "variance",
             input_variance: bool = False, check_posterior: bool = True,
-            fold_batch_norm: bool = True) -> PFPNetwork:
+            fold_batch_norm: bool = True, head: str | None = None) -> PFPNetwork:
     """Convert a Pyro BNN (``model``, trained ``guide``) into a PFP network.
 
     Traces ``model`` (a ``PyroModule``) over a deterministic copy holding the posterior means, reads
@@ -162,19 +187,45 @@ def convert(model: Any, guide: Any = None, *, input_shape: tuple[int, ...] | Non
 
     ``fold_batch_norm=True`` (default) folds every eval-mode batch norm that follows a Linear/Conv layer
     into that layer's weight and bias moments (exact, :mod:`pyro2pfp.folding`): one kernel fewer each.
+
+    ``head="probs"`` appends the uncertainty head to the logits, in the same compiled module, the
+    NumPy reference and the ONNX export: the network then outputs the class probabilities and, per
+    input, the predictive entropy, the expected softmax entropy and the mutual information, without
+    sampling (a fixed sigma-point quadrature of the logits' Gaussian, :mod:`pyro2pfp.ops.head`);
+    ``net.reference(x)`` and ``exe(x)`` return a :class:`~pyro2pfp.ops.head.HeadOutput`.  The output
+    must be a vector of logits per input (one logit: a Bernoulli/sigmoid output).
     """
+    from .ops.head import append_head, check_head
+
+    check_head(head)
     if not isinstance(input_variance, bool | np.bool_):
         raise ArgumentError(f"input_variance must be True or False, got {input_variance!r}")
+    tyxe_bnn = None
     if guide is None and hasattr(model, "net") and hasattr(model, "net_guide"):  # TyXe VariationalBNN
-        model, guide = model.net, model.net_guide
+        tyxe_bnn, model, guide = model, model.net, model.net_guide
     if guide is None:
         raise PosteriorError("convert(model, guide) needs the trained guide that holds the posterior")
     traced = trace_model(model, guide, input_shape, check_posterior=check_posterior)
+    if tyxe_bnn is not None:
+        traced.tyxe_gaussian_likelihood = type(getattr(tyxe_bnn, "likelihood", None)).__name__ in (
+            "HomoskedasticGaussian", "HeteroskedasticGaussian")
     if not isinstance(fold_batch_norm, bool | np.bool_):
         raise ArgumentError(f"fold_batch_norm must be True or False, got {fold_batch_norm!r}")
     layer_graph = build_layer_graph(traced)
     layer_graph.input_variance = bool(input_variance)
     if fold_batch_norm:
         layer_graph = folding.fold_batch_norm(layer_graph)
-    return PFPNetwork(layer_graph, plan(layer_graph, calibration, moment_form),
-                      nonweight_sites=traced.nonweight_sites, noise=traced.noise)
+    noise = traced.noise
+    if tyxe_bnn is not None and hasattr(tyxe_bnn, "likelihood"):  # the likelihood is outside bnn.net
+        from .noise import tyxe_noise
+
+        output_shape = layer_graph.shape_of(layer_graph.output)
+        noise = tyxe_noise(tyxe_bnn, traced.input_shape, tuple(output_shape))
+    from .noise import HeteroscedasticNoise, NoiseModel
+
+    if head is not None and isinstance(noise, NoiseModel | HeteroscedasticNoise):
+        raise ArgumentError(f"head={head!r} is for classifiers (logits); this model has a Normal likelihood "
+                            "(regression): use net.regression(mean, var) instead")
+    planned_graph = append_head(layer_graph, head) if head is not None else layer_graph
+    return PFPNetwork(layer_graph, plan(planned_graph, calibration, moment_form),
+                      nonweight_sites=traced.nonweight_sites, noise=noise)

@@ -357,10 +357,15 @@ def build_model(net: Any, *, opset: int = DEFAULT_OPSET, graph_name: str | None 
     if var is None:  # a deterministic output: exact zeros of the mean's shape
         zero = helper.make_tensor("zero", TensorProto.FLOAT, [1], [0.0])
         var = Sym(b, b.node("ConstantOfShape", [b.node("Shape", [result.mean.name])], value=zero))
-    b.nodes.append(helper.make_node("Identity", [result.mean.name], ["mean"], name="output/mean"))
-    b.nodes.append(helper.make_node("Identity", [var.name], ["var"], name="output/var"))
+    # an output layer may name its outputs and give its second one its own shape (the uncertainty head)
+    out_attrs = graph.layer(graph.output).layer.attrs if graph.output != INPUT else {}
+    names = tuple(out_attrs.get("output_names", ("mean", "var")))
     out_dims: list[str | int] = ["batch", *graph.shape_of(graph.output)]
-    outputs = [helper.make_tensor_value_info(n, TensorProto.FLOAT, out_dims) for n in ("mean", "var")]
+    second_dims: list[str | int] = ["batch", *out_attrs.get("second_shape", graph.shape_of(graph.output))]
+    b.nodes.append(helper.make_node("Identity", [result.mean.name], [names[0]], name=f"output/{names[0]}"))
+    b.nodes.append(helper.make_node("Identity", [var.name], [names[1]], name=f"output/{names[1]}"))
+    outputs = [helper.make_tensor_value_info(n, TensorProto.FLOAT, dims)
+               for n, dims in zip(names, (out_dims, second_dims), strict=True)]
 
     name = graph_name or "pfp_network"
     g = helper.make_graph(b.nodes, name, inputs, outputs, initializer=b.initializers,

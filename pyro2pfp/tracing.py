@@ -24,16 +24,17 @@ from typing import Any
 import numpy as np
 import pyro
 import torch
+import torch.fx
 from pyro.nn import PyroModule
 from pyro.nn.module import _make_name
 from pyro.poutine.messenger import Messenger
 from pyro.poutine.subsample_messenger import _Subsample
 
 from . import random_module
-from .errors import InputShapeError, PosteriorError, TracingError
+from .errors import InputShapeError, PosteriorError, TracingError, UnsupportedLayerError
 from .export_passes import compute_ops, fold_identity_broadcasts, used_parameters, user_line
 from .graph import GaussianParam
-from .noise import NoiseModel, NoNoiseModel, find_noise
+from .noise import HeteroscedasticNoise, NoiseModel, NoNoiseModel, find_noise, read_head, scale_depends_on_input
 from .posterior import SiteReading, call_with_model_args, read_posterior, unwrap_independent
 from .site_matching import check_all_matched, require_weight_posterior
 
@@ -54,7 +55,15 @@ class TracedModel:
     # Latent sites the model samples that do not flow into the output (e.g. a noise scale).
     nonweight_sites: dict[str, SiteReading] = field(default_factory=dict)
     # The regression likelihood's noise (pyro2pfp.noise), or why there is none.
-    noise: NoiseModel | NoNoiseModel | None = None
+    noise: NoiseModel | HeteroscedasticNoise | NoNoiseModel | None = None
+    # Whether the output feeds a Normal likelihood (a regression): set for a TyXe Gaussian likelihood,
+    # which lives outside the traced net; see :meth:`regression`.
+    tyxe_gaussian_likelihood: bool = False
+
+    def regression(self) -> bool:
+        """Whether the network's output is the mean (and scale) of a Normal likelihood (a regression),
+        so that e.g. a final sigmoid is the mean's activation, not Bernoulli probabilities."""
+        return self.tyxe_gaussian_likelihood or isinstance(self.noise, NoiseModel | HeteroscedasticNoise)
 
 
 def _likelihood_mean(fn: Any) -> torch.Tensor:
@@ -81,8 +90,10 @@ class _ModelSites(Messenger):
         if key is not None and not msg["is_observed"]:
             self.wrapper.seen_sites.add(msg["name"])
             msg["value"] = self.wrapper.functional[key]
-        elif msg["value"] is None:
-            msg["value"] = _likelihood_mean(msg["fn"])
+        else:
+            self.wrapper.likelihoods.append((msg["name"], msg["fn"]))
+            if msg["value"] is None:
+                msg["value"] = _likelihood_mean(msg["fn"])
         msg["done"] = True
         msg["stop"] = True
 
@@ -179,10 +190,28 @@ class _Wrapper(torch.nn.Module):
         self.seen_sites: set[str] = set()
         self.lifted = torch.nn.ModuleDict()  # deterministic copies of pyro.random_module nets
         self.lifted_names: list[str] = []
+        # The non-latent sample sites of the last run (the likelihood): [(name, distribution)].
+        self.likelihoods: list[tuple[str, Any]] = []
+        # Heteroscedastic head: also return the Normal likelihood's loc and scale, so the graph shows
+        # where they are read from (pyro2pfp.noise.read_head).
+        self.probe_head = False
+        # The Normal likelihood's site: a set, mutated in place (export restores assigned attributes and lists).
+        self.head_site: set[str] = set()
 
     def forward(self, x: torch.Tensor) -> Any:
+        self.likelihoods = []
         with _ModelSites(self):
-            return call_with_model_args(self.model, (x,))
+            out = call_with_model_args(self.model, (x,))
+        if not self.probe_head:
+            return out
+        normals = [(name, unwrap_independent(fn)) for name, fn in self.likelihoods]
+        normals = [(name, fn) for name, fn in normals if isinstance(fn, torch.distributions.Normal)]
+        if len(normals) != 1:
+            raise TracingError(f"the likelihood's scale depends on the input, but the model has {len(normals)} "
+                               "Normal likelihood sites (one is supported)")
+        self.head_site.clear()
+        self.head_site.add(normals[0][0])
+        return out, normals[0][1].loc, normals[0][1].scale
 
 
 def _example_input(input_shape: tuple[int, ...], batch: int = 2) -> torch.Tensor:
@@ -284,14 +313,31 @@ def _pyro_sample_weights(model: Any, readings: dict[str, SiteReading], guide: An
                 f"sample site '{site}' of the model (parameter {path}) has no posterior in the "
                 f"guide {type(guide).__name__}."
             )
-        require_weight_posterior(site, f"parameter {path}", reading, guide)
-        assert reading.mean is not None and reading.var is not None
         expected = prior_shapes.get(path)
+        if reading.mean is None or reading.var is None:  # not usable as a weight: an error if it is one
+            shape = expected if expected is not None else reading.shape
+            params[path] = GaussianParam(np.zeros(shape), np.zeros(shape), site=site)
+            continue
         if expected is not None and tuple(reading.mean.shape) != expected:
             raise PosteriorError(f"site '{site}': the guide's posterior has shape {tuple(reading.mean.shape)} but "
                                  f"the model's prior (parameter {path}) has shape {expected}")
         params[path] = GaussianParam(reading.mean, reading.var, site=site)
     return params
+
+
+def _split_pyro_samples(program: torch.export.ExportedProgram, pyro_sample_sites: dict[str, str],
+                        params: dict[str, GaussianParam], readings: dict[str, SiteReading], guide: Any) -> set[str]:
+    """``PyroSample`` attributes the network output does not use (e.g. a ``log_sigma`` noise scale) are
+    non-weight sites: dropped from ``params`` and returned; the used ones must have a weight posterior."""
+    used = used_parameters(program)
+    unused = set()
+    for path, site in pyro_sample_sites.items():
+        if _WRAPPER_PREFIX + path in used:
+            require_weight_posterior(site, f"parameter {path}", readings[site], guide)
+        else:
+            unused.add(site)
+            params.pop(path, None)
+    return unused
 
 
 def _build_wrapper(model: Any, readings: dict[str, SiteReading], weights: dict[str, GaussianParam],
@@ -382,16 +428,21 @@ def trace_model(model: Any, guide: Any, input_shape: tuple[int, ...] | None, *,
     params = _pyro_sample_weights(model, readings, guide)
 
     wrapper, lifted_paths = _build_wrapper(model, readings, params, example)
+    wrapper.probe_head = scale_depends_on_input(model, guide, input_shape)
     with random_module.replaced_random_modules(
             {name: wrapper.lifted[f"m{i}"] for i, name in enumerate(wrapper.lifted_names)}):
         program = _export(wrapper, example, input_shape)
         fold_identity_broadcasts(program)
         _check_batch_independent(program, wrapper, input_shape)
+    head = _end_at_head(program, next(iter(wrapper.head_site))) if wrapper.probe_head else None
 
     exported_weights, nonweights = _classify_exported_sites(wrapper, lifted_paths, program, readings, guide)
+    unused_samples = _split_pyro_samples(program, pyro_sample_sites, params, readings, guide)
+    nonweights |= unused_samples
     model_parameters = [lifted_paths.get(name, name.removeprefix(_WRAPPER_PREFIX))
                         for name, _ in program.named_parameters() if not name.startswith("functional.")]
-    check_all_matched(readings, [*pyro_sample_sites.values(), *exported_weights.values()], nonweights,
+    check_all_matched(readings, [*(set(pyro_sample_sites.values()) - unused_samples), *exported_weights.values()],
+                      nonweights,
                       [*pyro_sample_sites, *model_parameters], guide)
     for path, site in exported_weights.items():
         reading = readings[site]
@@ -411,4 +462,36 @@ def trace_model(model: Any, guide: Any, input_shape: tuple[int, ...] | None, *,
     return TracedModel(program=program, params=params, input_shape=input_shape,
                        model_name=getattr(model, "__name__", type(model).__name__),
                        nonweight_sites={site: readings[site] for site in sorted(nonweights)},
-                       noise=find_noise(model, readings, nonweights, input_shape))
+                       noise=head if head is not None else find_noise(model, readings, nonweights, input_shape))
+
+
+def _end_at_head(program: torch.export.ExportedProgram, site: str) -> HeteroscedasticNoise:
+    """Read the heteroscedastic head from a program traced with ``probe_head`` (outputs: the model's
+    return, the likelihood's loc and scale) and make the program end at the network output they are
+    read from (:func:`pyro2pfp.noise.read_head`)."""
+    from torch.export.graph_signature import OutputKind, OutputSpec, TensorArgument
+    from torch.utils import _pytree
+
+    graph = program.graph_module.graph
+    out_node = next(n for n in graph.nodes if n.op == "output")
+    outs = list(out_node.args[0])
+    loc, scale = outs[-2], outs[-1]
+    try:
+        if not isinstance(loc, torch.fx.Node) or not isinstance(scale, torch.fx.Node):
+            raise ValueError("the loc or the scale is a constant")
+        network_output, head = read_head(graph, loc, scale, site)
+    except ValueError as exc:
+        raise UnsupportedLayerError(
+            f"the scale of the likelihood '{site}' depends on the input (a heteroscedastic head), but the head "
+            f"cannot be read: {exc}. Supported: one network output S, the mean an index of it (S[..., 0], "
+            "S[..., :k], chunk/unbind/split) and the scale an elementwise link (exp, softplus, sigmoid, abs, "
+            "clamp, +,-,*,/ constants) of another index of it.") from exc
+    out_node.args = ((network_output,),)
+    program.graph_signature.output_specs[:] = [
+        OutputSpec(kind=OutputKind.USER_OUTPUT, arg=TensorArgument(name=network_output.name), target=None)]
+    signature = program._module_call_graph[0].signature
+    if signature is not None:  # so program.module() returns the network output alone
+        signature.out_spec = _pytree.tree_structure(torch.zeros(()))
+    graph.eliminate_dead_code()
+    program.graph_module.recompile()
+    return head

@@ -58,10 +58,10 @@ def test_one_row_per_kernel_and_rows_sum_to_total(lenet_exe, method):
     assert sum(r.share for r in prof.rows) == pytest.approx(1.0, rel=1e-9)
     assert all(r.us > 0 and r.calls == 1 for r in prof.kernels)
     kernel_sum = sum(r.us for r in prof.kernels)
-    if method == "isolated":  # kernels timed alone vs the C++-timed call: the kernels are most of it
-        assert 0.2 * prof.total_us < kernel_sum < 2.0 * prof.total_us
-    else:  # in place: the Python instrument callbacks (~60 VM calls here) add to the overhead row
+    if method == "in_vm":  # timed in place, the kernels are part of the call (the rest is the overhead row)
         assert 0 < kernel_sum < prof.total_us
+    # (isolated: kernels timed alone and the call timed separately; how they compare is a timing,
+    # which depends on the machine's load -- benchmarks/latency.py prints it, no test asserts it)
     ops = prof.by_op()
     assert {"conv2d", "relu", "max_pool2d", "dense"} <= set(ops)
     assert sum(ops.values()) == pytest.approx(prof.total_us, rel=1e-9)

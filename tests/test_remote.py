@@ -25,7 +25,8 @@ KEY = "loopback"
 START_TIMEOUT = 90.0  # python -m tvm.exec.* imports TVM: slow on a loaded 2-core machine
 
 
-def _free_port() -> int:
+def free_port() -> int:
+    """A TCP port on loopback that is free now (shared with test_remote_aarch64)."""
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         return sock.getsockname()[1]
@@ -46,7 +47,7 @@ def _kill(procs: list[subprocess.Popen]) -> None:
 def boards():
     """A TVM tracker and two RPC servers on 127.0.0.1 under key ``loopback``: the tracker's Remote."""
     py = sys.executable
-    port = _free_port()
+    port = free_port()
     procs = [subprocess.Popen([py, "-m", "tvm.exec.rpc_tracker", "--host", "127.0.0.1", "--port", str(port),
                                "--port-end", str(port + 1), "--silent"],
                               stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)]
@@ -54,7 +55,7 @@ def boards():
         remote = Remote("127.0.0.1", port, KEY, session_timeout=60, connect_timeout=5, parallel=2)
         deadline = time.monotonic() + START_TIMEOUT
         for _ in range(2):
-            server_port = _free_port()
+            server_port = free_port()
             procs.append(subprocess.Popen(
                 [py, "-m", "tvm.exec.rpc_server", "--host", "127.0.0.1", "--port", str(server_port),
                  "--port-end", str(server_port + 1), "--tracker", f"127.0.0.1:{port}", "--key", KEY, "--silent"],
@@ -146,7 +147,7 @@ def test_wrong_key_is_refused_at_once(boards, net_and_exe):
 
 def test_dead_server_and_silent_peer_give_bounded_errors(net_and_exe):
     _net, exe = net_and_exe
-    dead = Remote("127.0.0.1", _free_port(), None, connect_timeout=5)  # nothing listens there
+    dead = Remote("127.0.0.1", free_port(), None, connect_timeout=5)  # nothing listens there
     with pytest.raises(RemoteError, match="connecting to the RPC server"):
         upload(exe, dead)
     with socket.socket() as silent:  # accepts connections, never answers

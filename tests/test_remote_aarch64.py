@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import subprocess
 import sys
 import time
@@ -24,6 +23,7 @@ import time
 import numpy as np
 import pytest
 from builders import lenet_graph, mlp_graph
+from test_remote import free_port
 
 from pyro2pfp import tuning
 from pyro2pfp.errors import InputShapeError, PFPError, RemoteError
@@ -39,19 +39,13 @@ KEY = "qemu-a72"
 START_TIMEOUT = 120.0  # python -m tvm.exec.* imports TVM: slow on a loaded 2-core machine
 
 
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
 @pytest.fixture(scope="module")
 def emulated(tmp_path_factory):
     """A TVM tracker and the emulated AArch64 board registered under ``qemu-a72`` (an EmulatedBoard)."""
     from pyro2pfp_experiments.emulated_board import EmulatedBoard, EmulatedBoardError
 
     log = tmp_path_factory.mktemp("board") / "board.log"
-    port = _free_port()
+    port = free_port()
     tracker = subprocess.Popen([sys.executable, "-m", "tvm.exec.rpc_tracker", "--host", "127.0.0.1", "--port",
                                 str(port), "--port-end", str(port + 1), "--silent"],
                                stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)

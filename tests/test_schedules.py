@@ -23,6 +23,7 @@ from tvm import relax
 from builders import lenet_graph, mlp_graph
 from pyro2pfp.graph import INPUT, GaussianParam, Layer, LayerGraph
 from pyro2pfp.network import PFPNetwork
+from pyro2pfp.ops.head import append_head
 from pyro2pfp.plan import plan
 from pyro2pfp.registry import OPS
 from pyro2pfp.reference import execute
@@ -127,6 +128,10 @@ def case_graphs() -> dict[str, LayerGraph]:
                                                  params=ln_params((12,)))], "ln", input_variance=True)
     g["layer_norm_det"] = LayerGraph((2, 3, 5), [Layer("ln", "layer_norm", [INPUT], (2, 3, 5), "ln",
                                                        {"dims": 2, "eps": 1e-5}, params=ln_params((3, 5)))], "ln")
+    # the uncertainty head (pyro2pfp/ops/head.py) on the logits of a dense layer, ten classes and one logit
+    for classes in (10, 1):
+        g[f"softmax_head_{classes}"] = append_head(
+            LayerGraph((6,), [dense(rng, "fc", INPUT, 6, classes)], "fc", input_variance=True), "probs")
     # every other registered activation (the generic elementwise kernel), on Gaussians of 3-d shape
     covered = {layer.op for graph in g.values() for layer in graph.layers}
     for name, op in OPS.items():
@@ -281,3 +286,35 @@ def test_fused_relu_dense_matches_unfused_and_reference(form):
             scale = np.abs(ref).max()
             np.testing.assert_allclose(got.numpy(), ref, rtol=0, atol=2e-5 * scale)
             np.testing.assert_allclose(got.numpy(), unfused.numpy(), rtol=0, atol=2e-6 * scale)
+
+
+@pytest.mark.parametrize("form", ["variance", "raw"])
+def test_fused_relu_after_residual_add(form):
+    """A residual block's last ReLU is computed in the ``add`` kernel (``pfp_add_sum_out``, no
+    ``pfp_relu_out``), with the same results as one kernel per layer and the float64 reference."""
+    from pyro2pfp.tvm_backend._core import fused_activations
+
+    rng = np.random.default_rng(4)
+    c1 = conv(rng, "c1", INPUT, (3, 6, 6), 4, 3, pad=1)
+    c2 = conv(rng, "c2", "r1", (4, 6, 6), 4, 3, pad=1)
+    graph = LayerGraph((3, 6, 6), [c1, relu("r1", "c1", c1.out_shape), c2,
+                                   Layer("sum", "add", ["c2", "c1"], c1.out_shape, "sum"),
+                                   relu("out", "sum", c1.out_shape),
+                                   Layer("flat", "reshape", ["out"], (144,), "flat"),
+                                   dense(rng, "fc", "flat", 144, 3)], "fc", input_variance=True)
+    planned = plan(graph, moment_form=form)
+    assert {p: r.name for p, r in fused_activations(planned).items()} == {"sum": "out"}
+    names = set(prim_funcs(emit_module(planned)))
+    assert "pfp_add_sum_out" in names and "pfp_relu_out" not in names and "pfp_relu_r1" in names
+    rng_x = np.random.default_rng(5)
+    x = rng_x.standard_normal((3, 3, 6, 6)).astype(np.float32)
+    x_var = (0.1 * rng_x.uniform(size=x.shape)).astype(np.float32)
+    args = [tvm.runtime.tensor(a) for a in (x, x_var)]
+    outs = []
+    for fuse in (True, False):
+        mod = emit_module(planned, fuse=fuse)
+        outs.append(compile_vm(schedule_module(mod, planned, TARGETS["native"]), TARGETS["native"])["main"](*args))
+    for got, unfused, ref in zip(*outs, execute(planned, x, x_var)):
+        scale = np.abs(ref).max()
+        np.testing.assert_allclose(got.numpy(), ref, rtol=0, atol=2e-5 * scale)
+        np.testing.assert_allclose(got.numpy(), unfused.numpy(), rtol=0, atol=2e-6 * scale)

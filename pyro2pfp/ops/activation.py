@@ -252,7 +252,8 @@ def _is_final(node: Any, ctx: Any) -> bool:
 def _feeds_normal_likelihood(ctx: Any) -> bool:
     """Whether tracing found a ``Normal(f(x), sigma)`` likelihood (``pyro2pfp.noise``): the output is then a
     regression mean, not Bernoulli probabilities."""
-    return hasattr(getattr(ctx.traced, "noise", None), "expected_variance")
+    regression = getattr(ctx.traced, "regression", None)
+    return bool(regression is not None and regression())
 
 
 @register("aten.sigmoid.default", "aten.sigmoid_.default", produces=("sigmoid",))

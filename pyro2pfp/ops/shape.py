@@ -6,8 +6,12 @@ The TVM kernels are in ``tvm_backend/ops/shape.py``.
 """
 from __future__ import annotations
 
+import sys
 import warnings
 from typing import Any
+
+import numpy as np
+import torch
 
 from ..converters import Alias, register
 from ..graph import Layer
@@ -20,7 +24,7 @@ _PASS_THROUGH = Contract(takes=None, natural=None, keeps_deterministic=True)
 RESHAPE = register_op(OpDef(
     "reshape", ("aten.view.default", "aten.reshape.default", "aten._unsafe_view.default",
                 "aten.flatten.using_ints", "aten.unflatten.int", "aten.squeeze.default", "aten.squeeze.dim",
-                "aten.squeeze.dims", "aten.unsqueeze.default"),
+                "aten.squeeze.dims", "aten.unsqueeze.default", "aten.select.int", "aten.slice.Tensor"),
     modules="`Flatten`, `view`, `reshape`, `Dropout` (inference), `Identity`",
     modules_short=("Flatten/view/reshape",), moments="identity", assumptions="—", table_op="reshape / none",
     contract=_PASS_THROUGH, view=True, required_tests=("compiled",)))  # the identity on moments: nothing to sample
@@ -56,6 +60,29 @@ def convert_reshape(node, ctx) -> Layer | Alias:
         return Alias(x)
     return Layer(name=ctx.new_name(node, prefer_module=False), op="reshape",
                  inputs=[ctx.activation(x, node)], out_shape=ctx.shape(node), source=ctx.source(node))
+
+
+@register("aten.select.int", "aten.slice.Tensor", produces=("reshape",))
+def convert_select(node, ctx) -> Layer | Alias:
+    """``out[..., 0]`` / ``out[:, 0]`` / ``out[..., 0:1]`` where it keeps every element (the indexed axis
+    has size 1, or the slice spans it): a reshape.  Picking some of several columns is not a PFP layer
+    (a regression head that reads its mean and noise scale from columns is read by
+    :func:`pyro2pfp.noise.read_head` and ends the network before the indexing)."""
+    x = node.args[0]
+    dim = node.args[1] if len(node.args) > 1 else node.kwargs.get("dim", 0)
+    if node.target is torch.ops.aten.slice.Tensor and dim == 0 and (node.args[2:3] or [0])[0] in (0, None) and \
+            (node.args[3:4] or [None])[0] in (None, sys.maxsize) and (node.args[4:5] or [1])[0] == 1:
+        return Alias(x)  # x[:] on the batch axis
+    src, out = ctx.shape(x), ctx.shape(node)
+    if int(np.prod(src)) != int(np.prod(out)):
+        op = str(node.target).removeprefix("aten.").split(".")[0]
+        raise ctx.unsupported(node, f"{op} picks {int(np.prod(out))} of the {int(np.prod(src))} elements of shape "
+                                    f"{src}; PFP converts indexing only where it keeps every element (e.g. "
+                                    "out[..., 0] of a single output) or as a Normal likelihood's heteroscedastic "
+                                    "head (the mean and the noise scale read from columns of the network output)")
+    if dim % (len(src) + 1) == 0:
+        raise ctx.unsupported(node, "indexing the batch axis is not supported")
+    return convert_reshape(node, ctx)
 
 
 @register("aten.dropout.default", "aten.feature_dropout.default", "aten.alpha_dropout.default")

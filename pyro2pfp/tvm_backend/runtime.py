@@ -91,12 +91,15 @@ def mark_prim_funcs_noalias(mod: tvm.IRModule, _ctx: Any) -> tvm.IRModule:
 
 
 def build(mod: tvm.IRModule, target: Any, relax_pipeline: Any = "default") -> Any:
-    """``tvm.compile(mod, target)`` with the Relax pipeline ``relax_pipeline`` (a name or a
-    pass) followed by :func:`mark_prim_funcs_noalias`."""
+    """``tvm.compile(mod, target)`` with identical kernels shared
+    (:func:`~pyro2pfp.tvm_backend.sharing.share_identical_kernels`), then the Relax pipeline
+    ``relax_pipeline`` (a name or a pass), then :func:`mark_prim_funcs_noalias`."""
+    from .sharing import share_identical_kernels_pass
+
     tgt = make_target(target)
     if isinstance(relax_pipeline, str):
         relax_pipeline = relax.get_pipeline(relax_pipeline)
-    pipeline = tvm.transform.Sequential([relax_pipeline, mark_prim_funcs_noalias])
+    pipeline = tvm.transform.Sequential([share_identical_kernels_pass, relax_pipeline, mark_prim_funcs_noalias])
     return tvm.compile(mod, target=tgt, relax_pipeline=pipeline)
 
 
@@ -144,6 +147,8 @@ class CompiledPFP:
         # {kernel symbol: (PFP op, layer)} from the PrimFuncs' attributes (profiling reads it)
         self.kernels: dict[str, tuple[str, str]] = {}
         self.library_path: str | None = None
+        # "probs": the module ends in the uncertainty head (outputs (probs, stats), see pyro2pfp.ops.head)
+        self.head: str | None = None
 
     def _state(self) -> _ThreadState:
         state = getattr(self._local, "state", None)
@@ -176,13 +181,20 @@ class CompiledPFP:
             np.copyto(view, array)
         return [tensor for tensor, _ in buffers]
 
-    def __call__(self, x: Any, x_var: Any = None) -> tuple[np.ndarray, np.ndarray]:
+    def __call__(self, x: Any, x_var: Any = None) -> Any:
+        """``(mean, var)`` of the logits; with the uncertainty head (``self.head == "probs"``) a
+        :class:`~pyro2pfp.ops.head.HeadOutput` ``(probs, predictive_entropy, expected_entropy,
+        mutual_information)``."""
         args = self._args(x, x_var)
         state = self._state()
         main = state.tuned_mains.get(args[0].shape[0], state.main) if state.tuned_mains else state.main
         mean, var = main(*args)
         mean, var = np.from_dlpack(mean), np.from_dlpack(var)
         check_finite_outputs(mean, var)
+        if self.head is not None:
+            from ..ops.head import head_output
+
+            return head_output(mean, var)
         return mean, var
 
     def profile(self, x: Any, x_var: Any = None, *, repeats: int = 30, method: str = "isolated",
@@ -222,6 +234,7 @@ class CompiledPFP:
         self.vm = None
         self.tuned, self._tuned_vms = {}, {}
         self._local = threading.local()
+        self.head = None
         arch = target_arch(target)
 
         def not_here(*_: Any) -> None:

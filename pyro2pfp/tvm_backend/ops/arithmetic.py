@@ -5,9 +5,10 @@ from __future__ import annotations
 
 from tvm import te, tirx
 
+from ... import moments
 from ...graph import Repr
 from ...plan import PlannedLayer
-from .._core import F32, EmitContext, RelaxActivation, activation_out, epilogue, kernel, variance_of
+from .._core import F32, EmitContext, RelaxActivation, activation_out, epilogue, kernel, te_shared, variance_of
 from ..schedules import schedule
 from .activation import schedule_elementwise
 
@@ -35,7 +36,8 @@ def affine(ctx: EmitContext, layer: PlannedLayer, inputs: list[RelaxActivation])
 
 @kernel("add")
 def add(ctx: EmitContext, layer: PlannedLayer, inputs: list[RelaxActivation]) -> RelaxActivation:
-    """Sum of two independent Gaussians: means and variances add."""
+    """Sum of two independent Gaussians: means and variances add; a ReLU after it (a residual block's
+    last ReLU) is computed in the same pass when fused (``_core.fused_activations``)."""
     a, b = inputs
     if a.repr is Repr.DETERMINISTIC and b.repr is Repr.DETERMINISTIC:
         def det(x: te.Tensor, y: te.Tensor) -> te.Tensor:
@@ -50,10 +52,17 @@ def add(ctx: EmitContext, layer: PlannedLayer, inputs: list[RelaxActivation]) ->
         def var(ts, r, i):
             return variance_of(ts[0][i], ts[1][i], r) if len(ts) > 1 else tirx.const(0.0, F32)
 
-        return te.compute(t[0].shape, lambda *i: epilogue(ta[0][i] + tb[0][i], var(ta, a.repr, i) + var(tb, b.repr, i),
-                                                           layer), name="add")
+        def out(*i):
+            mean, variance = ta[0][i] + tb[0][i], var(ta, a.repr, i) + var(tb, b.repr, i)
+            if relu is None:
+                return epilogue(mean, variance, layer)
+            fused: PlannedLayer = relu
+            return te_shared(lambda ops: epilogue(*moments.relu_moments(mean, variance, ops), fused))
 
-    return activation_out(ctx.emit_te(fn, a.tensors() + b.tensors(), layer), layer)
+        return te.compute(t[0].shape, out, name="add")
+
+    relu = ctx.activation  # a ReLU fused into this kernel (_core.fused_activations): its moments are emitted
+    return activation_out(ctx.emit_te(fn, a.tensors() + b.tensors(), layer), relu or layer)
 
 
 schedule("affine", "add")(schedule_elementwise)

@@ -192,6 +192,13 @@ def avg_pool2d(ctx: EmitContext, layer: PlannedLayer, inputs: list[RelaxActivati
 
 # ------------------------------------------------------------------------------------ max_pool2d
 POOL_REGISTER_TILE = 3  # deinterleaved pool: independent (mean, variance) vectors folded side by side
+GAUSSIAN_WINDOW_ROLLED = True
+"""Clark's max pool keeps its window loops as loops (a plain max unrolls them).  The fold over the
+window is a dependency chain of ~100-flop Clark steps, so unrolling it buys no parallelism, only
+code: LLVM spent 1.35 s of LeNet-5's 1.9 s build on the two unrolled pools (0.84 s for pool1's
+2x2 window x 2-vector register tile).  Rolled, LeNet-5's single-thread batch-1/10 latency was the
+same within noise (66 vs 66 us, 413 vs 417 us: ``exe(x)`` minimum of 400 calls, one thread) and
+the build ~30 % shorter (``benchmarks/latency.py`` prints compile times)."""
 
 
 @schedule("max_pool2d")
@@ -199,8 +206,9 @@ def schedule_max_pool2d(sch: s_tir.Schedule, layer: Any, target: tvm.target.Targ
     """Max pooling: a ``max_pool2d`` reduction over the window (Clark's Gaussian max, or a plain
     max for a deterministic input) plus an ``epilogue`` when the input is probabilistic.
 
-    The unrolled window loops ``rp, rq`` always sit outside the vector loop, so each vector of
-    running (mean, variance) pairs is folded over the window in row-major order (the reference's
+    The window loops ``rp, rq`` (unrolled for a plain max, rolled for Clark's: see
+    :data:`GAUSSIAN_WINDOW_ROLLED`) always sit outside the vector loop, so each vector of running
+    (mean, variance) pairs is folded over the window in row-major order (the reference's
     order).  The vector axis (vectorizable bodies: plain max; Clark's max unless the window
     overhangs the input, whose ``if_then_else`` loads stay serial) is the one with the widest
     power-of-two divisor:
@@ -235,8 +243,9 @@ def schedule_max_pool2d(sch: s_tir.Schedule, layer: Any, target: tvm.target.Targ
         fo, fv = sch.split(sch.fuse(c, i, j), [None, vec_flat])
         sch.reorder(b, fo, *window, fv)
         sch.parallel(sch.fuse(b, fo))
-        for loop in window:
-            sch.unroll(loop)
+        if not (sch.get_consumers(blk) and GAUSSIAN_WINDOW_ROLLED):
+            for loop in window:
+                sch.unroll(loop)
         sch.vectorize(fv)
         sch.decompose_reduction(blk, window[0])
         flat_nests(sch, sch.get_consumers(blk), lanes)  # the epilogue: its own nest (no rectangle tile)
@@ -251,10 +260,12 @@ def schedule_max_pool2d(sch: s_tir.Schedule, layer: Any, target: tvm.target.Targ
         if vec_j > 1:
             _, vector = sch.split(j, [None, vec_j])
     sch.parallel(par)
-    if sch.get_consumers(blk):
+    gaussian = bool(sch.get_consumers(blk))  # Clark's max has an epilogue; a plain max has none
+    if gaussian:
         epilogue_at(sch, blk, par, lanes)  # the tile of one `par` iteration is a rectangle
-    for loop in window:
-        sch.unroll(loop)
+    if not (gaussian and GAUSSIAN_WINDOW_ROLLED):
+        for loop in window:
+            sch.unroll(loop)
     if vector is not None:
         sch.vectorize(vector)
     if not vectorize:
@@ -293,8 +304,7 @@ def _schedule_deinterleaved_pool(sch: s_tir.Schedule, blk: Any, lanes: int) -> N
     po, pu, pv = sch.split(p, [None, tile, vec])
     sch.reorder(b, po, rp, rq, pu, pv)
     sch.parallel(sch.fuse(b, po))
-    for loop in (rp, rq, pu):
-        sch.unroll(loop)
+    sch.unroll(pu)  # the window loops stay loops: see GAUSSIAN_WINDOW_ROLLED
     if vec > 1:
         sch.vectorize(pv)
     sch.decompose_reduction(blk, rp)
