@@ -35,7 +35,7 @@ from typing import Any
 import numpy as np
 
 from . import moments
-from .errors import PFPError, UnsupportedLayerError
+from .errors import ArgumentError, PFPError, UnsupportedLayerError
 from .graph import INPUT, Repr
 from .plan import PlannedGraph, PlannedLayer
 from .registry import add_to
@@ -323,6 +323,9 @@ def build_model(net: Any, *, opset: int = DEFAULT_OPSET, graph_name: str | None 
     from ._version import __version__
 
     graph = _planned(net)
+    if graph.factors is not None:
+        raise ArgumentError("ONNX export of correlation='shared-factor' is not supported yet; convert(..., "
+                            "correlation='mean-field') to export the mean-field plan")
     if int(opset) < MIN_OPSET:
         raise PFPError(f"opset must be >= {MIN_OPSET} (Erf, Where and Slice with steps), got {opset}")
     missing = sorted({layer.op for layer in graph.layers if layer.op not in EXPORTERS})

@@ -14,7 +14,7 @@ import tvm
 from tvm import relax, te, tirx
 
 from .. import moments
-from ..errors import PFPError
+from ..errors import ArgumentError, PFPError
 from ..graph import INPUT, Repr
 from ..plan import PlannedGraph, PlannedLayer
 from ..registry import add_to
@@ -300,6 +300,10 @@ def emit_module(graph: PlannedGraph, *, fuse: bool = True) -> tvm.IRModule:
     bound as float32 constants; ``batch`` is symbolic.  ``fuse``: ReLUs that follow a dense layer
     are computed in its kernel (:func:`fused_activations`).
     """
+    if graph.factors is not None:
+        raise ArgumentError("the TVM back end does not implement correlation='shared-factor' yet; convert(..., "
+                            "correlation='mean-field') to compile the mean-field plan (net.reference runs the "
+                            "shared-factor plan)")
     batch = tirx.Var("batch", "int64")
     bb = relax.BlockBuilder()
     shapes = {INPUT: graph.input_shape, **{p.name: p.layer.out_shape for p in graph.layers}}
