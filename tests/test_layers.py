@@ -187,9 +187,7 @@ def test_layers_convert_and_match_torch(body, first, shape):
     x = torch.randn(3, *shape)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        # mean-field: the compiled back end does not run shared-factor plans yet (the default would
-        # pick shared factors for the residual add; tests/test_correlation.py covers that scheme)
-        net = pyro2pfp.convert(model, guide, input_shape=shape, calibration=0.0, correlation="mean-field")
+        net = pyro2pfp.convert(model, guide, input_shape=shape, calibration=0.0)
     if body is _Residual:
         assert any("softmax" in str(w.message) for w in caught)
     with torch.no_grad():  # the deterministic network at the posterior mean (logits: no softmax)
@@ -201,7 +199,7 @@ def test_layers_convert_and_match_torch(body, first, shape):
     cm, cv = net.compile()(x)
     np.testing.assert_allclose(cm, mean, rtol=1e-4, atol=1e-5)
     # With the posterior variance switched on, compiled and reference still agree.
-    net1 = pyro2pfp.convert(model, guide, input_shape=shape, calibration=1.0, correlation="mean-field")
+    net1 = pyro2pfp.convert(model, guide, input_shape=shape, calibration=1.0)
     (rm, rv), (cm, cv) = net1.reference(x), net1.compile()(x)
     np.testing.assert_allclose(cm, rm, rtol=1e-4, atol=1e-5 * np.abs(rm).max())
     np.testing.assert_allclose(cv, rv, rtol=1e-4, atol=1e-5 * rv.max())

@@ -1,0 +1,572 @@
+"""TE kernels of shared-factor PFP (:mod:`pyro2pfp.correlation`) and their default CPU schedule.
+
+A plan with factors (``graph.factors``) is emitted as the mean-field kernels of every layer plus,
+after each, the kernels of its shared-factor rule (:class:`SharedStep`, called by
+``_core.emit_module``), which carry the profile ``s`` (B, *edge shape) and the loadings ``g``
+(B, rows, K) beside ``(μ, v)`` and replace ``v`` where the rule corrects it (dense, add, average
+pooling).  The rules and their sources are those of :mod:`pyro2pfp.correlation.rules`; here they
+are float32 TE expressions of the same formulas:
+
+* every loading ``ℓ`` is normalised by one kernel (``sf_norm``: ``‖ℓ‖`` and ``g = ℓ/‖ℓ‖``, 0 where
+  ``‖ℓ‖ = 0``) and every profile is clipped to ``±sd`` of its edge, as in the reference executor;
+* conv2d: ``sf_conv_pool`` (the pooled views ``m̄μ_k``, ``m̄s_k``), ``sf_conv_load`` (``A = W·m̄s``,
+  ``w̄``, ``ℓ``), ``sf_conv_beta`` (``⟨g_in[c], g[o]⟩``) and ``sf_conv_profile`` (the propagated and
+  the regression profile in one reduction over ``(c, kh, kw)``);
+* relu/leaky_relu: ``sf_relu_terms`` (Stein's ``lin``, the Hermite ``h`` and their channel means),
+  ``sf_relu_load``, ``sf_relu_profile``; affine/scale: ``sf_scale``; add: ``sf_add_load`` and
+  ``sf_add_profile`` (with the branch covariance); average pooling: ``sf_avgpool``; max pooling:
+  ``sf_maxpool`` (Clark's fold with the profile's linear response, a sequential TE reduction); dense:
+  ``sf_dense_load`` (with the corrected variance) and ``sf_clip``; reshape/convert: views.
+
+**Fixed K, no compaction**: the data-dependent QR compaction of the reference is skipped -- every
+edge carries the factor columns of :func:`~pyro2pfp.correlation.plan_factors` with
+``compact=False``.  Compaction is exact (only ``g·gᵀ`` matters downstream), so the results are the
+reference's up to float32 rounding; ``K`` grows with depth instead (ResNet-20: 1482 columns at the
+last edge instead of ≤ 320, ``O·C·K`` multiply-adds per conv loading).  Not compiled (an
+``ArgumentError`` naming the layer): activations other than ReLU/LeakyReLU/scale, the
+raw-moment plan and ``injection='rescaled'``.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import tvm
+from tvm import relax, s_tir, te, tirx
+
+from ... import moments
+from ...correlation import plan_factors
+from ...correlation.rules import weight_var
+from ...errors import ArgumentError
+from ...graph import INPUT, Repr
+from ...plan import PlannedGraph, PlannedLayer
+from ...reference.arrays import average_divisor
+from .._core import (
+    F32,
+    LAYER_ATTR,
+    OP_ATTR,
+    SCHEME_STEPS,
+    EmitContext,
+    RelaxActivation,
+    fast_erf,
+    fast_exp,
+    te_shared,
+)
+from ..schedules import schedule
+
+COMPILED_OPS = ("conv2d", "dense", "affine", "scale", "relu", "leaky_relu", "add", "avg_pool2d", "max_pool2d",
+                "reshape", "convert")
+PARTS = ("norm", "clip", "scale", "conv_pool", "conv_load", "conv_beta", "conv_profile", "relu_terms", "relu_load",
+         "relu_profile", "add_load", "add_profile", "avgpool", "maxpool", "dense_load")
+_LOWEST = float(np.finfo(np.float32).min)
+
+
+def _c(value: float) -> tirx.PrimExpr:
+    return tirx.const(value, F32)
+
+
+def _max_step(a: Any, b: Any, ops: Any) -> list[Any]:
+    """One step of the max-pool fold with the profile: Clark's ``(μ, v)`` of ``max(A, B)`` and
+    ``Cov(max(A, B), η) = Φ(α)·s_A + Φ(−α)·s_B``, ``α = (μ_A − μ_B)/√(v_A + v_B)``."""
+    theta = ops.sqrt(a[1] + b[1])
+    alpha = te.min(te.max((a[0] - b[0]) / te.max(theta, _c(1e-30)), _c(-40.0)), _c(40.0))
+    cdf = tirx.Select(theta > _c(0.0), ops.normal_cdfs(alpha)[0],
+                      tirx.Select(a[0] >= b[0], _c(1.0), _c(0.0)))
+    mean, var = moments.max_moments(a[0], a[1], b[0], b[1], ops)
+    return [mean, var, cdf * a[2] + (_c(1.0) - cdf) * b[2]]
+
+
+# The fold as a sequential TE reduction in row-major window order (as tvm_backend/ops/pooling.py; one
+# expression would blow up in LLVM); identity (−FLT_MAX, 0, 0) is exact: Φ(α) = 0 there.
+shared_max = te.comm_reducer(
+    lambda a, b: tuple(te_shared(lambda ops: _max_step(a, b, ops))),
+    lambda t0, t1, t2: (tirx.const(_LOWEST, t0), tirx.const(0.0, t1), tirx.const(0.0, t2)),
+    name="shared_max",
+)
+
+
+@dataclass
+class SharedRelax:
+    """The shared part of one edge in the Relax graph: ``s`` (B, *edge shape), ``g`` (B, rows, k)."""
+
+    s: relax.Expr
+    g: relax.Expr
+    k: int
+
+
+def _emit(ctx: EmitContext, fn: Any, args: list[relax.Expr], layer: PlannedLayer, part: str) -> list[relax.Expr]:
+    """One TE function as the PrimFunc ``pfp_sf_<part>_<layer>`` (op attribute ``sf_<part>``)."""
+    attrs = {OP_ATTR: f"sf_{part}", LAYER_ATTR: layer.name}
+    out = ctx.bb.emit_te(fn, *args, primfunc_name_hint=f"pfp_sf_{part}_{layer.name}", primfunc_attrs=attrs)
+    if isinstance(out.ty, relax.TupleType):
+        return [ctx.bb.emit(relax.TupleGetItem(out, i)) for i in range(len(out.ty.fields))]
+    return [out]
+
+
+def _view(ctx: EmitContext, t: relax.Expr, *shape: int) -> relax.Expr:
+    return ctx.bb.emit(relax.op.reshape(t, relax.ShapeExpr([ctx.batch, *shape])))
+
+
+def _safe_div(num: Any, den: Any) -> Any:
+    return tirx.Select(den > _c(0.0), num / te.max(den, _c(1e-30)), _c(0.0))
+
+
+def _clip(s: Any, var: Any) -> Any:
+    sd = te.sqrt(te.max(var, _c(0.0)))
+    return te.min(te.max(s, -sd), sd)
+
+
+def _widened(g: te.Tensor, k: int) -> te.Tensor:
+    """``g`` (B, R, k_in) with zero columns up to ``k``."""
+    k_in = int(g.shape[2])
+    if k_in == k:
+        return g
+    return te.compute((g.shape[0], g.shape[1], k), lambda b, r, f: tirx.Select(
+        f < k_in, g[b, r, te.min(f, k_in - 1)], _c(0.0)), name="widened")
+
+
+def _normalise(ctx: EmitContext, loading: relax.Expr, layer: PlannedLayer) -> tuple[relax.Expr, relax.Expr]:
+    """``(g, ‖ℓ‖)`` of a loading (B, R, K)."""
+    def fn(t: te.Tensor) -> list[te.Tensor]:
+        f = te.reduce_axis((0, t.shape[2]), name="f")
+        sq = te.compute(t.shape[:2], lambda b, r: te.sum(t[b, r, f] * t[b, r, f], axis=f), name="sq")
+        norm = te.compute(t.shape[:2], lambda b, r: te.sqrt(sq[b, r]), name="norm")
+        g = te.compute(t.shape, lambda b, r, j: _safe_div(t[b, r, j], norm[b, r]), name="g")
+        return [g, norm]
+
+    g, norm = _emit(ctx, fn, [loading], layer, "norm")
+    return g, norm
+
+
+def _scaled(ctx: EmitContext, s: relax.Expr, var: relax.Expr, factor: relax.Expr, layer: PlannedLayer
+            ) -> relax.Expr:
+    """``clip(factor[r]·s[r, q])`` on (B, R, G) views (``factor`` (R,) or (1,))."""
+    def fn(st: te.Tensor, vt: te.Tensor, a: te.Tensor) -> te.Tensor:
+        per_row = int(a.shape[0]) > 1
+        return te.compute(st.shape, lambda b, r, q: _clip(a[r if per_row else 0] * st[b, r, q], vt[b, r, q]),
+                          name="scaled")
+
+    return _emit(ctx, fn, [s, var, factor], layer, "scale")[0]
+
+
+class SharedStep:
+    """The shared-factor kernels of one plan, emitted after each layer's mean-field kernel."""
+
+    def __init__(self, graph: PlannedGraph) -> None:
+        fp = graph.factors
+        if graph.moment_form != "variance":
+            raise ArgumentError("the TVM back end compiles correlation='shared-factor' with moment_form='variance' "
+                                f"only, not {graph.moment_form!r}")
+        if fp.injection != "regression":
+            raise ArgumentError(f"the TVM back end compiles injection='regression' only, not {fp.injection!r}")
+        for layer in graph.layers:
+            if layer.op not in COMPILED_OPS:
+                raise ArgumentError(f"{layer.layer.source}: the TVM back end has no shared-factor kernel for op "
+                                    f"'{layer.op}' (compiled: {', '.join(COMPILED_OPS)}); net.reference runs it, "
+                                    "or convert with correlation='mean-field' to compile")
+        self.fp = plan_factors(graph, fp.hermite, compact=False, injection=fp.injection)
+        self.shared: dict[str, SharedRelax | None] = {INPUT: None}
+
+    def __call__(self, ctx: EmitContext, layer: PlannedLayer, inputs: list[RelaxActivation],
+                 out: RelaxActivation) -> RelaxActivation:
+        shs = [self.shared[n] for n in layer.inputs]
+        op = layer.op
+        sh: SharedRelax | None = None
+        if out.repr is Repr.DETERMINISTIC:
+            pass
+        elif op == "conv2d":
+            sh = self._conv2d(ctx, layer, inputs[0], shs[0], out)
+        elif op == "dense":
+            sh, out = self._dense(ctx, layer, inputs[0], shs[0], out)
+        elif op == "add":
+            sh, out = self._add(ctx, layer, shs, out)
+        elif shs[0] is None:
+            pass
+        elif op in ("affine", "scale"):
+            sh = self._linear(ctx, layer, shs[0], out)
+        elif op in ("relu", "leaky_relu"):
+            sh = self._relu(ctx, layer, inputs[0], shs[0], out)
+        elif op == "avg_pool2d":
+            sh, out = self._avg_pool(ctx, layer, shs[0], inputs[0], out)
+        elif op == "max_pool2d":
+            sh = self._max_pool(ctx, layer, shs[0], inputs[0], out)
+        elif op in ("reshape", "convert"):
+            sh = SharedRelax(_view(ctx, shs[0].s, *layer.layer.out_shape), shs[0].g, shs[0].k)
+        self.shared[layer.name] = sh
+        return out
+
+    # ------------------------------------------------------------------ helpers
+    def _grouped(self, ctx: EmitContext, t: relax.Expr, name: str) -> relax.Expr:
+        """``t`` (B, *shape of edge ``name``) as a (B, rows, group) view."""
+        rows = self.fp.rows[name]
+        return _view(ctx, t, rows, int(np.prod(ctx.shapes[name])) // rows)
+
+    # ------------------------------------------------------------------ rules
+    def _linear(self, ctx: EmitContext, layer: PlannedLayer, sh: SharedRelax, out: RelaxActivation) -> SharedRelax:
+        factor = layer.tensors["scale"] if layer.op == "affine" else np.array([layer.layer.attrs["factor"]])
+        name = layer.name
+        s = _scaled(ctx, self._grouped(ctx, sh.s, name), self._grouped(ctx, out.second, name), ctx.const(factor),
+                    layer)
+        return SharedRelax(_view(ctx, s, *ctx.shapes[name]), sh.g, sh.k)
+
+    def _relu(self, ctx: EmitContext, layer: PlannedLayer, x: RelaxActivation, sh: SharedRelax,
+              out: RelaxActivation) -> SharedRelax:
+        slope = float(layer.layer.attrs["slope"]) if layer.op == "leaky_relu" else 0.0
+        name, src = layer.name, layer.inputs[0]
+        offset = self.fp.offsets.get(name)
+        k = self.fp.width[name]
+        views = [self._grouped(ctx, t, src) for t in (x.mean, x.second, sh.s)]
+        out_var = self._grouped(ctx, out.second, name)
+
+        def terms(m: te.Tensor, v: te.Tensor, s: te.Tensor) -> list[te.Tensor]:
+            def lin_h(b: Any, r: Any, q: Any) -> list[Any]:
+                sd = te.sqrt(te.max(v[b, r, q], _c(0.0)))
+                alpha = te.min(te.max(_safe_div(m[b, r, q], sd), _c(-40.0)), _c(40.0))
+                cdf = tirx.Select(sd > _c(0.0), _c(0.5) + _c(0.5) * fast_erf(alpha * _c(1 / math.sqrt(2))),
+                                  tirx.Select(m[b, r, q] > _c(0.0), _c(1.0), _c(0.0)))
+                pdf = fast_exp(_c(-0.5) * alpha * alpha) * _c(1 / math.sqrt(2 * math.pi))
+                lin = (cdf + _c(slope) * (_c(1.0) - cdf)) * s[b, r, q]
+                h = _safe_div(_c(1.0 - slope) * pdf, sd) * s[b, r, q] * s[b, r, q] * _c(1 / math.sqrt(2))
+                return [lin, h]
+
+            both = te.compute(m.shape, lin_h, name="lin_h")
+            q = te.reduce_axis((0, m.shape[2]), name="q")
+            inv = _c(1.0 / int(m.shape[2]))
+            lbar = te.compute(m.shape[:2], lambda b, r: te.sum(both[0][b, r, q] * inv, axis=q), name="lbar")
+            q2 = te.reduce_axis((0, m.shape[2]), name="q2")
+            hbar = te.compute(m.shape[:2], lambda b, r: te.sum(both[1][b, r, q2] * inv, axis=q2), name="hbar")
+            return [both[0], both[1], lbar, hbar]
+
+        lin, h, lbar, hbar = _emit(ctx, terms, views, layer, "relu_terms")
+        if offset is None:  # hermite='none': the linear response only
+            s = _scaled(ctx, lin, out_var, ctx.const(np.ones(1)), layer)
+            return SharedRelax(_view(ctx, s, *ctx.shapes[name]), sh.g, sh.k)
+
+        def load(lb: te.Tensor, hb: te.Tensor, g_in: te.Tensor) -> te.Tensor:
+            gw = _widened(g_in, k)
+            return te.compute((lb.shape[0], lb.shape[1], k), lambda b, r, f: lb[b, r] * gw[b, r, f] + tirx.Select(
+                f == r + offset, hb[b, r], _c(0.0)), name="loading")
+
+        loading = _emit(ctx, load, [lbar, hbar, sh.g], layer, "relu_load")[0]
+        g, norm = _normalise(ctx, loading, layer)
+
+        def profile(li: te.Tensor, hi: te.Tensor, lb: te.Tensor, hb: te.Tensor, nm: te.Tensor, v: te.Tensor
+                    ) -> te.Tensor:
+            return te.compute(li.shape, lambda b, r, q: _clip(
+                _safe_div(lb[b, r], nm[b, r]) * li[b, r, q] + _safe_div(hb[b, r], nm[b, r]) * hi[b, r, q], v[b, r, q]),
+                name="profile")
+
+        s = _emit(ctx, profile, [lin, h, lbar, hbar, norm, out_var], layer, "relu_profile")[0]
+        return SharedRelax(_view(ctx, s, *ctx.shapes[name]), g, k)
+
+    def _add(self, ctx: EmitContext, layer: PlannedLayer, shs: list[SharedRelax | None], out: RelaxActivation
+             ) -> tuple[SharedRelax | None, RelaxActivation]:
+        sa, sb = shs
+        if sa is None or sb is None:
+            return (sa if sb is None else sb), out
+        name = layer.name
+        k = self.fp.width[name]
+        a_s, b_s, var = (self._grouped(ctx, t, name) for t in (sa.s, sb.s, out.second))
+
+        def load(at: te.Tensor, bt: te.Tensor, ga: te.Tensor, gb: te.Tensor) -> list[te.Tensor]:
+            gaw, gbw = _widened(ga, k), _widened(gb, k)
+            q = te.reduce_axis((0, at.shape[2]), name="q")
+            inv = _c(1.0 / int(at.shape[2]))
+            abar = te.compute(at.shape[:2], lambda b, r: te.sum(at[b, r, q] * inv, axis=q), name="abar")
+            q2 = te.reduce_axis((0, at.shape[2]), name="q2")
+            bbar = te.compute(at.shape[:2], lambda b, r: te.sum(bt[b, r, q2] * inv, axis=q2), name="bbar")
+            f = te.reduce_axis((0, k), name="f")
+            dot = te.compute(at.shape[:2], lambda b, r: te.sum(gaw[b, r, f] * gbw[b, r, f], axis=f), name="dot")
+            loading = te.compute((at.shape[0], at.shape[1], k), lambda b, r, j: abar[b, r] * gaw[b, r, j]
+                                 + bbar[b, r] * gbw[b, r, j], name="loading")
+            return [loading, dot]
+
+        loading, dot = _emit(ctx, load, [a_s, b_s, sa.g, sb.g], layer, "add_load")
+        g, _ = _normalise(ctx, loading, layer)
+
+        def profile(at: te.Tensor, bt: te.Tensor, v: te.Tensor, dt: te.Tensor, ga: te.Tensor, gb: te.Tensor,
+                    gt: te.Tensor) -> list[te.Tensor]:
+            gaw, gbw = _widened(ga, k), _widened(gb, k)
+            f = te.reduce_axis((0, k), name="f")
+            pa = te.compute(at.shape[:2], lambda b, r: te.sum(gaw[b, r, f] * gt[b, r, f], axis=f), name="pa")
+            f2 = te.reduce_axis((0, k), name="f2")
+            pb = te.compute(at.shape[:2], lambda b, r: te.sum(gbw[b, r, f2] * gt[b, r, f2], axis=f2), name="pb")
+            var_new = te.compute(at.shape, lambda b, r, q: te.max(
+                v[b, r, q] + _c(2.0) * at[b, r, q] * bt[b, r, q] * dt[b, r], _c(0.0)), name="var")
+            s = te.compute(at.shape, lambda b, r, q: _clip(at[b, r, q] * pa[b, r] + bt[b, r, q] * pb[b, r],
+                                                           var_new[b, r, q]), name="s")
+            return [s, var_new]
+
+        s, var_new = _emit(ctx, profile, [a_s, b_s, var, dot, sa.g, sb.g, g], layer, "add_profile")
+        shape = ctx.shapes[name]
+        out = RelaxActivation(out.mean, _view(ctx, var_new, *shape), out.repr)
+        return SharedRelax(_view(ctx, s, *shape), g, k), out
+
+    def _avg_pool(self, ctx: EmitContext, layer: PlannedLayer, sh: SharedRelax, x: RelaxActivation,
+                  out: RelaxActivation) -> tuple[SharedRelax, RelaxActivation]:
+        a = dict(layer.layer.attrs)
+        a.setdefault("divisor", None)
+        a.setdefault("count_include_pad", False)
+        in_hw, out_hw = ctx.shapes[layer.inputs[0]][1:], layer.layer.out_shape[1:]
+        div = average_divisor(a, in_hw, out_hw)
+        (kh, kw), (sy, sx), (py, px) = a["kernel"], a["stride"], a["padding"]
+        h, w = in_hw
+
+        def fn(s: te.Tensor, v: te.Tensor, d: te.Tensor) -> list[te.Tensor]:
+            def window(t: Any, b: Any, c: Any, y: Any, x_: Any, i: Any, j: Any) -> Any:
+                yy, xx = y * sy + i - py, x_ * sx + j - px
+                inside = tirx.all(yy >= 0, yy < h, xx >= 0, xx < w)
+                return tirx.Select(inside, t(b, c, te.min(te.max(yy, 0), h - 1), te.min(te.max(xx, 0), w - 1)),
+                                   _c(0.0))
+
+            shape = (s.shape[0], s.shape[1], *out_hw)
+            i, j = te.reduce_axis((0, kh), name="i"), te.reduce_axis((0, kw), name="j")
+            s_out = te.compute(shape, lambda b, c, y, x_: te.sum(
+                window(lambda *t: s[t], b, c, y, x_, i, j) / d[y, x_], axis=[i, j]), name="s")
+            i2, j2 = te.reduce_axis((0, kh), name="i2"), te.reduce_axis((0, kw), name="j2")
+
+            def indep(*t: Any) -> Any:
+                return te.max(v[t] - s[t] * s[t], _c(0.0))
+
+            rest = te.compute(shape, lambda b, c, y, x_: te.sum(
+                window(indep, b, c, y, x_, i2, j2) / (d[y, x_] * d[y, x_]), axis=[i2, j2]), name="rest")
+            var = te.compute(shape, lambda b, c, y, x_: rest[b, c, y, x_] + s_out[b, c, y, x_] * s_out[b, c, y, x_],
+                             name="var")
+            return [s_out, var]
+
+        s, var = _emit(ctx, fn, [sh.s, x.second, ctx.const(div)], layer, "avgpool")
+        return SharedRelax(s, sh.g, sh.k), RelaxActivation(out.mean, var, out.repr)
+
+    def _max_pool(self, ctx: EmitContext, layer: PlannedLayer, sh: SharedRelax, x: RelaxActivation,
+                  out: RelaxActivation) -> SharedRelax:
+        a = layer.layer.attrs
+        (kh, kw), (sy, sx), (py, px) = a["kernel"], a["stride"], a["padding"]
+        h, w = ctx.shapes[layer.inputs[0]][1:]
+        out_hw = layer.layer.out_shape[1:]
+
+        def fn(m: te.Tensor, v: te.Tensor, s: te.Tensor, var: te.Tensor) -> te.Tensor:
+            i, j = te.reduce_axis((0, kh), name="i"), te.reduce_axis((0, kw), name="j")
+
+            def tap(t: te.Tensor, fill: float, b: Any, c: Any, y: Any, x_: Any) -> Any:
+                yy, xx = y * sy + i - py, x_ * sx + j - px
+                inside = tirx.all(yy >= 0, yy < h, xx >= 0, xx < w)
+                return tirx.Select(inside, t[b, c, te.min(te.max(yy, 0), h - 1), te.min(te.max(xx, 0), w - 1)],
+                                   _c(fill))
+
+            shape = (m.shape[0], m.shape[1], *out_hw)
+            acc = te.compute(shape, lambda b, c, y, x_: shared_max(
+                (tap(m, _LOWEST, b, c, y, x_), tap(v, 0.0, b, c, y, x_), tap(s, 0.0, b, c, y, x_)), axis=[i, j]),
+                name="fold")
+            return te.compute(shape, lambda b, c, y, x_: _clip(acc[2][b, c, y, x_], var[b, c, y, x_]), name="s")
+
+        s = _emit(ctx, fn, [x.mean, x.second, sh.s, out.second], layer, "maxpool")[0]
+        return SharedRelax(s, sh.g, sh.k)
+
+    def _conv2d(self, ctx: EmitContext, layer: PlannedLayer, x: RelaxActivation, sh: SharedRelax | None,
+                out: RelaxActivation) -> SharedRelax | None:
+        name = layer.name
+        offset = self.fp.offsets.get(name)
+        if sh is None and offset is None:
+            return None
+        t, a = layer.tensors, layer.layer.attrs
+        wm, wv = t["weight_mean"], weight_var(t)
+        o, c, kh, kw = wm.shape
+        k = self.fp.width[name]
+        (sy, sx), (py, px), (dy, dx) = a["stride"], a["padding"], a["dilation"]
+        h, w = ctx.shapes[layer.inputs[0]][1:]
+        oh, ow = layer.layer.out_shape[1:]
+        has_s = sh is not None
+        bias_var = ctx.const(t["bias_var"] if "bias_var" in t else np.zeros(o))
+
+        def tap(src: te.Tensor, b: Any, ch: Any, y: Any, x_: Any, i: Any, j: Any) -> Any:
+            yy, xx = y * sy + i * dy - py, x_ * sx + j * dx - px
+            inside = tirx.all(yy >= 0, yy < h, xx >= 0, xx < w)
+            return tirx.Select(inside, src[b, ch, te.min(te.max(yy, 0), h - 1), te.min(te.max(xx, 0), w - 1)],
+                               _c(0.0))
+
+        def pooled(*srcs: te.Tensor) -> list[te.Tensor]:
+            outs = []
+            for n, src in enumerate(srcs):
+                y, x_ = te.reduce_axis((0, oh), name=f"y{n}"), te.reduce_axis((0, ow), name=f"x{n}")
+                outs.append(te.compute((src.shape[0], c, kh, kw), lambda b, ch, i, j: te.sum(
+                    tap(src, b, ch, y, x_, i, j) * _c(1.0 / (oh * ow)), axis=[y, x_]), name=f"bar{n}"))  # noqa: B023
+            return outs
+
+        bars = _emit(ctx, pooled, [x.mean] + ([sh.s] if sh is not None else []), layer, "conv_pool")
+        mbar = bars[0]
+        sbar = bars[1] if has_s else None
+
+        def load(*ts: te.Tensor) -> list[te.Tensor]:
+            mb, sb, g_in = ts[0], (ts[1] if has_s else None), (ts[2] if has_s else None)
+            wmt, wvt, bvt = ts[-3:]
+            cc, i, j = te.reduce_axis((0, c), name="c"), te.reduce_axis((0, kh), name="i"), te.reduce_axis((0, kw),
+                                                                                                             name="j")
+
+            def second(b: Any, ch: Any, ii: Any, jj: Any) -> Any:
+                mm = mb[b, ch, ii, jj] * mb[b, ch, ii, jj]
+                return mm if sb is None else mm + sb[b, ch, ii, jj] * sb[b, ch, ii, jj]
+
+            wsum = te.compute((mb.shape[0], o), lambda b, oo: te.sum(
+                wvt[oo, cc, i, j] * second(b, cc, i, j), axis=[cc, i, j]), name="wsum")
+            wbar = te.compute((mb.shape[0], o), lambda b, oo: te.sqrt(te.max(wsum[b, oo] + bvt[oo], _c(0.0))),
+                              name="wbar")
+            if sb is None or g_in is None:
+                loading = te.compute((mb.shape[0], o, k), lambda b, oo, f: tirx.Select(
+                    f == oo + (offset or 0), wbar[b, oo], _c(0.0)), name="loading")
+                return [loading, wbar]
+            i2, j2 = te.reduce_axis((0, kh), name="i2"), te.reduce_axis((0, kw), name="j2")
+            amap = te.compute((mb.shape[0], o, c), lambda b, oo, ch: te.sum(wmt[oo, ch, i2, j2] * sb[b, ch, i2, j2],
+                                                                             axis=[i2, j2]), name="amap")
+            gw = _widened(g_in, k)
+            c2 = te.reduce_axis((0, c), name="c2")
+
+            prop = te.compute((mb.shape[0], o, k), lambda b, oo, f: te.sum(amap[b, oo, c2] * gw[b, c2, f], axis=c2),
+                              name="prop")
+            if offset is None:
+                return [prop, wbar]
+            loading = te.compute(prop.shape, lambda b, oo, f: prop[b, oo, f] + tirx.Select(
+                f == oo + offset, wbar[b, oo], _c(0.0)), name="loading")
+            return [loading, wbar]
+
+        load_args = [mbar] + ([sbar, sh.g] if has_s and sbar is not None and sh is not None else [])
+        loading, wbar = _emit(ctx, load, load_args + [ctx.const(wm), ctx.const(wv), bias_var], layer, "conv_load")
+        g, _ = _normalise(ctx, loading, layer)
+        beta = None
+        if sh is not None:
+            k_in = sh.k
+
+            def beta_fn(g_in: te.Tensor, gt: te.Tensor) -> te.Tensor:
+                f = te.reduce_axis((0, k_in), name="f")
+                return te.compute((g_in.shape[0], o, c), lambda b, oo, ch: te.sum(
+                    g_in[b, ch, f] * gt[b, oo, f], axis=f), name="beta")
+
+            beta = _emit(ctx, beta_fn, [sh.g, g], layer, "conv_beta")[0]
+
+        def profile(*ts: te.Tensor) -> te.Tensor:
+            it = iter(ts)
+            mu, mb = next(it), next(it)
+            s_in, sb, bt = (next(it), next(it), next(it)) if has_s else (None, None, None)
+            gt, wb, var, wmt, wvt, bvt = (next(it) for _ in range(6))
+            shape = (mu.shape[0], o, oh, ow)
+            if offset is not None:
+                coef = te.compute((mu.shape[0], o), lambda b, oo: _safe_div(gt[b, oo, oo + offset], wb[b, oo]),
+                                  name="coef")
+            cc, i, j = te.reduce_axis((0, c), name="c"), te.reduce_axis((0, kh), name="i"), te.reduce_axis((0, kw),
+                                                                                                             name="j")
+
+            def term(b: Any, oo: Any, y: Any, x_: Any) -> Any:
+                total = _c(0.0)
+                if s_in is not None and bt is not None:
+                    total = total + wmt[oo, cc, i, j] * bt[b, oo, cc] * tap(s_in, b, cc, y, x_, i, j)
+                if offset is not None:
+                    reg = mb[b, cc, i, j] * tap(mu, b, cc, y, x_, i, j)
+                    if s_in is not None and sb is not None:
+                        reg = reg + sb[b, cc, i, j] * tap(s_in, b, cc, y, x_, i, j)
+                    total = total + coef[b, oo] * wvt[oo, cc, i, j] * reg
+                return te.sum(total, axis=[cc, i, j])
+
+            acc = te.compute(shape, term, name="acc")
+
+            def final(b: Any, oo: Any, y: Any, x_: Any) -> Any:
+                value = acc[b, oo, y, x_]
+                if offset is not None:
+                    value = value + coef[b, oo] * bvt[oo]
+                return _clip(value, var[b, oo, y, x_])
+
+            return te.compute(shape, final, name="s")
+
+        args = [x.mean, mbar] + ([sh.s, sbar, beta] if sh is not None and sbar is not None and beta is not None
+                                 else []) + [g, wbar, out.second, ctx.const(wm), ctx.const(wv), bias_var]
+        s = _emit(ctx, profile, args, layer, "conv_profile")[0]
+        return SharedRelax(s, g, k)
+
+    def _dense(self, ctx: EmitContext, layer: PlannedLayer, x: RelaxActivation, sh: SharedRelax | None,
+               out: RelaxActivation) -> tuple[SharedRelax | None, RelaxActivation]:
+        name = layer.name
+        offset = self.fp.offsets.get(name)
+        if sh is None and offset is None:
+            return None, out
+        t = layer.tensors
+        wm, wv = t["weight_mean"], weight_var(t)
+        o, n = wm.shape
+        k = self.fp.width[name]
+        src = layer.inputs[0]
+        rows = self.fp.rows[src] if sh is not None else 0
+        group = n // rows if rows else 1
+        bias_var = ctx.const(t["bias_var"] if "bias_var" in t else np.zeros(o))
+        x_mean = _view(ctx, x.mean, n)
+        x_second = _view(ctx, x.second, n) if x.second is not None else None
+
+        def load(*ts: Any) -> list[te.Tensor]:
+            it = iter(ts)
+            mu = next(it)
+            v = next(it) if x_second is not None else None
+            s, g_in = (next(it), next(it)) if sh is not None else (None, None)
+            var, wmt, wvt, bvt = (next(it) for _ in range(4))
+            batch = mu.shape[0]
+            parts: list[Any] = []
+            if offset is not None:
+                i = te.reduce_axis((0, n), name="i")
+                inj = te.compute((batch, o), lambda b, oo: te.sum(wvt[oo, i] * (
+                    mu[b, i] * mu[b, i] + (v[b, i] if v is not None else _c(0.0))), axis=i), name="inj")
+            if s is not None and g_in is not None:
+                q = te.reduce_axis((0, group), name="q")
+                coef = te.compute((batch, o, rows), lambda b, oo, r: te.sum(
+                    wmt[oo, r * group + q] * s[b, r * group + q], axis=q), name="coef")
+                i2 = te.reduce_axis((0, n), name="i2")
+                ws2 = te.compute((batch, o), lambda b, oo: te.sum(
+                    wmt[oo, i2] * wmt[oo, i2] * s[b, i2] * s[b, i2], axis=i2), name="ws2")
+                gw = _widened(g_in, k)
+                r2 = te.reduce_axis((0, rows), name="r2")
+                prop = te.compute((batch, o, k), lambda b, oo, f: te.sum(coef[b, oo, r2] * gw[b, r2, f], axis=r2),
+                                  name="prop")
+                f2 = te.reduce_axis((0, k), name="f2")
+                pn = te.compute((batch, o), lambda b, oo: te.sum(prop[b, oo, f2] * prop[b, oo, f2], axis=f2), name="pn")
+                var_new = te.compute((batch, o), lambda b, oo: te.max(var[b, oo] + pn[b, oo] - ws2[b, oo], _c(0.0)),
+                                     name="var")
+                parts = [prop, var_new]
+            else:
+                parts = [None, te.compute((batch, o), lambda b, oo: var[b, oo], name="var")]
+
+            def entry(b: Any, oo: Any, f: Any) -> Any:
+                value = parts[0][b, oo, f] if parts[0] is not None else _c(0.0)
+                if offset is not None:
+                    value = value + tirx.Select(f == oo + offset, te.sqrt(te.max(inj[b, oo] + bvt[oo], _c(0.0))),
+                                                _c(0.0))
+                return value
+
+            loading = te.compute((batch, o, k), entry, name="loading")
+            return [loading, parts[1]]
+
+        args = [x_mean] + ([x_second] if x_second is not None else []) + (
+            [_view(ctx, sh.s, n), sh.g] if sh is not None else []) + [out.second, ctx.const(wm), ctx.const(wv),
+                                                                      bias_var]
+        loading, var_new = _emit(ctx, load, args, layer, "dense_load")
+        g, norm = _normalise(ctx, loading, layer)
+
+        def clip(s: te.Tensor, v: te.Tensor) -> te.Tensor:
+            return te.compute(s.shape, lambda b, oo: _clip(s[b, oo], v[b, oo]), name="s")
+
+        s = _emit(ctx, clip, [norm, var_new], layer, "clip")[0]
+        return SharedRelax(s, g, k), RelaxActivation(out.mean, var_new, out.repr)
+
+
+SCHEME_STEPS["shared-factor"] = SharedStep
+
+
+def schedule_shared(sch: s_tir.Schedule, layer: Any, target: tvm.target.Target) -> None:
+    """Every loop nest of a shared-factor kernel: its first two data-parallel loops (the batch and
+    the channel/row axis) fused into one parallel loop; reductions stay serial inside it."""
+    nests: dict[Any, Any] = {}
+    for block in sch.get_child_blocks(sch.get_sblock("root")):
+        loops = sch.get_loops(block)
+        nests.setdefault(sch.get_sref(loops[0]), (block, loops))
+    for block, loops in nests.values():
+        spatial = sum(1 for iv in sch.get(block).iter_vars if int(iv.iter_type) == 0)
+        lead = loops[:max(1, min(2, spatial))]
+        sch.parallel(sch.fuse(*lead) if len(lead) > 1 else lead[0])
+
+
+schedule(*(f"sf_{part}" for part in PARTS))(schedule_shared)
