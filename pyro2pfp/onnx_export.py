@@ -35,7 +35,7 @@ from typing import Any
 import numpy as np
 
 from . import moments
-from .errors import ArgumentError, PFPError, UnsupportedLayerError
+from .errors import PFPError, UnsupportedLayerError
 from .graph import INPUT, Repr
 from .plan import PlannedGraph, PlannedLayer
 from .registry import add_to
@@ -300,6 +300,11 @@ EXPORTERS: dict[str, Exporter] = {}
 #: ``@exporter(op)`` registers the ONNX emitter of PFP op ``op`` (once).
 exporter = add_to(EXPORTERS, "ONNX export of op")
 
+SCHEME_STEPS: dict[str, Callable[..., Any]] = {}
+"""``{correlation scheme: factory(graph, ctx) -> step(ctx, layer, inputs, out) -> out}`` for plans that
+are not mean-field (``"shared-factor"``: :mod:`pyro2pfp.correlation.onnx_rules`, which builds on this
+module): the step emits the scheme's nodes after each layer's export."""
+
 
 # ---------------------------------------------------------------------------------------------
 # The model
@@ -323,9 +328,6 @@ def build_model(net: Any, *, opset: int = DEFAULT_OPSET, graph_name: str | None 
     from ._version import __version__
 
     graph = _planned(net)
-    if graph.factors is not None:
-        raise ArgumentError("ONNX export of correlation='shared-factor' is not supported yet; convert(..., "
-                            "correlation='mean-field') to export the mean-field plan")
     if int(opset) < MIN_OPSET:
         raise PFPError(f"opset must be >= {MIN_OPSET} (Erf, Where and Slice with steps), got {opset}")
     missing = sorted({layer.op for layer in graph.layers if layer.op not in EXPORTERS})
@@ -348,9 +350,14 @@ def build_model(net: Any, *, opset: int = DEFAULT_OPSET, graph_name: str | None 
         b._used["x_var"] += 1
         values = {INPUT: OnnxActivation(Sym(b, "x"), Sym(b, "x_var"), V)}
 
+    # shared-factor PFP: its rules after each layer's export (pyro2pfp/correlation/onnx_rules.py)
+    step = SCHEME_STEPS["shared-factor"](graph, ctx) if graph.factors is not None else None
     for layer in graph.layers:
         b.scope = layer.name
-        values[layer.name] = EXPORTERS[layer.op](ctx, layer, [values[name] for name in layer.inputs])
+        layer_inputs = [values[name] for name in layer.inputs]
+        values[layer.name] = EXPORTERS[layer.op](ctx, layer, layer_inputs)
+        if step is not None:
+            values[layer.name] = step(ctx, layer, layer_inputs, values[layer.name])
         if values[layer.name].repr is not layer.out_repr:
             raise PFPError(f"ONNX exporter bug: {layer.name} gave {values[layer.name].repr}, "
                            f"the plan says {layer.out_repr}")
@@ -377,6 +384,7 @@ def build_model(net: Any, *, opset: int = DEFAULT_OPSET, graph_name: str | None 
         "pyro2pfp.input_variance": str(graph.input_repr is not D).lower(),
         "pyro2pfp.moment_form": graph.moment_form,
         "pyro2pfp.calibration": repr(graph.calibration),
+        "pyro2pfp.correlation": graph.correlation,
     })
     onnx.checker.check_model(model, full_check=True)
     return model

@@ -282,12 +282,6 @@ def test_compaction_is_exact_and_bounds_the_factor_count(small_resnet):
     assert with_c.compact_at and max(with_c.width.values()) < max(without.width.values())
 
 
-def test_compiling_or_exporting_a_shared_factor_plan_is_refused(small_resnet):
-    net, *_ = small_resnet
-    with pytest.raises(pyro2pfp.ArgumentError, match="shared-factor"):
-        net.to_onnx()
-
-
 @pytest.fixture(scope="module")
 def paper_nets():
     """The paper's two nets (small LeNet-5, MLP) with an AutoNormal posterior, each converted with

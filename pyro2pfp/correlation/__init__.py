@@ -13,6 +13,8 @@ uses them where positions and branches are summed; still one forward pass, no sa
 * :mod:`.rules`: the representation, the per-op rules and their assumptions (NumPy float64);
 * :mod:`.execute`: the executor (registered in ``reference.SCHEME_EXECUTORS``: what
   ``net.reference`` and ``reference.execute_all`` run for a plan with factors);
+* :mod:`.onnx_rules`: the ONNX export of the rules (registered in ``onnx_export.SCHEME_STEPS``);
+  the TVM kernels are in ``pyro2pfp/tvm_backend/ops/correlation.py``;
 * :mod:`.cost`: the cost model.
 
 Cost (per input; :func:`~pyro2pfp.correlation.cost.cost_model`, ``benchmarks/fidelity.py --cost``)
@@ -59,6 +61,7 @@ mean direction (a global scale mode of the homogeneous ReLU/BN-without-shift net
 interactions between layers' noises (the MC variance with all layers noisy is ~1.5× the sum of the
 single-layer variances in ResNet-20) are only partly covered.
 """
+from . import onnx_rules as onnx_rules  # registers the ONNX export of the rules
 from .cost import Cost, cost_model
 from .execute import execute_shared, execute_shared_all
 from .factors import (

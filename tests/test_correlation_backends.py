@@ -1,6 +1,7 @@
-"""Shared-factor PFP compiled (tvm_backend/ops/correlation.py) against the float64 NumPy reference.
+"""Shared-factor PFP compiled (tvm_backend/ops/correlation.py) and exported to ONNX
+(correlation/onnx_rules.py, run by onnxruntime) against the float64 NumPy reference.
 
-The compiled path skips the reference's QR compaction (fixed K, exact: only g·gᵀ matters), so the
+Both skip the reference's QR compaction (fixed K, exact: only g·gᵀ matters), so the
 two agree up to float32 rounding: per output, ``|tvm − ref| ≤ RTOL·max|ref|`` as in
 tests/test_schedules.py (a sum of K float32 terms is exact to about ``K·2⁻²⁴·Σ|terms|``).
 """
@@ -25,14 +26,18 @@ from pyro2pfp.tvm_backend.ops.correlation import PARTS
 from pyro2pfp.tvm_backend.schedules import schedule_module
 
 RTOL = 2e-5
+# onnxruntime's Erf/Exp (ReLU and Clark-max moments of the mean-field part) are less exact than the TVM
+# kernels': the tolerance tests/test_onnx.py uses for the mean-field export
+ONNX_RTOL = 1e-4
 NATIVE = tvm.target.Target({"kind": "llvm", "mcpu": tvm.target.codegen.llvm_get_system_cpu(), "num-cores": 2})
 
 
-def assert_matches(compiled: tuple[np.ndarray, np.ndarray], reference: tuple[np.ndarray, np.ndarray]) -> None:
+def assert_matches(compiled: tuple[np.ndarray, np.ndarray], reference: tuple[np.ndarray, np.ndarray],
+                   rtol: float = RTOL) -> None:
     for got, want, what in zip(compiled, reference, ("mean", "var")):
         scale = np.abs(want).max()
         err = np.abs(got - want).max()
-        assert err <= RTOL * scale, f"{what}: max error {err:.3g} > {RTOL} x {scale:.3g}"
+        assert err <= rtol * scale, f"{what}: max error {err:.3g} > {rtol} x {scale:.3g}"
 
 
 def _relu(name: str, inp: str, shape: tuple[int, ...], slope: float | None = None) -> Layer:
@@ -175,7 +180,37 @@ def test_plans_the_compiled_path_does_not_cover_are_refused(monkeypatch):
         emit_module(with_correlation(plan(graph), "shared-factor"))
 
 
-def test_converted_resnet_compiles_the_default_plan():
+def _onnx_run(net: PFPNetwork, x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    import onnxruntime as ort
+
+    opts = ort.SessionOptions()
+    opts.log_severity_level = 3
+    sess = ort.InferenceSession(net.to_onnx().SerializeToString(), opts, providers=["CPUExecutionProvider"])
+    mean, var = sess.run(None, {"x": x})
+    return mean, var
+
+
+@pytest.mark.parametrize("make", [every_rule_graph, max_pool_graph])
+def test_onnx_export_matches_the_reference(make):
+    graph = make(np.random.default_rng(7))
+    net = PFPNetwork(graph, with_correlation(plan(graph), "shared-factor"))
+    model = net.to_onnx()
+    assert {p.key: p.value for p in model.metadata_props}["pyro2pfp.correlation"] == "shared-factor"
+    rng = np.random.default_rng(8)
+    for batch in (1, 4):
+        x = rng.standard_normal((batch, *graph.input_shape)).astype(np.float32)
+        assert_matches(_onnx_run(net, x), net.reference(x), ONNX_RTOL)
+
+
+def test_onnx_export_refuses_what_it_does_not_cover():
+    rng = np.random.default_rng(4)
+    conv = conv_layer(rng, "conv", INPUT, (1, 4, 4), 2, 1, 1, 0, 1, 1, 0.5, 0.05)
+    graph = LayerGraph(input_shape=(1, 4, 4), layers=[conv], output="conv")
+    with pytest.raises(pyro2pfp.ArgumentError, match="moment_form='variance'"):
+        PFPNetwork(graph, with_correlation(plan(graph, moment_form="raw"), "shared-factor")).to_onnx()
+
+
+def test_converted_resnet_compiles_and_exports_the_default_plan():
     """A small Bayesian ResNet converted with the default (auto → shared-factor): compiled vs reference."""
     from pyro2pfp_experiments.zoo import bayesian_resnet, he_posterior
 
@@ -185,3 +220,4 @@ def test_converted_resnet_compiles_the_default_plan():
     net = pyro2pfp.convert(model, he_posterior(model, x, scale=0.03, seed=0), input_shape=(3, 8, 8))
     assert net.plan.correlation == "shared-factor" and net.plan.factors.compact_at
     assert_matches(net.compile("native")(x.numpy()), net.reference(x.numpy()))
+    assert_matches(_onnx_run(net, x.numpy()), net.reference(x.numpy()), ONNX_RTOL)
