@@ -23,7 +23,7 @@ import numpy as np
 import torch
 
 import pyro2pfp
-from pyro2pfp.correlation import cost_model
+from pyro2pfp.correlation import cost_model, plan_factors
 from pyro2pfp.diagnose import layer_fidelity
 from pyro2pfp_experiments.zoo import BayesianLeNet5, BayesianMLP, bayesian_resnet, he_posterior
 
@@ -96,7 +96,9 @@ def main() -> None:
                 x1 = x[:1].numpy().astype(np.float64)
                 line += f"   NumPy float64 reference batch 1: {numpy_ms(lambda: net.reference(x1)):.1f} ms"  # noqa: B023
                 if net.plan.factors is not None:
-                    line += f"\n{'':23}{cost_model(net.plan).summary()}"
+                    fixed = cost_model(net.plan, plan_factors(net.plan, compact=False))
+                    line += (f"\n{'':23}reference (QR compaction): {cost_model(net.plan).summary()}"
+                             f"\n{'':23}compiled / ONNX (fixed K): {fixed.summary()}")
             rows.append(line)
             print(line, flush=True)
             ok = {"median in [0.8, 1.25]": 0.8 <= r.ratio_median <= 1.25,

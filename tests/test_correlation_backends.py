@@ -163,8 +163,7 @@ def test_compiled_zero_variance_and_large_inputs_stay_finite():
 
 
 def test_plans_the_compiled_path_does_not_cover_are_refused(monkeypatch):
-    from pyro2pfp.correlation import plan_factors
-    from pyro2pfp.tvm_backend.ops import correlation as compiled
+    from pyro2pfp.correlation import factors, plan_factors
 
     rng = np.random.default_rng(4)
     conv = conv_layer(rng, "conv", INPUT, (1, 4, 4), 2, 1, 1, 0, 1, 1, 0.5, 0.05)
@@ -175,9 +174,11 @@ def test_plans_the_compiled_path_does_not_cover_are_refused(monkeypatch):
     planned.factors = plan_factors(planned, injection="rescaled")
     with pytest.raises(pyro2pfp.ArgumentError, match="injection='regression'"):
         emit_module(planned)
-    monkeypatch.setattr(compiled, "COMPILED_OPS", ("dense",))  # as for an op added without a kernel
-    with pytest.raises(pyro2pfp.ArgumentError, match="conv \\(test\\).*'conv2d'"):
+    monkeypatch.setattr(factors, "BACKEND_OPS", ("dense",))  # as for an op added without a kernel
+    with pytest.raises(pyro2pfp.ArgumentError, match="conv \\(test\\): the TVM back end has no .*'conv2d'"):
         emit_module(with_correlation(plan(graph), "shared-factor"))
+    with pytest.raises(pyro2pfp.ArgumentError, match="conv \\(test\\): ONNX export has no .*'conv2d'"):
+        PFPNetwork(graph, with_correlation(plan(graph), "shared-factor")).to_onnx()
 
 
 def _onnx_run(net: PFPNetwork, x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:

@@ -127,6 +127,58 @@ def plan_factors(graph: PlannedGraph, hermite: str = "factor", compact: bool = T
     return FactorPlan(offsets, width, rows, group, frozenset(compact_at), hermite, injection)
 
 
+#: ops whose rule the compiled (TVM) and the ONNX back ends implement
+BACKEND_OPS = ("conv2d", "dense", "affine", "scale", "relu", "leaky_relu", "add", "avg_pool2d", "max_pool2d",
+               "reshape", "convert")
+
+
+def fixed_k_plan(graph: PlannedGraph, what: str, ops: tuple[str, ...] | None = None) -> FactorPlan:
+    """The factor plan the float32 back ends (``what``: "the TVM back end", "ONNX export") run for a
+    shared-factor ``graph``: ``graph.factors``' variants without QR compaction (exact: only ``g·gᵀ``
+    is used downstream; ``K`` then grows with depth).  :class:`ArgumentError` for what they do not
+    implement: the raw-moment plan, ``injection='rescaled'``, ops outside ``ops`` (default
+    :data:`BACKEND_OPS`; naming the layer)."""
+    fp = graph.factors
+    ops = BACKEND_OPS if ops is None else ops
+    if graph.moment_form != "variance":
+        raise ArgumentError(f"{what} of correlation='shared-factor' needs moment_form='variance', not "
+                            f"{graph.moment_form!r}")
+    if fp.injection != "regression":
+        raise ArgumentError(f"{what} of correlation='shared-factor' supports injection='regression' only, not "
+                            f"{fp.injection!r}")
+    for layer in graph.layers:
+        if layer.op not in ops:
+            raise ArgumentError(f"{layer.layer.source}: {what} has no shared-factor rule for op '{layer.op}' "
+                                f"(implemented: {', '.join(ops)}); net.reference runs it, or convert with "
+                                "correlation='mean-field'")
+    return plan_factors(graph, fp.hermite, compact=False, injection=fp.injection)
+
+
+@dataclass(frozen=True)
+class ComputeFactors:
+    """What a conv2d/dense rule needs of its layer: its factor block ``offset`` (None: no weight
+    noise), the width ``k`` of its output's ``g``, the weight mean and variance."""
+
+    offset: int | None
+    k: int
+    weight_mean: np.ndarray
+    weight_var: np.ndarray
+
+    @classmethod
+    def of(cls, layer: PlannedLayer, fp: FactorPlan) -> ComputeFactors:
+        t = layer.tensors
+        return cls(fp.offsets.get(layer.name), fp.width[layer.name], t["weight_mean"], weight_var(t))
+
+
+def weight_var(t: dict[str, np.ndarray]) -> np.ndarray:
+    """The weight variance of a compute layer's stored tensors (either plan form)."""
+    if "weight_var" in t:
+        return t["weight_var"]
+    if "weight_second_moment" in t:
+        return np.maximum(t["weight_second_moment"] - t["weight_mean"] ** 2, 0.0)
+    return np.zeros_like(t["weight_mean"])
+
+
 def _noisy_ancestry(graph: PlannedGraph) -> dict[str, bool]:
     """``{edge: it depends on the noise of a conv2d layer}``."""
     conv_noise = {INPUT: False}

@@ -17,16 +17,13 @@ from typing import Any
 import numpy as np
 
 from .. import moments
-from ..errors import ArgumentError
-from ..graph import INPUT, Repr
+from ..graph import Repr
 from ..onnx_export import LOWEST32, SCHEME_STEPS, OnnxActivation, OnnxContext, Sym
 from ..plan import PlannedGraph, PlannedLayer
 from ..reference.arrays import average_divisor
-from .factors import plan_factors
-from .rules import weight_var
+from .backend import FixedKStep
+from .factors import ComputeFactors
 
-EXPORTED_OPS = ("conv2d", "dense", "affine", "scale", "relu", "leaky_relu", "add", "avg_pool2d", "max_pool2d",
-                "reshape", "convert")
 _TINY = 1e-30
 
 
@@ -39,23 +36,15 @@ class OnnxShared:
     k: int
 
 
-class OnnxSharedStep:
+class OnnxSharedStep(FixedKStep):
     """Emits the shared-factor rules of one plan after each layer's mean-field export."""
 
+    what = "ONNX export"
+
     def __init__(self, graph: PlannedGraph, ctx: OnnxContext) -> None:
-        if graph.moment_form != "variance":
-            raise ArgumentError("ONNX export of correlation='shared-factor' needs moment_form='variance', not "
-                                f"{graph.moment_form!r}")
-        if graph.factors.injection != "regression":
-            raise ArgumentError(f"ONNX export supports injection='regression' only, not {graph.factors.injection!r}")
-        for layer in graph.layers:
-            if layer.op not in EXPORTED_OPS:
-                raise ArgumentError(f"{layer.layer.source}: no ONNX export of the shared-factor rule of op "
-                                    f"'{layer.op}' (exported: {', '.join(EXPORTED_OPS)})")
-        self.fp = plan_factors(graph, graph.factors.hermite, compact=False, injection=graph.factors.injection)
+        super().__init__(graph)
         self.ctx = ctx
         self.b = ctx.b
-        self.shared: dict[str, OnnxShared | None] = {INPUT: None}
 
     # ------------------------------------------------------------------ small helpers
     @staticmethod
@@ -87,12 +76,12 @@ class OnnxSharedStep:
         sd = var.nary("Max", self.c(0.0)).unary("Sqrt")
         return s.nary("Max", -sd).nary("Min", sd)
 
-    def view(self, x: Sym, *shape: int) -> Sym:
+    def view_as(self, x: Sym, *shape: int) -> Sym:
         return self.ctx.reshape(x, shape)
 
     def grouped(self, x: Sym, name: str) -> Sym:
         rows = self.fp.rows[name]
-        return self.view(x, rows, int(np.prod(self.ctx.shapes[name])) // rows)
+        return self.view_as(x, rows, int(np.prod(self.ctx.shapes[name])) // rows)
 
     def widened(self, g: Sym, k_in: int, k: int) -> Sym:
         if k_in == k:
@@ -127,40 +116,18 @@ class OnnxSharedStep:
                                   self.b.ints([2, 3], "axes"), self.b.ints(list(stride), "steps")))
         return out
 
-    # ------------------------------------------------------------------ the step
-    def __call__(self, ctx: OnnxContext, layer: PlannedLayer, inputs: list[OnnxActivation], out: OnnxActivation
-                 ) -> OnnxActivation:
-        shs = [self.shared[n] for n in layer.inputs]
-        op = layer.op
-        sh: OnnxShared | None = None
-        if out.repr is Repr.DETERMINISTIC:
-            pass
-        elif op == "conv2d":
-            sh = self.conv2d(layer, inputs[0], shs[0], out)
-        elif op == "dense":
-            sh, out = self.dense(layer, inputs[0], shs[0], out)
-        elif op == "add":
-            sh, out = self.add(layer, shs, out)
-        elif shs[0] is None:
-            pass
-        elif op in ("affine", "scale"):
-            factor = layer.tensors["scale"] if op == "affine" else np.array([layer.layer.attrs["factor"]])
-            s = self.grouped(shs[0].s, layer.name) * self.t(factor.reshape(-1, 1), "scale")
-            s = self.clip(s, self.grouped(self.var(out), layer.name))
-            sh = OnnxShared(self.view(s, *ctx.shapes[layer.name]), shs[0].g, shs[0].k)
-        elif op in ("relu", "leaky_relu"):
-            sh = self.relu(layer, inputs[0], shs[0], out)
-        elif op == "avg_pool2d":
-            sh, out = self.avg_pool(layer, inputs[0], shs[0], out)
-        elif op == "max_pool2d":
-            sh = self.max_pool(layer, inputs[0], shs[0], out)
-        elif op in ("reshape", "convert"):
-            sh = OnnxShared(self.view(shs[0].s, *ctx.shapes[layer.name]), shs[0].g, shs[0].k)
-        self.shared[layer.name] = sh
-        return out
-
     # ------------------------------------------------------------------ rules
-    def relu(self, layer: PlannedLayer, x: OnnxActivation, sh: OnnxShared, out: OnnxActivation) -> OnnxShared:
+    def view(self, ctx: OnnxContext, layer: PlannedLayer, sh: OnnxShared) -> OnnxShared:
+        return OnnxShared(self.view_as(sh.s, *ctx.shapes[layer.name]), sh.g, sh.k)
+
+    def linear(self, ctx: OnnxContext, layer: PlannedLayer, sh: OnnxShared, out: OnnxActivation) -> OnnxShared:
+        factor = layer.tensors["scale"] if layer.op == "affine" else np.array([layer.layer.attrs["factor"]])
+        s = self.grouped(sh.s, layer.name) * self.t(factor.reshape(-1, 1), "scale")
+        s = self.clip(s, self.grouped(self.var(out), layer.name))
+        return OnnxShared(self.view_as(s, *ctx.shapes[layer.name]), sh.g, sh.k)
+
+    def relu(self, ctx: OnnxContext, layer: PlannedLayer, x: OnnxActivation, sh: OnnxShared, out: OnnxActivation
+             ) -> OnnxShared:
         slope = float(layer.layer.attrs["slope"]) if layer.op == "leaky_relu" else 0.0
         name, src = layer.name, layer.inputs[0]
         offset, k = self.fp.offsets.get(name), self.fp.width[name]
@@ -172,7 +139,7 @@ class OnnxSharedStep:
         lin = (cdf + self.c(slope) * (self.c(1.0) - cdf)) * s
         var_out = self.grouped(self.var(out), name)
         if offset is None:
-            return OnnxShared(self.view(self.clip(lin, var_out), *self.ctx.shapes[name]), sh.g, sh.k)
+            return OnnxShared(self.view_as(self.clip(lin, var_out), *self.ctx.shapes[name]), sh.g, sh.k)
         pdf = (self.c(-0.5) * alpha * alpha).unary("Exp") * self.c(1 / math.sqrt(2 * math.pi))
         h = self.safe_div(self.c(1.0 - slope) * pdf, sd) * s * s * self.c(1 / math.sqrt(2))
         group = int(np.prod(self.ctx.shapes[src])) // self.fp.rows[src]
@@ -180,13 +147,10 @@ class OnnxSharedStep:
         loading = lbar * self.widened(sh.g, sh.k, k) + hbar * self.onehot(self.fp.rows[name], k, offset)
         g, norm = self.normalise(loading)
         s_out = self.safe_div(lbar * lin + hbar * h, norm)
-        return OnnxShared(self.view(self.clip(s_out, var_out), *self.ctx.shapes[name]), g, k)
+        return OnnxShared(self.view_as(self.clip(s_out, var_out), *self.ctx.shapes[name]), g, k)
 
-    def add(self, layer: PlannedLayer, shs: list[OnnxShared | None], out: OnnxActivation
-            ) -> tuple[OnnxShared | None, OnnxActivation]:
-        sa, sb = shs
-        if sa is None or sb is None:
-            return (sa if sb is None else sb), out
+    def add(self, ctx: OnnxContext, layer: PlannedLayer, sa: OnnxShared, sb: OnnxShared, out: OnnxActivation
+            ) -> tuple[OnnxShared, OnnxActivation]:
         name = layer.name
         k = self.fp.width[name]
         a_s, b_s, var = (self.grouped(t, name) for t in (sa.s, sb.s, self.var(out)))
@@ -198,10 +162,10 @@ class OnnxSharedStep:
         var_new = (var + self.c(2.0) * a_s * b_s * dot).nary("Max", self.c(0.0))
         s = self.clip(a_s * pa + b_s * pb, var_new)
         shape = self.ctx.shapes[name]
-        out = OnnxActivation(out.mean, self.view(var_new, *shape), out.repr)
-        return OnnxShared(self.view(s, *shape), g, k), out
+        out = OnnxActivation(out.mean, self.view_as(var_new, *shape), out.repr)
+        return OnnxShared(self.view_as(s, *shape), g, k), out
 
-    def avg_pool(self, layer: PlannedLayer, x: OnnxActivation, sh: OnnxShared, out: OnnxActivation
+    def avg_pool(self, ctx: OnnxContext, layer: PlannedLayer, x: OnnxActivation, sh: OnnxShared, out: OnnxActivation
                  ) -> tuple[OnnxShared, OnnxActivation]:
         a = dict(layer.layer.attrs)
         a.setdefault("divisor", None)
@@ -219,7 +183,8 @@ class OnnxSharedStep:
     def _sum(terms: list[Sym]) -> Sym:
         return terms[0] if len(terms) == 1 else terms[0].nary("Sum", *terms[1:])
 
-    def max_pool(self, layer: PlannedLayer, x: OnnxActivation, sh: OnnxShared, out: OnnxActivation) -> OnnxShared:
+    def max_pool(self, ctx: OnnxContext, layer: PlannedLayer, x: OnnxActivation, sh: OnnxShared,
+                 out: OnnxActivation) -> OnnxShared:
         a = layer.layer.attrs
         in_shape, out_hw = self.ctx.shapes[layer.inputs[0]], layer.layer.out_shape[1:]
         args = (in_shape, tuple(a["kernel"]), a["stride"], a["padding"], [1, 1], out_hw)
@@ -236,23 +201,19 @@ class OnnxSharedStep:
             mean, var = moments.max_moments(mean, var, m2, v2, ops)
         return OnnxShared(self.clip(s, self.var(out)), sh.g, sh.k)
 
-    def conv2d(self, layer: PlannedLayer, x: OnnxActivation, sh: OnnxShared | None, out: OnnxActivation
-               ) -> OnnxShared | None:
-        name = layer.name
-        offset = self.fp.offsets.get(name)
-        if sh is None and offset is None:
-            return None
+    def conv2d(self, ctx: OnnxContext, layer: PlannedLayer, x: OnnxActivation, sh: OnnxShared | None,
+               out: OnnxActivation) -> OnnxShared | None:
+        cf = ComputeFactors.of(layer, self.fp)
+        offset, k, wm, wv = cf.offset, cf.k, cf.weight_mean, cf.weight_var
         t, a = layer.tensors, layer.layer.attrs
-        wm, wv = t["weight_mean"], weight_var(t)
         o, c, kh, kw = wm.shape
-        k = self.fp.width[name]
         in_shape, out_hw = self.ctx.shapes[layer.inputs[0]], layer.layer.out_shape[1:]
         args = (in_shape, (kh, kw), a["stride"], a["padding"], a["dilation"], out_hw)
         positions = 1.0 / (out_hw[0] * out_hw[1])
         mu_taps = self.taps(x.mean, *args)
-        mbar = [self.view(self.rsum(tp, [2, 3]), c) * self.c(positions) for tp in mu_taps]  # (B, C) each
+        mbar = [self.view_as(self.rsum(tp, [2, 3]), c) * self.c(positions) for tp in mu_taps]  # (B, C) each
         s_taps = self.taps(sh.s, *args) if sh is not None else []
-        sbar = [self.view(self.rsum(tp, [2, 3]), c) * self.c(positions) for tp in s_taps]
+        sbar = [self.view_as(self.rsum(tp, [2, 3]), c) * self.c(positions) for tp in s_taps]
         w_k = [self.t(wm[:, :, i, j], "w") for i in range(kh) for j in range(kw)] if sh is not None else []
         v_k = [wv[:, :, i, j] for i in range(kh) for j in range(kw)]
         loading: Sym | None = None
@@ -280,34 +241,30 @@ class OnnxSharedStep:
             reg = [self.einsum("bchw,bc,oc->bohw", tp, mb, self.t(v, "v")) for tp, mb, v in zip(mu_taps, mbar, v_k)]
             reg += [self.einsum("bchw,bc,oc->bohw", tp, sb, self.t(v, "v")) for tp, sb, v in zip(s_taps, sbar, v_k)]
             if "bias_var" in t:
-                reg.append(self.view(self.t(t["bias_var"], "bias_var"), o, 1, 1))
-            terms.append(self.view(coef, o, 1, 1) * self._sum(reg))
+                reg.append(self.view_as(self.t(t["bias_var"], "bias_var"), o, 1, 1))
+            terms.append(self.view_as(coef, o, 1, 1) * self._sum(reg))
         return OnnxShared(self.clip(self._sum(terms), self.var(out)), g, k)
 
-    def dense(self, layer: PlannedLayer, x: OnnxActivation, sh: OnnxShared | None, out: OnnxActivation
+    def dense(self, ctx: OnnxContext, layer: PlannedLayer, x: OnnxActivation, sh: OnnxShared | None, out: OnnxActivation
               ) -> tuple[OnnxShared | None, OnnxActivation]:
-        name = layer.name
-        offset = self.fp.offsets.get(name)
-        if sh is None and offset is None:
-            return None, out
+        cf = ComputeFactors.of(layer, self.fp)
+        offset, k, wm, wv = cf.offset, cf.k, cf.weight_mean, cf.weight_var
         t = layer.tensors
-        wm, wv = t["weight_mean"], weight_var(t)
         o, n = wm.shape
-        k = self.fp.width[name]
         loading: Sym | None = None
         var = self.var(out)
         assert var is not None
         if sh is not None:
             rows = self.fp.rows[layer.inputs[0]]
-            s = self.view(sh.s, n)
-            coef = self.einsum("brg,org->bor", self.view(s, rows, n // rows), self.t(wm.reshape(o, rows, -1), "w"))
+            s = self.view_as(sh.s, n)
+            coef = self.einsum("brg,org->bor", self.view_as(s, rows, n // rows), self.t(wm.reshape(o, rows, -1), "w"))
             loading = self.einsum("bor,brf->bof", coef, self.widened(sh.g, sh.k, k))
             ws2 = (s * s).nary("MatMul", self.t((wm**2).T, "w2_t"))
-            pn = self.view(self.rsum(loading * loading, [2]), o)
+            pn = self.view_as(self.rsum(loading * loading, [2]), o)
             var = (var + pn - ws2).nary("Max", self.c(0.0))
         if offset is not None:
-            mu = self.view(x.mean, n)
-            ex2 = mu * mu if x.second is None else mu * mu + self.view(x.second, n)
+            mu = self.view_as(x.mean, n)
+            ex2 = mu * mu if x.second is None else mu * mu + self.view_as(x.second, n)
             inj = ex2.nary("MatMul", self.t(wv.T, "v_t"))
             if "bias_var" in t:
                 inj = inj + self.t(t["bias_var"], "bias_var")
@@ -315,7 +272,7 @@ class OnnxSharedStep:
             loading = own if loading is None else loading + own
         assert loading is not None
         g, norm = self.normalise(loading)
-        s_out = self.clip(self.view(norm, o), var)
+        s_out = self.clip(self.view_as(norm, o), var)
         return OnnxShared(s_out, g, k), OnnxActivation(out.mean, var, out.repr)
 
 

@@ -90,7 +90,7 @@ from ..graph import Repr
 from ..plan import PlannedLayer
 from ..reference import Activation
 from ..reference.arrays import LOWEST, average_divisor, conv2d_nchw, padded, window_views
-from .factors import FactorPlan
+from .factors import FactorPlan, weight_var
 
 _SQRT2PI = float(np.sqrt(2.0 * np.pi))
 
@@ -135,15 +135,6 @@ def _conv_views(t: np.ndarray, layer: PlannedLayer, kernel: tuple[int, int]) -> 
         for q in range(kernel[1]):
             r0, c0 = p * dil[0], q * dil[1]
             yield tp[:, :, r0:r0 + stride[0] * (oh - 1) + 1:stride[0], c0:c0 + stride[1] * (ow - 1) + 1:stride[1]]
-
-
-def weight_var(t: dict[str, np.ndarray]) -> np.ndarray:
-    """The weight variance of a compute layer's stored tensors (either plan form)."""
-    if "weight_var" in t:
-        return t["weight_var"]
-    if "weight_second_moment" in t:
-        return np.maximum(t["weight_second_moment"] - t["weight_mean"] ** 2, 0.0)
-    return np.zeros_like(t["weight_mean"])
 
 
 def shared_conv2d(layer: PlannedLayer, x: Activation, sh: Shared | None, fp: FactorPlan) -> Shared | None:

@@ -37,11 +37,9 @@ import tvm
 from tvm import relax, s_tir, te, tirx
 
 from ... import moments
-from ...correlation import plan_factors
-from ...correlation.rules import weight_var
-from ...errors import ArgumentError
-from ...graph import INPUT, Repr
-from ...plan import PlannedGraph, PlannedLayer
+from ...correlation.backend import FixedKStep
+from ...correlation.factors import ComputeFactors
+from ...plan import PlannedLayer
 from ...reference.arrays import average_divisor
 from .._core import (
     F32,
@@ -56,8 +54,6 @@ from .._core import (
 )
 from ..schedules import schedule
 
-COMPILED_OPS = ("conv2d", "dense", "affine", "scale", "relu", "leaky_relu", "add", "avg_pool2d", "max_pool2d",
-                "reshape", "convert")
 PARTS = ("norm", "clip", "scale", "conv_pool", "conv_load", "conv_beta", "conv_profile", "relu_terms", "relu_load",
          "relu_profile", "add_load", "add_profile", "avgpool", "maxpool", "dense_load")
 _LOWEST = float(np.finfo(np.float32).min)
@@ -151,51 +147,13 @@ def _scaled(ctx: EmitContext, s: relax.Expr, var: relax.Expr, factor: relax.Expr
     return _emit(ctx, fn, [s, var, factor], layer, "scale")[0]
 
 
-class SharedStep:
+class SharedStep(FixedKStep):
     """The shared-factor kernels of one plan, emitted after each layer's mean-field kernel."""
 
-    def __init__(self, graph: PlannedGraph) -> None:
-        fp = graph.factors
-        if graph.moment_form != "variance":
-            raise ArgumentError("the TVM back end compiles correlation='shared-factor' with moment_form='variance' "
-                                f"only, not {graph.moment_form!r}")
-        if fp.injection != "regression":
-            raise ArgumentError(f"the TVM back end compiles injection='regression' only, not {fp.injection!r}")
-        for layer in graph.layers:
-            if layer.op not in COMPILED_OPS:
-                raise ArgumentError(f"{layer.layer.source}: the TVM back end has no shared-factor kernel for op "
-                                    f"'{layer.op}' (compiled: {', '.join(COMPILED_OPS)}); net.reference runs it, "
-                                    "or convert with correlation='mean-field' to compile")
-        self.fp = plan_factors(graph, fp.hermite, compact=False, injection=fp.injection)
-        self.shared: dict[str, SharedRelax | None] = {INPUT: None}
+    what = "the TVM back end"
 
-    def __call__(self, ctx: EmitContext, layer: PlannedLayer, inputs: list[RelaxActivation],
-                 out: RelaxActivation) -> RelaxActivation:
-        shs = [self.shared[n] for n in layer.inputs]
-        op = layer.op
-        sh: SharedRelax | None = None
-        if out.repr is Repr.DETERMINISTIC:
-            pass
-        elif op == "conv2d":
-            sh = self._conv2d(ctx, layer, inputs[0], shs[0], out)
-        elif op == "dense":
-            sh, out = self._dense(ctx, layer, inputs[0], shs[0], out)
-        elif op == "add":
-            sh, out = self._add(ctx, layer, shs, out)
-        elif shs[0] is None:
-            pass
-        elif op in ("affine", "scale"):
-            sh = self._linear(ctx, layer, shs[0], out)
-        elif op in ("relu", "leaky_relu"):
-            sh = self._relu(ctx, layer, inputs[0], shs[0], out)
-        elif op == "avg_pool2d":
-            sh, out = self._avg_pool(ctx, layer, shs[0], inputs[0], out)
-        elif op == "max_pool2d":
-            sh = self._max_pool(ctx, layer, shs[0], inputs[0], out)
-        elif op in ("reshape", "convert"):
-            sh = SharedRelax(_view(ctx, shs[0].s, *layer.layer.out_shape), shs[0].g, shs[0].k)
-        self.shared[layer.name] = sh
-        return out
+    def view(self, ctx: EmitContext, layer: PlannedLayer, sh: SharedRelax) -> SharedRelax:
+        return SharedRelax(_view(ctx, sh.s, *layer.layer.out_shape), sh.g, sh.k)
 
     # ------------------------------------------------------------------ helpers
     def _grouped(self, ctx: EmitContext, t: relax.Expr, name: str) -> relax.Expr:
@@ -204,14 +162,14 @@ class SharedStep:
         return _view(ctx, t, rows, int(np.prod(ctx.shapes[name])) // rows)
 
     # ------------------------------------------------------------------ rules
-    def _linear(self, ctx: EmitContext, layer: PlannedLayer, sh: SharedRelax, out: RelaxActivation) -> SharedRelax:
+    def linear(self, ctx: EmitContext, layer: PlannedLayer, sh: SharedRelax, out: RelaxActivation) -> SharedRelax:
         factor = layer.tensors["scale"] if layer.op == "affine" else np.array([layer.layer.attrs["factor"]])
         name = layer.name
         s = _scaled(ctx, self._grouped(ctx, sh.s, name), self._grouped(ctx, out.second, name), ctx.const(factor),
                     layer)
         return SharedRelax(_view(ctx, s, *ctx.shapes[name]), sh.g, sh.k)
 
-    def _relu(self, ctx: EmitContext, layer: PlannedLayer, x: RelaxActivation, sh: SharedRelax,
+    def relu(self, ctx: EmitContext, layer: PlannedLayer, x: RelaxActivation, sh: SharedRelax,
               out: RelaxActivation) -> SharedRelax:
         slope = float(layer.layer.attrs["slope"]) if layer.op == "leaky_relu" else 0.0
         name, src = layer.name, layer.inputs[0]
@@ -261,11 +219,8 @@ class SharedStep:
         s = _emit(ctx, profile, [lin, h, lbar, hbar, norm, out_var], layer, "relu_profile")[0]
         return SharedRelax(_view(ctx, s, *ctx.shapes[name]), g, k)
 
-    def _add(self, ctx: EmitContext, layer: PlannedLayer, shs: list[SharedRelax | None], out: RelaxActivation
-             ) -> tuple[SharedRelax | None, RelaxActivation]:
-        sa, sb = shs
-        if sa is None or sb is None:
-            return (sa if sb is None else sb), out
+    def add(self, ctx: EmitContext, layer: PlannedLayer, sa: SharedRelax, sb: SharedRelax, out: RelaxActivation
+            ) -> tuple[SharedRelax, RelaxActivation]:
         name = layer.name
         k = self.fp.width[name]
         a_s, b_s, var = (self._grouped(ctx, t, name) for t in (sa.s, sb.s, out.second))
@@ -304,7 +259,7 @@ class SharedStep:
         out = RelaxActivation(out.mean, _view(ctx, var_new, *shape), out.repr)
         return SharedRelax(_view(ctx, s, *shape), g, k), out
 
-    def _avg_pool(self, ctx: EmitContext, layer: PlannedLayer, sh: SharedRelax, x: RelaxActivation,
+    def avg_pool(self, ctx: EmitContext, layer: PlannedLayer, x: RelaxActivation, sh: SharedRelax,
                   out: RelaxActivation) -> tuple[SharedRelax, RelaxActivation]:
         a = dict(layer.layer.attrs)
         a.setdefault("divisor", None)
@@ -339,7 +294,7 @@ class SharedStep:
         s, var = _emit(ctx, fn, [sh.s, x.second, ctx.const(div)], layer, "avgpool")
         return SharedRelax(s, sh.g, sh.k), RelaxActivation(out.mean, var, out.repr)
 
-    def _max_pool(self, ctx: EmitContext, layer: PlannedLayer, sh: SharedRelax, x: RelaxActivation,
+    def max_pool(self, ctx: EmitContext, layer: PlannedLayer, x: RelaxActivation, sh: SharedRelax,
                   out: RelaxActivation) -> SharedRelax:
         a = layer.layer.attrs
         (kh, kw), (sy, sx), (py, px) = a["kernel"], a["stride"], a["padding"]
@@ -364,16 +319,12 @@ class SharedStep:
         s = _emit(ctx, fn, [x.mean, x.second, sh.s, out.second], layer, "maxpool")[0]
         return SharedRelax(s, sh.g, sh.k)
 
-    def _conv2d(self, ctx: EmitContext, layer: PlannedLayer, x: RelaxActivation, sh: SharedRelax | None,
-                out: RelaxActivation) -> SharedRelax | None:
-        name = layer.name
-        offset = self.fp.offsets.get(name)
-        if sh is None and offset is None:
-            return None
+    def conv2d(self, ctx: EmitContext, layer: PlannedLayer, x: RelaxActivation, sh: SharedRelax | None,
+               out: RelaxActivation) -> SharedRelax | None:
+        cf = ComputeFactors.of(layer, self.fp)
+        offset, k, wm, wv = cf.offset, cf.k, cf.weight_mean, cf.weight_var
         t, a = layer.tensors, layer.layer.attrs
-        wm, wv = t["weight_mean"], weight_var(t)
         o, c, kh, kw = wm.shape
-        k = self.fp.width[name]
         (sy, sx), (py, px), (dy, dx) = a["stride"], a["padding"], a["dilation"]
         h, w = ctx.shapes[layer.inputs[0]][1:]
         oh, ow = layer.layer.out_shape[1:]
@@ -482,16 +433,12 @@ class SharedStep:
         s = _emit(ctx, profile, args, layer, "conv_profile")[0]
         return SharedRelax(s, g, k)
 
-    def _dense(self, ctx: EmitContext, layer: PlannedLayer, x: RelaxActivation, sh: SharedRelax | None,
+    def dense(self, ctx: EmitContext, layer: PlannedLayer, x: RelaxActivation, sh: SharedRelax | None,
                out: RelaxActivation) -> tuple[SharedRelax | None, RelaxActivation]:
-        name = layer.name
-        offset = self.fp.offsets.get(name)
-        if sh is None and offset is None:
-            return None, out
+        cf = ComputeFactors.of(layer, self.fp)
+        offset, k, wm, wv = cf.offset, cf.k, cf.weight_mean, cf.weight_var
         t = layer.tensors
-        wm, wv = t["weight_mean"], weight_var(t)
         o, n = wm.shape
-        k = self.fp.width[name]
         src = layer.inputs[0]
         rows = self.fp.rows[src] if sh is not None else 0
         group = n // rows if rows else 1
