@@ -26,20 +26,18 @@ ResNet-8: 37.3 M mean-field multiply-adds + 45.6 M (×2.2), ResNet-20: 122.5 M +
 with ``injection='rescaled'``); memory ``+ C·P + C·K`` floats per edge (ResNet-20 +85 % over all
 edges, K ≤ 320 with compaction, 1482 without).  NumPy float64 batch 1: ResNet-20 41 ms → 91 ms, ResNet-8 14 → 33 ms.
 
-Back ends (design; ``net.reference`` implements the scheme)
------------------------------------------------------------
-* TVM: per conv layer three kernels beside the mean-field one: (1) the pooled views ``m̄μ_k, m̄s_k``
-  (B, C, k) — a reduction over the output positions of each kernel offset (or a depthwise conv with
-  a ones kernel of the output size and dilation = stride); (2) the small batched products ``A = W·m̄s``,
-  ``ℓ = A·g_in ⊕ w̄``, normalisation, ``β = g_in·gᵀ`` — dense/matmul schedules; (3) one conv kernel
-  whose weight carries a batch index (``W[o,c,k]·β[b,o,c]`` and ``V·m̄(·)[b,c,k]``), fused with the
-  ``s`` epilogue.  ReLU/add/affine/pool are elementwise or channel reductions fused into the existing
-  kernels; the QR compaction is a C × K modified Gram–Schmidt (C ≤ 64 here), or can be skipped for
-  shallow nets.
-* ONNX: everything maps to standard ops — ReduceMean/Slice (pooled views), MatMul/Einsum (loadings),
-  and the per-input-weight convolutions as one grouped Conv by folding the batch into channels
-  (input reshaped to (1, B·C, H, W), weights (B·O, C, kh, kw), ``group = B``); no QR (export without
-  compaction, K grows with depth: fine for ResNet-20, K = 1482).
+Back ends
+---------
+* NumPy float64 (:mod:`.execute`, ``net.reference``): the rules with QR compaction of ``g`` where a
+  layer's output is the only live edge and ``K ≥ 4·C`` (exact; bounds ``K`` by ~5·C).
+* TVM (``tvm_backend/ops/correlation.py``) and ONNX (:mod:`.onnx_rules`), both through the dispatch
+  of :mod:`.backend`: the same rules in float32 with a fixed ``K`` per edge (no compaction; exact,
+  ``K`` grows with depth: ResNet-20 up to 1482, ×2.5 multiply-adds instead of ×2.2).  TVM: per conv
+  layer the pooled views ``m̄μ_k, m̄s_k`` (a reduction over the output positions of each kernel
+  offset), the loadings (``A = W·m̄s``, ``ℓ = A·g_in ⊕ w̄``), ``β = g_in·gᵀ`` and one reduction
+  over ``(c, kh, kw)`` for the propagated and the regression profile; ONNX: the kernel taps as
+  strided Slices and Einsums with per-input weights (``W·β``), no grouped Conv (its group count
+  cannot follow a dynamic batch).
 
 Measured
 --------
