@@ -10,8 +10,10 @@ are float32 TE expressions of the same formulas:
 * every loading ``ℓ`` is normalised by one kernel (``sf_norm``: ``‖ℓ‖`` and ``g = ℓ/‖ℓ‖``, 0 where
   ``‖ℓ‖ = 0``) and every profile is clipped to ``±sd`` of its edge, as in the reference executor;
 * conv2d: ``sf_conv_pool`` (the pooled views ``m̄μ_k``, ``m̄s_k``), ``sf_conv_load`` (``A = W·m̄s``,
-  ``w̄``, ``ℓ``), ``sf_conv_beta`` (``⟨g_in[c], g[o]⟩``) and ``sf_conv_profile`` (the propagated and
-  the regression profile in one reduction over ``(c, kh, kw)``);
+  ``w̄``, ``ℓ``), ``sf_conv_beta`` (``⟨g_in[c], g[o]⟩``), ``sf_conv_weights`` (per-input weights
+  ``W·β + coef·V·m̄s`` and ``coef·V·m̄μ``) and ``sf_conv_profile``: the propagated and the regression
+  profile as one convolution of ``[s_in, μ]`` with those weights, laid out like the mean-field conv
+  kernel and scheduled by its schedule (``compute.schedule_conv2d``: register tiles, vectorised);
 * relu/leaky_relu: ``sf_relu_terms`` (Stein's ``lin``, the Hermite ``h`` and their channel means),
   ``sf_relu_load``, ``sf_relu_profile``; affine/scale: ``sf_scale``; add: ``sf_add_load`` and
   ``sf_add_profile`` (with the branch covariance); average pooling: ``sf_avgpool``; max pooling:
@@ -52,9 +54,10 @@ from .._core import (
     fast_exp,
     te_shared,
 )
-from ..schedules import schedule
+from ..schedules import pow2_divisor, schedule, simd_lanes, static_extent
+from .compute import _pad, schedule_conv2d
 
-PARTS = ("norm", "clip", "scale", "conv_pool", "conv_load", "conv_beta", "conv_profile", "relu_terms", "relu_load",
+PARTS = ("norm", "clip", "scale", "conv_pool", "conv_load", "conv_beta", "conv_weights", "relu_terms", "relu_load",
          "relu_profile", "add_load", "add_profile", "avgpool", "maxpool", "dense_load")
 _LOWEST = float(np.finfo(np.float32).min)
 
@@ -389,47 +392,68 @@ class SharedStep(FixedKStep):
             k_in = sh.k
 
             def beta_fn(g_in: te.Tensor, gt: te.Tensor) -> te.Tensor:
+                # β[b, o, c] = Σ_f g_in[b, c, f]·g[b, o, f], with g_in transposed so c is unit-stride
+                g_t = te.compute((g_in.shape[0], k_in, c), lambda b, f, ch: g_in[b, ch, f], name="g_t")
                 f = te.reduce_axis((0, k_in), name="f")
                 return te.compute((g_in.shape[0], o, c), lambda b, oo, ch: te.sum(
-                    g_in[b, ch, f] * gt[b, oo, f], axis=f), name="beta")
+                    g_t[b, f, ch] * gt[b, oo, f], axis=f), name="beta")
 
             beta = _emit(ctx, beta_fn, [sh.g, g], layer, "conv_beta")[0]
 
-        def profile(*ts: te.Tensor) -> te.Tensor:
+        def weights(*ts: te.Tensor) -> list[te.Tensor]:
+            """Per-input weights (B, C, KH, KW, O) of the profile convolution: ``A = W·β + coef·V·m̄s``
+            on the input's profile, ``M = coef·V·m̄μ`` on its mean; ``coef·v_bias`` (B, O)."""
             it = iter(ts)
-            mu, mb = next(it), next(it)
-            s_in, sb, bt = (next(it), next(it), next(it)) if has_s else (None, None, None)
-            gt, wb, var, wmt, wvt, bvt = (next(it) for _ in range(6))
-            shape = (mu.shape[0], o, oh, ow)
+            mb = next(it)
+            sb, bt = (next(it), next(it)) if has_s else (None, None)
+            gt, wb, wmt, wvt, bvt = (next(it) for _ in range(5))
+            batch = mb.shape[0]
+            wshape = (batch, c, kh, kw, o)
+            coef = te.compute((batch, o), lambda b, oo: _safe_div(gt[b, oo, oo + (offset or 0)], wb[b, oo]),
+                              name="coef")
+            outs = []
+            if sb is not None and bt is not None:
+                def on_s(b: Any, ch: Any, i: Any, j: Any, oo: Any) -> Any:
+                    value = wmt[oo, ch, i, j] * bt[b, oo, ch]
+                    if offset is not None:
+                        value = value + coef[b, oo] * wvt[oo, ch, i, j] * sb[b, ch, i, j]
+                    return value
+
+                outs.append(te.compute(wshape, on_s, name="w_s"))
             if offset is not None:
-                coef = te.compute((mu.shape[0], o), lambda b, oo: _safe_div(gt[b, oo, oo + offset], wb[b, oo]),
-                                  name="coef")
-            cc, i, j = te.reduce_axis((0, c), name="c"), te.reduce_axis((0, kh), name="i"), te.reduce_axis((0, kw),
-                                                                                                             name="j")
+                outs.append(te.compute(wshape, lambda b, ch, i, j, oo: coef[b, oo] * wvt[oo, ch, i, j]
+                                       * mb[b, ch, i, j], name="w_mu"))
+            outs.append(te.compute((batch, o), lambda b, oo: coef[b, oo] * bvt[oo]
+                                   if offset is not None else _c(0.0), name="shift"))
+            return outs
 
-            def term(b: Any, oo: Any, y: Any, x_: Any) -> Any:
-                total = _c(0.0)
-                if s_in is not None and bt is not None:
-                    total = total + wmt[oo, cc, i, j] * bt[b, oo, cc] * tap(s_in, b, cc, y, x_, i, j)
-                if offset is not None:
-                    reg = mb[b, cc, i, j] * tap(mu, b, cc, y, x_, i, j)
-                    if s_in is not None and sb is not None:
-                        reg = reg + sb[b, cc, i, j] * tap(s_in, b, cc, y, x_, i, j)
-                    total = total + coef[b, oo] * wvt[oo, cc, i, j] * reg
-                return te.sum(total, axis=[cc, i, j])
+        w_args = [mbar] + ([sbar, beta] if sbar is not None and beta is not None else [])
+        w_outs = _emit(ctx, weights, w_args + [g, wbar, ctx.const(wm), ctx.const(wv), bias_var], layer,
+                       "conv_weights")
 
-            acc = te.compute(shape, term, name="acc")
+        def profile(*ts: te.Tensor) -> list[te.Tensor]:
+            """``s[b, o] = Σ_{c,i,j} A·tap(s_in) + M·tap(μ) + shift``, clipped: a convolution with
+            per-input weights, in the layout of the mean-field conv kernel (its schedule)."""
+            it = iter(ts)
+            srcs = [(next(it), next(it)) for _ in range(n_terms)]  # (input, weights)
+            shift, var = next(it), next(it)
+            padded = [(_pad(src, [py, px]), wt) for src, wt in srcs]
+            rc, rp, rq = (te.reduce_axis((0, n), name=name) for n, name in ((c, "rc"), (kh, "rp"), (kw, "rq")))
 
-            def final(b: Any, oo: Any, y: Any, x_: Any) -> Any:
-                value = acc[b, oo, y, x_]
-                if offset is not None:
-                    value = value + coef[b, oo] * bvt[oo]
-                return _clip(value, var[b, oo, y, x_])
+            def body(b: Any, oo: Any, y: Any, x_: Any) -> Any:
+                pos = (b, rc, y * sy + rp * dy, x_ * sx + rq * dx)
+                total = padded[0][0][pos] * padded[0][1][b, rc, rp, rq, oo]
+                for src, wt in padded[1:]:
+                    total = total + src[pos] * wt[b, rc, rp, rq, oo]
+                return te.sum(total, axis=[rc, rp, rq])
 
-            return te.compute(shape, final, name="s")
+            acc = te.compute((srcs[0][0].shape[0], o, oh, ow), body, name="conv2d")
+            return te.compute(acc.shape, lambda b, oo, y, x_: _clip(acc[b, oo, y, x_] + shift[b, oo],
+                                                                     var[b, oo, y, x_]), name="epilogue")
 
-        args = [x.mean, mbar] + ([sh.s, sbar, beta] if sh is not None and sbar is not None and beta is not None
-                                 else []) + [g, wbar, out.second, ctx.const(wm), ctx.const(wv), bias_var]
+        terms = ([sh.s] if sh is not None else []) + ([x.mean] if offset is not None else [])
+        n_terms = len(terms)
+        args = [t for pair in zip(terms, w_outs[:n_terms]) for t in pair] + [w_outs[-1], out.second]
         s = _emit(ctx, profile, args, layer, "conv_profile")[0]
         return SharedRelax(s, g, k)
 
@@ -503,17 +527,36 @@ class SharedStep(FixedKStep):
 SCHEME_STEPS["shared-factor"] = SharedStep
 
 
+MATMUL_BLOCKS = ("beta", "prop")
+"""Blocks ``out[b, o, n] = Σ_r x[b, o|r, r]·y[b, r, n]`` whose last axis ``n`` is unit-stride in the
+operand that depends on it (``β`` reads ``g_in`` transposed; the loadings' ``prop`` reads ``g_in``)."""
+
+
 def schedule_shared(sch: s_tir.Schedule, layer: Any, target: tvm.target.Target) -> None:
     """Every loop nest of a shared-factor kernel: its first two data-parallel loops (the batch and
-    the channel/row axis) fused into one parallel loop; reductions stay serial inside it."""
+    the channel/row axis) fused into one parallel loop.  The product blocks of :data:`MATMUL_BLOCKS`
+    get the reduction outside the unit-stride last axis, which is vectorised (split by the largest
+    power of two dividing it, up to the SIMD width); other reductions stay serial inside."""
+    lanes = simd_lanes(target)
     nests: dict[Any, Any] = {}
     for block in sch.get_child_blocks(sch.get_sblock("root")):
         loops = sch.get_loops(block)
         nests.setdefault(sch.get_sref(loops[0]), (block, loops))
     for block, loops in nests.values():
+        if sch.get(block).name_hint in MATMUL_BLOCKS and len(loops) == 4:
+            b, o, n, r = loops
+            sch.reorder(b, o, r, n)
+            sch.parallel(sch.fuse(b, o))
+            vec = pow2_divisor(static_extent(sch, n), lanes)
+            if vec > 1:
+                sch.vectorize(sch.split(n, [None, vec])[1])
+            sch.decompose_reduction(block, r)
+            continue
         spatial = sum(1 for iv in sch.get(block).iter_vars if int(iv.iter_type) == 0)
         lead = loops[:max(1, min(2, spatial))]
         sch.parallel(sch.fuse(*lead) if len(lead) > 1 else lead[0])
 
 
 schedule(*(f"sf_{part}" for part in PARTS))(schedule_shared)
+# the profile convolution has the mean-field conv kernel's blocks (pad, conv2d, epilogue) and layout
+schedule("sf_conv_profile")(schedule_conv2d)
