@@ -336,6 +336,23 @@ def test_unsupported_layers_raise_when_asked_and_fall_back_with_a_warning_under_
         assert with_correlation(plan(noisy_in), "auto").correlation == "mean-field"
 
 
+def test_auto_falls_back_for_ops_only_the_reference_implements(monkeypatch):
+    """"auto" must give a plan every back end runs: an op whose shared-factor rule only the NumPy
+    reference has (here: scale, as for an activation with the generic Stein rule) → mean-field + warning."""
+    from pyro2pfp.correlation import factors
+
+    graph, *_ = _linear_gaussian_residual(np.random.default_rng(4))
+    scale = Layer(name="half", op="scale", inputs=["conv1"], out_shape=graph.layers[1].out_shape,
+                  source="half (test)", attrs={"factor": -0.5})
+    graph.layers.insert(2, scale)
+    graph.layers[3].inputs[0] = "half"
+    assert with_correlation(plan(graph), "auto").correlation == "shared-factor"
+    monkeypatch.setattr(factors, "BACKEND_OPS", tuple(op for op in factors.BACKEND_OPS if op != "scale"))
+    with pytest.warns(UserWarning, match="half \\(test\\): op 'scale' has a shared-factor rule in the NumPy"):
+        assert with_correlation(plan(graph), "auto").correlation == "mean-field"
+    assert with_correlation(plan(graph), "shared-factor").correlation == "shared-factor"
+
+
 def test_generic_activation_rule_is_steins_lemma():
     """Any activation with an ActivationRule (here tanh's Gaussian moments, not a registered op): the
     shared profile is Cov(f(a), η) = E[f'(a)]·s (Stein's lemma; a = μ + s·η + e·ε Gaussian)."""

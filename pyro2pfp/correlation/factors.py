@@ -209,7 +209,9 @@ def choose(graph: PlannedGraph, correlation: str) -> FactorPlan | None:
 
     ``"shared-factor"``: the scheme, or :class:`CorrelationError` naming the layer it has no rule
     for; ``"mean-field"``: None; ``"auto"``: the scheme when :func:`needs_shared_factors` finds a
-    reason, else mean-field -- and mean-field with a warning when the scheme has no rule for a layer."""
+    reason, else mean-field -- and mean-field with a warning when the scheme has no rule for a layer,
+    or one that only the NumPy reference implements (the generic activation rule: the plan must
+    compile and export)."""
     if correlation not in CORRELATIONS:
         raise ArgumentError(f"correlation must be one of {CORRELATIONS}, got {correlation!r}")
     if correlation == "mean-field":
@@ -220,7 +222,12 @@ def choose(graph: PlannedGraph, correlation: str) -> FactorPlan | None:
     if reason is None:
         return None
     try:
-        return plan_factors(graph)
+        fp = plan_factors(graph)
+        reference_only = next((layer for layer in graph.layers if layer.op not in BACKEND_OPS), None)
+        if reference_only is not None:
+            raise CorrelationError(f"{reference_only.layer.source}: op '{reference_only.op}' has a shared-factor rule "
+                                   "in the NumPy reference only, not in the compiled or ONNX back ends")
+        return fp
     except CorrelationError as exc:
         warnings.warn(f"correlation='auto': {reason}, so mean-field PFP will under-state the output variance, "
                       f"but shared-factor PFP is not available: {exc}", stacklevel=4)
