@@ -6,6 +6,7 @@ The representation the plan describes and the per-op rules are in :mod:`pyro2pfp
 """
 from __future__ import annotations
 
+import dataclasses
 import warnings
 from dataclasses import dataclass, field
 
@@ -127,6 +128,8 @@ def plan_factors(graph: PlannedGraph, hermite: str = "factor", compact: bool = T
     return FactorPlan(offsets, width, rows, group, frozenset(compact_at), hermite, injection)
 
 
+#: the float32 back ends' factor counts are multiples of this (16 fp32 = one AVX-512 register)
+FACTOR_ALIGN = 16
 #: ops whose rule the compiled (TVM) and the ONNX back ends implement
 BACKEND_OPS = ("conv2d", "dense", "affine", "scale", "relu", "leaky_relu", "add", "avg_pool2d", "max_pool2d",
                "reshape", "convert")
@@ -137,7 +140,8 @@ def fixed_k_plan(graph: PlannedGraph, what: str, ops: tuple[str, ...] | None = N
     shared-factor ``graph``: ``graph.factors``' variants without QR compaction (exact: only ``g·gᵀ``
     is used downstream; ``K`` then grows with depth).  :class:`ArgumentError` for what they do not
     implement: the raw-moment plan, ``injection='rescaled'``, ops outside ``ops`` (default
-    :data:`BACKEND_OPS`; naming the layer)."""
+    :data:`BACKEND_OPS`; naming the layer).  Every ``K`` is rounded up to a multiple of
+    :data:`FACTOR_ALIGN` (zero columns) so the kernels' factor axis is whole SIMD vectors."""
     fp = graph.factors
     ops = BACKEND_OPS if ops is None else ops
     if graph.moment_form != "variance":
@@ -151,7 +155,10 @@ def fixed_k_plan(graph: PlannedGraph, what: str, ops: tuple[str, ...] | None = N
             raise ArgumentError(f"{layer.layer.source}: {what} has no shared-factor rule for op '{layer.op}' "
                                 f"(implemented: {', '.join(ops)}); net.reference runs it, or convert with "
                                 "correlation='mean-field'")
-    return plan_factors(graph, fp.hermite, compact=False, injection=fp.injection)
+    fixed = plan_factors(graph, fp.hermite, compact=False, injection=fp.injection)
+    # whole SIMD vectors of factor columns (zero columns change nothing: only g·gᵀ is used)
+    width = {name: -(-k // FACTOR_ALIGN) * FACTOR_ALIGN for name, k in fixed.width.items()}
+    return dataclasses.replace(fixed, width=width)
 
 
 @dataclass(frozen=True)

@@ -21,8 +21,8 @@ are float32 TE expressions of the same formulas:
   ``sf_dense_load`` (with the corrected variance) and ``sf_clip``; reshape/convert: views.
 
 **Fixed K, no compaction**: the data-dependent QR compaction of the reference is skipped -- every
-edge carries the factor columns of :func:`~pyro2pfp.correlation.plan_factors` with
-``compact=False``.  Compaction is exact (only ``g·gᵀ`` matters downstream), so the results are the
+edge carries the factor columns of :func:`~pyro2pfp.correlation.factors.fixed_k_plan`
+(``plan_factors(compact=False)``, ``K`` rounded up to whole SIMD vectors with zero columns).  Compaction is exact (only ``g·gᵀ`` matters downstream), so the results are the
 reference's up to float32 rounding; ``K`` grows with depth instead (ResNet-20: 1482 columns at the
 last edge instead of ≤ 320, ``O·C·K`` multiply-adds per conv loading).  Not compiled (an
 ``ArgumentError`` naming the layer): activations other than ReLU/LeakyReLU/scale, the
@@ -54,7 +54,7 @@ from .._core import (
     fast_exp,
     te_shared,
 )
-from ..schedules import pow2_divisor, schedule, simd_lanes, static_extent
+from ..schedules import pow2_divisor, schedule, simd_lanes, static_extent, vectorizable
 from .compute import _pad, schedule_conv2d
 
 PARTS = ("norm", "clip", "scale", "conv_pool", "conv_load", "conv_beta", "conv_weights", "relu_terms", "relu_load",
@@ -341,11 +341,19 @@ class SharedStep(FixedKStep):
                                _c(0.0))
 
         def pooled(*srcs: te.Tensor) -> list[te.Tensor]:
+            """``m̄[b, c, i, j]`` = mean over the output positions of the input at kernel offset
+            ``(i, j)``: row sums over the output columns per padded input row, then sums over the
+            output rows (separable: ``Hp·KW·OW + KH·KW·OH`` instead of ``KH·KW·OH·OW`` per channel)."""
             outs = []
             for n, src in enumerate(srcs):
-                y, x_ = te.reduce_axis((0, oh), name=f"y{n}"), te.reduce_axis((0, ow), name=f"x{n}")
+                padded = _pad(src, [py, px])
+                hp = int(padded.shape[2])
+                x_ = te.reduce_axis((0, ow), name=f"x{n}")
+                rows = te.compute((src.shape[0], c, hp, kw), lambda b, ch, yy, j: te.sum(
+                    padded[b, ch, yy, x_ * sx + j * dx], axis=x_), name=f"rows{n}")  # noqa: B023
+                y = te.reduce_axis((0, oh), name=f"y{n}")
                 outs.append(te.compute((src.shape[0], c, kh, kw), lambda b, ch, i, j: te.sum(
-                    tap(src, b, ch, y, x_, i, j) * _c(1.0 / (oh * ow)), axis=[y, x_]), name=f"bar{n}"))  # noqa: B023
+                    rows[b, ch, y * sy + i * dy, j] * _c(1.0 / (oh * ow)), axis=y), name=f"bar{n}"))  # noqa: B023
             return outs
 
         bars = _emit(ctx, pooled, [x.mean] + ([sh.s] if sh is not None else []), layer, "conv_pool")
@@ -555,6 +563,10 @@ def schedule_shared(sch: s_tir.Schedule, layer: Any, target: tvm.target.Target) 
         spatial = sum(1 for iv in sch.get(block).iter_vars if int(iv.iter_type) == 0)
         lead = loops[:max(1, min(2, spatial))]
         sch.parallel(sch.fuse(*lead) if len(lead) > 1 else lead[0])
+        if spatial == len(loops) > 2 and vectorizable(sch, [block]):  # elementwise: vectorise the last axis
+            vec = pow2_divisor(static_extent(sch, loops[-1]), lanes)
+            if vec > 1:
+                sch.vectorize(sch.split(loops[-1], [None, vec])[1])
 
 
 schedule(*(f"sf_{part}" for part in PARTS))(schedule_shared)
