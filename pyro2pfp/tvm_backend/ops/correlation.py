@@ -20,13 +20,13 @@ are float32 TE expressions of the same formulas:
   ``sf_maxpool`` (Clark's fold with the profile's linear response, a sequential TE reduction); dense:
   ``sf_dense_load`` (with the corrected variance) and ``sf_clip``; reshape/convert: views.
 
-**Fixed K, no compaction**: the data-dependent QR compaction of the reference is skipped -- every
-edge carries the factor columns of :func:`~pyro2pfp.correlation.factors.fixed_k_plan`
-(``plan_factors(compact=False)``, ``K`` rounded up to whole SIMD vectors with zero columns).  Compaction is exact (only ``g·gᵀ`` matters downstream), so the results are the
-reference's up to float32 rounding; ``K`` grows with depth instead (ResNet-20: 1482 columns at the
-last edge instead of ≤ 320, ``O·C·K`` multiply-adds per conv loading).  Not compiled (an
-``ArgumentError`` naming the layer): activations other than ReLU/LeakyReLU/scale, the
-raw-moment plan and ``injection='rescaled'``.
+**Fixed K, no compaction**: the data-dependent QR compaction of the reference is skipped -- every edge
+carries the factor columns of :func:`~pyro2pfp.correlation.factors.fixed_k_plan`
+(``plan_factors(compact=False)``, ``K`` rounded up to whole SIMD vectors with zero columns). Compaction
+is exact (only ``g·gᵀ`` matters downstream), so the results are the reference's up to float32 rounding;
+``K`` grows with depth instead (ResNet-20: 1482 columns at the last edge instead of ≤ 320, ``O·C·K``
+multiply-adds per conv loading). Not compiled (an ``ArgumentError`` naming the layer): activations other
+than ReLU/LeakyReLU/scale, the raw-moment plan and ``injection='rescaled'``.
 """
 from __future__ import annotations
 
