@@ -3,15 +3,16 @@ paper's nets (MLP 784-100-10, LeNet-5) and CIFAR-style ResNet-8 / ResNet-20 (3×
 
 Every net has an untrained ``AutoNormal`` posterior with means at He scale and posterior sd 0.02
 (:func:`pyro2pfp_experiments.zoo.he_posterior`, means from a NumPy generator so that they cannot
-coincide with the guide's first Monte Carlo draw); inputs are standard normal.  Schemes:
-``mean-field`` (the plan, NumPy reference) and ``correlated`` (shared-factor PFP,
-:mod:`pyro2pfp_experiments.correlation`, NumPy float64), on the same MC samples.  Per net it prints the
+coincide with the guide's first Monte Carlo draw); inputs are standard normal.  Schemes (each
+``pyro2pfp.convert(..., correlation=scheme)`` → ``net.reference``, float64): ``mean-field``,
+``shared-factor`` (:mod:`pyro2pfp.correlation`) and ``auto`` (the default; the row says which
+it chose), on the same MC samples.  Per net it prints the
 median and p10–p90 of the PFP/MC logit-variance ratio (over inputs × classes), the argmax
 agreement (PFP mean logits vs the MC predictive probabilities) and the mean error of the PFP
 logit means in MC standard deviations, then a HOLDS/SHORT line per target.
 
     PYTHONPATH=. python benchmarks/fidelity.py [--samples 300] [--inputs 32] [--nets mlp,lenet,resnet8,resnet20]
-                                              [--schemes mean-field,correlated] [--latency] [--cost]
+                                              [--schemes mean-field,shared-factor] [--latency] [--cost]
 """
 from __future__ import annotations
 
@@ -22,6 +23,7 @@ import numpy as np
 import torch
 
 import pyro2pfp
+from pyro2pfp.correlation import cost_model, plan_factors
 from pyro2pfp.diagnose import layer_fidelity
 from pyro2pfp_experiments.zoo import BayesianLeNet5, BayesianMLP, bayesian_resnet, he_posterior
 
@@ -31,14 +33,6 @@ NETS = {
     "resnet8": (lambda: bayesian_resnet(blocks=1), (3, 32, 32)),
     "resnet20": (lambda: bayesian_resnet(blocks=3), (3, 32, 32)),
 }
-
-
-def pfp_logits(net, x: np.ndarray, scheme: str) -> tuple[np.ndarray, np.ndarray]:
-    if scheme == "mean-field":
-        return net.reference(x)
-    from pyro2pfp_experiments.correlation import execute_correlated
-
-    return execute_correlated(net.plan, x)
 
 
 def numpy_ms(fn, repeats: int = 3) -> float:
@@ -67,16 +61,17 @@ def main() -> None:
     ap.add_argument("--samples", type=int, default=300)
     ap.add_argument("--inputs", type=int, default=32)
     ap.add_argument("--nets", default=",".join(NETS))
-    ap.add_argument("--schemes", default="mean-field,correlated",
-                    help="PFP variants compared with the same MC samples (mean-field: the plan; correlated: "
-                         "shared-factor PFP, pyro2pfp_experiments.correlation)")
-    ap.add_argument("--latency", action="store_true", help="also time the compiled net (batch 1, median of 20)")
+    ap.add_argument("--schemes", default="mean-field,shared-factor",
+                    help="values of convert(..., correlation=) compared with the same MC samples "
+                         "(mean-field, shared-factor, auto)")
+    ap.add_argument("--latency", action="store_true",
+                    help="also time the compiled net of each scheme (batch 1, median of 20)")
     ap.add_argument("--cost", action="store_true",
                     help="also print the scheme's cost model and NumPy float64 times (batch 1, best of 3)")
     ap.add_argument("--seed", type=int, default=0)
     args = ap.parse_args()
     print(f"{args.samples} MC samples, {args.inputs} inputs")
-    head = f"{'net':<9} {'scheme':<11} {'var ratio med':>13} {'p10':>6} {'p90':>6} {'argmax %':>9} {'mean err/sd':>11}"
+    head = f"{'net':<9} {'scheme':<13} {'var ratio med':>13} {'p10':>6} {'p90':>6} {'argmax %':>9} {'mean err/sd':>11}"
     rows, verdicts = [head, "-" * len(head)], []
     for name in args.nets.split(","):
         make, shape = NETS[name]
@@ -84,24 +79,26 @@ def main() -> None:
         model = make()
         x = torch.randn(args.inputs, *shape)
         guide = he_posterior(model, x, scale=0.02, seed=args.seed)
-        net = pyro2pfp.convert(model, guide, input_shape=shape)
-        d = pyro2pfp.diagnose(model, guide, x, num_samples=args.samples, net=net, seed=args.seed, per_layer=False)
-        for scheme in args.schemes.split(","):
-            mean, var = pfp_logits(net, x.numpy().astype(np.float64), scheme)
+        nets = {scheme: pyro2pfp.convert(model, guide, input_shape=shape, correlation=scheme)
+                for scheme in args.schemes.split(",")}
+        d = pyro2pfp.diagnose(model, guide, x, num_samples=args.samples, net=next(iter(nets.values())),
+                              seed=args.seed, per_layer=False)
+        for scheme, net in nets.items():
+            mean, var = net.reference(x.numpy().astype(np.float64))
+            label = f"auto={net.plan.correlation}" if scheme == "auto" else scheme
             r = layer_fidelity("logits", "", mean, var, d.output["mc_mean"], d.output["mc_var"])
             agree = float(np.mean(mean.argmax(-1) == d.output["mc_prob"].argmax(-1)))
-            line = (f"{name:<9} {scheme:<11} {r.ratio_median:13.3f} {r.ratio_p10:6.3f} {r.ratio_p90:6.3f} "
+            line = (f"{name:<9} {label:<13} {r.ratio_median:13.3f} {r.ratio_p10:6.3f} {r.ratio_p90:6.3f} "
                     f"{100 * agree:9.1f} {r.mean_error:11.3f}")
-            if args.latency and scheme == "mean-field":
+            if args.latency:
                 line += f"   compiled latency (batch 1) {latency_ms(net, x[:1].numpy()):.3f} ms"
-            if args.cost and scheme == "correlated":
-                from pyro2pfp_experiments.correlation import cost_model
-
+            if args.cost:
                 x1 = x[:1].numpy().astype(np.float64)
-                ref_ms = numpy_ms(lambda: net.reference(x1))  # noqa: B023
-                corr_ms = numpy_ms(lambda: pfp_logits(net, x1, "correlated"))  # noqa: B023
-                line += (f"\n{'':21}{cost_model(net.plan).summary()}; NumPy batch 1: mean-field {ref_ms:.1f} ms, "
-                         f"correlated {corr_ms:.1f} ms")
+                line += f"   NumPy float64 reference batch 1: {numpy_ms(lambda: net.reference(x1)):.1f} ms"  # noqa: B023
+                if net.plan.factors is not None:
+                    fixed = cost_model(net.plan, plan_factors(net.plan, compact=False))
+                    line += (f"\n{'':23}reference (QR compaction): {cost_model(net.plan).summary()}"
+                             f"\n{'':23}compiled / ONNX (fixed K): {fixed.summary()}")
             rows.append(line)
             print(line, flush=True)
             ok = {"median in [0.8, 1.25]": 0.8 <= r.ratio_median <= 1.25,

@@ -69,6 +69,9 @@ def parse_args(argv=None) -> argparse.Namespace:
                     help="seconds of timing per measurement (default 1.0, quick 0.3)")
     ap.add_argument("--no-profile", action="store_true", help="skip the per-kernel PFP profiles")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--correlation", default="auto", choices=("auto", "shared-factor", "mean-field"),
+                    help="convert(..., correlation=) of the PFP network (default: auto; 'mean-field' gives the "
+                         "before-issue-12 plan of the ResNets)")
     args = ap.parse_args(argv)
     if args.quick:
         args.nets = args.nets or ["mlp"]
@@ -261,13 +264,13 @@ def run_net(name: str, args, tgt, x_all: np.ndarray, y_all: np.ndarray, log) -> 
     det.eval()
 
     t0 = time.perf_counter()
-    net = pyro2pfp.convert(model, guide, input_shape=input_shape)
+    net = pyro2pfp.convert(model, guide, input_shape=input_shape, correlation=args.correlation)
     t1 = time.perf_counter()
     exe = net.compile(tgt)
     t2 = time.perf_counter()
     compile_s = t2 - t1
     log(f"[{name}] converted in {t1 - t0:.1f} s, compiled (default schedules) in {compile_s:.1f} s "
-        f"({sum(p.op != 'reshape' for p in net.plan.layers)} PFP kernels)")
+        f"({sum(p.op != 'reshape' for p in net.plan.layers)} PFP layers, correlation {net.plan.correlation})")
     ort_session = None
     try:
         import onnxruntime as ort
@@ -278,6 +281,8 @@ def run_net(name: str, args, tgt, x_all: np.ndarray, y_all: np.ndarray, log) -> 
                                            providers=["CPUExecutionProvider"])
     except ImportError:
         log("onnxruntime is not installed: no onnxruntime row")
+    except pyro2pfp.ArgumentError as exc:  # e.g. a shared-factor plan
+        log(f"no onnxruntime row: {exc}")
 
     # deterministic net in TVM: torch.export -> Relax (symbolic batch)
     t0 = time.perf_counter()

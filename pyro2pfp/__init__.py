@@ -6,6 +6,7 @@
 >>> exe = net.compile("native", tune=10)   # + MetaSchedule-tuned executable for batch 10 (cached)
 >>> print(exe.profile(x))                  # time per kernel
 """
+from . import correlation as correlation  # shared-factor PFP: registers its executor with the reference
 from . import ops as ops  # the op registry: every op family registers its converter, reference, ONNX export
 from ._version import __version__ as __version__
 from .deploy import load

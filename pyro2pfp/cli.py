@@ -251,7 +251,7 @@ def convert_from_args(args: argparse.Namespace):
         options["head"] = args.head
     try:
         net = pyro2pfp.convert(model, guide, input_shape=args.input_shape, calibration=args.calibration,
-                               moment_form=args.moment_form, **options)
+                               moment_form=args.moment_form, correlation=args.correlation, **options)
     except PFPError as exc:
         if args.params is None and "never been run" in str(exc):
             raise CLIError(f"{exc} Pass the trained parameters with --params params.pt.") from None
@@ -604,6 +604,10 @@ def _add_conversion_options(p: argparse.ArgumentParser, builder_help: str = BUIL
                    help="'variance' (default, accurate in float32) or 'raw' (the paper's raw-moment plan)")
     p.add_argument("--input-variance", action="store_true",
                    help="the network also takes the variance of its input (sensor noise): inputs x, x_var")
+    p.add_argument("--correlation", choices=("auto", "shared-factor", "mean-field"), default="auto",
+                   help="treatment of noise shared across positions/branches: 'auto' (default: shared-factor "
+                        "for nets with average pooling of conv outputs or residual adds), 'shared-factor' or "
+                        "'mean-field' (the paper)")
 
 
 def _add_remote_options(p: argparse.ArgumentParser, required: bool) -> None:

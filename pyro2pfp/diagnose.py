@@ -147,17 +147,18 @@ def layer_fidelity(name: str, op: str, pfp_mean: np.ndarray, pfp_var: np.ndarray
 
 def diagnose(model: Any, guide: Any, x: Any, *, num_samples: int = 300, input_shape: tuple[int, ...] | None = None,
              calibration: float = 1.0, net: Any = None, seed: int = 0, per_layer: bool = True,
-             execute: Any = None) -> Diagnosis:
+             execute: Any = None, correlation: str = "auto") -> Diagnosis:
     """Compare every planned layer's PFP moments with Monte Carlo over the guide's samples.
 
     ``x``: a batch of inputs ``(B, *input_shape)``; ``input_shape`` defaults to ``x.shape[1:]``.
-    ``net``: an already converted
-    :class:`~pyro2pfp.PFPNetwork` of ``(model, guide)`` (skips conversion; its plan is diagnosed,
-    whatever its calibration).  Layers inserted by the planner (representation conversions) and
-    layers that share a traced node with a later one are not listed.  See the module docstring
-    for the figures.  ``per_layer=False`` records only the output (logits): faster, and the
-    returned ``layers`` then hold the output layer alone.  ``execute(plan, x) -> {layer: Activation}``
-    replaces the NumPy reference (:func:`pyro2pfp.reference.execute_all`) as the PFP side.
+    ``net``: an already converted :class:`~pyro2pfp.PFPNetwork` of ``(model, guide)`` (skips conversion;
+    its plan is diagnosed, whatever its calibration and correlation scheme; without it the network is
+    converted with ``calibration`` and ``correlation``, see :func:`pyro2pfp.convert`).  Layers inserted
+    by the planner (representation conversions) and layers that share a traced node with a later one are
+    not listed.  See the module docstring for the figures.  ``per_layer=False`` records only the output
+    (logits): faster, and the returned ``layers`` then hold the output layer alone.  ``execute(plan, x)
+    -> {layer: Activation}`` replaces the NumPy reference (:func:`pyro2pfp.reference.execute_all`, which
+    runs the plan's correlation scheme) as the PFP side.
     """
     from .inputs import as_input_array
     from .network import convert
@@ -169,7 +170,7 @@ def diagnose(model: Any, guide: Any, x: Any, *, num_samples: int = 300, input_sh
     if net is None:
         if input_shape is None:
             input_shape = tuple(np.shape(x)[1:])
-        net = convert(model, guide, input_shape=input_shape, calibration=calibration)
+        net = convert(model, guide, input_shape=input_shape, calibration=calibration, correlation=correlation)
     if net.input_variance:
         raise PFPError("diagnose supports networks without input variance only")
     xs = as_input_array(x, net.input_shape, dtype=np.float64)

@@ -300,6 +300,11 @@ EXPORTERS: dict[str, Exporter] = {}
 #: ``@exporter(op)`` registers the ONNX emitter of PFP op ``op`` (once).
 exporter = add_to(EXPORTERS, "ONNX export of op")
 
+SCHEME_STEPS: dict[str, Callable[..., Any]] = {}
+"""``{correlation scheme: factory(graph, ctx) -> step(ctx, layer, inputs, out) -> out}`` for plans that
+are not mean-field (``"shared-factor"``: :mod:`pyro2pfp.correlation.onnx_rules`, which builds on this
+module): the step emits the scheme's nodes after each layer's export."""
+
 
 # ---------------------------------------------------------------------------------------------
 # The model
@@ -345,9 +350,14 @@ def build_model(net: Any, *, opset: int = DEFAULT_OPSET, graph_name: str | None 
         b._used["x_var"] += 1
         values = {INPUT: OnnxActivation(Sym(b, "x"), Sym(b, "x_var"), V)}
 
+    # shared-factor PFP: its rules after each layer's export (pyro2pfp/correlation/onnx_rules.py)
+    step = SCHEME_STEPS["shared-factor"](graph, ctx) if graph.factors is not None else None
     for layer in graph.layers:
         b.scope = layer.name
-        values[layer.name] = EXPORTERS[layer.op](ctx, layer, [values[name] for name in layer.inputs])
+        layer_inputs = [values[name] for name in layer.inputs]
+        values[layer.name] = EXPORTERS[layer.op](ctx, layer, layer_inputs)
+        if step is not None:
+            values[layer.name] = step(ctx, layer, layer_inputs, values[layer.name])
         if values[layer.name].repr is not layer.out_repr:
             raise PFPError(f"ONNX exporter bug: {layer.name} gave {values[layer.name].repr}, "
                            f"the plan says {layer.out_repr}")
@@ -379,6 +389,7 @@ def build_model(net: Any, *, opset: int = DEFAULT_OPSET, graph_name: str | None 
         "pyro2pfp.input_variance": str(graph.input_repr is not D).lower(),
         "pyro2pfp.moment_form": graph.moment_form,
         "pyro2pfp.calibration": repr(graph.calibration),
+        "pyro2pfp.correlation": graph.correlation,
     })
     onnx.checker.check_model(model, full_check=True)
     return model

@@ -32,6 +32,7 @@ from __future__ import annotations
 import numbers
 from collections import Counter
 from dataclasses import dataclass, field
+from typing import Any
 
 import numpy as np
 
@@ -109,6 +110,14 @@ class PlannedGraph:
     output: str
     calibration: float
     moment_form: str = "variance"
+    # Shared-factor PFP: a pyro2pfp.correlation.FactorPlan (set by pyro2pfp.correlation.with_correlation),
+    # None for mean-field PFP.  (Typed Any: the correlation package builds on this module.)
+    factors: Any = None
+
+    @property
+    def correlation(self) -> str:
+        """``"shared-factor"`` or ``"mean-field"``: the scheme this plan is executed with."""
+        return "mean-field" if self.factors is None else "shared-factor"
 
     def repr_of(self, name: str) -> Repr:
         if name == INPUT:
@@ -149,6 +158,12 @@ class PlannedGraph:
         lines.insert(1, "-" * len(lines[0]))
         lines.append(f"output: {self.output} → (mean, variance); calibration factor {self.calibration:g}; "
                      f"moment form '{self.moment_form}'")
+        if self.factors is None:
+            lines.append("correlation: mean-field (every element independent)")
+        else:
+            lines.append(f"correlation: shared-factor (up to {self.factors.max_factors} factors per edge, "
+                         f"{len(self.factors.offsets)} layers create factors, "
+                         f"{len(self.factors.compact_at)} compaction points)")
         return "\n".join(lines)
 
 
@@ -176,7 +191,8 @@ def _stored_tensors(layer: Layer, input_repr: Repr, calibration: float) -> dict[
 
 
 def plan(graph: LayerGraph, calibration: float = 1.0, moment_form: str = "variance") -> PlannedGraph:
-    """Assign representations, insert conversions and compute the stored weights."""
+    """Assign representations, insert conversions and compute the stored weights (a mean-field plan:
+    :func:`pyro2pfp.correlation.with_correlation` adds the factor plan of shared-factor PFP)."""
     if isinstance(calibration, bool) or not isinstance(calibration, numbers.Real):
         raise PFPError(f"calibration must be a number (the factor on every weight variance, e.g. 1.0), "
                        f"got {calibration!r} of type {type(calibration).__name__}")

@@ -242,10 +242,12 @@ class CalibrationObjective:
 
     def pfp_output(self, c: float) -> tuple[np.ndarray, np.ndarray]:
         """``(mean, var)`` of the logits with calibration factor ``c`` (float64 reference)."""
+        from .correlation import with_correlation
         from .plan import plan
         from .reference import execute
 
-        planned = plan(self.net.layer_graph, float(c), self.net.plan.moment_form)
+        planned = with_correlation(plan(self.net.layer_graph, float(c), self.net.plan.moment_form),
+                                   self.net.plan.correlation)
         return execute(planned, self.x)
 
     def metrics(self, c: float) -> dict[str, np.ndarray]:

@@ -1,4 +1,4 @@
-"""Shared-factor PFP (pyro2pfp_experiments.correlation) against Monte Carlo.
+"""Shared-factor PFP (pyro2pfp.correlation) against Monte Carlo.
 
 Exact rules are checked with pure Monte Carlo bounds (Bonferroni z, standard errors from the
 sample): the conv regression profile ``s = Cov(out, η)`` and the pooled variance of conv →
@@ -16,19 +16,25 @@ from builders import conv_layer, dense_layer, reshape_layer
 from stats import check_moments, z_threshold
 
 import pyro2pfp
+from pyro2pfp.correlation import (
+    CorrelationError,
+    FactorPlan,
+    Shared,
+    execute_shared,
+    execute_shared_all,
+    plan_factors,
+    with_correlation,
+)
+from pyro2pfp.correlation.rules import shared_pool, shared_relu
 from pyro2pfp.diagnose import layer_fidelity
 from pyro2pfp.graph import INPUT, GaussianParam, Layer, LayerGraph, Repr
 from pyro2pfp.plan import plan
 from pyro2pfp.reference import Activation, execute
-from pyro2pfp_experiments.correlation import (
-    FactorPlan,
-    Shared,
-    execute_correlated,
-    execute_correlated_all,
-    plan_factors,
-    shared_pool,
-    shared_relu,
-)
+
+
+def execute_correlated(graph, x, **options):
+    """The shared-factor output of a mean-field plan ``graph`` (factor plan built with ``options``)."""
+    return execute_shared(graph, x, plan_factors(graph, **options))
 
 ALPHA = 1e-6
 
@@ -75,7 +81,7 @@ def test_conv_regression_profile_is_the_covariance_with_the_pooled_noise():
     graph = plan(LayerGraph(input_shape=(2, 5, 5), layers=[conv], output="conv"))
     x = rng.standard_normal((2, 2, 5, 5))
     keep: dict[str, Shared | None] = {"conv": None}
-    conv_mean = execute_correlated_all(graph, x, keep=keep)["conv"].mean
+    conv_mean = execute_shared_all(graph, x, plan_factors(graph), keep=keep)["conv"].mean
     sh = keep["conv"]
     assert sh is not None
     samples = _conv_samples(conv, x, 40000, rng)
@@ -226,7 +232,8 @@ def test_zero_variance_gives_mean_field_and_huge_means_stay_finite():
 @pytest.fixture(scope="module")
 def small_resnet():
     """A ResNet-style net (two stages, one block each, BatchNorm eval, global pooling) with an
-    AutoNormal posterior after a few SVI steps on random data; MC moments of its logits."""
+    AutoNormal posterior after a few SVI steps on random data, converted with the default
+    (``correlation="auto"``) and with mean-field; MC moments of its logits."""
     from pyro2pfp_experiments.zoo import bayesian_resnet, he_posterior, train_svi
 
     torch.manual_seed(0)
@@ -236,25 +243,38 @@ def small_resnet():
     guide = he_posterior(model, x[:4], scale=0.03, seed=0)
     train_svi(model, guide, x, y, epochs=2, batch_size=48, lr=1e-3, kl_max=1e-3, seed=0)
     net = pyro2pfp.convert(model, guide, input_shape=(3, 12, 12))
+    mean_field = pyro2pfp.convert(model, guide, input_shape=(3, 12, 12), correlation="mean-field")
     xs = x[:6]
-    diag = pyro2pfp.diagnose(model, guide, xs, num_samples=150, net=net, per_layer=False, seed=7)
-    return net, xs.numpy().astype(np.float64), diag
+    diag = pyro2pfp.diagnose(model, guide, xs, num_samples=150, net=mean_field, per_layer=False, seed=7)
+    return net, mean_field, xs.numpy().astype(np.float64), diag
 
 
 def test_small_resnet_logit_variances_match_sampling_only_with_shared_factors(small_resnet):
-    net, x, diag = small_resnet
+    """convert → net.reference against Pyro's guide samples through the traced model (diagnose)."""
+    net, mean_field, x, diag = small_resnet
+    assert net.plan.correlation == "shared-factor" and mean_field.plan.correlation == "mean-field"
+    assert "correlation: shared-factor" in net.summary()
     mc_mean, mc_var = diag.output["mc_mean"], diag.output["mc_var"]
-    factored = layer_fidelity("logits", "", *execute_correlated(net.plan, x), mc_mean, mc_var)
-    mean_field = layer_fidelity("logits", "", *net.reference(x), mc_mean, mc_var)
+    factored = layer_fidelity("logits", "", *net.reference(x), mc_mean, mc_var)
+    plain = layer_fidelity("logits", "", *mean_field.reference(x), mc_mean, mc_var)
     # 150 samples: the MC variance's relative sd is 0.12; stated tolerance of the approximation ±0.2
     assert 0.8 <= factored.ratio_median <= 1.25, factored
     assert 0.6 <= factored.ratio_p10 and factored.ratio_p90 <= 1.6, factored
-    assert mean_field.ratio_median < 0.6, mean_field
+    assert plain.ratio_median < 0.6, plain
     assert factored.mean_error < 0.2
 
 
+def test_calibrate_keeps_the_correlation_scheme(small_resnet):
+    from pyro2pfp.uncertainty import CalibrationObjective
+
+    net, mean_field, x, _ = small_resnet
+    obj = CalibrationObjective(net, x, objective="nll", y_val=np.zeros(len(x)))
+    np.testing.assert_allclose(obj.pfp_output(1.0)[1], net.reference(x)[1], rtol=1e-12)
+    assert not np.allclose(obj.pfp_output(1.0)[1], mean_field.reference(x)[1], rtol=0.1)
+
+
 def test_compaction_is_exact_and_bounds_the_factor_count(small_resnet):
-    net, x, _ = small_resnet
+    net, _, x, _ = small_resnet
     a = execute_correlated(net.plan, x, compact=True)
     b = execute_correlated(net.plan, x, compact=False)
     np.testing.assert_allclose(a[1], b[1], rtol=1e-9)
@@ -262,10 +282,126 @@ def test_compaction_is_exact_and_bounds_the_factor_count(small_resnet):
     assert with_c.compact_at and max(with_c.width.values()) < max(without.width.values())
 
 
+@pytest.fixture(scope="module")
+def paper_nets():
+    """The paper's two nets (small LeNet-5, MLP) with an AutoNormal posterior, each converted with
+    the default, with mean-field and with shared factors (the param store holds one guide at a time)."""
+    from pyro2pfp_experiments.zoo import BayesianLeNet5, BayesianMLP, he_posterior
+
+    torch.manual_seed(2)
+    out = []
+    for model, shape in ((BayesianLeNet5(c1=3, c2=4, f1=10, f2=8), (1, 28, 28)), (BayesianMLP(20, (16,), 5), (20,))):
+        x = torch.randn(5, *shape)
+        guide = he_posterior(model, x, scale=0.05, seed=2)
+        nets = {c: pyro2pfp.convert(model, guide, input_shape=shape, correlation=c)
+                for c in ("auto", "mean-field", "shared-factor")}
+        with pytest.raises(pyro2pfp.ArgumentError, match="correlation must be one of"):
+            pyro2pfp.convert(model, guide, input_shape=shape, correlation="full")
+        out.append((nets, x.numpy().astype(np.float64)))
+    return out
+
+
+def test_paper_nets_stay_mean_field_by_default(paper_nets):
+    """MLP and LeNet-5: "auto" is mean-field (identical results); the MLP under explicit shared
+    factors reduces to mean-field (every unit is its own channel with its own factors)."""
+    for nets, x in paper_nets:
+        assert nets["auto"].plan.correlation == "mean-field"
+        for a, b in zip(nets["auto"].reference(x), nets["mean-field"].reference(x)):
+            np.testing.assert_array_equal(a, b)
+    nets, x = paper_nets[1]
+    assert nets["shared-factor"].plan.correlation == "shared-factor"
+    for a, b in zip(nets["shared-factor"].reference(x), nets["mean-field"].reference(x)):
+        np.testing.assert_allclose(a, b, rtol=1e-9)
+
+
+def _grouped_conv_pool_graph(rng: np.random.Generator) -> LayerGraph:
+    conv = conv_layer(rng, "conv", INPUT, (2, 4, 4), 2, 3, 1, 1, 1, 2, 0.5, 0.05)
+    return LayerGraph(input_shape=(2, 4, 4), layers=[conv, _pool_layer("pool", "conv", 2, 4)], output="pool")
+
+
+def test_unsupported_layers_raise_when_asked_and_fall_back_with_a_warning_under_auto():
+    graph = _grouped_conv_pool_graph(np.random.default_rng(9))
+    with pytest.raises(CorrelationError, match="conv \\(test\\): grouped convolutions"):
+        with_correlation(plan(graph), "shared-factor")
+    with pytest.warns(UserWarning, match="pool \\(test\\) averages positions.*grouped convolutions"):
+        planned = with_correlation(plan(graph), "auto")
+    assert planned.correlation == "mean-field"
+    rng = np.random.default_rng(10)
+    conv = conv_layer(rng, "conv", INPUT, (1, 4, 4), 2, 1, 1, 0, 1, 1, 0.5, 0.05)
+    noisy_in = LayerGraph(input_shape=(1, 4, 4), layers=[conv, _pool_layer("pool", "conv", 2, 4)], output="pool",
+                          input_variance=True)
+    with pytest.raises(CorrelationError, match="deterministic network input"):
+        with_correlation(plan(noisy_in), "shared-factor")
+    with pytest.warns(UserWarning, match="input_variance"):
+        assert with_correlation(plan(noisy_in), "auto").correlation == "mean-field"
+
+
+def test_auto_falls_back_for_ops_only_the_reference_implements(monkeypatch):
+    """"auto" must give a plan every back end runs: an op whose shared-factor rule only the NumPy
+    reference has (here: scale, as for an activation with the generic Stein rule) → mean-field + warning."""
+    from pyro2pfp.correlation import factors
+
+    graph, *_ = _linear_gaussian_residual(np.random.default_rng(4))
+    scale = Layer(name="half", op="scale", inputs=["conv1"], out_shape=graph.layers[1].out_shape,
+                  source="half (test)", attrs={"factor": -0.5})
+    graph.layers.insert(2, scale)
+    graph.layers[3].inputs[0] = "half"
+    assert with_correlation(plan(graph), "auto").correlation == "shared-factor"
+    monkeypatch.setattr(factors, "BACKEND_OPS", tuple(op for op in factors.BACKEND_OPS if op != "scale"))
+    with pytest.warns(UserWarning, match="half \\(test\\): op 'scale' has a shared-factor rule in the NumPy"):
+        assert with_correlation(plan(graph), "auto").correlation == "mean-field"
+    assert with_correlation(plan(graph), "shared-factor").correlation == "shared-factor"
+
+
+def test_generic_activation_rule_is_steins_lemma():
+    """Any activation with an ActivationRule (here tanh's Gaussian moments, not a registered op): the
+    shared profile is Cov(f(a), η) = E[f'(a)]·s (Stein's lemma; a = μ + s·η + e·ε Gaussian)."""
+    from pyro2pfp import moments
+    from pyro2pfp.correlation.rules import shared_activation
+    from pyro2pfp.registry import ActivationRule
+
+    rng = np.random.default_rng(11)
+    shape = (1, 2, 3, 3)
+    mean, s, e = _relu_input(rng, shape)
+    layer = Layer(name="t", op="scale", inputs=[INPUT], out_shape=shape[1:], source="t (test)", attrs={})
+    planned = plan(LayerGraph(input_shape=shape[1:], layers=[layer], output="t", input_variance=True))
+    rule = ActivationRule(exact=lambda x, attrs, ops: np.tanh(x),
+                          moments=lambda m, v, attrs, ops: moments.tanh_moments(m, v, ops))
+    g = np.zeros((1, 2, 2))
+    g[0, 0, 0] = g[0, 1, 1] = 1.0
+    out = shared_activation(planned.layers[0], Activation(mean, s**2 + e**2, Repr.VARIANCE), Shared(s, g), rule)
+    n = 200000
+    eta = rng.standard_normal((n, 1, 2, 1, 1))
+    f = np.tanh(mean + s * eta + e * rng.standard_normal((n, *shape)))
+    assert_covariances(f.reshape(n, -1), np.broadcast_to(eta, f.shape).reshape(n, -1), out.s.reshape(-1))
+    np.testing.assert_array_equal(out.g, g)
+
+
+def test_scale_op_in_a_residual_net_is_exact():
+    """A constant scale (``x * c``) on the residual branch of the linear Gaussian net: still exact."""
+    rng = np.random.default_rng(4)
+    graph, conv0, conv1 = _linear_gaussian_residual(rng)
+    fc = graph.layers[-1]
+    scale = Layer(name="half", op="scale", inputs=["conv1"], out_shape=conv1.out_shape, source="half (test)",
+                  attrs={"factor": -0.5})
+    graph.layers.insert(2, scale)
+    graph.layers[3].inputs[0] = "half"
+    planned = with_correlation(plan(graph), "shared-factor")
+    x = rng.standard_normal((2, 1, 5, 5))
+    n = 20000
+    w0 = conv0.params["weight"]
+    ws = w0.mean + np.sqrt(w0.var) * rng.standard_normal((n, *w0.mean.shape))
+    n0 = np.einsum("noc,bcp->nbop", ws[..., 0, 0], x.reshape(2, 1, -1))
+    branch = -0.5 * np.einsum("oc,nbcp->nbop", conv1.params["weight"].mean[..., 0, 0], n0)
+    logits = (branch + n0).mean(axis=3) @ fc.params["weight"].mean.T
+    check = check_moments(logits, *execute(planned, x))
+    assert check.ok, check.report()
+
+
 def test_unsupported_op_is_named():
     rng = np.random.default_rng(7)
     graph, *_ = _linear_gaussian_residual(rng)
     planned = plan(graph)
     planned.layers[2].layer.op = "mul"  # not a shared-factor op
-    with pytest.raises(NotImplementedError, match="add \\(test\\).*'mul'"):
+    with pytest.raises(CorrelationError, match="add \\(test\\).*'mul'"):
         plan_factors(planned)

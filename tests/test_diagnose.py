@@ -6,7 +6,6 @@ import pytest
 import torch
 
 import pyro2pfp
-from pyro2pfp_experiments.correlation import execute_correlated_all
 
 
 @pytest.fixture(scope="module")
@@ -22,7 +21,7 @@ def resnet_case():
 
 def test_per_layer_rows_locate_the_global_pooling_failure(resnet_case, tmp_path):
     model, guide, x = resnet_case
-    d = pyro2pfp.diagnose(model, guide, x, num_samples=120)
+    d = pyro2pfp.diagnose(model, guide, x, num_samples=120, correlation="mean-field")
     rows = {r.name: r for r in d.layers}
     assert "fc" in rows and "conv1" in rows and "input" not in rows
     # conv1 sees a deterministic input: its PFP variance is exact, so the ratio is 1 up to MC noise
@@ -38,8 +37,8 @@ def test_per_layer_rows_locate_the_global_pooling_failure(resnet_case, tmp_path)
     png = tmp_path / "ratio.png"
     d.plot(png)
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
-    # the correlation-aware prototype as the PFP side: the pooling layer is repaired
-    dc = pyro2pfp.diagnose(model, guide, x, num_samples=120, execute=execute_correlated_all)
+    # the default (correlation="auto" picks shared factors for global pooling): the pooling layer is repaired
+    dc = pyro2pfp.diagnose(model, guide, x, num_samples=120)
     pool_c = next(r for r in dc.layers if r.op == "avg_pool2d")
     assert 0.7 <= pool_c.ratio_median <= 1.4, pool_c
 

@@ -5,7 +5,17 @@ Each PFP op has one reference function registered with :func:`reference` (in its
 input and returns the layer's output activation in the representation the plan asks for
 (``layer.out_repr``).  The executor is the ground truth the compiled TVM module is tested against.
 """
-from ._core import NUMPY_BACKEND, REFERENCES, Activation, NumpyBackend, emit_output, execute, execute_all, reference
+from ._core import (
+    NUMPY_BACKEND,
+    REFERENCES,
+    SCHEME_EXECUTORS,
+    Activation,
+    NumpyBackend,
+    emit_output,
+    execute,
+    execute_all,
+    reference,
+)
 
-__all__ = ["NUMPY_BACKEND", "REFERENCES", "Activation", "NumpyBackend", "emit_output", "execute", "execute_all",
-           "reference"]
+__all__ = ["NUMPY_BACKEND", "REFERENCES", "SCHEME_EXECUTORS", "Activation", "NumpyBackend", "emit_output", "execute",
+           "execute_all", "reference"]

@@ -268,6 +268,12 @@ def kernel_table(mod: Any) -> dict[str, tuple[str, str]]:
 #: ``@kernel(op)`` registers the Relax/TE emitter of PFP op ``op`` (once).
 kernel = add_to(KERNELS, "TVM kernel of op")
 
+SCHEME_STEPS: dict[str, Callable[[PlannedGraph], Callable[..., RelaxActivation]]] = {}
+"""``{correlation scheme: step factory}`` for plans that are not mean-field: ``factory(graph)``
+returns ``step(ctx, layer, inputs, out) -> out`` which emits the scheme's kernels after each layer's
+mean-field kernel and returns the layer's (possibly variance-corrected) output.  ``"shared-factor"``:
+``tvm_backend/ops/correlation.py``."""
+
 
 FUSABLE_PRODUCERS = ("dense", "add")
 """Kernels whose epilogue also computes a following ReLU's moments: dense, and the residual ``add``
@@ -300,8 +306,13 @@ def emit_module(graph: PlannedGraph, *, fuse: bool = True) -> tvm.IRModule:
 
     ``main(x: (batch, *input_shape) float32[, x_var]) -> (mean, var)`` of the output; weights are
     bound as float32 constants; ``batch`` is symbolic.  ``fuse``: ReLUs that follow a dense layer
-    are computed in its kernel (:func:`fused_activations`).
+    are computed in its kernel (:func:`fused_activations`; not for a shared-factor plan, whose
+    kernels of :data:`SCHEME_STEPS` follow every layer's).
     """
+    step = None
+    if graph.factors is not None:  # shared-factor PFP: its kernels after each layer's (no fusion)
+        step = SCHEME_STEPS["shared-factor"](graph)
+        fuse = False
     batch = tirx.Var("batch", "int64")
     bb = relax.BlockBuilder()
     shapes = {INPUT: graph.input_shape, **{p.name: p.layer.out_shape for p in graph.layers}}
@@ -324,8 +335,11 @@ def emit_module(graph: PlannedGraph, *, fuse: bool = True) -> tvm.IRModule:
                 if fn is None:
                     raise PFPError(f"{layer.layer.source}: no TVM kernel for PFP op '{layer.op}'")
                 ctx.activation = fused.get(layer.name)
-                values[layer.name] = fn(ctx, layer, [values[name] for name in layer.inputs])
+                inputs = [values[name] for name in layer.inputs]
+                values[layer.name] = fn(ctx, layer, inputs)
                 ctx.activation = None
+                if step is not None:
+                    values[layer.name] = step(ctx, layer, inputs, values[layer.name])
             result = values[graph.output]
             if result.repr is Repr.DETERMINISTIC:
                 zeros = bb.emit(relax.op.zeros_like(result.mean))

@@ -1,0 +1,85 @@
+"""The per-layer dispatch shared by the float32 back ends of shared-factor PFP (the TVM kernels,
+``tvm_backend/ops/correlation.py``, and the ONNX export, :mod:`pyro2pfp.correlation.onnx_rules`):
+after each layer's mean-field output, the rule of its op turns the inputs' shared parts into the
+output's and may correct the output variance.  A back end subclasses :class:`FixedKStep` and
+implements one method per rule family on its own tensor type."""
+from __future__ import annotations
+
+from typing import Any
+
+from ..graph import INPUT, Repr
+from ..plan import PlannedGraph, PlannedLayer
+from .factors import fixed_k_plan
+
+
+class FixedKStep:
+    """``step(ctx, layer, inputs, out) -> out`` for a shared-factor plan in a float32 back end.
+
+    ``self.fp``: the fixed-K factor plan (:func:`~pyro2pfp.correlation.factors.fixed_k_plan`);
+    ``self.shared[edge]``: the back end's shared part of each edge (None: none).  ``out`` and the
+    returned activation are the back end's ``(mean, second)`` activations; the methods return the
+    output's shared part (and, for dense/add/average pooling, the activation with the corrected
+    variance)."""
+
+    what = "this back end"
+
+    def __init__(self, graph: PlannedGraph) -> None:
+        self.fp = fixed_k_plan(graph, self.what)
+        self.shared: dict[str, Any] = {INPUT: None}
+
+    def __call__(self, ctx: Any, layer: PlannedLayer, inputs: list[Any], out: Any) -> Any:
+        shs = [self.shared[n] for n in layer.inputs]
+        op = layer.op
+        sh = None
+        if out.repr is Repr.DETERMINISTIC:
+            pass
+        elif op in ("conv2d", "dense") and shs[0] is None and layer.name not in self.fp.offsets:
+            pass  # no shared part in, no weight noise: none out
+        elif op == "conv2d":
+            sh = self.conv2d(ctx, layer, inputs[0], shs[0], out)
+        elif op == "dense":
+            sh, out = self.dense(ctx, layer, inputs[0], shs[0], out)
+        elif op == "add" and (shs[0] is None or shs[1] is None):
+            sh = shs[1] if shs[0] is None else shs[0]  # one branch without a shared part: nothing to combine
+        elif op == "add":
+            sh, out = self.add(ctx, layer, shs[0], shs[1], out)
+        elif shs[0] is None:
+            pass
+        elif op in ("affine", "scale"):
+            sh = self.linear(ctx, layer, shs[0], out)
+        elif op in ("relu", "leaky_relu"):
+            sh = self.relu(ctx, layer, inputs[0], shs[0], out)
+        elif op == "avg_pool2d":
+            sh, out = self.avg_pool(ctx, layer, inputs[0], shs[0], out)
+        elif op == "max_pool2d":
+            sh = self.max_pool(ctx, layer, inputs[0], shs[0], out)
+        elif op in ("reshape", "convert"):
+            sh = self.view(ctx, layer, shs[0])
+        self.shared[layer.name] = sh
+        return out
+
+    # one method per rule (see pyro2pfp.correlation.rules); conv2d/dense get ``sh`` None when their
+    # input has no shared part (then the layer has weight noise)
+    def conv2d(self, ctx: Any, layer: PlannedLayer, x: Any, sh: Any, out: Any) -> Any:
+        raise NotImplementedError
+
+    def dense(self, ctx: Any, layer: PlannedLayer, x: Any, sh: Any, out: Any) -> tuple[Any, Any]:
+        raise NotImplementedError
+
+    def add(self, ctx: Any, layer: PlannedLayer, sa: Any, sb: Any, out: Any) -> tuple[Any, Any]:
+        raise NotImplementedError
+
+    def linear(self, ctx: Any, layer: PlannedLayer, sh: Any, out: Any) -> Any:
+        raise NotImplementedError
+
+    def relu(self, ctx: Any, layer: PlannedLayer, x: Any, sh: Any, out: Any) -> Any:
+        raise NotImplementedError
+
+    def avg_pool(self, ctx: Any, layer: PlannedLayer, x: Any, sh: Any, out: Any) -> tuple[Any, Any]:
+        raise NotImplementedError
+
+    def max_pool(self, ctx: Any, layer: PlannedLayer, x: Any, sh: Any, out: Any) -> Any:
+        raise NotImplementedError
+
+    def view(self, ctx: Any, layer: PlannedLayer, sh: Any) -> Any:
+        raise NotImplementedError

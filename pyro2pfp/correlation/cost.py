@@ -1,0 +1,77 @@
+"""Prediction-time cost model of shared-factor PFP (multiply-adds and stored floats per input, beside
+mean-field PFP's), for ``benchmarks/fidelity.py --cost``."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from ..graph import INPUT, Repr
+from ..plan import PlannedGraph
+from .factors import FactorPlan, plan_factors
+
+
+@dataclass(frozen=True)
+class Cost:
+    """Per-input multiply-adds and stored floats of mean-field PFP and of the scheme's additions
+    (:func:`cost_model`)."""
+
+    mean_field_macs: int
+    extra_macs: int
+    mean_field_floats: int  # μ and second moment of every edge
+    extra_floats: int  # s and g of every edge
+    max_factors: int  # the largest K of any edge
+
+    def summary(self) -> str:
+        total = self.mean_field_macs + self.extra_macs
+        return (f"multiply-adds: mean-field {self.mean_field_macs / 1e6:.1f} M, shared factors "
+                f"+{self.extra_macs / 1e6:.1f} M (x{total / self.mean_field_macs:.2f}); floats per input over all "
+                f"edges: mean-field {self.mean_field_floats / 1e3:.1f} k, +{self.extra_floats / 1e3:.1f} k; "
+                f"K ≤ {self.max_factors}")
+
+
+def cost_model(graph: PlannedGraph, factors: FactorPlan | None = None) -> Cost:
+    """Count the work of one input (module docstring rules).  Mean-field: every dense/conv layer is
+    3 products of its size (mean, weight-variance term, mean-weight² term; 2 for a deterministic
+    input); elementwise ops count their elements.  The scheme adds, per conv layer, one convolution
+    with per-input weights for the propagated profile (if the input has a shared part), two (one
+    with ``injection='rescaled'``, which reuses the mean-field weight-variance term) for the
+    weight-noise regression profile, and ``O·C·(K_in + K_out)`` for the loadings; per dense layer
+    two products of its size and ``O·C·K``; per ReLU/add ``~3·C·K``; per compaction ``2·C²·K``.
+    ``factors``: default ``graph.factors``, else :func:`plan_factors` of ``graph``."""
+    fp = factors if factors is not None else graph.factors if graph.factors is not None else plan_factors(graph)
+    injection = fp.injection
+    mf = extra = mf_floats = extra_floats = 0
+    for layer in graph.layers:
+        shape = layer.layer.out_shape
+        n_out = int(np.prod(shape))
+        ins = layer.inputs
+        det_in = ins[0] == INPUT and graph.input_repr is Repr.DETERMINISTIC
+        mf_floats += 2 * n_out
+        k_in = max((fp.width.get(n, 0) for n in ins), default=0)
+        k = fp.width[layer.name]
+        rows = fp.rows[layer.name]
+        if k:
+            extra_floats += n_out + rows * k
+        if layer.op in ("conv2d", "dense"):
+            wm = layer.tensors["weight_mean"]
+            o, size = wm.shape[0], int(wm.size)
+            positions = int(np.prod(shape[1:])) if layer.op == "conv2d" else 1
+            macs = positions * size
+            mf += macs * (2 if det_in else 3)
+            if not k:
+                continue
+            c_in = wm.shape[1] if layer.op == "conv2d" else fp.rows.get(ins[0], 1)
+            if layer.op == "conv2d":
+                extra += (macs if k_in else 0) + o * c_in * (k_in + k) + 2 * size
+                if layer.name in fp.offsets:
+                    extra += (2 if k_in else 1) * macs if injection == "regression" else 0
+            else:
+                extra += (2 * macs + o * c_in * k_in if k_in else 0) + o * k
+        else:
+            mf += n_out
+            if k:
+                extra += 10 * n_out + 3 * rows * k
+        if layer.name in fp.compact_at:
+            extra += 2 * rows * rows * k
+    return Cost(mf, extra, mf_floats, extra_floats, max(fp.width.values(), default=0))

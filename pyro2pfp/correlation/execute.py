@@ -1,0 +1,103 @@
+"""The float64 executor of shared-factor PFP: the mean-field reference of every layer
+(:data:`pyro2pfp.reference.REFERENCES`) plus the layer's shared-factor rule
+(:mod:`pyro2pfp.correlation.rules`), which also corrects the variance where positions or branches
+are summed (average pooling, dense, residual add).  :func:`pyro2pfp.reference.execute_all` runs it
+for a plan that carries a :class:`~pyro2pfp.correlation.factors.FactorPlan`."""
+from __future__ import annotations
+
+import numpy as np
+
+from ..errors import PFPError
+from ..graph import INPUT, Repr
+from ..plan import PlannedGraph
+from ..reference import REFERENCES, SCHEME_EXECUTORS, Activation, emit_output
+from ..registry import OPS
+from .factors import FactorPlan
+from .rules import (
+    Shared,
+    compacted,
+    shared_activation,
+    shared_add,
+    shared_affine,
+    shared_conv2d,
+    shared_dense,
+    shared_pool,
+    shared_relu,
+)
+
+
+def execute_shared_all(graph: PlannedGraph, x: np.ndarray, factors: FactorPlan | None = None, *,
+                       keep: dict[str, Shared | None] | None = None) -> dict[str, Activation]:
+    """Run ``graph`` in float64 with shared factors; every layer's activation by name (in the
+    plan's representation; ``(μ, v)`` are the mean-field ones except where a rule corrects ``v``).
+
+    ``factors``: the factor plan (default ``graph.factors``); deterministic network input only.
+    ``keep``: names whose :class:`~pyro2pfp.correlation.rules.Shared` part is written into it (for
+    diagnostics and tests)."""
+    fp = graph.factors if factors is None else factors
+    if fp is None:
+        raise PFPError("this plan has no factor plan (correlation='mean-field'): use pyro2pfp.reference.execute_all")
+    if graph.input_repr is not Repr.DETERMINISTIC:
+        raise PFPError("shared-factor PFP: networks with an input variance are not supported")
+    values = {INPUT: Activation(np.asarray(x, dtype=np.float64), None, Repr.DETERMINISTIC)}
+    shared: dict[str, Shared | None] = {INPUT: None}
+    remaining: dict[str, int] = {}
+    for layer in graph.layers:
+        for n in layer.inputs:
+            remaining[n] = remaining.get(n, 0) + 1
+    for layer in graph.layers:
+        ins = [values[n] for n in layer.inputs]
+        shs = [shared[n] for n in layer.inputs]
+        op = layer.op
+        with np.errstate(over="ignore", invalid="ignore", divide="ignore"):
+            out = REFERENCES[op](layer, ins)
+            mean, var = out.mean, out.variance()
+            sh: Shared | None = None
+            rule = OPS[op].activation if op in OPS else None
+            if op == "conv2d":
+                sh = shared_conv2d(layer, ins[0], shs[0], fp)
+            elif op == "dense":
+                sh, var = shared_dense(layer, ins[0], shs[0], fp, var)
+            elif op == "add":
+                sh, cross = shared_add(shs[0], shs[1], mean.shape, fp.width[layer.name])
+                var = np.maximum(var + cross, 0.0)
+            elif shs[0] is None:
+                sh = None
+            elif op == "affine":
+                sh = shared_affine(layer, shs[0])
+            elif op in ("relu", "leaky_relu"):
+                sh = shared_relu(layer, ins[0], shs[0], fp)
+            elif op in ("avg_pool2d", "max_pool2d"):
+                sh, var = shared_pool(layer, ins[0], shs[0], var)
+            elif op in ("reshape", "convert"):
+                s_in = shs[0].s
+                sh = Shared(s_in.reshape((s_in.shape[0], -1) if op == "reshape" and mean.ndim == 2 else mean.shape),
+                            shs[0].g)
+            elif rule is not None:
+                sh = shared_activation(layer, ins[0], shs[0], rule)
+            else:  # plan_factors rejects such plans
+                raise PFPError(f"{layer.layer.source}: op '{op}' has no shared-factor rule")
+            if sh is not None:
+                sd = np.sqrt(np.maximum(var, 0.0)).reshape(sh.s.shape)
+                sh = Shared(np.clip(sh.s, -sd, sd), sh.g)
+                if layer.name in fp.compact_at:
+                    sh = compacted(sh)
+        values[layer.name] = emit_output(mean, var, layer)
+        shared[layer.name] = sh
+        if keep is not None and layer.name in keep:
+            keep[layer.name] = sh
+        for n in layer.inputs:
+            remaining[n] -= 1
+            if remaining[n] == 0:
+                shared[n] = None
+    return values
+
+
+def execute_shared(graph: PlannedGraph, x: np.ndarray, factors: FactorPlan | None = None
+                   ) -> tuple[np.ndarray, np.ndarray]:
+    """Output ``(mean, variance)`` of :func:`execute_shared_all`."""
+    out = execute_shared_all(graph, x, factors)[graph.output]
+    return out.mean, out.variance()
+
+
+SCHEME_EXECUTORS["shared-factor"] = execute_shared_all

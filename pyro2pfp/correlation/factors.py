@@ -1,0 +1,248 @@
+"""The factor plan of shared-factor PFP: which layer creates which block of factor columns, how many
+columns every edge carries, and where they are compacted -- plain data, fixed before any input
+(:func:`plan_factors`); and the choice between shared factors and mean-field (:func:`choose`).
+
+The representation the plan describes and the per-op rules are in :mod:`pyro2pfp.correlation.rules`.
+"""
+from __future__ import annotations
+
+import dataclasses
+import warnings
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from ..errors import ArgumentError
+from ..graph import INPUT, Repr
+from ..plan import PlannedGraph, PlannedLayer
+from ..registry import OPS
+
+CORRELATIONS = ("auto", "shared-factor", "mean-field")
+HERMITE_MODES = ("factor", "none")
+INJECTIONS = ("regression", "rescaled")
+#: ops with a dedicated rule; any op with an ActivationRule has the generic (Stein) one
+RULE_OPS = ("conv2d", "dense", "affine", "relu", "leaky_relu", "add", "avg_pool2d", "max_pool2d", "reshape",
+            "convert")
+#: compact an edge's ``g`` when its factor count reaches this multiple of its rows (cost 2·C²·K)
+COMPACT_RATIO = 4
+
+
+class CorrelationError(ArgumentError):
+    """Shared-factor PFP was asked for a network it has no rule for (the message names the layer)."""
+
+
+@dataclass(frozen=True)
+class FactorPlan:
+    """What the planner stores for shared-factor PFP (static; nothing new per weight).
+
+    ``offsets[layer]``: first factor column of the block a layer creates (size = its channels);
+    ``width[edge]``: the number of factor columns ``K`` the edge's rule produces (0: no shared part;
+    after a compaction the edge carries ``rows[edge]`` columns); ``rows[edge]``: rows of ``g``
+    (channels; units of a dense edge); ``group[edge]``: elements per channel of a flat edge;
+    ``compact_at``: layers after which ``g`` is compacted to ``rows`` columns (``None``-free: a
+    plan without compaction has an empty set); ``hermite``/``injection``: the rule variants
+    (:mod:`pyro2pfp.correlation.rules`)."""
+
+    offsets: dict[str, int] = field(default_factory=dict)
+    width: dict[str, int] = field(default_factory=dict)
+    rows: dict[str, int] = field(default_factory=dict)
+    group: dict[str, int] = field(default_factory=dict)
+    compact_at: frozenset[str] = frozenset()
+    hermite: str = "factor"
+    injection: str = "regression"
+
+    @property
+    def max_factors(self) -> int:
+        """The largest ``K`` of any edge."""
+        return max(self.width.values(), default=0)
+
+
+def is_noisy(layer: PlannedLayer) -> bool:
+    """A conv2d/dense layer with weight or bias variance (it creates a factor block)."""
+    t = layer.tensors
+    return layer.op in ("conv2d", "dense") and any(k in t for k in ("weight_var", "weight_second_moment", "bias_var"))
+
+
+def has_rule(op: str) -> bool:
+    """Shared-factor PFP has a rule for ``op``."""
+    return op in RULE_OPS or (op in OPS and OPS[op].activation is not None)
+
+
+def plan_factors(graph: PlannedGraph, hermite: str = "factor", compact: bool = True,
+                 injection: str = "regression") -> FactorPlan:
+    """Allocate the factor blocks and compaction points of ``graph`` (static: no input needed).
+
+    Raises :class:`CorrelationError` naming the first layer the scheme has no rule for."""
+    if hermite not in HERMITE_MODES:
+        raise ArgumentError(f"hermite must be one of {HERMITE_MODES}, got {hermite!r}")
+    if injection not in INJECTIONS:
+        raise ArgumentError(f"injection must be one of {INJECTIONS}, got {injection!r}")
+    if graph.input_repr is not Repr.DETERMINISTIC:
+        raise CorrelationError("correlation='shared-factor' needs a deterministic network input "
+                               "(input_variance=True is mean-field only)")
+    remaining: dict[str, int] = {}
+    for layer in graph.layers:
+        for n in layer.inputs:
+            remaining[n] = remaining.get(n, 0) + 1
+    offsets: dict[str, int] = {}
+    width: dict[str, int] = {INPUT: 0}
+    rows: dict[str, int] = {INPUT: 0}
+    group: dict[str, int] = {INPUT: 1}
+    compact_at: set[str] = set()
+    live: set[str] = set()
+    k = 0
+    for layer in graph.layers:
+        name, op, ins = layer.name, layer.op, layer.inputs
+        if not has_rule(op):
+            supported = sorted(set(RULE_OPS) | {n for n, o in OPS.items() if o.activation is not None})
+            raise CorrelationError(f"{layer.layer.source}: op '{op}' has no shared-factor rule "
+                                   f"(supported: {', '.join(supported)}); use correlation='mean-field'")
+        if op == "conv2d" and layer.layer.attrs.get("groups", 1) != 1:
+            raise CorrelationError(f"{layer.layer.source}: grouped convolutions (groups="
+                                   f"{layer.layer.attrs['groups']}) have no shared-factor rule; "
+                                   "use correlation='mean-field'")
+        has_in = any(width[n] > 0 for n in ins)
+        shape = layer.layer.out_shape
+        if op == "reshape" and has_in:
+            src = ins[0]
+            if len(shape) != 1 and shape[0] != rows[src]:
+                raise CorrelationError(f"{layer.layer.source}: shared-factor PFP supports reshapes that keep the "
+                                       f"channel axis or flatten it, not {graph.shape_of(src)} -> {shape}")
+            rows[name] = rows[src]
+            group[name] = int(np.prod(shape)) // max(rows[src], 1) if len(shape) == 1 else group[src]
+        else:
+            rows[name], group[name] = shape[0], 1
+        if is_noisy(layer) or (op in ("relu", "leaky_relu") and has_in and hermite == "factor"):
+            offsets[name] = k
+            k += shape[0]
+        width[name] = k if (has_in or name in offsets) else 0
+        for n in ins:
+            remaining[n] -= 1
+            if remaining[n] == 0:
+                live.discard(n)
+        if width[name] and remaining.get(name, 0) > 0:
+            live.add(name)
+            if compact and live == {name} and k >= COMPACT_RATIO * rows[name]:
+                compact_at.add(name)
+                k = rows[name]
+    return FactorPlan(offsets, width, rows, group, frozenset(compact_at), hermite, injection)
+
+
+#: the float32 back ends' factor counts are multiples of this (16 fp32 = one AVX-512 register)
+FACTOR_ALIGN = 16
+#: ops whose rule the compiled (TVM) and the ONNX back ends implement
+BACKEND_OPS = ("conv2d", "dense", "affine", "scale", "relu", "leaky_relu", "add", "avg_pool2d", "max_pool2d",
+               "reshape", "convert")
+
+
+def fixed_k_plan(graph: PlannedGraph, what: str, ops: tuple[str, ...] | None = None) -> FactorPlan:
+    """The factor plan the float32 back ends (``what``: "the TVM back end", "ONNX export") run for a
+    shared-factor ``graph``: ``graph.factors``' variants without QR compaction (exact: only ``g·gᵀ``
+    is used downstream; ``K`` then grows with depth).  :class:`ArgumentError` for what they do not
+    implement: the raw-moment plan, ``injection='rescaled'``, ops outside ``ops`` (default
+    :data:`BACKEND_OPS`; naming the layer).  Every ``K`` is rounded up to a multiple of
+    :data:`FACTOR_ALIGN` (zero columns) so the kernels' factor axis is whole SIMD vectors."""
+    fp = graph.factors
+    ops = BACKEND_OPS if ops is None else ops
+    if graph.moment_form != "variance":
+        raise ArgumentError(f"{what} of correlation='shared-factor' needs moment_form='variance', not "
+                            f"{graph.moment_form!r}")
+    if fp.injection != "regression":
+        raise ArgumentError(f"{what} of correlation='shared-factor' supports injection='regression' only, not "
+                            f"{fp.injection!r}")
+    for layer in graph.layers:
+        if layer.op not in ops:
+            raise ArgumentError(f"{layer.layer.source}: {what} has no shared-factor rule for op '{layer.op}' "
+                                f"(implemented: {', '.join(ops)}); net.reference runs it, or convert with "
+                                "correlation='mean-field'")
+    fixed = plan_factors(graph, fp.hermite, compact=False, injection=fp.injection)
+    # whole SIMD vectors of factor columns (zero columns change nothing: only g·gᵀ is used)
+    width = {name: -(-k // FACTOR_ALIGN) * FACTOR_ALIGN for name, k in fixed.width.items()}
+    return dataclasses.replace(fixed, width=width)
+
+
+@dataclass(frozen=True)
+class ComputeFactors:
+    """What a conv2d/dense rule needs of its layer: its factor block ``offset`` (None: no weight
+    noise), the width ``k`` of its output's ``g``, the weight mean and variance."""
+
+    offset: int | None
+    k: int
+    weight_mean: np.ndarray
+    weight_var: np.ndarray
+
+    @classmethod
+    def of(cls, layer: PlannedLayer, fp: FactorPlan) -> ComputeFactors:
+        t = layer.tensors
+        return cls(fp.offsets.get(layer.name), fp.width[layer.name], t["weight_mean"], weight_var(t))
+
+
+def weight_var(t: dict[str, np.ndarray]) -> np.ndarray:
+    """The weight variance of a compute layer's stored tensors (either plan form)."""
+    if "weight_var" in t:
+        return t["weight_var"]
+    if "weight_second_moment" in t:
+        return np.maximum(t["weight_second_moment"] - t["weight_mean"] ** 2, 0.0)
+    return np.zeros_like(t["weight_mean"])
+
+
+def _noisy_ancestry(graph: PlannedGraph) -> dict[str, bool]:
+    """``{edge: it depends on the noise of a conv2d layer}``."""
+    conv_noise = {INPUT: False}
+    for layer in graph.layers:
+        conv_noise[layer.name] = (layer.op == "conv2d" and is_noisy(layer)) or any(conv_noise[n] for n in layer.inputs)
+    return conv_noise
+
+
+def needs_shared_factors(graph: PlannedGraph) -> str | None:
+    """Why mean-field would be wrong for ``graph`` (None: it is fine): an average pooling of a
+    conv output's noise (shared by every position of the channel, divided by the window size as
+    if independent) or a residual add of two noisy branches (which share their input).
+
+    Flatten → dense after a conv (LeNet-5) is not on the list: the dense weights differ per
+    position, so the shared noise does not add coherently (measured: LeNet-5's mean-field logit
+    variance ratio 0.99, ``benchmarks/fidelity.py``)."""
+    noisy = _noisy_ancestry(graph)
+    for layer in graph.layers:
+        if layer.op == "avg_pool2d" and noisy[layer.inputs[0]]:
+            return f"{layer.layer.source} averages positions of a conv output"
+        if layer.op == "add" and sum(graph.repr_of(n) is not Repr.DETERMINISTIC for n in layer.inputs) == 2:
+            return f"{layer.layer.source} adds two branches that share their input"
+    return None
+
+
+def choose(graph: PlannedGraph, correlation: str) -> FactorPlan | None:
+    """The factor plan for ``correlation`` (None: mean-field).
+
+    ``"shared-factor"``: the scheme, or :class:`CorrelationError` naming the layer it has no rule
+    for; ``"mean-field"``: None; ``"auto"``: the scheme when :func:`needs_shared_factors` finds a
+    reason, else mean-field -- and mean-field with a warning when the scheme has no rule for a layer,
+    or one that only the NumPy reference implements (the generic activation rule: the plan must
+    compile and export)."""
+    if correlation not in CORRELATIONS:
+        raise ArgumentError(f"correlation must be one of {CORRELATIONS}, got {correlation!r}")
+    if correlation == "mean-field":
+        return None
+    if correlation == "shared-factor":
+        return plan_factors(graph)
+    reason = needs_shared_factors(graph)
+    if reason is None:
+        return None
+    try:
+        fp = plan_factors(graph)
+        reference_only = next((layer for layer in graph.layers if layer.op not in BACKEND_OPS), None)
+        if reference_only is not None:
+            raise CorrelationError(f"{reference_only.layer.source}: op '{reference_only.op}' has a shared-factor rule "
+                                   "in the NumPy reference only, not in the compiled or ONNX back ends")
+        return fp
+    except CorrelationError as exc:
+        warnings.warn(f"correlation='auto': {reason}, so mean-field PFP will under-state the output variance, "
+                      f"but shared-factor PFP is not available: {exc}", stacklevel=4)
+        return None
+
+
+def with_correlation(graph: PlannedGraph, correlation: str) -> PlannedGraph:
+    """``graph`` (a plan of :func:`pyro2pfp.plan.plan`) with the factor plan :func:`choose` gives for
+    ``correlation`` stored in ``graph.factors`` (None: mean-field); returns ``graph``."""
+    graph.factors = choose(graph, correlation)
+    return graph

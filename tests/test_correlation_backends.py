@@ -1,0 +1,224 @@
+"""Shared-factor PFP compiled (tvm_backend/ops/correlation.py) and exported to ONNX
+(correlation/onnx_rules.py, run by onnxruntime) against the float64 NumPy reference.
+
+Both skip the reference's QR compaction (fixed K, exact: only g·gᵀ matters), so the
+two agree up to float32 rounding: per output, ``|tvm − ref| ≤ RTOL·max|ref|`` as in
+tests/test_schedules.py (a sum of K float32 terms is exact to about ``K·2⁻²⁴·Σ|terms|``).
+"""
+from __future__ import annotations
+
+import warnings
+
+import numpy as np
+import pytest
+import torch
+import tvm
+from builders import conv_layer, dense_layer, reshape_layer
+
+import pyro2pfp
+from pyro2pfp.correlation import with_correlation
+from pyro2pfp.graph import INPUT, Layer, LayerGraph
+from pyro2pfp.network import PFPNetwork
+from pyro2pfp.plan import plan
+from pyro2pfp.tvm_backend import emit_module
+from pyro2pfp.tvm_backend._core import kernel_info
+from pyro2pfp.tvm_backend.ops.correlation import PARTS
+from pyro2pfp.tvm_backend.schedules import schedule_module
+
+RTOL = 2e-5
+# onnxruntime's Erf/Exp (ReLU and Clark-max moments of the mean-field part) are less exact than the TVM
+# kernels': the tolerance tests/test_onnx.py uses for the mean-field export
+ONNX_RTOL = 1e-4
+NATIVE = tvm.target.Target({"kind": "llvm", "mcpu": tvm.target.codegen.llvm_get_system_cpu(), "num-cores": 2})
+
+
+def assert_matches(compiled: tuple[np.ndarray, np.ndarray], reference: tuple[np.ndarray, np.ndarray],
+                   rtol: float = RTOL) -> None:
+    for got, want, what in zip(compiled, reference, ("mean", "var")):
+        scale = np.abs(want).max()
+        err = np.abs(got - want).max()
+        assert err <= rtol * scale, f"{what}: max error {err:.3g} > {rtol} x {scale:.3g}"
+
+
+def _relu(name: str, inp: str, shape: tuple[int, ...], slope: float | None = None) -> Layer:
+    if slope is None:
+        return Layer(name=name, op="relu", inputs=[inp], out_shape=shape, source=f"{name} (test)")
+    return Layer(name=name, op="leaky_relu", inputs=[inp], out_shape=shape, source=f"{name} (test)",
+                 attrs={"slope": slope})
+
+
+def _avg_pool(name: str, inp: str, in_shape: tuple[int, int, int], kernel: int, stride: int, pad: int,
+              include_pad: bool) -> Layer:
+    c, h, w = in_shape
+    out = (c, (h + 2 * pad - kernel) // stride + 1, (w + 2 * pad - kernel) // stride + 1)
+    attrs = {"kernel": [kernel] * 2, "stride": [stride] * 2, "padding": [pad] * 2, "ceil_mode": False,
+             "count_include_pad": include_pad, "divisor": None}
+    return Layer(name=name, op="avg_pool2d", inputs=[inp], out_shape=out, source=f"{name} (test)", attrs=attrs)
+
+
+def every_rule_graph(rng: np.random.Generator) -> LayerGraph:
+    """conv (stride 2, padding, dilation) → BN affine → leaky ReLU → conv → scale → add (residual) →
+    ReLU → padded 3×3 average pool (stride 2) → flatten → dense → ReLU → dense: every compiled rule
+    (and a dense → ReLU → dense tail whose edges are flat)."""
+    c0 = conv_layer(rng, "c0", INPUT, (2, 9, 9), 4, 3, 2, 2, 2, 1, 0.5, 0.02)  # (4, 5, 5)
+    shape = c0.out_shape
+    bn = Layer(name="bn", op="affine", inputs=["c0"], out_shape=shape, source="bn (test)",
+               params={"scale": _det(rng.uniform(0.5, 1.5, 4)), "shift": _det(rng.standard_normal(4))})
+    c1 = conv_layer(rng, "c1", "r0", shape, 4, 3, 1, 1, 1, 1, 0.4, 0.02, bias="det")
+    half = Layer(name="half", op="scale", inputs=["c1"], out_shape=shape, source="half (test)",
+                 attrs={"factor": -0.5})
+    add = Layer(name="add", op="add", inputs=["half", "r0"], out_shape=shape, source="add (test)")
+    pool = _avg_pool("pool", "r1", shape, 3, 2, 1, False)  # (4, 3, 3)
+    layers = [c0, bn, _relu("r0", "bn", shape, 0.1), c1, half, add, _relu("r1", "add", shape), pool,
+              reshape_layer("flat", "pool", (36,)), dense_layer(rng, "fc1", "flat", 36, 7, 0.3, 0.01),
+              _relu("r2", "fc1", (7,)), dense_layer(rng, "fc2", "r2", 7, 3, 0.4, 0.01)]
+    return LayerGraph(input_shape=(2, 9, 9), layers=layers, output="fc2")
+
+
+def _det(values: np.ndarray):
+    from pyro2pfp.graph import GaussianParam
+
+    return GaussianParam(values, np.zeros_like(values))
+
+
+def max_pool_graph(rng: np.random.Generator) -> LayerGraph:
+    """LeNet-like: conv → ReLU → 2×2 max pool → conv → ReLU → overlapping padded 3×3 max pool
+    (stride 2) → flatten → dense."""
+    c0 = conv_layer(rng, "c0", INPUT, (1, 10, 10), 3, 3, 1, 1, 1, 1, 0.5, 0.02)  # (3, 10, 10)
+    p0 = _max_pool("p0", "r0", (3, 10, 10), 2, 2, 0)  # (3, 5, 5)
+    c1 = conv_layer(rng, "c1", "p0", (3, 5, 5), 4, 3, 1, 1, 1, 1, 0.4, 0.02)  # (4, 5, 5)
+    p1 = _max_pool("p1", "r1", (4, 5, 5), 3, 2, 1)  # (4, 3, 3)
+    layers = [c0, _relu("r0", "c0", (3, 10, 10)), p0, c1, _relu("r1", "c1", (4, 5, 5)), p1,
+              reshape_layer("flat", "p1", (36,)), dense_layer(rng, "fc", "flat", 36, 5, 0.3, 0.01)]
+    return LayerGraph(input_shape=(1, 10, 10), layers=layers, output="fc")
+
+
+def _max_pool(name: str, inp: str, in_shape: tuple[int, int, int], kernel: int, stride: int, pad: int) -> Layer:
+    c, h, w = in_shape
+    out = (c, (h + 2 * pad - kernel) // stride + 1, (w + 2 * pad - kernel) // stride + 1)
+    attrs = {"kernel": [kernel] * 2, "stride": [stride] * 2, "padding": [pad] * 2, "dilation": [1, 1],
+             "ceil_mode": False}
+    return Layer(name=name, op="max_pool2d", inputs=[inp], out_shape=out, source=f"{name} (test)", attrs=attrs)
+
+
+@pytest.fixture(scope="module")
+def every_rule():
+    graph = every_rule_graph(np.random.default_rng(0))
+    planned = with_correlation(plan(graph), "shared-factor")
+    return graph, planned, PFPNetwork(graph, planned)
+
+
+def test_max_pool_compiled_matches_the_reference():
+    graph = max_pool_graph(np.random.default_rng(5))
+    net = PFPNetwork(graph, with_correlation(plan(graph), "shared-factor"))
+    x = np.random.default_rng(6).standard_normal((3, *graph.input_shape)).astype(np.float32)
+    assert_matches(net.compile("native")(x), net.reference(x))
+    assert not np.allclose(net.reference(x)[1], PFPNetwork(graph, plan(graph)).reference(x)[1], rtol=1e-3)
+
+
+def test_every_rule_compiled_matches_the_reference(every_rule):
+    graph, planned, net = every_rule
+    exe = net.compile("native")
+    rng = np.random.default_rng(1)
+    for batch in (1, 3):
+        x = rng.standard_normal((batch, *graph.input_shape)).astype(np.float32)
+        assert_matches(exe(x), net.reference(x))
+    # the shared-factor kernels change the result: the mean-field plan's variance is different
+    mean_field = PFPNetwork(graph, plan(graph)).reference(x)[1]
+    assert not np.allclose(exe(x)[1], mean_field, rtol=0.05)
+
+
+def test_every_shared_factor_primfunc_is_scheduled(every_rule):
+    pool_graph = max_pool_graph(np.random.default_rng(5))
+    parts = set()
+    for planned in (every_rule[1], with_correlation(plan(pool_graph), "shared-factor")):
+        mod = emit_module(planned)
+        with warnings.catch_warnings():
+            warnings.simplefilter("error", RuntimeWarning)  # a schedule that fails soft is a failure here
+            scheduled = schedule_module(mod, planned, NATIVE)
+        for gv in scheduled.get_global_vars():
+            func = scheduled[gv]
+            if not isinstance(func, tvm.tirx.PrimFunc):
+                continue
+            op, _ = kernel_info(func)
+            assert op is not None, gv.name_hint
+            parts.add(op)
+            assert func.attrs.get("tirx.is_scheduled", False), gv.name_hint
+            assert "T.parallel" in func.script(), gv.name_hint
+    assert {f"sf_{part}" for part in PARTS} | {"sf_conv_profile"} <= parts
+
+
+def test_compiled_zero_variance_and_large_inputs_stay_finite():
+    graph = every_rule_graph(np.random.default_rng(2))
+    for layer in graph.layers:
+        for key, p in layer.params.items():
+            layer.params[key] = _det(p.mean)
+    planned = with_correlation(plan(graph), "shared-factor")
+    exe = PFPNetwork(graph, planned).compile("native")
+    x = np.random.default_rng(3).standard_normal((2, *graph.input_shape)).astype(np.float32)
+    mean, var = exe(x)
+    assert np.all(var == 0) and np.all(np.isfinite(mean))
+    mean, var = exe(1e4 * x)
+    assert np.all(np.isfinite(mean)) and np.all(np.isfinite(var)) and np.all(var >= 0)
+
+
+def test_plans_the_compiled_path_does_not_cover_are_refused(monkeypatch):
+    from pyro2pfp.correlation import factors, plan_factors
+
+    rng = np.random.default_rng(4)
+    conv = conv_layer(rng, "conv", INPUT, (1, 4, 4), 2, 1, 1, 0, 1, 1, 0.5, 0.05)
+    graph = LayerGraph(input_shape=(1, 4, 4), layers=[conv], output="conv")
+    with pytest.raises(pyro2pfp.ArgumentError, match="moment_form='variance'"):
+        emit_module(with_correlation(plan(graph, moment_form="raw"), "shared-factor"))
+    planned = plan(graph)
+    planned.factors = plan_factors(planned, injection="rescaled")
+    with pytest.raises(pyro2pfp.ArgumentError, match="injection='regression'"):
+        emit_module(planned)
+    monkeypatch.setattr(factors, "BACKEND_OPS", ("dense",))  # as for an op added without a kernel
+    with pytest.raises(pyro2pfp.ArgumentError, match="conv \\(test\\): the TVM back end has no .*'conv2d'"):
+        emit_module(with_correlation(plan(graph), "shared-factor"))
+    with pytest.raises(pyro2pfp.ArgumentError, match="conv \\(test\\): ONNX export has no .*'conv2d'"):
+        PFPNetwork(graph, with_correlation(plan(graph), "shared-factor")).to_onnx()
+
+
+def _onnx_run(net: PFPNetwork, x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    import onnxruntime as ort
+
+    opts = ort.SessionOptions()
+    opts.log_severity_level = 3
+    sess = ort.InferenceSession(net.to_onnx().SerializeToString(), opts, providers=["CPUExecutionProvider"])
+    mean, var = sess.run(None, {"x": x})
+    return mean, var
+
+
+@pytest.mark.parametrize("make", [every_rule_graph, max_pool_graph])
+def test_onnx_export_matches_the_reference(make):
+    graph = make(np.random.default_rng(7))
+    net = PFPNetwork(graph, with_correlation(plan(graph), "shared-factor"))
+    model = net.to_onnx()
+    assert {p.key: p.value for p in model.metadata_props}["pyro2pfp.correlation"] == "shared-factor"
+    rng = np.random.default_rng(8)
+    for batch in (1, 4):
+        x = rng.standard_normal((batch, *graph.input_shape)).astype(np.float32)
+        assert_matches(_onnx_run(net, x), net.reference(x), ONNX_RTOL)
+
+
+def test_onnx_export_refuses_what_it_does_not_cover():
+    rng = np.random.default_rng(4)
+    conv = conv_layer(rng, "conv", INPUT, (1, 4, 4), 2, 1, 1, 0, 1, 1, 0.5, 0.05)
+    graph = LayerGraph(input_shape=(1, 4, 4), layers=[conv], output="conv")
+    with pytest.raises(pyro2pfp.ArgumentError, match="moment_form='variance'"):
+        PFPNetwork(graph, with_correlation(plan(graph, moment_form="raw"), "shared-factor")).to_onnx()
+
+
+def test_converted_resnet_compiles_and_exports_the_default_plan():
+    """A small Bayesian ResNet converted with the default (auto → shared-factor): compiled vs reference."""
+    from pyro2pfp_experiments.zoo import bayesian_resnet, he_posterior
+
+    torch.manual_seed(0)
+    model = bayesian_resnet(blocks=1, widths=(4, 8))
+    x = torch.randn(3, 3, 8, 8)
+    net = pyro2pfp.convert(model, he_posterior(model, x, scale=0.03, seed=0), input_shape=(3, 8, 8))
+    assert net.plan.correlation == "shared-factor" and net.plan.factors.compact_at
+    assert_matches(net.compile("native")(x.numpy()), net.reference(x.numpy()))
+    assert_matches(_onnx_run(net, x.numpy()), net.reference(x.numpy()), ONNX_RTOL)
