@@ -45,9 +45,9 @@ def regression_data(n: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
     return x, y
 
 
-def classification_data(n: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+def classification_data(n: int, seed: int, d_in: int = D_IN) -> tuple[torch.Tensor, torch.Tensor]:
     g = torch.Generator().manual_seed(seed)
-    x = torch.randn(n, D_IN, generator=g)
+    x = torch.randn(n, d_in, generator=g)
     return x, (x[:, 0] > 0).long() + (x[:, 1] > 0.5).long()
 
 
@@ -237,6 +237,33 @@ class SequentialClassifier(PyroModule):
         return logits
 
 
+# ------------------------------------------------------------------------------- (g) a small CNN
+IMAGE = 4  # the CNN's inputs are flattened IMAGE x IMAGE images, viewed as (1, IMAGE, IMAGE) by the model
+
+
+class SiLUConvNet(PyroModule):
+    """An MNIST-tutorial-style CNN: the flattened input ``x.view(-1, 1, 4, 4)``, ``PyroModule[nn.Conv2d]``
+    with PyroSample weights, ``nn.BatchNorm2d`` (eval mode at prediction), SiLU, average pooling, flatten,
+    a Bayesian ``nn.Linear`` head; ``Categorical(logits=...)`` likelihood, returns the logits."""
+
+    def __init__(self, channels: int = 6) -> None:
+        super().__init__()
+        self.conv = PyroModule[nn.Conv2d](1, channels, 3, padding=1)
+        self.conv.weight = PyroSample(_normal_prior((channels, 1, 3, 3)))
+        self.conv.bias = PyroSample(_normal_prior((channels,)))
+        self.bn = nn.BatchNorm2d(channels)
+        self.fc = PyroModule[nn.Linear](channels * (IMAGE // 2) ** 2, CLASSES)
+        self.fc.weight = PyroSample(_normal_prior((CLASSES, channels * (IMAGE // 2) ** 2)))
+        self.fc.bias = PyroSample(_normal_prior((CLASSES,)))
+
+    def forward(self, x: torch.Tensor, y: torch.Tensor | None = None) -> torch.Tensor:
+        h = F.silu(self.bn(self.conv(x.view(-1, 1, IMAGE, IMAGE))))
+        logits = self.fc(torch.flatten(F.avg_pool2d(h, 2), 1))
+        with pyro.plate("data", x.shape[0]):
+            pyro.sample("obs", dist.Categorical(logits=logits), obs=y)
+        return logits
+
+
 # ------------------------------------------------------------------------------------ the gallery
 @dataclass
 class Built:
@@ -246,13 +273,16 @@ class Built:
     guide: Any
     bnn: Any = None  # a TyXe VariationalBNN (convert(bnn))
     net: Any = None  # the random_module's nn.Module
+    input_shape: tuple[int, ...] = (D_IN,)
+    convert_options: dict[str, Any] | None = None  # extra convert() arguments the entry needs
 
     def convert(self, **kwargs: Any) -> Any:
         import pyro2pfp
 
+        kwargs = {**(self.convert_options or {}), **kwargs}
         if self.bnn is not None:
             return pyro2pfp.convert(self.bnn, **kwargs)
-        return pyro2pfp.convert(self.model, self.guide, input_shape=(D_IN,), **kwargs)
+        return pyro2pfp.convert(self.model, self.guide, input_shape=self.input_shape, **kwargs)
 
 
 @dataclass
@@ -263,9 +293,12 @@ class Entry:
     style: str
     exact: bool  # PFP's output moments are exact (one hidden layer, mean-field, deterministic input)
     steps: int = 300
+    d_in: int = D_IN  # input features (the CNN's: a flattened image)
 
     def data(self, n: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
-        return (regression_data if self.task == "regression" else classification_data)(n, seed)
+        if self.task == "regression":
+            return regression_data(n, seed)
+        return classification_data(n, seed, self.d_in)
 
 
 def _rm() -> Built:
@@ -310,6 +343,13 @@ GALLERY = {e.name: e for e in [
     Entry("to-pyro-module-batchnorm", "classification",
           lambda: (lambda m: Built(m, AutoNormal(m, init_scale=0.01)))(SequentialClassifier()),
           "to_pyro_module_(nn.Sequential) Linear-BatchNorm1d-LeakyReLU-Linear, eval mode", exact=True),
+    Entry("cnn-silu-batchnorm", "classification",
+          lambda: (lambda m: Built(m, AutoNormal(m, init_scale=0.01), input_shape=(IMAGE * IMAGE,),
+                                   convert_options={"correlation": "shared-factor"}))(SiLUConvNet()),
+          "CNN: x.view(-1, 1, 4, 4), PyroModule[nn.Conv2d], BatchNorm2d, SiLU, avg-pool, Linear, AutoNormal; "
+          "converted with correlation='shared-factor' (NumPy reference: SiLU's shared-factor rule is not compiled "
+          "yet, so 'auto' falls back to mean-field, median variance ratio 0.66)", exact=False, d_in=IMAGE * IMAGE,
+          steps=800),
 ]}
 
 
