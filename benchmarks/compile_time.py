@@ -1,7 +1,8 @@
 """Compile time of ``net.compile()`` (default schedules, any batch) for the MLP, LeNet-5, ResNet-8 and
 ResNet-20 of ``benchmarks/latency.py`` (the ResNets with the default ``correlation="auto"``, which is the
-shared-factor scheme for them, and with ``"mean-field"``: rows ``(mf)``), in CPU seconds of this process (``time.process_time``, so a
-loaded machine does not inflate it) and wall seconds, best of ``--repeats``.
+shared-factor scheme for them, and with ``"mean-field"``: rows ``(mf)``), in CPU seconds of this
+process (``time.process_time``, so a loaded machine does not inflate it) and wall seconds, best of
+``--repeats``.
 
     PYTHONPATH=. .venv/bin/python benchmarks/compile_time.py [--repeats 3]
 
