@@ -405,3 +405,24 @@ def test_unsupported_op_is_named():
     planned.layers[2].layer.op = "mul"  # not a shared-factor op
     with pytest.raises(CorrelationError, match="add \\(test\\).*'mul'"):
         plan_factors(planned)
+
+
+def test_uncertainty_head_keeps_shared_factors(small_resnet):
+    """``head="probs"`` on a ResNet: the head reads only the logits' (corrected) moments, so the default
+    keeps shared factors; its outputs are the head of the shared-factor logits, in the reference and
+    compiled."""
+    from pyro2pfp.correlation import with_correlation
+    from pyro2pfp.network import PFPNetwork
+    from pyro2pfp.ops.head import append_head, head_numpy
+
+    net, _, x, _ = small_resnet
+    layer_graph = net.layer_graph
+    headed = PFPNetwork(layer_graph, with_correlation(plan(append_head(layer_graph, "probs")), "auto"))
+    assert headed.plan.correlation == "shared-factor"
+    probs, entropy, expected, mi = headed.reference(x)
+    want_probs, want_stats = head_numpy(*net.reference(x))
+    np.testing.assert_allclose(probs, want_probs, rtol=1e-10, atol=1e-12)
+    np.testing.assert_allclose(np.stack([entropy, expected, mi], 1), want_stats, rtol=1e-10, atol=1e-12)
+    got = headed.compile()(x.astype(np.float32))
+    np.testing.assert_allclose(got.probs, probs, atol=2e-5)
+    np.testing.assert_allclose(got.mutual_information, mi, atol=2e-5 * max(1.0, np.abs(mi).max()))

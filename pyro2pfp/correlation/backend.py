@@ -9,7 +9,7 @@ from typing import Any
 
 from ..graph import INPUT, Repr
 from ..plan import PlannedGraph, PlannedLayer
-from .factors import fixed_k_plan
+from .factors import TERMINAL_OPS, fixed_k_plan
 
 
 class FixedKStep:
@@ -31,8 +31,8 @@ class FixedKStep:
         shs = [self.shared[n] for n in layer.inputs]
         op = layer.op
         sh = None
-        if out.repr is Repr.DETERMINISTIC:
-            pass
+        if out.repr is Repr.DETERMINISTIC or op in TERMINAL_OPS:
+            pass  # nothing shared out (a terminal op: the head reads only its input's corrected moments)
         elif op in ("conv2d", "dense") and shs[0] is None and layer.name not in self.fp.offsets:
             pass  # no shared part in, no weight noise: none out
         elif op == "conv2d":

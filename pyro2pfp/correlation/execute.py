@@ -12,7 +12,7 @@ from ..graph import INPUT, Repr
 from ..plan import PlannedGraph
 from ..reference import REFERENCES, SCHEME_EXECUTORS, Activation, emit_output
 from ..registry import OPS
-from .factors import FactorPlan
+from .factors import TERMINAL_OPS, FactorPlan
 from .rules import (
     Shared,
     compacted,
@@ -61,7 +61,7 @@ def execute_shared_all(graph: PlannedGraph, x: np.ndarray, factors: FactorPlan |
             elif op == "add":
                 sh, cross = shared_add(shs[0], shs[1], mean.shape, fp.width[layer.name])
                 var = np.maximum(var + cross, 0.0)
-            elif shs[0] is None:
+            elif shs[0] is None or op in TERMINAL_OPS:
                 sh = None
             elif op == "affine":
                 sh = shared_affine(layer, shs[0])

@@ -23,6 +23,10 @@ INJECTIONS = ("regression", "rescaled")
 #: ops with a dedicated rule; any op with an ActivationRule has the generic (Stein) one
 RULE_OPS = ("conv2d", "dense", "affine", "relu", "leaky_relu", "add", "avg_pool2d", "max_pool2d", "reshape",
             "convert")
+#: ops that may only be the network's output and read only their input's ``(μ, v)`` (which the rules have
+#: already corrected where positions or branches were summed): their shared part is dropped -- exact,
+#: since nothing after them sums anything.  The uncertainty head (``pyro2pfp.ops.head``).
+TERMINAL_OPS = ("softmax_head",)
 #: compact an edge's ``g`` when its factor count reaches this multiple of its rows (cost 2·C²·K)
 COMPACT_RATIO = 4
 
@@ -65,7 +69,7 @@ def is_noisy(layer: PlannedLayer) -> bool:
 
 def has_rule(op: str) -> bool:
     """Shared-factor PFP has a rule for ``op``."""
-    return op in RULE_OPS or (op in OPS and OPS[op].activation is not None)
+    return op in RULE_OPS or op in TERMINAL_OPS or (op in OPS and OPS[op].activation is not None)
 
 
 def plan_factors(graph: PlannedGraph, hermite: str = "factor", compact: bool = True,
@@ -101,7 +105,10 @@ def plan_factors(graph: PlannedGraph, hermite: str = "factor", compact: bool = T
             raise CorrelationError(f"{layer.layer.source}: grouped convolutions (groups="
                                    f"{layer.layer.attrs['groups']}) have no shared-factor rule; "
                                    "use correlation='mean-field'")
-        has_in = any(width[n] > 0 for n in ins)
+        if op in TERMINAL_OPS and name != graph.output:
+            raise CorrelationError(f"{layer.layer.source}: op '{op}' has a shared-factor rule only as the "
+                                   "network's output")
+        has_in = any(width[n] > 0 for n in ins) and op not in TERMINAL_OPS
         shape = layer.layer.out_shape
         if op == "reshape" and has_in:
             src = ins[0]
@@ -132,7 +139,7 @@ def plan_factors(graph: PlannedGraph, hermite: str = "factor", compact: bool = T
 FACTOR_ALIGN = 16
 #: ops whose rule the compiled (TVM) and the ONNX back ends implement
 BACKEND_OPS = ("conv2d", "dense", "affine", "scale", "relu", "leaky_relu", "add", "avg_pool2d", "max_pool2d",
-               "reshape", "convert")
+               "reshape", "convert", *TERMINAL_OPS)
 
 
 def fixed_k_plan(graph: PlannedGraph, what: str, ops: tuple[str, ...] | None = None) -> FactorPlan:
