@@ -242,6 +242,15 @@ def epilogue(mean: Any, var: Any, layer: PlannedLayer) -> list[Any]:
     return [mean, var]
 
 
+def epilogue_fused(mean: Any, var: Any, layer: PlannedLayer, relu: PlannedLayer | None) -> list[Any]:
+    """:func:`epilogue` of the layer's output pair, or -- with a ReLU fused into the layer's kernel
+    (:func:`fused_activations`) -- of the ReLU's output moments, in the ReLU's representation."""
+    if relu is None:
+        return epilogue(mean, var, layer)
+    fused: PlannedLayer = relu
+    return te_shared(lambda ops: epilogue(*moments.relu_moments(mean, var, ops), fused))
+
+
 KernelFn = Callable[[EmitContext, PlannedLayer, list[RelaxActivation]], RelaxActivation]
 KERNELS: dict[str, KernelFn] = {}
 

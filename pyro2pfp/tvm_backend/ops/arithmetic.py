@@ -5,10 +5,18 @@ from __future__ import annotations
 
 from tvm import te, tirx
 
-from ... import moments
 from ...graph import Repr
 from ...plan import PlannedLayer
-from .._core import F32, EmitContext, RelaxActivation, activation_out, epilogue, kernel, te_shared, variance_of
+from .._core import (
+    F32,
+    EmitContext,
+    RelaxActivation,
+    activation_out,
+    epilogue,
+    epilogue_fused,
+    kernel,
+    variance_of,
+)
 from ..schedules import schedule
 from .activation import schedule_elementwise
 
@@ -52,14 +60,8 @@ def add(ctx: EmitContext, layer: PlannedLayer, inputs: list[RelaxActivation]) ->
         def var(ts, r, i):
             return variance_of(ts[0][i], ts[1][i], r) if len(ts) > 1 else tirx.const(0.0, F32)
 
-        def out(*i):
-            mean, variance = ta[0][i] + tb[0][i], var(ta, a.repr, i) + var(tb, b.repr, i)
-            if relu is None:
-                return epilogue(mean, variance, layer)
-            fused: PlannedLayer = relu
-            return te_shared(lambda ops: epilogue(*moments.relu_moments(mean, variance, ops), fused))
-
-        return te.compute(t[0].shape, out, name="add")
+        return te.compute(t[0].shape, lambda *i: epilogue_fused(
+            ta[0][i] + tb[0][i], var(ta, a.repr, i) + var(tb, b.repr, i), layer, relu), name="add")
 
     relu = ctx.activation  # a ReLU fused into this kernel (_core.fused_activations): its moments are emitted
     return activation_out(ctx.emit_te(fn, a.tensors() + b.tensors(), layer), relu or layer)

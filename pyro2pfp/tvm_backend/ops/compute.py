@@ -20,10 +20,17 @@ import numpy as np
 import tvm
 from tvm import s_tir, te, tirx
 
-from ... import moments
 from ...graph import Repr
 from ...plan import PlannedLayer
-from .._core import F32, EmitContext, RelaxActivation, activation_out, epilogue, kernel, pair_sum, te_shared
+from .._core import (
+    F32,
+    EmitContext,
+    RelaxActivation,
+    activation_out,
+    epilogue_fused,
+    kernel,
+    pair_sum,
+)
 from ..schedules import (
     divisor_at_most,
     epilogue_at,
@@ -92,10 +99,7 @@ def _epilogue_stage(acc_mean: te.Tensor, acc_var: te.Tensor, bias: list[te.Tenso
             mean = mean + bias[0][idx[channel_axis]]
         if len(bias) > 1:
             var = var + bias[1][idx[channel_axis]]
-        var = te.max(var, tirx.const(0.0, F32))
-        if activation is None:
-            return epilogue(mean, var, layer)
-        return te_shared(lambda ops: epilogue(*moments.relu_moments(mean, var, ops), activation))
+        return epilogue_fused(mean, te.max(var, tirx.const(0.0, F32)), layer, activation)
 
     return te.compute(acc_mean.shape if shape is None else shape, f, name="epilogue")
 
