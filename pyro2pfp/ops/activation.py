@@ -249,13 +249,6 @@ def _is_final(node: Any, ctx: Any) -> bool:
     return True
 
 
-def _feeds_normal_likelihood(ctx: Any) -> bool:
-    """Whether tracing found a ``Normal(f(x), sigma)`` likelihood (``pyro2pfp.noise``): the output is then a
-    regression mean, not Bernoulli probabilities."""
-    regression = getattr(ctx.traced, "regression", None)
-    return bool(regression is not None and regression())
-
-
 @register("aten.sigmoid.default", "aten.sigmoid_.default", produces=("sigmoid",))
 def convert_sigmoid(node, ctx) -> Layer | Alias:
     """A hidden sigmoid -> ``sigmoid``.  A sigmoid that *is* the output (possibly through reshapes/squeezes)
@@ -263,7 +256,7 @@ def convert_sigmoid(node, ctx) -> Layer | Alias:
     softmax, so the network outputs the logit moments (``pyro2pfp.uncertainty`` gives the Bernoulli
     probabilities of a one-logit output) -- unless the model's likelihood is a Normal (then it is a
     regression onto (0, 1) and the sigmoid is kept as the activation)."""
-    if _is_final(node, ctx) and not _feeds_normal_likelihood(ctx):
+    if _is_final(node, ctx) and not ctx.traced.regression():  # a Normal likelihood: a regression mean
         warnings.warn(f"{ctx.source(node)}: the final sigmoid is stripped (it gives the probabilities of a "
                       "Bernoulli likelihood); the PFP network outputs the (mean, variance) of the logit. Use "
                       "pyro2pfp.uncertainty() for the Bernoulli probabilities.", stacklevel=2)
