@@ -1,8 +1,9 @@
 """Shared-factor PFP compiled (tvm_backend/ops/correlation.py) and exported to ONNX
 (correlation/onnx_rules.py, run by onnxruntime) against the float64 NumPy reference.
 
-Both skip the reference's QR compaction (fixed K, exact: only g·gᵀ matters), so the
-two agree up to float32 rounding: per output, ``|tvm − ref| ≤ RTOL·max|ref|`` as in
+The compiled path compacts ``g`` where the reference does (a Cholesky factor of g·gᵀ instead of
+the reference's QR: exact, only g·gᵀ matters), ONNX export skips compaction (K grows; exact too), so
+both agree with the reference up to float32 rounding: per output, ``|tvm − ref| ≤ RTOL·max|ref|`` as in
 tests/test_schedules.py (a sum of K float32 terms is exact to about ``K·2⁻²⁴·Σ|terms|``).
 """
 from __future__ import annotations
@@ -145,7 +146,7 @@ def test_every_shared_factor_primfunc_is_scheduled(every_rule):
             parts.add(op)
             assert func.attrs.get("tirx.is_scheduled", False), gv.name_hint
             assert "T.parallel" in func.script(), gv.name_hint
-    assert {f"sf_{part}" for part in PARTS} | {"sf_conv_profile"} <= parts
+    assert {f"sf_{part}" for part in PARTS} | {"sf_conv_profile", "sf_cholesky"} <= parts
 
 
 def test_compiled_zero_variance_and_large_inputs_stay_finite():
@@ -222,3 +223,61 @@ def test_converted_resnet_compiles_and_exports_the_default_plan():
     assert net.plan.correlation == "shared-factor" and net.plan.factors.compact_at
     assert_matches(net.compile("native")(x.numpy()), net.reference(x.numpy()))
     assert_matches(_onnx_run(net, x.numpy()), net.reference(x.numpy()), ONNX_RTOL)
+
+
+def _unit_rows(g: np.ndarray) -> np.ndarray:
+    norm = np.linalg.norm(g, axis=-1, keepdims=True)
+    return g / np.where(norm > 0, norm, 1.0)
+
+
+def test_cholesky_compaction_keeps_the_gram_matrix_of_degenerate_loadings():
+    """The compiled compaction (sf_cholesky) on the Gram matrices it meets: unit rows, a zero row
+    (a dead channel), a duplicated row, a row nearly in the span of others, fewer factors than
+    rows (rank-deficient) -- L·Lᵀ = g·gᵀ to float32 rounding, L lower-triangular with zero
+    padding columns, finite (a zero or negative pivot must not divide)."""
+    from pyro2pfp.tvm_backend.ops.correlation import cholesky_factor
+
+    rows, width = 12, 16
+    rng = np.random.default_rng(3)
+    g = rng.standard_normal((5, rows, 40))
+    g[1, 4] = 0.0
+    g[2, 7] = g[2, 2]
+    g[3, 9] = g[3, 0] + 1e-4 * rng.standard_normal(40)
+    g[4, :, 5:] = 0.0  # rank 5 < 12 rows
+    g = _unit_rows(g)
+    gram = (g @ np.swapaxes(g, 1, 2)).astype(np.float32)
+    lib = tvm.compile(tvm.IRModule({"main": cholesky_factor(rows, width).with_attr("global_symbol", "main")}),
+                      target=NATIVE)
+    out = tvm.runtime.tensor(np.full((5, rows, width), np.nan, np.float32))
+    lib["main"](tvm.runtime.tensor(gram), out)
+    low = out.numpy()
+    assert np.isfinite(low).all()
+    assert (np.triu(low[:, :, :rows], 1) == 0).all() and (low[:, :, rows:] == 0).all()
+    rebuilt = low[:, :, :rows] @ np.swapaxes(low[:, :, :rows], 1, 2)
+    exact = [0, 1, 2, 4]
+    np.testing.assert_allclose(rebuilt[exact], gram[exact], atol=2e-6)
+    # row 9 of input 3 is 1e-4 from the span of row 0: below float32 resolution of the pivot
+    # (CHOLESKY_PIVOT_TOL), its residual is dropped -- an error of the residual's size, no more
+    np.testing.assert_allclose(rebuilt[3], gram[3], atol=2e-4)
+    assert (low[1, 4] == 0).all()  # the dead channel stays without loading
+
+
+def test_compiled_plan_compacts_where_the_reference_does():
+    """The TVM back end runs the reference's compaction points (K bounded: ResNet-20 ≤ 320 columns
+    instead of 1,488), ONNX export the plan without them (its blocks then start further right)."""
+    from pyro2pfp.correlation.factors import aligned, fixed_k_plan
+    from pyro2pfp_experiments.zoo import bayesian_resnet, he_posterior
+
+    torch.manual_seed(0)
+    model = bayesian_resnet(blocks=3, widths=(16, 32, 64))
+    x = torch.randn(2, 3, 32, 32)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        net = pyro2pfp.convert(model, he_posterior(model, x, scale=0.02, seed=0), input_shape=(3, 32, 32))
+    ref = net.plan.factors
+    compiled = fixed_k_plan(net.plan, "the TVM back end", compaction=True)
+    exported = fixed_k_plan(net.plan, "ONNX export")
+    assert compiled.compact_at == ref.compact_at and len(ref.compact_at) >= 8 and not exported.compact_at
+    assert compiled.offsets == ref.offsets and exported.offsets.keys() == ref.offsets.keys()
+    assert compiled.width == {name: aligned(k) for name, k in ref.width.items()}
+    assert compiled.max_factors == 320 and exported.max_factors > 1400

@@ -31,8 +31,10 @@ Back ends
 * NumPy float64 (:mod:`.execute`, ``net.reference``): the rules with QR compaction of ``g`` where a
   layer's output is the only live edge and ``K ≥ 4·C`` (exact; bounds ``K`` by ~5·C).
 * TVM (``tvm_backend/ops/correlation.py``) and ONNX (:mod:`.onnx_rules`), both through the dispatch
-  of :mod:`.backend`: the same rules in float32 with a fixed ``K`` per edge (no compaction; exact,
-  ``K`` grows with depth: ResNet-20 up to 1482, ×2.5 multiply-adds instead of ×2.2).  TVM: per conv
+  of :mod:`.backend`: the same rules in float32 with a static ``K`` per edge.  TVM compacts where the
+  reference does, by the Cholesky factor of ``g·gᵀ`` (exact; ResNet-20 ``K ≤ 320``); ONNX has no
+  Cholesky operator and skips compaction (exact, ``K`` grows with depth: ResNet-20 up to 1482, ×2.5
+  multiply-adds instead of ×2.2).  TVM: per conv
   layer the pooled views ``m̄μ_k, m̄s_k`` (a reduction over the output positions of each kernel
   offset), the loadings (``A = W·m̄s``, ``ℓ = A·g_in ⊕ w̄``), ``β = g_in·gᵀ`` and one reduction
   over ``(c, kh, kw)`` for the propagated and the regression profile; ONNX: the kernel taps as

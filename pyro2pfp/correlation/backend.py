@@ -22,9 +22,11 @@ class FixedKStep:
     variance)."""
 
     what = "this back end"
+    #: the back end implements :meth:`compact` (else its plan has no compaction points: ``K`` grows)
+    compaction = False
 
     def __init__(self, graph: PlannedGraph) -> None:
-        self.fp = fixed_k_plan(graph, self.what)
+        self.fp = fixed_k_plan(graph, self.what, compaction=self.compaction)
         self.shared: dict[str, Any] = {INPUT: None}
 
     def __call__(self, ctx: Any, layer: PlannedLayer, inputs: list[Any], out: Any) -> Any:
@@ -55,6 +57,8 @@ class FixedKStep:
             sh = self.max_pool(ctx, layer, inputs[0], shs[0], out)
         elif op in ("reshape", "convert"):
             sh = self.view(ctx, layer, shs[0])
+        if sh is not None and layer.name in self.fp.compact_at:
+            sh = self.compact(ctx, layer, sh)
         self.shared[layer.name] = sh
         return out
 
@@ -82,4 +86,9 @@ class FixedKStep:
         raise NotImplementedError
 
     def view(self, ctx: Any, layer: PlannedLayer, sh: Any) -> Any:
+        raise NotImplementedError
+
+    def compact(self, ctx: Any, layer: PlannedLayer, sh: Any) -> Any:
+        """``sh`` with ``g`` (B, C, K) replaced by a (B, C, aligned(C)) matrix with the same ``g·gᵀ``
+        (only where ``self.fp.compact_at`` says; called only if :attr:`compaction`)."""
         raise NotImplementedError

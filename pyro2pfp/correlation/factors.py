@@ -142,13 +142,17 @@ BACKEND_OPS = ("conv2d", "dense", "affine", "scale", "relu", "leaky_relu", "add"
                "reshape", "convert", *TERMINAL_OPS)
 
 
-def fixed_k_plan(graph: PlannedGraph, what: str, ops: tuple[str, ...] | None = None) -> FactorPlan:
+def fixed_k_plan(graph: PlannedGraph, what: str, ops: tuple[str, ...] | None = None,
+                 compaction: bool = False) -> FactorPlan:
     """The factor plan the float32 back ends (``what``: "the TVM back end", "ONNX export") run for a
-    shared-factor ``graph``: ``graph.factors``' variants without QR compaction (exact: only ``g·gᵀ``
-    is used downstream; ``K`` then grows with depth).  :class:`ArgumentError` for what they do not
-    implement: the raw-moment plan, ``injection='rescaled'``, ops outside ``ops`` (default
-    :data:`BACKEND_OPS`; naming the layer).  Every ``K`` is rounded up to a multiple of
-    :data:`FACTOR_ALIGN` (zero columns) so the kernels' factor axis is whole SIMD vectors."""
+    shared-factor ``graph``: ``graph.factors``' variants with a static ``K`` per edge.
+    ``compaction``: keep the reference's compaction points (``compact_at``; the back end then
+    replaces ``g`` by a ``C × C`` factor of ``g·gᵀ`` there, e.g. its Cholesky factor -- exact, only
+    ``g·gᵀ`` is used downstream), else none (``K`` grows with depth).  :class:`ArgumentError` for
+    what they do not implement: the raw-moment plan, ``injection='rescaled'``, ops outside ``ops``
+    (default :data:`BACKEND_OPS`; naming the layer).  Every ``K`` is rounded up to a multiple of
+    :data:`FACTOR_ALIGN` (zero columns) so the kernels' factor axis is whole SIMD vectors; a
+    compacted edge carries ``aligned(rows)`` columns (:func:`aligned`)."""
     fp = graph.factors
     ops = BACKEND_OPS if ops is None else ops
     if graph.moment_form != "variance":
@@ -162,10 +166,15 @@ def fixed_k_plan(graph: PlannedGraph, what: str, ops: tuple[str, ...] | None = N
             raise ArgumentError(f"{layer.layer.source}: {what} has no shared-factor rule for op '{layer.op}' "
                                 f"(implemented: {', '.join(ops)}); net.reference runs it, or convert with "
                                 "correlation='mean-field'")
-    fixed = plan_factors(graph, fp.hermite, compact=False, injection=fp.injection)
+    fixed = plan_factors(graph, fp.hermite, compact=compaction, injection=fp.injection)
     # whole SIMD vectors of factor columns (zero columns change nothing: only g·gᵀ is used)
-    width = {name: -(-k // FACTOR_ALIGN) * FACTOR_ALIGN for name, k in fixed.width.items()}
+    width = {name: aligned(k) for name, k in fixed.width.items()}
     return dataclasses.replace(fixed, width=width)
+
+
+def aligned(k: int) -> int:
+    """``k`` rounded up to a multiple of :data:`FACTOR_ALIGN`."""
+    return -(-k // FACTOR_ALIGN) * FACTOR_ALIGN
 
 
 @dataclass(frozen=True)

@@ -1,7 +1,8 @@
 """ONNX export of shared-factor PFP: the rules of :mod:`pyro2pfp.correlation.rules` as standard ONNX
 operators, emitted after each layer's mean-field export (``onnx_export.SCHEME_STEPS``).
 
-Float32, dynamic batch; the same fixed-K plan as the compiled path (no QR compaction: exact, see
+Float32, dynamic batch; the factor plan without compaction (ONNX has no Cholesky/QR operator; exact:
+only ``g·gᵀ`` is used downstream, ``K`` grows with depth instead -- the compiled path compacts, see
 ``tvm_backend/ops/correlation.py``).  Every tensor op is Einsum, MatMul, Pad, Slice (strided kernel
 taps), ReduceSum (axes as an input: opset ≥ 13), Reshape, Where and elementwise arithmetic; the
 per-input weights of the conv profile are Einsums over the kernel taps (``Σ_k tap_k(s)·W_k·β``), not

@@ -20,13 +20,15 @@ are float32 TE expressions of the same formulas:
   ``sf_maxpool`` (Clark's fold with the profile's linear response, a sequential TE reduction); dense:
   ``sf_dense_load`` (with the corrected variance) and ``sf_clip``; reshape/convert: views.
 
-**Fixed K, no compaction**: the data-dependent QR compaction of the reference is skipped -- every edge
-carries the factor columns of :func:`~pyro2pfp.correlation.factors.fixed_k_plan`
-(``plan_factors(compact=False)``, ``K`` rounded up to whole SIMD vectors with zero columns). Compaction
-is exact (only ``g·gᵀ`` matters downstream), so the results are the reference's up to float32 rounding;
-``K`` grows with depth instead (ResNet-20: 1482 columns at the last edge instead of ≤ 320, ``O·C·K``
-multiply-adds per conv loading). Not compiled (an ``ArgumentError`` naming the layer): activations other
-than ReLU/LeakyReLU/scale, the raw-moment plan and ``injection='rescaled'``.
+**Static K, compaction by Cholesky**: every edge carries the factor columns of
+:func:`~pyro2pfp.correlation.factors.fixed_k_plan` (``compaction=True``: the reference's compaction
+points, ``K`` rounded up to whole SIMD vectors with zero columns).  Where the reference replaces ``g``
+by ``Rᵀ`` of its QR factorisation, the kernels compute the Gram matrix ``g·gᵀ`` (``sf_gram``) and its
+Cholesky factor ``L`` (``sf_cholesky``, :func:`cholesky_factor`, hand-written TIR in float64) -- the
+same ``g·gᵀ``, which is all that is used downstream, so the results are the reference's up to float32
+rounding and ``K`` stays bounded (ResNet-20: ≤ 320 columns instead of 1,488 without compaction).
+Not compiled (an ``ArgumentError`` naming the layer): activations other than ReLU/LeakyReLU/scale,
+the raw-moment plan and ``injection='rescaled'``.
 """
 from __future__ import annotations
 
@@ -40,7 +42,7 @@ from tvm import relax, s_tir, te, tirx
 
 from ... import moments
 from ...correlation.backend import FixedKStep
-from ...correlation.factors import ComputeFactors
+from ...correlation.factors import ComputeFactors, aligned
 from ...plan import PlannedLayer
 from ...reference.arrays import average_divisor
 from .._core import (
@@ -58,7 +60,7 @@ from ..schedules import pow2_divisor, schedule, simd_lanes, static_extent, vecto
 from .compute import _pad, schedule_conv2d
 
 PARTS = ("norm", "clip", "scale", "conv_pool", "conv_load", "conv_beta", "conv_weights", "relu_terms", "relu_load",
-         "relu_profile", "add_load", "add_profile", "avgpool", "maxpool", "dense_load")
+         "relu_profile", "add_load", "add_profile", "avgpool", "maxpool", "dense_load", "gram")
 _LOWEST = float(np.finfo(np.float32).min)
 
 
@@ -154,6 +156,7 @@ class SharedStep(FixedKStep):
     """The shared-factor kernels of one plan, emitted after each layer's mean-field kernel."""
 
     what = "the TVM back end"
+    compaction = True
 
     def view(self, ctx: EmitContext, layer: PlannedLayer, sh: SharedRelax) -> SharedRelax:
         return SharedRelax(_view(ctx, sh.s, *layer.layer.out_shape), sh.g, sh.k)
@@ -530,6 +533,84 @@ class SharedStep(FixedKStep):
 
         s = _emit(ctx, clip, [norm, var_new], layer, "clip")[0]
         return SharedRelax(s, g, k), RelaxActivation(out.mean, var_new, out.repr)
+
+
+    # ------------------------------------------------------------------ compaction
+    def compact(self, ctx: EmitContext, layer: PlannedLayer, sh: SharedRelax) -> SharedRelax:
+        """``g`` (B, R, K) → ``L`` (B, R, aligned(R)), the Cholesky factor of ``g·gᵀ`` (zero columns
+        beyond ``R``): the same ``g·gᵀ``, which is all that is used downstream (exact, as the
+        reference's QR compaction ``Rᵀ``, which equals ``L`` up to the signs of its columns)."""
+        rows, k = self.fp.rows[layer.name], sh.k
+
+        def gram_fn(gt: te.Tensor) -> te.Tensor:
+            # G[b, r, r'] = Σ_f g[b, r, f]·g[b, r', f], with one operand transposed so r' is unit-stride
+            g_t = te.compute((gt.shape[0], k, rows), lambda b, f, r: gt[b, r, f], name="g_t")
+            f = te.reduce_axis((0, k), name="f")
+            return te.compute((gt.shape[0], rows, rows), lambda b, r, r2: te.sum(
+                g_t[b, f, r2] * gt[b, r, f], axis=f), name="beta")
+
+        gram = _emit(ctx, gram_fn, [sh.g], layer, "gram")[0]
+        width = aligned(rows)
+        func = cholesky_factor(rows, width).with_attrs({OP_ATTR: "sf_cholesky", LAYER_ATTR: layer.name})
+        gv = ctx.bb.add_func(func, f"pfp_sf_cholesky_{layer.name}")
+        g = ctx.bb.emit(relax.call_tir(gv, [gram], out_ty=relax.TensorType((ctx.batch, rows, width), "float32")))
+        return SharedRelax(sh.s, g, width)
+
+
+#: a pivot ``d`` of the Cholesky factorisation below this fraction of its diagonal entry counts as
+#: zero (a row in the span of the previous ones, e.g. a dead channel or a duplicate): its column of
+#: ``L`` is set to zero, which changes ``g·gᵀ`` by at most ``d`` on the diagonal
+CHOLESKY_PIVOT_TOL = 1e-6
+
+
+def cholesky_factor(rows: int, width: int) -> tirx.PrimFunc:
+    """PrimFunc ``(gram (n, R, R) float32) -> L (n, R, width) float32``: per input, the lower-
+    triangular ``L`` with ``L·Lᵀ = gram`` (columns ``R … width-1`` zero), by the left-looking
+    Cholesky–Banachiewicz recurrence in float64 (Golub & Van Loan, *Matrix Computations*, 4th ed.,
+    Alg. 4.2.1): ``d_j = G[j, j] − Σ_{k<j} L[j, k]²``, ``L[j, j] = √d_j``, ``L[i, j] = (G[i, j] −
+    Σ_{k<j} L[i, k]·L[j, k]) / L[j, j]``.  ``gram`` is positive *semi*-definite (the Gram matrix of
+    unit or zero rows): a pivot ``d_j ≤`` :data:`CHOLESKY_PIVOT_TOL`·``G[j, j]`` gives a zero column
+    (the row is in the span of the previous ones; rounding may have made ``d_j`` slightly negative),
+    so the result stays finite.  Sequential per input (``O(R³/6)``), parallel over the batch; hand-
+    written TIR, marked scheduled."""
+    from tvm.script import tirx as T
+
+    tol = CHOLESKY_PIVOT_TOL
+    r_ = rows
+
+    @T.prim_func(private=True, s_tir=True)
+    def cholesky(gram_h: T.handle, out_h: T.handle) -> None:
+        T.func_attr({"tirx.is_scheduled": True, "tirx.noalias": True})
+        n = T.int64()
+        gram = T.match_buffer(gram_h, (n, r_, r_), "float32")
+        out = T.match_buffer(out_h, (n, r_, width), "float32")
+        with T.sblock("root"):  # Relax's passes expect a root block
+            for b in T.parallel(n):
+                lower = T.decl_buffer((r_ * r_,), "float64")
+                acc = T.decl_buffer((1,), "float64")
+                for j in range(r_):
+                    acc[0] = T.Cast("float64", gram[b, j, j])
+                    for k in range(j):
+                        acc[0] = acc[0] - lower[j * r_ + k] * lower[j * r_ + k]
+                    if acc[0] > T.float64(tol) * T.Cast("float64", gram[b, j, j]) and acc[0] > T.float64(0):
+                        lower[j * r_ + j] = T.sqrt(acc[0])
+                    else:
+                        lower[j * r_ + j] = T.float64(0)
+                    for i in range(j + 1, r_):
+                        acc[0] = T.Cast("float64", gram[b, i, j])
+                        for k in range(j):
+                            acc[0] = acc[0] - lower[i * r_ + k] * lower[j * r_ + k]
+                        if lower[j * r_ + j] > T.float64(0):
+                            lower[i * r_ + j] = acc[0] / lower[j * r_ + j]
+                        else:
+                            lower[i * r_ + j] = T.float64(0)
+                for i, f in T.grid(r_, width):
+                    if f <= i:
+                        out[b, i, f] = T.Cast("float32", lower[i * r_ + f])
+                    else:
+                        out[b, i, f] = T.float32(0)
+
+    return cholesky
 
 
 SCHEME_STEPS["shared-factor"] = SharedStep
