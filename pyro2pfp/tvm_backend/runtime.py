@@ -270,6 +270,11 @@ class CompiledPFP:
 
 
 def build_network(net: Any, target: tvm.target.Target, schedule: bool = True) -> Any:
-    """``net.mod`` with the default CPU schedules (unless ``schedule=False``), built for ``target``."""
-    mod = schedule_module(net.mod, net.plan, target) if schedule else net.mod
+    """``net.mod`` with the default CPU schedules (unless ``schedule=False``), built for ``target``.
+    Identical kernels are shared first (:func:`~pyro2pfp.tvm_backend.sharing.share_identical_kernels`;
+    the schedules depend only on the PrimFunc), so each distinct kernel is scheduled once."""
+    from .sharing import share_identical_kernels
+
+    mod = share_identical_kernels(net.mod)
+    mod = schedule_module(mod, net.plan, target) if schedule else mod
     return build(mod, target)
