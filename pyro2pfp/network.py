@@ -82,7 +82,7 @@ class PFPNetwork:
         return out
 
     def compile(self, target: Any = "native", *, tune: Any = None, schedule: bool = True,
-                num_threads: int | None = None, remote: Any = None):
+                num_threads: int | None = None, remote: Any = None, batch_sizes: Any = ()):
         """Compile ``mod`` for ``target``: ``"native"`` (default: this machine's CPU and its full
         instruction set, e.g. AVX-512), ``"llvm"`` (generic x86-64: SSE2 only, portable, slower),
         a board preset (``"aarch64"``, ``"rpi3"``, ``"rpi4"``, ``"rpi5"``), a TVM tag, a dict or a
@@ -103,6 +103,10 @@ class PFPNetwork:
         ``remote``: with ``tune``, measure the candidates on boards through TVM RPC --
         ``"tracker-host:9190/rpi4"``, ``"server-host:9090"`` or a :class:`pyro2pfp.remote.Remote`
         (the tuning database is then keyed by the board key as well as the target).
+        ``batch_sizes``: e.g. ``batch_sizes=[1]`` -- also build a static-shape executable (default
+        schedules) for each batch size named; calls with that batch size run it (fewer VM
+        instructions per call: measured 6–9 % faster for the shared-factor ResNet-20 at batch 1,
+        ~1.5 % for mean-field; ``benchmarks/latency.py --static``).  Costs one more build per size.
         """
         from .compile import compile_network
 
@@ -110,7 +114,8 @@ class PFPNetwork:
             from .tuning import with_remote
 
             tune = with_remote(tune, remote)
-        return compile_network(self, target, schedule=schedule, tune=tune, num_threads=num_threads)
+        return compile_network(self, target, schedule=schedule, tune=tune, num_threads=num_threads,
+                               batch_sizes=batch_sizes)
 
     def regression(self, mean: Any, var: Any) -> dict[str, np.ndarray]:
         """The predictive distribution of a regression model's observation from the network's output

@@ -68,6 +68,16 @@ def test_bad_inputs_name_the_problem(net_exe):
         exe(np.full((2, 12), np.nan, np.float32))
     with pytest.raises(InputShapeError, match="real numbers"):
         exe(np.zeros((2, 12), np.complex64))
+    # the float32 fast path (one sum) must still find a single bad entry, and must not refuse finite
+    # values whose sum overflows
+    one_inf = np.zeros((3, 12), np.float32)
+    one_inf[2, 5] = -np.inf
+    with pytest.raises(InputShapeError, match="1 NaN or infinite"):
+        exe(one_inf)
+    from pyro2pfp.inputs import as_input_array
+
+    huge = np.full((2, 12), 3e38, np.float32)
+    assert as_input_array(huge, (12,)) is huge
 
 
 def test_input_variance_shapes_are_checked():
@@ -102,6 +112,31 @@ def test_compile_with_tune_dispatches_by_batch(tmp_path, monkeypatch):
         x = np.random.default_rng(batch).uniform(-1, 1, (batch, 12)).astype(np.float32)
         assert_close_to_reference(net, exe(x), x)
     assert exe.profile(np.ones((3, 12), np.float32), repeats=2).batch == 3
+
+
+def test_compile_with_batch_sizes_builds_static_executables():
+    """``compile(batch_sizes=...)``: one static-shape executable per size named (the symbolic batch
+    bound: the VM's main takes only that size), used for calls of that size; others run the
+    any-batch executable; both agree with the reference.  Bad sizes are refused by name."""
+    import tvm
+
+    from pyro2pfp.errors import ArgumentError
+
+    net = tiny_net()
+    exe = net.compile("llvm", batch_sizes=[2, 5, 2])
+    assert sorted(exe.tuned) == [2, 5]
+    assert exe.vm_for_batch(5) is not exe.vm and exe.vm_for_batch(4) is exe.vm
+    x5 = np.random.default_rng(5).uniform(-1, 1, (5, 12)).astype(np.float32)
+    with pytest.raises(Exception, match="5|shape"):  # the static executable refuses another batch size
+        exe.vm_for_batch(2)["main"](tvm.runtime.tensor(x5))
+    for batch in (2, 5, 3):
+        x = np.random.default_rng(batch).uniform(-1, 1, (batch, 12)).astype(np.float32)
+        assert_close_to_reference(net, exe(x), x)
+    for bad in (0, [1, -2], ["1"], 2.5, [True]):
+        with pytest.raises(ArgumentError, match="batch_sizes"):
+            net.compile("llvm", batch_sizes=bad)
+    with pytest.raises(PFPError, match="batch_sizes"):
+        net.compile("aarch64", batch_sizes=1)
 
 
 def test_cannot_tune_for_another_architecture():

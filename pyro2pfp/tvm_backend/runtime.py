@@ -123,8 +123,9 @@ class CompiledPFP:
     alignment the kernels may not assume), and the outputs are zero-copy NumPy views of the tensors
     the VM returns (fresh for every call), checked to be finite (float32 overflow raises
     :class:`~pyro2pfp.errors.NumericalError`; ``net.reference`` computes in float64).  ``tuned``:
-    ``{batch: executable}`` specialised by MetaSchedule (``net.compile(tune=...)``); a call with one
-    of those batch sizes runs that executable, other sizes the any-batch one.
+    ``{batch: executable}`` specialised for one batch size -- tuned by MetaSchedule
+    (``net.compile(tune=...)``) or static-shape with the default schedules (``net.compile(batch_sizes=
+    ...)``); a call with one of those batch sizes runs that executable, other sizes the any-batch one.
 
     **Threads**: one predictor may be shared by any number of threads.  Each thread gets its own
     Relax VMs and input tensors on its first call (the executable and its constants are shared),
@@ -269,12 +270,17 @@ class CompiledPFP:
         return export_library(self, path, cc=cc, metadata=metadata)
 
 
-def build_network(net: Any, target: tvm.target.Target, schedule: bool = True) -> Any:
+def build_network(net: Any, target: tvm.target.Target, schedule: bool = True, batch: int | None = None) -> Any:
     """``net.mod`` with the default CPU schedules (unless ``schedule=False``), built for ``target``.
     Identical kernels are shared first (:func:`~pyro2pfp.tvm_backend.sharing.share_identical_kernels`;
-    the schedules depend only on the PrimFunc), so each distinct kernel is scheduled once."""
+    the schedules depend only on the PrimFunc), so each distinct kernel is scheduled once.
+    ``batch``: a static-shape executable for that batch size only (the symbolic ``batch`` bound
+    by ``relax.transform.BindSymbolicVars``: no shape arithmetic per call, storage planned once),
+    else the any-batch one."""
     from .sharing import share_identical_kernels
 
     mod = share_identical_kernels(net.mod)
     mod = schedule_module(mod, net.plan, target) if schedule else mod
+    if batch is not None:
+        mod = relax.transform.BindSymbolicVars({"batch": int(batch)})(mod)
     return build(mod, target)
