@@ -318,3 +318,27 @@ def test_fused_relu_after_residual_add(form):
         scale = np.abs(ref).max()
         np.testing.assert_allclose(got.numpy(), ref, rtol=0, atol=2e-5 * scale)
         np.testing.assert_allclose(got.numpy(), unfused.numpy(), rtol=0, atol=2e-6 * scale)
+
+
+def test_elementwise_kernel_on_a_flat_view_where_that_widens_the_vector():
+    """LeNet's relu2 (16×10×10): the last two axes give 4 lanes (100 = 4·25), one flat axis 16
+    (1600 = 64·25): the kernel runs on a (batch, 1600) view with a 16-lane vector (AVX-512 target),
+    results as the reference; relu1 (6×28×28: 784 = 16·49 already) keeps its 4-D kernel."""
+    from pyro2pfp.tvm_backend.ops.activation import flat_widens_vector
+
+    assert flat_widens_vector((16, 10, 10)) and not flat_widens_vector((6, 28, 28))
+    assert not flat_widens_vector((100,)) and not flat_widens_vector((3, 5, 5))  # 75 = odd: no gain
+    graph = lenet_graph(np.random.default_rng(4))
+    planned = plan(graph)
+    target = tvm.target.Target({"kind": "llvm", "mcpu": "znver4"})  # AVX-512: 16 fp32 lanes
+    scheduled = schedule_module(emit_module(planned), planned, target)
+    kernels = {gv.name_hint: scheduled[gv] for gv in scheduled.get_global_vars()
+               if isinstance(scheduled[gv], tvm.tirx.PrimFunc)}
+    relu2, relu1 = kernels["pfp_relu_relu2"].script(), kernels["pfp_relu_relu1"].script()
+    assert "T.Buffer((batch, T.int64(1600))" in relu2 and "T.int64(10), T.int64(10))" not in relu2
+    assert "T.vectorized(T.int64(16))" in relu2
+    assert "T.Buffer((batch, T.int64(6), T.int64(28), T.int64(28))" in relu1
+    net = PFPNetwork(graph, planned)
+    x = np.random.default_rng(5).standard_normal((3, *graph.input_shape)).astype(np.float32)
+    for got, want in zip(net.compile("native")(x), net.reference(x)):
+        np.testing.assert_allclose(got, want, rtol=0, atol=2e-5 * np.abs(want).max())

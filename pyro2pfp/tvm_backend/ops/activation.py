@@ -13,35 +13,63 @@ from __future__ import annotations
 
 from typing import Any
 
+import numpy as np
 import tvm
-from tvm import s_tir, te
+from tvm import relax, s_tir, te
 
 from ...plan import PlannedLayer
 from ...registry import OPS, ActivationRule
 from .._core import EmitContext, RelaxActivation, activation_out, epilogue, kernel, te_shared, variance_of
-from ..schedules import schedule, schedule_flat, simd_lanes
+from ..schedules import pow2_divisor, schedule, schedule_flat, simd_lanes
+
+#: the widest vector :func:`~pyro2pfp.tvm_backend.schedules.schedule_flat` uses (AVX-512 fp32 lanes)
+_MAX_LANES = 16
+
+
+def flat_widens_vector(shape: tuple[int, ...]) -> bool:
+    """Whether an elementwise kernel on per-example ``shape`` gets a wider vector as one flat axis:
+    :func:`~pyro2pfp.tvm_backend.schedules.schedule_flat` fuses only the last two axes (a fusion of
+    three can defeat TVM's index simplification), so e.g. LeNet's 16×10×10 ReLU gets 4 lanes from
+    10×10 = 4·25 but 16 from 1600 = 64·25."""
+    if len(shape) < 3:
+        return False
+    return pow2_divisor(int(np.prod(shape[-2:])), _MAX_LANES) < pow2_divisor(int(np.prod(shape)), _MAX_LANES)
 
 
 def activation_kernel(rule: ActivationRule) -> Any:
-    """The Relax/TE emitter of an elementwise activation with rule ``rule``."""
+    """The Relax/TE emitter of an elementwise activation with rule ``rule`` (on a flat (batch, N)
+    view of its tensors where that widens the vector: :func:`flat_widens_vector`)."""
 
     def emit(ctx: EmitContext, layer: PlannedLayer, inputs: list[RelaxActivation]) -> RelaxActivation:
         x, attrs = inputs[0], layer.layer.attrs
+        shape = tuple(layer.layer.out_shape)
+        flat = flat_widens_vector(shape)
+
+        def view(t: relax.Expr, *dims: int) -> relax.Expr:
+            return ctx.bb.emit(relax.op.reshape(t, relax.ShapeExpr([ctx.batch, *dims])))
+
+        args = x.tensors() if x.second is not None else [x.mean]
+        if flat:
+            args = [view(t, int(np.prod(shape))) for t in args]
         if x.second is None:  # deterministic input: the exact activation
             def exact(m: te.Tensor) -> te.Tensor:
                 return te.compute(m.shape, lambda *i: te_shared(lambda ops: [rule.exact(m[i], attrs, ops)])[0],
                                   name=layer.op)
 
-            return activation_out(ctx.emit_te(exact, [x.mean], layer), layer)
+            out = activation_out(ctx.emit_te(exact, args, layer), layer)
+        else:
+            def matched(m: te.Tensor, s: te.Tensor) -> list[te.Tensor]:
+                def moments_at(i: tuple, ops: Any) -> list[Any]:
+                    mean, var = rule.moments(m[i], variance_of(m[i], s[i], x.repr), attrs, ops)
+                    return epilogue(mean, var, layer)
 
-        def matched(m: te.Tensor, s: te.Tensor) -> list[te.Tensor]:
-            def moments_at(i: tuple, ops: Any) -> list[Any]:
-                mean, var = rule.moments(m[i], variance_of(m[i], s[i], x.repr), attrs, ops)
-                return epilogue(mean, var, layer)
+                return te.compute(m.shape, lambda *i: te_shared(lambda ops: moments_at(i, ops)), name=layer.op)
 
-            return te.compute(m.shape, lambda *i: te_shared(lambda ops: moments_at(i, ops)), name=layer.op)
-
-        return activation_out(ctx.emit_te(matched, x.tensors(), layer), layer)
+            out = activation_out(ctx.emit_te(matched, args, layer), layer)
+        if not flat:
+            return out
+        return RelaxActivation(view(out.mean, *shape), None if out.second is None else view(out.second, *shape),
+                               out.repr)
 
     return emit
 
