@@ -281,3 +281,16 @@ def test_compiled_plan_compacts_where_the_reference_does():
     assert compiled.offsets == ref.offsets and exported.offsets.keys() == ref.offsets.keys()
     assert compiled.width == {name: aligned(k) for name, k in ref.width.items()}
     assert compiled.max_factors == 320 and exported.max_factors > 1400
+
+
+def test_static_batch_executable_is_scheduled_and_matches_the_reference(every_rule):
+    """``compile(batch_sizes=[3])`` re-emits the module with a static batch: every kernel (shared-
+    factor ones included) must still take its default schedule (a schedule that fails soft is a
+    failure here) and give the reference's results."""
+    _, _, net = every_rule
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", RuntimeWarning)
+        exe = net.compile("native", batch_sizes=[3])
+    x = np.random.default_rng(8).standard_normal((3, *net.input_shape)).astype(np.float32)
+    assert exe.vm_for_batch(3) is not exe.vm
+    assert_matches(exe(x), net.reference(x))

@@ -56,7 +56,7 @@ from .._core import (
     fast_exp,
     te_shared,
 )
-from ..schedules import pow2_divisor, schedule, simd_lanes, static_extent, vectorizable
+from ..schedules import extent, pow2_divisor, schedule, simd_lanes, static_extent, vectorizable
 from .compute import _pad, schedule_conv2d
 
 PARTS = ("norm", "clip", "scale", "conv_pool", "conv_load", "conv_beta", "conv_weights", "relu_terms", "relu_load",
@@ -667,12 +667,12 @@ def _vector_reduction(sch: s_tir.Schedule, block: Any, loops: list[Any], lanes: 
     if (len(kinds) != len(loops) or n_spatial == 0 or n_spatial == len(kinds)
             or any(k != 0 for k in kinds[:n_spatial]) or any(k != 2 for k in kinds[n_spatial:])):
         return False
-    extents = [static_extent(sch, loop) for loop in loops[n_spatial:]]
+    extents = [extent(sch, loop) for loop in loops[n_spatial:]]
     if any(e is None for e in extents):
         return False
-    extent = int(np.prod(extents))
-    vec = pow2_divisor(extent, lanes)
-    if vec < 4 or extent < 2 * vec or not vectorizable(sch, [block]):
+    length = int(np.prod(extents))
+    vec = pow2_divisor(length, lanes)
+    if vec < 4 or length < 2 * vec or not vectorizable(sch, [block]):
         return False
     # several trailing reductions (e.g. over channel and kernel offsets) are one row-major sum
     reduction = sch.fuse(*loops[n_spatial:]) if len(loops) - n_spatial > 1 else loops[-1]
