@@ -667,10 +667,12 @@ def _vector_reduction(sch: s_tir.Schedule, block: Any, loops: list[Any], lanes: 
     if (len(kinds) != len(loops) or n_spatial == 0 or n_spatial == len(kinds)
             or any(k != 0 for k in kinds[:n_spatial]) or any(k != 2 for k in kinds[n_spatial:])):
         return False
-    extents = [extent(sch, loop) for loop in loops[n_spatial:]]
-    if any(e is None for e in extents):
-        return False
-    length = int(np.prod(extents))
+    length = 1
+    for loop in loops[n_spatial:]:
+        size = extent(sch, loop)
+        if size is None:
+            return False
+        length *= size
     vec = pow2_divisor(length, lanes)
     if vec < 4 or length < 2 * vec or not vectorizable(sch, [block]):
         return False
