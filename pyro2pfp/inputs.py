@@ -34,7 +34,9 @@ def as_input_array(x: Any, input_shape: tuple[int, ...], name: str = "x", dtype:
         # the common call (a batch already of the network's dtype): only finiteness to check.  A sum is
         # finite only if every term is (NaN/inf propagate); an overflowing sum of finite values falls
         # through to the element-wise check below, so nothing is refused that is not bad.
-        if np.isfinite(np.add.reduce(x, axis=None)):
+        with np.errstate(over="ignore", invalid="ignore"):
+            total = np.add.reduce(x, axis=None)
+        if np.isfinite(total):
             return x
     x = _to_numpy(x, name)
     if x.ndim == len(input_shape) and tuple(x.shape) == tuple(input_shape):  # a single example
