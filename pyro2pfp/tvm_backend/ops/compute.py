@@ -14,6 +14,7 @@ leave most of an AVX-512 register idle), and the epilogue reads only the ``M`` r
 """
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
@@ -34,6 +35,7 @@ from .._core import (
 from ..schedules import (
     divisor_at_most,
     epilogue_at,
+    has_block,
     pow2_divisor,
     register_budget,
     schedule,
@@ -42,6 +44,7 @@ from ..schedules import (
     vectorizable,
     vectorize_inner,
 )
+from .winograd import schedule_winograd, use_winograd, winograd_conv
 
 
 def _terms(x_mean: Any, x_second: Any, w_mean: Any, w_second: Any, x_repr: Repr) -> tuple[Any, Any]:
@@ -88,13 +91,16 @@ def _weights_and_bias(ctx: EmitContext, layer: PlannedLayer, axes: tuple[int, ..
 
 def _epilogue_stage(acc_mean: te.Tensor, acc_var: te.Tensor, bias: list[te.Tensor], channel_axis: int,
                     layer: PlannedLayer, shape: tuple | None = None,
-                    activation: PlannedLayer | None = None) -> list[te.Tensor]:
+                    activation: PlannedLayer | None = None,
+                    index: Callable[..., tuple] | None = None) -> list[te.Tensor]:
     """Bias, variance clamp and representation conversion of the accumulated sums; ``shape``
     (default: the accumulators') may cut off padding columns.  With a fused ``activation`` (a
     ReLU layer, see ``_core.fused_activations``) the ReLU's output moments are emitted instead,
-    in its representation."""
+    in its representation.  ``index`` maps an output index to the accumulators' (default: the
+    same; the Winograd conv's accumulators are NHWC)."""
     def f(*idx):
-        mean, var = acc_mean[idx], acc_var[idx]
+        at = idx if index is None else index(*idx)
+        mean, var = acc_mean[at], acc_var[at]
         if bias:
             mean = mean + bias[0][idx[channel_axis]]
         if len(bias) > 1:
@@ -151,6 +157,8 @@ def conv2d(ctx: EmitContext, layer: PlannedLayer, inputs: list[RelaxActivation])
     deterministic = x.repr is Repr.DETERMINISTIC
     n_x = len(x.tensors())
     out_c, out_h, out_w = layer.layer.out_shape
+    if use_winograd(layer, x.repr):
+        return activation_out(winograd_conv(ctx, layer, x), ctx.activation or layer)
 
     def fn(*tensors: te.Tensor) -> list[te.Tensor]:
         x_mean = _pad(tensors[0], a["padding"])
@@ -257,6 +265,9 @@ def schedule_conv2d(sch: s_tir.Schedule, layer: Any, target: tvm.target.Target) 
     Tile sizes, measured on LeNet's conv2 (AVX-512, one thread, batch 1): 2 columns x 16 channels
     14.7 us, 5 columns 15-20 us, 10 columns 300 us (register spills); unscheduled 300 us.
     """
+    if has_block(sch, "wino_gemm"):
+        schedule_winograd(sch, target)
+        return
     lanes = simd_lanes(target)
     budget = register_budget(lanes)
     blk = sch.get_sblock("conv2d")
