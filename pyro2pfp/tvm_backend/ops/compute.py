@@ -11,6 +11,10 @@ the output axis is unit-stride; conv weights are stored (C/groups, KH, KW, O) fo
 Dense weights are also zero-padded to whole vectors (:func:`dense_padded_columns`): the
 accumulation runs over whole SIMD vectors (a width that divides ``M`` -- 4 for ``M = 100`` -- would
 leave most of an AVX-512 register idle), and the epilogue reads only the ``M`` real columns.
+
+The 3x3 stride-1 convs of a variance input with >= 16 channels (the ResNet block convs) use the
+Winograd F(2x2, 3x3) kernel of ``winograd.py`` instead (:func:`~.winograd.use_winograd`; same op,
+same schedule entry point).
 """
 from __future__ import annotations
 
@@ -244,7 +248,8 @@ CONV_MAX_UNROLLED_WINDOW = 64  # unroll the kernel window only up to this many t
 @schedule("conv2d")
 def schedule_conv2d(sch: s_tir.Schedule, layer: Any, target: tvm.target.Target) -> None:
     """Conv2d NCHW/OIHW: optional ``pad`` block(s) (one per input tensor), the tuple-reduction
-    ``conv2d`` block and the ``epilogue``.
+    ``conv2d`` block and the ``epilogue``.  (A Winograd conv -- a ``wino_gemm`` block, see
+    ``winograd.py`` -- gets :func:`~.winograd.schedule_winograd` instead.)
 
     A register tile of (output channels x output columns) of one output row is accumulated over
     ``rc`` and the unrolled ``rp x rq`` window; the parallel loop runs over batch x channel tiles
