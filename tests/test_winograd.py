@@ -184,3 +184,23 @@ def test_two_layer_net_and_direct_context_give_the_direct_kernel():
         func = scheduled[gv]
         if isinstance(func, tvm.tirx.PrimFunc) and _core.kernel_info(func)[0] == "conv2d":
             assert func.attrs.get("tirx.is_scheduled", False), gv.name_hint
+
+
+def test_static_batch_executables_schedule_the_winograd_kernel():
+    """``compile(batch_sizes=...)`` specialises the kernels to a static batch (a batch loop of
+    extent 1 at batch 1): the Winograd schedule still applies (no fallback warning) and matches
+    the reference at those sizes and at another (symbolic) one."""
+    import warnings
+
+    rng = np.random.default_rng(9)
+    graph = conv_graph(rng, 16, 32, 8, 8)
+    net = PFPNetwork(graph, plan(graph))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", RuntimeWarning)  # a failed schedule warns
+        exe = net.compile(TARGETS["native"], batch_sizes=[1, 3])
+    layer = graph.layers[0]
+    for batch in (1, 3, 2):
+        x = rng.standard_normal((batch, 16, 8, 8)).astype(np.float32)
+        xv = (0.1 * rng.uniform(size=x.shape)).astype(np.float32)
+        assert_compute_layer(layer, x, xv, net.reference(x, xv), exe(x, xv),
+                             lambda t, wt: conv2d_nchw(t, wt, [1, 1], [1, 1], [1, 1], 1), "variance")
