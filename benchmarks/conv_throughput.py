@@ -7,6 +7,11 @@ throughput it takes 3x the deterministic conv's time.  This script prints the GF
 (counting 2 flops per multiply-add, 3 products per PFP tap) and the time ratio, which is what bounds
 a ResNet's PFP/deterministic latency ratio once the convs dominate (batch >= 10).
 
+``direct`` is the direct PFP conv kernel (``compute.conv2d``); ``Winograd`` the F(2x2, 3x3) kernel
+(``winograd.py``) on the layers :func:`~pyro2pfp.tvm_backend.ops.winograd.use_winograd` picks
+(``-`` elsewhere); ``default`` is what ``net.compile()`` uses.  Both count the direct algorithm's
+flops (so Winograd's GFLOP/s is "effective": 2.25x fewer multiplies are done).
+
     PYTHONPATH=. .venv/bin/python benchmarks/conv_throughput.py [--batch 10] [--repeats 60]
 
 Times are the minimum over ``--repeats`` calls (``exe(x, x_var)`` from NumPy, resp. ``F.conv2d``).
@@ -45,12 +50,14 @@ def main() -> None:
     from pyro2pfp.graph import INPUT, GaussianParam, Layer, LayerGraph
     from pyro2pfp.network import PFPNetwork
     from pyro2pfp.plan import plan
+    from pyro2pfp.tvm_backend.ops.winograd import direct_convolutions, use_winograd
 
     pyro2pfp.set_num_threads(1)
     torch.set_num_threads(1)
     rng = np.random.default_rng(0)
     print(f"batch {args.batch}, one thread; load average {__import__('os').getloadavg()[0]:.1f}")
-    print(f"{'conv (3x3, pad 1)':<24} {'PFP ms':>8} {'GFLOP/s':>8} {'torch ms':>9} {'GFLOP/s':>8} {'PFP/torch':>9}")
+    print(f"{'conv (3x3, pad 1)':<24} {'direct ms':>9} {'GFLOP/s':>8} {'Winograd ms':>11} {'GFLOP/s':>8} "
+          f"{'torch ms':>9} {'GFLOP/s':>8} {'default/torch':>13}")
     for c, o, n, stride in CASES:
         out_n = (n + 2 - 3) // stride + 1
         weight = GaussianParam(0.1 * rng.standard_normal((o, c, 3, 3)), 0.01 * rng.uniform(0.1, 1, (o, c, 3, 3)))
@@ -59,22 +66,31 @@ def main() -> None:
                       attrs={"stride": [stride] * 2, "padding": [1, 1], "dilation": [1, 1], "groups": 1},
                       params={"weight": weight, "bias": bias})
         graph = LayerGraph((c, n, n), [layer], "c", input_variance=True)
-        net = PFPNetwork(graph, plan(graph))
-        exe = net.compile()
+        planned = plan(graph)
         x = rng.standard_normal((args.batch, c, n, n)).astype(np.float32)
         v = (0.1 * rng.uniform(size=x.shape)).astype(np.float32)
-        ref = net.reference(x, v)
-        err = max(float(np.abs(a - r).max() / np.abs(r).max()) for a, r in zip(exe(x, v), ref))
-        assert err < 1e-4, f"compiled conv disagrees with the reference: {err:.1e}"
-        pfp = best_time(exe, (x, v), args.repeats)
+        with direct_convolutions():
+            exes = {"direct": PFPNetwork(graph, planned).compile()}
+        if use_winograd(planned.layers[0], planned.layers[0].in_reprs[0]):
+            exes["winograd"] = PFPNetwork(graph, planned).compile()
+        ref = PFPNetwork(graph, planned).reference(x, v)
+        times = {}
+        for key, exe in exes.items():
+            err = max(float(np.abs(a - r).max() / np.abs(r).max()) for a, r in zip(exe(x, v), ref))
+            assert err < 1e-4, f"compiled {key} conv disagrees with the reference: {err:.1e}"
+            times[key] = best_time(exe, (x, v), args.repeats)
         xt, wt, bt = torch.from_numpy(x), torch.from_numpy(weight.mean.astype(np.float32)), torch.from_numpy(
             bias.mean.astype(np.float32))
         with torch.no_grad():
             det = best_time(F.conv2d, (xt, wt, bt), args.repeats, stride=stride, padding=1)
         macs = args.batch * o * out_n * out_n * c * 9
         name = f"{c}->{o}, {n}x{n}, stride {stride}"
-        print(f"{name:<24} {pfp * 1e3:>8.3f} {6 * macs / pfp / 1e9:>8.1f} {det * 1e3:>9.3f} "
-              f"{2 * macs / det / 1e9:>8.1f} {pfp / det:>8.2f}x")
+        direct, wino = times["direct"], times.get("winograd")
+        wino_cols = (f"{wino * 1e3:>11.3f} {6 * macs / wino / 1e9:>8.1f}" if wino is not None
+                     else f"{'-':>11} {'-':>8}")
+        default = wino if wino is not None else direct
+        print(f"{name:<24} {direct * 1e3:>9.3f} {6 * macs / direct / 1e9:>8.1f} {wino_cols} {det * 1e3:>9.3f} "
+              f"{2 * macs / det / 1e9:>8.1f} {default / det:>12.2f}x")
 
 
 if __name__ == "__main__":

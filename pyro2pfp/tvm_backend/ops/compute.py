@@ -11,9 +11,14 @@ the output axis is unit-stride; conv weights are stored (C/groups, KH, KW, O) fo
 Dense weights are also zero-padded to whole vectors (:func:`dense_padded_columns`): the
 accumulation runs over whole SIMD vectors (a width that divides ``M`` -- 4 for ``M = 100`` -- would
 leave most of an AVX-512 register idle), and the epilogue reads only the ``M`` real columns.
+
+The 3x3 stride-1 convs of a variance input with >= 16 channels (the ResNet block convs) use the
+Winograd F(2x2, 3x3) kernel of ``winograd.py`` instead (:func:`~.winograd.use_winograd`; same op,
+same schedule entry point).
 """
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
@@ -34,6 +39,7 @@ from .._core import (
 from ..schedules import (
     divisor_at_most,
     epilogue_at,
+    has_block,
     pow2_divisor,
     register_budget,
     schedule,
@@ -42,6 +48,7 @@ from ..schedules import (
     vectorizable,
     vectorize_inner,
 )
+from .winograd import schedule_winograd, use_winograd, winograd_conv
 
 
 def _terms(x_mean: Any, x_second: Any, w_mean: Any, w_second: Any, x_repr: Repr) -> tuple[Any, Any]:
@@ -88,13 +95,16 @@ def _weights_and_bias(ctx: EmitContext, layer: PlannedLayer, axes: tuple[int, ..
 
 def _epilogue_stage(acc_mean: te.Tensor, acc_var: te.Tensor, bias: list[te.Tensor], channel_axis: int,
                     layer: PlannedLayer, shape: tuple | None = None,
-                    activation: PlannedLayer | None = None) -> list[te.Tensor]:
+                    activation: PlannedLayer | None = None,
+                    index: Callable[..., tuple] | None = None) -> list[te.Tensor]:
     """Bias, variance clamp and representation conversion of the accumulated sums; ``shape``
     (default: the accumulators') may cut off padding columns.  With a fused ``activation`` (a
     ReLU layer, see ``_core.fused_activations``) the ReLU's output moments are emitted instead,
-    in its representation."""
+    in its representation.  ``index`` maps an output index to the accumulators' (default: the
+    same; the Winograd conv's accumulators are NHWC)."""
     def f(*idx):
-        mean, var = acc_mean[idx], acc_var[idx]
+        at = idx if index is None else index(*idx)
+        mean, var = acc_mean[at], acc_var[at]
         if bias:
             mean = mean + bias[0][idx[channel_axis]]
         if len(bias) > 1:
@@ -151,6 +161,8 @@ def conv2d(ctx: EmitContext, layer: PlannedLayer, inputs: list[RelaxActivation])
     deterministic = x.repr is Repr.DETERMINISTIC
     n_x = len(x.tensors())
     out_c, out_h, out_w = layer.layer.out_shape
+    if use_winograd(layer, x.repr):
+        return activation_out(winograd_conv(ctx, layer, x), ctx.activation or layer)
 
     def fn(*tensors: te.Tensor) -> list[te.Tensor]:
         x_mean = _pad(tensors[0], a["padding"])
@@ -236,7 +248,8 @@ CONV_MAX_UNROLLED_WINDOW = 64  # unroll the kernel window only up to this many t
 @schedule("conv2d")
 def schedule_conv2d(sch: s_tir.Schedule, layer: Any, target: tvm.target.Target) -> None:
     """Conv2d NCHW/OIHW: optional ``pad`` block(s) (one per input tensor), the tuple-reduction
-    ``conv2d`` block and the ``epilogue``.
+    ``conv2d`` block and the ``epilogue``.  (A Winograd conv -- a ``wino_gemm`` block, see
+    ``winograd.py`` -- gets :func:`~.winograd.schedule_winograd` instead.)
 
     A register tile of (output channels x output columns) of one output row is accumulated over
     ``rc`` and the unrolled ``rp x rq`` window; the parallel loop runs over batch x channel tiles
@@ -257,6 +270,9 @@ def schedule_conv2d(sch: s_tir.Schedule, layer: Any, target: tvm.target.Target) 
     Tile sizes, measured on LeNet's conv2 (AVX-512, one thread, batch 1): 2 columns x 16 channels
     14.7 us, 5 columns 15-20 us, 10 columns 300 us (register spills); unscheduled 300 us.
     """
+    if has_block(sch, "wino_gemm"):
+        schedule_winograd(sch, target)
+        return
     lanes = simd_lanes(target)
     budget = register_budget(lanes)
     blk = sch.get_sblock("conv2d")
