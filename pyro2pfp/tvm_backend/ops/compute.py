@@ -162,7 +162,7 @@ def conv2d(ctx: EmitContext, layer: PlannedLayer, inputs: list[RelaxActivation])
     n_x = len(x.tensors())
     out_c, out_h, out_w = layer.layer.out_shape
     if use_winograd(layer, x.repr):
-        return activation_out(winograd_conv(ctx, layer, x), ctx.activation or layer)
+        return activation_out(winograd_conv(ctx, layer, x, _epilogue_stage), ctx.activation or layer)
 
     def fn(*tensors: te.Tensor) -> list[te.Tensor]:
         x_mean = _pad(tensors[0], a["padding"])

@@ -166,11 +166,11 @@ def _bilinear(mat_l: np.ndarray, mat_r: np.ndarray, load: Any) -> dict[tuple[int
     return out
 
 
-def winograd_conv(ctx: EmitContext, layer: PlannedLayer, x: RelaxActivation) -> list:
+def winograd_conv(ctx: EmitContext, layer: PlannedLayer, x: RelaxActivation, epilogue_stage: Any) -> list:
     """Emit the Winograd PFP conv of ``layer`` (see the module docstring); returns its output
-    tensors (mean, second) for ``activation_out``."""
-    from .compute import _epilogue_stage
-
+    tensors (mean, second) for ``activation_out``.  ``epilogue_stage``: the direct conv kernel's
+    epilogue (``compute._epilogue_stage``: bias, variance clamp, representation), passed in so this
+    module does not import ``compute`` (which imports it)."""
     t = layer.tensors
     out_c, out_h, out_w = layer.layer.out_shape
     n_h, n_w = out_h // TILE, out_w // TILE
@@ -221,7 +221,7 @@ def winograd_conv(ctx: EmitContext, layer: PlannedLayer, x: RelaxActivation) -> 
 
         y = [te.compute((batch, out_h, out_w, out_c), out_transform(s), name=f"wino_out_{k}")
              for s, k in zip(acc, "mv")]
-        return _epilogue_stage(y[0], y[1], list(bias), 1, layer, shape=(batch, out_c, out_h, out_w),
+        return epilogue_stage(y[0], y[1], list(bias), 1, layer, shape=(batch, out_c, out_h, out_w),
                                activation=ctx.activation, index=lambda n, o, i, j: (n, i, j, o))
 
     return ctx.emit_te(fn, x.tensors() + weights + bias_args, layer)
