@@ -201,7 +201,7 @@ class EmitContext:
     """What a kernel emitter gets besides its inputs."""
 
     bb: relax.BlockBuilder
-    batch: Any  # tirx.Var (symbolic batch) or tirx.IntImm (a batch-specialised module)
+    batch: tirx.Var
     shapes: dict[str, tuple[int, ...]]  # per-sample shape of every edge (input and layer outputs)
     activation: PlannedLayer | None = None  # a ReLU fused into the compute kernel being emitted
 
@@ -310,12 +310,11 @@ def fused_activations(graph: PlannedGraph) -> dict[str, PlannedLayer]:
     return out
 
 
-def emit_module(graph: PlannedGraph, *, fuse: bool = True, batch: int | None = None) -> tvm.IRModule:
+def emit_module(graph: PlannedGraph, *, fuse: bool = True) -> tvm.IRModule:
     """The planned network as a Relax IRModule.
 
     ``main(x: (batch, *input_shape) float32[, x_var]) -> (mean, var)`` of the output; weights are
-    bound as float32 constants; ``batch`` is symbolic unless given (a batch-specialised module).
-    ``fuse``: ReLUs that follow a dense layer
+    bound as float32 constants; ``batch`` is symbolic.  ``fuse``: ReLUs that follow a dense layer
     are computed in its kernel (:func:`fused_activations`; not for a shared-factor plan, whose
     kernels of :data:`SCHEME_STEPS` follow every layer's).
     """
@@ -323,11 +322,11 @@ def emit_module(graph: PlannedGraph, *, fuse: bool = True, batch: int | None = N
     if graph.factors is not None:  # shared-factor PFP: its kernels after each layer's (no fusion)
         step = SCHEME_STEPS["shared-factor"](graph)
         fuse = False
-    batch_dim: Any = tirx.Var("batch", "int64") if batch is None else tirx.IntImm("int64", int(batch))
+    batch = tirx.Var("batch", "int64")
     bb = relax.BlockBuilder()
     shapes = {INPUT: graph.input_shape, **{p.name: p.layer.out_shape for p in graph.layers}}
-    ctx = EmitContext(bb=bb, batch=batch_dim, shapes=shapes)
-    in_type = relax.TensorType((batch_dim, *graph.input_shape), F32)
+    ctx = EmitContext(bb=bb, batch=batch, shapes=shapes)
+    in_type = relax.TensorType((batch, *graph.input_shape), F32)
     params = [relax.Var("x", in_type)]
     if graph.input_repr is not Repr.DETERMINISTIC:
         params.append(relax.Var("x_var", in_type))

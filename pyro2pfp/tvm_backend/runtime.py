@@ -274,13 +274,13 @@ def build_network(net: Any, target: tvm.target.Target, schedule: bool = True, ba
     """``net.mod`` with the default CPU schedules (unless ``schedule=False``), built for ``target``.
     Identical kernels are shared first (:func:`~pyro2pfp.tvm_backend.sharing.share_identical_kernels`;
     the schedules depend only on the PrimFunc), so each distinct kernel is scheduled once.
-    ``batch``: a static-shape executable for that batch size only (the module emitted with a
-    static batch: no shape arithmetic per call, storage planned once, kernels specialised), else
-    the any-batch one."""
-    from ._core import emit_module
+    ``batch``: a static-shape executable for that batch size only (``net.mod`` specialised by
+    :func:`pyro2pfp.tuning.specialize_batch`, as for tuning: the batch fixed in Relax and in every
+    PrimFunc -- no shape arithmetic per call, storage planned once), else the any-batch one."""
+    from ..tuning.specialize import specialize_batch
     from .sharing import share_identical_kernels
 
-    mod = net.mod if batch is None else emit_module(net.plan, fuse=net.fuse, batch=int(batch))
+    mod = net.mod if batch is None else specialize_batch(net.mod, batch)
     mod = share_identical_kernels(mod)
     mod = schedule_module(mod, net.plan, target) if schedule else mod
     return build(mod, target)

@@ -582,8 +582,10 @@ def cholesky_factor(rows: int, width: int) -> tirx.PrimFunc:
     def cholesky(gram_h: T.handle, out_h: T.handle) -> None:
         T.func_attr({"tirx.is_scheduled": True, "tirx.noalias": True})
         n = T.int64()
-        gram = T.match_buffer(gram_h, (n, r_, r_), "float32")
-        out = T.match_buffer(out_h, (n, r_, width), "float32")
+        # int64 dims like the TE kernels' (int32 ones break relax.transform.SpecializePrimFuncBasedOnCallSite,
+        # which static-batch builds and tuning run)
+        gram = T.match_buffer(gram_h, (n, T.int64(r_), T.int64(r_)), "float32")
+        out = T.match_buffer(out_h, (n, T.int64(r_), T.int64(width)), "float32")
         with T.sblock("root"):  # Relax's passes expect a root block
             for b in T.parallel(n):
                 lower = T.decl_buffer((r_ * r_,), "float64")
