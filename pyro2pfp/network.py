@@ -105,8 +105,8 @@ class PFPNetwork:
         (the tuning database is then keyed by the board key as well as the target).
         ``batch_sizes``: e.g. ``batch_sizes=[1]`` -- also build a static-shape executable (default
         schedules) for each batch size named; calls with that batch size run it (fewer VM
-        instructions per call: measured 6–9 % faster for the shared-factor ResNet-20 at batch 1,
-        ~1.5 % for mean-field; ``benchmarks/latency.py --static``).  Costs one more build per size.
+        instructions per call: 5–13 % faster at batch 1, ~0 at batch 10 on the benchmark nets;
+        ``benchmarks/latency.py --static``).  Costs one more build per size.
         """
         from .compile import compile_network
 

@@ -128,6 +128,17 @@ def _widened(g: te.Tensor, k: int) -> te.Tensor:
         f < k_in, g[b, r, te.min(f, k_in - 1)], _c(0.0)), name="widened")
 
 
+def _row_products(a: te.Tensor, b: te.Tensor, k: int) -> te.Tensor:
+    """``out[n, r, c] = Σ_{f<k} a[n, c, f]·b[n, r, f]`` (B, rows of ``b``, rows of ``a``): the inner
+    products of every row of ``b`` with every row of ``a`` -- ``β = ⟨g_in[c], g[o]⟩`` of the conv rule,
+    the Gram matrix ``g·gᵀ`` of a compaction.  ``a`` is transposed first so ``c`` is unit-stride (block
+    ``beta``, a :data:`MATMUL_BLOCKS` product of the schedule)."""
+    a_t = te.compute((a.shape[0], k, a.shape[1]), lambda n, f, c: a[n, c, f], name="g_t")
+    f = te.reduce_axis((0, k), name="f")
+    return te.compute((a.shape[0], b.shape[1], a.shape[1]), lambda n, r, c: te.sum(a_t[n, f, c] * b[n, r, f], axis=f),
+                      name="beta")
+
+
 def _normalise(ctx: EmitContext, loading: relax.Expr, layer: PlannedLayer) -> tuple[relax.Expr, relax.Expr]:
     """``(g, ‖ℓ‖)`` of a loading (B, R, K)."""
     def fn(t: te.Tensor) -> list[te.Tensor]:
@@ -402,14 +413,7 @@ class SharedStep(FixedKStep):
         if sh is not None:
             k_in = sh.k
 
-            def beta_fn(g_in: te.Tensor, gt: te.Tensor) -> te.Tensor:
-                # β[b, o, c] = Σ_f g_in[b, c, f]·g[b, o, f], with g_in transposed so c is unit-stride
-                g_t = te.compute((g_in.shape[0], k_in, c), lambda b, f, ch: g_in[b, ch, f], name="g_t")
-                f = te.reduce_axis((0, k_in), name="f")
-                return te.compute((g_in.shape[0], o, c), lambda b, oo, ch: te.sum(
-                    g_t[b, f, ch] * gt[b, oo, f], axis=f), name="beta")
-
-            beta = _emit(ctx, beta_fn, [sh.g, g], layer, "conv_beta")[0]
+            beta = _emit(ctx, lambda g_in, gt: _row_products(g_in, gt, k_in), [sh.g, g], layer, "conv_beta")[0]
 
         def weights(*ts: te.Tensor) -> list[te.Tensor]:
             """Per-input weights (B, C, KH, KW, O) of the profile convolution: ``A = W·β + coef·V·m̄s``
@@ -542,14 +546,7 @@ class SharedStep(FixedKStep):
         reference's QR compaction ``Rᵀ``, which equals ``L`` up to the signs of its columns)."""
         rows, k = self.fp.rows[layer.name], sh.k
 
-        def gram_fn(gt: te.Tensor) -> te.Tensor:
-            # G[b, r, r'] = Σ_f g[b, r, f]·g[b, r', f], with one operand transposed so r' is unit-stride
-            g_t = te.compute((gt.shape[0], k, rows), lambda b, f, r: gt[b, r, f], name="g_t")
-            f = te.reduce_axis((0, k), name="f")
-            return te.compute((gt.shape[0], rows, rows), lambda b, r, r2: te.sum(
-                g_t[b, f, r2] * gt[b, r, f], axis=f), name="beta")
-
-        gram = _emit(ctx, gram_fn, [sh.g], layer, "gram")[0]
+        gram = _emit(ctx, lambda gt: _row_products(gt, gt, k), [sh.g], layer, "gram")[0]
         width = aligned(rows)
         func = cholesky_factor(rows, width).with_attrs({OP_ATTR: "sf_cholesky", LAYER_ATTR: layer.name})
         gv = ctx.bb.add_func(func, f"pfp_sf_cholesky_{layer.name}")
