@@ -56,11 +56,20 @@ from .._core import (
     fast_exp,
     te_shared,
 )
-from ..schedules import extent, pow2_divisor, schedule, simd_lanes, static_extent, vectorizable
+from ..schedules import (
+    divisor_at_most,
+    extent,
+    pow2_divisor,
+    register_budget,
+    schedule,
+    simd_lanes,
+    static_extent,
+    vectorizable,
+    vectorize_inner,
+)
 from .compute import _pad, schedule_conv2d
 
-PARTS = ("norm", "clip", "scale", "conv_pool", "conv_load", "conv_beta", "conv_weights", "relu_terms", "relu_load",
-         "relu_profile", "add_load", "add_profile", "avgpool", "maxpool", "dense_load", "gram")
+PARTS = ("scale", "conv_load", "conv_weights", "relu", "add", "avgpool", "maxpool", "dense_load", "gram")
 _LOWEST = float(np.finfo(np.float32).min)
 
 
@@ -139,16 +148,30 @@ def _row_products(a: te.Tensor, b: te.Tensor, k: int) -> te.Tensor:
                       name="beta")
 
 
-def _normalise(ctx: EmitContext, loading: relax.Expr, layer: PlannedLayer) -> tuple[relax.Expr, relax.Expr]:
-    """``(g, ‖ℓ‖)`` of a loading (B, R, K)."""
-    def fn(t: te.Tensor) -> list[te.Tensor]:
-        f = te.reduce_axis((0, t.shape[2]), name="f")
-        sq = te.compute(t.shape[:2], lambda b, r: te.sum(t[b, r, f] * t[b, r, f], axis=f), name="sq")
-        norm = te.compute(t.shape[:2], lambda b, r: te.sqrt(sq[b, r]), name="norm")
-        g = te.compute(t.shape, lambda b, r, j: _safe_div(t[b, r, j], norm[b, r]), name="g")
-        return [g, norm]
+#: a row of a loading whose largest entry is at most this counts as zero (``g = 0``, ``‖ℓ‖ = 0``):
+#: its reciprocal would overflow float32
+NORM_FLOOR = 1e-30
 
-    g, norm = _emit(ctx, fn, [loading], layer, "norm")
+
+def _normalised(loading: te.Tensor) -> tuple[te.Tensor, te.Tensor]:
+    """``(g, ‖ℓ‖)`` of a loading ``ℓ`` (B, R, K) as TE stages of the kernel that computes ``ℓ``
+    (no kernel of its own): ``p = max_f |ℓ_f|``, ``‖ℓ‖ = p·√(Σ_f (ℓ_f/p)²)`` and ``g = ℓ/‖ℓ‖``
+    (as ``ℓ·(1/p)/√Σ``), 0 where ``p ≤`` :data:`NORM_FLOOR` -- the reference's
+    ``correlation.rules._normalised`` in float32, finite up to ``|ℓ| ≈ FLT_MAX`` (the square of an
+    entry above ~1.8e19 would overflow without the scale ``p``)."""
+    rows, k = loading.shape[:2], loading.shape[2]
+    f = te.reduce_axis((0, k), name="f_peak")
+    peak = te.compute(rows, lambda b, r: te.max(te.abs(loading[b, r, f]), axis=f), name="peak")
+    inv = te.compute(rows, lambda b, r: tirx.Select(peak[b, r] > _c(NORM_FLOOR), _c(1.0) / te.max(
+        peak[b, r], _c(NORM_FLOOR)), _c(0.0)), name="inv_peak")
+    f2 = te.reduce_axis((0, k), name="f_sq")
+    sq = te.compute(rows, lambda b, r: te.sum(loading[b, r, f2] * inv[b, r] * loading[b, r, f2] * inv[b, r],
+                                              axis=f2), name="sq")
+    # sq = 0 exactly where inv = 0 (else the largest term is ~1): then norm = 0 and g = 0
+    norm = te.compute(rows, lambda b, r: peak[b, r] * te.sqrt(sq[b, r]), name="norm")
+    scale = te.compute(rows, lambda b, r: tirx.Select(sq[b, r] > _c(0.0), inv[b, r] / te.sqrt(
+        te.max(sq[b, r], _c(NORM_FLOOR))), _c(0.0)), name="g_scale")
+    g = te.compute(loading.shape, lambda b, r, j: loading[b, r, j] * scale[b, r], name="g")
     return g, norm
 
 
@@ -214,27 +237,26 @@ class SharedStep(FixedKStep):
             hbar = te.compute(m.shape[:2], lambda b, r: te.sum(both[1][b, r, q2] * inv, axis=q2), name="hbar")
             return [both[0], both[1], lbar, hbar]
 
-        lin, h, lbar, hbar = _emit(ctx, terms, views, layer, "relu_terms")
-        if offset is None:  # hermite='none': the linear response only
-            s = _scaled(ctx, lin, out_var, ctx.const(np.ones(1)), layer)
-            return SharedRelax(_view(ctx, s, *ctx.shapes[name]), sh.g, sh.k)
+        def rule(*ts: te.Tensor) -> list[te.Tensor]:
+            """Stein's terms, the loading ``lbar·g_in ⊕ hbar`` normalised and the profile
+            ``clip(lbar/‖ℓ‖·lin + hbar/‖ℓ‖·h)`` in one kernel (every step is per row)."""
+            m, v, s, var = ts[:4]
+            lin, h, lbar, hbar = terms(m, v, s)
+            if offset is None:  # hermite='none': the linear response only
+                return [te.compute(lin.shape, lambda b, r, q: _clip(lin[b, r, q], var[b, r, q]), name="s")]
+            gw = _widened(ts[4], k)
+            loading = te.compute((lbar.shape[0], lbar.shape[1], k), lambda b, r, f: lbar[b, r] * gw[b, r, f]
+                                 + tirx.Select(f == r + offset, hbar[b, r], _c(0.0)), name="loading")
+            g, norm = _normalised(loading)
+            s_out = te.compute(lin.shape, lambda b, r, q: _clip(
+                _safe_div(lbar[b, r], norm[b, r]) * lin[b, r, q] + _safe_div(hbar[b, r], norm[b, r]) * h[b, r, q],
+                var[b, r, q]), name="profile")
+            return [s_out, g]
 
-        def load(lb: te.Tensor, hb: te.Tensor, g_in: te.Tensor) -> te.Tensor:
-            gw = _widened(g_in, k)
-            return te.compute((lb.shape[0], lb.shape[1], k), lambda b, r, f: lb[b, r] * gw[b, r, f] + tirx.Select(
-                f == r + offset, hb[b, r], _c(0.0)), name="loading")
-
-        loading = _emit(ctx, load, [lbar, hbar, sh.g], layer, "relu_load")[0]
-        g, norm = _normalise(ctx, loading, layer)
-
-        def profile(li: te.Tensor, hi: te.Tensor, lb: te.Tensor, hb: te.Tensor, nm: te.Tensor, v: te.Tensor
-                    ) -> te.Tensor:
-            return te.compute(li.shape, lambda b, r, q: _clip(
-                _safe_div(lb[b, r], nm[b, r]) * li[b, r, q] + _safe_div(hb[b, r], nm[b, r]) * hi[b, r, q], v[b, r, q]),
-                name="profile")
-
-        s = _emit(ctx, profile, [lin, h, lbar, hbar, norm, out_var], layer, "relu_profile")[0]
-        return SharedRelax(_view(ctx, s, *ctx.shapes[name]), g, k)
+        outs = _emit(ctx, rule, views + [out_var] + ([sh.g] if offset is not None else []), layer, "relu")
+        if offset is None:
+            return SharedRelax(_view(ctx, outs[0], *ctx.shapes[name]), sh.g, sh.k)
+        return SharedRelax(_view(ctx, outs[0], *ctx.shapes[name]), outs[1], k)
 
     def add(self, ctx: EmitContext, layer: PlannedLayer, sa: SharedRelax, sb: SharedRelax, out: RelaxActivation
             ) -> tuple[SharedRelax, RelaxActivation]:
@@ -242,7 +264,9 @@ class SharedStep(FixedKStep):
         k = self.fp.width[name]
         a_s, b_s, var = (self._grouped(ctx, t, name) for t in (sa.s, sb.s, out.second))
 
-        def load(at: te.Tensor, bt: te.Tensor, ga: te.Tensor, gb: te.Tensor) -> list[te.Tensor]:
+        def rule(at: te.Tensor, bt: te.Tensor, v: te.Tensor, ga: te.Tensor, gb: te.Tensor) -> list[te.Tensor]:
+            """The loading ``ā·g_a + b̄·g_b`` normalised, the branch covariance ``⟨g_a, g_b⟩``, the
+            corrected variance and the profile, in one kernel (every step is per row)."""
             gaw, gbw = _widened(ga, k), _widened(gb, k)
             q = te.reduce_axis((0, at.shape[2]), name="q")
             inv = _c(1.0 / int(at.shape[2]))
@@ -253,25 +277,18 @@ class SharedStep(FixedKStep):
             dot = te.compute(at.shape[:2], lambda b, r: te.sum(gaw[b, r, f] * gbw[b, r, f], axis=f), name="dot")
             loading = te.compute((at.shape[0], at.shape[1], k), lambda b, r, j: abar[b, r] * gaw[b, r, j]
                                  + bbar[b, r] * gbw[b, r, j], name="loading")
-            return [loading, dot]
-
-        loading, dot = _emit(ctx, load, [a_s, b_s, sa.g, sb.g], layer, "add_load")
-        g, _ = _normalise(ctx, loading, layer)
-
-        def profile(at: te.Tensor, bt: te.Tensor, v: te.Tensor, dt: te.Tensor, ga: te.Tensor, gb: te.Tensor,
-                    gt: te.Tensor) -> list[te.Tensor]:
-            gaw, gbw = _widened(ga, k), _widened(gb, k)
-            f = te.reduce_axis((0, k), name="f")
-            pa = te.compute(at.shape[:2], lambda b, r: te.sum(gaw[b, r, f] * gt[b, r, f], axis=f), name="pa")
+            gt, _ = _normalised(loading)
+            f1 = te.reduce_axis((0, k), name="f1")
+            pa = te.compute(at.shape[:2], lambda b, r: te.sum(gaw[b, r, f1] * gt[b, r, f1], axis=f1), name="pa")
             f2 = te.reduce_axis((0, k), name="f2")
             pb = te.compute(at.shape[:2], lambda b, r: te.sum(gbw[b, r, f2] * gt[b, r, f2], axis=f2), name="pb")
             var_new = te.compute(at.shape, lambda b, r, q: te.max(
-                v[b, r, q] + _c(2.0) * at[b, r, q] * bt[b, r, q] * dt[b, r], _c(0.0)), name="var")
+                v[b, r, q] + _c(2.0) * at[b, r, q] * bt[b, r, q] * dot[b, r], _c(0.0)), name="var")
             s = te.compute(at.shape, lambda b, r, q: _clip(at[b, r, q] * pa[b, r] + bt[b, r, q] * pb[b, r],
                                                            var_new[b, r, q]), name="s")
-            return [s, var_new]
+            return [s, var_new, gt]
 
-        s, var_new = _emit(ctx, profile, [a_s, b_s, var, dot, sa.g, sb.g, g], layer, "add_profile")
+        s, var_new, g = _emit(ctx, rule, [a_s, b_s, var, sa.g, sb.g], layer, "add")
         shape = ctx.shapes[name]
         out = RelaxActivation(out.mean, _view(ctx, var_new, *shape), out.repr)
         return SharedRelax(_view(ctx, s, *shape), g, k), out
@@ -354,66 +371,80 @@ class SharedStep(FixedKStep):
             return tirx.Select(inside, src[b, ch, te.min(te.max(yy, 0), h - 1), te.min(te.max(xx, 0), w - 1)],
                                _c(0.0))
 
-        def pooled(*srcs: te.Tensor) -> list[te.Tensor]:
-            """``m̄[b, c, i, j]`` = mean over the output positions of the input at kernel offset
-            ``(i, j)``: row sums over the output columns per padded input row, then sums over the
-            output rows (separable: ``Hp·KW·OW + KH·KW·OH`` instead of ``KH·KW·OH·OW`` per channel)."""
-            outs = []
-            for n, src in enumerate(srcs):
-                padded = _pad(src, [py, px])
-                hp = int(padded.shape[2])
-                x_ = te.reduce_axis((0, ow), name=f"x{n}")
-                rows = te.compute((src.shape[0], c, hp, kw), lambda b, ch, yy, j: te.sum(
-                    padded[b, ch, yy, x_ * sx + j * dx], axis=x_), name=f"rows{n}")  # noqa: B023
-                y = te.reduce_axis((0, oh), name=f"y{n}")
-                outs.append(te.compute((src.shape[0], c, kh, kw), lambda b, ch, i, j: te.sum(
-                    rows[b, ch, y * sy + i * dy, j] * _c(1.0 / (oh * ow)), axis=y), name=f"bar{n}"))  # noqa: B023
-            return outs
+        # the output columns ``ox*sx + j*dx - px`` of kernel column ``j`` that fall inside the
+        # input, weighted 1/(oh*ow): the column half of the pooling as a (KW, W) product
+        col_weights = np.zeros((kw, w))
+        for j in range(kw):
+            for ox in range(ow):
+                xx = ox * sx + j * dx - px
+                if 0 <= xx < w:
+                    col_weights[j, xx] += 1.0 / (oh * ow)
 
-        bars = _emit(ctx, pooled, [x.mean] + ([sh.s] if sh is not None else []), layer, "conv_pool")
-        mbar = bars[0]
-        sbar = bars[1] if has_s else None
+        def pooled(src: te.Tensor, n: int, cw: te.Tensor) -> te.Tensor:
+            """``m̄[b, c, i, j]`` = mean over the output positions of the input at kernel offset
+            ``(i, j)`` (0 where that tap falls in the padding), separable and without a padded copy:
+            ``cols[b, c, i, x]`` = sum over the output rows of input row ``oy*sy + i*dy - py`` (a
+            vector over the unit-stride ``x``), then ``m̄[.., i, j] = Σ_x cols[.., i, x]·P[j, x]``
+            with ``P`` the constant column weights above (``KH·OH·W + KH·KW·W`` per channel)."""
+            y = te.reduce_axis((0, oh), name=f"y{n}")
+
+            def row_tap(b: Any, ch: Any, i: Any, xx: Any) -> Any:
+                yy = y * sy + i * dy - py
+                return tirx.Select(tirx.all(yy >= 0, yy < h), src[b, ch, te.min(te.max(yy, 0), h - 1), xx], _c(0.0))
+
+            cols = te.compute((src.shape[0], c, kh, w), lambda b, ch, i, xx: te.sum(row_tap(b, ch, i, xx), axis=y),
+                              name=f"cols{n}")
+            xr = te.reduce_axis((0, w), name=f"x{n}")
+            return te.compute((src.shape[0], c, kh, kw), lambda b, ch, i, j: te.sum(cols[b, ch, i, xr] * cw[j, xr],
+                                                                                    axis=xr), name=f"bar{n}")
 
         def load(*ts: te.Tensor) -> list[te.Tensor]:
-            mb, sb, g_in = ts[0], (ts[1] if has_s else None), (ts[2] if has_s else None)
-            wmt, wvt, bvt = ts[-3:]
-            cc, i, j = te.reduce_axis((0, c), name="c"), te.reduce_axis((0, kh), name="i"), te.reduce_axis((0, kw),
-                                                                                                             name="j")
+            """The pooled views ``m̄μ``, ``m̄s``; ``w̄ = √(Σ V·(m̄μ² + m̄s²) + v_bias)``; the loading
+            ``ℓ = A·g_in ⊕ w̄`` (``A = W·m̄s``) normalised to ``g``; ``β = ⟨g_in[c], g[o]⟩`` -- one
+            kernel (the weights are read in ``(C, KH, KW, O)`` layout: ``A`` and the weight-variance
+            sum are vectors over output channels)."""
+            it = iter(ts)
+            mu = next(it)
+            s_in, g_in = (next(it), next(it)) if has_s else (None, None)
+            cw, wmt, wvt, bvt = (next(it) for _ in range(4))
+            batch = mu.shape[0]
+            mb = pooled(mu, 0, cw)
+            sb = pooled(s_in, 1, cw) if s_in is not None else None
+            cc, i, j = (te.reduce_axis((0, n), name=name) for n, name in ((c, "c"), (kh, "i"), (kw, "j")))
 
             def second(b: Any, ch: Any, ii: Any, jj: Any) -> Any:
                 mm = mb[b, ch, ii, jj] * mb[b, ch, ii, jj]
                 return mm if sb is None else mm + sb[b, ch, ii, jj] * sb[b, ch, ii, jj]
 
-            wsum = te.compute((mb.shape[0], o), lambda b, oo: te.sum(
-                wvt[oo, cc, i, j] * second(b, cc, i, j), axis=[cc, i, j]), name="wsum")
-            wbar = te.compute((mb.shape[0], o), lambda b, oo: te.sqrt(te.max(wsum[b, oo] + bvt[oo], _c(0.0))),
-                              name="wbar")
+            wsum = te.compute((batch, o), lambda b, oo: te.sum(wvt[cc, i, j, oo] * second(b, cc, i, j),
+                                                                axis=[cc, i, j]), name="wsum")
+            wbar = te.compute((batch, o), lambda b, oo: te.sqrt(te.max(wsum[b, oo] + bvt[oo], _c(0.0))), name="wbar")
             if sb is None or g_in is None:
-                loading = te.compute((mb.shape[0], o, k), lambda b, oo, f: tirx.Select(
+                loading = te.compute((batch, o, k), lambda b, oo, f: tirx.Select(
                     f == oo + (offset or 0), wbar[b, oo], _c(0.0)), name="loading")
-                return [loading, wbar]
+                return [mb, _normalised(loading)[0], wbar]
             i2, j2 = te.reduce_axis((0, kh), name="i2"), te.reduce_axis((0, kw), name="j2")
-            amap = te.compute((mb.shape[0], o, c), lambda b, oo, ch: te.sum(wmt[oo, ch, i2, j2] * sb[b, ch, i2, j2],
-                                                                             axis=[i2, j2]), name="amap")
+            amap = te.compute((batch, c, o), lambda b, ch, oo: te.sum(wmt[ch, i2, j2, oo] * sb[b, ch, i2, j2],
+                                                                       axis=[i2, j2]), name="amap")
             gw = _widened(g_in, k)
             c2 = te.reduce_axis((0, c), name="c2")
-
-            prop = te.compute((mb.shape[0], o, k), lambda b, oo, f: te.sum(amap[b, oo, c2] * gw[b, c2, f], axis=c2),
+            prop = te.compute((batch, o, k), lambda b, oo, f: te.sum(amap[b, c2, oo] * gw[b, c2, f], axis=c2),
                               name="prop")
-            if offset is None:
-                return [prop, wbar]
-            loading = te.compute(prop.shape, lambda b, oo, f: prop[b, oo, f] + tirx.Select(
+            loading = prop if offset is None else te.compute(prop.shape, lambda b, oo, f: prop[b, oo, f] + tirx.Select(
                 f == oo + offset, wbar[b, oo], _c(0.0)), name="loading")
-            return [loading, wbar]
+            g = _normalised(loading)[0]
+            return [mb, sb, g, wbar, _row_products(g_in, g, int(g_in.shape[2]))]
 
-        load_args = [mbar] + ([sbar, sh.g] if has_s and sbar is not None and sh is not None else [])
-        loading, wbar = _emit(ctx, load, load_args + [ctx.const(wm), ctx.const(wv), bias_var], layer, "conv_load")
-        g, _ = _normalise(ctx, loading, layer)
-        beta = None
+        def channels_last(weight: np.ndarray) -> relax.Expr:
+            return ctx.const(np.ascontiguousarray(weight.transpose(1, 2, 3, 0)))
+
+        args = [x.mean] + ([sh.s, sh.g] if sh is not None else []) + [
+            ctx.const(col_weights), channels_last(wm), channels_last(wv), bias_var]
+        outs = _emit(ctx, load, args, layer, "conv_load")
         if sh is not None:
-            k_in = sh.k
-
-            beta = _emit(ctx, lambda g_in, gt: _row_products(g_in, gt, k_in), [sh.g, g], layer, "conv_beta")[0]
+            mbar, sbar, g, wbar, beta = outs
+        else:
+            (mbar, g, wbar), sbar, beta = outs, None, None
 
         def weights(*ts: te.Tensor) -> list[te.Tensor]:
             """Per-input weights (B, C, KH, KW, O) of the profile convolution: ``A = W·β + coef·V·m̄s``
@@ -524,18 +555,15 @@ class SharedStep(FixedKStep):
                 return value
 
             loading = te.compute((batch, o, k), entry, name="loading")
-            return [loading, parts[1]]
+            g, norm = _normalised(loading)
+            var_new = parts[1]
+            s_out = te.compute((batch, o), lambda b, oo: _clip(norm[b, oo], var_new[b, oo]), name="s")
+            return [g, s_out, var_new]
 
         args = [x_mean] + ([x_second] if x_second is not None else []) + (
             [_view(ctx, sh.s, n), sh.g] if sh is not None else []) + [out.second, ctx.const(wm), ctx.const(wv),
                                                                       bias_var]
-        loading, var_new = _emit(ctx, load, args, layer, "dense_load")
-        g, norm = _normalise(ctx, loading, layer)
-
-        def clip(s: te.Tensor, v: te.Tensor) -> te.Tensor:
-            return te.compute(s.shape, lambda b, oo: _clip(s[b, oo], v[b, oo]), name="s")
-
-        s = _emit(ctx, clip, [norm, var_new], layer, "clip")[0]
+        g, s, var_new = _emit(ctx, load, args, layer, "dense_load")
         return SharedRelax(s, g, k), RelaxActivation(out.mean, var_new, out.repr)
 
 
@@ -617,28 +645,40 @@ SCHEME_STEPS["shared-factor"] = SharedStep
 
 MATMUL_BLOCKS = ("beta", "prop")
 """Blocks ``out[b, o, n] = Σ_r x[b, o|r, r]·y[b, r, n]`` whose last axis ``n`` is unit-stride in the
-operand that depends on it (``β`` reads ``g_in`` transposed; the loadings' ``prop`` reads ``g_in``)."""
+operand that depends on it (``β`` reads ``g_in`` transposed; the loadings' ``prop`` reads ``g_in``):
+register tiles, :func:`_tiled_product`."""
+
+VECTOR_ROW_BLOCKS = ("wsum", "amap")
+"""Blocks ``out[.., o] = Σ_{c,i,j} x[.., c, i, j]·W[c, i, j, o]`` whose last (output-channel) axis is
+unit-stride in the ``(C, KH, KW, O)`` weights: a vector over ``o``, :func:`_vector_rows`."""
 
 
 def schedule_shared(sch: s_tir.Schedule, layer: Any, target: tvm.target.Target) -> None:
-    """Every loop nest of a shared-factor kernel: its first two data-parallel loops (the batch and
-    the channel/row axis) fused into one parallel loop.  The product blocks of :data:`MATMUL_BLOCKS`
-    get the reduction outside the unit-stride last axis, which is vectorised (split by the largest
-    power of two dividing it, up to the SIMD width); other reductions stay serial inside."""
+    """Every loop nest of a shared-factor kernel.  The pooling blocks (``cols*``/``bar*`` of
+    ``sf_conv_load``) get :func:`_schedule_pooling`, the products of :data:`MATMUL_BLOCKS`
+    :func:`_tiled_product`, those of :data:`VECTOR_ROW_BLOCKS` :func:`_vector_rows`, row sums
+    :func:`_vector_reduction`; any other nest has its first two data-parallel loops (the batch and
+    the channel/row axis) fused into one parallel loop and, if elementwise, its last axis vectorised
+    (split by the largest power of two dividing it, up to the SIMD width)."""
     lanes = simd_lanes(target)
+    root = sch.get_sblock("root")
+    for block in list(sch.get_child_blocks(root)):
+        if sch.get(block).name_hint.startswith("bar"):
+            _schedule_pooling(sch, block, lanes)
     nests: dict[Any, Any] = {}
-    for block in sch.get_child_blocks(sch.get_sblock("root")):
+    for block in sch.get_child_blocks(root):
+        name = sch.get(block).name_hint
+        if name.startswith(("bar", "cols")):
+            continue
         nests.setdefault(sch.get_sref(sch.get_loops(block)[0]), block)
     for block in nests.values():
         loops = sch.get_loops(block)  # now: an rfactor of an earlier nest renews the loops of the others
-        if sch.get(block).name_hint in MATMUL_BLOCKS and len(loops) == 4:
-            b, o, n, r = loops
-            sch.reorder(b, o, r, n)
-            sch.parallel(sch.fuse(b, o))
-            vec = pow2_divisor(static_extent(sch, n), lanes)
-            if vec > 1:
-                sch.vectorize(sch.split(n, [None, vec])[1])
-            sch.decompose_reduction(block, r)
+        name = sch.get(block).name_hint
+        if name in MATMUL_BLOCKS and len(loops) == 4:
+            _tiled_product(sch, block, lanes)
+            continue
+        if name in VECTOR_ROW_BLOCKS:
+            _vector_rows(sch, block, lanes)
             continue
         if _vector_reduction(sch, block, loops, lanes):
             continue
@@ -649,6 +689,79 @@ def schedule_shared(sch: s_tir.Schedule, layer: Any, target: tvm.target.Target) 
             vec = pow2_divisor(static_extent(sch, loops[-1]), lanes)
             if vec > 1:
                 sch.vectorize(sch.split(loops[-1], [None, vec])[1])
+
+
+def _schedule_pooling(sch: s_tir.Schedule, bar: Any, lanes: int) -> None:
+    """One pooled view of ``sf_conv_load`` (``cols`` → ``bar``): one parallel loop over (batch x
+    channel) computing that channel's ``cols`` (``KH x W``, a thread-private stack tile: the
+    output-row sum with the rows outer and the unit-stride ``x`` vectorised, no horizontal sums)
+    and its ``KH x KW`` means (the ``x`` reduction with vector partial sums,
+    :func:`_vector_reduction`).  Reads each input once, memory-bound."""
+    cols = sch.get_producers(bar)[0]
+    if not _vector_reduction(sch, bar, sch.get_loops(bar), lanes):
+        b, ch, *_ = sch.get_loops(bar)
+        sch.parallel(sch.fuse(b, ch))
+    fused = sch.get_loops(bar)[0]
+    sch.compute_at(cols, fused)
+    xx, y = sch.get_loops(cols)[-2:]  # (kernel row,) x, output row (a kernel row of 1 has no loop)
+    sch.reorder(y, xx)
+    if vectorizable(sch, [cols]):
+        vec = pow2_divisor(static_extent(sch, xx), lanes)
+        if vec > 1:
+            sch.vectorize(sch.split(xx, [None, vec])[1])
+    sch.decompose_reduction(cols, y)
+
+
+def _vector_rows(sch: s_tir.Schedule, block: Any, lanes: int) -> None:
+    """A :data:`VECTOR_ROW_BLOCKS` block ``(lead..., o | reductions)``: the reductions moved outside
+    ``o``, which is vectorised (and its vectors unrolled), the accumulators a thread-private tile of
+    one row of ``o`` (``cache_write``), the leading loops fused into the parallel loop."""
+    loops = sch.get_loops(block)
+    n_spatial = sum(1 for iv in sch.get(block).iter_vars if int(iv.iter_type) == 0)
+    *lead, last = loops[:n_spatial]
+    reductions = loops[n_spatial:]
+    n = static_extent(sch, last)
+    vec = pow2_divisor(n, lanes) if vectorizable(sch, [block]) else 1
+    tile = sch.cache_write(block, 0, "global")
+    sch.reorder(*lead, *reductions, last)
+    par = sch.fuse(*lead) if len(lead) > 1 else lead[0]
+    sch.parallel(par)
+    sch.reverse_compute_at(tile, par)
+    vectorize_inner(sch, tile, lanes, below=par)
+    if vec > 1:
+        outer, inner = sch.split(last, [None, vec])
+        if n // vec <= register_budget(lanes):
+            sch.unroll(outer)
+        sch.vectorize(inner)
+    sch.decompose_reduction(block, reductions[0])
+
+
+def _tiled_product(sch: s_tir.Schedule, block: Any, lanes: int) -> None:
+    """A :data:`MATMUL_BLOCKS` product ``out[b, o, n] = Σ_r x[b, o, r]·y[b, r, n]`` as register
+    tiles: ``om`` rows x ``jm`` vectors of the unit-stride ``n`` accumulated over the whole ``r``
+    in a thread-private tile (``cache_write``, written back after the reduction), rows and vectors
+    unrolled; the parallel loop runs over (batch x row tiles x column tiles), so batch 1 has
+    ``O/om · N/(jm·vec)`` tasks.  Per ``r``: ``jm`` vector loads of ``y``, ``om`` broadcasts of
+    ``x``, ``om·jm`` FMAs -- instead of a load and a store of the accumulator per FMA when a whole
+    row of ``n`` is the accumulator (conv_load's ``prop``, 64 x 320: 456 -> ... us)."""
+    b, o, n, r = sch.get_loops(block)
+    n_ext, o_ext = static_extent(sch, n), static_extent(sch, o)
+    vec = pow2_divisor(n_ext, lanes) if vectorizable(sch, [block]) else 1
+    jm = divisor_at_most(n_ext // vec, 2)
+    om = divisor_at_most(o_ext, max(1, register_budget(lanes) // jm))
+    tile = sch.cache_write(block, 0, "global")
+    oo, oi = sch.split(o, [None, om])
+    no, nm, nv = sch.split(n, [None, jm, vec])
+    sch.reorder(b, oo, no, r, oi, nm, nv)
+    par = sch.fuse(b, oo, no)
+    sch.parallel(par)
+    sch.reverse_compute_at(tile, par)
+    vectorize_inner(sch, tile, lanes, below=par)
+    sch.unroll(oi)
+    sch.unroll(nm)
+    if vec > 1:
+        sch.vectorize(nv)
+    sch.decompose_reduction(block, r)
 
 
 def _vector_reduction(sch: s_tir.Schedule, block: Any, loops: list[Any], lanes: int) -> bool:
