@@ -648,6 +648,12 @@ MATMUL_BLOCKS = ("beta", "prop")
 operand that depends on it (``β`` reads ``g_in`` transposed; the loadings' ``prop`` reads ``g_in``):
 register tiles, :func:`_tiled_product`."""
 
+ROW_LOCAL_OPS = ("sf_relu", "sf_add", "sf_scale")
+"""Kernels whose every block is indexed ``(batch, row, ...)`` and reads only its own row of the
+other blocks' results: all their loop nests are merged into one parallel loop over (batch x row)
+(``Schedule.merge``), so a row's intermediates (Stein's terms, the loading) stay in a thread-private
+tile instead of a (B, R, ...) buffer written and re-read by the next nest."""
+
 VECTOR_ROW_BLOCKS = ("wsum", "amap")
 """Blocks ``out[.., o] = Σ_{c,i,j} x[.., c, i, j]·W[c, i, j, o]`` whose last (output-channel) axis is
 unit-stride in the ``(C, KH, KW, O)`` weights: a vector over ``o``, :func:`_vector_rows`."""
@@ -661,6 +667,10 @@ def schedule_shared(sch: s_tir.Schedule, layer: Any, target: tvm.target.Target) 
     the channel/row axis) fused into one parallel loop and, if elementwise, its last axis vectorised
     (split by the largest power of two dividing it, up to the SIMD width)."""
     lanes = simd_lanes(target)
+    attrs = sch.mod["main"].attrs
+    row_local = attrs is not None and str(attrs.get(OP_ATTR, "")) in ROW_LOCAL_OPS
+    leads: list[Any] = []  # row-local kernels: the (batch x row) loop of every nest, merged at the end
+    deferred: list[Any] = []  # and the partial-sum blocks whose init is split off after the merge
     root = sch.get_sblock("root")
     for block in list(sch.get_child_blocks(root)):
         if sch.get(block).name_hint.startswith("bar"):
@@ -680,15 +690,25 @@ def schedule_shared(sch: s_tir.Schedule, layer: Any, target: tvm.target.Target) 
         if name in VECTOR_ROW_BLOCKS:
             _vector_rows(sch, block, lanes)
             continue
-        if _vector_reduction(sch, block, loops, lanes):
+        if _vector_reduction(sch, block, loops, lanes, deferred=deferred if row_local else None):
+            leads.append(sch.get_loops(block)[0])
             continue
         spatial = sum(1 for iv in sch.get(block).iter_vars if int(iv.iter_type) == 0)
         lead = loops[:max(1, min(2, spatial))]
-        sch.parallel(sch.fuse(*lead) if len(lead) > 1 else lead[0])
+        fused = sch.fuse(*lead) if len(lead) > 1 else lead[0]
+        leads.append(fused)
+        if not row_local:
+            sch.parallel(fused)
         if spatial == len(loops) > 2 and vectorizable(sch, [block]):  # elementwise: vectorise the last axis
             vec = pow2_divisor(static_extent(sch, loops[-1]), lanes)
             if vec > 1:
                 sch.vectorize(sch.split(loops[-1], [None, vec])[1])
+    if row_local and leads:
+        # parallel before the reductions' inits are split off (a loop over an init block and its
+        # update block, which write the same buffer, does not pass parallel's dataflow check)
+        sch.parallel(sch.merge(*leads) if len(leads) > 1 else leads[0])
+        for partial in deferred:
+            sch.decompose_reduction(partial, sch.get_loops(partial)[-2])
 
 
 def _schedule_pooling(sch: s_tir.Schedule, bar: Any, lanes: int) -> None:
@@ -764,7 +784,8 @@ def _tiled_product(sch: s_tir.Schedule, block: Any, lanes: int) -> None:
     sch.decompose_reduction(block, r)
 
 
-def _vector_reduction(sch: s_tir.Schedule, block: Any, loops: list[Any], lanes: int) -> bool:
+def _vector_reduction(sch: s_tir.Schedule, block: Any, loops: list[Any], lanes: int,
+                      deferred: list[Any] | None = None) -> bool:
     """Schedule a block whose reductions are its innermost loops (a row sum: the positions' mean of
     Stein's terms, ``‖ℓ‖²`` over the factors, a branch's mean profile, the weight-variance sum over
     channels and kernel offsets; several reduction loops are fused into one) with ``vec`` partial sums:
@@ -773,7 +794,10 @@ def _vector_reduction(sch: s_tir.Schedule, block: Any, loops: list[Any], lanes: 
     ``r_o`` serial), then the ``vec`` partial sums added per row under the same parallel loop.  A
     serial float32 sum is one dependent add per element (the adder's latency, ~4 cycles); this is
     ``vec`` independent ones per vector (measured 143 → 5 µs for a (10, 16, 1024) row mean, one
-    thread).  Changes the summation order only.  False (nothing done) for any other block."""
+    thread).  Changes the summation order only.  False (nothing done) for any other block.
+
+    ``deferred`` (a list): the loop is neither parallelised nor the partial sums' init split off;
+    the partial-sum block is appended, for the caller to do both after merging loop nests."""
     kinds = [int(iv.iter_type) for iv in sch.get(block).iter_vars]
     n_spatial = kinds.index(2) if 2 in kinds else len(kinds)
     if (len(kinds) != len(loops) or n_spatial == 0 or n_spatial == len(kinds)
@@ -794,9 +818,13 @@ def _vector_reduction(sch: s_tir.Schedule, block: Any, loops: list[Any], lanes: 
     partial = sch.rfactor(inner, factor_axis=n_spatial)  # loops: spatial..., r_o, r_i (new handles)
     lead = sch.get_loops(partial)[:min(2, n_spatial)]
     fused = sch.fuse(*lead) if len(lead) > 1 else lead[0]
-    sch.parallel(fused)
+    if deferred is None:
+        sch.parallel(fused)
     sch.vectorize(sch.get_loops(partial)[-1])
-    sch.decompose_reduction(partial, sch.get_loops(partial)[-2])
+    if deferred is None:
+        sch.decompose_reduction(partial, sch.get_loops(partial)[-2])
+    else:
+        deferred.append(partial)
     sch.reverse_compute_at(block, fused)
     return True
 
