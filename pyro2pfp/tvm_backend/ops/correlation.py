@@ -128,6 +128,17 @@ def _clip(s: Any, var: Any) -> Any:
     return te.min(te.max(s, -sd), sd)
 
 
+def _row_mean(t: te.Tensor, name: str) -> te.Tensor:
+    """``mean_q t[b, r, q...]`` (B, R) of a (B, R, *group axes) tensor: the mean over a row's
+    positions (its value when the row has no group axes)."""
+    group = [int(d) for d in t.shape[2:]]
+    if not group:
+        return te.compute(t.shape[:2], lambda b, r: t[b, r], name=name)
+    axes = [te.reduce_axis((0, d), name=f"{name}_q{i}") for i, d in enumerate(group)]
+    inv = _c(1.0 / int(np.prod(group)))
+    return te.compute(t.shape[:2], lambda b, r: te.sum(t[(b, r, *axes)] * inv, axis=axes), name=name)
+
+
 def _widened(g: te.Tensor, k: int) -> te.Tensor:
     """``g`` (B, R, k_in) with zero columns up to ``k``."""
     k_in = int(g.shape[2])
@@ -177,10 +188,10 @@ def _normalised(loading: te.Tensor) -> tuple[te.Tensor, te.Tensor]:
 
 def _scaled(ctx: EmitContext, s: relax.Expr, var: relax.Expr, factor: relax.Expr, layer: PlannedLayer
             ) -> relax.Expr:
-    """``clip(factor[r]·s[r, q])`` on (B, R, G) views (``factor`` (R,) or (1,))."""
+    """``clip(factor[r]·s[r, ...])`` on (B, R, *group axes) tensors (``factor`` (R,) or (1,))."""
     def fn(st: te.Tensor, vt: te.Tensor, a: te.Tensor) -> te.Tensor:
         per_row = int(a.shape[0]) > 1
-        return te.compute(st.shape, lambda b, r, q: _clip(a[r if per_row else 0] * st[b, r, q], vt[b, r, q]),
+        return te.compute(st.shape, lambda b, r, *q: _clip(a[r if per_row else 0] * st[(b, r, *q)], vt[(b, r, *q)]),
                           name="scaled")
 
     return _emit(ctx, fn, [s, var, factor], layer, "scale")[0]
@@ -196,18 +207,29 @@ class SharedStep(FixedKStep):
         return SharedRelax(_view(ctx, sh.s, *layer.layer.out_shape), sh.g, sh.k)
 
     # ------------------------------------------------------------------ helpers
-    def _grouped(self, ctx: EmitContext, t: relax.Expr, name: str) -> relax.Expr:
-        """``t`` (B, *shape of edge ``name``) as a (B, rows, group) view."""
+    def _natural(self, ctx: EmitContext, name: str) -> bool:
+        """Whether the rows of edge ``name`` are its first axis (every edge but a flattened one)."""
+        return ctx.shapes[name][0] == self.fp.rows[name]
+
+    def _rows(self, ctx: EmitContext, t: relax.Expr, name: str) -> relax.Expr:
+        """``t`` (B, *shape of edge ``name``) as (B, rows, *group axes): ``t`` itself when the rows
+        are its first axis (the kernels index it directly, no reshape), else a (B, rows, group)
+        view."""
+        if self._natural(ctx, name):
+            return t
         rows = self.fp.rows[name]
         return _view(ctx, t, rows, int(np.prod(ctx.shapes[name])) // rows)
+
+    def _edge(self, ctx: EmitContext, t: relax.Expr, name: str) -> relax.Expr:
+        """The inverse of :meth:`_rows`: ``t`` back in the shape of edge ``name``."""
+        return t if self._natural(ctx, name) else _view(ctx, t, *ctx.shapes[name])
 
     # ------------------------------------------------------------------ rules
     def linear(self, ctx: EmitContext, layer: PlannedLayer, sh: SharedRelax, out: RelaxActivation) -> SharedRelax:
         factor = layer.tensors["scale"] if layer.op == "affine" else np.array([layer.layer.attrs["factor"]])
         name = layer.name
-        s = _scaled(ctx, self._grouped(ctx, sh.s, name), self._grouped(ctx, out.second, name), ctx.const(factor),
-                    layer)
-        return SharedRelax(_view(ctx, s, *ctx.shapes[name]), sh.g, sh.k)
+        s = _scaled(ctx, self._rows(ctx, sh.s, name), self._rows(ctx, out.second, name), ctx.const(factor), layer)
+        return SharedRelax(self._edge(ctx, s, name), sh.g, sh.k)
 
     def relu(self, ctx: EmitContext, layer: PlannedLayer, x: RelaxActivation, sh: SharedRelax,
               out: RelaxActivation) -> SharedRelax:
@@ -215,27 +237,22 @@ class SharedStep(FixedKStep):
         name, src = layer.name, layer.inputs[0]
         offset = self.fp.offsets.get(name)
         k = self.fp.width[name]
-        views = [self._grouped(ctx, t, src) for t in (x.mean, x.second, sh.s)]
-        out_var = self._grouped(ctx, out.second, name)
+        views = [self._rows(ctx, t, src) for t in (x.mean, x.second, sh.s)]
+        out_var = self._rows(ctx, out.second, name)
 
         def terms(m: te.Tensor, v: te.Tensor, s: te.Tensor) -> list[te.Tensor]:
-            def lin_h(b: Any, r: Any, q: Any) -> list[Any]:
-                sd = te.sqrt(te.max(v[b, r, q], _c(0.0)))
-                alpha = te.min(te.max(_safe_div(m[b, r, q], sd), _c(-40.0)), _c(40.0))
+            def lin_h(*i: Any) -> list[Any]:
+                sd = te.sqrt(te.max(v[i], _c(0.0)))
+                alpha = te.min(te.max(_safe_div(m[i], sd), _c(-40.0)), _c(40.0))
                 cdf = tirx.Select(sd > _c(0.0), _c(0.5) + _c(0.5) * fast_erf(alpha * _c(1 / math.sqrt(2))),
-                                  tirx.Select(m[b, r, q] > _c(0.0), _c(1.0), _c(0.0)))
+                                  tirx.Select(m[i] > _c(0.0), _c(1.0), _c(0.0)))
                 pdf = fast_exp(_c(-0.5) * alpha * alpha) * _c(1 / math.sqrt(2 * math.pi))
-                lin = (cdf + _c(slope) * (_c(1.0) - cdf)) * s[b, r, q]
-                h = _safe_div(_c(1.0 - slope) * pdf, sd) * s[b, r, q] * s[b, r, q] * _c(1 / math.sqrt(2))
+                lin = (cdf + _c(slope) * (_c(1.0) - cdf)) * s[i]
+                h = _safe_div(_c(1.0 - slope) * pdf, sd) * s[i] * s[i] * _c(1 / math.sqrt(2))
                 return [lin, h]
 
             both = te.compute(m.shape, lin_h, name="lin_h")
-            q = te.reduce_axis((0, m.shape[2]), name="q")
-            inv = _c(1.0 / int(m.shape[2]))
-            lbar = te.compute(m.shape[:2], lambda b, r: te.sum(both[0][b, r, q] * inv, axis=q), name="lbar")
-            q2 = te.reduce_axis((0, m.shape[2]), name="q2")
-            hbar = te.compute(m.shape[:2], lambda b, r: te.sum(both[1][b, r, q2] * inv, axis=q2), name="hbar")
-            return [both[0], both[1], lbar, hbar]
+            return [both[0], both[1], _row_mean(both[0], "lbar"), _row_mean(both[1], "hbar")]
 
         def rule(*ts: te.Tensor) -> list[te.Tensor]:
             """Stein's terms, the loading ``lbar·g_in ⊕ hbar`` normalised and the profile
@@ -243,36 +260,32 @@ class SharedStep(FixedKStep):
             m, v, s, var = ts[:4]
             lin, h, lbar, hbar = terms(m, v, s)
             if offset is None:  # hermite='none': the linear response only
-                return [te.compute(lin.shape, lambda b, r, q: _clip(lin[b, r, q], var[b, r, q]), name="s")]
+                return [te.compute(lin.shape, lambda *i: _clip(lin[i], var[i]), name="s")]
             gw = _widened(ts[4], k)
             loading = te.compute((lbar.shape[0], lbar.shape[1], k), lambda b, r, f: lbar[b, r] * gw[b, r, f]
                                  + tirx.Select(f == r + offset, hbar[b, r], _c(0.0)), name="loading")
             g, norm = _normalised(loading)
-            s_out = te.compute(lin.shape, lambda b, r, q: _clip(
-                _safe_div(lbar[b, r], norm[b, r]) * lin[b, r, q] + _safe_div(hbar[b, r], norm[b, r]) * h[b, r, q],
-                var[b, r, q]), name="profile")
+            s_out = te.compute(lin.shape, lambda b, r, *q: _clip(
+                _safe_div(lbar[b, r], norm[b, r]) * lin[(b, r, *q)] + _safe_div(hbar[b, r], norm[b, r]) * h[(b, r, *q)],
+                var[(b, r, *q)]), name="profile")
             return [s_out, g]
 
         outs = _emit(ctx, rule, views + [out_var] + ([sh.g] if offset is not None else []), layer, "relu")
         if offset is None:
-            return SharedRelax(_view(ctx, outs[0], *ctx.shapes[name]), sh.g, sh.k)
-        return SharedRelax(_view(ctx, outs[0], *ctx.shapes[name]), outs[1], k)
+            return SharedRelax(self._edge(ctx, outs[0], name), sh.g, sh.k)
+        return SharedRelax(self._edge(ctx, outs[0], name), outs[1], k)
 
     def add(self, ctx: EmitContext, layer: PlannedLayer, sa: SharedRelax, sb: SharedRelax, out: RelaxActivation
             ) -> tuple[SharedRelax, RelaxActivation]:
         name = layer.name
         k = self.fp.width[name]
-        a_s, b_s, var = (self._grouped(ctx, t, name) for t in (sa.s, sb.s, out.second))
+        a_s, b_s, var = (self._rows(ctx, t, name) for t in (sa.s, sb.s, out.second))
 
         def rule(at: te.Tensor, bt: te.Tensor, v: te.Tensor, ga: te.Tensor, gb: te.Tensor) -> list[te.Tensor]:
             """The loading ``ā·g_a + b̄·g_b`` normalised, the branch covariance ``⟨g_a, g_b⟩``, the
             corrected variance and the profile, in one kernel (every step is per row)."""
             gaw, gbw = _widened(ga, k), _widened(gb, k)
-            q = te.reduce_axis((0, at.shape[2]), name="q")
-            inv = _c(1.0 / int(at.shape[2]))
-            abar = te.compute(at.shape[:2], lambda b, r: te.sum(at[b, r, q] * inv, axis=q), name="abar")
-            q2 = te.reduce_axis((0, at.shape[2]), name="q2")
-            bbar = te.compute(at.shape[:2], lambda b, r: te.sum(bt[b, r, q2] * inv, axis=q2), name="bbar")
+            abar, bbar = _row_mean(at, "abar"), _row_mean(bt, "bbar")
             f = te.reduce_axis((0, k), name="f")
             dot = te.compute(at.shape[:2], lambda b, r: te.sum(gaw[b, r, f] * gbw[b, r, f], axis=f), name="dot")
             loading = te.compute((at.shape[0], at.shape[1], k), lambda b, r, j: abar[b, r] * gaw[b, r, j]
@@ -282,16 +295,15 @@ class SharedStep(FixedKStep):
             pa = te.compute(at.shape[:2], lambda b, r: te.sum(gaw[b, r, f1] * gt[b, r, f1], axis=f1), name="pa")
             f2 = te.reduce_axis((0, k), name="f2")
             pb = te.compute(at.shape[:2], lambda b, r: te.sum(gbw[b, r, f2] * gt[b, r, f2], axis=f2), name="pb")
-            var_new = te.compute(at.shape, lambda b, r, q: te.max(
-                v[b, r, q] + _c(2.0) * at[b, r, q] * bt[b, r, q] * dot[b, r], _c(0.0)), name="var")
-            s = te.compute(at.shape, lambda b, r, q: _clip(at[b, r, q] * pa[b, r] + bt[b, r, q] * pb[b, r],
-                                                           var_new[b, r, q]), name="s")
+            var_new = te.compute(at.shape, lambda b, r, *q: te.max(
+                v[(b, r, *q)] + _c(2.0) * at[(b, r, *q)] * bt[(b, r, *q)] * dot[b, r], _c(0.0)), name="var")
+            s = te.compute(at.shape, lambda b, r, *q: _clip(at[(b, r, *q)] * pa[b, r] + bt[(b, r, *q)] * pb[b, r],
+                                                            var_new[(b, r, *q)]), name="s")
             return [s, var_new, gt]
 
         s, var_new, g = _emit(ctx, rule, [a_s, b_s, var, sa.g, sb.g], layer, "add")
-        shape = ctx.shapes[name]
-        out = RelaxActivation(out.mean, _view(ctx, var_new, *shape), out.repr)
-        return SharedRelax(_view(ctx, s, *shape), g, k), out
+        out = RelaxActivation(out.mean, self._edge(ctx, var_new, name), out.repr)
+        return SharedRelax(self._edge(ctx, s, name), g, k), out
 
     def avg_pool(self, ctx: EmitContext, layer: PlannedLayer, x: RelaxActivation, sh: SharedRelax,
                   out: RelaxActivation) -> tuple[SharedRelax, RelaxActivation]:
@@ -700,9 +712,13 @@ def schedule_shared(sch: s_tir.Schedule, layer: Any, target: tvm.target.Target) 
         if not row_local:
             sch.parallel(fused)
         if spatial == len(loops) > 2 and vectorizable(sch, [block]):  # elementwise: vectorise the last axis
-            vec = pow2_divisor(static_extent(sch, loops[-1]), lanes)
+            last = loops[-1]
+            if len(loops) == 4 and pow2_divisor(static_extent(sch, loops[2]) * static_extent(sch, last), lanes
+                                                ) > pow2_divisor(static_extent(sch, last), lanes):
+                last = sch.fuse(loops[2], last)  # a row's 8 x 8 positions: vectors of 16, not 8
+            vec = pow2_divisor(static_extent(sch, last), lanes)
             if vec > 1:
-                sch.vectorize(sch.split(loops[-1], [None, vec])[1])
+                sch.vectorize(sch.split(last, [None, vec])[1])
     if row_local and leads:
         # parallel before the reductions' inits are split off (a loop over an init block and its
         # update block, which write the same buffer, does not pass parallel's dataflow check)
