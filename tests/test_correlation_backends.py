@@ -294,3 +294,76 @@ def test_static_batch_executable_is_scheduled_and_matches_the_reference(every_ru
     x = np.random.default_rng(8).standard_normal((3, *net.input_shape)).astype(np.float32)
     assert exe.vm_for_batch(3) is not exe.vm
     assert_matches(exe(x), net.reference(x))
+
+
+def test_normalised_loading_limit_cases():
+    """``_normalised`` (the ``g = ℓ/‖ℓ‖`` stage fused into every loading kernel), unscheduled and with
+    the row-local schedule, against float64: a zero row gives g = 0 and norm 0; rows of 1e30 (whose
+    squares overflow float32) and of 1e-20 (whose squares underflow) keep unit rows and their norm; a
+    row below NORM_FLOOR counts as zero; everything finite."""
+    from tvm import te
+
+    from pyro2pfp.tvm_backend.ops.correlation import NORM_FLOOR, _normalised
+    from pyro2pfp.tvm_backend.schedules import schedule_function
+
+    rng = np.random.default_rng(11)
+    ell = rng.standard_normal((2, 6, 48))
+    ell[0, 0] = 0.0
+    ell[0, 2] *= 1e30
+    ell[0, 3] = 0.0
+    ell[0, 3, 7] = 0.1 * NORM_FLOOR
+    ell[0, 4] = 0.0
+    ell[0, 4, 40] = -5.0
+    ell[1, 1] *= 1e-20
+    ell = ell.astype(np.float32)
+    norm64 = np.linalg.norm(ell.astype(np.float64), axis=-1)
+    tiny = np.abs(ell).max(axis=-1) <= NORM_FLOOR
+    want_norm = np.where(tiny, 0.0, norm64)
+    want_g = np.where(tiny[..., None], 0.0, ell / np.where(norm64 > 0, norm64, 1.0)[..., None])
+
+    placeholder = te.placeholder(ell.shape, "float32", name="loading")
+    g, norm = _normalised(placeholder)
+    func = te.create_prim_func([placeholder, g, norm]).with_attr("pfp.op", "sf_add")
+    scheduled = schedule_function(func, "sf_add", None, NATIVE)
+    assert "T.parallel" in scheduled.script()
+    for prim in (func, scheduled):
+        lib = tvm.compile(tvm.IRModule({"main": prim.with_attr("global_symbol", "main")}), target=NATIVE)
+        out_g = tvm.runtime.tensor(np.full(ell.shape, np.nan, np.float32))
+        out_n = tvm.runtime.tensor(np.full(ell.shape[:2], np.nan, np.float32))
+        lib["main"](tvm.runtime.tensor(ell), out_g, out_n)
+        got_g, got_n = out_g.numpy(), out_n.numpy()
+        assert np.isfinite(got_g).all() and np.isfinite(got_n).all()
+        np.testing.assert_allclose(got_n, want_norm, rtol=2e-6)
+        np.testing.assert_allclose(got_g, want_g, rtol=2e-6, atol=1e-7)
+        assert (got_g[0, 0] == 0).all() and got_n[0, 0] == 0 and (got_g[0, 3] == 0).all()
+        assert got_g[0, 4, 40] == -1.0 and got_n[0, 4] == 5.0
+
+
+COMPACTION = ("sf_gram", "sf_cholesky")  # after the layers the plan compacts at
+
+
+def test_shared_factor_kernels_per_layer(every_rule):
+    """The fused kernels: a conv layer with a shared input is one loading kernel (pooling, loading,
+    normalisation and β) plus the weights and the profile convolution; ReLU and add are one kernel
+    each (no separate normalisation kernel anywhere); the ReLU/add/affine/scale kernels read the
+    (B, C, H, W) edges without reshapes."""
+    from pyro2pfp.tvm_backend._core import kernel_table
+
+    _, planned, _ = every_rule
+    mod = emit_module(planned)
+    per_layer: dict[str, list[str]] = {}
+    calls = [line for line in mod["main"].script().splitlines() if "R.call_tir(" in line]
+    table = kernel_table(mod)
+    for line in calls:
+        symbol = line.split("R.call_tir(")[1].split(",")[0].strip()
+        if symbol in table and table[symbol][0].startswith("sf_") and table[symbol][0] not in COMPACTION:
+            op, layer = table[symbol]
+            per_layer.setdefault(layer, []).append(op)
+    assert sorted(per_layer["c1"]) == ["sf_conv_load", "sf_conv_profile", "sf_conv_weights"]
+    for name, op in (("r0", "sf_relu"), ("r1", "sf_relu"), ("add", "sf_add"), ("bn", "sf_scale"),
+                     ("half", "sf_scale")):
+        assert per_layer[name] == [op], (name, per_layer[name])
+    assert not any("norm" in op for ops in per_layer.values() for op in ops)
+    # the former (batch, rows, group) views: reshapes to three axes
+    reshapes = [line.split("R.shape([")[1] for line in mod["main"].script().splitlines() if "R.reshape(" in line]
+    assert reshapes and not [shape for shape in reshapes if shape.count(",") == 2], reshapes
