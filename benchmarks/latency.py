@@ -221,6 +221,23 @@ def fmt_ratio(r: float | None) -> str:
 
 
 # ------------------------------------------------------------------------------------------ main
+def work_line(net) -> str:
+    """Multiply-adds per input of the deterministic net, of mean-field PFP and of shared-factor PFP
+    (``pyro2pfp.correlation.cost_model``; conv/dense products, elementwise ops counted per element) --
+    the floor under the ``PFP / det`` ratios: PFP cannot be cheaper than its arithmetic at the same
+    efficiency per multiply-add."""
+    from pyro2pfp.correlation import cost_model, plan_factors
+
+    det = sum(int(np.prod(p.layer.out_shape[1:])) * int(p.tensors["weight_mean"].size)
+              if p.op == "conv2d" else int(p.tensors["weight_mean"].size)
+              for p in net.plan.layers if p.op in ("conv2d", "dense"))
+    cost = cost_model(net.plan, net.plan.factors or plan_factors(net.plan))
+    sf = cost.mean_field_macs + cost.extra_macs
+    return (f"multiply-adds per input: deterministic {det / 1e6:.1f} M, mean-field PFP "
+            f"{cost.mean_field_macs / 1e6:.1f} M ({cost.mean_field_macs / det:.1f}x), shared-factor PFP "
+            f"{sf / 1e6:.1f} M ({sf / det:.1f}x; plan: {net.plan.correlation})")
+
+
 def run_net(name: str, args, tgt, x_all: np.ndarray, y_all: np.ndarray, log) -> tuple[list[Row], list[str], list]:
     import pyro
     import torch
@@ -310,7 +327,8 @@ def run_net(name: str, args, tgt, x_all: np.ndarray, y_all: np.ndarray, log) -> 
         return vmap(lambda p: functional_call(det, p, (xt,)))(params)
 
     rows: list[Row] = []
-    checks: list[str] = [f"{name}: PFP compile time (default schedules, any batch) {compile_s:.1f} s"]
+    checks: list[str] = [f"{name}: PFP compile time (default schedules, any batch) {compile_s:.1f} s",
+                         f"{name}: {work_line(net)}"]
     profiles = []
     budget = args.budget
     for batch in args.batches:

@@ -225,6 +225,31 @@ def test_converted_resnet_compiles_and_exports_the_default_plan():
     assert_matches(_onnx_run(net, x.numpy()), net.reference(x.numpy()), ONNX_RTOL)
 
 
+def test_tuned_shared_factor_resnet_matches_the_reference(tmp_path, monkeypatch):
+    """``net.compile(tune=...)`` on a converted shared-factor ResNet (compaction: the hand-written
+    Cholesky kernel included): batch specialisation, the per-kernel choice (every kernel's default
+    schedule timed and checked against its unscheduled version at the static batch), the build -- the
+    tuned executable gives the reference's results at its batch and the any-batch one at another.
+    (No search here: ``trials=0``; tests/test_tuning.py runs a real one.  With a search, the ResNet-8
+    of ``benchmarks/latency.py`` tuned for batch 2 with 16 trials matched the reference to 3e-7.)"""
+    from pyro2pfp.tuning import measure
+    from pyro2pfp_experiments.zoo import bayesian_resnet, he_posterior
+
+    monkeypatch.setitem(measure.KERNEL_TIMING, "repeat", 2)  # the choice's timing: coarse is enough here
+    monkeypatch.setitem(measure.KERNEL_TIMING, "min_repeat_ms", 2)
+    torch.manual_seed(0)
+    model = bayesian_resnet(blocks=1, widths=(4, 8))
+    x = torch.randn(2, 3, 8, 8)
+    net = pyro2pfp.convert(model, he_posterior(model, x, scale=0.03, seed=0), input_shape=(3, 8, 8))
+    assert net.plan.correlation == "shared-factor" and net.plan.factors.compact_at
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", RuntimeWarning)  # a default schedule rejected by the check: a failure
+        exe = net.compile("native", tune={"batch": 2, "trials": 0, "work_dir": str(tmp_path), "progress": False})
+    assert exe.vm_for_batch(2) is not exe.vm
+    assert_matches(exe(x.numpy()), net.reference(x.numpy()))
+    assert_matches(exe(x.numpy()[:1]), net.reference(x.numpy()[:1]))
+
+
 def _unit_rows(g: np.ndarray) -> np.ndarray:
     norm = np.linalg.norm(g, axis=-1, keepdims=True)
     return g / np.where(norm > 0, norm, 1.0)

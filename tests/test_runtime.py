@@ -74,10 +74,18 @@ def test_bad_inputs_name_the_problem(net_exe):
     one_inf[2, 5] = -np.inf
     with pytest.raises(InputShapeError, match="1 NaN or infinite"):
         exe(one_inf)
-    from pyro2pfp.inputs import as_input_array
+    from pyro2pfp.inputs import _SMALL, as_input_array
 
-    huge = np.full((2, 12), 3e38, np.float32)
-    assert as_input_array(huge, (12,)) is huge
+    # both fast paths: small inputs (one float64 sum) and large ones (a float32 sum, falling back to
+    # the element-wise check when finite values overflow it)
+    for rows in (2, _SMALL // 12 + 1):
+        huge = np.full((rows, 12), 3e38, np.float32)
+        assert as_input_array(huge, (12,)) is huge
+        for bad in (np.nan, np.inf, -np.inf):
+            x = huge.copy()
+            x[rows - 1, 3] = bad
+            with pytest.raises(InputShapeError, match="1 NaN or infinite"):
+                as_input_array(x, (12,))
 
 
 def test_input_variance_shapes_are_checked():

@@ -19,12 +19,14 @@ uses them where positions and branches are summed; still one forward pass, no sa
 
 Cost (per input; :func:`~pyro2pfp.correlation.cost.cost_model`, ``benchmarks/fidelity.py --cost``)
 ----------------------------------------------------------------------------------------------------
-Per conv layer: one convolution with per-input weights ``W·⟨g_in[c], g[o]⟩`` for the propagated
-profile, one with ``2C`` input channels (``[μ_in, s_in]``, weights ``[V·m̄μ_k, V·m̄s_k]``) for the
-weight-noise profile, and ``O·C·(K_in + K_out)`` for the loadings (mean-field: 3 convolutions).
-ResNet-8: 37.3 M mean-field multiply-adds + 45.6 M (×2.2), ResNet-20: 122.5 M + 148.7 M (×2.2; ×1.55
-with ``injection='rescaled'``); memory ``+ C·P + C·K`` floats per edge (ResNet-20 +85 % over all
-edges, K ≤ 320 with compaction, 1482 without).  NumPy float64 batch 1: ResNet-20 41 ms → 91 ms, ResNet-8 14 → 33 ms.
+Per conv layer: one convolution with ``2C`` input channels and per-input weights for the profile (``[s_in,
+μ_in]``, weights ``[W·⟨g_in[c], g[o]⟩ + coef·V·m̄s_k, coef·V·m̄μ_k]``: the propagated profile and the weight-
+noise regression profile, whose ``s_in`` terms share one weight) and ``O·C·(K_in + K_out)`` for the loadings
+(mean-field: 3 convolutions; deterministic: 1). ResNet-8: 37.2 M mean-field multiply-adds + 32.5 M (×1.87),
+ResNet-20: 122.3 M + 105.9 M (×1.87; ×1.53 with ``injection='rescaled'``; ×2.19 without compaction, the ONNX
+export) -- 5.6× the deterministic net's 12.5 M / 40.8 M (``benchmarks/latency.py`` prints these per net);
+memory ``+ C·P + C·K`` floats per edge (ResNet-20 +85 % over all edges, K ≤ 320 with compaction, 1482
+without). NumPy float64 batch 1: ResNet-20 41 ms → 91 ms, ResNet-8 14 → 33 ms.
 
 Back ends
 ---------

@@ -31,13 +31,15 @@ class Cost:
 
 
 def cost_model(graph: PlannedGraph, factors: FactorPlan | None = None) -> Cost:
-    """Count the work of one input (module docstring rules).  Mean-field: every dense/conv layer is
-    3 products of its size (mean, weight-variance term, mean-weight² term; 2 for a deterministic
-    input); elementwise ops count their elements.  The scheme adds, per conv layer, one convolution
-    with per-input weights for the propagated profile (if the input has a shared part), two (one
-    with ``injection='rescaled'``, which reuses the mean-field weight-variance term) for the
-    weight-noise regression profile, and ``O·C·(K_in + K_out)`` for the loadings; per dense layer
-    two products of its size and ``O·C·K``; per ReLU/add ``~3·C·K``; per compaction ``2·C²·K``.
+    """Count the work of one input (module docstring rules). Mean-field: every dense/conv layer is 3 products of its
+    size (mean, weight-variance term, mean-weight² term; 2 for a deterministic input); elementwise ops count
+    their elements. The scheme adds, per conv layer, the profile convolutions as the compiled kernel computes
+    them (``sf_conv_profile``): one with per-input weights on the input's profile ``s_in`` if the input has a
+    shared part (the propagated term ``W·β`` and the regression term ``coef·V·m̄s`` on the same input merged
+    into one weight) and, for ``injection='regression'``, one on the input mean (``coef·V·m̄μ``;
+    ``'rescaled'`` reuses the mean-field weight-variance term instead); ``O·C·(K_in + K_out)`` for the
+    loadings; per dense layer two products of its size and ``O·C·K``; per ReLU/add ``~3·C·K``; per compaction
+    ``2·C²·K``.
     ``factors``: default ``graph.factors``, else :func:`plan_factors` of ``graph``."""
     fp = factors if factors is not None else graph.factors if graph.factors is not None else plan_factors(graph)
     injection = fp.injection
@@ -63,9 +65,8 @@ def cost_model(graph: PlannedGraph, factors: FactorPlan | None = None) -> Cost:
                 continue
             c_in = wm.shape[1] if layer.op == "conv2d" else fp.rows.get(ins[0], 1)
             if layer.op == "conv2d":
-                extra += (macs if k_in else 0) + o * c_in * (k_in + k) + 2 * size
-                if layer.name in fp.offsets:
-                    extra += (2 if k_in else 1) * macs if injection == "regression" else 0
+                regression = layer.name in fp.offsets and injection == "regression"
+                extra += (macs if k_in else 0) + (macs if regression else 0) + o * c_in * (k_in + k) + 2 * size
             else:
                 extra += (2 * macs + o * c_in * k_in if k_in else 0) + o * k
         else:

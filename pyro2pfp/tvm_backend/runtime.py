@@ -165,8 +165,9 @@ class CompiledPFP:
         state = self._state()
         return state.tuned_vms.get(int(batch), state.vm)
 
-    def _input_buffers(self, shape: tuple[int, ...], count: int) -> list[tuple[Any, np.ndarray]]:
-        cache = self._state().inputs
+    def _input_buffers(self, shape: tuple[int, ...], count: int, state: _ThreadState | None = None
+                       ) -> list[tuple[Any, np.ndarray]]:
+        cache = (state or self._state()).inputs
         buffers = cache.get(shape)
         if buffers is None:
             if len(cache) >= 8:  # bounded cache: many batch sizes
@@ -175,9 +176,11 @@ class CompiledPFP:
             buffers = cache[shape] = [(t, np.from_dlpack(t)) for t in tensors]
         return buffers
 
-    def _args(self, x: Any, x_var: Any) -> list:
-        arrays = list(checked_inputs(x, x_var, self.input_shape, self.input_variance, np.float32))
-        buffers = self._input_buffers(arrays[0].shape, len(arrays))
+    def _args(self, x: Any, x_var: Any, state: _ThreadState | None = None) -> list:
+        """The checked inputs copied into this thread's cached, aligned input tensors (``state``: the
+        calling thread's, if the caller has it already)."""
+        arrays = checked_inputs(x, x_var, self.input_shape, self.input_variance, np.float32)
+        buffers = self._input_buffers(arrays[0].shape, len(arrays), state)
         for array, (_, view) in zip(arrays, buffers, strict=True):
             np.copyto(view, array)
         return [tensor for tensor, _ in buffers]
@@ -186,8 +189,8 @@ class CompiledPFP:
         """``(mean, var)`` of the logits; with the uncertainty head (``self.head == "probs"``) a
         :class:`~pyro2pfp.ops.head.HeadOutput` ``(probs, predictive_entropy, expected_entropy,
         mutual_information)``."""
-        args = self._args(x, x_var)
         state = self._state()
+        args = self._args(x, x_var, state)
         main = state.tuned_mains.get(args[0].shape[0], state.main) if state.tuned_mains else state.main
         mean, var = main(*args)
         mean, var = np.from_dlpack(mean), np.from_dlpack(var)

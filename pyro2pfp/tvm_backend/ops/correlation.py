@@ -32,6 +32,7 @@ the raw-moment plan and ``injection='rescaled'``.
 """
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass
 from typing import Any
@@ -600,6 +601,7 @@ class SharedStep(FixedKStep):
 CHOLESKY_PIVOT_TOL = 1e-6
 
 
+@functools.cache
 def cholesky_factor(rows: int, width: int) -> tirx.PrimFunc:
     """PrimFunc ``(gram (n, R, R) float32) -> L (n, R, width) float32``: per input, the lower-
     triangular ``L`` with ``L·Lᵀ = gram`` (columns ``R … width-1`` zero), by the left-looking
@@ -609,7 +611,8 @@ def cholesky_factor(rows: int, width: int) -> tirx.PrimFunc:
     unit or zero rows): a pivot ``d_j ≤`` :data:`CHOLESKY_PIVOT_TOL`·``G[j, j]`` gives a zero column
     (the row is in the span of the previous ones; rounding may have made ``d_j`` slightly negative),
     so the result stays finite.  Sequential per input (``O(R³/6)``), parallel over the batch; hand-
-    written TIR, marked scheduled."""
+    written TIR, marked scheduled.  Cached per ``(rows, width)``: parsing the TVMScript costs ~0.2 s,
+    and a ResNet-20 compacts 9 times with 3 distinct shapes."""
     from tvm.script import tirx as T
 
     tol = CHOLESKY_PIVOT_TOL
