@@ -106,12 +106,12 @@ class Profile:
 
 def split_kernel_name(symbol: str) -> tuple[str, str]:
     """Fallback for libraries exported without the kernel table (and raw VMs): ``("dense", "fc1")``
-    for ``"pfp_dense_fc1"`` (longest registered PFP op that prefixes it);
-    ``(symbol, "")`` for anything else."""
+    for ``"pfp_dense_fc1"`` (longest registered PFP op -- a kernel or a scheduled op such as the
+    shared-factor ``sf_conv_load`` -- that prefixes it); ``(symbol, "")`` for anything else."""
     if symbol.startswith("pfp_"):
         try:
-            from .tvm_backend import KERNELS
-            ops = list(KERNELS)
+            from .tvm_backend import KERNELS, SCHEDULES
+            ops = list(KERNELS) + [op for op in SCHEDULES if op not in KERNELS]
         except Exception:  # noqa: BLE001 -- TVM back end unavailable: guess from the name
             ops = []
         rest = symbol[4:]

@@ -41,6 +41,11 @@ def test_split_kernel_name():
     assert split_kernel_name("pfp_max_pool2d_pool_1") == ("max_pool2d", "pool_1")
     assert split_kernel_name("pfp_relu_relu") == ("relu", "relu")
     assert split_kernel_name("fused_matmul_add") == ("fused_matmul_add", "")
+    # shared-factor kernels (scheduled ops, not layer kernels): the op is the longest prefix
+    import pyro2pfp.tvm_backend.ops.correlation  # noqa: F401 -- registers the sf_* schedules
+
+    assert split_kernel_name("pfp_sf_conv_load_layers_7_conv2") == ("sf_conv_load", "layers_7_conv2")
+    assert split_kernel_name("pfp_sf_relu_relu_10") == ("sf_relu", "relu_10")
 
 
 @pytest.mark.parametrize("method", ["isolated", "in_vm"])

@@ -117,6 +117,12 @@ def _emit(ctx: EmitContext, fn: Any, args: list[relax.Expr], layer: PlannedLayer
 
 
 def _view(ctx: EmitContext, t: relax.Expr, *shape: int) -> relax.Expr:
+    """``t`` (B, ...) as (B, *shape): a reshape, or ``t`` itself when it has that shape already."""
+    current = getattr(getattr(t, "ty", None), "shape", None)
+    dims = getattr(current, "values", None)
+    if dims is not None and len(dims) == len(shape) + 1 and all(
+            isinstance(d, tirx.IntImm) and int(d) == n for d, n in zip(dims[1:], shape)):
+        return t
     return ctx.bb.emit(relax.op.reshape(t, relax.ShapeExpr([ctx.batch, *shape])))
 
 
