@@ -7,6 +7,10 @@ process (``time.process_time``, so a loaded machine does not inflate it) and wal
     PYTHONPATH=. .venv/bin/python benchmarks/compile_time.py [--repeats 3]
 
 Issue 13's targets (LeNet-5 <= 2 s, ResNet-20 <= 5 s) are printed as HOLDS/SHORT lines.
+
+    PYTHONPATH=. .venv/bin/python benchmarks/compile_time.py --per-op resnet20
+
+instead compiles each distinct kernel of one net alone and sums the CPU seconds per PFP op.
 """
 from __future__ import annotations
 
@@ -44,11 +48,50 @@ def networks():
             yield name + suffix, pyro2pfp.convert(model, guide, input_shape=shape, correlation=correlation)
 
 
+def per_op(net_name: str) -> None:
+    """CPU seconds of ``tvm.compile`` of each distinct scheduled PrimFunc of one net alone, summed per
+    PFP op (what LLVM spends on each kind of kernel; the whole build adds the Relax VM's code)."""
+    import collections
+
+    import tvm
+
+    from pyro2pfp.targets import resolve_target
+    from pyro2pfp.tvm_backend._core import kernel_info
+    from pyro2pfp.tvm_backend.schedules import schedule_module
+    from pyro2pfp.tvm_backend.sharing import share_identical_kernels
+
+    net = next((net for name, net in networks() if name == net_name), None)
+    if net is None:
+        raise SystemExit(f"--per-op: no net {net_name!r} (mlp, lenet, resnet8, resnet20, and '<resnet> (mf)')")
+    target = resolve_target("native")
+    mod = schedule_module(share_identical_kernels(net.mod), net.plan, target)
+    rows: dict[str, list[float]] = collections.defaultdict(lambda: [0, 0.0])
+    for gv in mod.get_global_vars():
+        func = mod[gv]
+        if not isinstance(func, tvm.tirx.PrimFunc):
+            continue
+        c0 = time.process_time()
+        tvm.compile(tvm.IRModule({"main": func.with_attr("global_symbol", "main")}), target=target)
+        row = rows[str(kernel_info(func)[0])]
+        row[0] += 1
+        row[1] += time.process_time() - c0
+    print(f"{net_name}: {sum(int(n) for n, _ in rows.values())} distinct PrimFuncs")
+    print(f"{'op':<18} {'funcs':>5} {'CPU s':>6} {'ms each':>8}")
+    for op, (n, cpu) in sorted(rows.items(), key=lambda kv: -kv[1][1]):
+        print(f"{op:<18} {int(n):>5} {cpu:>6.2f} {1000 * cpu / n:>8.0f}")
+    print(f"{'total':<18} {'':>5} {sum(cpu for _, cpu in rows.values()):>6.2f}")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--per-op", metavar="NET", help="instead: compile time of each distinct kernel of NET "
+                        "(e.g. 'resnet20', 'resnet20 (mf)'), summed per PFP op")
     args = parser.parse_args()
     warnings.simplefilter("ignore")
+    if args.per_op:
+        per_op(args.per_op)
+        return
     print(f"load average {os.getloadavg()[0]:.1f}")
     print(f"{'net':<14} {'CPU s':>6} {'wall s':>7}")
     best = {}
