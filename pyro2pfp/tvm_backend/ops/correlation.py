@@ -30,9 +30,9 @@ ResNet-20 (static batch) calls 162 kernels per input instead of 299 (and 165 ``c
 --net resnet20 --batch {10,1} --threads 1 --static --kernels`` (two runs each, alternated with the
 previous kernels -- sf_conv_pool/load/beta, sf_norm, sf_relu_terms/load/profile, sf_add_load/profile,
 sf_clip -- on a loaded 2-core machine): batch 10 38.6 → 33.0-34.1 ms per call (pooling + loading +
-β of the conv rule 6.0 → 2.0 ms, sf_gram 1.1 → 0.48 ms; the ReLU rule 2.1 → 2.2-2.3 ms, erf-bound and
+β of the conv rule 5.8-6.0 → 2.0 ms, sf_gram 1.1 → 0.48 ms; the ReLU rule 2.1 → 2.2-2.3 ms, erf-bound and
 unchanged within the noise), batch 1 4.30-4.38 → 3.70-3.71 ms (``(vm overhead)`` 0.75-0.78 → 0.63-0.64
-ms; conv rule 0.60 → 0.20 ms, sf_gram 0.105 → 0.046 ms).  Compile time is unchanged (ResNet-20:
+ms; conv rule 0.59-0.60 → 0.20 ms, sf_gram 0.105 → 0.046 ms).  Compile time is unchanged (ResNet-20:
 117 → 71 distinct PrimFuncs, but ``benchmarks/compile_time.py --per-op resnet20`` gives 8.1 → 7.9
 CPU s of LLVM over all kernels: it scales with the code compiled, which the fusion does not reduce;
 the fused ReLU repeats Stein's erf/exp terms in each of its 8 distinct (shape, K) kernels).
