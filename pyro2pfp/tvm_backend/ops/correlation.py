@@ -70,8 +70,6 @@ from .._core import (
     SCHEME_STEPS,
     EmitContext,
     RelaxActivation,
-    fast_erf,
-    fast_exp,
     te_shared,
 )
 from ..schedules import (
@@ -266,14 +264,19 @@ class SharedStep(FixedKStep):
 
         def terms(m: te.Tensor, v: te.Tensor, s: te.Tensor) -> list[te.Tensor]:
             def lin_h(*i: Any) -> list[Any]:
-                sd = te.sqrt(te.max(v[i], _c(0.0)))
-                alpha = te.min(te.max(_safe_div(m[i], sd), _c(-40.0)), _c(40.0))
-                cdf = tirx.Select(sd > _c(0.0), _c(0.5) + _c(0.5) * fast_erf(alpha * _c(1 / math.sqrt(2))),
-                                  tirx.Select(m[i] > _c(0.0), _c(1.0), _c(0.0)))
-                pdf = fast_exp(_c(-0.5) * alpha * alpha) * _c(1 / math.sqrt(2 * math.pi))
-                lin = (cdf + _c(slope) * (_c(1.0) - cdf)) * s[i]
-                h = _safe_div(_c(1.0 - slope) * pdf, sd) * s[i] * s[i] * _c(1 / math.sqrt(2))
-                return [lin, h]
+                def build(ops: Any) -> list[Any]:
+                    # te_shared: σ, α, Φ(α) and φ(α) bound once (as trees, fast_erf/fast_exp repeat their
+                    # argument dozens of times: LLVM time of the kernel, not its speed)
+                    sd = ops.sqrt(te.max(v[i], _c(0.0)))
+                    alpha = ops.bind(te.min(te.max(_safe_div(m[i], sd), _c(-40.0)), _c(40.0)))
+                    cdf = tirx.Select(sd > _c(0.0), ops.normal_cdfs(alpha)[0],
+                                      tirx.Select(m[i] > _c(0.0), _c(1.0), _c(0.0)))
+                    pdf = ops.exp(_c(-0.5) * alpha * alpha) * _c(1 / math.sqrt(2 * math.pi))
+                    lin = (cdf + _c(slope) * (_c(1.0) - cdf)) * s[i]
+                    h = _safe_div(_c(1.0 - slope) * pdf, sd) * s[i] * s[i] * _c(1 / math.sqrt(2))
+                    return [lin, h]
+
+                return te_shared(build)
 
             both = te.compute(m.shape, lin_h, name="lin_h")
             return [both[0], both[1], _row_mean(both[0], "lbar"), _row_mean(both[1], "hbar")]
