@@ -32,10 +32,11 @@ previous kernels -- sf_conv_pool/load/beta, sf_norm, sf_relu_terms/load/profile,
 sf_clip -- on a loaded 2-core machine): batch 10 38.6 → 33.0-34.1 ms per call (pooling + loading +
 β of the conv rule 5.8-6.0 → 2.0 ms, sf_gram 1.1 → 0.48 ms; the ReLU rule 2.1 → 2.2-2.3 ms, erf-bound and
 unchanged within the noise), batch 1 4.30-4.38 → 3.70-3.71 ms (``(vm overhead)`` 0.75-0.78 → 0.63-0.64
-ms; conv rule 0.59-0.60 → 0.20 ms, sf_gram 0.105 → 0.046 ms).  Compile time is unchanged (ResNet-20:
-117 → 71 distinct PrimFuncs, but ``benchmarks/compile_time.py --per-op resnet20`` gives 8.1 → 7.9
-CPU s of LLVM over all kernels: it scales with the code compiled, which the fusion does not reduce;
-the fused ReLU repeats Stein's erf/exp terms in each of its 8 distinct (shape, K) kernels).
+ms; conv rule 0.59-0.60 → 0.20 ms, sf_gram 0.105 → 0.046 ms).  Compile time hardly moves:
+``benchmarks/compile_time.py`` ResNet-20 15.0 → 14.3 CPU s (117 → 71 distinct PrimFuncs), and
+``compile_time.py --per-op resnet20`` (each kernel compiled alone) 8.1 → 7.6 CPU s of LLVM: it
+scales with the code compiled, which fusing kernels does not reduce (the gain is ``te_shared`` in
+the ReLU's terms, 8 kernels 1.22 → 0.65 s; ``sf_conv_load`` is 13 x ~170 ms).
 
 **Static K, compaction by Cholesky**: every edge carries the factor columns of
 :func:`~pyro2pfp.correlation.factors.fixed_k_plan` (``compaction=True``: the reference's compaction
