@@ -13,7 +13,20 @@ are float32 TE expressions of the same formulas:
   ``w̄``, ``ℓ``), ``sf_conv_beta`` (``⟨g_in[c], g[o]⟩``), ``sf_conv_weights`` (per-input weights
   ``W·β + coef·V·m̄s`` and ``coef·V·m̄μ``) and ``sf_conv_profile``: the propagated and the regression
   profile as one convolution of ``[s_in, μ]`` with those weights, laid out like the mean-field conv
-  kernel and scheduled by its schedule (``compute.schedule_conv2d``: register tiles, vectorised);
+  kernel and scheduled by its schedule (``compute.schedule_conv2d``: register tiles, vectorised).
+  Layers of :func:`~.winograd.winograd_shape` (3x3, stride 1, ≥ 16 channels: the ResNet block convs)
+  use Winograd F(2x2, 3x3) instead, as the mean-field conv does: ``sf_conv_weights`` emits the
+  weights' transforms ``G·A·Gᵀ``, ``G·M·Gᵀ`` (B, 4, 4, C, O) -- per input, at run time
+  (:func:`~.winograd.weight_transform`) -- and ``sf_conv_profile`` is :func:`winograd_profile`
+  (input transforms of ``s_in`` and ``μ``, one batched GEMM per input and transform position summing
+  both terms, output transform, ``+ shift``, clip; scheduled by :func:`~.winograd.schedule_winograd`).
+  Measured (``benchmarks/kernel_profile.py --net resnet20 --batch 10 --threads 1 --static --kernels``,
+  AVX-512, best of 3-4 runs): the ``sf_conv_profile`` rows 13.5 -> 5.8 ms (per call: 16->16 32x32
+  0.89 -> 0.39 ms, 32->32 16x16 0.77 -> 0.26, 64->64 8x8 0.66 -> 0.23), ``sf_conv_weights`` (now
+  with the transforms, reading every operand unit-stride in ``o``) 1.4 -> 1.3 ms, the whole exe(x)
+  37.1 -> 30.9 ms; at ``--batch 1`` 1.36 -> 0.54, 0.15 -> 0.12 and 4.1 -> 3.0 ms.  Compile time
+  (``benchmarks/compile_time.py --repeats 1``) ResNet-20 14.7 -> 15.7 CPU s.  Off under
+  :func:`~.winograd.direct_convolutions`;
 * relu/leaky_relu: ``sf_relu_terms`` (Stein's ``lin``, the Hermite ``h`` and their channel means),
   ``sf_relu_load``, ``sf_relu_profile``; affine/scale: ``sf_scale``; add: ``sf_add_load`` and
   ``sf_add_profile`` (with the branch covariance); average pooling: ``sf_avgpool``; max pooling:

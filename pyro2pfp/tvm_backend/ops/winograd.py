@@ -1,6 +1,7 @@
-"""Winograd F(2x2, 3x3) kernel of the mean-field PFP conv2d (3x3, stride 1, padding 1), chosen by
+"""Winograd F(2x2, 3x3) kernels of the mean-field PFP conv2d (3x3, stride 1, padding 1), chosen by
 :func:`use_winograd` for the layers where it measured faster than the direct kernel of
-``compute.conv2d`` (see ``benchmarks/conv_throughput.py``).
+``compute.conv2d`` (see ``benchmarks/conv_throughput.py``), and of the shared-factor profile
+convolution of the same layers (``correlation.py``, see the end of this docstring).
 
 The PFP conv with a variance input computes three convolutions of the same input window
 (pfp-math.md, variance form)::
@@ -38,6 +39,25 @@ Measured (``benchmarks/conv_throughput.py``, batch 10, one thread, AVX-512): 16-
 0.085, 0.12 -> 0.061, 0.11 -> 0.058 ms.  About half of the Winograd kernel's time is the GEMM; the
 rest is mostly the NCHW <-> NHWC transposes (pad, epilogue), which TVM emits as per-lane
 gathers.  Compile time: about 0.3 s per distinct Winograd kernel, against 0.1 s direct.
+
+**Shared-factor profile convolution** (``sf_conv_profile`` of ``correlation.py``, on the layers of
+:func:`winograd_shape`): ``s = clip(Σ_c conv(A_c, s_in) + conv(M_c, μ) + shift, ±sd)`` with weights
+``A``, ``M`` (B, C, 3, 3, O) that differ per input, so their transforms ``U = G·w·Gᵀ`` are computed
+at run time, per input, by the kernel that builds them (``sf_conv_weights``,
+:func:`weight_transform`: two separable stages of ≤ 3 terms, per (input, input channel) in
+thread-private buffers, :func:`schedule_weight_transforms`) -- ``O·C·28`` multiply-adds per input
+and term against the GEMM's ``O·C·16·tiles``.  :func:`winograd_correlation` is the conv: blocks
+``wino_pad_k``, ``wino_in_k`` per input tensor (``s_in``, ``μ``), one ``wino_gemm`` summing both
+terms, ``wino_out_s``; the caller's ``epilogue`` adds the shift and clips.  Same schedule
+(:func:`schedule_winograd`); the weight operand has a batch index, and the parallel loop runs over
+the batch, so every chunk of tiles reads its own input's ``U`` (``16·C·O`` floats per term).  The
+profile is signed and not clamped (only the ±sd clip of the epilogue); the per-output rounding
+property above holds as well (it depends on ``Bᵀ`` and ``Aᵀ`` only), so a zero profile with zero
+mean weights gives exactly 0 (tests/test_winograd_profile.py).  Measured on ResNet-20
+(``benchmarks/kernel_profile.py --net resnet20 --batch 10 --threads 1 --static --kernels``, AVX-512,
+best of 3-4 runs), per ``sf_conv_profile`` call: 16->16 32x32 0.89 -> 0.39 ms, 32->32 16x16 0.77 ->
+0.26 ms, 64->64 8x8 0.66 -> 0.23 ms; all profile rows 13.5 -> 5.8 ms of 37.1 -> 30.9 ms (batch 1:
+1.36 -> 0.54 ms of 4.1 -> 3.0 ms).
 """
 from __future__ import annotations
 
@@ -73,8 +93,9 @@ _enabled = [True]
 
 @contextmanager
 def direct_convolutions() -> Iterator[None]:
-    """Within this context :func:`use_winograd` is False: modules emitted meanwhile use the direct
-    conv kernel everywhere (for benchmarks and tests comparing the two)."""
+    """Within this context :func:`winograd_shape` (so :func:`use_winograd`) is False: modules emitted
+    meanwhile use the direct conv kernels everywhere -- the mean-field conv and the shared-factor
+    profile convolution (for benchmarks and tests comparing the two)."""
     _enabled.append(False)
     try:
         yield
