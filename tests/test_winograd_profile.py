@@ -30,10 +30,10 @@ from pyro2pfp.tvm_backend.ops.winograd import WINO_G, direct_convolutions, weigh
 from pyro2pfp.tvm_backend.schedules import schedule_function
 
 
-def _build(inputs: list[te.Tensor], outputs: list[te.Tensor], op: str):
+def _build(inputs: list[te.Tensor], outputs: list[te.Tensor], op: str, target: tvm.target.Target = NATIVE):
     """The TE function compiled with the default schedule of ``op`` (a failing schedule raises)."""
-    func = schedule_function(te.create_prim_func([*inputs, *outputs]), op, None, NATIVE)
-    return tvm.compile(tvm.IRModule({"main": func.with_attr("global_symbol", "main")}), target=NATIVE)["main"]
+    func = schedule_function(te.create_prim_func([*inputs, *outputs]), op, None, target)
+    return tvm.compile(tvm.IRModule({"main": func.with_attr("global_symbol", "main")}), target=target)["main"]
 
 
 def _run(f, *arrays: np.ndarray, out_shapes: list[tuple[int, ...]]) -> list[np.ndarray]:
@@ -64,14 +64,14 @@ class Profile:
     """The compiled Winograd profile kernel of ``n_terms`` inputs (B, C, H, W) -- like ``sf_conv_profile``:
     symbolic batch, scheduled by the registered ``sf_conv_profile`` schedule."""
 
-    def __init__(self, n_terms: int, c: int, o: int, h: int, w: int):
+    def __init__(self, n_terms: int, c: int, o: int, h: int, w: int, target: tvm.target.Target = NATIVE):
         n = te.var("n", "int64")
         self.shapes = (c, o, h, w)
         pairs = [(te.placeholder((n, c, h, w), name=f"x{k}"), te.placeholder((n, 4, 4, c, o), name=f"u{k}"))
                  for k in range(n_terms)]
         shift, var = te.placeholder((n, o), name="shift"), te.placeholder((n, o, h, w), name="var")
         out = winograd_profile(pairs, shift, var)
-        self.f = _build([t for p in pairs for t in p] + [shift, var], [out], "sf_conv_profile")
+        self.f = _build([t for p in pairs for t in p] + [shift, var], [out], "sf_conv_profile", target)
 
     def __call__(self, pairs: list[tuple[np.ndarray, np.ndarray]], shift: np.ndarray, var: np.ndarray) -> np.ndarray:
         c, o, h, w = self.shapes
@@ -135,11 +135,13 @@ def test_winograd_profile_matches_the_direct_formula(profile2, batch):
     assert np.all(got[clipped] == np.sign(want[clipped]) * np.sqrt(var[clipped]))  # exactly at the bound
 
 
-def test_winograd_profile_single_term_and_other_shapes():
-    """One term (a first conv: the mean only, or no regression term: the profile only), 16 -> 16 on a
-    non-square map with 1 tile row per chunk, against the direct formula."""
+@pytest.mark.parametrize("target", ["native", "llvm"])
+def test_winograd_profile_single_term_and_other_shapes(target):
+    """One term (a first conv: the mean only, or no regression term: the profile only), 24 -> 16 on a
+    non-square map with 1 tile row per chunk, against the direct formula; also for the generic
+    ``llvm`` target (128-bit vectors: other tile sizes)."""
     rng = np.random.default_rng(7)
-    kernel = Profile(1, 24, 16, 2, 10)
+    kernel = Profile(1, 24, 16, 2, 10, NATIVE if target == "native" else tvm.target.Target("llvm"))
     x = rng.standard_normal((2, 24, 2, 10)).astype(np.float32)
     wt = (rng.standard_normal((2, 24, 3, 3, 16)) / 24).astype(np.float32)
     shift = np.zeros((2, 16), np.float32)

@@ -657,7 +657,9 @@ def schedule_shared(sch: s_tir.Schedule, layer: Any, target: tvm.target.Target) 
     """Every loop nest of a shared-factor kernel: its first two data-parallel loops (the batch and
     the channel/row axis) fused into one parallel loop.  The product blocks of :data:`MATMUL_BLOCKS`
     get the reduction outside the unit-stride last axis, which is vectorised (split by the largest
-    power of two dividing it, up to the SIMD width); other reductions stay serial inside."""
+    power of two dividing it, up to the SIMD width); other reductions stay serial inside.  The
+    Winograd weight transforms of ``sf_conv_weights`` (and the weights they transform) get
+    :func:`~.winograd.schedule_weight_transforms` instead."""
     lanes = simd_lanes(target)
     done = schedule_weight_transforms(sch, lanes)  # Winograd-transformed conv weights (sf_conv_weights)
     nests: dict[Any, Any] = {}
