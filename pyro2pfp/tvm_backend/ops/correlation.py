@@ -15,7 +15,21 @@ are float32 TE expressions of the same formulas:
   ``sf_conv_weights`` (per-input weights ``W·β + coef·V·m̄s`` and ``coef·V·m̄μ``) and
   ``sf_conv_profile``: the propagated and the regression profile as one convolution of ``[s_in, μ]``
   with those weights, laid out like the mean-field conv kernel and scheduled by its schedule
-  (``compute.schedule_conv2d``: register tiles, vectorised);
+  (``compute.schedule_conv2d``: register tiles, vectorised).  ``β`` is emitted as ``βᵀ`` (B, C, O),
+  unit-stride in ``o`` like the weights kernel reads it.
+  Layers of :func:`~.winograd.winograd_shape` (3x3, stride 1, ≥ 16 channels: the ResNet block convs)
+  use Winograd F(2x2, 3x3) instead, as the mean-field conv does: ``sf_conv_weights`` emits the
+  weights' transforms ``G·A·Gᵀ``, ``G·M·Gᵀ`` (B, 4, 4, C, O) -- per input, at run time
+  (:func:`~.winograd.weight_transform`) -- and ``sf_conv_profile`` is :func:`winograd_profile`
+  (input transforms of ``s_in`` and ``μ``, one batched GEMM per input and transform position summing
+  both terms, output transform, ``+ shift``, clip; scheduled by :func:`~.winograd.schedule_winograd`).
+  Measured (``benchmarks/kernel_profile.py --net resnet20 --batch 10 --threads 1 --static --kernels``,
+  AVX-512, best of 3-4 runs): the ``sf_conv_profile`` rows 13.5 -> 5.8 ms (per call: 16->16 32x32
+  0.89 -> 0.39 ms, 32->32 16x16 0.77 -> 0.26, 64->64 8x8 0.66 -> 0.23), ``sf_conv_weights`` (now
+  with the transforms, reading every operand unit-stride in ``o``) 1.4 -> 1.3 ms, the whole exe(x)
+  37.1 -> 30.9 ms; at ``--batch 1`` 1.36 -> 0.54, 0.15 -> 0.12 and 4.1 -> 3.0 ms.  Compile time
+  (``benchmarks/compile_time.py --repeats 1``) ResNet-20 14.7 -> 15.7 CPU s.  Off under
+  :func:`~.winograd.direct_convolutions`;
 * relu/leaky_relu: ``sf_relu`` (Stein's ``lin``, the Hermite ``h``, their channel means, the loading,
   ``g`` and the profile); affine/scale: ``sf_scale``; add: ``sf_add`` (the branch covariance, the
   loading, ``g``, the corrected variance and the profile); average pooling: ``sf_avgpool``; max
@@ -24,7 +38,8 @@ are float32 TE expressions of the same formulas:
   profile); reshape/convert: views.  The elementwise rules (relu, add, scale) index the
   ``(B, C, H, W)`` edges directly (rows = channels), so no reshape is emitted around them.
 
-One kernel per rule (three per conv layer, two of them the weights and the profile convolution):
+One kernel per rule (three per conv layer, two of them the weights and the profile convolution);
+numbers measured before the Winograd profile convolution was merged:
 ResNet-20 (static batch) calls 162 kernels per input instead of 299 (and 165 ``call_tir`` instead of
 445 with the reshapes).  Measured with ``PYTHONPATH=. .venv/bin/python benchmarks/kernel_profile.py
 --net resnet20 --batch {10,1} --threads 1 --static --kernels`` (two runs each, alternated with the
@@ -85,6 +100,7 @@ from ..schedules import (
     vectorize_inner,
 )
 from .compute import _pad, schedule_conv2d
+from .winograd import schedule_weight_transforms, weight_transform, winograd_correlation, winograd_shape
 
 PARTS = ("scale", "conv_load", "conv_weights", "relu", "add", "avgpool", "maxpool", "dense_load", "gram")
 _LOWEST = float(np.finfo(np.float32).min)
@@ -218,6 +234,16 @@ def _scaled(ctx: EmitContext, s: relax.Expr, var: relax.Expr, factor: relax.Expr
                           name="scaled")
 
     return _emit(ctx, fn, [s, var, factor], layer, "scale")[0]
+
+
+def winograd_profile(pairs: list[tuple[te.Tensor, te.Tensor]], shift: te.Tensor, var: te.Tensor) -> te.Tensor:
+    """The profile convolution of a :func:`~.winograd.winograd_shape` layer by Winograd F(2x2, 3x3):
+    ``s[b, o, y, x] = clip(Σ_k conv3x3(x_k, w_k)[b, o, y, x] + shift[b, o], ±√var[b, o, y, x])`` for
+    ``pairs = [(x_k (B, C, H, W), U_k (B, 4, 4, C, O))]`` (``U_k = G·w_k·Gᵀ`` per input, emitted by
+    ``sf_conv_weights``; :func:`~.winograd.winograd_correlation`), NCHW out; block ``epilogue``."""
+    y = winograd_correlation(pairs)
+    return te.compute(var.shape, lambda b, o, i, j: _clip(y[b, i, j, o] + shift[b, o], var[b, o, i, j]),
+                      name="epilogue")
 
 
 class SharedStep(FixedKStep):
@@ -403,6 +429,7 @@ class SharedStep(FixedKStep):
         h, w = ctx.shapes[layer.inputs[0]][1:]
         oh, ow = layer.layer.out_shape[1:]
         has_s = sh is not None
+        wino = winograd_shape(layer)  # the profile convolution by Winograd F(2x2, 3x3) (winograd.py)
         bias_var = ctx.const(t["bias_var"] if "bias_var" in t else np.zeros(o))
 
         def tap(src: te.Tensor, b: Any, ch: Any, y: Any, x_: Any, i: Any, j: Any) -> Any:
@@ -473,13 +500,11 @@ class SharedStep(FixedKStep):
             loading = prop if offset is None else te.compute(prop.shape, lambda b, oo, f: prop[b, oo, f] + tirx.Select(
                 f == oo + offset, wbar[b, oo], _c(0.0)), name="loading")
             g = _normalised(loading)[0]
-            return [mb, sb, g, wbar, _row_products(g_in, g, int(g_in.shape[2]))]
+            # βᵀ[b, c, o] = ⟨g_in[c], g[o]⟩ (B, C, O): unit-stride in o, as the weights kernel reads it
+            return [mb, sb, g, wbar, _row_products(g, g_in, int(g_in.shape[2]))]
 
-        def channels_last(weight: np.ndarray) -> relax.Expr:
-            return ctx.const(np.ascontiguousarray(weight.transpose(1, 2, 3, 0)))
-
-        args = [x.mean] + ([sh.s, sh.g] if sh is not None else []) + [
-            ctx.const(col_weights), channels_last(wm), channels_last(wv), bias_var]
+        w_cons = [ctx.const(np.transpose(t_, (1, 2, 3, 0))) for t_ in (wm, wv)]  # (C, KH, KW, O), both kernels
+        args = [x.mean] + ([sh.s, sh.g] if sh is not None else []) + [ctx.const(col_weights), *w_cons, bias_var]
         outs = _emit(ctx, load, args, layer, "conv_load")
         if sh is not None:
             mbar, sbar, g, wbar, beta = outs
@@ -488,7 +513,10 @@ class SharedStep(FixedKStep):
 
         def weights(*ts: te.Tensor) -> list[te.Tensor]:
             """Per-input weights (B, C, KH, KW, O) of the profile convolution: ``A = W·β + coef·V·m̄s``
-            on the input's profile, ``M = coef·V·m̄μ`` on its mean; ``coef·v_bias`` (B, O)."""
+            on the input's profile, ``M = coef·V·m̄μ`` on its mean -- or, for a Winograd profile
+            convolution, their transforms ``G·A·Gᵀ``, ``G·M·Gᵀ`` (B, 4, 4, C, O) -- and ``coef·v_bias``
+            (B, O).  ``W``, ``V`` come as (C, KH, KW, O) and ``β`` as (B, C, O): every read unit-stride
+            in ``o``, the vectorised axis."""
             it = iter(ts)
             mb = next(it)
             sb, bt = (next(it), next(it)) if has_s else (None, None)
@@ -500,22 +528,23 @@ class SharedStep(FixedKStep):
             outs = []
             if sb is not None and bt is not None:
                 def on_s(b: Any, ch: Any, i: Any, j: Any, oo: Any) -> Any:
-                    value = wmt[oo, ch, i, j] * bt[b, oo, ch]
+                    value = wmt[ch, i, j, oo] * bt[b, ch, oo]
                     if offset is not None:
-                        value = value + coef[b, oo] * wvt[oo, ch, i, j] * sb[b, ch, i, j]
+                        value = value + coef[b, oo] * wvt[ch, i, j, oo] * sb[b, ch, i, j]
                     return value
 
                 outs.append(te.compute(wshape, on_s, name="w_s"))
             if offset is not None:
-                outs.append(te.compute(wshape, lambda b, ch, i, j, oo: coef[b, oo] * wvt[oo, ch, i, j]
+                outs.append(te.compute(wshape, lambda b, ch, i, j, oo: coef[b, oo] * wvt[ch, i, j, oo]
                                        * mb[b, ch, i, j], name="w_mu"))
+            if wino:  # their Winograd transforms G·w·Gᵀ (B, 4, 4, C, O) instead
+                outs = [weight_transform(wt, f"wino_w{n}") for n, wt in enumerate(outs)]
             outs.append(te.compute((batch, o), lambda b, oo: coef[b, oo] * bvt[oo]
                                    if offset is not None else _c(0.0), name="shift"))
             return outs
 
         w_args = [mbar] + ([sbar, beta] if sbar is not None and beta is not None else [])
-        w_outs = _emit(ctx, weights, w_args + [g, wbar, ctx.const(wm), ctx.const(wv), bias_var], layer,
-                       "conv_weights")
+        w_outs = _emit(ctx, weights, w_args + [g, wbar, *w_cons, bias_var], layer, "conv_weights")
 
         def profile(*ts: te.Tensor) -> list[te.Tensor]:
             """``s[b, o] = Σ_{c,i,j} A·tap(s_in) + M·tap(μ) + shift``, clipped: a convolution with
@@ -523,6 +552,8 @@ class SharedStep(FixedKStep):
             it = iter(ts)
             srcs = [(next(it), next(it)) for _ in range(n_terms)]  # (input, weights)
             shift, var = next(it), next(it)
+            if wino:
+                return [winograd_profile(srcs, shift, var)]
             padded = [(_pad(src, [py, px]), wt) for src, wt in srcs]
             rc, rp, rq = (te.reduce_axis((0, n), name=name) for n, name in ((c, "rc"), (kh, "rp"), (kw, "rq")))
 
@@ -707,8 +738,11 @@ def schedule_shared(sch: s_tir.Schedule, layer: Any, target: tvm.target.Target) 
     :func:`_tiled_product`, those of :data:`VECTOR_ROW_BLOCKS` :func:`_vector_rows`, row sums
     :func:`_vector_reduction`; any other nest has its first two data-parallel loops (the batch and
     the channel/row axis) fused into one parallel loop and, if elementwise, its last axis vectorised
-    (split by the largest power of two dividing it, up to the SIMD width)."""
+    (split by the largest power of two dividing it, up to the SIMD width).  The Winograd weight
+    transforms of ``sf_conv_weights`` (and the weights they transform) get
+    :func:`~.winograd.schedule_weight_transforms` instead."""
     lanes = simd_lanes(target)
+    done = schedule_weight_transforms(sch, lanes)  # Winograd-transformed conv weights (sf_conv_weights)
     attrs = sch.mod["main"].attrs
     row_local = attrs is not None and str(attrs.get(OP_ATTR, "")) in ROW_LOCAL_OPS
     leads: list[Any] = []  # row-local kernels: the (batch x row) loop of every nest, merged at the end
@@ -720,7 +754,7 @@ def schedule_shared(sch: s_tir.Schedule, layer: Any, target: tvm.target.Target) 
     nests: dict[Any, Any] = {}
     for block in sch.get_child_blocks(root):
         name = sch.get(block).name_hint
-        if name.startswith(("bar", "cols")):
+        if name.startswith(("bar", "cols")) or name in done:
             continue
         nests.setdefault(sch.get_sref(sch.get_loops(block)[0]), block)
     for block in nests.values():

@@ -1,6 +1,7 @@
-"""Winograd F(2x2, 3x3) kernel of the mean-field PFP conv2d (3x3, stride 1, padding 1), chosen by
+"""Winograd F(2x2, 3x3) kernels of the mean-field PFP conv2d (3x3, stride 1, padding 1), chosen by
 :func:`use_winograd` for the layers where it measured faster than the direct kernel of
-``compute.conv2d`` (see ``benchmarks/conv_throughput.py``).
+``compute.conv2d`` (see ``benchmarks/conv_throughput.py``), and of the shared-factor profile
+convolution of the same layers (``correlation.py``, see the end of this docstring).
 
 The PFP conv with a variance input computes three convolutions of the same input window
 (pfp-math.md, variance form)::
@@ -38,6 +39,25 @@ Measured (``benchmarks/conv_throughput.py``, batch 10, one thread, AVX-512): 16-
 0.085, 0.12 -> 0.061, 0.11 -> 0.058 ms.  About half of the Winograd kernel's time is the GEMM; the
 rest is mostly the NCHW <-> NHWC transposes (pad, epilogue), which TVM emits as per-lane
 gathers.  Compile time: about 0.3 s per distinct Winograd kernel, against 0.1 s direct.
+
+**Shared-factor profile convolution** (``sf_conv_profile`` of ``correlation.py``, on the layers of
+:func:`winograd_shape`): ``s = clip(Σ_c conv(A_c, s_in) + conv(M_c, μ) + shift, ±sd)`` with weights
+``A``, ``M`` (B, C, 3, 3, O) that differ per input, so their transforms ``U = G·w·Gᵀ`` are computed
+at run time, per input, by the kernel that builds them (``sf_conv_weights``,
+:func:`weight_transform`: two separable stages of ≤ 3 terms, per (input, input channel) in
+thread-private buffers, :func:`schedule_weight_transforms`) -- ``O·C·28`` multiply-adds per input
+and term against the GEMM's ``O·C·16·tiles``.  :func:`winograd_correlation` is the conv: blocks
+``wino_pad_k``, ``wino_in_k`` per input tensor (``s_in``, ``μ``), one ``wino_gemm`` summing both
+terms, ``wino_out_s``; the caller's ``epilogue`` adds the shift and clips.  Same schedule
+(:func:`schedule_winograd`); the weight operand has a batch index, and the parallel loop runs over
+the batch, so every chunk of tiles reads its own input's ``U`` (``16·C·O`` floats per term).  The
+profile is signed and not clamped (only the ±sd clip of the epilogue); the per-output rounding
+property above holds as well (it depends on ``Bᵀ`` and ``Aᵀ`` only), so a zero profile with zero
+mean weights gives exactly 0 (tests/test_winograd_profile.py).  Measured on ResNet-20
+(``benchmarks/kernel_profile.py --net resnet20 --batch 10 --threads 1 --static --kernels``, AVX-512,
+best of 3-4 runs), per ``sf_conv_profile`` call: 16->16 32x32 0.89 -> 0.39 ms, 32->32 16x16 0.77 ->
+0.26 ms, 64->64 8x8 0.66 -> 0.23 ms; all profile rows 13.5 -> 5.8 ms of 37.1 -> 30.9 ms (batch 1:
+1.36 -> 0.54 ms of 4.1 -> 3.0 ms).
 """
 from __future__ import annotations
 
@@ -73,8 +93,9 @@ _enabled = [True]
 
 @contextmanager
 def direct_convolutions() -> Iterator[None]:
-    """Within this context :func:`use_winograd` is False: modules emitted meanwhile use the direct
-    conv kernel everywhere (for benchmarks and tests comparing the two)."""
+    """Within this context :func:`winograd_shape` (so :func:`use_winograd`) is False: modules emitted
+    meanwhile use the direct conv kernels everywhere -- the mean-field conv and the shared-factor
+    profile convolution (for benchmarks and tests comparing the two)."""
     _enabled.append(False)
     try:
         yield
@@ -82,20 +103,25 @@ def direct_convolutions() -> Iterator[None]:
         _enabled.pop()
 
 
-def use_winograd(layer: PlannedLayer, x_repr: Repr) -> bool:
-    """Whether the mean-field conv ``layer`` (input in ``x_repr``) gets the Winograd kernel: a 3x3
-    stride-1 padding-1 undilated ungrouped conv of a variance input (variance plan: ``vw`` stored),
+def winograd_shape(layer: PlannedLayer) -> bool:
+    """Whether the conv ``layer`` has the shape Winograd F(2x2, 3x3) is used for (and
+    :func:`direct_convolutions` is not in force): a 3x3 stride-1 padding-1 undilated ungrouped conv
     with at least :data:`MIN_CHANNELS` input and output channels, a multiple of 16 output channels
     (whole AVX-512 vectors) and an even output height and width (whole 2x2 tiles)."""
-    if not _enabled[-1] or layer.op != "conv2d" or x_repr is not Repr.VARIANCE or "weight_var" not in layer.tensors:
+    if not _enabled[-1] or layer.op != "conv2d":
         return False
     a = layer.layer.attrs
-    w = layer.tensors["weight_mean"]
-    o, c, kh, kw = w.shape
+    o, c, kh, kw = layer.tensors["weight_mean"].shape
     _, h, wd = layer.layer.out_shape
     return (kh == kw == 3 and list(a["stride"]) == [1, 1] and list(a["padding"]) == [1, 1]
             and list(a["dilation"]) == [1, 1] and a["groups"] == 1 and c >= MIN_CHANNELS
             and o >= MIN_CHANNELS and o % 16 == 0 and h % TILE == 0 and wd % TILE == 0)
+
+
+def use_winograd(layer: PlannedLayer, x_repr: Repr) -> bool:
+    """Whether the mean-field conv ``layer`` (input in ``x_repr``) gets the Winograd kernel: a
+    :func:`winograd_shape` conv of a variance input (variance plan: ``vw`` stored)."""
+    return x_repr is Repr.VARIANCE and "weight_var" in layer.tensors and winograd_shape(layer)
 
 
 def filter_transform(w: np.ndarray) -> np.ndarray:
@@ -166,6 +192,47 @@ def _bilinear(mat_l: np.ndarray, mat_r: np.ndarray, load: Any) -> dict[tuple[int
     return out
 
 
+def pad_nhwc(x: te.Tensor, name: str, value: Any = None) -> te.Tensor:
+    """``x`` (B, C, H, W) zero-padded by 1 and transposed to NHWC (B, H + 2, W + 2, C);
+    ``value(b, c, y, x)`` (default: ``x[b, c, y, x]``) is what is padded."""
+    batch, chans, h, w = x.shape
+    load = value if value is not None else (lambda *i: x[i])
+
+    def f(n, y, xx, c):
+        inside = tirx.all(y >= 1, y <= h, xx >= 1, xx <= w)
+        return tirx.if_then_else(inside, load(n, c, y - 1, xx - 1), tirx.const(0.0, F32))
+
+    return te.compute((batch, h + 2, w + 2, chans), f, name=name)
+
+
+def input_transform(value: Any, like: te.Tensor, name: str) -> te.Tensor:
+    """``D[n, th, e, u, tw, c] = (Bᵀ d B)[e, u]`` of the 4x4 tile ``d`` at tile ``(th, tw)`` of the
+    padded NHWC input ``value(n, y, x, c)`` (shape of ``like``, a :func:`pad_nhwc` tensor)."""
+    batch, hp, wp, chans = like.shape
+
+    def f(n, th, e, u, tw, c):
+        out = None
+        for a, coef_a in _row_terms(WINO_BT, e):
+            for b, coef_b in _row_terms(WINO_BT, u):
+                term = value((n, th * TILE + a, tw * TILE + b, c)) * (coef_a * coef_b)
+                out = term if out is None else out + term
+        return out
+
+    return te.compute((batch, (hp - 2) // TILE, ALPHA, ALPHA, (wp - 2) // TILE, chans), f, name=name)
+
+
+def output_transform(s: te.Tensor, name: str) -> te.Tensor:
+    """``Y[n, y, x, o] = (Aᵀ S A)[y % 2, x % 2]`` of the transform-domain sums ``S`` (n, th, e, u, tw, o)
+    of the tile holding ``(y, x)``: the NHWC output."""
+    batch, n_h, _, _, n_w, out_c = s.shape
+
+    def f(n, y, xx, o):
+        th, i, tw, j = y // TILE, y % TILE, xx // TILE, xx % TILE
+        return _select(i, j, _bilinear(WINO_AT, WINO_AT, lambda e, u: s[n, th, e, u, tw, o]))
+
+    return te.compute((batch, n_h * TILE, n_w * TILE, out_c), f, name=name)
+
+
 def winograd_conv(ctx: EmitContext, layer: PlannedLayer, x: RelaxActivation, epilogue_stage: Any) -> list:
     """Emit the Winograd PFP conv of ``layer`` (see the module docstring); returns its output
     tensors (mean, second) for ``activation_out``.  ``epilogue_stage``: the direct conv kernel's
@@ -173,36 +240,15 @@ def winograd_conv(ctx: EmitContext, layer: PlannedLayer, x: RelaxActivation, epi
     module does not import ``compute`` (which imports it)."""
     t = layer.tensors
     out_c, out_h, out_w = layer.layer.out_shape
-    n_h, n_w = out_h // TILE, out_w // TILE
     w_mean, w_var = t["weight_mean"], t["weight_var"]
     weights = [ctx.const(filter_transform(w)) for w in (w_mean, w_mean**2, w_var)]
     bias_args = [ctx.const(t[k]) for k in ("bias_mean", "bias_var") if k in t]
 
     def fn(xm: te.Tensor, xv: te.Tensor, um: te.Tensor, um2: te.Tensor, uv: te.Tensor,
            *bias: te.Tensor) -> list[te.Tensor]:
-        batch, chans, h, w = xm.shape
-
-        def pad(value: Any) -> Any:
-            def f(n, y, xx, c):
-                inside = tirx.all(y >= 1, y <= h, xx >= 1, xx <= w)
-                return tirx.if_then_else(inside, value(n, c, y - 1, xx - 1), tirx.const(0.0, F32))
-            return f
-
-        pad_shape = (batch, h + 2, w + 2, chans)
-        pm = te.compute(pad_shape, pad(lambda *i: xm[i]), name="wino_pad_m")
-        pv = te.compute(pad_shape, pad(lambda *i: xv[i]), name="wino_pad_v")
-
-        def transform(value: Any) -> Any:
-            def f(n, th, e, u, tw, c):
-                out = None
-                for a, coef_a in _row_terms(WINO_BT, e):
-                    for b, coef_b in _row_terms(WINO_BT, u):
-                        term = value((n, th * TILE + a, tw * TILE + b, c)) * (coef_a * coef_b)
-                        out = term if out is None else out + term
-                return out
-            return f
-
-        d = [te.compute((batch, n_h, ALPHA, ALPHA, n_w, chans), transform(value), name=f"wino_in_{k}")
+        batch, chans = xm.shape[:2]
+        pm, pv = pad_nhwc(xm, "wino_pad_m"), pad_nhwc(xv, "wino_pad_v")
+        d = [input_transform(value, pm, f"wino_in_{k}")
              for value, k in ((lambda i: pm[i], "m"), (lambda i: pv[i], "v"),
                               (lambda i: pm[i] * pm[i] + pv[i], "s"))]
         rc = te.reduce_axis((0, int(chans)), name="rc")
@@ -211,21 +257,63 @@ def winograd_conv(ctx: EmitContext, layer: PlannedLayer, x: RelaxActivation, epi
             dm, dv, ds = (p[n, th, e, u, tw, rc] for p in d)
             return pair_sum((dm * um[e, u, rc, o], ds * uv[e, u, rc, o] + dv * um2[e, u, rc, o]), axis=rc)
 
-        acc = te.compute((batch, n_h, ALPHA, ALPHA, n_w, out_c), gemm, name="wino_gemm")
-
-        def out_transform(s: te.Tensor) -> Any:
-            def f(n, y, xx, o):
-                th, i, tw, j = y // TILE, y % TILE, xx // TILE, xx % TILE
-                return _select(i, j, _bilinear(WINO_AT, WINO_AT, lambda e, u: s[n, th, e, u, tw, o]))
-            return f
-
-        y = [te.compute((batch, out_h, out_w, out_c), out_transform(s), name=f"wino_out_{k}")
-             for s, k in zip(acc, "mv")]
+        acc = te.compute((*d[0].shape[:5], out_c), gemm, name="wino_gemm")
+        y = [output_transform(s, f"wino_out_{k}") for s, k in zip(acc, "mv")]
         return epilogue_stage(y[0], y[1], list(bias), 1, layer, shape=(batch, out_c, out_h, out_w),
                                activation=ctx.activation, index=lambda n, o, i, j: (n, i, j, o))
 
     return ctx.emit_te(fn, x.tensors() + weights + bias_args, layer)
 
+
+# ------------------------------------------------------------------------------------ per-input weights
+def weight_transform(w: te.Tensor, name: str) -> te.Tensor:
+    """``U[b, e, u, c, o] = (G·w[b, c, :, :, o]·Gᵀ)[e, u]`` of per-input 3x3 filters ``w``
+    (B, C, 3, 3, O) -- the run-time filter transform of a convolution whose weights differ per input
+    (the shared-factor profile convolution, ``correlation.py``): two separable stages, ``G`` over
+    the kernel rows (``{name}_rows``, (B, α, 3, C, O)) then over the columns, each output a sum of
+    at most 3 terms chosen per row by :func:`_row_terms` (``O·C·(12 + 16)·3`` multiply-adds per
+    input, against ``O·C·16·P/4`` for the GEMM over ``P`` output positions)."""
+    batch, chans, kh, kw, out_c = w.shape
+
+    def rows(b, e, j, c, o):
+        out = None
+        for i, coef in _row_terms(WINO_G, e):
+            term = w[b, c, i, j, o] * coef
+            out = term if out is None else out + term
+        return out
+
+    h = te.compute((batch, ALPHA, kw, chans, out_c), rows, name=f"{name}_rows")
+
+    def cols(b, e, u, c, o):
+        out = None
+        for j, coef in _row_terms(WINO_G, u):
+            term = h[b, e, j, c, o] * coef
+            out = term if out is None else out + term
+        return out
+
+    return te.compute((batch, ALPHA, ALPHA, chans, out_c), cols, name=name)
+
+
+def winograd_correlation(pairs: list[tuple[te.Tensor, te.Tensor]]) -> te.Tensor:
+    """``Y[b, y, x, o] = Σ_k Σ_{c,i,j} w_k[b, c, i, j, o]·x_k[b, c, y + i − 1, x + j − 1]`` (3x3,
+    padding 1, stride 1; NHWC) of inputs ``x_k`` (B, C, H, W) with per-input filters given by their
+    transforms ``U_k`` (B, α, α, C, O) (:func:`weight_transform`), for ``pairs = [(x_k, U_k)]``:
+    blocks ``wino_pad_k``, ``wino_in_k``, one GEMM ``wino_gemm`` summing every pair over ``c``,
+    ``wino_out_s`` (scheduled by :func:`schedule_winograd`; the caller adds the ``epilogue``)."""
+    padded = [pad_nhwc(x, f"wino_pad_{k}") for k, (x, _) in enumerate(pairs)]
+    d = [input_transform(lambda i, p=p: p[i], p, f"wino_in_{k}") for k, p in enumerate(padded)]
+    weights = [u for _, u in pairs]
+    rc = te.reduce_axis((0, int(pairs[0][0].shape[1])), name="rc")
+
+    def gemm(n, th, e, u, tw, o):
+        total = None
+        for dk, uk in zip(d, weights):
+            term = dk[n, th, e, u, tw, rc] * uk[n, e, u, rc, o]
+            total = term if total is None else total + term
+        return te.sum(total, axis=rc)
+
+    acc = te.compute((*d[0].shape[:5], weights[0].shape[4]), gemm, name="wino_gemm")
+    return output_transform(acc, "wino_out_s")
 
 
 def _loops_below(sch: s_tir.Schedule, block: Any, loop: Any) -> list:
@@ -241,8 +329,15 @@ WINO_MIN_TILES = 32
 position ``(e, u)`` (``3·C·O`` floats) are reused by every tile of the chunk."""
 
 
+def _blocks(sch: s_tir.Schedule, prefix: str) -> list:
+    """The blocks of the function whose names start with ``prefix``, in order."""
+    return [b for b in sch.get_child_blocks(sch.get_sblock("root")) if sch.get(b).name_hint.startswith(prefix)]
+
+
 def schedule_winograd(sch: s_tir.Schedule, target: tvm.target.Target) -> None:
-    """Schedule of :func:`winograd_conv`'s PrimFunc (called by ``compute.schedule_conv2d``).
+    """Schedule of a Winograd PrimFunc -- :func:`winograd_conv`'s or the shared-factor profile
+    convolution's (:func:`winograd_correlation`; called by ``compute.schedule_conv2d``): blocks
+    ``wino_pad_*``, ``wino_in_*``, ``wino_gemm`` (one or two sums), ``wino_out_*``, ``epilogue*``.
 
     The parallel loop runs over batch x chunks of whole tile rows (at least
     :data:`WINO_MIN_TILES` tiles); per chunk, in thread-private buffers: the padded NHWC input
@@ -250,20 +345,22 @@ def schedule_winograd(sch: s_tir.Schedule, target: tvm.target.Target) -> None:
     (``wino_in_*``, vectorised over input channels; the position loops stay rolled, each position
     a sum of 4 loads at offsets and with coefficients chosen per position, see
     :func:`_row_terms`), the GEMM -- for each
-    position, a register tile of tiles x output-channel vectors (mean and variance accumulators)
-    over ``rc`` -- the output transforms (vectorised over output channels, the 2x2 output
-    positions unrolled) and the NCHW epilogue.
+    position, a register tile of tiles x output-channel vectors (one accumulator per sum of the
+    block) over ``rc`` -- the output transforms (vectorised over output channels, the 2x2 output
+    positions unrolled) and the NCHW epilogue.  (The per-input weights of the profile convolution
+    have a batch index: the parallel loop runs over it, so each chunk reads its input's weights.)
     """
     lanes = simd_lanes(target)
     budget = register_budget(lanes)
     gemm = sch.get_sblock("wino_gemm")
+    n_acc = len(sch.get(gemm).writes)
     _, th, _, _, tw, o, _ = sch.get_loops(gemm)
     n_h, n_w, n_o = static_extent(sch, th), static_extent(sch, tw), static_extent(sch, o)
     rows = next(g for g in range(1, n_h + 1) if n_h % g == 0 and (g * n_w >= WINO_MIN_TILES or g == n_h))
     # the parallel loop: batch x chunks of output rows of the epilogue (the function's outputs);
     # every other stage is computed at it (their consumers' reads are not simple enough for
     # reverse_compute_at: the output transform reads the GEMM at constant positions)
-    epilogue = [b for b in sch.get_child_blocks(sch.get_sblock("root")) if sch.get(b).name_hint.startswith("epilogue")]
+    epilogue = _blocks(sch, "epilogue")
     n, eo, ey, ex = sch.get_loops(epilogue[0])
     yo, yi = sch.split(ey, [None, rows * TILE])
     sch.reorder(n, yo, eo, yi, ex)
@@ -271,15 +368,14 @@ def schedule_winograd(sch: s_tir.Schedule, target: tvm.target.Target) -> None:
     sch.parallel(par)
     for blk in epilogue:
         vectorize_inner(sch, blk, lanes, below=par)
-    outs = [sch.get_sblock(f"wino_out_{k}") for k in "mv"]
+    outs = _blocks(sch, "wino_out_")
     for blk in outs:
         sch.compute_at(blk, par)
     sch.compute_at(gemm, par)
-    ins = [sch.get_sblock(f"wino_in_{k}") for k in "mvs"]
+    ins = _blocks(sch, "wino_in_")
     for blk in ins:
         sch.compute_at(blk, par)
-    for k in "mv":
-        pad = sch.get_sblock(f"wino_pad_{k}")
+    for pad in _blocks(sch, "wino_pad_"):
         sch.compute_at(pad, par)
         *_, lc = sch.get_loops(pad)
         c_vec = pow2_divisor(static_extent(sch, lc), lanes)
@@ -287,12 +383,12 @@ def schedule_winograd(sch: s_tir.Schedule, target: tvm.target.Target) -> None:
             _, cv = sch.split(lc, [None, c_vec])
             sch.vectorize(cv)
     # GEMM: per position (e, u) and output-channel block, a register tile (tiles x channel
-    # vectors, mean + variance accumulators) over rc
+    # vectors, n_acc accumulators each) over rc
     *_, e, u, tw, o, rc = sch.get_loops(gemm)
     vec = pow2_divisor(n_o, lanes)
     om = divisor_at_most(n_o // vec, 2)
     oo, omm, ov = sch.split(o, [None, om, vec])
-    twi = divisor_at_most(n_w, max(1, budget // (2 * om)))
+    twi = divisor_at_most(n_w, max(1, budget // (n_acc * om)))
     two, twii = sch.split(tw, [None, twi])
     inner = _loops_below(sch, gemm, par)
     thi = inner[0] if len(inner) == 10 else None  # a chunk of one tile row has no row loop
@@ -321,3 +417,31 @@ def schedule_winograd(sch: s_tir.Schedule, target: tvm.target.Target) -> None:
         if o_vec > 1:
             sch.vectorize(o_v)
     sch.decompose_reduction(gemm, rc)
+
+
+def schedule_weight_transforms(sch: s_tir.Schedule, lanes: int) -> list[str]:
+    """Schedule the :func:`weight_transform` blocks of a function (the shared-factor
+    ``sf_conv_weights`` kernel; called by ``correlation.schedule_shared``): per transform, one
+    parallel loop over (input, input channel), under which the per-input weights of that channel
+    (the transform's producer, (KH, KW, O)), their row transforms (α, KW, O) and the transforms
+    (α, α, O) are computed in thread-private buffers, each vectorised over ``o``.  Returns the
+    names of the blocks scheduled (every block of those nests)."""
+    done: list[str] = []
+    for blk in _blocks(sch, "wino_w"):
+        name = sch.get(blk).name_hint
+        if name.endswith("_rows"):
+            continue
+        rows = sch.get_sblock(f"{name}_rows")
+        sources = list(sch.get_producers(rows))  # none if the weights are an input
+        b, e, u, c, o = sch.get_loops(blk)
+        sch.reorder(b, c, e, u, o)
+        par = sch.fuse(b, c)
+        sch.parallel(par)
+        vectorize_inner(sch, blk, lanes, below=par)
+        sch.compute_at(rows, par)
+        vectorize_inner(sch, rows, lanes, below=par)
+        for source in sources:
+            sch.compute_at(source, par)
+            vectorize_inner(sch, source, lanes, below=par)
+        done += [name, f"{name}_rows", *(sch.get(source).name_hint for source in sources)]
+    return done
