@@ -38,11 +38,14 @@ are float32 TE expressions of the same formulas:
   profile); reshape/convert: views.  The elementwise rules (relu, add, scale) index the
   ``(B, C, H, W)`` edges directly (rows = channels), so no reshape is emitted around them.
 
-One kernel per rule (three per conv layer, two of them the weights and the profile convolution);
-numbers measured before the Winograd profile convolution was merged:
+One kernel per rule (three per conv layer, two of them the weights and the profile convolution):
 ResNet-20 (static batch) calls 162 kernels per input instead of 299 (and 165 ``call_tir`` instead of
-445 with the reshapes).  Measured with ``PYTHONPATH=. .venv/bin/python benchmarks/kernel_profile.py
---net resnet20 --batch {10,1} --threads 1 --static --kernels`` (two runs each, alternated with the
+445 with the reshapes).  With the Winograd profile convolution, one run each of ``kernel_profile.py
+--net resnet20 --batch {10,1} --threads 1 --static --kernels`` against the previous kernels: batch
+10 30.6 → 25.2 ms per call, batch 1 4.21 → 3.07 ms (``(vm overhead)`` 1.44 → 0.72 ms);
+``compile_time.py --repeats 1`` ResNet-20 16.3 → 15.5 CPU s.  Before it was merged, with
+``PYTHONPATH=. .venv/bin/python benchmarks/kernel_profile.py --net resnet20 --batch {10,1}
+--threads 1 --static --kernels`` (two runs each, alternated with the
 previous kernels -- sf_conv_pool/load/beta, sf_norm, sf_relu_terms/load/profile, sf_add_load/profile,
 sf_clip -- on a loaded 2-core machine): batch 10 38.6 → 33.0-34.1 ms per call (pooling + loading +
 β of the conv rule 5.8-6.0 → 2.0 ms, sf_gram 1.1 → 0.48 ms; the ReLU rule 2.1 → 2.2-2.3 ms, erf-bound and
