@@ -435,12 +435,6 @@ class SharedStep(FixedKStep):
         wino = winograd_shape(layer)  # the profile convolution by Winograd F(2x2, 3x3) (winograd.py)
         bias_var = ctx.const(t["bias_var"] if "bias_var" in t else np.zeros(o))
 
-        def tap(src: te.Tensor, b: Any, ch: Any, y: Any, x_: Any, i: Any, j: Any) -> Any:
-            yy, xx = y * sy + i * dy - py, x_ * sx + j * dx - px
-            inside = tirx.all(yy >= 0, yy < h, xx >= 0, xx < w)
-            return tirx.Select(inside, src[b, ch, te.min(te.max(yy, 0), h - 1), te.min(te.max(xx, 0), w - 1)],
-                               _c(0.0))
-
         # the output columns ``ox*sx + j*dx - px`` of kernel column ``j`` that fall inside the
         # input, weighted 1/(oh*ow): the column half of the pooling as a (KW, W) product
         col_weights = np.zeros((kw, w))

@@ -61,7 +61,9 @@ best of 3-4 runs), per ``sf_conv_profile`` call: 16->16 32x32 0.89 -> 0.39 ms, 3
 """
 from __future__ import annotations
 
-from collections.abc import Iterator
+import functools
+import operator
+from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
 from typing import Any
 
@@ -169,6 +171,11 @@ def _row_terms(mat: np.ndarray, row: Any) -> list[tuple[Any, Any]]:
     return terms
 
 
+def _sum(terms: Iterable[Any]) -> Any:
+    """``((t0 + t1) + t2) + …`` of a non-empty sequence of TIR expressions (left to right)."""
+    return functools.reduce(operator.add, terms)
+
+
 def _bilinear(mat_l: np.ndarray, mat_r: np.ndarray, load: Any) -> dict[tuple[int, int], Any]:
     """``{(e, u): Σ_ab mat_l[e, a]·mat_r[u, b]·load(a, b)}`` with the zero terms left out and unit
     coefficients not multiplied."""
@@ -211,12 +218,8 @@ def input_transform(value: Any, like: te.Tensor, name: str) -> te.Tensor:
     batch, hp, wp, chans = like.shape
 
     def f(n, th, e, u, tw, c):
-        out = None
-        for a, coef_a in _row_terms(WINO_BT, e):
-            for b, coef_b in _row_terms(WINO_BT, u):
-                term = value((n, th * TILE + a, tw * TILE + b, c)) * (coef_a * coef_b)
-                out = term if out is None else out + term
-        return out
+        return _sum(value((n, th * TILE + a, tw * TILE + b, c)) * (coef_a * coef_b)
+                    for a, coef_a in _row_terms(WINO_BT, e) for b, coef_b in _row_terms(WINO_BT, u))
 
     return te.compute((batch, (hp - 2) // TILE, ALPHA, ALPHA, (wp - 2) // TILE, chans), f, name=name)
 
@@ -275,23 +278,10 @@ def weight_transform(w: te.Tensor, name: str) -> te.Tensor:
     input, against ``O·C·16·P/4`` for the GEMM over ``P`` output positions)."""
     batch, chans, kh, kw, out_c = w.shape
 
-    def rows(b, e, j, c, o):
-        out = None
-        for i, coef in _row_terms(WINO_G, e):
-            term = w[b, c, i, j, o] * coef
-            out = term if out is None else out + term
-        return out
-
-    h = te.compute((batch, ALPHA, kw, chans, out_c), rows, name=f"{name}_rows")
-
-    def cols(b, e, u, c, o):
-        out = None
-        for j, coef in _row_terms(WINO_G, u):
-            term = h[b, e, j, c, o] * coef
-            out = term if out is None else out + term
-        return out
-
-    return te.compute((batch, ALPHA, ALPHA, chans, out_c), cols, name=name)
+    h = te.compute((batch, ALPHA, kw, chans, out_c), lambda b, e, j, c, o: _sum(
+        w[b, c, i, j, o] * coef for i, coef in _row_terms(WINO_G, e)), name=f"{name}_rows")
+    return te.compute((batch, ALPHA, ALPHA, chans, out_c), lambda b, e, u, c, o: _sum(
+        h[b, e, j, c, o] * coef for j, coef in _row_terms(WINO_G, u)), name=name)
 
 
 def winograd_correlation(pairs: list[tuple[te.Tensor, te.Tensor]]) -> te.Tensor:
@@ -306,11 +296,7 @@ def winograd_correlation(pairs: list[tuple[te.Tensor, te.Tensor]]) -> te.Tensor:
     rc = te.reduce_axis((0, int(pairs[0][0].shape[1])), name="rc")
 
     def gemm(n, th, e, u, tw, o):
-        total = None
-        for dk, uk in zip(d, weights):
-            term = dk[n, th, e, u, tw, rc] * uk[n, e, u, rc, o]
-            total = term if total is None else total + term
-        return te.sum(total, axis=rc)
+        return te.sum(_sum(dk[n, th, e, u, tw, rc] * uk[n, e, u, rc, o] for dk, uk in zip(d, weights)), axis=rc)
 
     acc = te.compute((*d[0].shape[:5], weights[0].shape[4]), gemm, name="wino_gemm")
     return output_transform(acc, "wino_out_s")
