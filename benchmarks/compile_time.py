@@ -25,9 +25,9 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 TARGETS = {"lenet": 2.0, "resnet20": 5.0, "resnet20 (mf)": 5.0}
 
 
-def networks():
+def networks(only: str | None = None):
     """(name, PFPNetwork) of the benchmark's nets, with untrained posteriors (the compile time does not
-    depend on the weights' values)."""
+    depend on the weights' values); ``only``: just the net of that name (the others not converted)."""
     import pyro
     import torch
     from latency import build_models, build_resnet  # type: ignore[import-not-found]
@@ -36,16 +36,21 @@ def networks():
     from pyro2pfp_experiments.zoo import he_posterior
 
     for name in ("mlp", "lenet"):
+        if only not in (None, name):
+            continue
         pyro.clear_param_store()
         model, guide, _, shape = build_models(name)
         guide(torch.zeros(2, *shape), torch.zeros(2, dtype=torch.long))  # initialise its parameters
         yield name, pyro2pfp.convert(model, guide, input_shape=shape)
     for name in ("resnet8", "resnet20"):
+        variants = {f"{name} (mf)": "mean-field", name: "shared-factor"}  # "auto" picks shared-factor here
+        variants = {k: v for k, v in variants.items() if only in (None, k)}
+        if not variants:
+            continue
         model, _, _, shape = build_resnet(name)
         guide = he_posterior(model, torch.zeros(2, *shape))
-        for correlation in ("mean-field", "shared-factor"):  # "auto" picks shared-factor for these nets
-            suffix = "" if correlation == "shared-factor" else " (mf)"
-            yield name + suffix, pyro2pfp.convert(model, guide, input_shape=shape, correlation=correlation)
+        for label, correlation in variants.items():
+            yield label, pyro2pfp.convert(model, guide, input_shape=shape, correlation=correlation)
 
 
 def per_op(net_name: str) -> None:
@@ -60,7 +65,7 @@ def per_op(net_name: str) -> None:
     from pyro2pfp.tvm_backend.schedules import schedule_module
     from pyro2pfp.tvm_backend.sharing import share_identical_kernels
 
-    net = next((net for name, net in networks() if name == net_name), None)
+    net = next((net for _, net in networks(only=net_name)), None)
     if net is None:
         raise SystemExit(f"--per-op: no net {net_name!r} (mlp, lenet, resnet8, resnet20, and '<resnet> (mf)')")
     target = resolve_target("native")
