@@ -342,3 +342,32 @@ def test_elementwise_kernel_on_a_flat_view_where_that_widens_the_vector():
     x = np.random.default_rng(5).standard_normal((3, *graph.input_shape)).astype(np.float32)
     for got, want in zip(net.compile("native")(x), net.reference(x)):
         np.testing.assert_allclose(got, want, rtol=0, atol=2e-5 * np.abs(want).max())
+
+
+@pytest.mark.parametrize("builder", [lenet_graph, mlp_graph])
+def test_small_static_kernels_run_serially(builder, monkeypatch):
+    """In a static-batch module the kernels under ``SERIAL_WORK`` operations lose their parallel
+    loops (and only those); the module still matches the reference; any-batch kernels stay parallel."""
+    from pyro2pfp.tuning.specialize import specialize_batch
+
+    rng = np.random.default_rng(0)
+    graph = builder(rng) if builder is lenet_graph else builder(rng, [784, 100, 10])
+    planned = plan(graph)
+    mod = emit_module(planned, fuse=False)
+    static = specialize_batch(mod, 7)
+    flops = {name: schedules.kernel_work(f) for name, f in prim_funcs(static).items()}
+    assert len(set(flops.values())) > 1, flops
+    monkeypatch.setattr(schedules, "SERIAL_WORK", float(np.median(list(flops.values()))) + 0.5)
+    scheduled = schedule_module(static, planned, TARGETS["native"])
+    for name, func in prim_funcs(scheduled).items():
+        assert ("T.parallel" in func.script()) == (flops[name] >= schedules.SERIAL_WORK), (name, flops[name])
+    for name, func in prim_funcs(schedule_module(mod, planned, TARGETS["native"])).items():
+        assert "T.parallel" in func.script(), name  # symbolic batch: work unknown at compile time
+    x = np.random.default_rng(3).standard_normal((7, *graph.input_shape)).astype(np.float32)
+    serial = compile_vm(scheduled, TARGETS["native"])["main"](tvm.runtime.tensor(x))
+    monkeypatch.setattr(schedules, "SERIAL_WORK", 0.0)
+    parallel = compile_vm(schedule_module(static, planned, TARGETS["native"]), TARGETS["native"])["main"](
+        tvm.runtime.tensor(x))
+    for got, want, ref in zip(serial, parallel, execute(planned, x)):
+        np.testing.assert_array_equal(got.numpy(), want.numpy())  # the same arithmetic, on one thread
+        np.testing.assert_allclose(got.numpy(), ref, rtol=0, atol=1e-4 * np.abs(ref).max())
