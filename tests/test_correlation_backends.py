@@ -129,6 +129,19 @@ def test_every_rule_compiled_matches_the_reference(every_rule):
     assert not np.allclose(exe(x)[1], mean_field, rtol=0.05)
 
 
+def test_every_rule_compiled_matches_the_reference_without_hermite_factors():
+    """``hermite='none'``: the ReLU kernels (mean-field moments and Stein's linear response, no new
+    factor) against the reference."""
+    from pyro2pfp.correlation import plan_factors
+
+    graph = every_rule_graph(np.random.default_rng(0))
+    planned = plan(graph)
+    planned.factors = plan_factors(planned, hermite="none")
+    net = PFPNetwork(graph, planned)
+    x = np.random.default_rng(1).standard_normal((3, *graph.input_shape)).astype(np.float32)
+    assert_matches(net.compile("native")(x), net.reference(x))
+
+
 def test_every_shared_factor_primfunc_is_scheduled(every_rule):
     pool_graph = max_pool_graph(np.random.default_rng(5))
     parts = set()
@@ -223,6 +236,28 @@ def test_converted_resnet_compiles_and_exports_the_default_plan():
     assert net.plan.correlation == "shared-factor" and net.plan.factors.compact_at
     assert_matches(net.compile("native")(x.numpy()), net.reference(x.numpy()))
     assert_matches(_onnx_run(net, x.numpy()), net.reference(x.numpy()), ONNX_RTOL)
+
+
+def test_converted_resnet8_one_kernel_per_relu_matches_the_reference():
+    """The ResNet-8 of ``benchmarks/latency.py`` (16/32/64 channels, on 16x16 inputs here) with the
+    default plan (shared-factor): every ReLU is one kernel (``sf_relu``, no mean-field ``relu``
+    kernel left in the module), and the compiled net gives the reference's results."""
+    from pyro2pfp.tvm_backend._core import kernel_table
+    from pyro2pfp_experiments.zoo import bayesian_resnet, he_posterior
+
+    torch.manual_seed(0)
+    model = bayesian_resnet(blocks=1)
+    x = torch.randn(2, 3, 16, 16)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)
+        net = pyro2pfp.convert(model, he_posterior(model, x, scale=0.03, seed=0), input_shape=(3, 16, 16))
+    assert net.plan.correlation == "shared-factor"
+    relus = {p.name for p in net.plan.layers if p.op == "relu"}
+    kernels: dict[str, list[str]] = {}
+    for op, layer in kernel_table(emit_module(net.plan)).values():
+        kernels.setdefault(layer, []).append(op)
+    assert len(relus) == 7 and all(kernels[name] == ["sf_relu"] for name in relus), kernels
+    assert_matches(net.compile("native")(x.numpy()), net.reference(x.numpy()))
 
 
 def test_tuned_shared_factor_resnet_matches_the_reference(tmp_path, monkeypatch):
