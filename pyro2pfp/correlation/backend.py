@@ -7,6 +7,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from ..errors import PFPError
 from ..graph import INPUT, Repr
 from ..plan import PlannedGraph, PlannedLayer
 from .factors import TERMINAL_OPS, fixed_k_plan
@@ -48,7 +49,7 @@ class FixedKStep:
         sh = None
         if out is None:  # emits_mean_field(layer): the rule's kernel computes the mean-field outputs too
             if not self.emits_mean_field(layer):
-                raise ValueError(f"{layer.layer.source}: {self.what} needs the mean-field outputs of layer "
+                raise PFPError(f"{layer.layer.source}: {self.what} needs the mean-field outputs of layer "
                                  f"'{layer.name}' (op '{op}')")
             sh, out = self.relu_with_moments(ctx, layer, inputs[0], shs[0])
         elif out.repr is Repr.DETERMINISTIC or op in TERMINAL_OPS:

@@ -5,7 +5,8 @@ after each, the kernels of its shared-factor rule (:class:`SharedStep`, called b
 ``_core.emit_module``), which carry the profile ``s`` (B, *edge shape) and the loadings ``g``
 (B, rows, K) beside ``(μ, v)`` and replace ``v`` where the rule corrects it (dense, add, average
 pooling) -- except a ReLU with a shared input, whose one kernel ``sf_relu`` computes its mean-field
-outputs too (``SharedStep.emits_mean_field``: the emitter emits no ``relu`` kernel for it).  The rules and their sources are those of :mod:`pyro2pfp.correlation.rules`; here they
+outputs too (``SharedStep.emits_mean_field``: the emitter emits no ``relu`` kernel for it).  The
+rules and their sources are those of :mod:`pyro2pfp.correlation.rules`; here they
 are float32 TE expressions of the same formulas:
 
 * every loading ``ℓ`` is normalised (``‖ℓ‖`` and ``g = ℓ/‖ℓ‖``, 0 where ``ℓ = 0``:
@@ -35,21 +36,27 @@ are float32 TE expressions of the same formulas:
   :func:`~.activation.activation_moments`, bitwise the mean-field kernel's outputs), Stein's ``lin``,
   the Hermite ``h``, their channel means, the loading, ``g`` and the profile, with ``σ``, ``α``,
   ``Φ(α)`` and ``φ(α)`` bound once per element for the moments and Stein's terms
-  (:func:`~pyro2pfp.moments.gaussian_terms` under ``te_shared(reuse=True)``: one ``erf`` and one ``exp``
-  in the let chain; each output's block carries its own copy of that identical chain).  It replaced the mean-field ``relu`` kernel
-  followed by ``sf_relu``, which recomputed ``σ``, ``α``, ``Φ`` and ``φ`` and read the ``relu``
-  kernel's variance: RESULTS_PLACEHOLDER; affine/scale: ``sf_scale``; add: ``sf_add`` (the branch covariance, the
-  loading, ``g``, the corrected variance and the profile); average pooling: ``sf_avgpool``; max
+  (:func:`~pyro2pfp.moments.gaussian_terms` under ``te_shared(reuse=True)``: one ``erf`` and one
+  ``exp`` in the let chain; each output's block carries its own copy of that identical chain).  It
+  replaced the mean-field ``relu`` kernel followed by ``sf_relu``, which recomputed ``σ``, ``α``,
+  ``Φ`` and ``φ`` and read the ``relu`` kernel's variance.  ``kernel_profile.py --net resnet20
+  --batch {10,1} --static --threads 1``, three runs each, alternated on a loaded 2-core machine:
+  batch 10 relu + sf_relu 3.68, 9.87 (a disturbed run), 3.61 ms -> sf_relu 2.52, 2.44, 2.52 ms, the
+  call 25.1, 48.6, 25.7 -> 25.0, 23.6, 24.2 ms; batch 1 0.65, 0.36, 0.35 -> 0.23, 0.25, 0.25 ms, the
+  call 2.95, 3.20, 2.88 -> 2.60, 2.47, 2.86 ms (19 kernel calls fewer, 162 -> 143);
+* affine/scale: ``sf_scale``; add: ``sf_add`` (the branch covariance, the loading, ``g``, the
+  corrected variance and the profile); average pooling: ``sf_avgpool``; max
   pooling: ``sf_maxpool`` (Clark's fold with the profile's linear response, a sequential TE
   reduction); dense: ``sf_dense_load`` (the loading, ``g``, the corrected variance and the clipped
   profile); reshape/convert: views.  The elementwise rules (relu, add, scale) index the
   ``(B, C, H, W)`` edges directly (rows = channels), so no reshape is emitted around them.
 
 One kernel per rule (three per conv layer, two of them the weights and the profile convolution; a
-ReLU's rule and its mean-field moments are one kernel): ResNet-20 (static batch) calls 143 kernels per
-input (162 with a separate mean-field ReLU kernel, 299 before the rules' kernels were fused; and 146
-``call_tir`` instead of 165 and 445 with the reshapes).  With the Winograd profile convolution, one run each of ``kernel_profile.py
---net resnet20 --batch {10,1} --threads 1 --static --kernels`` against the previous kernels: batch
+ReLU's rule and its mean-field moments are one kernel): ResNet-20 (static batch) calls 143 kernels
+per input (162 with a separate mean-field ReLU kernel, 299 before the rules' kernels were fused; and
+146 ``call_tir`` instead of 165 and 445 with the reshapes).  With the Winograd profile convolution,
+one run each of ``kernel_profile.py --net resnet20 --batch {10,1} --threads 1 --static --kernels``
+against the previous kernels: batch
 10 30.6 → 25.2 ms per call, batch 1 4.21 → 3.07 ms (``(vm overhead)`` 1.44 → 0.72 ms);
 ``compile_time.py --repeats 1`` ResNet-20 16.3 → 15.5 CPU s.  Before it was merged, with
 ``PYTHONPATH=. .venv/bin/python benchmarks/kernel_profile.py --net resnet20 --batch {10,1}
