@@ -43,7 +43,9 @@ are float32 TE expressions of the same formulas:
   --batch {10,1} --static --threads 1``, three runs each, alternated on a loaded 2-core machine:
   batch 10 relu + sf_relu 3.68, 9.87 (a disturbed run), 3.61 ms -> sf_relu 2.52, 2.44, 2.52 ms, the
   call 25.1, 48.6, 25.7 -> 25.0, 23.6, 24.2 ms; batch 1 0.65, 0.36, 0.35 -> 0.23, 0.25, 0.25 ms, the
-  call 2.95, 3.20, 2.88 -> 2.60, 2.47, 2.86 ms (19 kernel calls fewer, 162 -> 143);
+  call 2.95, 3.20, 2.88 -> 2.60, 2.47, 2.86 ms (19 kernel calls fewer, 162 -> 143).  Compile time:
+  ``compile_time.py --repeats 1`` ResNet-20 15.8, 14.9 -> 16.5, 15.7 CPU s (two runs each);
+  ``compile_time.py --per-op resnet20`` relu + sf_relu 0.11 + 0.61 -> sf_relu 0.79 CPU s of LLVM;
 * affine/scale: ``sf_scale``; add: ``sf_add`` (the branch covariance, the loading, ``g``, the
   corrected variance and the profile); average pooling: ``sf_avgpool``; max
   pooling: ``sf_maxpool`` (Clark's fold with the profile's linear response, a sequential TE
