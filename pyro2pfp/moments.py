@@ -89,13 +89,21 @@ def _g(alpha: Any, cdf: Any, cdf_neg: Any, pdf: Any) -> Any:
     return alpha * alpha * cdf * cdf_neg + alpha * pdf * (cdf_neg - cdf) - pdf * pdf
 
 
+def gaussian_terms(mean: Any, var: Any, ops: Any = NUMPY) -> tuple[Any, Any, Any, Any, Any]:
+    """``(σ, α, Φ(α), Φ(−α), φ(α))`` of ``a ~ N(mean, var)``: ``σ = √var``, ``α = mean/σ`` clamped to
+    ``±ALPHA_MAX`` (its ``σ → 0`` limit where ``σ = 0``).  The terms of the ReLU and leaky ReLU
+    moments; the TVM back end's shared-factor ReLU kernel evaluates them once for those moments and
+    for Stein's lemma (``tvm_backend/ops/correlation.py``)."""
+    sigma = ops.sqrt(var)
+    return (sigma, *_std_normal_terms(_standardise(mean, sigma, ops), ops))
+
+
 def relu_moments(mean: Any, var: Any, ops: Any = NUMPY) -> tuple[Any, Any]:
     """Mean and variance of ``max(0, a)`` for ``a ~ N(mean, var)`` (exact moments).
 
     ``μ = μa·Φ(α) + σ·φ(α)`` and ``v = va·(Φ(α) + g(α))`` with ``α = μa/σ``.
     """
-    sigma = ops.sqrt(var)
-    alpha, cdf, cdf_neg, pdf = _std_normal_terms(_standardise(mean, sigma, ops), ops)
+    sigma, alpha, cdf, cdf_neg, pdf = gaussian_terms(mean, var, ops)
     out_mean = mean * cdf + sigma * pdf
     out_var = ops.maximum(var * (cdf + _g(alpha, cdf, cdf_neg, pdf)), ops.const(0.0))
     return out_mean, out_var
@@ -108,8 +116,7 @@ def leaky_relu_moments(mean: Any, var: Any, slope: float, ops: Any = NUMPY) -> t
     ``Cov(a, r) = var·Φ(α)``: ``μ = s·μa + (1−s)·μr``,
     ``v = s²·va + (1−s)²·vr + 2s(1−s)·va·Φ(α)``.
     """
-    sigma = ops.sqrt(var)
-    alpha, cdf, cdf_neg, pdf = _std_normal_terms(_standardise(mean, sigma, ops), ops)
+    sigma, alpha, cdf, cdf_neg, pdf = gaussian_terms(mean, var, ops)
     relu_mean = mean * cdf + sigma * pdf
     relu_var = var * (cdf + _g(alpha, cdf, cdf_neg, pdf))
     s, t = ops.const(slope), ops.const(1.0 - slope)

@@ -129,6 +129,19 @@ def test_every_rule_compiled_matches_the_reference(every_rule):
     assert not np.allclose(exe(x)[1], mean_field, rtol=0.05)
 
 
+def test_every_rule_compiled_matches_the_reference_without_hermite_factors():
+    """``hermite='none'``: the ReLU kernels (mean-field moments and Stein's linear response, no new
+    factor) against the reference."""
+    from pyro2pfp.correlation import plan_factors
+
+    graph = every_rule_graph(np.random.default_rng(0))
+    planned = plan(graph)
+    planned.factors = plan_factors(planned, hermite="none")
+    net = PFPNetwork(graph, planned)
+    x = np.random.default_rng(1).standard_normal((3, *graph.input_shape)).astype(np.float32)
+    assert_matches(net.compile("native")(x), net.reference(x))
+
+
 def test_every_shared_factor_primfunc_is_scheduled(every_rule):
     pool_graph = max_pool_graph(np.random.default_rng(5))
     parts = set()
@@ -223,6 +236,28 @@ def test_converted_resnet_compiles_and_exports_the_default_plan():
     assert net.plan.correlation == "shared-factor" and net.plan.factors.compact_at
     assert_matches(net.compile("native")(x.numpy()), net.reference(x.numpy()))
     assert_matches(_onnx_run(net, x.numpy()), net.reference(x.numpy()), ONNX_RTOL)
+
+
+def test_converted_resnet8_one_kernel_per_relu_matches_the_reference():
+    """The ResNet-8 of ``benchmarks/latency.py`` (16/32/64 channels, on 16x16 inputs here) with the
+    default plan (shared-factor): every ReLU is one kernel (``sf_relu``, no mean-field ``relu``
+    kernel left in the module), and the compiled net gives the reference's results."""
+    from pyro2pfp.tvm_backend._core import kernel_table
+    from pyro2pfp_experiments.zoo import bayesian_resnet, he_posterior
+
+    torch.manual_seed(0)
+    model = bayesian_resnet(blocks=1)
+    x = torch.randn(2, 3, 16, 16)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)
+        net = pyro2pfp.convert(model, he_posterior(model, x, scale=0.03, seed=0), input_shape=(3, 16, 16))
+    assert net.plan.correlation == "shared-factor"
+    relus = {p.name for p in net.plan.layers if p.op == "relu"}
+    kernels: dict[str, list[str]] = {}
+    for op, layer in kernel_table(emit_module(net.plan)).values():
+        kernels.setdefault(layer, []).append(op)
+    assert len(relus) == 7 and all(kernels[name] == ["sf_relu"] for name in relus), kernels
+    assert_matches(net.compile("native")(x.numpy()), net.reference(x.numpy()))
 
 
 def test_tuned_shared_factor_resnet_matches_the_reference(tmp_path, monkeypatch):
@@ -369,9 +404,10 @@ COMPACTION = ("sf_gram", "sf_cholesky")  # after the layers the plan compacts at
 
 def test_shared_factor_kernels_per_layer(every_rule):
     """The fused kernels: a conv layer with a shared input is one loading kernel (pooling, loading,
-    normalisation and β) plus the weights and the profile convolution; ReLU and add are one kernel
-    each (no separate normalisation kernel anywhere); the ReLU/add/affine/scale kernels read the
-    (B, C, H, W) edges without reshapes."""
+    normalisation and β) plus the weights and the profile convolution; a ReLU/leaky ReLU with a shared
+    input is exactly one kernel (``sf_relu``, which computes the mean-field moments too: no ``relu``
+    kernel), add one shared-factor kernel (no separate normalisation kernel anywhere); the
+    ReLU/add/affine/scale kernels read the (B, C, H, W) edges without reshapes."""
     from pyro2pfp.tvm_backend._core import kernel_table
 
     _, planned, _ = every_rule
@@ -381,14 +417,114 @@ def test_shared_factor_kernels_per_layer(every_rule):
     table = kernel_table(mod)
     for line in calls:
         symbol = line.split("R.call_tir(")[1].split(",")[0].strip()
-        if symbol in table and table[symbol][0].startswith("sf_") and table[symbol][0] not in COMPACTION:
+        if symbol in table and table[symbol][0] not in COMPACTION:
             op, layer = table[symbol]
             per_layer.setdefault(layer, []).append(op)
-    assert sorted(per_layer["c1"]) == ["sf_conv_load", "sf_conv_profile", "sf_conv_weights"]
-    for name, op in (("r0", "sf_relu"), ("r1", "sf_relu"), ("add", "sf_add"), ("bn", "sf_scale"),
-                     ("half", "sf_scale")):
-        assert per_layer[name] == [op], (name, per_layer[name])
+    assert sorted(per_layer["c1"]) == ["conv2d", "sf_conv_load", "sf_conv_profile", "sf_conv_weights"]
+    for name, ops in (("r0", ["sf_relu"]), ("r1", ["sf_relu"]), ("r2", ["sf_relu"]), ("add", ["add", "sf_add"]),
+                      ("bn", ["affine", "sf_scale"]), ("half", ["scale", "sf_scale"])):
+        assert per_layer[name] == ops, (name, per_layer[name])
     assert not any("norm" in op for ops in per_layer.values() for op in ops)
     # the former (batch, rows, group) views: reshapes to three axes
     reshapes = [line.split("R.shape([")[1] for line in mod["main"].script().splitlines() if "R.reshape(" in line]
     assert reshapes and not [shape for shape in reshapes if shape.count(",") == 2], reshapes
+
+
+def _run_kernel(func: tvm.tirx.PrimFunc, op: str, inputs: list[np.ndarray]) -> list[np.ndarray]:
+    """One PrimFunc of an emitted module, with its default schedule, on NumPy inputs (reshaped to its
+    parameters' per-example shapes); its outputs in its own shapes."""
+    from pyro2pfp.tvm_backend.schedules import schedule_function
+
+    batch = inputs[0].shape[0]
+    shapes = [tuple(int(d) for d in p.shape[1:]) for p in func.params]
+    scheduled = schedule_function(func, op, None, NATIVE)
+    lib = tvm.compile(tvm.IRModule({"main": scheduled.with_attr("global_symbol", "main")}), target=NATIVE)
+    args = [tvm.runtime.tensor(np.ascontiguousarray(a, np.float32).reshape(batch, *shape))
+            for a, shape in zip(inputs, shapes)]
+    outs = [tvm.runtime.tensor(np.full((batch, *shape), np.nan, np.float32)) for shape in shapes[len(inputs):]]
+    lib["main"](*args, *outs)
+    return [o.numpy() for o in outs]
+
+
+def _relu_kernel_inputs(planned, name: str, batch: int = 3) -> tuple[np.ndarray, ...]:
+    """(μ, v, s, g) of the input edge of ReLU layer ``name`` with the limit cases: a zero-variance
+    channel (its profile 0, means of both signs and exact zeros), means of ±1e30, ±1e4 with variances
+    of 1e-30 .. 1, single zero-variance elements (there ``s = 0.5``, else ``s`` within ``±√v``, the
+    clip every rule applies), ``g`` unit rows with a zero row (a channel without loading)."""
+    from pyro2pfp.correlation.factors import fixed_k_plan
+
+    fp = fixed_k_plan(planned, "the TVM back end", compaction=True)
+    layer = next(p for p in planned.layers if p.name == name)
+    shape = (batch, *layer.layer.out_shape)
+    rng = np.random.default_rng(21)
+    m = rng.standard_normal(shape)
+    v = rng.uniform(0.05, 2.0, shape)
+    m[0, 0] = np.round(m[0, 0])  # exact zeros among them
+    v[0, 0] = 0.0
+    m[0, 1].flat[::2], m[0, 1].flat[1::2] = 1e30, -1e30
+    m[1, 2] = rng.choice([-1e4, 1e4], m[1, 2].shape)
+    v[1, 2] = 10.0 ** rng.uniform(-30, 0, v[1, 2].shape)
+    v[2].flat[::7] = 0.0
+    m[2].flat[::14] = 0.0
+    s = np.clip(rng.standard_normal(shape) * np.sqrt(v), -np.sqrt(v), np.sqrt(v))
+    s[2].flat[::7] = 0.5  # unclipped where v = 0: the σ → 0 limits of Stein's terms enter the channel means
+    src = layer.inputs[0]
+    g = rng.standard_normal((batch, fp.rows[src], fp.width[src]))
+    g[1, 0] = 0.0
+    g /= np.where(np.linalg.norm(g, axis=-1, keepdims=True) > 0, np.linalg.norm(g, axis=-1, keepdims=True), 1.0)
+    return tuple(a.astype(np.float32) for a in (m, v, s, g))
+
+
+@pytest.mark.parametrize("name", ["r0", "r1"])  # leaky ReLU (slope 0.1), ReLU
+def test_shared_factor_relu_kernel_limit_cases(every_rule, name):
+    """The one ``sf_relu`` kernel on its own against float64 -- its mean-field outputs against
+    ``moments.relu_moments``/``leaky_relu_moments``, the profile and loadings against the reference
+    rule (``correlation.rules.shared_relu``, then the executor's clip to ``±√v_out``) -- on inputs with
+    zero-variance rows and elements and huge means: finite, and the reference's values (the
+    ``σ = 0`` limits of Stein's terms: ``Φ → [μ > 0]``, ``h = 0``)."""
+    from pyro2pfp import moments
+    from pyro2pfp.correlation.factors import fixed_k_plan
+    from pyro2pfp.correlation.rules import Shared, shared_relu
+    from pyro2pfp.graph import Repr
+    from pyro2pfp.reference._core import Activation
+
+    _, planned, _ = every_rule
+    fp = fixed_k_plan(planned, "the TVM back end", compaction=True)
+    layer = next(p for p in planned.layers if p.name == name)
+    mod = emit_module(planned)
+    m, v, s, g = _relu_kernel_inputs(planned, name)
+    k = fp.width[name]
+    mean, second, s_out, g_out = _run_kernel(mod[f"pfp_sf_relu_{name}"], "sf_relu", [m, v, s, g])
+    assert mean.shape == second.shape == s_out.shape == m.shape and g_out.shape == (*m.shape[:2], k)
+    for got in (mean, second, s_out, g_out):
+        assert np.isfinite(got).all()
+    m64, v64 = m.astype(np.float64), v.astype(np.float64)
+    if layer.op == "leaky_relu":
+        want_mean, want_var = moments.leaky_relu_moments(m64, v64, layer.layer.attrs["slope"])
+    else:
+        want_mean, want_var = moments.relu_moments(m64, v64)
+    # huge means: compare each output relative to its own size, the rest to the batch's scale
+    np.testing.assert_allclose(mean, want_mean, rtol=RTOL, atol=RTOL * np.abs(want_mean[np.abs(m64) < 1e3]).max())
+    np.testing.assert_allclose(second, want_var, rtol=RTOL, atol=RTOL * want_var.max())
+    assert (second[0, 0] == 0).all() and (mean[0, 0] == np.maximum(m[0, 0], 0) + layer.layer.attrs.get(
+        "slope", 0.0) * np.minimum(m[0, 0], 0)).all()
+    want = shared_relu(layer, Activation(m64, v64, Repr.VARIANCE), Shared(s.astype(np.float64), g.astype(np.float64)),
+                       fp)
+    sd = np.sqrt(np.maximum(want_var, 0.0))
+    want_s = np.clip(want.s, -sd, sd)
+    assert_matches((s_out, g_out), (want_s, want.g))
+    assert (s_out[0, 0] == 0).all() and (s_out[2].flat[::7] == 0).all()
+
+
+@pytest.mark.parametrize("name", ["r0", "r1"])
+def test_shared_factor_relu_mean_field_outputs_are_the_mean_field_kernels(every_rule, name):
+    """``sf_relu`` computes the layer's mean-field outputs with the mean-field kernel's expressions
+    (the registry rule, ``activation_moments``): on the same inputs, bitwise its outputs."""
+    graph, planned, _ = every_rule
+    layer = next(p for p in planned.layers if p.name == name)
+    m, v, s, g = _relu_kernel_inputs(planned, name)
+    mean, second, _, _ = _run_kernel(emit_module(planned)[f"pfp_sf_relu_{name}"], "sf_relu", [m, v, s, g])
+    mean_field = emit_module(plan(graph), fuse=False)[f"pfp_{layer.op}_{name}"]
+    want_mean, want_var = _run_kernel(mean_field, layer.op, [m, v])  # on a flat (batch, N) view here
+    assert np.array_equal(mean.reshape(want_mean.shape), want_mean)
+    assert np.array_equal(second.reshape(want_var.shape), want_var)

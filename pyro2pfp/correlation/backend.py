@@ -7,13 +7,15 @@ from __future__ import annotations
 
 from typing import Any
 
+from ..errors import PFPError
 from ..graph import INPUT, Repr
 from ..plan import PlannedGraph, PlannedLayer
 from .factors import TERMINAL_OPS, fixed_k_plan
 
 
 class FixedKStep:
-    """``step(ctx, layer, inputs, out) -> out`` for a shared-factor plan in a float32 back end.
+    """``step(ctx, layer, inputs, out) -> out`` for a shared-factor plan in a float32 back end
+    (``out=None`` where :meth:`emits_mean_field`).
 
     ``self.fp``: the fixed-K factor plan (:func:`~pyro2pfp.correlation.factors.fixed_k_plan`);
     ``self.shared[edge]``: the back end's shared part of each edge (None: none).  ``out`` and the
@@ -24,16 +26,33 @@ class FixedKStep:
     what = "this back end"
     #: the back end implements :meth:`compact` (else its plan has no compaction points: ``K`` grows)
     compaction = False
+    #: the back end's relu/leaky_relu rule computes the layer's mean-field outputs too
+    #: (:meth:`relu_with_moments`; the emitter asks :meth:`emits_mean_field`)
+    fused_relu = False
 
     def __init__(self, graph: PlannedGraph) -> None:
         self.fp = fixed_k_plan(graph, self.what, compaction=self.compaction)
         self.shared: dict[str, Any] = {INPUT: None}
 
+    def emits_mean_field(self, layer: PlannedLayer) -> bool:
+        """Whether this step computes ``layer``'s mean-field outputs itself, in its rule's kernel: a
+        relu/leaky_relu layer with a random output and an input with a shared part (where the relu
+        rule runs) in a back end with :attr:`fused_relu`.  The emitter then emits no mean-field
+        kernel for the layer and calls the step with ``out=None``.  Asked in layer order, after the
+        step has run on the layer's inputs."""
+        return (self.fused_relu and layer.op in ("relu", "leaky_relu") and layer.out_repr is not Repr.DETERMINISTIC
+                and self.shared[layer.inputs[0]] is not None)
+
     def __call__(self, ctx: Any, layer: PlannedLayer, inputs: list[Any], out: Any) -> Any:
         shs = [self.shared[n] for n in layer.inputs]
         op = layer.op
         sh = None
-        if out.repr is Repr.DETERMINISTIC or op in TERMINAL_OPS:
+        if out is None:  # emits_mean_field(layer): the rule's kernel computes the mean-field outputs too
+            if not self.emits_mean_field(layer):
+                raise PFPError(f"{layer.layer.source}: {self.what} needs the mean-field outputs of layer "
+                                 f"'{layer.name}' (op '{op}')")
+            sh, out = self.relu_with_moments(ctx, layer, inputs[0], shs[0])
+        elif out.repr is Repr.DETERMINISTIC or op in TERMINAL_OPS:
             pass  # nothing shared out (a terminal op: the head reads only its input's corrected moments)
         elif op in ("conv2d", "dense") and shs[0] is None and layer.name not in self.fp.offsets:
             pass  # no shared part in, no weight noise: none out
@@ -77,6 +96,11 @@ class FixedKStep:
         raise NotImplementedError
 
     def relu(self, ctx: Any, layer: PlannedLayer, x: Any, sh: Any, out: Any) -> Any:
+        raise NotImplementedError
+
+    def relu_with_moments(self, ctx: Any, layer: PlannedLayer, x: Any, sh: Any) -> tuple[Any, Any]:
+        """The relu rule and the layer's mean-field outputs ``out`` (back ends with
+        :attr:`fused_relu`): ``(shared part, out)``."""
         raise NotImplementedError
 
     def avg_pool(self, ctx: Any, layer: PlannedLayer, x: Any, sh: Any, out: Any) -> tuple[Any, Any]:

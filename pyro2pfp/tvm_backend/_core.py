@@ -7,10 +7,11 @@ from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass
 from types import SimpleNamespace
-from typing import Any
+from typing import Any, Protocol
 
 import numpy as np
 import tvm
+import tvm_ffi
 from tvm import relax, te, tirx
 
 from .. import moments
@@ -120,7 +121,7 @@ def _is_leaf(value: Any) -> bool:
                                           and value.op.name == "te.tensor_load")
 
 
-def te_shared(build: Callable[[SimpleNamespace], Any]) -> list[tirx.PrimExpr]:
+def te_shared(build: Callable[[SimpleNamespace], Any], reuse: bool = False) -> list[tirx.PrimExpr]:
     """``build(ops)`` -- a sequence of TE expressions computed with ``ops``, e.g. ``lambda ops:
     moments.relu_moments(m, v, ops)`` -- with its shared sub-expressions computed once.
 
@@ -136,6 +137,12 @@ def te_shared(build: Callable[[SimpleNamespace], Any]) -> list[tirx.PrimExpr]:
     multi-output compute becomes one block per output.  (The lets are plain values: they
     vectorise, and a loop that is not vectorised evaluates them per element; see
     ``schedules._vectorizable`` for the one case where lets miscompile.)
+
+    ``reuse``: a call of ``sqrt``, ``minimum``, ``exp``, ``erfcx`` or ``normal_cdfs`` on an argument
+    structurally equal to an earlier call's (in the same run of ``build``) returns that call's
+    variables instead of binding the value again -- so ``build`` may evaluate the same formula twice
+    (e.g. :func:`moments.gaussian_terms` inside a moment rule and again for another output) and get
+    one ``erf``/``exp`` per element.  Off by default (every other kernel is emitted as before).
     """
     outs = []
     index = 0
@@ -156,11 +163,30 @@ def te_shared(build: Callable[[SimpleNamespace], Any]) -> list[tirx.PrimExpr]:
         ops.exp = lambda x: bind(fast_exp(x, bind))
         ops.erfcx = lambda x: bind(fast_erfcx(x, bind))
         ops.normal_cdfs = lambda alpha: _normal_cdfs(alpha, bind)
+        if reuse:
+            for name in ("sqrt", "minimum", "exp", "erfcx", "normal_cdfs"):
+                setattr(ops, name, _reusing(getattr(ops, name)))
         built = list(build(ops))
         outs.append(_with_lets(built[index], bindings))
         index += 1
         if index == len(built):
             return outs
+
+
+def _reusing(fn: Callable[..., Any]) -> Callable[..., Any]:
+    """``fn`` that returns its first result again for arguments structurally equal to earlier ones
+    (:func:`te_shared` with ``reuse``; free variables must be the same objects)."""
+    calls: list[tuple[list[Any], Any]] = []
+
+    def call(*args: Any) -> Any:
+        for earlier, result in calls:
+            if tvm_ffi.structural_equal(earlier, list(args)):
+                return result
+        result = fn(*args)
+        calls.append((list(args), result))
+        return result
+
+    return call
 
 
 def _with_lets(expr: tirx.PrimExpr, bindings: list[tuple[tirx.Var, tirx.PrimExpr]]) -> tirx.PrimExpr:
@@ -277,11 +303,26 @@ def kernel_table(mod: Any) -> dict[str, tuple[str, str]]:
 #: ``@kernel(op)`` registers the Relax/TE emitter of PFP op ``op`` (once).
 kernel = add_to(KERNELS, "TVM kernel of op")
 
-SCHEME_STEPS: dict[str, Callable[[PlannedGraph], Callable[..., RelaxActivation]]] = {}
+class SchemeStep(Protocol):
+    """The kernels of a correlation scheme, emitted layer by layer (:data:`SCHEME_STEPS`)."""
+
+    def emits_mean_field(self, layer: PlannedLayer) -> bool:
+        """Whether the step's kernel for ``layer`` also computes its mean-field outputs (then
+        :func:`emit_module` emits no mean-field kernel for it and passes ``out=None``)."""
+        ...
+
+    def __call__(self, ctx: EmitContext, layer: PlannedLayer, inputs: list[RelaxActivation],
+                 out: RelaxActivation | None) -> RelaxActivation:
+        ...
+
+
+SCHEME_STEPS: dict[str, Callable[[PlannedGraph], SchemeStep]] = {}
 """``{correlation scheme: step factory}`` for plans that are not mean-field: ``factory(graph)``
-returns ``step(ctx, layer, inputs, out) -> out`` which emits the scheme's kernels after each layer's
-mean-field kernel and returns the layer's (possibly variance-corrected) output.  ``"shared-factor"``:
-``tvm_backend/ops/correlation.py``."""
+returns a :class:`SchemeStep` ``step(ctx, layer, inputs, out) -> out`` which emits the scheme's
+kernels after each layer's mean-field kernel and returns the layer's (possibly variance-corrected)
+output -- or, where ``step.emits_mean_field(layer)``, instead of it (``out=None``: one kernel computes
+both).  ``"shared-factor"``: ``tvm_backend/ops/correlation.py`` (its ReLU kernels compute the
+mean-field ReLU moments too, from the op's rule: ``ops.activation.activation_moments``)."""
 
 
 FUSABLE_PRODUCERS = ("dense", "add")
@@ -316,7 +357,8 @@ def emit_module(graph: PlannedGraph, *, fuse: bool = True) -> tvm.IRModule:
     ``main(x: (batch, *input_shape) float32[, x_var]) -> (mean, var)`` of the output; weights are
     bound as float32 constants; ``batch`` is symbolic.  ``fuse``: ReLUs that follow a dense layer
     are computed in its kernel (:func:`fused_activations`; not for a shared-factor plan, whose
-    kernels of :data:`SCHEME_STEPS` follow every layer's).
+    kernels of :data:`SCHEME_STEPS` follow every layer's, and replace the mean-field kernel of the
+    layers where :meth:`SchemeStep.emits_mean_field`: its ReLUs).
     """
     step = None
     if graph.factors is not None:  # shared-factor PFP: its kernels after each layer's (no fusion)
@@ -340,11 +382,14 @@ def emit_module(graph: PlannedGraph, *, fuse: bool = True) -> tvm.IRModule:
                 if layer.name in fused_names:  # computed by its producer's kernel
                     values[layer.name] = values[fused_names[layer.name]]
                     continue
+                inputs = [values[name] for name in layer.inputs]
+                if step is not None and step.emits_mean_field(layer):  # one kernel: the scheme's and the layer's
+                    values[layer.name] = step(ctx, layer, inputs, None)
+                    continue
                 fn = KERNELS.get(layer.op)
                 if fn is None:
                     raise PFPError(f"{layer.layer.source}: no TVM kernel for PFP op '{layer.op}'")
                 ctx.activation = fused.get(layer.name)
-                inputs = [values[name] for name in layer.inputs]
                 values[layer.name] = fn(ctx, layer, inputs)
                 ctx.activation = None
                 if step is not None:

@@ -11,12 +11,15 @@ has no libm call: ``fast_erf``/``fast_exp`` are plain arithmetic).
 """
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
 import tvm
 from tvm import relax, s_tir, te
 
+from ...errors import PFPError
+from ...graph import Repr
 from ...plan import PlannedLayer
 from ...registry import OPS, ActivationRule
 from .._core import EmitContext, RelaxActivation, activation_out, epilogue, kernel, te_shared, variance_of
@@ -34,6 +37,23 @@ def flat_widens_vector(shape: tuple[int, ...]) -> bool:
     if len(shape) < 3:
         return False
     return pow2_divisor(int(np.prod(shape[-2:])), _MAX_LANES) < pow2_divisor(int(np.prod(shape)), _MAX_LANES)
+
+
+def activation_moments(layer: PlannedLayer, x_repr: Repr) -> Callable[[Any, Any, Any], list[Any]]:
+    """``moments(m, second, ops) -> [mean, second]``: the TE expressions of one element of the
+    elementwise activation ``layer``'s output (in ``layer.out_repr``) from one element of its random
+    input (``m``, ``second`` in ``x_repr``), by the op's :class:`~pyro2pfp.registry.ActivationRule`
+    -- the body of the mean-field kernel (:func:`activation_kernel`), and of the shared-factor ReLU
+    kernel (``correlation.SharedStep.relu_with_moments``), which computes these outputs itself."""
+    rule, attrs = OPS[layer.op].activation, layer.layer.attrs
+    if rule is None:
+        raise PFPError(f"{layer.layer.source}: op '{layer.op}' is not an elementwise activation")
+
+    def moments(m: Any, second: Any, ops: Any) -> list[Any]:
+        mean, var = rule.moments(m, variance_of(m, second, x_repr), attrs, ops)
+        return epilogue(mean, var, layer)
+
+    return moments
 
 
 def activation_kernel(rule: ActivationRule) -> Any:
@@ -58,12 +78,10 @@ def activation_kernel(rule: ActivationRule) -> Any:
 
             out = activation_out(ctx.emit_te(exact, args, layer), layer)
         else:
-            def matched(m: te.Tensor, s: te.Tensor) -> list[te.Tensor]:
-                def moments_at(i: tuple, ops: Any) -> list[Any]:
-                    mean, var = rule.moments(m[i], variance_of(m[i], s[i], x.repr), attrs, ops)
-                    return epilogue(mean, var, layer)
+            moments = activation_moments(layer, x.repr)
 
-                return te.compute(m.shape, lambda *i: te_shared(lambda ops: moments_at(i, ops)), name=layer.op)
+            def matched(m: te.Tensor, s: te.Tensor) -> list[te.Tensor]:
+                return te.compute(m.shape, lambda *i: te_shared(lambda ops: moments(m[i], s[i], ops)), name=layer.op)
 
             out = activation_out(ctx.emit_te(matched, args, layer), layer)
         if not flat:

@@ -4,7 +4,9 @@ A plan with factors (``graph.factors``) is emitted as the mean-field kernels of 
 after each, the kernels of its shared-factor rule (:class:`SharedStep`, called by
 ``_core.emit_module``), which carry the profile ``s`` (B, *edge shape) and the loadings ``g``
 (B, rows, K) beside ``(μ, v)`` and replace ``v`` where the rule corrects it (dense, add, average
-pooling).  The rules and their sources are those of :mod:`pyro2pfp.correlation.rules`; here they
+pooling) -- except a ReLU with a shared input, whose one kernel ``sf_relu`` computes its mean-field
+outputs too (``SharedStep.emits_mean_field``: the emitter emits no ``relu`` kernel for it).  The
+rules and their sources are those of :mod:`pyro2pfp.correlation.rules`; here they
 are float32 TE expressions of the same formulas:
 
 * every loading ``ℓ`` is normalised (``‖ℓ‖`` and ``g = ℓ/‖ℓ‖``, 0 where ``ℓ = 0``:
@@ -30,18 +32,33 @@ are float32 TE expressions of the same formulas:
   37.1 -> 30.9 ms; at ``--batch 1`` 1.36 -> 0.54, 0.15 -> 0.12 and 4.1 -> 3.0 ms.  Compile time
   (``benchmarks/compile_time.py --repeats 1``) ResNet-20 14.7 -> 15.7 CPU s.  Off under
   :func:`~.winograd.direct_convolutions`;
-* relu/leaky_relu: ``sf_relu`` (Stein's ``lin``, the Hermite ``h``, their channel means, the loading,
-  ``g`` and the profile); affine/scale: ``sf_scale``; add: ``sf_add`` (the branch covariance, the
-  loading, ``g``, the corrected variance and the profile); average pooling: ``sf_avgpool``; max
+* relu/leaky_relu: ``sf_relu`` -- the layer's mean-field ``(μ, v)`` (the registry rule's expressions,
+  :func:`~.activation.activation_moments`, bitwise the mean-field kernel's outputs), Stein's ``lin``,
+  the Hermite ``h``, their channel means, the loading, ``g`` and the profile, with ``σ``, ``α``,
+  ``Φ(α)`` and ``φ(α)`` bound once per element for the moments and Stein's terms
+  (:func:`~pyro2pfp.moments.gaussian_terms` under ``te_shared(reuse=True)``: one ``erf`` and one
+  ``exp`` in the let chain; each output's block carries its own copy of that identical chain).  It
+  replaced the mean-field ``relu`` kernel followed by ``sf_relu``, which recomputed ``σ``, ``α``,
+  ``Φ`` and ``φ`` and read the ``relu`` kernel's variance.  ``kernel_profile.py --net resnet20
+  --batch {10,1} --static --threads 1``, three runs each, alternated on a loaded 2-core machine:
+  batch 10 relu + sf_relu 3.68, 9.87 (a disturbed run), 3.61 ms -> sf_relu 2.52, 2.44, 2.52 ms, the
+  call 25.1, 48.6, 25.7 -> 25.0, 23.6, 24.2 ms; batch 1 0.65, 0.36, 0.35 -> 0.23, 0.25, 0.25 ms, the
+  call 2.95, 3.20, 2.88 -> 2.60, 2.47, 2.86 ms (19 kernel calls fewer, 162 -> 143).  Compile time:
+  ``compile_time.py --repeats 1`` ResNet-20 15.8, 14.9 -> 16.5, 15.7 CPU s (two runs each);
+  ``compile_time.py --per-op resnet20`` relu + sf_relu 0.11 + 0.61 -> sf_relu 0.79 CPU s of LLVM;
+* affine/scale: ``sf_scale``; add: ``sf_add`` (the branch covariance, the loading, ``g``, the
+  corrected variance and the profile); average pooling: ``sf_avgpool``; max
   pooling: ``sf_maxpool`` (Clark's fold with the profile's linear response, a sequential TE
   reduction); dense: ``sf_dense_load`` (the loading, ``g``, the corrected variance and the clipped
   profile); reshape/convert: views.  The elementwise rules (relu, add, scale) index the
   ``(B, C, H, W)`` edges directly (rows = channels), so no reshape is emitted around them.
 
-One kernel per rule (three per conv layer, two of them the weights and the profile convolution):
-ResNet-20 (static batch) calls 162 kernels per input instead of 299 (and 165 ``call_tir`` instead of
-445 with the reshapes).  With the Winograd profile convolution, one run each of ``kernel_profile.py
---net resnet20 --batch {10,1} --threads 1 --static --kernels`` against the previous kernels: batch
+One kernel per rule (three per conv layer, two of them the weights and the profile convolution; a
+ReLU's rule and its mean-field moments are one kernel): ResNet-20 (static batch) calls 143 kernels
+per input (162 with a separate mean-field ReLU kernel, 299 before the rules' kernels were fused; and
+146 ``call_tir`` instead of 165 and 445 with the reshapes).  With the Winograd profile convolution,
+one run each of ``kernel_profile.py --net resnet20 --batch {10,1} --threads 1 --static --kernels``
+against the previous kernels: batch
 10 30.6 → 25.2 ms per call, batch 1 4.21 → 3.07 ms (``(vm overhead)`` 1.44 → 0.72 ms);
 ``compile_time.py --repeats 1`` ResNet-20 16.3 → 15.5 CPU s.  Before it was merged, with
 ``PYTHONPATH=. .venv/bin/python benchmarks/kernel_profile.py --net resnet20 --batch {10,1}
@@ -90,6 +107,7 @@ from .._core import (
     EmitContext,
     RelaxActivation,
     te_shared,
+    variance_of,
 )
 from ..schedules import (
     divisor_at_most,
@@ -102,6 +120,7 @@ from ..schedules import (
     vectorizable,
     vectorize_inner,
 )
+from .activation import activation_moments
 from .compute import _pad, schedule_conv2d
 from .winograd import schedule_weight_transforms, weight_transform, winograd_correlation, winograd_shape
 
@@ -250,10 +269,12 @@ def winograd_profile(pairs: list[tuple[te.Tensor, te.Tensor]], shift: te.Tensor,
 
 
 class SharedStep(FixedKStep):
-    """The shared-factor kernels of one plan, emitted after each layer's mean-field kernel."""
+    """The shared-factor kernels of one plan, emitted after each layer's mean-field kernel (instead
+    of it for the ReLUs: :meth:`relu_with_moments`)."""
 
     what = "the TVM back end"
     compaction = True
+    fused_relu = True
 
     def view(self, ctx: EmitContext, layer: PlannedLayer, sh: SharedRelax) -> SharedRelax:
         return SharedRelax(_view(ctx, sh.s, *layer.layer.out_shape), sh.g, sh.k)
@@ -283,54 +304,64 @@ class SharedStep(FixedKStep):
         s = _scaled(ctx, self._rows(ctx, sh.s, name), self._rows(ctx, out.second, name), ctx.const(factor), layer)
         return SharedRelax(self._edge(ctx, s, name), sh.g, sh.k)
 
-    def relu(self, ctx: EmitContext, layer: PlannedLayer, x: RelaxActivation, sh: SharedRelax,
-              out: RelaxActivation) -> SharedRelax:
+    def relu_with_moments(self, ctx: EmitContext, layer: PlannedLayer, x: RelaxActivation, sh: SharedRelax
+                          ) -> tuple[SharedRelax, RelaxActivation]:
+        """One kernel ``sf_relu`` for a relu/leaky_relu layer with a shared input: the layer's
+        mean-field outputs (the registry rule's expressions, :func:`~.activation.activation_moments`:
+        what the mean-field kernel would compute) and the rule -- Stein's ``lin``, the Hermite ``h``,
+        their channel means, the loading ``lbar·g_in ⊕ hbar`` normalised and the profile
+        ``clip(lbar/‖ℓ‖·lin + hbar/‖ℓ‖·h)`` (every step per row).  ``σ``, ``α``, ``Φ(α)`` and ``φ(α)``
+        are those of the moments (:func:`~pyro2pfp.moments.gaussian_terms`, bound once per element:
+        ``te_shared(reuse=True)``); where ``σ = 0`` Stein's terms take the reference's limits
+        (``Φ → [μ > 0]``, ``h = 0``)."""
         slope = float(layer.layer.attrs["slope"]) if layer.op == "leaky_relu" else 0.0
         name, src = layer.name, layer.inputs[0]
         offset = self.fp.offsets.get(name)
         k = self.fp.width[name]
+        assert x.second is not None  # a random input (emits_mean_field)
         views = [self._rows(ctx, t, src) for t in (x.mean, x.second, sh.s)]
-        out_var = self._rows(ctx, out.second, name)
+        mean_field = activation_moments(layer, x.repr)
 
         def terms(m: te.Tensor, v: te.Tensor, s: te.Tensor) -> list[te.Tensor]:
-            def lin_h(*i: Any) -> list[Any]:
+            """``[mean, second]`` of the output (the mean-field moments) and Stein's ``[lin, h]``."""
+            def element(*i: Any) -> list[Any]:
                 def build(ops: Any) -> list[Any]:
-                    # te_shared: σ, α, Φ(α) and φ(α) bound once (as trees, fast_erf/fast_exp repeat their
-                    # argument dozens of times: LLVM time of the kernel, not its speed)
-                    sd = ops.sqrt(te.max(v[i], _c(0.0)))
-                    alpha = ops.bind(te.min(te.max(_safe_div(m[i], sd), _c(-40.0)), _c(40.0)))
-                    cdf = tirx.Select(sd > _c(0.0), ops.normal_cdfs(alpha)[0],
-                                      tirx.Select(m[i] > _c(0.0), _c(1.0), _c(0.0)))
-                    pdf = ops.exp(_c(-0.5) * alpha * alpha) * _c(1 / math.sqrt(2 * math.pi))
+                    outs = mean_field(m[i], v[i], ops)
+                    # the same bound σ, α, Φ(α), φ(α) as the moments (reuse): one erf and one exp
+                    sd, _, cdf, _, pdf = moments.gaussian_terms(m[i], variance_of(m[i], v[i], x.repr), ops)
+                    cdf = tirx.Select(sd > _c(0.0), cdf, tirx.Select(m[i] > _c(0.0), _c(1.0), _c(0.0)))
                     lin = (cdf + _c(slope) * (_c(1.0) - cdf)) * s[i]
                     h = _safe_div(_c(1.0 - slope) * pdf, sd) * s[i] * s[i] * _c(1 / math.sqrt(2))
-                    return [lin, h]
+                    return [*outs, lin] if offset is None else [*outs, lin, h]
 
-                return te_shared(build)
+                return te_shared(build, reuse=True)
 
-            both = te.compute(m.shape, lin_h, name="lin_h")
-            return [both[0], both[1], _row_mean(both[0], "lbar"), _row_mean(both[1], "hbar")]
+            return list(te.compute(m.shape, element, name="relu"))
 
         def rule(*ts: te.Tensor) -> list[te.Tensor]:
-            """Stein's terms, the loading ``lbar·g_in ⊕ hbar`` normalised and the profile
-            ``clip(lbar/‖ℓ‖·lin + hbar/‖ℓ‖·h)`` in one kernel (every step is per row)."""
-            m, v, s, var = ts[:4]
-            lin, h, lbar, hbar = terms(m, v, s)
+            m, v, s = ts[:3]
+            mean, second, lin, *h = terms(m, v, s)
+
+            def var(*i: Any) -> Any:  # the output's variance, the profile's clip
+                return variance_of(mean[i], second[i], layer.out_repr)
+
             if offset is None:  # hermite='none': the linear response only
-                return [te.compute(lin.shape, lambda *i: _clip(lin[i], var[i]), name="s")]
-            gw = _widened(ts[4], k)
+                return [mean, second, te.compute(lin.shape, lambda *i: _clip(lin[i], var(*i)), name="s")]
+            lbar, hbar = _row_mean(lin, "lbar"), _row_mean(h[0], "hbar")
+            gw = _widened(ts[3], k)
             loading = te.compute((lbar.shape[0], lbar.shape[1], k), lambda b, r, f: lbar[b, r] * gw[b, r, f]
                                  + tirx.Select(f == r + offset, hbar[b, r], _c(0.0)), name="loading")
             g, norm = _normalised(loading)
             s_out = te.compute(lin.shape, lambda b, r, *q: _clip(
-                _safe_div(lbar[b, r], norm[b, r]) * lin[(b, r, *q)] + _safe_div(hbar[b, r], norm[b, r]) * h[(b, r, *q)],
-                var[(b, r, *q)]), name="profile")
-            return [s_out, g]
+                _safe_div(lbar[b, r], norm[b, r]) * lin[(b, r, *q)]
+                + _safe_div(hbar[b, r], norm[b, r]) * h[0][(b, r, *q)], var(b, r, *q)), name="profile")
+            return [mean, second, s_out, g]
 
-        outs = _emit(ctx, rule, views + [out_var] + ([sh.g] if offset is not None else []), layer, "relu")
+        outs = _emit(ctx, rule, views + ([sh.g] if offset is not None else []), layer, "relu")
+        out = RelaxActivation(self._edge(ctx, outs[0], name), self._edge(ctx, outs[1], name), layer.out_repr)
         if offset is None:
-            return SharedRelax(self._edge(ctx, outs[0], name), sh.g, sh.k)
-        return SharedRelax(self._edge(ctx, outs[0], name), outs[1], k)
+            return SharedRelax(self._edge(ctx, outs[2], name), sh.g, sh.k), out
+        return SharedRelax(self._edge(ctx, outs[2], name), outs[3], k), out
 
     def add(self, ctx: EmitContext, layer: PlannedLayer, sa: SharedRelax, sb: SharedRelax, out: RelaxActivation
             ) -> tuple[SharedRelax, RelaxActivation]:
