@@ -296,7 +296,7 @@ def schedule_flat(sch: s_tir.Schedule, lanes: int) -> None:
 # ------------------------------------------------------------------------------------ driver
 SERIAL_WORK = 1e6
 """A kernel with static shapes (a static-batch executable: ``net.compile(batch_sizes=...)``, tuning)
-whose arithmetic (``tvm.s_tir.analysis.estimate_tir_flops``) is below this many operations runs on
+whose arithmetic (:func:`kernel_work`) is below this many operations runs on
 one thread: its schedule's ``parallel`` calls are dropped (:class:`_SerialSchedule`).  Waking the
 thread pool and joining it costs more than splitting a few microseconds of work saves.  Measured
 (median ``exe(x)`` of 300 calls, three runs each, 2 threads, quiet machine), shared-factor
