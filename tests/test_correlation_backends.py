@@ -356,7 +356,7 @@ def test_static_batch_executable_is_scheduled_and_matches_the_reference(every_ru
     assert_matches(exe(x), net.reference(x))
 
 
-def test_normalised_loading_limit_cases():
+def test_normalised_loading_limit_cases(monkeypatch):
     """``_normalised`` (the ``g = ℓ/‖ℓ‖`` stage fused into every loading kernel), unscheduled and with
     the row-local schedule, against float64: a zero row gives g = 0 and norm 0; rows of 1e30 (whose
     squares overflow float32) and of 1e-20 (whose squares underflow) keep unit rows and their norm; a
@@ -364,8 +364,10 @@ def test_normalised_loading_limit_cases():
     from tvm import te
 
     from pyro2pfp.tvm_backend.ops.correlation import NORM_FLOOR, _normalised
+    from pyro2pfp.tvm_backend import schedules
     from pyro2pfp.tvm_backend.schedules import schedule_function
 
+    monkeypatch.setattr(schedules, "SERIAL_WORK", 0.0)  # this small static kernel: the parallel schedule
     rng = np.random.default_rng(11)
     ell = rng.standard_normal((2, 6, 48))
     ell[0, 0] = 0.0
