@@ -60,7 +60,14 @@ _EXP_LN2_HI = 0.693359375
 _EXP_LN2_LO = -2.12194440e-4
 _EXP_POLY = (1.9875691500e-4, 1.3981999507e-3, 8.3334519073e-3, 4.1665795894e-2, 1.6666665459e-1,
              5.0000001201e-1)
-EXP_MIN = -87.33654475  # ln(FLT_MIN): below it exp(x) is denormal and fast_exp returns 0
+EXP_MIN = -87.33654022216797
+"""The least float32 above ln(FLT_MIN) = −87.3365447…: below it exp(x) is denormal and ``fast_exp``
+returns 0.  (It was ``-87.33654475``, which rounds to the float32 *below* ln(FLT_MIN): a lane
+clamped there computed the denormal ``0.99999·2^−126`` before the select threw it away, and x86
+arithmetic producing denormals runs microcode -- the Gaussian-max and ReLU kernels, whose far tails
+clamp every lane with zero variance, ran 2x slower on LeNet-5's activations:
+``benchmarks/kernel_profile.py --net lenet --batch 10 --static --threads 1``, relu1 59 -> 33 us.
+Clamped here, the lane computes ``1.0000045·2^−126``, a normal float.)"""
 EXP_MAX = 88.37626266  # 127.5·ln 2: the largest x with 2^n a normal float32 (results saturate there)
 
 
@@ -72,16 +79,9 @@ def fast_exp(x: tirx.PrimExpr, bind: Callable[[tirx.PrimExpr], tirx.PrimExpr] = 
     ``exp(0) = 1`` exactly; ``x < EXP_MIN`` (including ``-inf``) gives exactly 0 (the exact value
     is a denormal < FLT_MIN); ``x > EXP_MAX`` saturates at ``exp(EXP_MAX) ≈ 2.4e38`` (never inf).
     ``bind`` (see :func:`te_shared`) names the sub-expressions used several times.
-
-    A lane with ``x < EXP_MIN`` evaluates the polynomial at 0, not at ``EXP_MIN``: float32
-    ``EXP_MIN`` lies just below ln(FLT_MIN), so ``exp_r · 2^n`` there is a denormal, and x86
-    arithmetic producing denormals runs microcode (the Gaussian-max and ReLU kernels, whose far
-    tails clamp for every lane with zero variance, ran 2x slower on LeNet-5's activations:
-    ``benchmarks/kernel_profile.py --net lenet --batch 10 --static --threads 1``, relu1 59 -> 33 us).
     """
     x = bind(x)
-    below = x < _const(EXP_MIN)
-    xc = tirx.Select(below, _const(0.0), te.min(x, _const(EXP_MAX)))
+    xc = te.min(te.max(x, _const(EXP_MIN)), _const(EXP_MAX))
     n = bind(tirx.floor(xc * _const(_EXP_LOG2E) + _const(0.5)))
     r = bind(xc - n * _const(_EXP_LN2_HI) - n * _const(_EXP_LN2_LO))
     poly = _const(_EXP_POLY[0])
@@ -90,7 +90,7 @@ def fast_exp(x: tirx.PrimExpr, bind: Callable[[tirx.PrimExpr], tirx.PrimExpr] = 
     exp_r = poly * (r * r) + r + _const(1.0)
     biased = tirx.Cast("int32", n) + tirx.const(127, "int32")
     two_n = tirx.reinterpret(F32, tirx.shift_left(biased, tirx.const(23, "int32")))
-    return tirx.Select(below, _const(0.0), exp_r * two_n)
+    return tirx.Select(x < _const(EXP_MIN), _const(0.0), exp_r * two_n)
 
 
 def _normal_cdfs(alpha: tirx.PrimExpr, bind: Callable[[tirx.PrimExpr], tirx.PrimExpr] = _no_bind
