@@ -4,7 +4,9 @@ stride, no padding, no ceil-mode overhang; ``pooling._gaussian_max_pool_deinterl
 Compiled (scheduled, native and generic targets) vs the float64 NumPy reference for several
 ``k == s`` shapes -- even and odd input sizes (floor mode drops the last row/column), 2x2/2 and
 3x3/3, flattened sizes that need padding to whole vectors and ones that do not -- at batch 1
-and 7, with a deterministic and a probabilistic input; and LeNet's pool1 takes the fast path.
+and 7, with a deterministic and a probabilistic input; LeNet's pools take the fast path; the chained
+fold's limit cases (zero variance, ±1e30, one element far larger) against exact values; and the
+general (reduction) path for padding, ceil-mode overhang and overlapping windows.
 """
 from __future__ import annotations
 
@@ -126,13 +128,104 @@ def test_static_batch_specialisation_schedules_the_fast_path():
 
 
 def test_lenet_pools_take_their_fast_paths():
-    """LeNet pool1 (6 channels) is deinterleaved; pool2 (16 channels) vectorises channels."""
+    """LeNet pool1 (6 channels) and pool2 (16 channels) are both deinterleaved and fold with a
+    chain of K − 1 = 3 Clark stages (no reduction from the identity), on 4 vectors of 16."""
     g = lenet_graph(np.random.default_rng(0))
     planned = plan(g)
     mod = emit_module(planned)
     scheduled = schedule_module(mod, planned, TARGETS["native"])
-    pool1 = scheduled["pfp_max_pool2d_pool1"].script()
-    assert "deinterleave_v0" in pool1 and "deinterleave_v1" in pool1
-    assert "T.vectorized(T.int64(16))" in pool1  # 1176 outputs padded to 1184 = 74 vectors of 16
-    pool2 = scheduled["pfp_max_pool2d_pool2"].script()
-    assert "deinterleave" not in pool2 and "T.vectorized(T.int64(16))" in pool2
+    for name in ("pfp_max_pool2d_pool1", "pfp_max_pool2d_pool2"):
+        script = scheduled[name].script()
+        assert "deinterleave_v0" in script and "deinterleave_v1" in script, name
+        assert 'T.sblock("max_pool2d_1_v0")' in script and 'T.sblock("max_pool2d_2_v1")' in script, name
+        assert 'T.sblock("max_pool2d_3_v0")' not in script and "max_pool2d_init" not in script, name
+        assert "T.vectorized(T.int64(64))" in script, name  # POOL_REGISTER_TILE x 16 lanes
+    # 1176 outputs padded to a multiple of FLAT_PAD
+    assert "T.int64(1216)" in scheduled["pfp_max_pool2d_pool1"].script()
+
+
+def windows(x: np.ndarray, k: int, s: int, p: int) -> np.ndarray:
+    """``(batch, C, OH, OW, k·k)``: every window's elements in row-major order (floor mode,
+    padding with −inf)."""
+    b, c, h, w = x.shape
+    xp = np.pad(x, ((0, 0), (0, 0), (p, p), (p, p)), constant_values=-np.inf)
+    oh, ow = (h + 2 * p - k) // s + 1, (w + 2 * p - k) // s + 1
+    taps = [xp[:, :, r:r + s * oh:s, q:q + s * ow:s] for r in range(k) for q in range(k)]
+    return np.stack(taps, axis=-1)
+
+
+GENERAL = [  # (input (C, H, W), kernel, stride, padding, ceil mode): windows that do not tile the input
+    ((3, 9, 9), 3, 2, 1, False),   # padding
+    ((2, 7, 8), 2, 2, 0, True),    # ceil-mode overhang
+    ((4, 6, 6), 3, 1, 0, False),   # overlapping windows
+]
+
+
+def general_graph(in_shape, k, s, pad, ceil, variance: bool = True) -> LayerGraph:
+    c, h, w = in_shape
+
+    def size(n: int) -> int:
+        span = n + 2 * pad - k
+        out = (-(-span // s) if ceil else span // s) + 1
+        return out - 1 if ceil and (out - 1) * s >= n + pad else out
+
+    layer = Layer("p", "max_pool2d", [INPUT], (c, size(h), size(w)), "p", attrs={
+        "kernel": [k, k], "stride": [s, s], "padding": [pad, pad], "dilation": [1, 1], "ceil_mode": ceil})
+    return LayerGraph(in_shape, [layer], "p", input_variance=variance)
+
+
+@pytest.mark.parametrize("case", GENERAL, ids=["pad", "overhang", "overlap"])
+def test_general_max_pool_matches_reference(case):
+    """Windows with padding, overhang or overlap take the reduction path (no copy stage) and match
+    the float64 reference, also at the limit cases."""
+    in_shape, k, s, pad, ceil = case
+    planned, mod, _, vm = compiled(general_graph(in_shape, k, s, pad, ceil), "native")
+    assert "deinterleave" not in mod["pfp_max_pool2d_p"].script()
+    rng = np.random.default_rng(5)
+    shape = (3, *in_shape)
+    x = rng.standard_normal(shape).astype(np.float32)
+    check(planned, vm, [x, (0.1 * rng.uniform(0, 1, shape)).astype(np.float32)], f"{case}")
+    check(planned, vm, [x, np.zeros(shape, np.float32)], f"{case} zero variance")
+    check(planned, vm, [(1e30 * np.sign(x)).astype(np.float32), np.ones(shape, np.float32)], f"{case} ±1e30")
+
+
+def run(vm, args):
+    out = vm["main"](*[tvm.runtime.tensor(a) for a in args])
+    return [t.numpy() for t in out]
+
+
+@pytest.mark.parametrize("k", [2, 3])
+def test_chain_limit_cases(k):
+    """The chained fold (windows that tile the input) at its limits, against exact values:
+
+    * zero variance: the result is the plain max (exactly) with variance exactly 0;
+    * means ±1e30 with unit variances: finite, and the float64 reference's values;
+    * one window element far larger than the others (+1e4, variance 0.5): its moments exactly.
+    """
+    in_shape = (5, 3 * k, 2 * k)  # 5x3x2 = 30 outputs: padded, one register tile
+    planned, _, _, vm = compiled(pool_graph(in_shape, k, True), "native")
+    rng = np.random.default_rng(6)
+    shape = (4, *in_shape)
+    x = rng.standard_normal(shape).astype(np.float32)
+    zero = np.zeros(shape, np.float32)
+    mean, var = run(vm, [x, zero])
+    np.testing.assert_array_equal(mean, windows(x, k, k, 0).max(axis=-1))
+    np.testing.assert_array_equal(var, 0.0)
+
+    huge = (1e30 * np.where(rng.uniform(size=shape) < 0.5, -1.0, 1.0)).astype(np.float32)
+    ones = np.ones(shape, np.float32)
+    mean, var = run(vm, [huge, ones])
+    assert np.all(np.isfinite(mean)) and np.all(np.isfinite(var))
+    check(planned, vm, [huge, ones], "±1e30")
+
+    big = x.copy()
+    win = windows(np.arange(x.size, dtype=np.float64).reshape(shape), k, k, 0)
+    pick = rng.integers(0, k * k, size=win.shape[:-1])  # one element of each window, any position
+    flat = np.take_along_axis(win, pick[..., None], axis=-1)[..., 0].astype(np.int64)
+    big.reshape(-1)[flat.reshape(-1)] = 1e4
+    v = (0.1 * rng.uniform(0, 1, shape)).astype(np.float32)
+    v.reshape(-1)[flat.reshape(-1)] = 0.5
+    mean, var = run(vm, [big, v])
+    np.testing.assert_array_equal(mean, 1e4)
+    np.testing.assert_array_equal(var, 0.5)
+    check(planned, vm, [big, v], "one element far larger")

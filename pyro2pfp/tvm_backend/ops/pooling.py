@@ -2,13 +2,17 @@
 ONNX export: ``pyro2pfp/ops/pooling.py``.)
 
 Max pooling: Clark's pairwise Gaussian max folded over each window in row-major order (the same
-order as the NumPy reference).  The fold is a TE reduction with a tuple ``comm_reducer`` whose
+order as the NumPy reference).  Windows that tile the input (kernel == stride, no padding or
+overhang: LeNet's pools) fold ``K − 1`` Clark steps starting from the first tap, one ``te.compute``
+stage per step (:func:`clark_chain`; the schedule computes the stages at one loop nest, in small
+``local`` buffers).  Other windows: the fold is a TE reduction with a tuple ``comm_reducer`` whose
 combiner is the Clark max (its shared sub-expressions let-bound, :func:`te_shared`); its identity
 ``(−FLT_MAX, 0)`` is exact (``max_moments(−FLT_MAX, 0, μ, v) = (μ, v)``: ``fast_exp`` gives exactly
 0 for the far tail), the reduction loops run sequentially in row-major order, and window positions
 outside the input (padding, ceil-mode overhang) contribute the identity.  (Writing the fold out as
 one expression -- even with let-bound partial results -- makes TVM's LLVM code generator, which
-substitutes every let value into the next, blow up exponentially in the window size.)
+substitutes every let value into the next, blow up exponentially in the window size; separate
+stages do not, since each stage's value is stored before the next reads it.)
 
 Average pooling: ``μ = Σμ/d``, ``v = Σv/d²`` with torch's divisor per output position.
 """
@@ -85,9 +89,11 @@ class _Windows:
 
 DEINTERLEAVE = "deinterleave"
 """Name of the copy stage of the non-overlapping Gaussian max pool (blocks ``deinterleave_v0/_v1``)."""
-FLAT_PAD = 16
+FLAT_PAD = 64
 """The flattened output axis of the non-overlapping Gaussian max pool is padded to a multiple of
-this (the widest fp32 SIMD vector, AVX-512), so the reduction runs on whole vectors."""
+this: :data:`POOL_REGISTER_TILE` whole vectors of the widest fp32 SIMD vector (AVX-512, 16 lanes),
+so the fold always runs on whole register tiles (LeNet pool1: 1176 outputs -> 1216, 3 % more work;
+padded to 16, 74 vectors allowed a tile of only 2)."""
 
 
 def _gaussian_max_pool_deinterleaved(win: _Windows, layer: PlannedLayer, m: te.Tensor, v: te.Tensor
@@ -112,12 +118,42 @@ def _gaussian_max_pool_deinterleaved(win: _Windows, layer: PlannedLayer, m: te.T
 
     xd = te.compute((m.shape[0], kh, kw, padded),
                     lambda b, rp, rq, p: [tap(m, b, rp, rq, p), tap(v, b, rp, rq, p)], name=DEINTERLEAVE)
-    rp, rq = win.axes()
-    acc = te.compute((m.shape[0], padded),
-                     lambda b, p: gaussian_max((xd[0][b, rp, rq, p], xd[1][b, rp, rq, p]), axis=[rp, rq]),
-                     name="max_pool2d")
+    acc = clark_chain(m.shape[0], padded, kh * kw, lambda t, b, p: (xd[0][b, t // kw, t % kw, p],
+                                                                    xd[1][b, t // kw, t % kw, p]))
     return te.compute((m.shape[0], n_c, oh, ow), lambda b, c, i, j: epilogue(
         acc[0][b, c * plane + i * ow + j], acc[1][b, c * plane + i * ow + j], layer), name="epilogue")
+
+
+CHAIN = "max_pool2d"
+"""Name prefix of the Clark fold stages of the non-overlapping Gaussian max pool: ``max_pool2d_1``
+... ``max_pool2d_{K−2}`` (blocks ``…_v0/_v1``) and the last one ``max_pool2d``."""
+
+
+def clark_chain(batch: Any, n: int, taps: int, tap: Any) -> list[te.Tensor]:
+    """Clark's max folded over ``taps`` window taps in order, one ``te.compute`` per fold step.
+
+    ``tap(t, b, p)`` is the (mean, variance) pair of tap ``t`` at ``[b, p]``;  stage 1 is
+    ``max(tap 0, tap 1)``, stage ``k`` is ``max(stage k−1, tap k)`` (the reference's left fold
+    :func:`pyro2pfp.moments.max_moments` in row-major window order), the last stage is named
+    :data:`CHAIN` and returned as ``[mean, variance]`` of shape ``(batch, n)``.  ``taps − 1``
+    Clark steps (a reduction from the identity ``(−FLT_MAX, 0)`` takes ``taps``), each its own
+    stage: one expression with the steps nested would make TVM's LLVM code generator substitute
+    every let value into the next (exponential in the window size, module docstring).  One tap
+    is the tap itself (a copy).
+    """
+    if taps == 1:
+        return te.compute((batch, n), lambda b, p: list(tap(0, b, p)), name=CHAIN)
+    def step(t: int, prev: Any) -> Any:
+        def body(b, p):
+            m1, v1 = tap(0, b, p) if prev is None else (prev[0][b, p], prev[1][b, p])
+            m2, v2 = tap(t, b, p)
+            return te_shared(lambda ops: moments.max_moments(m1, v1, m2, v2, ops))
+        return body
+
+    prev: Any = None
+    for t in range(1, taps):
+        prev = te.compute((batch, n), step(t, prev), name=CHAIN if t == taps - 1 else f"{CHAIN}_{t}")
+    return list(prev)
 
 
 def _input_shape(ctx: EmitContext, layer: PlannedLayer) -> tuple[int, ...]:
@@ -140,9 +176,9 @@ def max_pool2d(ctx: EmitContext, layer: PlannedLayer, inputs: list[RelaxActivati
 
     assert x.repr is Repr.VARIANCE, x.repr  # the plan delivers variances to max pooling
 
-    # windows that tile the input, and too few channels to fill a vector by themselves (with
-    # a multiple of 16 channels the default schedule vectorises channels: no copy needed)
-    if win.tiles_exactly() and win.out_shape[0] % FLAT_PAD != 0:
+    # windows that tile the input: deinterleaved (LeNet pool2, 16 channels: vectors of channels
+    # with strided taps measured 34 us at batch 10 (one thread), deinterleaved 23 us)
+    if win.tiles_exactly():
         return activation_out(ctx.emit_te(lambda m, v: _gaussian_max_pool_deinterleaved(win, layer, m, v),
                                           x.tensors(), layer), layer)
 
@@ -191,7 +227,12 @@ def avg_pool2d(ctx: EmitContext, layer: PlannedLayer, inputs: list[RelaxActivati
 
 
 # ------------------------------------------------------------------------------------ max_pool2d
-POOL_REGISTER_TILE = 3  # deinterleaved pool: independent (mean, variance) vectors folded side by side
+POOL_REGISTER_TILE = 4
+"""Deinterleaved pool: SIMD vectors of (mean, variance) pairs folded side by side, as one vector of
+``4 × lanes`` (LLVM splits it into independent chains that hide each other's latency: a Clark
+step is a ~100-flop dependency chain).  LeNet pool1 at batch 10, one thread, kernel alone: 2
+vectors 70 us, 4 vectors 53 us, 8 vectors 52 us; 4 vectors written as an unrolled loop of
+vectors 57 us and LLVM needed 1.2 s per pool instead of 0.35 s."""
 GAUSSIAN_WINDOW_ROLLED = True
 """Clark's max pool keeps its window loops as loops (a plain max unrolls them).  The fold over the
 window is a dependency chain of ~100-flop Clark steps, so unrolling it buys no parallelism, only
@@ -213,15 +254,15 @@ def schedule_max_pool2d(sch: s_tir.Schedule, layer: Any, target: tvm.target.Targ
     overhangs the input, whose ``if_then_else`` loads stay serial) is the one with the widest
     power-of-two divisor:
 
-    * **channels** (LeNet pool2, 16 channels, rows of 5): parallel over (b, channel tile, i),
-      serial ``j``; taps are strided loads (stride H·W), the epilogue writes the tile (a
-      rectangle) from the stack.  (An unrolled register tile of 5 columns inside the window loops
-      measured 20 -> 14 us at batch 10 but doubled LeNet's compile time: not done);
-    * **deinterleaved windows** (kernel == stride, no padding/overhang, Gaussian input with a
-      channel count that is no multiple of 16, e.g. LeNet pool1): the kernel copies the input
-      into a window-tap-major, flattened layout first (``deinterleave`` blocks), see
-      :func:`_schedule_deinterleaved_pool` (pool1: 109 -> 46 us at batch 10);
-    * **the flattened output** ``(c, i, j)`` when it is at least 4x wider (LeNet pool1, 6x14x14
+    * **deinterleaved windows** (kernel == stride, no padding/overhang, Gaussian input: LeNet
+      pool1 and pool2): the kernel copies the input into a window-tap-major, flattened layout
+      first (``deinterleave`` blocks) and folds with a chain of stages, see
+      :func:`_schedule_deinterleaved_pool` (pool1: 109 -> 46 us at batch 10; pool2, 16
+      channels, had vectors of channels with strided taps: 34 -> 23 us at batch 10, one thread);
+    * **channels** (16 channels, rows of 5): parallel over (b, channel tile, i), serial ``j``;
+      taps are strided loads (stride H·W), the epilogue writes the tile (a rectangle) from the
+      stack;
+    * **the flattened output** ``(c, i, j)`` when it is at least 4x wider (e.g. 6x14x14
       = 8·147: 8 lanes where channels and rows give 2): the taps are gathers with per-lane index
       arithmetic (Clark's max, ~100 flops per tap, still dominates) and the epilogue is its own
       elementwise nest (a tile of the flat axis is no rectangle, so it cannot be computed at it);
@@ -229,10 +270,10 @@ def schedule_max_pool2d(sch: s_tir.Schedule, layer: Any, target: tvm.target.Targ
       input rows staged (see the module docstring).
     """
     lanes = simd_lanes(target)
-    blk = sch.get_sblock("max_pool2d")
     if has_block(sch, "deinterleave_v0"):
-        _schedule_deinterleaved_pool(sch, blk, lanes)
+        _schedule_deinterleaved_pool(sch, lanes)
         return
+    blk = sch.get_sblock("max_pool2d")
     b, c, i, j, *window = sch.get_loops(blk)
     vectorize = vectorizable(sch, [blk])
     vec_c = pow2_divisor(static_extent(sch, c), lanes) if vectorize else 1
@@ -273,7 +314,7 @@ def schedule_max_pool2d(sch: s_tir.Schedule, layer: Any, target: tvm.target.Targ
     sch.decompose_reduction(blk, window[0] if vec_c <= vec_j else j)
 
 
-def _schedule_deinterleaved_pool(sch: s_tir.Schedule, blk: Any, lanes: int) -> None:
+def _schedule_deinterleaved_pool(sch: s_tir.Schedule, lanes: int) -> None:
     """The non-overlapping Gaussian max pool (``pooling._gaussian_max_pool_deinterleaved``):
     three loop nests, each parallel over the batch and a static outer axis.
 
@@ -281,33 +322,49 @@ def _schedule_deinterleaved_pool(sch: s_tir.Schedule, blk: Any, lanes: int) -> N
       (so the copy's ``p // (OH·OW)``, ``p % OW``... can simplify to the loop variables when
       lowered), parallel over ``(b, rp, rq, c)``; serial (strided reads; the padding lanes'
       guard is an ``if_then_else``);
-    * ``max_pool2d`` ``(b, p | rp, rq)``: ``p`` split ``(po, pu, pv)``, ``pv`` a whole vector
-      (``p`` is padded to a multiple of 16), ``pu`` unrolled inside the window loops so
-      :data:`POOL_REGISTER_TILE` independent Clark chains hide each other's latency; the fold
-      over ``rp, rq`` stays sequential and row-major; parallel over ``(b, po)``;
+    * the Clark fold (:func:`clark_chain`): the last stage ``max_pool2d`` ``(b, p)`` has ``p``
+      split ``(po, pw)``, ``pw`` one vector of :data:`POOL_REGISTER_TILE` SIMD vectors (``p``
+      is padded to a multiple of :data:`FLAT_PAD`), parallel over ``(b, po)``; every earlier
+      stage is computed at ``po`` (its ``pw`` values in a ``local`` buffer, vectorised the same
+      way), so one ``po`` iteration is straight-line vector code, stage after stage in fold
+      order;
     * ``epilogue`` ``(b, c, i, j)``: :func:`flat_nest` (it reads the flat ``p`` back as
       ``c·OH·OW + (i·OW + j)``, contiguous along the fused ``(i, j)``).
     """
     copy = sch.get_sblock("deinterleave_v0")
-    consumers = list(sch.get_consumers(blk))
+    last = [sch.get_sblock(f"{CHAIN}_v0"), sch.get_sblock(f"{CHAIN}_v1")]
+    consumers = list(sch.get_consumers(last[0]))
     # the copy: (b, rp, rq, c, i, j) with c*OH*OW + i*OW + j = p (output plane from the epilogue)
     _, _, oh, ow = (extent(sch, loop) for loop in sch.get_loops(consumers[0]))  # (batch, c, oh, ow)
     b, rp, rq, p = sch.get_loops(copy)
     _, i, j = sch.split(p, [None, oh, ow])
     sch.parallel(sch.fuse(b, rp, rq, sch.get_loops(copy)[3]))
-    # the reduction
-    b, p, rp, rq = sch.get_loops(blk)
+    # the fold: earlier stages, last first (each is computed where its consumer now is)
+    stages = []
+    producers = list(sch.get_producers(last[0]))
+    while True:
+        earlier = [blk for blk in producers if sch.get(blk).name_hint.startswith(f"{CHAIN}_")]
+        if not earlier:
+            break
+        stages.append(sorted(earlier, key=lambda blk: sch.get(blk).name_hint))
+        producers = list(sch.get_producers(earlier[0]))
+    b, p = sch.get_loops(last[0])
     n = static_extent(sch, p)
-    vectorize = vectorizable(sch, [blk])
+    vectorize = vectorizable(sch, last)
     vec = pow2_divisor(n, lanes) if vectorize else 1
     tile = divisor_at_most(n // vec, POOL_REGISTER_TILE)
-    po, pu, pv = sch.split(p, [None, tile, vec])
-    sch.reorder(b, po, rp, rq, pu, pv)
-    sch.parallel(sch.fuse(b, po))
-    sch.unroll(pu)  # the window loops stay loops: see GAUSSIAN_WINDOW_ROLLED
+    width = tile * vec  # vectorised: one vector of `tile` registers (LLVM splits it: independent chains)
+    po, pw = sch.split(p, [None, width])
+    par = sch.fuse(b, po)
+    sch.parallel(par)
     if vec > 1:
-        sch.vectorize(pv)
-    sch.decompose_reduction(blk, rp)
+        sch.vectorize(pw)
+    for stage in stages:
+        for blk in stage:
+            sch.compute_at(blk, par, preserve_unit_loops=True)
+            sch.set_scope(blk, 0, "local")
+            if vec > 1:
+                sch.vectorize(sch.get_loops(blk)[-1])
     flat_nests(sch, consumers, lanes)  # the epilogue: its own nest (a tile of p is no rectangle of (c, i, j))
 
 
