@@ -62,8 +62,10 @@ def main(argv: list[str] | None = None) -> int:
     t0 = time.process_time()
     exe = net.compile(batch_sizes=[args.batch] if args.static else ())
     compile_s = time.process_time() - t0
-    prof = profile(exe.vm_for_batch(args.batch) if args.static else exe, [x], repeats=args.repeats,
-                   method=args.method)
+    # the predictor itself: profile() runs the static executable for a batch it was built for, and names
+    # each kernel's op and layer from the predictor's kernel table (a raw VM has only the symbols)
+    prof = profile(exe, [x], repeats=args.repeats, method=args.method)
+    assert prof.batch == args.batch and (not args.static or exe.vm_for_batch(args.batch) is not exe.vm)
     kernels = sum(r.calls for r in prof.rows)
     print(f"{args.net}, correlation {net.plan.correlation}, batch {args.batch}, {args.threads} thread(s), "
           f"{'static' if args.static else 'any-batch'} executable, method {args.method}, load average "
