@@ -83,6 +83,11 @@ def case_graphs() -> dict[str, LayerGraph]:
     # conv, output-column vectors (6 channels, 12 columns), padding, probabilistic input -> two pads
     g["conv_cols"] = LayerGraph((2, 12, 12), [conv(rng, "c", INPUT, (2, 12, 12), 6, 5, pad=2)], "c",
                                 input_variance=True)
+    # conv rows computed wider than the output (28 -> 32 columns, 14 -> 16 with stride 2), deterministic and
+    # second-moment inputs: the extra columns read zero padding and are cut off by the epilogue
+    w1 = conv(rng, "c1", INPUT, (1, 6, 28), 6, 5, pad=2)
+    g["conv_wide"] = LayerGraph((1, 6, 28), [w1, relu("r", "c1", w1.out_shape),
+                                             conv(rng, "c2", "r", w1.out_shape, 6, 3, stride=2, pad=1)], "c2")
     # conv, output-channel vectors (16 channels, 5 columns), stride 2, deterministic input
     g["conv_chans"] = LayerGraph((3, 11, 11), [conv(rng, "c", INPUT, (3, 11, 11), 16, 3, stride=2, pad=1)], "c")
     # conv with groups and dilation after a ReLU (second-moment input)
@@ -145,7 +150,7 @@ def case_graphs() -> dict[str, LayerGraph]:
 GRAPHS = case_graphs()
 EXPECT_VECTOR = {  # functions with a vectorizable body and a vector width dividing the vector axis
     "dense": ("pfp_dense_fc1", "pfp_dense_fc2"),
-    "conv_cols": ("pfp_conv2d_c",), "conv_chans": ("pfp_conv2d_c",), "conv_groups": ("pfp_conv2d_c1",),
+    "conv_cols": ("pfp_conv2d_c",), "conv_chans": ("pfp_conv2d_c",), "conv_wide": ("pfp_conv2d_c1", "pfp_conv2d_c2"), "conv_groups": ("pfp_conv2d_c1",),
     "pool_det": ("pfp_max_pool2d_p",), "pool_flat": ("pfp_max_pool2d_p",), "pool_chans": ("pfp_max_pool2d_p",), "relu_det": ("pfp_relu_r",), "convert": ("pfp_convert_input_to_second",),
 }
 
@@ -371,3 +376,23 @@ def test_small_static_kernels_run_serially(builder, monkeypatch):
     for got, want, ref in zip(serial, parallel, execute(planned, x)):
         np.testing.assert_array_equal(got.numpy(), want.numpy())  # the same arithmetic, on one thread
         np.testing.assert_allclose(got.numpy(), ref, rtol=0, atol=1e-4 * np.abs(ref).max())
+
+
+def test_conv_rows_computed_in_whole_vectors():
+    """A conv whose output columns are its vector axis but not a multiple of 16 lanes computes its rows
+    16-wide where that adds at most a quarter (LeNet conv1: 28 -> 32), and writes only the real columns."""
+    from pyro2pfp.tvm_backend.ops.compute import computed_width
+
+    assert computed_width(6, 28) == 32 and computed_width(6, 14) == 16
+    assert computed_width(16, 28) == 28  # 16 channels fill a vector: the schedule vectorises those
+    assert computed_width(6, 12) == 12 and computed_width(6, 32) == 32 and computed_width(6, 7) == 7
+    import re
+
+    planned = plan(GRAPHS["conv_wide"])
+    mod = emit_module(planned)
+    funcs = prim_funcs(schedule_module(mod, planned, TARGETS["native"]))
+    for name, width in (("pfp_conv2d_c1", 28), ("pfp_conv2d_c2", 14)):
+        acc = re.search(r"conv2d_v0 = T.sblock_alloc_buffer\(\((.*)\)\)", prim_funcs(mod)[name].script())
+        assert acc is not None and acc.group(1).endswith(f"T.int64({-(-width // 16) * 16})"), (name, acc)
+        if schedules.simd_lanes(TARGETS["native"]) == 16:
+            assert "T.vectorized(T.int64(16))" in funcs[name].script(), name

@@ -141,9 +141,10 @@ def dense(ctx: EmitContext, layer: PlannedLayer, inputs: list[RelaxActivation]) 
     return activation_out(outs, ctx.activation or layer)
 
 
-def _pad(x: te.Tensor, padding: list[int]) -> te.Tensor:
+def _pad(x: te.Tensor, padding: list[int], extra_right: int = 0) -> te.Tensor:
+    """``x`` zero-padded by ``padding`` (rows, columns) and ``extra_right`` more zero columns."""
     ph, pw = padding
-    if ph == 0 and pw == 0:
+    if ph == 0 and pw == 0 and extra_right == 0:
         return x
     n, c, h, w = x.shape
 
@@ -151,7 +152,33 @@ def _pad(x: te.Tensor, padding: list[int]) -> te.Tensor:
         inside = tirx.all(i >= ph, i < h + ph, j >= pw, j < w + pw)
         return tirx.if_then_else(inside, x[b, ch, i - ph, j - pw], tirx.const(0.0, F32))
 
-    return te.compute((n, c, h + 2 * ph, w + 2 * pw), f, name="pad")
+    return te.compute((n, c, h + 2 * ph, w + 2 * pw + extra_right), f, name="pad")
+
+
+CONV_WIDE_LANES = 16
+"""The direct conv computes its output rows :func:`computed_width` columns wide: whole vectors of this
+many fp32 lanes (AVX-512's) where that is what makes the output columns the vector axis."""
+CONV_WIDE_WASTE = 0.25
+"""... and only where the extra columns are at most this fraction of the real ones."""
+
+
+def computed_width(out_channels: int, out_w: int) -> int:
+    """Output columns the direct conv kernel computes (its epilogue writes the first ``out_w``).
+
+    The default schedule vectorises a conv over its output columns when they have the larger
+    power-of-two divisor (:func:`schedule_conv2d`); a width such as LeNet conv1's 28 then gives
+    4-lane vectors on a 16-lane CPU.  Rounding the computed row up to a multiple of
+    :data:`CONV_WIDE_LANES` (28 -> 32: 14 % more multiply-adds, on zero padding) gives whole 16-lane
+    vectors.  Only where the output channels do not fill a vector themselves (else the schedule
+    vectorises them) and the extra columns are at most :data:`CONV_WIDE_WASTE` of the row.  The emitted
+    module is target-independent, so a 4-lane target (NEON) computes the extra columns for nothing.
+    Measured (``benchmarks/kernel_profile.py --net lenet --batch 10 --static --kernels``, 2 threads,
+    AVX-512): see ``README.md`` "Performance"."""
+    lanes = CONV_WIDE_LANES
+    wide = -(-out_w // lanes) * lanes
+    if out_w % lanes == 0 or pow2_divisor(out_channels, lanes) >= lanes or wide - out_w > CONV_WIDE_WASTE * out_w:
+        return out_w
+    return wide
 
 
 @kernel("conv2d")
@@ -165,16 +192,19 @@ def conv2d(ctx: EmitContext, layer: PlannedLayer, inputs: list[RelaxActivation])
         return activation_out(winograd_conv(ctx, layer, x, _epilogue_stage), ctx.activation or layer)
 
     def fn(*tensors: te.Tensor) -> list[te.Tensor]:
-        x_mean = _pad(tensors[0], a["padding"])
-        x_second = None if deterministic else _pad(tensors[1], a["padding"])
         w_mean, w_second = tensors[n_x:n_x + 2]
         bias = list(tensors[n_x + 2:])
         c_per_group, kh, kw, _ = (int(d) for d in w_mean.shape)
+        (sh, sw), (dh, dw) = a["stride"], a["dilation"]
+        wide = computed_width(out_c, out_w)
+        in_w = int(tensors[0].shape[3]) + 2 * a["padding"][1]
+        extra = max(0, (wide - 1) * sw + (kw - 1) * dw + 1 - in_w)  # zero columns the wide row reads
+        x_mean = _pad(tensors[0], a["padding"], extra)
+        x_second = None if deterministic else _pad(tensors[1], a["padding"], extra)
         o_per_group = out_c // a["groups"]
         rc = te.reduce_axis((0, c_per_group), name="rc")
         rp = te.reduce_axis((0, kh), name="rp")
         rq = te.reduce_axis((0, kw), name="rq")
-        (sh, sw), (dh, dw) = a["stride"], a["dilation"]
 
         def body(b, o, i, j):
             c = (o // o_per_group) * c_per_group + rc if a["groups"] > 1 else rc
@@ -183,8 +213,10 @@ def conv2d(ctx: EmitContext, layer: PlannedLayer, inputs: list[RelaxActivation])
             return pair_sum(_terms(x_mean[pos], xs, w_mean[rc, rp, rq, o], w_second[rc, rp, rq, o], x.repr),
                             axis=[rc, rp, rq])
 
-        acc = te.compute((tensors[0].shape[0], out_c, out_h, out_w), body, name="conv2d")
-        return _epilogue_stage(acc[0], acc[1], bias, 1, layer, activation=ctx.activation)
+        batch = tensors[0].shape[0]
+        acc = te.compute((batch, out_c, out_h, wide), body, name="conv2d")
+        return _epilogue_stage(acc[0], acc[1], bias, 1, layer, shape=(batch, out_c, out_h, out_w),
+                               activation=ctx.activation)
 
     outs = ctx.emit_te(fn, x.tensors() + _weights_and_bias(ctx, layer, (1, 2, 3, 0)), layer)  # (C, KH, KW, O)
     return activation_out(outs, ctx.activation or layer)
