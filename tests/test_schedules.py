@@ -360,7 +360,7 @@ def test_small_static_kernels_run_serially(builder, monkeypatch):
     planned = plan(graph)
     mod = emit_module(planned, fuse=False)
     static = specialize_batch(mod, 7)
-    flops = {name: schedules.kernel_work(f) for name, f in prim_funcs(static).items()}
+    flops = {name: schedules.kernel_work(tvm.s_tir.Schedule(f)) for name, f in prim_funcs(static).items()}
     assert len(set(flops.values())) > 1, flops
     monkeypatch.setattr(schedules, "SERIAL_WORK", float(np.median(list(flops.values()))) + 0.5)
     scheduled = schedule_module(static, planned, TARGETS["native"])

@@ -136,24 +136,30 @@ def vectorizable(sch: s_tir.Schedule, blocks: list[Any]) -> bool:
     """
     ok = True
 
-    def visit(node: Any, visitor: Any) -> None:
+    def check(node: Any) -> None:
         nonlocal ok
-        if isinstance(node, tirx.Let):
-            # a chain of lets (te_shared binds hundreds in the smooth activations): walk it in a loop,
-            # since recursing through it in this Python callback exceeds Python's recursion limit
-            while isinstance(node, tirx.Let):
-                tvm_ffi.structural_visit(node.value, visit)
-                node = node.body
-            tvm_ffi.structural_visit(node, visit)
-            return
         if isinstance(node, tvm.ir.expr.Call) and isinstance(node.op, tvm.ir.Op):
             if node.op.name not in ALWAYS_VECTORIZABLE and not node.op.get_attr("TVectorizable"):
                 ok = False
-        visitor.default_visit(node)
 
     for block in blocks:
-        tvm_ffi.structural_visit(sch.get(block), visit)
+        walk(sch.get(block), check)
     return ok
+
+
+def walk(root: Any, fn: Callable[[Any], None]) -> None:
+    """``fn(node)`` for every node of the TIR tree ``root``.  A chain of lets (``te_shared`` binds
+    hundreds in the smooth activations) is walked in a loop, since recursing through it in the
+    Python callback exceeds Python's recursion limit."""
+    def visit(node: Any, visitor: Any) -> None:
+        while isinstance(node, tirx.Let):
+            fn(node)
+            tvm_ffi.structural_visit(node.value, visit)
+            node = node.body
+        fn(node)
+        visitor.default_visit(node)
+
+    tvm_ffi.structural_visit(root, visit)
 
 
 def vectorize_inner(sch: s_tir.Schedule, block: Any, lanes: int, below: Any = None) -> None:
@@ -323,25 +329,19 @@ _ARITHMETIC = (tirx.Add, tirx.Sub, tirx.Mul, tirx.Div, tirx.FloorDiv, tirx.Min, 
                tvm.ir.expr.Call)
 
 
-def kernel_work(func: tirx.PrimFunc) -> float | None:
-    """The arithmetic of a static-shape kernel: over its blocks, the iterations (product of the
-    enclosing loop extents) times the arithmetic nodes of the block (let-bound values counted once,
-    as they are computed once); ``None`` when a loop extent is symbolic (the batch of an any-batch
-    kernel).  (``tvm.s_tir.analysis.estimate_tir_flops`` counts the same but rejects ``T.let``,
-    which every ReLU and Clark max kernel binds.)"""
-    sch = s_tir.Schedule(func)
+def kernel_work(sch: s_tir.Schedule) -> float | None:
+    """The arithmetic of a static-shape kernel (the function of ``sch``, before it is scheduled): over
+    its blocks, the iterations (product of the enclosing loop extents) times the arithmetic nodes of
+    the block (a let-bound value counted once, as it is computed once); ``None`` when a loop extent
+    is symbolic (the batch of an any-batch kernel).  (``tvm.s_tir.analysis.estimate_tir_flops``
+    counts the same but rejects ``T.let``, which every ReLU and Clark max kernel binds.)"""
     total = 0.0
     count = 0
 
-    def visit(node: Any, visitor: Any) -> None:
+    def tally(node: Any) -> None:
         nonlocal count
-        while isinstance(node, tirx.Let):  # a let chain in a loop (see vectorizable)
-            tvm_ffi.structural_visit(node.value, visit)
+        if isinstance(node, _ARITHMETIC + (tirx.Let,)):
             count += 1
-            node = node.body
-        if isinstance(node, _ARITHMETIC):
-            count += 1
-        visitor.default_visit(node)
 
     for block in sch.get_child_blocks(sch.get_sblock("root")):
         iterations = 1.0
@@ -351,15 +351,15 @@ def kernel_work(func: tirx.PrimFunc) -> float | None:
                 return None
             iterations *= ext
         count = 0
-        tvm_ffi.structural_visit(sch.get(block).body, visit)
+        walk(sch.get(block).body, tally)
         total += iterations * max(count, 1)
     return total
 
 
-def runs_serially(func: tirx.PrimFunc) -> bool:
-    """Whether ``func`` is a kernel whose default schedule stays on one thread: every loop extent
-    static and its :func:`kernel_work` below :data:`SERIAL_WORK`."""
-    work = kernel_work(func)
+def runs_serially(sch: s_tir.Schedule) -> bool:
+    """Whether the (not yet scheduled) kernel of ``sch`` keeps its default schedule on one thread:
+    every loop extent static and its :func:`kernel_work` below :data:`SERIAL_WORK`."""
+    work = kernel_work(sch)
     return work is not None and work < SERIAL_WORK
 
 
@@ -373,7 +373,7 @@ def schedule_function(func: tirx.PrimFunc, op: str, layer: Any, target: tvm.targ
     if fn is None:
         raise KeyError(f"no schedule registered for PFP op {op!r}")
     sch = s_tir.Schedule(func)
-    fn(_SerialSchedule(sch) if runs_serially(func) else sch, layer, target)
+    fn(_SerialSchedule(sch) if runs_serially(sch) else sch, layer, target)
     out = sch.mod["main"]
     if "global_symbol" not in (func.attrs or {}) and "global_symbol" in (out.attrs or {}):
         out = out.without_attr("global_symbol")
