@@ -1,12 +1,14 @@
 """Compile time of ``net.compile()`` (default schedules, any batch) for the MLP, LeNet-5, ResNet-8 and
 ResNet-20 of ``benchmarks/latency.py`` (the ResNets with the default ``correlation="auto"``, which is the
 shared-factor scheme for them, and with ``"mean-field"``: rows ``(mf)``), in CPU seconds of this
-process (``time.process_time``, so a loaded machine does not inflate it) and wall seconds, best of
-``--repeats``.
+process (``time.process_time``: all threads, so a loaded machine does not inflate it) and wall seconds
+(what a user waits: the kernels compile on ``PYRO2PFP_BUILD_JOBS`` threads, default the CPUs this process
+may use; measure it on a quiet machine), best of ``--repeats``.
 
     PYTHONPATH=. .venv/bin/python benchmarks/compile_time.py [--repeats 3]
 
-Issue 13's targets (LeNet-5 <= 2 s, ResNet-20 <= 5 s) are printed as HOLDS/SHORT lines.
+Issue 13's targets (LeNet-5 <= 2 s, ResNet-20 <= 5 s) are printed as HOLDS/SHORT lines, judged on the
+wall time (the CPU seconds beside it).
 
     PYTHONPATH=. .venv/bin/python benchmarks/compile_time.py --per-op resnet20
 
@@ -97,7 +99,9 @@ def main() -> None:
     if args.per_op:
         per_op(args.per_op)
         return
-    print(f"load average {os.getloadavg()[0]:.1f}")
+    from pyro2pfp.tvm_backend.build import build_jobs
+
+    print(f"load average {os.getloadavg()[0]:.1f}, kernels compiled on {build_jobs()} thread(s)")
     print(f"{'net':<14} {'CPU s':>6} {'wall s':>7}")
     best = {}
     for name, net in networks():
@@ -108,11 +112,12 @@ def main() -> None:
             net.compile()
             cpu.append(time.process_time() - c0)
             wall.append(time.perf_counter() - t0)
-        best[name] = min(cpu)
+        best[name] = (min(wall), min(cpu))
         print(f"{name:<14} {min(cpu):>6.2f} {min(wall):>7.2f}")
     for name, limit in TARGETS.items():
-        verdict = "HOLDS" if best[name] <= limit else "SHORT"
-        print(f"{verdict}: {name} compile {best[name]:.2f} CPU s <= {limit:.0f} s")
+        wall_s, cpu_s = best[name]
+        verdict = "HOLDS" if wall_s <= limit else "SHORT"
+        print(f"{verdict}: {name} compile {wall_s:.2f} s wall <= {limit:.0f} s ({cpu_s:.2f} CPU s)")
 
 
 if __name__ == "__main__":

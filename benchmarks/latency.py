@@ -248,7 +248,8 @@ def run_net(name: str, args, tgt, x_all: np.ndarray, y_all: np.ndarray, log) -> 
     import pyro2pfp
     from pyro2pfp import tuning
     from pyro2pfp.profiling import profile
-    from pyro2pfp.tvm_backend.runtime import CompiledPFP, build
+    from pyro2pfp.tvm_backend.build import build
+    from pyro2pfp.tvm_backend.runtime import CompiledPFP
     from pyro2pfp_experiments.zoo import train_svi
 
     pyro.clear_param_store()

@@ -13,6 +13,7 @@ from pyro2pfp.network import PFPNetwork
 from pyro2pfp.plan import plan
 from pyro2pfp.tuning import api as tuning_api
 from pyro2pfp.tvm_backend import runtime
+from pyro2pfp.tvm_backend.build import mark_prim_funcs_noalias
 
 
 def tiny_net(input_variance: bool = False) -> PFPNetwork:
@@ -167,7 +168,7 @@ def test_thread_control():
 
 def test_every_kernel_is_compiled_noalias(net_exe):
     """TVM 0.27's Relax pipeline adds a ``shape_func`` without ``tirx.noalias``, which costs every
-    kernel of the module its noalias (2.5x slower dense); ``runtime.build`` marks them all."""
+    kernel of the module its noalias (2.5x slower dense); ``build`` marks them all."""
     import tvm
     from tvm import relax
 
@@ -175,6 +176,6 @@ def test_every_kernel_is_compiled_noalias(net_exe):
     lowered = relax.get_pipeline("default")(net.mod)
     funcs = {gv.name_hint: f for gv, f in lowered.functions_items() if isinstance(f, tvm.tirx.PrimFunc)}
     assert "shape_func" in funcs and not funcs["shape_func"].attrs.get("tirx.noalias", False)
-    marked = runtime.mark_prim_funcs_noalias(lowered)
+    marked = mark_prim_funcs_noalias(lowered)
     assert all(f.attrs.get("tirx.noalias", False) for f in marked.functions.values()
                if isinstance(f, tvm.tirx.PrimFunc))

@@ -10,7 +10,7 @@ from tvm import relax
 from pyro2pfp.graph import INPUT, Layer, LayerGraph
 from pyro2pfp.network import PFPNetwork
 from pyro2pfp.plan import plan
-from pyro2pfp.tvm_backend.runtime import build
+from pyro2pfp.tvm_backend.build import build
 from pyro2pfp.tvm_backend.schedules import schedule_module
 from pyro2pfp.tvm_backend.sharing import share_identical_kernels
 

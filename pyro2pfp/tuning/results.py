@@ -43,8 +43,8 @@ class TuneResult:
 
     def build(self) -> Any:
         """``tvm.compile(self.mod, target=self.target)`` (through
-        :func:`pyro2pfp.tvm_backend.runtime.build`: every kernel compiled with ``noalias``)."""
-        from ..tvm_backend.runtime import build
+        :func:`pyro2pfp.tvm_backend.build.build`: every kernel compiled with ``noalias``)."""
+        from ..tvm_backend.build import build
 
         return build(self.mod, self.target)
 

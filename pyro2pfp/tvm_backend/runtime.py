@@ -21,21 +21,13 @@ from tvm import relax
 
 from ..errors import ArgumentError
 from ..inputs import check_finite_outputs, checked_inputs
-from ..targets import make_target
+from .build import available_cpus, build
 from .schedules import schedule_module
-
-
-def _available_cpus() -> list[int]:
-    """The logical CPUs this process may run on (its affinity)."""
-    try:
-        return sorted(os.sched_getaffinity(0))
-    except AttributeError:  # pragma: no cover -- not Linux
-        return list(range(os.cpu_count() or 1))
 
 
 def default_num_threads() -> int:
     """Physical cores available to this process (CPU affinity), at least 1."""
-    available = len(_available_cpus())
+    available = len(available_cpus())
     try:
         import psutil
 
@@ -62,45 +54,12 @@ def set_num_threads(n: int) -> int:
     if not isinstance(n, int) or isinstance(n, bool) or n < 1:
         raise ArgumentError(f"num_threads must be a positive int, got {n!r}")
     configure = tvm.get_global_func("runtime.config_threadpool")
-    configure(-3, n, [str(c) for c in _available_cpus()])  # -3: kSpecifyThreadShareAllCore (no pinning)
+    configure(-3, n, [str(c) for c in available_cpus()])  # -3: kSpecifyThreadShareAllCore (no pinning)
     got = num_threads()
     if got != n:
         warnings.warn(f"pyro2pfp: TVM's thread pool has {got} thread(s), asked for {n}: set "
                       f"TVM_NUM_THREADS={n} before the first TVM kernel runs", RuntimeWarning, stacklevel=2)
     return got
-
-
-@tvm.transform.module_pass(opt_level=0, name="pyro2pfp.MarkPrimFuncsNoAlias")
-def mark_prim_funcs_noalias(mod: tvm.IRModule, _ctx: Any) -> tvm.IRModule:
-    """Give every PrimFunc the ``tirx.noalias`` attribute (the PFP kernels have it already).
-
-    Work-around for TVM 0.27: the Relax pipeline adds a host PrimFunc ``shape_func`` (storage
-    sizes of a symbolic batch) without the attribute, and then LLVM gets no ``noalias`` for *any*
-    kernel of the module: it reloads the register accumulators and recomputes ``x²`` in every
-    iteration of the dense reduction (measured 2.5x slower, 32 us -> 80 us for the MLP's first
-    layer at batch 10).  Relax calls PrimFuncs in destination-passing style with distinct
-    buffers, so the attribute is true of all of them."""
-    missing = [gv for gv, func in mod.functions_items() if isinstance(func, tvm.tirx.PrimFunc)
-               and not (func.attrs and func.attrs.get("tirx.noalias", False))]
-    if not missing:
-        return mod
-    out = mod.clone()  # a pass must not modify the module it is given
-    for gv in missing:
-        out[gv] = mod[gv].with_attr("tirx.noalias", True)
-    return out
-
-
-def build(mod: tvm.IRModule, target: Any, relax_pipeline: Any = "default") -> Any:
-    """``tvm.compile(mod, target)`` with identical kernels shared
-    (:func:`~pyro2pfp.tvm_backend.sharing.share_identical_kernels`), then the Relax pipeline
-    ``relax_pipeline`` (a name or a pass), then :func:`mark_prim_funcs_noalias`."""
-    from .sharing import share_identical_kernels_pass
-
-    tgt = make_target(target)
-    if isinstance(relax_pipeline, str):
-        relax_pipeline = relax.get_pipeline(relax_pipeline)
-    pipeline = tvm.transform.Sequential([share_identical_kernels_pass, relax_pipeline, mark_prim_funcs_noalias])
-    return tvm.compile(mod, target=tgt, relax_pipeline=pipeline)
 
 
 class _ThreadState:

@@ -67,5 +67,5 @@ def share_identical_kernels(mod: tvm.IRModule) -> tvm.IRModule:
 
 @tvm.transform.module_pass(opt_level=0, name="pyro2pfp.ShareIdenticalKernels")
 def share_identical_kernels_pass(mod: tvm.IRModule, _ctx: Any) -> tvm.IRModule:
-    """:func:`share_identical_kernels` as a module pass (first in :func:`~pyro2pfp.tvm_backend.runtime.build`)."""
+    """:func:`share_identical_kernels` as a module pass (first in :func:`~pyro2pfp.tvm_backend.build.build`)."""
     return share_identical_kernels(mod)

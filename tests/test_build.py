@@ -1,0 +1,101 @@
+"""The kernels of a network compiled on several threads (pyro2pfp.tvm_backend.build): the same
+executable as ``tvm.compile`` (bitwise equal outputs), one LLVM module per part, exportable, and the
+caller's PassContext applied on every thread."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import tvm
+from builders import lenet_graph
+from tvm import relax
+
+from pyro2pfp.errors import ArgumentError
+from pyro2pfp.network import PFPNetwork
+from pyro2pfp.plan import plan
+from pyro2pfp.tvm_backend import build as build_module
+from pyro2pfp.tvm_backend.build import KERNELS_PER_PART, build, build_jobs
+from pyro2pfp.tvm_backend.schedules import schedule_module
+
+TARGET = tvm.target.Target("llvm")
+
+
+@pytest.fixture(scope="module")
+def lenet():
+    """A small LeNet (conv/ReLU/max pool/dense): ~10 distinct kernels, scheduled."""
+    graph = lenet_graph(np.random.default_rng(0), widths=(3, 4, 12, 8), image=12)
+    net = PFPNetwork(graph, plan(graph))
+    rng = np.random.default_rng(1)
+    x = rng.standard_normal((3, *net.input_shape)).astype(np.float32)
+    return net, schedule_module(net.mod, net.plan, TARGET), x
+
+
+def llvm_modules(executable) -> int:
+    """LLVM modules linked into an executable (the library and everything it imports)."""
+    stack, count = list(executable.mod.imports), 0
+    while stack:
+        mod = stack.pop()
+        count += mod.kind == "llvm"
+        stack.extend(mod.imports)
+    return count
+
+
+def run(executable, x: np.ndarray) -> list[np.ndarray]:
+    vm = relax.VirtualMachine(executable, tvm.cpu())
+    return [t.numpy() for t in vm["main"](tvm.runtime.tensor(x))]
+
+
+def kernel_count(mod: tvm.IRModule) -> int:
+    lowered = relax.get_pipeline("default")(mod)
+    return sum(isinstance(f, tvm.tirx.PrimFunc) for f in lowered.functions.values())
+
+
+def test_parallel_build_is_tvm_compile_split_into_parts(lenet):
+    net, scheduled, x = lenet
+    serial, parallel = build(scheduled, TARGET, jobs=1), build(scheduled, TARGET, jobs=3)
+    n_kernels = kernel_count(scheduled)
+    assert llvm_modules(serial) == 1
+    assert llvm_modules(parallel) == min(n_kernels, max(3, -(-n_kernels // KERNELS_PER_PART))) > 1
+    want, got = run(serial, x), run(parallel, x)
+    for g, w in zip(got, want):
+        np.testing.assert_array_equal(g, w)  # the same kernels, only linked from several modules
+    for g, r in zip(got, net.reference(x)):
+        assert np.abs(g - r).max() <= 2e-5 * np.abs(r).max()
+
+
+def test_parallel_build_exports_and_loads(lenet, tmp_path):
+    _, scheduled, x = lenet
+    executable = build(scheduled, TARGET, jobs=2)
+    path = tmp_path / "lenet.so"
+    executable.export_library(str(path))
+    loaded = tvm.runtime.load_module(str(path))
+    vm = relax.VirtualMachine(loaded, tvm.cpu())
+    got = [t.numpy() for t in vm["main"](tvm.runtime.tensor(x))]
+    for g, w in zip(got, run(executable, x)):
+        np.testing.assert_array_equal(g, w)
+
+
+def test_the_callers_pass_context_applies_on_every_thread(lenet):
+    """A pass instrument of the caller's PassContext sees the TIR lowering passes that run on the
+    build threads (without the context there, it would see only the Relax pipeline's)."""
+    _, scheduled, _ = lenet
+    seen: list[str] = []
+
+    @tvm.instrument.pass_instrument
+    class Record:
+        def run_before_pass(self, _mod, info):
+            seen.append(info.name)
+
+    with tvm.transform.PassContext(opt_level=3, instruments=[Record()]):
+        build(scheduled, TARGET, jobs=2)
+    assert any(name.startswith("tirx.") for name in seen)  # TIR lowering, on the build threads
+
+
+def test_build_jobs_from_the_environment(monkeypatch):
+    monkeypatch.setenv("PYRO2PFP_BUILD_JOBS", "3")
+    assert build_jobs() == 3
+    monkeypatch.delenv("PYRO2PFP_BUILD_JOBS")
+    assert build_jobs() == len(build_module.available_cpus()) >= 1
+    for bad in ("0", "-2", "two", "1.5"):
+        monkeypatch.setenv("PYRO2PFP_BUILD_JOBS", bad)
+        with pytest.raises(ArgumentError, match="PYRO2PFP_BUILD_JOBS"):
+            build_jobs()
