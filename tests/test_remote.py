@@ -4,6 +4,8 @@ execution; a dead server, a wrong key and a silent peer give clear pyro2pfp erro
 """
 from __future__ import annotations
 
+import os
+import signal
 import socket
 import subprocess
 import sys
@@ -32,10 +34,20 @@ def free_port() -> int:
         return sock.getsockname()[1]
 
 
+def spawn(cmd: list[str]) -> subprocess.Popen:
+    """A TVM RPC service process in a session (process group) of its own: ``tvm.exec.rpc_tracker`` /
+    ``rpc_server`` run the service in a child process (a ``PopenWorker``), which killing the parent
+    alone would leave behind, listening."""
+    return subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+
+
 def _kill(procs: list[subprocess.Popen]) -> None:
+    """Kill each service's process group (the process and the worker serving for it)."""
     for proc in procs:
-        if proc.poll() is None:
-            proc.kill()
+        try:
+            os.killpg(proc.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
     for proc in procs:
         try:
             proc.wait(timeout=10)
@@ -48,18 +60,16 @@ def boards():
     """A TVM tracker and two RPC servers on 127.0.0.1 under key ``loopback``: the tracker's Remote."""
     py = sys.executable
     port = free_port()
-    procs = [subprocess.Popen([py, "-m", "tvm.exec.rpc_tracker", "--host", "127.0.0.1", "--port", str(port),
-                               "--port-end", str(port + 1), "--silent"],
-                              stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)]
+    procs = [spawn([py, "-m", "tvm.exec.rpc_tracker", "--host", "127.0.0.1", "--port", str(port),
+                    "--port-end", str(port + 1), "--silent"])]
     try:
         remote = Remote("127.0.0.1", port, KEY, session_timeout=60, connect_timeout=5, parallel=2)
         deadline = time.monotonic() + START_TIMEOUT
         for _ in range(2):
             server_port = free_port()
-            procs.append(subprocess.Popen(
+            procs.append(spawn(
                 [py, "-m", "tvm.exec.rpc_server", "--host", "127.0.0.1", "--port", str(server_port),
-                 "--port-end", str(server_port + 1), "--tracker", f"127.0.0.1:{port}", "--key", KEY, "--silent"],
-                stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL))
+                 "--port-end", str(server_port + 1), "--tracker", f"127.0.0.1:{port}", "--key", KEY, "--silent"]))
         while True:  # both servers registered
             try:
                 if remote.servers() == 2:

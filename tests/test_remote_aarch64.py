@@ -23,7 +23,7 @@ import time
 import numpy as np
 import pytest
 from builders import lenet_graph, mlp_graph
-from test_remote import free_port
+from test_remote import _kill, free_port, spawn
 
 from pyro2pfp import tuning
 from pyro2pfp.errors import InputShapeError, PFPError, RemoteError
@@ -46,9 +46,8 @@ def emulated(tmp_path_factory):
 
     log = tmp_path_factory.mktemp("board") / "board.log"
     port = free_port()
-    tracker = subprocess.Popen([sys.executable, "-m", "tvm.exec.rpc_tracker", "--host", "127.0.0.1", "--port",
-                                str(port), "--port-end", str(port + 1), "--silent"],
-                               stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    tracker = spawn([sys.executable, "-m", "tvm.exec.rpc_tracker", "--host", "127.0.0.1", "--port", str(port),
+                     "--port-end", str(port + 1), "--silent"])
     emulated = EmulatedBoard(tracker=("127.0.0.1", port), key=KEY, log=log, start_timeout=START_TIMEOUT,
                              session_timeout=90, connect_timeout=10)
     try:
@@ -59,9 +58,7 @@ def emulated(tmp_path_factory):
         yield emulated
     finally:
         emulated.stop()
-        if tracker.poll() is None:
-            tracker.kill()
-        tracker.wait(timeout=10)
+        _kill([tracker])
 
 
 @pytest.fixture(scope="module")
