@@ -13,7 +13,7 @@ from pyro2pfp.errors import ArgumentError
 from pyro2pfp.network import PFPNetwork
 from pyro2pfp.plan import plan
 from pyro2pfp.tvm_backend import build as build_module
-from pyro2pfp.tvm_backend.build import KERNELS_PER_PART, build, build_jobs
+from pyro2pfp.tvm_backend.build import KERNELS_PER_PART, KernelPool, build, build_jobs
 from pyro2pfp.tvm_backend.schedules import schedule_module
 
 TARGET = tvm.target.Target("llvm")
@@ -60,6 +60,39 @@ def test_parallel_build_is_tvm_compile_split_into_parts(lenet):
         np.testing.assert_array_equal(g, w)  # the same kernels, only linked from several modules
     for g, r in zip(got, net.reference(x)):
         assert np.abs(g - r).max() <= 2e-5 * np.abs(r).max()
+
+
+def test_kernels_compiled_while_scheduling_are_linked_not_compiled_again(lenet):
+    """``build_network``'s path: each kernel goes to the pool as soon as it is scheduled; the Relax
+    pipeline leaves them unchanged, so ``build`` compiles only what it added (``shape_func``) and the
+    last partial part."""
+    net, scheduled, x = lenet
+    pool = KernelPool(TARGET, jobs=2)
+    names: list[str] = []
+    mod = schedule_module(net.mod, net.plan, TARGET, on_scheduled=lambda n, f: (names.append(n), pool.add(n, f)))
+    executable = build(mod, TARGET, kernels=pool)
+    early = [name for part, _ in pool.parts[:len(names) // KERNELS_PER_PART] for name in part]
+    assert len(early) >= KERNELS_PER_PART and set(early) <= set(names)
+    assert not set(early) & set(pool.compiled_late)  # compiled once, while scheduling
+    assert "shape_func" in pool.compiled_late
+    for g, w in zip(run(executable, x), run(tvm.compile(scheduled, target=TARGET), x)):
+        np.testing.assert_array_equal(g, w)
+
+
+def test_a_kernel_that_changed_after_it_was_queued_is_compiled_again(lenet):
+    """A part compiled early whose kernel is not the one the module links (here: the unscheduled
+    version was queued) is dropped and the module's kernel compiled: the executable runs the
+    module's code, never a stale one."""
+    net, scheduled, x = lenet
+    pool = KernelPool(TARGET, jobs=2)
+    for gv, func in net.mod.functions_items():
+        if isinstance(func, tvm.tirx.PrimFunc):
+            pool.add(gv.name_hint, func)  # unscheduled: not what `scheduled` holds under that name
+    executable = build(scheduled, TARGET, kernels=pool)
+    queued = {name for part, _ in pool.parts for name in part}
+    assert queued and queued - {"shape_func"} <= set(pool.compiled_late)
+    for g, w in zip(run(executable, x), run(tvm.compile(scheduled, target=TARGET), x)):
+        np.testing.assert_array_equal(g, w)
 
 
 def test_parallel_build_exports_and_loads(lenet, tmp_path):

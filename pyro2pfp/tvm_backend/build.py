@@ -1,18 +1,21 @@
-"""Build a PFP Relax module into a VM executable, its kernels compiled by LLVM in parallel threads.
+"""Build a PFP Relax module into a VM executable, its kernels compiled by LLVM on parallel threads.
 
 ``tvm.compile`` lowers and compiles every PrimFunc of a module as *one* LLVM module on one thread,
 and the machine code is generated later, again on one thread, when the VM first looks a kernel up
 (LLVM's JIT).  Those two steps are ~85 % of a network's build (shared-factor ResNet-20: 7.1 s of
 lowering + LLVM IR + optimisation, 4.7 s of machine code, of 14 CPU-seconds).  The kernels are
-independent functions, and TVM releases the GIL while LLVM works, so :func:`build` runs the Relax
-pipeline and the VM's code generation as ``tvm.compile`` does, then splits the module's PrimFuncs
-into parts and compiles each part -- lowering, LLVM, and for a target this machine runs, the JIT --
-on a pool of threads (:func:`build_jobs`), and links the parts into one executable (the first part's
-library imports the others; the VM finds a kernel in any of them).  Results are the same code; an
-exported library (``export_library``) links every part's object file.
+independent functions and TVM releases the GIL while LLVM works, so here they are compiled in parts
+of :data:`KERNELS_PER_PART` on a pool of threads (:class:`KernelPool`, :func:`build_jobs` threads):
+lowering, LLVM and, for a target this machine runs, the machine code.  ``build_network`` hands each
+kernel to the pool as soon as it is scheduled (scheduling is Python and holds the GIL; LLVM compiles
+the previous kernels meanwhile); :func:`build` runs the Relax pipeline and the VM's code generation as
+``tvm.compile`` does, compiles what the pipeline added (its ``shape_func``) or changed (a part whose
+kernel is not, structurally, the one the module links is dropped and compiled again), and links the
+parts into one executable: the first part's library imports the others, the VM finds a kernel in any
+of them, ``export_library`` links every part's object file.  The code is the same as
+``tvm.compile``'s (outputs bitwise equal).
 
-``PYRO2PFP_BUILD_JOBS`` (an integer >= 1) sets the number of threads; 1 builds exactly as
-``tvm.compile`` does.
+``PYRO2PFP_BUILD_JOBS`` (an integer >= 1) sets the number of threads; 1 builds with ``tvm.compile``.
 """
 from __future__ import annotations
 
@@ -21,6 +24,7 @@ import os
 from typing import Any
 
 import tvm
+import tvm_ffi
 from tvm import relax
 from tvm.relax import vm_build
 
@@ -75,58 +79,114 @@ def mark_prim_funcs_noalias(mod: tvm.IRModule, _ctx: Any) -> tvm.IRModule:
     return out
 
 
-def build(mod: tvm.IRModule, target: Any, relax_pipeline: Any = "default", jobs: int | None = None) -> Any:
+def parallel(target: Any, jobs: int | None = None) -> bool:
+    """Whether :func:`build` compiles the kernels of a module for ``target`` on several threads:
+    ``jobs`` (default :func:`build_jobs`) > 1 and an LLVM CPU target that is not a wasm system library
+    (those ``tvm.compile`` links specially)."""
+    tgt = make_target(target)
+    host = tgt if tgt.host is None else tgt.host
+    jobs = build_jobs() if jobs is None else jobs
+    return jobs > 1 and tgt.kind.name == "llvm" and "wasm" not in str(host.attrs.get("mtriple", ""))
+
+
+class KernelPool:
+    """Compiles kernels on ``jobs`` threads while the caller goes on: :meth:`add` queues a finished
+    (scheduled) PrimFunc, every :data:`KERNELS_PER_PART` of them are compiled as one part (one LLVM
+    module; for a target this machine runs, its machine code generated too, see :func:`compile_part`).
+    :func:`build` then compiles only what the Relax pipeline added or changed (its ``shape_func``) and
+    links the parts.  The caller's ``PassContext`` applies on every thread."""
+
+    def __init__(self, target: Any, jobs: int | None = None) -> None:
+        self.target = make_target(target)
+        self.jit = not is_cross_target(self.target)
+        self.context = tvm.transform.PassContext.current()
+        jobs = build_jobs() if jobs is None else jobs
+        self.pool = concurrent.futures.ThreadPoolExecutor(max_workers=jobs, thread_name_prefix="pyro2pfp-build")
+        self.queued: list[tuple[str, tvm.tirx.PrimFunc]] = []
+        self.parts: list[tuple[dict[str, tvm.tirx.PrimFunc], concurrent.futures.Future[Any]]] = []
+        self.compiled_late: list[str] = []  # kernels finish() compiled (not added, or changed since)
+
+    def add(self, name: str, func: tvm.tirx.PrimFunc) -> None:
+        """Queue kernel ``name`` (compiled under that symbol, as the Relax pipeline will name it)."""
+        attrs = func.attrs
+        if attrs is None or "global_symbol" not in attrs:
+            func = func.with_attr("global_symbol", name)
+        if attrs is None or not attrs.get("tirx.noalias", False):
+            func = func.with_attr("tirx.noalias", True)  # as mark_prim_funcs_noalias will
+        self.queued.append((name, func))
+        if len(self.queued) >= KERNELS_PER_PART:
+            self.flush()
+
+    def flush(self, attrs: Any = None) -> None:
+        """Submit the queued kernels as one part."""
+        if self.queued:
+            part = dict(self.queued)
+            self.parts.append((part, self.pool.submit(self._compile, part, attrs)))
+            self.queued = []
+
+    def _compile(self, part: dict[str, tvm.tirx.PrimFunc], attrs: Any) -> Any:
+        with self.context:
+            lib = tvm.tirx.build(tvm.IRModule(part, attrs=attrs), target=self.target)
+        if self.jit:
+            name, func = next(iter(part.items()))
+            lib.get_function(str(func.attrs.get("global_symbol", name)))  # machine code of the whole part
+        return lib
+
+    def finish(self, tir_mod: tvm.IRModule) -> list[Any]:
+        """The compiled parts of every PrimFunc of ``tir_mod`` (the module the VM links): a part built
+        early is used only if each of its kernels is in ``tir_mod`` unchanged (structurally equal, its
+        attributes included); the other kernels are compiled now, in parts.  Waits for all parts."""
+        final = {gv.name_hint: func for gv, func in tir_mod.functions_items() if isinstance(func, tvm.tirx.PrimFunc)}
+        self.queued = []  # a kernel queued but not submitted is compiled below if tir_mod has it
+        libs: list[concurrent.futures.Future[Any]] = []
+        covered: set[str] = set()
+        for part, future in self.parts:
+            if all(name in final and tvm_ffi.structural_equal(final[name], func) for name, func in part.items()):
+                libs.append(future)
+                covered.update(part)
+        rest = [(name, func) for name, func in final.items() if name not in covered]
+        self.compiled_late = [name for name, _ in rest]
+        for i in range(0, len(rest), KERNELS_PER_PART):
+            self.queued = rest[i:i + KERNELS_PER_PART]
+            self.flush(tir_mod.attrs)
+            libs.append(self.parts[-1][1])
+        try:
+            return [future.result() for future in libs]
+        finally:
+            self.pool.shutdown(wait=True, cancel_futures=True)
+
+
+def build(mod: tvm.IRModule, target: Any, relax_pipeline: Any = "default", jobs: int | None = None,
+          kernels: KernelPool | None = None) -> Any:
     """A ``relax.VMExecutable`` of ``mod`` for ``target``: identical kernels shared
     (:func:`~pyro2pfp.tvm_backend.sharing.share_identical_kernels`), then the Relax pipeline
     ``relax_pipeline`` (a name or a pass), then :func:`mark_prim_funcs_noalias`; the kernels compiled
-    on ``jobs`` threads (default :func:`build_jobs`; 1: ``tvm.compile`` itself)."""
+    on ``jobs`` threads (default :func:`build_jobs`; 1: ``tvm.compile`` itself, see :func:`parallel`).
+    ``kernels``: a :class:`KernelPool` that already compiles (some of) ``mod``'s kernels."""
     from .sharing import share_identical_kernels_pass
 
     tgt = make_target(target)
     if isinstance(relax_pipeline, str):
         relax_pipeline = relax.get_pipeline(relax_pipeline)
     pipeline = tvm.transform.Sequential([share_identical_kernels_pass, relax_pipeline, mark_prim_funcs_noalias])
-    jobs = build_jobs() if jobs is None else jobs
-    host = tgt if tgt.host is None else tgt.host
-    if jobs <= 1 or tgt.kind.name != "llvm" or "wasm" in str(host.attrs.get("mtriple", "")):
-        # one thread, or a target tvm.compile treats specially (a device, a wasm system library)
+    if kernels is None and not parallel(tgt, jobs):
         return tvm.compile(mod, target=tgt, relax_pipeline=pipeline)
-    with tgt:
-        mod = pipeline(mod)
-    attrs = dict(mod.attrs) if mod.attrs else {}
-    builder = relax.ExecBuilder()
-    mod = vm_build._vmcodegen(builder, mod, "bytecode")
-    kernels = [(gv.name_hint, func) for gv, func in mod.functions_items() if isinstance(func, tvm.tirx.PrimFunc)]
-    libs = compile_kernels(kernels, tgt, jobs, mod.attrs, jit=not is_cross_target(tgt))
-    lib = libs[0] if libs else None
+    kernels = KernelPool(tgt, jobs) if kernels is None else kernels
+    try:
+        with tgt:
+            mod = pipeline(mod)
+        attrs = dict(mod.attrs) if mod.attrs else {}
+        builder = relax.ExecBuilder()
+        mod = vm_build._vmcodegen(builder, mod, "bytecode")
+        tir_mod = tvm.IRModule({gv: f for gv, f in mod.functions_items() if isinstance(f, tvm.tirx.PrimFunc)},
+                               attrs=mod.attrs)
+    except BaseException:
+        kernels.pool.shutdown(wait=True, cancel_futures=True)
+        raise
+    libs = kernels.finish(tir_mod)
     for other in libs[1:]:
         libs[0].import_module(other)
-    linked = vm_build._ffi_api.VMLink(builder, tgt, lib, list(attrs.get("external_mods", [])),
+    linked = vm_build._ffi_api.VMLink(builder, tgt, libs[0] if libs else None,
+                                      list(attrs.get("external_mods", [])),
                                       dict(attrs.get("const_name_to_constant", {})))
     return relax.VMExecutable(linked)
-
-
-def compile_kernels(kernels: list[tuple[str, tvm.tirx.PrimFunc]], target: Any, jobs: int, attrs: Any = None,
-                    jit: bool = True) -> list[Any]:
-    """The PrimFuncs ``kernels`` (name, function) compiled by ``tvm.tirx.build`` in parts of at most
-    :data:`KERNELS_PER_PART` on ``jobs`` threads, one runtime module per part (in the order of
-    ``kernels``' first members).  ``jit``: each part also generates its machine code on its thread
-    (LLVM's JIT, which otherwise runs when the VM first looks a kernel up; only for a target this
-    machine runs).  The caller's ``PassContext`` (its config) applies on every thread."""
-    if not kernels:
-        return []
-    n_parts = min(len(kernels), max(jobs, -(-len(kernels) // KERNELS_PER_PART)))
-    parts = [kernels[i::n_parts] for i in range(n_parts)]
-    context = tvm.transform.PassContext.current()
-
-    def compile_part(part: list[tuple[str, tvm.tirx.PrimFunc]]) -> Any:
-        with context:
-            lib = tvm.tirx.build(tvm.IRModule(dict(part), attrs=attrs), target=target)
-        if jit:
-            symbol = part[0][1].attrs.get("global_symbol", part[0][0]) if part[0][1].attrs else part[0][0]
-            lib.get_function(str(symbol))  # generates the machine code of the whole part
-        return lib
-
-    with concurrent.futures.ThreadPoolExecutor(max_workers=min(jobs, n_parts),
-                                               thread_name_prefix="pyro2pfp-build") as pool:
-        return list(pool.map(compile_part, parts))

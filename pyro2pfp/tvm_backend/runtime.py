@@ -240,9 +240,19 @@ def build_network(net: Any, target: tvm.target.Target, schedule: bool = True, ba
     :func:`pyro2pfp.tuning.specialize_batch`, as for tuning: the batch fixed in Relax and in every
     PrimFunc -- no shape arithmetic per call, storage planned once), else the any-batch one."""
     from ..tuning.specialize import specialize_batch
+    from .build import KernelPool, parallel
     from .sharing import share_identical_kernels
 
     mod = net.mod if batch is None else specialize_batch(net.mod, batch)
     mod = share_identical_kernels(mod)
-    mod = schedule_module(mod, net.plan, target) if schedule else mod
-    return build(mod, target)
+    if not schedule:
+        return build(mod, target)
+    # LLVM compiles each kernel on the build threads as soon as it is scheduled
+    kernels = KernelPool(target) if parallel(target) else None
+    try:
+        mod = schedule_module(mod, net.plan, target, on_scheduled=kernels.add if kernels else None)
+    except BaseException:
+        if kernels is not None:
+            kernels.pool.shutdown(wait=True, cancel_futures=True)
+        raise
+    return build(mod, target, kernels=kernels)

@@ -380,13 +380,16 @@ def schedule_function(func: tirx.PrimFunc, op: str, layer: Any, target: tvm.targ
     return out.with_attr("tirx.is_scheduled", True)
 
 
-def schedule_module(mod: tvm.IRModule, plan: Any, target: tvm.target.Target) -> tvm.IRModule:
+def schedule_module(mod: tvm.IRModule, plan: Any, target: tvm.target.Target,
+                    on_scheduled: Callable[[str, tirx.PrimFunc], None] | None = None) -> tvm.IRModule:
     """Apply each op's registered default schedule to its PrimFunc (unregistered ops stay naive).
 
     PrimFuncs are matched to planned layers by their ``pfp.op`` / ``pfp.layer`` attributes
     (:func:`~pyro2pfp.tvm_backend._core.kernel_info`); functions that are already scheduled
     (``tirx.is_scheduled``) are left alone.  Returns a new module (``mod`` is not modified).  A
     schedule that raises leaves its function unscheduled and emits a ``RuntimeWarning`` naming it.
+    ``on_scheduled(name, func)`` is called with each function as soon as it is scheduled (e.g.
+    :meth:`~pyro2pfp.tvm_backend.build.KernelPool.add`: LLVM compiles it while the next is scheduled).
     """
     if not isinstance(target, tvm.target.Target):
         target = tvm.target.Target(target)
@@ -406,6 +409,8 @@ def schedule_module(mod: tvm.IRModule, plan: Any, target: tvm.target.Target) -> 
             continue
         try:
             out[gv] = schedule_function(func, op, layer, target)
+            if on_scheduled is not None:
+                on_scheduled(gv.name_hint, out[gv])
         except Exception as err:  # noqa: BLE001 -- fail soft: keep the correct naive kernel
             lines = str(err).strip().splitlines()
             warnings.warn(f"pyro2pfp: the default schedule of {gv.name_hint} ({op}) failed, "
