@@ -368,6 +368,7 @@ def test_normalised_loading_limit_cases(monkeypatch):
     from pyro2pfp.tvm_backend.schedules import schedule_function
 
     monkeypatch.setattr(schedules, "SERIAL_WORK", 0.0)  # this small static kernel: the parallel schedule
+    monkeypatch.setattr(schedules, "NEST_SERIAL_WORK", 0.0)
     rng = np.random.default_rng(11)
     ell = rng.standard_normal((2, 6, 48))
     ell[0, 0] = 0.0

@@ -362,6 +362,7 @@ def test_small_static_kernels_run_serially(builder, monkeypatch):
     static = specialize_batch(mod, 7)
     flops = {name: schedules.kernel_work(tvm.s_tir.Schedule(f)) for name, f in prim_funcs(static).items()}
     assert len(set(flops.values())) > 1, flops
+    monkeypatch.setattr(schedules, "NEST_SERIAL_WORK", 0.0)  # the kernel rule alone (the nest rule: below)
     monkeypatch.setattr(schedules, "SERIAL_WORK", float(np.median(list(flops.values()))) + 0.5)
     scheduled = schedule_module(static, planned, TARGETS["native"])
     for name, func in prim_funcs(scheduled).items():
@@ -376,6 +377,47 @@ def test_small_static_kernels_run_serially(builder, monkeypatch):
     for got, want, ref in zip(serial, parallel, execute(planned, x)):
         np.testing.assert_array_equal(got.numpy(), want.numpy())  # the same arithmetic, on one thread
         np.testing.assert_allclose(got.numpy(), ref, rtol=0, atol=1e-4 * np.abs(ref).max())
+
+
+def parallel_loop_works(func) -> list[float]:
+    """:func:`schedules.loop_work` of every parallel loop of a scheduled PrimFunc."""
+    sch = tvm.s_tir.Schedule(func)
+    seen, works = set(), []
+    for block in sch.get_child_blocks(sch.get_sblock("root")):
+        for loop in sch.get_loops(block):
+            stmt = sch.get(loop)
+            if int(stmt.kind) == 1 and not any(stmt.same_as(s) for s in seen):  # ForKind.PARALLEL
+                seen.add(stmt)
+                works.append(schedules.loop_work(sch, loop))
+    return works
+
+
+def test_small_parallel_loops_of_static_kernels_run_serially(monkeypatch):
+    """In the static-batch kernels that stay parallel, the parallel loops doing less than
+    ``NEST_SERIAL_WORK`` operations (measured on the scheduled kernel) are made serial and only those:
+    every parallel loop left does at least that much, fewer are parallel than with the rule off, and
+    the module computes bitwise what the all-parallel one does (and matches the reference)."""
+    from pyro2pfp.tuning.specialize import specialize_batch
+
+    graph = lenet_graph(np.random.default_rng(0))
+    planned = plan(graph)
+    static = specialize_batch(emit_module(planned, fuse=False), 7)
+    monkeypatch.setattr(schedules, "SERIAL_WORK", 0.0)  # the nest rule alone
+    monkeypatch.setattr(schedules, "NEST_SERIAL_WORK", 0.0)
+    every = schedule_module(static, planned, TARGETS["native"])
+    works_all = [w for f in prim_funcs(every).values() for w in parallel_loop_works(f)]
+    threshold = float(np.median(works_all)) + 0.5
+    monkeypatch.setattr(schedules, "NEST_SERIAL_WORK", threshold)
+    some = schedule_module(static, planned, TARGETS["native"])
+    works_some = [w for f in prim_funcs(some).values() for w in parallel_loop_works(f)]
+    assert works_some and min(works_some) >= threshold
+    assert sorted(works_some) == sorted(w for w in works_all if w >= threshold)
+    x = np.random.default_rng(3).standard_normal((7, *graph.input_shape)).astype(np.float32)
+    got = compile_vm(some, TARGETS["native"])["main"](tvm.runtime.tensor(x))
+    want = compile_vm(every, TARGETS["native"])["main"](tvm.runtime.tensor(x))
+    for g, w, ref in zip(got, want, execute(planned, x)):
+        np.testing.assert_array_equal(g.numpy(), w.numpy())
+        np.testing.assert_allclose(g.numpy(), ref, rtol=0, atol=1e-4 * np.abs(ref).max())
 
 
 def test_conv_rows_computed_in_whole_vectors():

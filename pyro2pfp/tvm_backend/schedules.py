@@ -303,7 +303,7 @@ def schedule_flat(sch: s_tir.Schedule, lanes: int) -> None:
 SERIAL_WORK = 1e6
 """A kernel with static shapes (a static-batch executable: ``net.compile(batch_sizes=...)``, tuning)
 whose arithmetic (:func:`kernel_work`) is below this many operations runs on
-one thread: its schedule's ``parallel`` calls are dropped (:class:`_SerialSchedule`).  Waking the
+one thread: its schedule's ``parallel`` calls are dropped (:class:`_ParallelFilter`).  Waking the
 thread pool and joining it costs more than splitting a few microseconds of work saves.  Measured
 (median ``exe(x)`` of 300 calls, three runs each, 2 threads, quiet machine), shared-factor
 ResNet-20, static batch 1: 2.20-2.37 ms with every kernel parallel, 2.01-2.07 ms with the 39 of
@@ -311,15 +311,29 @@ ResNet-20, static batch 1: 2.20-2.37 ms with every kernel parallel, 2.01-2.07 ms
 keep their parallel loops: their work is not known when they are compiled."""
 
 
-class _SerialSchedule:
-    """A ``tvm.s_tir.Schedule`` whose ``parallel`` primitive is a no-op (the loop stays serial);
-    every other primitive is the schedule's own."""
+NEST_SERIAL_WORK = 1e5
+"""In a static-shape kernel that stays parallel, a parallel loop whose blocks do less than this many
+operations (:func:`loop_work`) runs serially: a kernel of many small loop nests (``sf_conv_load``:
+15 parallel loops, most of 1e2-1e5 operations at batch 1) otherwise wakes and joins the thread pool
+once per nest.  See :func:`schedule_function`."""
 
-    def __init__(self, sch: s_tir.Schedule) -> None:
+
+class _ParallelFilter:
+    """A ``tvm.s_tir.Schedule`` whose ``parallel`` primitive is recorded (``self.loops``, in call
+    order) and applied only where ``keep(i)`` of the call's index ``i`` is true (else the loop stays
+    serial); every other primitive is the schedule's own."""
+
+    def __init__(self, sch: s_tir.Schedule, keep: Callable[[int], bool] = lambda _i: True) -> None:
         self._sch = sch
+        self._keep = keep
+        self.loops: list[Any] = []
 
     def parallel(self, loop: Any) -> None:
-        """Leave ``loop`` serial."""
+        """Make ``loop`` parallel, unless its call is not kept."""
+        index = len(self.loops)
+        self.loops.append(loop)
+        if self._keep(index):
+            self._sch.parallel(loop)
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self._sch, name)
@@ -335,6 +349,15 @@ def kernel_work(sch: s_tir.Schedule) -> float | None:
     the block (a let-bound value counted once, as it is computed once); ``None`` when a loop extent
     is symbolic (the batch of an any-batch kernel).  (``tvm.s_tir.analysis.estimate_tir_flops``
     counts the same but rejects ``T.let``, which every ReLU and Clark max kernel binds.)"""
+    return _blocks_work(sch, sch.get_child_blocks(sch.get_sblock("root")))
+
+
+def loop_work(sch: s_tir.Schedule, loop: Any) -> float | None:
+    """:func:`kernel_work` of the blocks under ``loop`` (each block's whole iteration space runs inside it)."""
+    return _blocks_work(sch, sch.get_child_blocks(loop))
+
+
+def _blocks_work(sch: s_tir.Schedule, blocks: Any) -> float | None:
     total = 0.0
     count = 0
 
@@ -343,7 +366,7 @@ def kernel_work(sch: s_tir.Schedule) -> float | None:
         if isinstance(node, _ARITHMETIC + (tirx.Let,)):
             count += 1
 
-    for block in sch.get_child_blocks(sch.get_sblock("root")):
+    for block in blocks:
         iterations = 1.0
         for loop in sch.get_loops(block):
             ext = extent(sch, loop)
@@ -368,12 +391,30 @@ def schedule_function(func: tirx.PrimFunc, op: str, layer: Any, target: tvm.targ
     """``func`` with the default schedule of PFP op ``op`` (``layer``: its planned layer, may be
     None; the schedules only read shapes from the PrimFunc itself); raises if a primitive fails.
     A small static-shape kernel (:func:`runs_serially`) gets the schedule without its parallel
-    loops."""
+    loops; in the other static-shape kernels, the parallel loops doing less than
+    :data:`NEST_SERIAL_WORK` operations in the scheduled kernel are left serial (the schedule is
+    made again, skipping those ``parallel`` calls: a loop's work is known only once every block
+    computed under it is in place)."""
     fn = _schedule_fn(op)
     if fn is None:
         raise KeyError(f"no schedule registered for PFP op {op!r}")
     sch = s_tir.Schedule(func)
-    fn(_SerialSchedule(sch) if runs_serially(sch) else sch, layer, target)
+    if runs_serially(sch):
+        fn(_ParallelFilter(sch, keep=lambda _i: False), layer, target)
+    else:
+        recorded = _ParallelFilter(sch)
+        fn(recorded, layer, target)
+        small = set()
+        for index, loop in enumerate(recorded.loops):
+            try:
+                work = loop_work(sch, loop)
+            except Exception:  # noqa: BLE001 -- a loop handle a later primitive replaced: keep it parallel
+                continue
+            if work is not None and work < NEST_SERIAL_WORK:
+                small.add(index)
+        if small:
+            sch = s_tir.Schedule(func)
+            fn(_ParallelFilter(sch, keep=lambda i: i not in small), layer, target)
     out = sch.mod["main"]
     if "global_symbol" not in (func.attrs or {}) and "global_symbol" in (out.attrs or {}):
         out = out.without_attr("global_symbol")
