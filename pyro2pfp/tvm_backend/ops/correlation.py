@@ -755,9 +755,49 @@ other blocks' results: all their loop nests are merged into one parallel loop ov
 (``Schedule.merge``), so a row's intermediates (Stein's terms, the loading) stay in a thread-private
 tile instead of a (B, R, ...) buffer written and re-read by the next nest."""
 
+ROW_GROUPS = {
+    "sf_conv_load": (("cols0", "bar0", "cols1", "bar1", "amap", "widened"),
+                     ("wbar", "loading", "peak", "inv_peak", "sq", "g_scale", "g")),
+    "sf_dense_load": (("inj", "loading", "peak", "inv_peak", "sq", "g_scale", "g", "norm", "pn", "ws2", "var", "s"),),
+}
+"""Per op, groups of blocks whose consecutive loop nests are each indexed ``(batch, row, ...)`` over the
+same rows and read only their own row of each other's results: each group's nests are merged into one
+parallel loop over (batch x row), like the nests of a :data:`ROW_LOCAL_OPS` kernel.  ``sf_conv_load``:
+the pooled views of ``μ`` and ``s_in``, ``A = W·m̄s`` and ``g_in`` widened (a row per input channel);
+``w̄``, the loading and its normalisation (:func:`_normalised`; a row per output channel).  One
+parallel loop (an LLVM function, its closure and its launch) instead of six or seven, and no
+vectorised scalar loops: ResNet-20's 13 ``sf_conv_load`` kernels 100.6k -> ~76k lines of LLVM IR."""
+
 VECTOR_ROW_BLOCKS = ("wsum", "amap")
 """Blocks ``out[.., o] = Σ_{c,i,j} x[.., c, i, j]·W[c, i, j, o]`` whose last (output-channel) axis is
 unit-stride in the ``(C, KH, KW, O)`` weights: a vector over ``o``, :func:`_vector_rows`."""
+
+
+@dataclass
+class _Merge:
+    """Loop nests to be merged into one parallel loop (:func:`schedule_shared`): the leading (batch x
+    row) loop of each, and the reduction blocks whose init is split off after the merge, each with
+    the position of its loop from the innermost (``decompose_reduction`` at ``get_loops(block)[-depth]``)."""
+
+    leads: list[Any]
+    deferred: list[tuple[Any, int]]
+
+    def finish(self, sch: s_tir.Schedule) -> None:
+        """Merge the leads, parallelise the merged loop, then split off the deferred inits (parallel
+        first: a loop over an init block and its update block, which write the same buffer, does
+        not pass parallel's dataflow check)."""
+        if not self.leads:
+            return
+        sch.parallel(sch.merge(*self.leads) if len(self.leads) > 1 else self.leads[0])
+        for block, depth in self.deferred:
+            sch.decompose_reduction(block, sch.get_loops(block)[-depth])
+
+
+def _depth(sch: s_tir.Schedule, block: Any, loop: Any) -> int:
+    """Position of ``loop`` among the loops of ``block``, counted from the innermost (1)."""
+    refs = [sch.get_sref(lp) for lp in sch.get_loops(block)]
+    target = sch.get_sref(loop)
+    return len(refs) - next(k for k, ref in enumerate(refs) if ref.same_as(target))
 
 
 def schedule_shared(sch: s_tir.Schedule, layer: Any, target: tvm.target.Target) -> None:
@@ -766,19 +806,28 @@ def schedule_shared(sch: s_tir.Schedule, layer: Any, target: tvm.target.Target) 
     :func:`_tiled_product`, those of :data:`VECTOR_ROW_BLOCKS` :func:`_vector_rows`, row sums
     :func:`_vector_reduction`; any other nest has its first two data-parallel loops (the batch and
     the channel/row axis) fused into one parallel loop and, if elementwise, its last axis vectorised
-    (split by the largest power of two dividing it, up to the SIMD width).  The Winograd weight
-    transforms of ``sf_conv_weights`` (and the weights they transform) get
-    :func:`~.winograd.schedule_weight_transforms` instead."""
+    (split by the largest power of two dividing it, up to the SIMD width).  The nests of a
+    :data:`ROW_LOCAL_OPS` kernel, and those of each :data:`ROW_GROUPS` group, are then merged into
+    one parallel loop.  The Winograd weight transforms of ``sf_conv_weights`` (and the weights they
+    transform) get :func:`~.winograd.schedule_weight_transforms` instead."""
     lanes = simd_lanes(target)
     done = schedule_weight_transforms(sch, lanes)  # Winograd-transformed conv weights (sf_conv_weights)
     attrs = sch.mod["main"].attrs
-    row_local = attrs is not None and str(attrs.get(OP_ATTR, "")) in ROW_LOCAL_OPS
-    leads: list[Any] = []  # row-local kernels: the (batch x row) loop of every nest, merged at the end
-    deferred: list[Any] = []  # and the partial-sum blocks whose init is split off after the merge
+    op = str(attrs.get(OP_ATTR, "")) if attrs is not None else ""
+    everything = _Merge([], []) if op in ROW_LOCAL_OPS else None  # a row-local kernel: all its nests
+    groups: dict[str, _Merge] = {}  # block name -> its group's merge
+    for names in ROW_GROUPS.get(op, ()):
+        shared = _Merge([], [])
+        groups.update({name: shared for name in names})
+
+    def merge_of(name: str) -> _Merge | None:
+        return everything if everything is not None else groups.get(name)
+
     root = sch.get_sblock("root")
     for block in list(sch.get_child_blocks(root)):
-        if sch.get(block).name_hint.startswith("bar"):
-            _schedule_pooling(sch, block, lanes)
+        name = sch.get(block).name_hint
+        if name.startswith("bar"):
+            _schedule_pooling(sch, block, lanes, merge_of(name))
     nests: dict[Any, Any] = {}
     for block in sch.get_child_blocks(root):
         name = sch.get(block).name_hint
@@ -788,20 +837,21 @@ def schedule_shared(sch: s_tir.Schedule, layer: Any, target: tvm.target.Target) 
     for block in nests.values():
         loops = sch.get_loops(block)  # now: an rfactor of an earlier nest renews the loops of the others
         name = sch.get(block).name_hint
+        merge = merge_of(name)
         if name in MATMUL_BLOCKS and len(loops) == 4:
             _tiled_product(sch, block, lanes)
             continue
         if name in VECTOR_ROW_BLOCKS:
-            _vector_rows(sch, block, lanes)
+            _vector_rows(sch, block, lanes, merge)
             continue
-        if _vector_reduction(sch, block, loops, lanes, deferred=deferred if row_local else None):
-            leads.append(sch.get_loops(block)[0])
+        if _vector_reduction(sch, block, loops, lanes, merge=merge):
             continue
         spatial = sum(1 for iv in sch.get(block).iter_vars if int(iv.iter_type) == 0)
         lead = loops[:max(1, min(2, spatial))]
         fused = sch.fuse(*lead) if len(lead) > 1 else lead[0]
-        leads.append(fused)
-        if not row_local:
+        if merge is not None:
+            merge.leads.append(fused)
+        else:
             sch.parallel(fused)
         if spatial == len(loops) > 2 and vectorizable(sch, [block]):  # elementwise: vectorise the last axis
             last = loops[-1]
@@ -811,24 +861,26 @@ def schedule_shared(sch: s_tir.Schedule, layer: Any, target: tvm.target.Target) 
             vec = pow2_divisor(static_extent(sch, last), lanes)
             if vec > 1:
                 sch.vectorize(sch.split(last, [None, vec])[1])
-    if row_local and leads:
-        # parallel before the reductions' inits are split off (a loop over an init block and its
-        # update block, which write the same buffer, does not pass parallel's dataflow check)
-        sch.parallel(sch.merge(*leads) if len(leads) > 1 else leads[0])
-        for partial in deferred:
-            sch.decompose_reduction(partial, sch.get_loops(partial)[-2])
+    merges = [everything] if everything is not None else list({id(m): m for m in groups.values()}.values())
+    for group in merges:
+        group.finish(sch)
 
 
-def _schedule_pooling(sch: s_tir.Schedule, bar: Any, lanes: int) -> None:
+def _schedule_pooling(sch: s_tir.Schedule, bar: Any, lanes: int, merge: _Merge | None = None) -> None:
     """One pooled view of ``sf_conv_load`` (``cols`` → ``bar``): one parallel loop over (batch x
     channel) computing that channel's ``cols`` (``KH x W``, a thread-private stack tile: the
     output-row sum with the rows outer and the unit-stride ``x`` vectorised, no horizontal sums)
     and its ``KH x KW`` means (the ``x`` reduction with vector partial sums,
-    :func:`_vector_reduction`).  Reads each input once, memory-bound."""
+    :func:`_vector_reduction`).  Reads each input once, memory-bound.  ``merge``: the (batch x
+    channel) loop is left serial and added to it (as are the inits to split off)."""
     cols = sch.get_producers(bar)[0]
-    if not _vector_reduction(sch, bar, sch.get_loops(bar), lanes):
+    if not _vector_reduction(sch, bar, sch.get_loops(bar), lanes, merge=merge):
         b, ch, *_ = sch.get_loops(bar)
-        sch.parallel(sch.fuse(b, ch))
+        fused = sch.fuse(b, ch)
+        if merge is None:
+            sch.parallel(fused)
+        else:
+            merge.leads.append(fused)
     fused = sch.get_loops(bar)[0]
     sch.compute_at(cols, fused)
     xx, y = sch.get_loops(cols)[-2:]  # (kernel row,) x, output row (a kernel row of 1 has no loop)
@@ -837,13 +889,17 @@ def _schedule_pooling(sch: s_tir.Schedule, bar: Any, lanes: int) -> None:
         vec = pow2_divisor(static_extent(sch, xx), lanes)
         if vec > 1:
             sch.vectorize(sch.split(xx, [None, vec])[1])
-    sch.decompose_reduction(cols, y)
+    if merge is None:
+        sch.decompose_reduction(cols, y)
+    else:
+        merge.deferred.append((cols, _depth(sch, cols, y)))
 
 
-def _vector_rows(sch: s_tir.Schedule, block: Any, lanes: int) -> None:
+def _vector_rows(sch: s_tir.Schedule, block: Any, lanes: int, merge: _Merge | None = None) -> None:
     """A :data:`VECTOR_ROW_BLOCKS` block ``(lead..., o | reductions)``: the reductions moved outside
     ``o``, which is vectorised (and its vectors unrolled), the accumulators a thread-private tile of
-    one row of ``o`` (``cache_write``), the leading loops fused into the parallel loop."""
+    one row of ``o`` (``cache_write``), the leading loops fused into the parallel loop (``merge``:
+    into a serial loop added to it, the init split off after the merge)."""
     loops = sch.get_loops(block)
     n_spatial = sum(1 for iv in sch.get(block).iter_vars if int(iv.iter_type) == 0)
     *lead, last = loops[:n_spatial]
@@ -853,7 +909,10 @@ def _vector_rows(sch: s_tir.Schedule, block: Any, lanes: int) -> None:
     tile = sch.cache_write(block, 0, "global")
     sch.reorder(*lead, *reductions, last)
     par = sch.fuse(*lead) if len(lead) > 1 else lead[0]
-    sch.parallel(par)
+    if merge is None:
+        sch.parallel(par)
+    else:
+        merge.leads.append(par)
     sch.reverse_compute_at(tile, par)
     vectorize_inner(sch, tile, lanes, below=par)
     if vec > 1:
@@ -861,7 +920,10 @@ def _vector_rows(sch: s_tir.Schedule, block: Any, lanes: int) -> None:
         if n // vec <= register_budget(lanes):
             sch.unroll(outer)
         sch.vectorize(inner)
-    sch.decompose_reduction(block, reductions[0])
+    if merge is None:
+        sch.decompose_reduction(block, reductions[0])
+    else:
+        merge.deferred.append((block, _depth(sch, block, reductions[0])))
 
 
 def _tiled_product(sch: s_tir.Schedule, block: Any, lanes: int) -> None:
@@ -895,7 +957,7 @@ def _tiled_product(sch: s_tir.Schedule, block: Any, lanes: int) -> None:
 
 
 def _vector_reduction(sch: s_tir.Schedule, block: Any, loops: list[Any], lanes: int,
-                      deferred: list[Any] | None = None) -> bool:
+                      merge: _Merge | None = None) -> bool:
     """Schedule a block whose reductions are its innermost loops (a row sum: the positions' mean of
     Stein's terms, ``‖ℓ‖²`` over the factors, a branch's mean profile, the weight-variance sum over
     channels and kernel offsets; several reduction loops are fused into one) with ``vec`` partial sums:
@@ -906,8 +968,8 @@ def _vector_reduction(sch: s_tir.Schedule, block: Any, loops: list[Any], lanes: 
     ``vec`` independent ones per vector (measured 143 → 5 µs for a (10, 16, 1024) row mean, one
     thread).  Changes the summation order only.  False (nothing done) for any other block.
 
-    ``deferred`` (a list): the loop is neither parallelised nor the partial sums' init split off;
-    the partial-sum block is appended, for the caller to do both after merging loop nests."""
+    ``merge``: the loop is neither parallelised nor the partial sums' init split off; the loop and
+    the partial-sum block are added to ``merge``, which does both after merging its loop nests."""
     kinds = [int(iv.iter_type) for iv in sch.get(block).iter_vars]
     n_spatial = kinds.index(2) if 2 in kinds else len(kinds)
     if (len(kinds) != len(loops) or n_spatial == 0 or n_spatial == len(kinds)
@@ -928,14 +990,22 @@ def _vector_reduction(sch: s_tir.Schedule, block: Any, loops: list[Any], lanes: 
     partial = sch.rfactor(inner, factor_axis=n_spatial)  # loops: spatial..., r_o, r_i (new handles)
     lead = sch.get_loops(partial)[:min(2, n_spatial)]
     fused = sch.fuse(*lead) if len(lead) > 1 else lead[0]
-    if deferred is None:
+    if merge is None:
         sch.parallel(fused)
     sch.vectorize(sch.get_loops(partial)[-1])
-    if deferred is None:
+    if merge is None:
         sch.decompose_reduction(partial, sch.get_loops(partial)[-2])
     else:
-        deferred.append(partial)
+        merge.leads.append(fused)
+        merge.deferred.append((partial, 2))
     sch.reverse_compute_at(block, fused)
+    # the sum of the partial sums: lanes innermost, so each output sums one contiguous vector (with
+    # the lanes outer, LLVM turns the loop over several outputs, e.g. the 3 x 3 of a pooled view,
+    # into gathers: more code, and ResNet-20's layers.0 sf_conv_load 36 -> 26 us at batch 10)
+    loops = sch.get_loops(block)
+    inner = loops[len(loops) - _depth(sch, block, fused) + 1:]  # (lane, spatial...)
+    if len(inner) > 1:
+        sch.reorder(*inner[1:], inner[0])
     return True
 
 
