@@ -13,8 +13,10 @@ are float32 TE expressions of the same formulas:
   :func:`_normalised`) inside the kernel that computes it, and every profile is clipped to ``±sd`` of
   its edge, as in the reference executor;
 * conv2d: ``sf_conv_load`` -- the pooled views ``m̄μ_k``, ``m̄s_k`` (separable, no padded copy),
-  ``w̄``, ``ℓ = A·g_in ⊕ w̄`` (``A = W·m̄s``) normalised to ``g``, and ``β = ⟨g_in[c], g[o]⟩`` --;
-  ``sf_conv_weights`` (per-input weights ``W·β + coef·V·m̄s`` and ``coef·V·m̄μ``) and
+  ``w̄``, ``ℓ = A·g_in ⊕ w̄`` (``A = W·m̄s``) normalised to ``g``, ``β = ⟨g_in[c], g[o]⟩`` and the
+  injection's ``coef = g[o, offset + o]/w̄`` --;
+  ``sf_conv_weights`` (per-input weights ``W·β + coef·V·m̄s`` and ``coef·V·m̄μ``; it does not read
+  ``g``, so it does not depend on ``K``: layers that differ only in ``K`` share it) and
   ``sf_conv_profile``: the propagated and the regression profile as one convolution of ``[s_in, μ]``
   with those weights, laid out like the mean-field conv kernel and scheduled by its schedule
   (``compute.schedule_conv2d``: register tiles, vectorised).  ``β`` is emitted as ``βᵀ`` (B, C, O),
@@ -495,9 +497,12 @@ class SharedStep(FixedKStep):
 
         def load(*ts: te.Tensor) -> list[te.Tensor]:
             """The pooled views ``m̄μ``, ``m̄s``; ``w̄ = √(Σ V·(m̄μ² + m̄s²) + v_bias)``; the loading
-            ``ℓ = A·g_in ⊕ w̄`` (``A = W·m̄s``) normalised to ``g``; ``β = ⟨g_in[c], g[o]⟩`` -- one
-            kernel (the weights are read in ``(C, KH, KW, O)`` layout: ``A`` and the weight-variance
-            sum are vectors over output channels)."""
+            ``ℓ = A·g_in ⊕ w̄`` (``A = W·m̄s``) normalised to ``g``; ``β = ⟨g_in[c], g[o]⟩``; the
+            injection's coefficient ``coef = g[o, offset + o]/w̄`` (0 where ``w̄ = 0``, or without an
+            injection) -- one kernel (the weights are read in ``(C, KH, KW, O)`` layout: ``A`` and
+            the weight-variance sum are vectors over output channels).  ``coef`` is computed here,
+            where ``g`` is, so the weights kernel does not read ``g``: it then does not depend on
+            ``K``, and layers that differ only in ``K`` share it (:mod:`..sharing`)."""
             it = iter(ts)
             mu = next(it)
             s_in, g_in = (next(it), next(it)) if has_s else (None, None)
@@ -514,10 +519,19 @@ class SharedStep(FixedKStep):
             wsum = te.compute((batch, o), lambda b, oo: te.sum(wvt[cc, i, j, oo] * second(b, cc, i, j),
                                                                 axis=[cc, i, j]), name="wsum")
             wbar = te.compute((batch, o), lambda b, oo: te.sqrt(te.max(wsum[b, oo] + bvt[oo], _c(0.0))), name="wbar")
+
+            def coefficient(g: te.Tensor) -> te.Tensor:
+                """``coef[b, o] = g[b, o, offset + o]/w̄[b, o]`` (0 where ``w̄ = 0`` or without an injection)."""
+                if offset is None:
+                    return te.compute((batch, o), lambda b, oo: _c(0.0), name="coef")
+                return te.compute((batch, o), lambda b, oo: _safe_div(g[b, oo, oo + offset], wbar[b, oo]),
+                                  name="coef")
+
             if sb is None or g_in is None:
                 loading = te.compute((batch, o, k), lambda b, oo, f: tirx.Select(
                     f == oo + (offset or 0), wbar[b, oo], _c(0.0)), name="loading")
-                return [mb, _normalised(loading)[0], wbar]
+                g = _normalised(loading)[0]
+                return [mb, g, coefficient(g)]
             i2, j2 = te.reduce_axis((0, kh), name="i2"), te.reduce_axis((0, kw), name="j2")
             amap = te.compute((batch, c, o), lambda b, ch, oo: te.sum(wmt[ch, i2, j2, oo] * sb[b, ch, i2, j2],
                                                                        axis=[i2, j2]), name="amap")
@@ -529,30 +543,29 @@ class SharedStep(FixedKStep):
                 f == oo + offset, wbar[b, oo], _c(0.0)), name="loading")
             g = _normalised(loading)[0]
             # βᵀ[b, c, o] = ⟨g_in[c], g[o]⟩ (B, C, O): unit-stride in o, as the weights kernel reads it
-            return [mb, sb, g, wbar, _row_products(g, g_in, int(g_in.shape[2]))]
+            return [mb, sb, g, coefficient(g), _row_products(g, g_in, int(g_in.shape[2]))]
 
         w_cons = [ctx.const(np.transpose(t_, (1, 2, 3, 0))) for t_ in (wm, wv)]  # (C, KH, KW, O), both kernels
         args = [x.mean] + ([sh.s, sh.g] if sh is not None else []) + [ctx.const(col_weights), *w_cons, bias_var]
         outs = _emit(ctx, load, args, layer, "conv_load")
         if sh is not None:
-            mbar, sbar, g, wbar, beta = outs
+            mbar, sbar, g, coef_t, beta = outs
         else:
-            (mbar, g, wbar), sbar, beta = outs, None, None
+            (mbar, g, coef_t), sbar, beta = outs, None, None
 
         def weights(*ts: te.Tensor) -> list[te.Tensor]:
             """Per-input weights (B, C, KH, KW, O) of the profile convolution: ``A = W·β + coef·V·m̄s``
             on the input's profile, ``M = coef·V·m̄μ`` on its mean -- or, for a Winograd profile
             convolution, their transforms ``G·A·Gᵀ``, ``G·M·Gᵀ`` (B, 4, 4, C, O) -- and ``coef·v_bias``
-            (B, O).  ``W``, ``V`` come as (C, KH, KW, O) and ``β`` as (B, C, O): every read unit-stride
-            in ``o``, the vectorised axis."""
+            (B, O).  ``W``, ``V`` come as (C, KH, KW, O), ``β`` as (B, C, O) and ``coef`` (B, O) from
+            ``sf_conv_load``: every read unit-stride in ``o``, the vectorised axis, and none depends
+            on ``K``."""
             it = iter(ts)
             mb = next(it)
             sb, bt = (next(it), next(it)) if has_s else (None, None)
-            gt, wb, wmt, wvt, bvt = (next(it) for _ in range(5))
+            coef, wmt, wvt, bvt = (next(it) for _ in range(4))
             batch = mb.shape[0]
             wshape = (batch, c, kh, kw, o)
-            coef = te.compute((batch, o), lambda b, oo: _safe_div(gt[b, oo, oo + (offset or 0)], wb[b, oo]),
-                              name="coef")
             outs = []
             if sb is not None and bt is not None:
                 def on_s(b: Any, ch: Any, i: Any, j: Any, oo: Any) -> Any:
@@ -572,7 +585,7 @@ class SharedStep(FixedKStep):
             return outs
 
         w_args = [mbar] + ([sbar, beta] if sbar is not None and beta is not None else [])
-        w_outs = _emit(ctx, weights, w_args + [g, wbar, *w_cons, bias_var], layer, "conv_weights")
+        w_outs = _emit(ctx, weights, w_args + [coef_t, *w_cons, bias_var], layer, "conv_weights")
 
         def profile(*ts: te.Tensor) -> list[te.Tensor]:
             """``s[b, o] = Σ_{c,i,j} A·tap(s_in) + M·tap(μ) + shift``, clipped: a convolution with
@@ -757,7 +770,7 @@ tile instead of a (B, R, ...) buffer written and re-read by the next nest."""
 
 ROW_GROUPS = {
     "sf_conv_load": (("cols0", "bar0", "cols1", "bar1", "amap", "widened"),
-                     ("wbar", "loading", "peak", "inv_peak", "sq", "g_scale", "g")),
+                     ("wbar", "loading", "peak", "inv_peak", "sq", "g_scale", "g", "coef")),
     "sf_dense_load": (("inj", "loading", "peak", "inv_peak", "sq", "g_scale", "g", "norm", "pn", "ws2", "var", "s"),),
 }
 """Per op, groups of blocks whose consecutive loop nests are each indexed ``(batch, row, ...)`` over the
