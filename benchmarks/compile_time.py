@@ -12,7 +12,10 @@ wall time (the CPU seconds beside it).
 
     PYTHONPATH=. .venv/bin/python benchmarks/compile_time.py --per-op resnet20
 
-instead compiles each distinct kernel of one net alone and sums the CPU seconds per PFP op.
+instead compiles each distinct kernel of one net alone and sums per PFP op the CPU seconds of
+``tvm.compile`` (TIR passes and LLVM's optimisation), of the JIT (LLVM's machine code, which a
+``CompiledPFP`` pays when its VM is created) and the lines of LLVM IR (``--kernels``: one row per
+kernel).
 """
 from __future__ import annotations
 
@@ -55,9 +58,11 @@ def networks(only: str | None = None):
             yield label, pyro2pfp.convert(model, guide, input_shape=shape, correlation=correlation)
 
 
-def per_op(net_name: str) -> None:
-    """CPU seconds of ``tvm.compile`` of each distinct scheduled PrimFunc of one net alone, summed per
-    PFP op (what LLVM spends on each kind of kernel; the whole build adds the Relax VM's code)."""
+def per_op(net_name: str, kernels: bool = False) -> None:
+    """CPU seconds of ``tvm.compile`` of each distinct scheduled PrimFunc of one net alone, of its JIT
+    (machine code, on the first look-up of its function) and its lines of LLVM IR, summed per PFP op
+    (what LLVM spends on each kind of kernel; the whole build adds the Relax VM's code).  ``kernels``:
+    also one row per kernel."""
     import collections
 
     import tvm
@@ -72,21 +77,28 @@ def per_op(net_name: str) -> None:
         raise SystemExit(f"--per-op: no net {net_name!r} (mlp, lenet, resnet8, resnet20, and '<resnet> (mf)')")
     target = resolve_target("native")
     mod = schedule_module(share_identical_kernels(net.mod), net.plan, target)
-    rows: dict[str, list[float]] = collections.defaultdict(lambda: [0, 0.0])
-    for gv in mod.get_global_vars():
+    rows: dict[str, list[float]] = collections.defaultdict(lambda: [0, 0.0, 0.0, 0])
+    for gv in sorted(mod.get_global_vars(), key=lambda v: v.name_hint):
         func = mod[gv]
         if not isinstance(func, tvm.tirx.PrimFunc):
             continue
         c0 = time.process_time()
-        tvm.compile(tvm.IRModule({"main": func.with_attr("global_symbol", "main")}), target=target)
+        exe = tvm.compile(tvm.IRModule({"main": func.with_attr("global_symbol", "main")}), target=target)
+        c1 = time.process_time()
+        exe.jit()["main"]  # LLVM's machine code is made on the first look-up
+        c2 = time.process_time()
+        lines = exe.mod.inspect_source("ll").count("\n")
         row = rows[str(kernel_info(func)[0])]
-        row[0] += 1
-        row[1] += time.process_time() - c0
-    print(f"{net_name}: {sum(int(n) for n, _ in rows.values())} distinct PrimFuncs")
-    print(f"{'op':<18} {'funcs':>5} {'CPU s':>6} {'ms each':>8}")
-    for op, (n, cpu) in sorted(rows.items(), key=lambda kv: -kv[1][1]):
-        print(f"{op:<18} {int(n):>5} {cpu:>6.2f} {1000 * cpu / n:>8.0f}")
-    print(f"{'total':<18} {'':>5} {sum(cpu for _, cpu in rows.values()):>6.2f}")
+        for i, value in enumerate((1, c1 - c0, c2 - c1, lines)):
+            row[i] += value
+        if kernels:
+            print(f"  {gv.name_hint:<44} {1000 * (c1 - c0):>6.0f} ms {1000 * (c2 - c1):>6.0f} ms {lines:>7} lines")
+    print(f"{net_name}: {sum(int(r[0]) for r in rows.values())} distinct PrimFuncs")
+    print(f"{'op':<18} {'funcs':>5} {'CPU s':>6} {'ms each':>8} {'JIT s':>6} {'IR lines':>9}")
+    for op, (n, cpu, jit, lines) in sorted(rows.items(), key=lambda kv: -kv[1][1]):
+        print(f"{op:<18} {int(n):>5} {cpu:>6.2f} {1000 * cpu / n:>8.0f} {jit:>6.2f} {int(lines):>9}")
+    print(f"{'total':<18} {'':>5} {sum(r[1] for r in rows.values()):>6.2f} {'':>8} "
+          f"{sum(r[2] for r in rows.values()):>6.2f} {int(sum(r[3] for r in rows.values())):>9}")
 
 
 def main() -> None:
@@ -94,10 +106,11 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--per-op", metavar="NET", help="instead: compile time of each distinct kernel of NET "
                         "(e.g. 'resnet20', 'resnet20 (mf)'), summed per PFP op")
+    parser.add_argument("--kernels", action="store_true", help="with --per-op: one row per kernel too")
     args = parser.parse_args()
     warnings.simplefilter("ignore")
     if args.per_op:
-        per_op(args.per_op)
+        per_op(args.per_op, args.kernels)
         return
     from pyro2pfp.tvm_backend.build import build_jobs
 
