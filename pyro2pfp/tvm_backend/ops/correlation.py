@@ -769,17 +769,20 @@ other blocks' results: all their loop nests are merged into one parallel loop ov
 tile instead of a (B, R, ...) buffer written and re-read by the next nest."""
 
 ROW_GROUPS = {
-    "sf_conv_load": (("cols0", "bar0", "cols1", "bar1", "amap", "widened"),
-                     ("wbar", "loading", "peak", "inv_peak", "sq", "g_scale", "g", "coef")),
+    "sf_conv_load": (("cols0", "bar0", "cols1", "bar1", "amap", "widened"),),
     "sf_dense_load": (("inj", "loading", "peak", "inv_peak", "sq", "g_scale", "g", "norm", "pn", "ws2", "var", "s"),),
 }
 """Per op, groups of blocks whose consecutive loop nests are each indexed ``(batch, row, ...)`` over the
 same rows and read only their own row of each other's results: each group's nests are merged into one
-parallel loop over (batch x row), like the nests of a :data:`ROW_LOCAL_OPS` kernel.  ``sf_conv_load``:
-the pooled views of ``μ`` and ``s_in``, ``A = W·m̄s`` and ``g_in`` widened (a row per input channel);
-``w̄``, the loading and its normalisation (:func:`_normalised`; a row per output channel).  One
-parallel loop (an LLVM function, its closure and its launch) instead of six or seven, and no
-vectorised scalar loops: ResNet-20's 13 ``sf_conv_load`` kernels 100.6k -> ~76k lines of LLVM IR."""
+parallel loop over (batch x row), like the nests of a :data:`ROW_LOCAL_OPS` kernel: one parallel loop
+(an LLVM function, its closure and its launch) instead of several.  ``sf_conv_load``: the pooled views
+of ``μ`` and ``s_in``, ``A = W·m̄s`` and ``g_in`` widened (a row per input channel); ``sf_dense_load``:
+its loading, normalisation, variance and profile (a row per output).  ``sf_conv_load``'s loading and
+normalisation (:func:`_normalised`) are not merged: per row they are one chain of dependent
+reductions (``max |ℓ|``, then ``Σ (ℓ/p)²``, each ending in a sum of 16 lanes), which a loop over the
+rows of each stage overlaps and one loop over rows does not -- measured, each kernel alone at batch
+10: ``layers.6.shortcut.0`` (K = 320) 117 -> 134 us merged (118 us with tiles of 4 rows, whose
+unrolled copies then cost as much code as the separate loops)."""
 
 VECTOR_ROW_BLOCKS = ("wsum", "amap")
 """Blocks ``out[.., o] = Σ_{c,i,j} x[.., c, i, j]·W[c, i, j, o]`` whose last (output-channel) axis is
