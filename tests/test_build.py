@@ -132,3 +132,37 @@ def test_build_jobs_from_the_environment(monkeypatch):
         monkeypatch.setenv("PYRO2PFP_BUILD_JOBS", bad)
         with pytest.raises(ArgumentError, match="PYRO2PFP_BUILD_JOBS"):
             build_jobs()
+
+
+def llvm_source(executable) -> str:
+    """The LLVM IR of every part of an executable."""
+    stack, sources = list(executable.mod.imports), []
+    while stack:
+        mod = stack.pop()
+        stack.extend(mod.imports)
+        if mod.kind == "llvm":
+            sources.append(mod.inspect_source("ll"))
+    return "\n".join(sources)
+
+
+def test_kernels_have_no_argument_checks_and_the_vm_still_checks_the_inputs(lenet):
+    """``tirx.disable_assert``: the kernels' entry functions check no arguments (TVM's messages such as
+    "expected to match", "expected non-NULL data pointer" are gone), unless the caller's PassContext
+    says otherwise; inputs of the wrong shape, rank or batch are still refused, by the VM, naming the
+    parameter and the dimension."""
+    import re
+
+    _, scheduled, x = lenet
+    executable = build(scheduled, TARGET, jobs=2)
+    assert not re.search("expected (to match|non-NULL)", llvm_source(executable))
+    with tvm.transform.PassContext(config={"tirx.disable_assert": False}):
+        checked = build(scheduled, TARGET, jobs=2)
+    assert re.search("expected (to match|non-NULL)", llvm_source(checked))
+    vm = relax.VirtualMachine(executable, tvm.cpu())
+    batch, *shape = x.shape
+    cases = {(batch, shape[0], shape[1] - 1, shape[2]): r"param=x\b.*shape\[2\] mismatch",
+             (batch, shape[0] + 1, *shape[1:]): r"param=x\b.*shape\[1\] mismatch",
+             (batch, *shape[:-1]): r"param=x\b.*expect Tensor with ndim 4"}
+    for bad, message in cases.items():
+        with pytest.raises(Exception, match=message):
+            vm["main"](tvm.runtime.tensor(np.zeros(bad, np.float32)))
