@@ -111,7 +111,7 @@ def parallel(target: Any, jobs: int | None = None) -> bool:
 class KernelPool:
     """Compiles kernels on ``jobs`` threads while the caller goes on: :meth:`add` queues a finished
     (scheduled) PrimFunc, every :data:`KERNELS_PER_PART` of them are compiled as one part (one LLVM
-    module; for a target this machine runs, its machine code generated too, see :func:`compile_part`).
+    module; for a target this machine runs, its machine code generated too).
     :func:`build` then compiles only what the Relax pipeline added or changed (its ``shape_func``) and
     links the parts.  The caller's ``PassContext`` applies on every thread."""
 
@@ -136,12 +136,21 @@ class KernelPool:
         if len(self.queued) >= KERNELS_PER_PART:
             self.flush()
 
-    def flush(self, attrs: Any = None) -> None:
+    def flush(self) -> None:
         """Submit the queued kernels as one part."""
         if self.queued:
-            part = dict(self.queued)
-            self.parts.append((part, self.pool.submit(self._compile, part, attrs)))
+            self._submit(self.queued, None)
             self.queued = []
+
+    def _submit(self, kernels: list[tuple[str, tvm.tirx.PrimFunc]], attrs: Any) -> concurrent.futures.Future[Any]:
+        part = dict(kernels)
+        future = self.pool.submit(self._compile, part, attrs)
+        self.parts.append((part, future))
+        return future
+
+    def close(self) -> None:
+        """Wait for the parts being compiled, drop those not started, stop the threads."""
+        self.pool.shutdown(wait=True, cancel_futures=True)
 
     def _compile(self, part: dict[str, tvm.tirx.PrimFunc], attrs: Any) -> Any:
         with self.context:
@@ -166,13 +175,11 @@ class KernelPool:
         rest = [(name, func) for name, func in final.items() if name not in covered]
         self.compiled_late = [name for name, _ in rest]
         for i in range(0, len(rest), KERNELS_PER_PART):
-            self.queued = rest[i:i + KERNELS_PER_PART]
-            self.flush(tir_mod.attrs)
-            libs.append(self.parts[-1][1])
+            libs.append(self._submit(rest[i:i + KERNELS_PER_PART], tir_mod.attrs))
         try:
             return [future.result() for future in libs]
         finally:
-            self.pool.shutdown(wait=True, cancel_futures=True)
+            self.close()
 
 
 def build(mod: tvm.IRModule, target: Any, relax_pipeline: Any = "default", jobs: int | None = None,
@@ -201,7 +208,7 @@ def build(mod: tvm.IRModule, target: Any, relax_pipeline: Any = "default", jobs:
         tir_mod = tvm.IRModule({gv: f for gv, f in mod.functions_items() if isinstance(f, tvm.tirx.PrimFunc)},
                                attrs=mod.attrs)
     except BaseException:
-        kernels.pool.shutdown(wait=True, cancel_futures=True)
+        kernels.close()
         raise
     libs = kernels.finish(tir_mod)
     for other in libs[1:]:

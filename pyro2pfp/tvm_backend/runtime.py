@@ -253,6 +253,6 @@ def build_network(net: Any, target: tvm.target.Target, schedule: bool = True, ba
         mod = schedule_module(mod, net.plan, target, on_scheduled=kernels.add if kernels else None)
     except BaseException:
         if kernels is not None:
-            kernels.pool.shutdown(wait=True, cancel_futures=True)
+            kernels.close()
         raise
     return build(mod, target, kernels=kernels)

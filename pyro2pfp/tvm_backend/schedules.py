@@ -383,19 +383,12 @@ def _blocks_work(sch: s_tir.Schedule, blocks: Any) -> float | None:
     return total
 
 
-def runs_serially(sch: s_tir.Schedule) -> bool:
-    """Whether the (not yet scheduled) kernel of ``sch`` keeps its default schedule on one thread:
-    every loop extent static and its :func:`kernel_work` below :data:`SERIAL_WORK`."""
-    work = kernel_work(sch)
-    return work is not None and work < SERIAL_WORK
-
-
 def schedule_function(func: tirx.PrimFunc, op: str, layer: Any, target: tvm.target.Target
                       ) -> tirx.PrimFunc:
     """``func`` with the default schedule of PFP op ``op`` (``layer``: its planned layer, may be
     None; the schedules only read shapes from the PrimFunc itself); raises if a primitive fails.
-    A small static-shape kernel (:func:`runs_serially`) gets the schedule without its parallel
-    loops; in the other static-shape kernels, the parallel loops doing less than
+    A static-shape kernel whose :func:`kernel_work` is below :data:`SERIAL_WORK` gets the schedule
+    without its parallel loops; in the other static-shape kernels, the parallel loops doing less than
     :data:`NEST_SERIAL_WORK` operations in the scheduled kernel are left serial (the schedule is
     made again, skipping those ``parallel`` calls: a loop's work is known only once every block
     computed under it is in place)."""
@@ -403,7 +396,10 @@ def schedule_function(func: tirx.PrimFunc, op: str, layer: Any, target: tvm.targ
     if fn is None:
         raise KeyError(f"no schedule registered for PFP op {op!r}")
     sch = s_tir.Schedule(func)
-    if runs_serially(sch):
+    work = kernel_work(sch)
+    if work is None:  # a symbolic extent (any batch): the work is unknown, every parallel loop stays
+        fn(sch, layer, target)
+    elif work < SERIAL_WORK:
         fn(_ParallelFilter(sch, keep=lambda _i: False), layer, target)
     else:
         recorded = _ParallelFilter(sch)
@@ -411,10 +407,10 @@ def schedule_function(func: tirx.PrimFunc, op: str, layer: Any, target: tvm.targ
         small = set()
         for index, loop in enumerate(recorded.loops):
             try:
-                work = loop_work(sch, loop)
+                loop_ops = loop_work(sch, loop)
             except Exception:  # noqa: BLE001 -- a loop handle a later primitive replaced: keep it parallel
                 continue
-            if work is not None and work < NEST_SERIAL_WORK:
+            if loop_ops is not None and loop_ops < NEST_SERIAL_WORK:
                 small.add(index)
         if small:
             sch = s_tir.Schedule(func)
@@ -454,11 +450,12 @@ def schedule_module(mod: tvm.IRModule, plan: Any, target: tvm.target.Target,
             continue
         try:
             out[gv] = schedule_function(func, op, layer, target)
-            if on_scheduled is not None:
-                on_scheduled(gv.name_hint, out[gv])
         except Exception as err:  # noqa: BLE001 -- fail soft: keep the correct naive kernel
             lines = str(err).strip().splitlines()
             warnings.warn(f"pyro2pfp: the default schedule of {gv.name_hint} ({op}) failed, "
                           f"keeping it unscheduled: {type(err).__name__}: {lines[-1] if lines else ''}",
                           RuntimeWarning, stacklevel=2)
+        else:
+            if on_scheduled is not None:
+                on_scheduled(gv.name_hint, out[gv])
     return out
