@@ -54,6 +54,7 @@ unscheduled.  Scheduled functions carry the ``tirx.is_scheduled`` attribute.
 """
 from __future__ import annotations
 
+import functools
 import warnings
 from collections.abc import Callable
 from typing import Any
@@ -322,13 +323,39 @@ parallel, 2.46 / 2.41 / 2.38 ms with this threshold at 1e5 / 3e5 / 1e6; LeNet-5 
 0.280 / 0.277 ms; mean-field ResNet-20 and the MLP unchanged."""
 
 
-class _ParallelFilter:
-    """A ``tvm.s_tir.Schedule`` whose ``parallel`` primitive is recorded (``self.loops``, in call
-    order) and applied only where ``keep(i)`` of the call's index ``i`` is true (else the loop stays
-    serial); every other primitive is the schedule's own."""
+class _Unchecked:
+    """A ``tvm.s_tir.Schedule`` whose primitives skip TVM's Python-side argument type checks.
+
+    TVM wraps every ``Schedule`` primitive in ``s_tir.schedule._type_checker.type_checked``, which binds
+    the call's arguments with ``inspect.Signature.bind`` and checks each against its annotation
+    (formatting an error message for every alternative of a ``Union`` that does not match) before the
+    C++ primitive runs.  For the default schedules that costs about as much as the primitives
+    themselves (shared-factor ResNet-20, cProfile of ``schedule_module``: 1.8 of 2.1 s under the
+    checked wrappers, the checks ~0.9 s of it).  The schedules here are fixed code, tested on every
+    op: each primitive is called through the wrapper's ``__wrapped__`` (set by ``functools.wraps``),
+    so the C++ primitive still validates its arguments and raises on misuse."""
+
+    def __init__(self, sch: s_tir.Schedule) -> None:
+        self._sch = sch
+        self._methods: dict[str, Any] = {}
+
+    def __getattr__(self, name: str) -> Any:
+        method = self._methods.get(name)
+        if method is None:
+            raw = getattr(getattr(type(self._sch), name, None), "__wrapped__", None)
+            if raw is None:  # not a checked primitive (``mod``, ``get``, ...)
+                return getattr(self._sch, name)
+            method = self._methods[name] = functools.partial(raw, self._sch)
+        return method
+
+
+class _ParallelFilter(_Unchecked):
+    """A ``tvm.s_tir.Schedule`` (primitives unchecked, :class:`_Unchecked`) whose ``parallel``
+    primitive is recorded (``self.loops``, in call order) and applied only where ``keep(i)`` of the
+    call's index ``i`` is true (else the loop stays serial); every other primitive is the schedule's own."""
 
     def __init__(self, sch: s_tir.Schedule, keep: Callable[[int], bool] = lambda _i: True) -> None:
-        self._sch = sch
+        super().__init__(sch)
         self._keep = keep
         self.loops: list[Any] = []
 
@@ -337,10 +364,7 @@ class _ParallelFilter:
         index = len(self.loops)
         self.loops.append(loop)
         if self._keep(index):
-            self._sch.parallel(loop)
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self._sch, name)
+            _Unchecked.__getattr__(self, "parallel")(loop)
 
 
 _ARITHMETIC = (tirx.Add, tirx.Sub, tirx.Mul, tirx.Div, tirx.FloorDiv, tirx.Min, tirx.Max, tirx.Select,
@@ -398,7 +422,7 @@ def schedule_function(func: tirx.PrimFunc, op: str, layer: Any, target: tvm.targ
     sch = s_tir.Schedule(func)
     work = kernel_work(sch)
     if work is None:  # a symbolic extent (any batch): the work is unknown, every parallel loop stays
-        fn(sch, layer, target)
+        fn(_Unchecked(sch), layer, target)
     elif work < SERIAL_WORK:
         fn(_ParallelFilter(sch, keep=lambda _i: False), layer, target)
     else:

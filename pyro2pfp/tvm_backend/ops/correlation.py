@@ -710,21 +710,32 @@ def cholesky_factor(rows: int, width: int) -> tirx.PrimFunc:
     unit or zero rows): a pivot ``d_j ≤`` :data:`CHOLESKY_PIVOT_TOL`·``G[j, j]`` gives a zero column
     (the row is in the span of the previous ones; rounding may have made ``d_j`` slightly negative),
     so the result stays finite.  Sequential per input (``O(R³/6)``), parallel over the batch; hand-
-    written TIR, marked scheduled.  Cached per ``(rows, width)``: parsing the TVMScript costs ~0.2 s,
-    and a ResNet-20 compacts 9 times with 3 distinct shapes."""
+    written TIR, marked scheduled: :func:`_cholesky_template` specialised to ``(rows, width)``."""
+    gram, out = _cholesky_template().params
+    n, r, w = tirx.Var("n", "int64"), tirx.IntImm("int64", rows), tirx.IntImm("int64", width)
+    return _cholesky_template().specialize({gram: tirx.decl_buffer((n, r, r), "float32", name="gram"),
+                                            out: tirx.decl_buffer((n, r, w), "float32", name="out")})
+
+
+@functools.cache
+def _cholesky_template() -> tirx.PrimFunc:
+    """:func:`cholesky_factor` with symbolic ``R`` and ``width``, parsed once per process: parsing
+    TVMScript costs ~0.1-0.2 s (the decorator's ``inspect.stack()`` reads the source of every frame
+    of the caller's stack), specialising ~1 ms; a ResNet-20 compacts 9 times with 3 distinct shapes."""
     from tvm.script import tirx as T
 
     tol = CHOLESKY_PIVOT_TOL
-    r_ = rows
 
     @T.prim_func(private=True, s_tir=True)
     def cholesky(gram_h: T.handle, out_h: T.handle) -> None:
         T.func_attr({"tirx.is_scheduled": True, "tirx.noalias": True})
-        n = T.int64()
         # int64 dims like the TE kernels' (int32 ones break relax.transform.SpecializePrimFuncBasedOnCallSite,
         # which static-batch builds and tuning run)
-        gram = T.match_buffer(gram_h, (n, T.int64(r_), T.int64(r_)), "float32")
-        out = T.match_buffer(out_h, (n, T.int64(r_), T.int64(width)), "float32")
+        n = T.int64()
+        r_ = T.int64()
+        width = T.int64()
+        gram = T.match_buffer(gram_h, (n, r_, r_), "float32")
+        out = T.match_buffer(out_h, (n, r_, width), "float32")
         with T.sblock("root"):  # Relax's passes expect a root block
             for b in T.parallel(n):
                 lower = T.decl_buffer((r_ * r_,), "float64")
