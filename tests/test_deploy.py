@@ -144,6 +144,101 @@ def test_input_variance_flag_survives_export(tmp_path):
         loaded(x)
 
 
+LOAD_IN_A_NEW_PROCESS = """\
+import json, sys
+import numpy as np
+import tvm
+import pyro2pfp
+
+path, x_path, out_path = sys.argv[1:4]
+x = np.load(x_path)
+exe = pyro2pfp.load(path)
+mean, var = exe(x)
+static = exe.vm_for_batch(x.shape[0])
+try:  # a static-shape executable takes exactly its batch size
+    static["main"](tvm.runtime.tensor(np.zeros((x.shape[0] + 1, *x.shape[1:]), np.float32)))
+    takes_other_sizes = True
+except Exception:
+    takes_other_sizes = False
+np.savez(out_path, mean=mean, var=var, mean4=exe(np.concatenate([x, x[:1]]))[0])
+print(json.dumps({"tuned": sorted(exe.tuned), "specialised": static is not exe.vm,
+                  "takes_other_sizes": takes_other_sizes}))
+"""
+
+
+def test_batch_specialised_executable_survives_export_and_load_in_a_new_process(tmp_path):
+    """``compile(batch_sizes=[3])`` → ``export_library`` writes ``mlp.batch3.so`` next to ``mlp.so``
+    and lists it (name, sha256) in the sidecar; ``pyro2pfp.load`` in a fresh process gives back a
+    predictor whose batch-3 calls run that static executable (it refuses other sizes, unlike the
+    any-batch one), with outputs bit-identical to the compiling process's.  A missing or altered
+    extra file is a LoadError naming it; a sidecar without the key (older exports) still loads."""
+    import subprocess
+    import sys
+
+    from pyro2pfp.errors import LoadError
+
+    graph = mlp_graph(np.random.default_rng(0), [12, 8, 3])
+    net = PFPNetwork(graph, plan(graph))
+    exe = net.compile("native", batch_sizes=[3])
+    path = tmp_path / "mlp.so"
+    exe.export_library(path)
+    extra = tmp_path / "mlp.batch3.so"
+    meta = json.loads(Path(f"{path}.json").read_text())
+    assert meta["batch_executables"] == {"3": {"library": "mlp.batch3.so",
+                                               "sha256": hashlib.sha256(extra.read_bytes()).hexdigest()}}
+    assert elf_header(extra.read_bytes()[:64])[1] == ET_DYN
+
+    x = np.random.default_rng(1).standard_normal((3, 12)).astype(np.float32)
+    np.save(tmp_path / "x.npy", x)
+    (tmp_path / "load.py").write_text(LOAD_IN_A_NEW_PROCESS)
+    result = subprocess.run([sys.executable, str(tmp_path / "load.py"), str(path), str(tmp_path / "x.npy"),
+                             str(tmp_path / "out.npz")], capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr[-3000:]
+    report = json.loads(result.stdout.strip().splitlines()[-1])
+    assert report == {"tuned": [3], "specialised": True, "takes_other_sizes": False}
+    out = np.load(tmp_path / "out.npz")
+    mean, var = exe(x)
+    assert exe.vm_for_batch(3) is not exe.vm
+    np.testing.assert_array_equal(out["mean"], mean)  # the same static executable: bit-identical
+    np.testing.assert_array_equal(out["var"], var)
+    np.testing.assert_array_equal(out["mean4"], exe(np.concatenate([x, x[:1]]))[0])  # 4 rows: any-batch
+    ref_mean, _ = net.reference(x)
+    np.testing.assert_allclose(mean, ref_mean, rtol=1e-4, atol=1e-5 * np.abs(ref_mean).max())
+
+    # the extra file is checked like the library: missing, altered, or outside the sidecar's directory
+    def copy_set(name: str, edit=None) -> Path:
+        """The three files under new names (never overwrite a loaded .so), the sidecar edited."""
+        lib, batch_lib = tmp_path / f"{name}.so", tmp_path / f"{name}.batch3.so"
+        shutil.copy(path, lib)
+        shutil.copy(extra, batch_lib)
+        info = json.loads(Path(f"{path}.json").read_text())
+        info["batch_executables"]["3"]["library"] = batch_lib.name
+        if edit:
+            edit(info, batch_lib)
+        Path(f"{lib}.json").write_text(json.dumps(info))
+        return lib
+
+    missing = copy_set("missing", lambda info, f: f.unlink())
+    with pytest.raises(LoadError, match=r"missing\.batch3\.so not found.*batch 3"):
+        pyro2pfp.load(missing)
+    altered = copy_set("altered", lambda info, f: f.write_bytes(f.read_bytes() + b"\0"))
+    with pytest.raises(LoadError, match=r"altered\.batch3\.so is not the batch-3 library.*sha256 mismatch"):
+        pyro2pfp.load(altered)
+    swapped = copy_set("swapped", lambda info, f: shutil.copy(path, f))  # the any-batch library in its place
+    with pytest.raises(LoadError, match=r"swapped\.batch3\.so.*sha256 mismatch"):
+        pyro2pfp.load(swapped)
+    with pytest.warns(UserWarning, match="sha256 mismatch"):  # accepted when told, and then checked by a call
+        assert sorted(pyro2pfp.load(swapped, verify_sha256=False).tuned) == [3]
+    elsewhere = copy_set("elsewhere", lambda info, f: info["batch_executables"]["3"].update(
+        library=str(tmp_path / "mlp.batch3.so")))
+    with pytest.raises(LoadError, match="must be a file name in the metadata file's directory"):
+        pyro2pfp.load(elsewhere)
+    old = copy_set("old", lambda info, f: info.pop("batch_executables"))  # a sidecar from before the key
+    loaded = pyro2pfp.load(old)
+    assert loaded.tuned == {} and loaded.vm_for_batch(3) is loaded.vm
+    np.testing.assert_allclose(loaded(x)[0], mean, rtol=1e-5, atol=1e-6 * np.abs(mean).max())
+
+
 def test_load_errors_are_clear(lenet, tmp_path):
     _, exe, x = lenet
     with pytest.raises(FileNotFoundError, match="no such library"):
