@@ -72,23 +72,18 @@ def lenet():
 
 @pytest.fixture(scope="module")
 def lenet_aarch64(lenet, tmp_path_factory):
-    """The same LeNet-5 cross-compiled for AArch64 and exported as a shared library; its kernels
-    compiled on three threads (several LLVM modules, linked into the one library) on any machine."""
+    """The same LeNet-5 cross-compiled for AArch64, with a static-shape executable for the 5 test
+    inputs (``batch_sizes=[5]``), exported as shared libraries (``lenet_a64.so``,
+    ``lenet_a64.batch5.so``); its kernels compiled on three threads (several LLVM modules, linked
+    into the one library) on any machine."""
     require(CROSS_GCC, "gcc-aarch64-linux-gnu")
     net = lenet[0]
     with pytest.MonkeyPatch.context() as env:
         env.setenv("PYRO2PFP_BUILD_JOBS", "3")
-        exe = net.compile("aarch64") if _compile_knows_presets() else deploy.compile_network(net, "aarch64")
+        exe = net.compile("aarch64", batch_sizes=[len(lenet[2])])
     path = tmp_path_factory.mktemp("a64") / "lenet_a64.so"
     exe.export_library(path)
     return exe, path
-
-
-def _compile_knows_presets() -> bool:
-    """Whether PFPNetwork.compile already routes through pyro2pfp.deploy (lead's edit)."""
-    import inspect
-
-    return "deploy" in inspect.getsource(PFPNetwork.compile)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -291,6 +286,10 @@ def test_aarch64_library_is_an_aarch64_elf_shared_object_with_neon(lenet, lenet_
     meta = json.loads(Path(f"{path}.json").read_text())
     assert meta["target_arch"] == "aarch64" and meta["input_shape"] == [1, 28, 28]
     assert meta["sha256"] == hashlib.sha256(data).hexdigest()
+    static = Path(path).with_name("lenet_a64.batch5.so")  # the batch_sizes=[5] executable
+    assert meta["batch_executables"] == {"5": {"library": static.name,
+                                               "sha256": hashlib.sha256(static.read_bytes()).hexdigest()}}
+    assert elf_header(static.read_bytes()[:64]) == (2, ET_DYN, EM_AARCH64)
     objdump = shutil.which("aarch64-linux-gnu-objdump")
     if objdump:  # binutils-aarch64-linux-gnu comes with the cross gcc
         dis = subprocess.run([objdump, "-d", str(path)], capture_output=True, text=True, check=True).stdout
@@ -437,13 +436,21 @@ def test_aarch64_library_runs_under_qemu_and_matches_x86(lenet, lenet_aarch64, t
     runner = build_runner(runtime, tmp_path)
     x.astype(np.float32).tofile(tmp_path / "x.bin")
     env = dict(os.environ, QEMU_LD_PREFIX="/usr/aarch64-linux-gnu", LD_LIBRARY_PATH=str(runtime))
-    result = subprocess.run([qemu, "-cpu", "cortex-a72", str(runner), str(path), str(tmp_path / "out"),
-                             ",".join(map(str, x.shape)), str(tmp_path / "x.bin")],
-                            env=env, capture_output=True, text=True, timeout=120)
-    assert result.returncode == 0, result.stderr[-2000:]
     mean, var = exe_x86(x)
-    mean_a64 = np.fromfile(tmp_path / "out.mean.bin", dtype=np.float32).reshape(mean.shape)
-    var_a64 = np.fromfile(tmp_path / "out.var.bin", dtype=np.float32).reshape(var.shape)
-    # same network, another ISA (FMA contraction, other vector widths): float32 rounding apart
-    np.testing.assert_allclose(mean_a64, mean, rtol=1e-5, atol=1e-5 * np.abs(mean).max())
-    np.testing.assert_allclose(var_a64, var, rtol=1e-4, atol=1e-5 * np.abs(var).max())
+    # the any-batch library and the static batch-5 one (batch_sizes=[5]) exported next to it
+    for library, out in ((Path(path), "out"), (Path(path).with_name("lenet_a64.batch5.so"), "out5")):
+        result = subprocess.run([qemu, "-cpu", "cortex-a72", str(runner), str(library), str(tmp_path / out),
+                                 ",".join(map(str, x.shape)), str(tmp_path / "x.bin")],
+                                env=env, capture_output=True, text=True, timeout=120)
+        assert result.returncode == 0, f"{library.name}: {result.stderr[-2000:]}"
+        mean_a64 = np.fromfile(tmp_path / f"{out}.mean.bin", dtype=np.float32).reshape(mean.shape)
+        var_a64 = np.fromfile(tmp_path / f"{out}.var.bin", dtype=np.float32).reshape(var.shape)
+        # same network, another ISA (FMA contraction, other vector widths): float32 rounding apart
+        np.testing.assert_allclose(mean_a64, mean, rtol=1e-5, atol=1e-5 * np.abs(mean).max())
+        np.testing.assert_allclose(var_a64, var, rtol=1e-4, atol=1e-5 * np.abs(var).max())
+    # the static library takes exactly 5 rows: it really is the batch-specialised executable
+    x[:4].tofile(tmp_path / "x4.bin")
+    result = subprocess.run([qemu, "-cpu", "cortex-a72", str(runner), str(Path(path).with_name("lenet_a64.batch5.so")),
+                             str(tmp_path / "out4"), "4,1,28,28", str(tmp_path / "x4.bin")],
+                            env=env, capture_output=True, text=True, timeout=120, cwd=tmp_path)
+    assert result.returncode != 0 and not (tmp_path / "out4.mean.bin").exists()
