@@ -169,10 +169,10 @@ def export_library(exe: Any, path: str | os.PathLike, *, cc: str | None = None,
         "pyro2pfp_version": __version__,
         "tvm_version": tvm.__version__,
         "kernels": {symbol: list(op_layer) for symbol, op_layer in getattr(exe, "kernels", {}).items()},
-        BATCH_KEY: batch_files,
     }
     info.update(getattr(exe, "metadata_extra", None) or {})
     info.update(metadata or {})
+    info[BATCH_KEY] = batch_files  # the files written now, whatever the extra metadata says
     with open(sidecar_path(path), "w") as f:
         json.dump(info, f, indent=2)
         f.write("\n")

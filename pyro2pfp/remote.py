@@ -184,7 +184,7 @@ class RemoteTiming:
     median_ms: float
     min_ms: float
     repeats: int
-    executable: str = "any-batch"   # or "batch <B>": the batch-specialised executable timed
+    executable: str = "any-batch"   # or "batch-<B>": the batch-specialised executable timed
 
     def __str__(self) -> str:
         return (f"remote {self.remote}: batch {self.batch}: mean {self.mean_ms:.4f} ms, median "
