@@ -199,6 +199,12 @@ def test_batch_specialised_executable_survives_export_and_load_in_a_new_process(
     np.testing.assert_array_equal(out["mean4"], exe(np.concatenate([x, x[:1]]))[0])  # 4 rows: any-batch
     ref_mean, _ = net.reference(x)
     np.testing.assert_allclose(mean, ref_mean, rtol=1e-4, atol=1e-5 * np.abs(ref_mean).max())
+    exe.export_library(tmp_path / "mlp.tar")  # object files, linked by load: the same for the extra one
+    with tarfile.open(tmp_path / "mlp.batch3.tar") as tar:
+        assert any(m.name.endswith(".o") for m in tar.getmembers())
+    from_tar = pyro2pfp.load(tmp_path / "mlp.tar")
+    assert sorted(from_tar.tuned) == [3] and from_tar.vm_for_batch(3) is not from_tar.vm
+    np.testing.assert_array_equal(from_tar(x)[0], mean)
 
     # the extra file is checked like the library: missing, altered, or outside the sidecar's directory
     def copy_set(name: str, edit=None) -> Path:
