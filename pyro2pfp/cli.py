@@ -363,8 +363,10 @@ def cmd_convert(args: argparse.Namespace) -> int:
     from .onnx_export import to_onnx
 
     ext = _check_output_path(args.output, (".so", ".tar", ".onnx"), "the output file")
+    tune = None
     if ext != ".onnx":
         deploy.resolve_target(args.target or "llvm")  # fail before the (slow) conversion
+        tune = _tune_spec(args)
     t0 = time.perf_counter()
     model, _, net = convert_from_args(args)
     print(f"converted {type(model).__name__}: input shape {net.input_shape}, {len(net.plan.layers)} "
@@ -376,20 +378,40 @@ def cmd_convert(args: argparse.Namespace) -> int:
     if ext == ".onnx":
         if args.target not in (None, "llvm"):
             print(f"note: --target {args.target} is ignored for ONNX output", file=sys.stderr)
+        for option, value in (("--batch-sizes", args.batch_sizes), ("--tune", args.tune), ("--remote", args.remote)):
+            if value:
+                print(f"note: {option} is ignored for ONNX output (dynamic batch)", file=sys.stderr)
         to_onnx(net, args.output, opset=args.opset)
         outputs = "probs, uncertainty" if net.head else "mean, var"
         print(f"wrote {args.output} (ONNX opset {args.opset}; inputs {'x, x_var' if net.input_variance else 'x'}; "
               f"outputs {outputs}) in {time.perf_counter() - t0:.1f} s")
         return 0
-    exe = deploy.compile_network(net, args.target or "llvm", schedule=not args.no_schedule)
+    exe = deploy.compile_network(net, args.target or "llvm", schedule=not args.no_schedule,
+                                 batch_sizes=args.batch_sizes or (), tune=tune)
     extra = {"model": type(model).__name__, "builder": args.builder,
              "params": os.path.basename(args.params) if args.params else None,
              "calibration": net.calibration, "moment_form": net.plan.moment_form, "plan": net.summary()}
     exe.export_library(args.output, metadata=extra)
     arch = deploy.target_arch(exe.target)
-    where = "" if exe.runnable else f" (for {arch}: copy both files to the device)"
-    print(f"wrote {args.output} and {deploy.sidecar_path(args.output)}{where} in {time.perf_counter() - t0:.1f} s")
+    files = [args.output, *(deploy.batch_library_path(args.output, b) for b in sorted(exe.tuned))]
+    where = "" if exe.runnable else f" (for {arch}: copy all {len(files) + 1} files to the device)"
+    print(f"wrote {', '.join(files)} and {deploy.sidecar_path(args.output)}{where} in "
+          f"{time.perf_counter() - t0:.1f} s")
     return 0
+
+
+def _tune_spec(args: argparse.Namespace) -> dict[str, Any] | None:
+    """``convert --tune B,... [--trials N] [--remote ...]``: the ``tune=`` of ``net.compile`` (None without --tune)."""
+    if args.remote and not args.tune:
+        raise CLIError("--remote measures tuning candidates on a board: give --tune BATCH too")
+    if not args.tune:
+        return None
+    spec: dict[str, Any] = {"batch": list(args.tune), "trials": args.trials}
+    if args.remote:
+        from .remote import Remote
+
+        spec["remote"] = Remote.parse(args.remote, session_timeout=args.remote_timeout)
+    return spec
 
 
 def cmd_inspect(args: argparse.Namespace) -> int:
@@ -414,6 +436,11 @@ def cmd_inspect(args: argparse.Namespace) -> int:
                 for k in keys if target.get(k)]
             target = ", ".join(parts)
         print(f"  target: {target}")
+        batch_files = info.get(deploy.BATCH_KEY) or {}
+        if isinstance(batch_files, dict) and batch_files:
+            listed = ", ".join(f"{b} ({entry.get('library') if isinstance(entry, dict) else '?'})"
+                               for b, entry in batch_files.items())
+            print(f"  batch-specialised executables: {listed}")
         if info.get("plan"):
             print(info["plan"])
         return 0
@@ -657,6 +684,16 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--target", "-t", default=None, help=_target_help())
     p.add_argument("--opset", type=int, default=17, help="ONNX opset for .onnx output (default 17)")
     p.add_argument("--no-schedule", action="store_true", help="skip the CPU schedules (debugging)")
+    p.add_argument("--batch-sizes", "-b", type=parse_int_list, default=None, metavar="1,10",
+                   help="also build a static-shape executable for each batch size (net.compile(batch_sizes=...)); "
+                        "each is written next to OUT as OUT-stem.batch<B>.so and listed in OUT.json, and "
+                        "pyro2pfp.load / predict run it for inputs of that many rows")
+    p.add_argument("--tune", type=parse_int_list, default=None, metavar="10",
+                   help="also tune with MetaSchedule for these batch sizes (on this machine, or with --remote on "
+                        "a board of the target's architecture; cached in ~/.cache/pyro2pfp/tuning), exported "
+                        "like --batch-sizes")
+    p.add_argument("--trials", type=positive_int, default=64, help="MetaSchedule trials per --tune batch (default 64)")
+    _add_remote_options(p, required=False)
     p.add_argument("--verbose", "-v", action="store_true", help="print the layer plan")
     p.set_defaults(func=cmd_convert)
 

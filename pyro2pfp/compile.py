@@ -1,8 +1,9 @@
 """The one compile path: ``net.compile(target, tune=...)`` → a predictor.
 
 Host targets give a runnable :class:`~pyro2pfp.tvm_backend.runtime.CompiledPFP` (default CPU
-schedules, optionally MetaSchedule-tuned executables per batch size); targets for another
-architecture give one that only exports.
+schedules, optionally static-shape or MetaSchedule-tuned executables per batch size); targets for
+another architecture give one that only exports (and uploads to a board), with the same
+batch-specialised executables -- tuned only on a board (``tune={..., "remote": ...}``).
 """
 from __future__ import annotations
 
@@ -17,47 +18,48 @@ def compile_network(net: Any, target: Any = "native", *, schedule: bool = True, 
     """``net.compile(target)`` with presets and cross-compilation.
 
     Host targets give a runnable :class:`~pyro2pfp.tvm_backend.runtime.CompiledPFP`; targets for
-    another architecture give one that only exports (``exe.export_library(path)``); those cannot
-    be tuned here (MetaSchedule measures candidates on the machine it runs on).  ``batch_sizes``:
-    batch sizes that also get a static-shape executable with the default schedules (a tuned
-    executable of the same batch size takes precedence).
+    another architecture give one that only exports (``exe.export_library(path)``: every
+    batch-specialised executable is written too).  ``batch_sizes``: batch sizes that also get a
+    static-shape executable with the default schedules (a tuned executable of the same batch size
+    takes precedence).  ``tune``: MetaSchedule-tuned executables per batch size
+    (:func:`pyro2pfp.tuning.tune_network`); for another architecture only with ``"remote"`` in the
+    spec (candidates built here, measured on the board): MetaSchedule measures every candidate where
+    it runs, so tuning a cross target without a board is refused.
     """
     from .tvm_backend import runtime
     from .tvm_backend._core import kernel_table
 
     tgt = resolve_target(target)
     static = _batch_sizes(batch_sizes)
-    if not is_cross_target(tgt):
-        if tune is not None and tune is not False:
-            _check_tune_spec(tune)  # before the (slow) build
-        if num_threads is not None:
-            runtime.set_num_threads(num_threads)
-        executable = runtime.build_network(net, tgt, schedule)
-        tuned = {b: runtime.build_network(net, tgt, schedule, batch=b) for b in static}
-        if tune is not None and tune is not False:
-            from .tuning import tune_network
-
-            tuned.update(tune_network(net, tgt, tune))
-        exe = runtime.CompiledPFP(executable, net.input_shape, net.input_variance, tgt, tuned=tuned)
-        exe.kernels = kernel_table(net.mod)
-        exe.head = getattr(net, "head", None)  # "probs": outputs unpacked into a HeadOutput
-        return exe
-    if isinstance(tune, dict) and tune.get("remote") is not None:
-        raise PFPError(f"net.compile({target!r}, tune=..., remote=...) is not supported yet: a network "
-                       f"cross-compiled for {target_arch(tgt)} exports only its any-batch executable, so "
-                       "executables tuned on the board would not reach it. Tune the kernels on the board with "
-                       f"pyro2pfp.tuning.tune(net.mod, {target!r}, batch=..., plan=net.plan, remote=...) (its "
-                       ".build() is the batch-specialised executable), or compile without tune=")
-    if static:
-        raise PFPError(f"batch_sizes={static}: a network cross-compiled for {target_arch(tgt)} exports only its "
-                       "any-batch executable; compile without batch_sizes=")
-    if tune is not None and tune is not False:
-        raise PFPError(f"cannot tune for {target_arch(tgt)} on this {host_arch()} machine: MetaSchedule "
-                       "measures every candidate where it runs; compile without tune= or tune on the device")
+    tuning = tune is not None and tune is not False
+    cross = is_cross_target(tgt)
+    if tuning:
+        _check_tune_spec(tune)  # before the (slow) build
+        if cross and not _tunes_on_a_board(tune):
+            raise PFPError(f"cannot tune for {target_arch(tgt)} on this {host_arch()} machine: MetaSchedule "
+                           "measures every candidate where it runs; compile without tune=, or tune on a board "
+                           f"of that architecture: net.compile({target!r}, tune=..., remote='tracker:9190/key')")
+    if num_threads is not None and not cross:
+        runtime.set_num_threads(num_threads)
     executable = runtime.build_network(net, tgt, schedule)
-    exe = runtime.CompiledPFP.for_cross_target(executable, net.input_shape, net.input_variance, tgt)
-    exe.head = getattr(net, "head", None)
+    tuned = {b: runtime.build_network(net, tgt, schedule, batch=b) for b in static}
+    if tuning:
+        from .tuning import tune_network
+
+        tuned.update(tune_network(net, tgt, tune))
+    if cross:
+        exe = runtime.CompiledPFP.for_cross_target(executable, net.input_shape, net.input_variance, tgt,
+                                                   tuned=tuned)
+    else:
+        exe = runtime.CompiledPFP(executable, net.input_shape, net.input_variance, tgt, tuned=tuned)
+    exe.kernels = kernel_table(net.mod)
+    exe.head = getattr(net, "head", None)  # "probs": outputs unpacked into a HeadOutput
     return exe
+
+
+def _tunes_on_a_board(tune: Any) -> bool:
+    """Whether a (valid) ``tune=`` spec measures on boards through TVM RPC (``"remote"`` given)."""
+    return isinstance(tune, dict) and tune.get("remote") is not None
 
 
 def _check_tune_spec(tune: Any) -> None:

@@ -11,6 +11,10 @@ shared library; ``.tar``: the object files, linked by ``load`` on the machine th
 whether it takes an input variance, the target and versions (and, from the CLI, the layer plan).
 Copy both files.  :func:`load` reads the sidecar and returns the same
 :class:`~pyro2pfp.tvm_backend.runtime.CompiledPFP` (input validation included) as ``net.compile``.
+A predictor with batch-specialised executables (``net.compile(..., batch_sizes=[10])`` or
+``tune=...``) also writes one library per batch size, ``lenet.batch10.so``, listed in the sidecar with
+its sha256; copy those too: :func:`load` loads them back, so a call with 10 rows runs the specialised
+executable as in the process that compiled it.
 
 **Cross-compilation.** A target whose ``mtriple`` names another architecture than this machine's
 (``"aarch64"``, the board presets below, ``"raspberry-pi/4b-aarch64"``, any TVM tag or target dict)
@@ -26,11 +30,21 @@ from typing import Any
 
 from .compile import compile_network
 from .errors import LibraryNotFoundError, LoadError
-from .exporting import FORMAT, SIDECAR_SUFFIX, _native_stderr_filtered, _sha256, export_library, sidecar_path
+from .exporting import (
+    BATCH_KEY,
+    FORMAT,
+    SIDECAR_SUFFIX,
+    _native_stderr_filtered,
+    _sha256,
+    batch_library_path,
+    export_library,
+    sidecar_path,
+)
 from .targets import PRESET_HELP, TARGET_PRESETS, _norm_arch, host_arch, is_cross_target, resolve_target, target_arch
 
 __all__ = ["TARGET_PRESETS", "PRESET_HELP", "FORMAT", "resolve_target", "target_arch", "host_arch",
-           "is_cross_target", "compile_network", "export_library", "load", "read_metadata", "sidecar_path"]
+           "is_cross_target", "compile_network", "export_library", "load", "read_metadata", "sidecar_path",
+           "batch_library_path"]
 
 
 def read_metadata(path: str | os.PathLike) -> dict[str, Any]:
@@ -71,28 +85,88 @@ def _metadata_signature(info: dict[str, Any], meta: str, input_shape: Any,
     return tuple(shape), takes_var
 
 
-def _check_signature(exe: Any, path: str, shape: tuple[int, ...], takes_var: bool, head: Any = None) -> None:
-    """The library's own ``main`` must take what the metadata says: its arity, and one call on zeros."""
+def _check_signature(vm: Any, device: Any, path: str, shape: tuple[int, ...], takes_var: bool, head: Any = None,
+                     batch: int = 1) -> None:
+    """The library's own ``main`` (run by ``vm``) must take what the metadata says: its arity, and one
+    call on zeros of ``(batch, *shape)`` giving ``batch`` rows."""
     import numpy as np
     import tvm
 
-    arity = int(exe.vm.module["get_function_arity"]("main"))
+    arity = int(vm.module["get_function_arity"]("main"))
     if arity != 1 + int(takes_var):
         raise LoadError(f"{path}: the library's main takes {arity} input(s), but its metadata says "
                         f"input_variance={takes_var} ({1 + int(takes_var)} input(s)); the two files do not belong "
                         "together: re-export them")
-    zeros = [np.zeros((1, *shape), np.float32)] * arity
+    zeros = [np.zeros((batch, *shape), np.float32)] * arity
     try:
-        mean, var = exe.vm["main"](*[tvm.runtime.tensor(z, exe.device) for z in zeros])
+        mean, var = vm["main"](*[tvm.runtime.tensor(z, device) for z in zeros])
         mean, var = np.from_dlpack(mean), np.from_dlpack(var)
     except Exception as exc:
         first = str(exc).strip().splitlines()[-1] if str(exc).strip() else type(exc).__name__
         raise LoadError(f"{path}: the library does not accept input of shape (batch, "
-                        f"{', '.join(map(str, shape))}) that its metadata (or load's input_shape) states ({first}); "
-                        "the library and the shape do not belong together") from None
-    if (mean.shape != var.shape and not head) or mean.shape[:1] != (1,) or var.shape[:1] != (1,):
-        raise LoadError(f"{path}: main returned outputs of shapes {mean.shape} and {var.shape} for one input; "
-                        "this is not a pyro2pfp library")
+                        f"{', '.join(map(str, shape))}) that its metadata (or load's input_shape) states "
+                        f"(tried batch {batch}: {first}); the library and the shape do not belong together") from None
+    if (mean.shape != var.shape and not head) or mean.shape[:1] != (batch,) or var.shape[:1] != (batch,):
+        raise LoadError(f"{path}: main returned outputs of shapes {mean.shape} and {var.shape} for {batch} "
+                        "input(s); this is not a pyro2pfp library")
+
+
+def _check_sha256(path: str, recorded: str, verify_sha256: bool, what: str) -> None:
+    """``path``'s sha256 must be ``recorded``: a :class:`LoadError` naming it (with
+    ``verify_sha256=False`` a warning)."""
+    if recorded == _sha256(path):
+        return
+    message = (f"{path} is not the {what} its metadata file was written for (sha256 mismatch): re-export "
+               "the files together")
+    if verify_sha256:
+        raise LoadError(message + ", or load(..., verify_sha256=False) to accept it")
+    warnings.warn(message, stacklevel=3)
+
+
+def _load_module(path: str) -> Any:
+    """``tvm.runtime.load_module(path)`` (TVM's save/load noise dropped); a :class:`LoadError` naming it."""
+    import tvm
+
+    try:
+        with _native_stderr_filtered():
+            return tvm.runtime.load_module(path)
+    except Exception as exc:
+        first = str(exc).strip().splitlines()[-1] if str(exc).strip() else type(exc).__name__
+        raise LoadError(f"cannot load {path} as a pyro2pfp library with the TVM runtime: {first}") from exc
+
+
+def _batch_library_files(info: dict[str, Any], meta: str, verify_sha256: bool) -> dict[int, str]:
+    """``{batch: library path}`` of the batch-specialised executables the sidecar lists under
+    :data:`~pyro2pfp.exporting.BATCH_KEY` (none for a sidecar without it: written before they were
+    exported).  Each file must be a plain file name in the sidecar's directory (nothing outside it is
+    loaded), exist, and have the recorded sha256 -- the checks the main library gets; every failure
+    is a :class:`LoadError` naming the file."""
+    entries = info.get(BATCH_KEY)
+    if entries is None:
+        return {}
+    if not isinstance(entries, dict):
+        raise LoadError(f"{meta}: {BATCH_KEY!r} must map batch sizes to {{'library': ..., 'sha256': ...}}, "
+                        f"got {entries!r}")
+    directory = os.path.dirname(os.path.abspath(meta))
+    files = {}
+    for key, entry in entries.items():
+        batch = int(key) if isinstance(key, str) and key.isdigit() and int(key) > 0 else None
+        name = entry.get("library") if isinstance(entry, dict) else None
+        recorded = entry.get("sha256") if isinstance(entry, dict) else None
+        if batch is None or not isinstance(name, str) or not isinstance(recorded, str):
+            raise LoadError(f"{meta}: {BATCH_KEY}[{key!r}] must be a batch size >= 1 mapped to "
+                            f"{{'library': file name, 'sha256': hex digest}}, got {entry!r}")
+        if name in ("", ".", "..") or os.path.basename(name) != name or (os.altsep and os.altsep in name):
+            raise LoadError(f"{meta}: the batch-{batch} library {name!r} must be a file name in the metadata "
+                            "file's directory (no path)")
+        file = os.path.join(directory, name)
+        if not os.path.isfile(file):
+            raise LoadError(f"{file} not found: {os.path.basename(meta)} lists it as the executable for batch "
+                            f"{batch}; copy it along with the library and its metadata file (every file the "
+                            "metadata lists), or re-export them")
+        _check_sha256(file, recorded, verify_sha256, f"batch-{batch} library")
+        files[batch] = file
+    return dict(sorted(files.items()))
 
 
 def load(path: str | os.PathLike, *, input_shape: tuple[int, ...] | None = None,
@@ -111,7 +185,12 @@ def load(path: str | os.PathLike, *, input_shape: tuple[int, ...] | None = None,
     input shape and flag; the library's sha256 equals the one recorded at export (pass
     ``verify_sha256=False`` to accept a library changed since, e.g. re-linked on the device); the
     target architecture is this machine's; and the library's own ``main`` takes what the metadata
-    says (its number of inputs, and one call on zeros of the stated shape).
+    says (its number of inputs, and one call on zeros of the stated shape).  The batch-specialised
+    executables the sidecar lists (``net.batch10.so``, from ``net.compile(batch_sizes=...)`` or
+    ``tune=...``) are loaded into ``exe.tuned`` (calls with that many rows run them) after the same
+    checks: each file is in the sidecar's directory, exists, has its recorded sha256, and its
+    ``main`` takes the stated inputs at its batch size; a missing or changed one is a ``LoadError``
+    naming it (never a silent fall-back to the any-batch executable).
     """
     import tvm
 
@@ -134,21 +213,18 @@ def load(path: str | os.PathLike, *, input_shape: tuple[int, ...] | None = None,
             f"{path} was compiled for {arch}; this machine is {host_arch()}. Copy {os.path.basename(path)} "
             f"and {os.path.basename(sidecar_path(path))} to an {arch} machine with pyro2pfp (or the TVM "
             f"runtime) installed and load it there.")
-    if info.get("sha256") and info["sha256"] != _sha256(path):
-        message = (f"{path} is not the library its metadata file was written for (sha256 mismatch): re-export "
-                   "both files together")
-        if verify_sha256:
-            raise LoadError(message + ", or load(..., verify_sha256=False) to accept it")
-        warnings.warn(message, stacklevel=2)
+    if info.get("sha256"):
+        _check_sha256(path, info["sha256"], verify_sha256, "library")
+    batch_files = _batch_library_files(info, meta, verify_sha256)
+    lib = _load_module(path)
+    specialised = {batch: _load_module(file) for batch, file in batch_files.items()}
+    target: Any = info.get("target", "llvm")
     try:
-        with _native_stderr_filtered():
-            lib = tvm.runtime.load_module(path)
-        target: Any = info.get("target", "llvm")
-        try:
-            target = tvm.target.Target(json.loads(target)) if isinstance(target, str) else tvm.target.Target(target)
-        except Exception:  # informational only
-            target = tvm.target.Target("llvm")
-        exe = CompiledPFP(lib, shape, takes_var, target)
+        target = tvm.target.Target(json.loads(target)) if isinstance(target, str) else tvm.target.Target(target)
+    except Exception:  # informational only
+        target = tvm.target.Target("llvm")
+    try:
+        exe = CompiledPFP(lib, shape, takes_var, target, tuned=specialised)
     except Exception as exc:
         first = str(exc).strip().splitlines()[-1] if str(exc).strip() else type(exc).__name__
         raise LoadError(f"cannot load {path} as a pyro2pfp library with the TVM runtime: {first}") from exc
@@ -158,7 +234,9 @@ def load(path: str | os.PathLike, *, input_shape: tuple[int, ...] | None = None,
         head = "probs"  # a sidecar without the "head" entry: the kernel table names the head's kernel
     if head not in (None, "probs"):
         raise LoadError(f"{meta}: unknown head {head!r} (expected null or \"probs\")")
-    _check_signature(exe, path, shape, takes_var, head)
+    _check_signature(exe.vm, exe.device, path, shape, takes_var, head)
+    for batch, file in batch_files.items():
+        _check_signature(exe.vm_for_batch(batch), exe.device, file, shape, takes_var, head, batch=batch)
     exe.head = head
     keep = ("model", "builder", "plan", "calibration", "moment_form", "source", "params")
     exe.metadata_extra = {k: v for k, v in info.items() if k in keep}

@@ -1,9 +1,12 @@
 """Export a compiled predictor: the library (TVM's ``export_library``) and its JSON sidecar.
 
 ``export_library(exe, path)`` writes ``path`` (``.so``: a shared library; ``.tar``: the object files,
-linked by ``load`` on the machine that loads it) and ``path + ".json"``: the input shape, whether it
-takes an input variance, the target, versions and the sha256 of the library
-(:func:`pyro2pfp.deploy.load` checks them against the library itself).
+linked by ``load`` on the machine that loads it), one more library per batch-specialised executable
+(``exe.tuned``: static-shape from ``compile(batch_sizes=...)`` or MetaSchedule-tuned from
+``compile(tune=...)``) next to it, ``<stem>.batch<B><ext>`` (:func:`batch_library_path`), and
+``path + ".json"``: the input shape, whether it takes an input variance, the target, versions, the
+sha256 of the library and, under ``"batch_executables"``, ``{"<B>": {"library": file name relative
+to the sidecar, "sha256": ...}}`` (:func:`pyro2pfp.deploy.load` checks them against the files).
 """
 from __future__ import annotations
 
@@ -15,10 +18,11 @@ import re
 import shutil
 import sys
 import tempfile
+from collections.abc import Iterable
 from typing import Any
 
 from ._version import __version__
-from .errors import PFPError
+from .errors import ArgumentError, PFPError
 from .targets import host_arch, target_arch
 
 SIDECAR_SUFFIX = ".json"
@@ -33,9 +37,20 @@ _APT_PACKAGE = {"aarch64-linux-gnu-gcc": "gcc-aarch64-linux-gnu",
                 "riscv64-linux-gnu-gcc": "gcc-riscv64-linux-gnu"}
 
 
+#: Sidecar key of the batch-specialised executables: ``{"<batch>": {"library": name, "sha256": hex}}``.
+BATCH_KEY = "batch_executables"
+
+
 def sidecar_path(path: str | os.PathLike) -> str:
     """The metadata file written next to a library: ``path + ".json"``."""
     return os.fspath(path) + SIDECAR_SUFFIX
+
+
+def batch_library_path(path: str | os.PathLike, batch: int) -> str:
+    """Where the executable specialised to ``batch`` is written next to the library ``path``:
+    ``net.so`` -> ``net.batch10.so`` (same directory, same extension)."""
+    stem, ext = os.path.splitext(os.fspath(path))
+    return f"{stem}.batch{int(batch)}{ext}"
 
 
 def _sha256(path: str) -> str:
@@ -96,9 +111,13 @@ def cross_compiler(arch: str, cc: str | None = None) -> str:
 
 
 def export_library(exe: Any, path: str | os.PathLike, *, cc: str | None = None,
-                   metadata: dict[str, Any] | None = None) -> str:
+                   metadata: dict[str, Any] | None = None, batches: Iterable[int] | None = None) -> str:
     """Write ``exe`` (a CompiledPFP) to ``path`` (``.so`` or ``.tar``) plus ``path + ".json"``.
 
+    Every batch-specialised executable of ``exe.tuned`` (``{batch: executable}``) is written too,
+    to :func:`batch_library_path` (``net.batch10.so``), and listed in the sidecar under
+    :data:`BATCH_KEY` with its file name (relative to the sidecar) and sha256; ``batches`` limits
+    them to those sizes (default: all; :func:`pyro2pfp.remote.upload` writes only the one it runs).
     For a cross target, ``.so`` is linked with the target's cross compiler (``cc`` or
     ``$PYRO2PFP_CROSS_CC`` overrides the default, e.g. ``aarch64-linux-gnu-gcc``); ``.tar`` holds
     the object files and needs no toolchain.  ``metadata``: extra JSON-serialisable entries for the
@@ -115,8 +134,10 @@ def export_library(exe: Any, path: str | os.PathLike, *, cc: str | None = None,
     if not os.path.isdir(directory):
         raise PFPError(f"cannot write {path}: directory {directory} does not exist")
     executable = exe.executable
-    if not hasattr(executable, "export_library"):
-        raise PFPError(f"this predictor ({type(executable).__name__}) cannot be exported")
+    specialised = _batch_executables(exe, batches)
+    for what in (executable, *specialised.values()):
+        if not hasattr(what, "export_library"):
+            raise PFPError(f"this predictor ({type(what).__name__}) cannot be exported")
     arch = target_arch(exe.target)
     kwargs = {}
     if ext == ".so" and arch != host_arch():
@@ -127,6 +148,11 @@ def export_library(exe: Any, path: str | os.PathLike, *, cc: str | None = None,
         kwargs["fcompile"] = tvm_cc.cross_compiler(cc)
     with _native_stderr_filtered():
         executable.export_library(path, **kwargs)
+        batch_files = {}
+        for batch, specialised_exe in specialised.items():
+            batch_path = batch_library_path(path, batch)
+            specialised_exe.export_library(batch_path, **kwargs)
+            batch_files[str(batch)] = {"library": os.path.basename(batch_path), "sha256": _sha256(batch_path)}
 
     info = {
         "format": FORMAT,
@@ -146,7 +172,22 @@ def export_library(exe: Any, path: str | os.PathLike, *, cc: str | None = None,
     }
     info.update(getattr(exe, "metadata_extra", None) or {})
     info.update(metadata or {})
+    info[BATCH_KEY] = batch_files  # the files written now, whatever the extra metadata says
     with open(sidecar_path(path), "w") as f:
         json.dump(info, f, indent=2)
         f.write("\n")
     return path
+
+
+def _batch_executables(exe: Any, batches: Iterable[int] | None) -> dict[int, Any]:
+    """``exe.tuned`` (``{batch: executable}``) in batch order, limited to ``batches`` if given (a size
+    without an executable is an :class:`~pyro2pfp.errors.ArgumentError`)."""
+    tuned = {int(b): e for b, e in (getattr(exe, "tuned", None) or {}).items()}
+    if batches is None:
+        return dict(sorted(tuned.items()))
+    wanted = sorted({int(b) for b in batches})
+    missing = [b for b in wanted if b not in tuned]
+    if missing:
+        raise ArgumentError(f"export_library(batches={wanted}): no batch-specialised executable for "
+                            f"{missing}; this predictor has {sorted(tuned) or 'none'}")
+    return {b: tuned[b] for b in wanted}

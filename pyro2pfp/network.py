@@ -91,7 +91,9 @@ class PFPNetwork:
         Returns a :class:`~pyro2pfp.tvm_backend.runtime.CompiledPFP`: ``exe(x) -> (mean, var)``
         as float32 NumPy arrays, any batch size, every kernel with its default CPU schedule;
         ``exe.profile(x)`` times each kernel; ``exe.export_library("net.so")`` writes it for
-        ``pyro2pfp.load``.  For another CPU architecture the predictor only exports.
+        ``pyro2pfp.load`` (with every batch-specialised executable below, as ``net.batch<B>.so``
+        files listed in the sidecar).  For another CPU architecture the predictor only exports
+        (and uploads to a board, :mod:`pyro2pfp.remote`).
 
         ``tune``: also auto-tune with MetaSchedule for the batch sizes named -- ``tune=10``,
         ``tune=[1, 10]`` or ``tune={"batch": 10, "trials": 64, "work_dir": ...}`` (see
@@ -102,11 +104,13 @@ class PFPNetwork:
         ``schedule=False`` skips the default CPU schedules (naive loops; for debugging).
         ``remote``: with ``tune``, measure the candidates on boards through TVM RPC --
         ``"tracker-host:9190/rpi4"``, ``"server-host:9090"`` or a :class:`pyro2pfp.remote.Remote`
-        (the tuning database is then keyed by the board key as well as the target).
+        (the tuning database is then keyed by the board key as well as the target); the only way
+        to tune for another CPU architecture (candidates built here, measured on the board).
         ``batch_sizes``: e.g. ``batch_sizes=[1]`` -- also build a static-shape executable (default
         schedules) for each batch size named; calls with that batch size run it (fewer VM
         instructions per call: 5–13 % faster at batch 1, ~0 at batch 10 on the benchmark nets;
-        ``benchmarks/latency.py --static``).  Costs one more build per size.
+        ``benchmarks/latency.py --static``).  Costs one more build per size.  Works for cross
+        targets too (the executables are exported with the library).
         """
         from .compile import compile_network
 

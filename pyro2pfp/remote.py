@@ -13,9 +13,11 @@ around it:
   run in a helper thread joined with ``connect_timeout``; a key with no server registered is
   refused at once (TVM's tracker would queue the request forever).  All failures are
   :class:`pyro2pfp.errors.RemoteError` naming the address and key;
-* :func:`upload`: export the compiled network (``exe.export_library``), upload it, load it on the
-  board as a Relax VM (:class:`RemotePredictor`: ``(mean, var)`` as NumPy, ``time()`` with
-  ``time_evaluator`` on the board);
+* :func:`upload`: export the compiled network (``exe.export_library``: the any-batch executable
+  and its batch-specialised ones, ``exe.tuned``), upload it, load it on the board as Relax VMs
+  (:class:`RemotePredictor`: ``(mean, var)`` as NumPy, ``time()`` with ``time_evaluator`` on the
+  board; a call with a batch size that has a specialised executable runs that one, as
+  ``exe(x)`` does here);
 * :func:`validate`: a fixed input set run on the board against the float64 NumPy reference.
 """
 from __future__ import annotations
@@ -182,71 +184,98 @@ class RemoteTiming:
     median_ms: float
     min_ms: float
     repeats: int
+    executable: str = "any-batch"   # or "batch-<B>": the batch-specialised executable timed
 
     def __str__(self) -> str:
         return (f"remote {self.remote}: batch {self.batch}: mean {self.mean_ms:.4f} ms, median "
                 f"{self.median_ms:.4f} ms, min {self.min_ms:.4f} ms ({self.repeats} repeats, "
-                "time_evaluator on the board)")
+                f"{self.executable} executable, time_evaluator on the board)")
 
 
 class RemotePredictor:
-    """A compiled network uploaded to a board: ``pred(x[, x_var]) -> (mean, var)`` NumPy arrays."""
+    """A compiled network uploaded to a board: ``pred(x[, x_var]) -> (mean, var)`` NumPy arrays.
 
-    def __init__(self, session: Any, library: Any, exe: Any, remote: Remote) -> None:
+    ``specialised``: ``{batch: library}`` of batch-specialised executables loaded on the board; a
+    call with one of those batch sizes runs that one (as :class:`~pyro2pfp.tvm_backend.runtime.
+    CompiledPFP` does), other sizes the any-batch ``library``."""
+
+    def __init__(self, session: Any, library: Any, exe: Any, remote: Remote,
+                 specialised: dict[int, Any] | None = None) -> None:
         from tvm import relax
 
         self.session, self.remote = session, remote
         self.input_shape, self.input_variance = tuple(exe.input_shape), bool(exe.input_variance)
         self.device = session.cpu()
         self.vm = relax.VirtualMachine(library, self.device)
+        self.tuned_vms = {int(b): relax.VirtualMachine(lib, self.device) for b, lib in (specialised or {}).items()}
 
-    def _set_input(self, x: Any, x_var: Any) -> int:
+    def vm_for_batch(self, batch: int) -> Any:
+        """The VM on the board that a call with ``batch`` rows runs (a batch-specialised one if uploaded)."""
+        return self.tuned_vms.get(int(batch), self.vm)
+
+    def _set_input(self, x: Any, x_var: Any) -> tuple[Any, int]:
+        """The inputs checked and set on the VM for their batch size: (that VM, the batch size)."""
         import tvm
 
         from .inputs import checked_inputs
 
         arrays = checked_inputs(x, x_var, self.input_shape, self.input_variance, np.float32)
-        self.vm.set_input("main", *[tvm.runtime.tensor(a, self.device) for a in arrays])
-        return int(arrays[0].shape[0])
+        batch = int(arrays[0].shape[0])
+        vm = self.vm_for_batch(batch)
+        vm.set_input("main", *[tvm.runtime.tensor(a, self.device) for a in arrays])
+        return vm, batch
 
     def __call__(self, x: Any, x_var: Any = None) -> tuple[np.ndarray, np.ndarray]:
-        self._set_input(x, x_var)
-        self.vm.invoke_stateful("main")
+        vm, _ = self._set_input(x, x_var)
+        vm.invoke_stateful("main")
         # not vm.get_outputs(): its recursive closure is a reference cycle holding the VM, and so the
         # RPC session, open until the next garbage collection -- a one-session board (a direct
         # rpc_server) would refuse the next connection until then
-        get_output = self.vm.module["get_output"]
+        get_output = vm.module["get_output"]
         mean, var = get_output("main", 0), get_output("main", 1)
         return mean.numpy(), var.numpy()
 
     def time(self, x: Any, x_var: Any = None, *, repeats: int = 10, number: int = 0,
              min_repeat_ms: int = 50) -> RemoteTiming:
         """Latency of one call on ``x`` timed on the board (``time_evaluator`` runs the loop there,
-        so the network round trip is not in the figure)."""
-        batch = self._set_input(x, x_var)
-        timer = self.vm.time_evaluator("invoke_stateful", self.device, number=max(1, number) if number else 1,
-                                       repeat=int(repeats), min_repeat_ms=int(min_repeat_ms))
+        so the network round trip is not in the figure), with the executable a call of that batch
+        size runs (:meth:`vm_for_batch`)."""
+        vm, batch = self._set_input(x, x_var)
+        timer = vm.time_evaluator("invoke_stateful", self.device, number=max(1, number) if number else 1,
+                                  repeat=int(repeats), min_repeat_ms=int(min_repeat_ms))
         results = np.asarray(self.remote._bounded("timing on the board", lambda: timer("main").results,
                                                   timeout=self.remote.session_timeout)) * 1e3
+        which = f"batch-{batch}" if batch in self.tuned_vms else "any-batch"
         return RemoteTiming(self.remote.address, batch, float(results.mean()), float(np.median(results)),
-                            float(results.min()), int(repeats))
+                            float(results.min()), int(repeats), which)
 
 
-def upload(exe: Any, remote: Any) -> RemotePredictor:
+def upload(exe: Any, remote: Any, batches: Any = None) -> RemotePredictor:
     """Export ``exe`` (a :class:`~pyro2pfp.tvm_backend.runtime.CompiledPFP`, host or cross
-    target), upload the library to a board and load it there."""
+    target), upload the library to a board and load it there.  ``batches``: the batch-specialised
+    executables of ``exe.tuned`` to upload as well (default: all of them; sizes without one are
+    ignored); calls with those batch sizes run them."""
+    from .exporting import batch_library_path, export_library
+
     remote = as_remote(remote)
+    have = {int(b) for b in (getattr(exe, "tuned", None) or {})}
+    wanted = sorted(have if batches is None else have & {int(b) for b in batches})
     session = remote.connect()
     try:
         with tempfile.TemporaryDirectory(prefix="pyro2pfp-rpc-") as tmp:
             path = os.path.join(tmp, "pyro2pfp_net.so")
-            exe.export_library(path)
+            export_library(exe, path, batches=wanted)
             name = f"pyro2pfp_net_{os.getpid()}_{id(exe):x}.so"
-            remote._bounded("uploading the library", lambda: session.upload(path, name),
-                            timeout=remote.session_timeout)
+            files = {None: (path, name)} | {b: (batch_library_path(path, b), batch_library_path(name, b))
+                                            for b in wanted}
+            for local, remote_name in files.values():
+                remote._bounded("uploading the library", lambda a=local, b=remote_name: session.upload(a, b),
+                                timeout=remote.session_timeout)
         try:
-            library = remote._bounded("loading the library on the board", lambda: session.load_module(name),
-                                      timeout=remote.session_timeout)
+            loaded = {b: remote._bounded("loading the library on the board",
+                                         lambda name=remote_name: session.load_module(name),
+                                         timeout=remote.session_timeout)
+                      for b, (_, remote_name) in files.items()}
         except RemoteError as err:
             from .targets import target_arch
 
@@ -255,12 +284,23 @@ def upload(exe: Any, remote: Any) -> RemotePredictor:
     except BaseException:
         session = None  # close the session now: the error's traceback keeps this frame (and so it) alive
         raise
-    return RemotePredictor(session, library, exe, remote)
+    library = loaded.pop(None)
+    return RemotePredictor(session, library, exe, remote, {b: lib for b, lib in loaded.items() if b is not None})
 
 
 def benchmark(exe: Any, x: Any, remote: Any, x_var: Any = None, *, repeats: int = 10) -> RemoteTiming:
-    """Upload ``exe`` and time one call on ``x`` on the board."""
-    return upload(exe, remote).time(x, x_var, repeats=repeats)
+    """Upload ``exe`` and time one call on ``x`` on the board (with the executable a call of that
+    batch size runs: a batch-specialised one of ``exe.tuned`` if there is one; only that one is
+    uploaded besides the any-batch library)."""
+    return upload(exe, remote, batches=[_rows(x)]).time(x, x_var, repeats=repeats)
+
+
+def _rows(x: Any) -> int:
+    """The batch size of ``x`` (its first dimension; 0 for a scalar, which the input check refuses)."""
+    shape = getattr(x, "shape", None)
+    if shape is None:
+        shape = np.shape(x)
+    return int(shape[0]) if len(shape) else 0
 
 
 @dataclasses.dataclass
@@ -294,11 +334,13 @@ def fixed_inputs(input_shape: tuple[int, ...], count: int = 32, seed: int = 0) -
 def validate(net: Any, exe: Any, remote: Any, *, x: Any = None, count: int = 32, seed: int = 0,
              rtol: float = 1e-4) -> ValidationReport:
     """Run ``exe`` on the board on a fixed input set (``x`` or :func:`fixed_inputs`) and compare
-    with ``net.reference`` (float64 NumPy): the max absolute and relative error of mean and var."""
+    with ``net.reference`` (float64 NumPy): the max absolute and relative error of mean and var.
+    The set is run in one call, so with the executable ``exe`` runs for that batch size (a
+    batch-specialised one of ``exe.tuned`` if there is one, else the any-batch one)."""
     remote = as_remote(remote)
     xs = fixed_inputs(net.input_shape, count, seed) if x is None else np.asarray(x, dtype=np.float32)
     x_var = np.full_like(xs, 1e-2) if net.input_variance else None
-    got = upload(exe, remote)(xs, x_var)
+    got = upload(exe, remote, batches=[_rows(xs)])(xs, x_var)
     want = net.reference(xs, x_var)
     abs_err = [float(np.max(np.abs(g.astype(np.float64) - w))) for g, w in zip(got, want)]
     rel_err = [e / max(float(np.max(np.abs(w))), 1e-30) for e, w in zip(abs_err, want)]

@@ -77,6 +77,35 @@ def test_round_trip_train_save_convert_load_predict(trained, capsys, monkeypatch
     assert np.all(var > 0)
 
 
+def test_convert_exports_static_and_tuned_batch_executables(trained, tmp_path, capsys, monkeypatch):
+    """``convert --batch-sizes 3 --tune 6``: the static batch-3 and tuned batch-6 executables are
+    written next to the library and listed in its sidecar; ``load``/``predict`` run them for 3 and
+    6 rows (the MetaSchedule search itself is stubbed out: tested in test_tuning.py)."""
+    from pyro2pfp.tuning import api as tuning_api
+
+    work, net, x = trained
+    assert len(x) == 6
+    monkeypatch.setattr(tuning_api, "_run_search", lambda *a, **k: None)
+    monkeypatch.setenv("PYRO2PFP_CACHE", str(tmp_path / "cache"))
+    monkeypatch.chdir(tmp_path)
+    assert main(["convert", str(work / "builder.py"), "-p", str(work / "params.pt"), "-s", "1,28,28",
+                 "-b", "3", "--tune", "6", "--trials", "1", "-o", "net.so"]) == 0
+    out = capsys.readouterr().out
+    assert "wrote net.so, net.batch3.so, net.batch6.so and net.so.json" in out
+    assert main(["inspect", "net.so"]) == 0
+    assert "batch-specialised executables: 3 (net.batch3.so), 6 (net.batch6.so)" in capsys.readouterr().out
+    exe = pyro2pfp.load(tmp_path / "net.so")
+    assert sorted(exe.tuned) == [3, 6] and exe.vm_for_batch(6) is not exe.vm
+    assert main(["predict", "net.so", str(work / "digits.npy"), "-o", "out.npz"]) == 0
+    with np.load(tmp_path / "out.npz") as res:
+        np.testing.assert_array_equal(res["mean"], exe(x)[0])  # the tuned batch-6 executable, as loaded
+        ref_mean, _ = net.reference(x)
+        np.testing.assert_allclose(res["mean"], ref_mean, rtol=1e-4, atol=1e-4 * np.abs(ref_mean).max())
+    assert main(["convert", str(work / "builder.py"), "-p", str(work / "params.pt"), "-s", "1,28,28",
+                 "--remote", "127.0.0.1:9", "-o", "net2.so"]) == 1
+    assert "--remote measures tuning candidates on a board: give --tune" in capsys.readouterr().err
+
+
 def test_onnx_output_inspect_and_predict(trained, capsys, monkeypatch):
     work, net, x = trained
     monkeypatch.chdir(work)

@@ -72,23 +72,18 @@ def lenet():
 
 @pytest.fixture(scope="module")
 def lenet_aarch64(lenet, tmp_path_factory):
-    """The same LeNet-5 cross-compiled for AArch64 and exported as a shared library; its kernels
-    compiled on three threads (several LLVM modules, linked into the one library) on any machine."""
+    """The same LeNet-5 cross-compiled for AArch64, with a static-shape executable for the 5 test
+    inputs (``batch_sizes=[5]``), exported as shared libraries (``lenet_a64.so``,
+    ``lenet_a64.batch5.so``); its kernels compiled on three threads (several LLVM modules, linked
+    into the one library) on any machine."""
     require(CROSS_GCC, "gcc-aarch64-linux-gnu")
     net = lenet[0]
     with pytest.MonkeyPatch.context() as env:
         env.setenv("PYRO2PFP_BUILD_JOBS", "3")
-        exe = net.compile("aarch64") if _compile_knows_presets() else deploy.compile_network(net, "aarch64")
+        exe = net.compile("aarch64", batch_sizes=[len(lenet[2])])
     path = tmp_path_factory.mktemp("a64") / "lenet_a64.so"
     exe.export_library(path)
     return exe, path
-
-
-def _compile_knows_presets() -> bool:
-    """Whether PFPNetwork.compile already routes through pyro2pfp.deploy (lead's edit)."""
-    import inspect
-
-    return "deploy" in inspect.getsource(PFPNetwork.compile)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -144,6 +139,107 @@ def test_input_variance_flag_survives_export(tmp_path):
         loaded(x)
 
 
+LOAD_IN_A_NEW_PROCESS = """\
+import json, sys
+import numpy as np
+import tvm
+import pyro2pfp
+
+path, x_path, out_path = sys.argv[1:4]
+x = np.load(x_path)
+exe = pyro2pfp.load(path)
+mean, var = exe(x)
+static = exe.vm_for_batch(x.shape[0])
+try:  # a static-shape executable takes exactly its batch size
+    static["main"](tvm.runtime.tensor(np.zeros((x.shape[0] + 1, *x.shape[1:]), np.float32)))
+    takes_other_sizes = True
+except Exception:
+    takes_other_sizes = False
+np.savez(out_path, mean=mean, var=var, mean4=exe(np.concatenate([x, x[:1]]))[0])
+print(json.dumps({"tuned": sorted(exe.tuned), "specialised": static is not exe.vm,
+                  "takes_other_sizes": takes_other_sizes}))
+"""
+
+
+def test_batch_specialised_executable_survives_export_and_load_in_a_new_process(tmp_path):
+    """``compile(batch_sizes=[3])`` → ``export_library`` writes ``mlp.batch3.so`` next to ``mlp.so``
+    and lists it (name, sha256) in the sidecar; ``pyro2pfp.load`` in a fresh process gives back a
+    predictor whose batch-3 calls run that static executable (it refuses other sizes, unlike the
+    any-batch one), with outputs bit-identical to the compiling process's.  A missing or altered
+    extra file is a LoadError naming it; a sidecar without the key (older exports) still loads."""
+    import subprocess
+    import sys
+
+    from pyro2pfp.errors import LoadError
+
+    graph = mlp_graph(np.random.default_rng(0), [12, 8, 3])
+    net = PFPNetwork(graph, plan(graph))
+    exe = net.compile("native", batch_sizes=[3])
+    path = tmp_path / "mlp.so"
+    exe.export_library(path)
+    extra = tmp_path / "mlp.batch3.so"
+    meta = json.loads(Path(f"{path}.json").read_text())
+    assert meta["batch_executables"] == {"3": {"library": "mlp.batch3.so",
+                                               "sha256": hashlib.sha256(extra.read_bytes()).hexdigest()}}
+    assert elf_header(extra.read_bytes()[:64])[1] == ET_DYN
+
+    x = np.random.default_rng(1).standard_normal((3, 12)).astype(np.float32)
+    np.save(tmp_path / "x.npy", x)
+    (tmp_path / "load.py").write_text(LOAD_IN_A_NEW_PROCESS)
+    result = subprocess.run([sys.executable, str(tmp_path / "load.py"), str(path), str(tmp_path / "x.npy"),
+                             str(tmp_path / "out.npz")], capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr[-3000:]
+    report = json.loads(result.stdout.strip().splitlines()[-1])
+    assert report == {"tuned": [3], "specialised": True, "takes_other_sizes": False}
+    out = np.load(tmp_path / "out.npz")
+    mean, var = exe(x)
+    assert exe.vm_for_batch(3) is not exe.vm
+    np.testing.assert_array_equal(out["mean"], mean)  # the same static executable: bit-identical
+    np.testing.assert_array_equal(out["var"], var)
+    np.testing.assert_array_equal(out["mean4"], exe(np.concatenate([x, x[:1]]))[0])  # 4 rows: any-batch
+    ref_mean, _ = net.reference(x)
+    np.testing.assert_allclose(mean, ref_mean, rtol=1e-4, atol=1e-5 * np.abs(ref_mean).max())
+    exe.export_library(tmp_path / "mlp.tar")  # object files, linked by load: the same for the extra one
+    with tarfile.open(tmp_path / "mlp.batch3.tar") as tar:
+        assert any(m.name.endswith(".o") for m in tar.getmembers())
+    from_tar = pyro2pfp.load(tmp_path / "mlp.tar")
+    assert sorted(from_tar.tuned) == [3] and from_tar.vm_for_batch(3) is not from_tar.vm
+    np.testing.assert_array_equal(from_tar(x)[0], mean)
+
+    # the extra file is checked like the library: missing, altered, or outside the sidecar's directory
+    def copy_set(name: str, edit=None) -> Path:
+        """The three files under new names (never overwrite a loaded .so), the sidecar edited."""
+        lib, batch_lib = tmp_path / f"{name}.so", tmp_path / f"{name}.batch3.so"
+        shutil.copy(path, lib)
+        shutil.copy(extra, batch_lib)
+        info = json.loads(Path(f"{path}.json").read_text())
+        info["batch_executables"]["3"]["library"] = batch_lib.name
+        if edit:
+            edit(info, batch_lib)
+        Path(f"{lib}.json").write_text(json.dumps(info))
+        return lib
+
+    missing = copy_set("missing", lambda info, f: f.unlink())
+    with pytest.raises(LoadError, match=r"missing\.batch3\.so not found.*batch 3"):
+        pyro2pfp.load(missing)
+    altered = copy_set("altered", lambda info, f: f.write_bytes(f.read_bytes() + b"\0"))
+    with pytest.raises(LoadError, match=r"altered\.batch3\.so is not the batch-3 library.*sha256 mismatch"):
+        pyro2pfp.load(altered)
+    swapped = copy_set("swapped", lambda info, f: shutil.copy(path, f))  # the any-batch library in its place
+    with pytest.raises(LoadError, match=r"swapped\.batch3\.so.*sha256 mismatch"):
+        pyro2pfp.load(swapped)
+    with pytest.warns(UserWarning, match="sha256 mismatch"):  # accepted when told, and then checked by a call
+        assert sorted(pyro2pfp.load(swapped, verify_sha256=False).tuned) == [3]
+    elsewhere = copy_set("elsewhere", lambda info, f: info["batch_executables"]["3"].update(
+        library=str(tmp_path / "mlp.batch3.so")))
+    with pytest.raises(LoadError, match="must be a file name in the metadata file's directory"):
+        pyro2pfp.load(elsewhere)
+    old = copy_set("old", lambda info, f: info.pop("batch_executables"))  # a sidecar from before the key
+    loaded = pyro2pfp.load(old)
+    assert loaded.tuned == {} and loaded.vm_for_batch(3) is loaded.vm
+    np.testing.assert_allclose(loaded(x)[0], mean, rtol=1e-5, atol=1e-6 * np.abs(mean).max())
+
+
 def test_load_errors_are_clear(lenet, tmp_path):
     _, exe, x = lenet
     with pytest.raises(FileNotFoundError, match="no such library"):
@@ -196,6 +292,10 @@ def test_aarch64_library_is_an_aarch64_elf_shared_object_with_neon(lenet, lenet_
     meta = json.loads(Path(f"{path}.json").read_text())
     assert meta["target_arch"] == "aarch64" and meta["input_shape"] == [1, 28, 28]
     assert meta["sha256"] == hashlib.sha256(data).hexdigest()
+    static = Path(path).with_name("lenet_a64.batch5.so")  # the batch_sizes=[5] executable
+    assert meta["batch_executables"] == {"5": {"library": static.name,
+                                               "sha256": hashlib.sha256(static.read_bytes()).hexdigest()}}
+    assert elf_header(static.read_bytes()[:64]) == (2, ET_DYN, EM_AARCH64)
     objdump = shutil.which("aarch64-linux-gnu-objdump")
     if objdump:  # binutils-aarch64-linux-gnu comes with the cross gcc
         dis = subprocess.run([objdump, "-d", str(path)], capture_output=True, text=True, check=True).stdout
@@ -342,13 +442,21 @@ def test_aarch64_library_runs_under_qemu_and_matches_x86(lenet, lenet_aarch64, t
     runner = build_runner(runtime, tmp_path)
     x.astype(np.float32).tofile(tmp_path / "x.bin")
     env = dict(os.environ, QEMU_LD_PREFIX="/usr/aarch64-linux-gnu", LD_LIBRARY_PATH=str(runtime))
-    result = subprocess.run([qemu, "-cpu", "cortex-a72", str(runner), str(path), str(tmp_path / "out"),
-                             ",".join(map(str, x.shape)), str(tmp_path / "x.bin")],
-                            env=env, capture_output=True, text=True, timeout=120)
-    assert result.returncode == 0, result.stderr[-2000:]
     mean, var = exe_x86(x)
-    mean_a64 = np.fromfile(tmp_path / "out.mean.bin", dtype=np.float32).reshape(mean.shape)
-    var_a64 = np.fromfile(tmp_path / "out.var.bin", dtype=np.float32).reshape(var.shape)
-    # same network, another ISA (FMA contraction, other vector widths): float32 rounding apart
-    np.testing.assert_allclose(mean_a64, mean, rtol=1e-5, atol=1e-5 * np.abs(mean).max())
-    np.testing.assert_allclose(var_a64, var, rtol=1e-4, atol=1e-5 * np.abs(var).max())
+    # the any-batch library and the static batch-5 one (batch_sizes=[5]) exported next to it
+    for library, out in ((Path(path), "out"), (Path(path).with_name("lenet_a64.batch5.so"), "out5")):
+        result = subprocess.run([qemu, "-cpu", "cortex-a72", str(runner), str(library), str(tmp_path / out),
+                                 ",".join(map(str, x.shape)), str(tmp_path / "x.bin")],
+                                env=env, capture_output=True, text=True, timeout=120)
+        assert result.returncode == 0, f"{library.name}: {result.stderr[-2000:]}"
+        mean_a64 = np.fromfile(tmp_path / f"{out}.mean.bin", dtype=np.float32).reshape(mean.shape)
+        var_a64 = np.fromfile(tmp_path / f"{out}.var.bin", dtype=np.float32).reshape(var.shape)
+        # same network, another ISA (FMA contraction, other vector widths): float32 rounding apart
+        np.testing.assert_allclose(mean_a64, mean, rtol=1e-5, atol=1e-5 * np.abs(mean).max())
+        np.testing.assert_allclose(var_a64, var, rtol=1e-4, atol=1e-5 * np.abs(var).max())
+    # the static library takes exactly 5 rows: it really is the batch-specialised executable
+    x[:4].tofile(tmp_path / "x4.bin")
+    result = subprocess.run([qemu, "-cpu", "cortex-a72", str(runner), str(Path(path).with_name("lenet_a64.batch5.so")),
+                             str(tmp_path / "out4"), "4,1,28,28", str(tmp_path / "x4.bin")],
+                            env=env, capture_output=True, text=True, timeout=120, cwd=tmp_path)
+    assert result.returncode != 0 and not (tmp_path / "out4.mean.bin").exists()

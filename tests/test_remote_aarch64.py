@@ -31,7 +31,6 @@ from pyro2pfp.network import PFPNetwork
 from pyro2pfp.plan import plan
 from pyro2pfp.remote import Remote, fixed_inputs, upload, validate
 from pyro2pfp.tuning import measure
-from pyro2pfp.tvm_backend.runtime import CompiledPFP
 
 pytestmark = pytest.mark.skipif(os.environ.get("PYRO2PFP_SKIP_QEMU") == "1", reason="PYRO2PFP_SKIP_QEMU=1")
 
@@ -168,26 +167,42 @@ def test_cli_validate_and_bench_for_rpi4_on_the_emulated_board(board, tmp_path, 
 
 
 def test_tuning_measures_on_the_emulated_board(board, mlp, tmp_path, monkeypatch):
-    """MetaSchedule's RPCRunner times AArch64 candidates (linked with the cross compiler here) on the
-    board; the kernel choice is timed and checked there too; the tuned network runs on the board."""
+    """``net.compile("rpi4", tune={..., "remote": board})``: MetaSchedule's RPCRunner times AArch64
+    candidates (linked with the cross compiler here) on the board; the kernel choice is timed and
+    checked there too; the tuned batch-4 executable is in ``exe.tuned``, runs on the board for
+    4-row calls (validate, profile) and is exported with the library (``mlp.batch4.so``, AArch64)."""
     net, _exe_x86, _exe_a64 = mlp
     monkeypatch.setitem(measure.KERNEL_TIMING, "repeat", 2)
     monkeypatch.setitem(measure.KERNEL_TIMING, "min_repeat_ms", 2)
     target = tuning.tuning_target("rpi4")
-    result = tuning.tune(net.mod, "rpi4", batch=4, trials=2, work_dir=tmp_path, plan=net.plan,
-                         progress=False, remote=board, min_share=0.0)
-    assert not result.reused
-    assert result.key == tuning.tuning_key(tuning.specialize_batch(net.mod, 4), target, 4, KEY)
-    records = [json.loads(line) for line in
-               (result.work_dir / "database_tuning_record.json").read_text().splitlines()]
+    exe = net.compile("rpi4", tune={"batch": 4, "trials": 2, "work_dir": str(tmp_path), "progress": False,
+                                    "min_share": 0.0}, remote=board)
+    assert not exe.runnable and sorted(exe.tuned) == [4]
+    key = tuning.tuning_key(tuning.specialize_batch(net.mod, 4), target, 4, KEY)  # keyed by the board too
+    records = [json.loads(line) for line in (tmp_path / key / "database_tuning_record.json").read_text().splitlines()]
     assert records  # candidates measured on the board (their run times are in the records)
-    assert {k.name for k in result.kernels} and all(k.times_us for k in result.kernels)
-    tuned = CompiledPFP.for_cross_target(result.build(), net.input_shape, net.input_variance, target)
-    report = validate(net, tuned, board, count=4)  # the batch-4 executable, on the board
+    meta = json.loads((tmp_path / key / "pyro2pfp_tuning.json").read_text())
+    assert meta["board"] == KEY and meta["trials"] == 2
+    assert meta["choices"] and all(c["times_us"] for c in meta["choices"].values())  # timed on the board
+    x = fixed_inputs(net.input_shape, 4, seed=5)
+    board_run = upload(exe, board)
+    assert board_run.vm_for_batch(4) is not board_run.vm  # the tuned executable, uploaded with the library
+    mean, ref_mean = board_run(x)[0], net.reference(x)[0]
+    del board_run  # closes its session: the board serves one at a time
+    assert np.abs(mean - ref_mean).max() < 1e-4 * np.abs(ref_mean).max()
+    report = validate(net, exe, board, count=4)  # the batch-4 executable, on the board
     assert report.ok, str(report)
-    # net.compile for a cross target exports only its any-batch executable: tuning there is refused, clearly
-    with pytest.raises(PFPError, match=r"not supported yet.*pyro2pfp\.tuning\.tune"):
-        net.compile("rpi4", tune={"batch": 4, "trials": 1}, remote=board)
+    timing = exe.profile(x, remote=board, repeats=2)
+    assert timing.executable == "batch-4" and timing.batch == 4
+    assert exe.profile(x[:3], remote=board, repeats=2).executable == "any-batch"
+    path = exe.export_library(tmp_path / "mlp_rpi4.so")
+    sidecar = json.loads((tmp_path / "mlp_rpi4.so.json").read_text())
+    assert sidecar["batch_executables"]["4"]["library"] == "mlp_rpi4.batch4.so"
+    assert (tmp_path / "mlp_rpi4.batch4.so").read_bytes()[:4] == b"\x7fELF" and path == str(tmp_path / "mlp_rpi4.so")
+    assert (tmp_path / "mlp_rpi4.batch4.so").read_bytes()[18] == 183  # e_machine EM_AARCH64
+    # tuning a cross target without a board stays refused, clearly
+    with pytest.raises(PFPError, match=r"cannot tune for aarch64.*remote="):
+        net.compile("rpi4", tune={"batch": 4, "trials": 1})
 
 
 def _qemu_sessions(emulated) -> list:

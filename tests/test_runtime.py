@@ -144,8 +144,9 @@ def test_compile_with_batch_sizes_builds_static_executables():
     for bad in (0, [1, -2], ["1"], 2.5, [True]):
         with pytest.raises(ArgumentError, match="batch_sizes"):
             net.compile("llvm", batch_sizes=bad)
-    with pytest.raises(PFPError, match="batch_sizes"):
-        net.compile("aarch64", batch_sizes=1)
+    cross = net.compile("aarch64", batch_sizes=1)  # built for the device; exported with the library
+    assert not cross.runnable and sorted(cross.tuned) == [1]
+    assert any('target triple = "aarch64' in m.inspect_source() for m in cross.tuned[1].mod.imports)
 
 
 def test_cannot_tune_for_another_architecture():

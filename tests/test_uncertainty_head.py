@@ -201,8 +201,8 @@ def test_converted_mlp_with_head_end_to_end(mlp, tmp_path):
     # the same network's uncertainty by logit sampling: close (the MC bounds above)
     u = uncertainty(mean, var, 20_000, seed=0)
     assert np.abs(ref.probs - u["probs"]).max() < 0.03
-    # compiled, exported, loaded: the same outputs
-    exe = net.compile()
+    # compiled, exported, loaded: the same outputs (also from the static batch-16 executable)
+    exe = net.compile(batch_sizes=[len(x)])
     got = exe(x)
     for a, b in zip(got, ref, strict=True):
         np.testing.assert_allclose(a, b, atol=1e-5)
@@ -211,8 +211,10 @@ def test_converted_mlp_with_head_end_to_end(mlp, tmp_path):
     meta = json.loads((tmp_path / "mlp_head.so.json").read_text())
     assert meta["head"] == "probs" and meta["outputs"] == ["probs", "uncertainty"]
     loaded = pyro2pfp.load(path)
-    assert loaded.head == "probs"
+    assert loaded.head == "probs" and loaded.vm_for_batch(len(x)) is not loaded.vm
     for a, b in zip(loaded(x), got, strict=True):
+        np.testing.assert_array_equal(a, b)
+    for a, b in zip(loaded(x[:3]), exe(x[:3]), strict=True):  # the any-batch executable
         np.testing.assert_array_equal(a, b)
     # a sidecar without the "head" entry (older writer): the kernel table still names the head
     del meta["head"]

@@ -50,7 +50,8 @@ def _check_runs_here(target: tvm.target.Target) -> None:
     if target_arch(target) != host_arch():
         raise TuningError(
             f"cannot tune for {target_arch(target)} on this {host_arch()} machine: MetaSchedule measures "
-            "every candidate where it runs; compile without tune= (default schedules) or tune on the device")
+            "every candidate where it runs; compile without tune= (default schedules), or measure on a board of "
+            "that architecture with remote='tracker-host:9190/key' (TVM RPC)")
 
 
 def tuning_target(target: Any) -> tvm.target.Target:

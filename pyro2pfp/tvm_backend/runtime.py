@@ -183,8 +183,11 @@ class CompiledPFP:
 
     @classmethod
     def for_cross_target(cls, executable: Any, input_shape: tuple[int, ...], input_variance: bool,
-                         target: tvm.target.Target) -> CompiledPFP:
-        """A predictor compiled for another CPU architecture: it cannot run here, only export."""
+                         target: tvm.target.Target, tuned: dict[int, Any] | None = None) -> CompiledPFP:
+        """A predictor compiled for another CPU architecture: it cannot run here, only export (and be
+        uploaded to a board, :mod:`pyro2pfp.remote`).  ``tuned``: ``{batch: executable}`` specialised
+        for one batch size (static-shape or tuned on the board), exported with it and run on the
+        device for calls of that size, as :class:`CompiledPFP` does here."""
         from ..errors import PFPError
         from ..targets import host_arch, target_arch
 
@@ -195,9 +198,10 @@ class CompiledPFP:
         self.target = target
         self.device = None
         self.vm = None
-        self.tuned, self._tuned_vms = {}, {}
+        self.tuned, self._tuned_vms = {int(b): ex for b, ex in (tuned or {}).items()}, {}
         self._local = threading.local()
         self.head = None
+        self.metadata_extra, self.kernels, self.library_path = {}, {}, None
         arch = target_arch(target)
 
         def not_here(*_: Any) -> None:
@@ -223,10 +227,12 @@ class CompiledPFP:
     def export_library(self, path: Any, *, cc: str | None = None, metadata: dict | None = None) -> str:
         """Write the compiled network to ``path`` (``.so`` or ``.tar``) with TVM's ``export_library``
         plus ``path + ".json"`` (input shape, input-variance flag, target); ``pyro2pfp.load(path)``
-        gives back a predictor with the same outputs.  Cross targets: ``.so`` uses the cross compiler
-        (``cc``, default ``aarch64-linux-gnu-gcc`` for AArch64), ``.tar`` needs no toolchain.
-        Only the any-batch executable is written: batch-specialised (tuned) executables are not
-        exported (tune on the device, where MetaSchedule can measure)."""
+        gives back a predictor with the same outputs.  Every batch-specialised executable
+        (``self.tuned``: ``compile(batch_sizes=...)`` or ``tune=...``) is written too, next to
+        ``path`` as ``<stem>.batch<B><ext>`` (``net.batch10.so``), and listed in the sidecar with its
+        sha256; ``load`` loads them back, so calls of those sizes run them there as well.  Cross
+        targets: ``.so`` uses the cross compiler (``cc``, default ``aarch64-linux-gnu-gcc`` for
+        AArch64), ``.tar`` needs no toolchain.  Returns ``path``."""
         from ..exporting import export_library
 
         return export_library(self, path, cc=cc, metadata=metadata)
