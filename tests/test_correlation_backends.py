@@ -363,8 +363,8 @@ def test_normalised_loading_limit_cases(monkeypatch):
     row below NORM_FLOOR counts as zero; everything finite."""
     from tvm import te
 
-    from pyro2pfp.tvm_backend.ops.correlation import NORM_FLOOR, _normalised
     from pyro2pfp.tvm_backend import schedules
+    from pyro2pfp.tvm_backend.ops.correlation import NORM_FLOOR, _normalised
     from pyro2pfp.tvm_backend.schedules import schedule_function
 
     monkeypatch.setattr(schedules, "SERIAL_WORK", 0.0)  # this small static kernel: the parallel schedule
@@ -531,3 +531,30 @@ def test_shared_factor_relu_mean_field_outputs_are_the_mean_field_kernels(every_
     want_mean, want_var = _run_kernel(mean_field, layer.op, [m, v])  # on a flat (batch, N) view here
     assert np.array_equal(mean.reshape(want_mean.shape), want_mean)
     assert np.array_equal(second.reshape(want_var.shape), want_var)
+
+
+def test_every_kernel_goes_to_the_build_threads_while_scheduling(every_rule, monkeypatch):
+    """``net.compile()`` hands each kernel to the build threads as soon as it is final: the scheduled
+    ones, the hand-written ``sf_cholesky`` (it comes scheduled) and the last partial part (flushed
+    when scheduling ends), so after the Relax pipeline only what it added is compiled."""
+    from pyro2pfp.tvm_backend import build as build_module
+
+    pools: list[build_module.KernelPool] = []
+
+    class Spy(build_module.KernelPool):
+        def __init__(self, *args, **kwargs):
+            super().__init__(*args, **kwargs)
+            pools.append(self)
+
+    monkeypatch.setattr(build_module, "KernelPool", Spy)
+    monkeypatch.setenv("PYRO2PFP_BUILD_JOBS", "2")
+    graph, _, net = every_rule
+    exe = net.compile("native")
+    (pool,) = pools
+    handed = {name for part, _ in pool.parts for name in part} - set(pool.compiled_late)
+    kernels = {gv.name_hint for gv, f in net.mod.functions_items() if isinstance(f, tvm.tirx.PrimFunc)}
+    cholesky = {name for name in kernels if "sf_cholesky" in name}
+    assert cholesky and cholesky <= handed
+    assert not set(pool.compiled_late) & kernels  # each of the network's kernels compiled once, early
+    x = np.random.default_rng(2).standard_normal((2, *graph.input_shape)).astype(np.float32)
+    assert_matches(exe(x), net.reference(x))

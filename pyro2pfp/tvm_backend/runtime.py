@@ -257,6 +257,8 @@ def build_network(net: Any, target: tvm.target.Target, schedule: bool = True, ba
     kernels = KernelPool(target) if parallel(target) else None
     try:
         mod = schedule_module(mod, net.plan, target, on_scheduled=kernels.add if kernels else None)
+        if kernels is not None:
+            kernels.flush()  # the last kernels compile while the Relax pipeline runs
     except BaseException:
         if kernels is not None:
             kernels.close()

@@ -453,8 +453,9 @@ def schedule_module(mod: tvm.IRModule, plan: Any, target: tvm.target.Target,
     (:func:`~pyro2pfp.tvm_backend._core.kernel_info`); functions that are already scheduled
     (``tirx.is_scheduled``) are left alone.  Returns a new module (``mod`` is not modified).  A
     schedule that raises leaves its function unscheduled and emits a ``RuntimeWarning`` naming it.
-    ``on_scheduled(name, func)`` is called with each function as soon as it is scheduled (e.g.
-    :meth:`~pyro2pfp.tvm_backend.build.KernelPool.add`: LLVM compiles it while the next is scheduled).
+    ``on_scheduled(name, func)`` is called with each function as soon as it is scheduled, and with each
+    function that came scheduled (e.g. :meth:`~pyro2pfp.tvm_backend.build.KernelPool.add`: LLVM compiles
+    it while the next is scheduled).
     """
     if not isinstance(target, tvm.target.Target):
         target = tvm.target.Target(target)
@@ -466,11 +467,13 @@ def schedule_module(mod: tvm.IRModule, plan: Any, target: tvm.target.Target,
         func = mod[gv]
         if not isinstance(func, tirx.PrimFunc):
             continue
+        if func.attrs is not None and func.attrs.get("tirx.is_scheduled", False):
+            if on_scheduled is not None:  # hand-written TIR (sf_cholesky): final already
+                on_scheduled(gv.name_hint, func)
+            continue
         op, layer_name = kernel_info(func)
         layer = layers.get(layer_name) if layer_name is not None else None
         if op is None or _schedule_fn(op) is None:
-            continue
-        if func.attrs is not None and func.attrs.get("tirx.is_scheduled", False):
             continue
         try:
             out[gv] = schedule_function(func, op, layer, target)
