@@ -438,3 +438,29 @@ def test_conv_rows_computed_in_whole_vectors():
         assert acc is not None and acc.group(1).endswith(f"T.int64({-(-width // 16) * 16})"), (name, acc)
         if schedules.simd_lanes(TARGETS["native"]) == 16:
             assert "T.vectorized(T.int64(16))" in funcs[name].script(), name
+
+
+def test_unchecked_primitives_schedule_the_same_and_still_reject_misuse():
+    """The default schedules call TVM's primitives without its Python type checks
+    (``schedules._Unchecked``): the same schedule results, and a wrong argument is still an error
+    (from the C++ primitive) rather than a silently wrong kernel."""
+    from tvm import s_tir, te
+
+    a = te.placeholder((64, 48), "float32", name="a")
+    b = te.compute((64, 48), lambda i, j: a[i, j] * 2.0, name="b")
+    func = te.create_prim_func([a, b])
+
+    def schedule(sch):
+        i, j = sch.get_loops(sch.get_sblock("b"))
+        jo, ji = sch.split(j, factors=[None, 16])
+        sch.vectorize(ji)
+        sch.parallel(i)
+        return sch.mod["main"]
+
+    checked = schedule(s_tir.Schedule(func))
+    unchecked = schedule(schedules._Unchecked(s_tir.Schedule(func)))
+    assert tvm_ffi.structural_equal(checked, unchecked)
+    sch = schedules._Unchecked(s_tir.Schedule(func))
+    block = sch.get_sblock("b")
+    with pytest.raises(Exception, match="(?i)loop|sref|type|convert"):
+        sch.split(block, factors=[None, 16])  # a block where a loop is expected

@@ -312,15 +312,19 @@ ResNet-20, static batch 1: 2.20-2.37 ms with every kernel parallel, 2.01-2.07 ms
 keep their parallel loops: their work is not known when they are compiled."""
 
 
-NEST_SERIAL_WORK = 1e6
+NEST_SERIAL_WORK = 1e5
 """In a static-shape kernel that stays parallel, a parallel loop whose blocks do less than this many
 operations (:func:`loop_work`) runs serially, as a whole kernel does under :data:`SERIAL_WORK`: a
 kernel of many small loop nests (``sf_conv_load``: 15 parallel loops, most of 1e2-1e5 operations at
 batch 1) otherwise wakes and joins the thread pool once per nest.  See :func:`schedule_function`.
-Measured (median ``exe(x)``, static batch, the executables A/B in one process, 2 threads; the machine
-was loaded, which favours serial code): shared-factor ResNet-20 b1 2.72-2.74 ms with every loop
-parallel, 2.46 / 2.41 / 2.38 ms with this threshold at 1e5 / 3e5 / 1e6; LeNet-5 b10 0.291 / 0.286 /
-0.280 / 0.277 ms; mean-field ResNet-20 and the MLP unchanged."""
+The best threshold depends on the machine (how fast a core computes against what a fork-join costs).
+Measured (median ``exe(x)``, static batch, the executables A/B in one process, 2 threads):
+on the znver5 VM (2026-11-25, loaded, which favours serial code) shared-factor ResNet-20 b1 2.72-2.74 ms
+with every loop parallel, 2.46 / 2.41 / 2.38 ms with this threshold at 1e5 / 3e5 / 1e6, LeNet-5 b10
+0.291 / 0.286 / 0.280 / 0.277 ms; on the znver4 VM (2026-11-26, quiet; AVX-512 at half the width) LeNet-5
+b10 0.269 / 0.271 / 0.282 / 0.325 ms (every loop parallel / 1e5 / 3e5 / 1e6), ResNet-20 b1 3.41-3.47 /
+3.31-3.37 / 3.29-3.37 / 3.33-3.41 ms, ResNet-8 b10 13.2 ms at 1e5 vs 13.8-14.0 at 1e6.  1e5 is within 3 %
+of the best on both machines; 1e6 cost LeNet-5 20 % on the second."""
 
 
 class _Unchecked:
