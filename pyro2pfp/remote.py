@@ -193,7 +193,10 @@ class RemoteTiming:
 
 
 class RemotePredictor:
-    """A compiled network uploaded to a board: ``pred(x[, x_var]) -> (mean, var)`` NumPy arrays.
+    """A compiled network uploaded to a board: ``pred(x[, x_var]) -> (mean, var)`` NumPy arrays, as
+    ``exe(x)`` gives them here: non-finite outputs raise :class:`~pyro2pfp.errors.NumericalError`, and a
+    network with the uncertainty head (``exe.head == "probs"``) returns a
+    :class:`~pyro2pfp.ops.head.HeadOutput`.
 
     ``specialised``: ``{batch: library}`` of batch-specialised executables loaded on the board; a
     call with one of those batch sizes runs that one (as :class:`~pyro2pfp.tvm_backend.runtime.
@@ -207,6 +210,7 @@ class RemotePredictor:
         self.input_shape, self.input_variance = tuple(exe.input_shape), bool(exe.input_variance)
         self.device = session.cpu()
         self.vm = relax.VirtualMachine(library, self.device)
+        self.head = getattr(exe, "head", None)
         self.tuned_vms = {int(b): relax.VirtualMachine(lib, self.device) for b, lib in (specialised or {}).items()}
 
     def vm_for_batch(self, batch: int) -> Any:
@@ -225,7 +229,21 @@ class RemotePredictor:
         vm.set_input("main", *[tvm.runtime.tensor(a, self.device) for a in arrays])
         return vm, batch
 
-    def __call__(self, x: Any, x_var: Any = None) -> tuple[np.ndarray, np.ndarray]:
+    def __call__(self, x: Any, x_var: Any = None) -> Any:
+        """The network's outputs for ``x`` computed on the board (see the class docstring)."""
+        from .inputs import check_finite_outputs
+
+        mean, var = self.outputs(x, x_var)
+        check_finite_outputs(mean, var)
+        if self.head is not None:
+            from .ops.head import head_output
+
+            return head_output(mean, var)
+        return mean, var
+
+    def outputs(self, x: Any, x_var: Any = None) -> tuple[np.ndarray, np.ndarray]:
+        """The compiled module's two outputs as they come from the board, unchecked: ``(mean, var)``
+        of the logits, or ``(probs, stats)`` for a network with the uncertainty head."""
         vm, _ = self._set_input(x, x_var)
         vm.invoke_stateful("main")
         # not vm.get_outputs(): its recursive closure is a reference cycle holding the VM, and so the
@@ -295,6 +313,12 @@ def benchmark(exe: Any, x: Any, remote: Any, x_var: Any = None, *, repeats: int 
     return upload(exe, remote, batches=[_rows(x)]).time(x, x_var, repeats=repeats)
 
 
+def _head_arrays(out: Any) -> tuple[np.ndarray, np.ndarray]:
+    """A :class:`~pyro2pfp.ops.head.HeadOutput` as the module's two outputs ``(probs, stats)``."""
+    return np.asarray(out.probs), np.stack([out.predictive_entropy, out.expected_entropy,
+                                            out.mutual_information], axis=1)
+
+
 def _rows(x: Any) -> int:
     """The batch size of ``x`` (its first dimension; 0 for a scalar, which the input check refuses)."""
     shape = getattr(x, "shape", None)
@@ -305,7 +329,8 @@ def _rows(x: Any) -> int:
 
 @dataclasses.dataclass
 class ValidationReport:
-    """The board's outputs against the float64 NumPy reference on a fixed input set."""
+    """The board's outputs against the float64 NumPy reference on a fixed input set (for a network
+    with the uncertainty head, "mean" is the probabilities and "var" the three entropies)."""
 
     remote: str
     inputs: int
@@ -342,6 +367,8 @@ def validate(net: Any, exe: Any, remote: Any, *, x: Any = None, count: int = 32,
     x_var = np.full_like(xs, 1e-2) if net.input_variance else None
     got = upload(exe, remote, batches=[_rows(xs)])(xs, x_var)
     want = net.reference(xs, x_var)
+    if getattr(net, "head", None) is not None:  # HeadOutputs: probabilities, and the three entropies
+        got, want = _head_arrays(got), _head_arrays(want)
     abs_err = [float(np.max(np.abs(g.astype(np.float64) - w))) for g, w in zip(got, want)]
     rel_err = [e / max(float(np.max(np.abs(w))), 1e-30) for e, w in zip(abs_err, want)]
     return ValidationReport(remote.address, int(xs.shape[0]), abs_err[0], abs_err[1], rel_err[0], rel_err[1],

@@ -217,3 +217,25 @@ def test_a_finished_prediction_releases_its_session(boards, net_and_exe):
         assert vm() is None
     finally:
         gc.enable()
+
+
+def test_board_outputs_are_checked_and_unpacked_as_here(boards):
+    """On a board, a network with the uncertainty head returns a HeadOutput and non-finite outputs
+    raise NumericalError -- as ``exe(x)`` here; ``validate`` compares the head's quantities with the
+    reference's."""
+    from pyro2pfp.errors import NumericalError
+    from pyro2pfp.ops.head import HeadOutput, append_head
+
+    graph = mlp_graph(np.random.default_rng(4), [6, 5, 3])
+    net = PFPNetwork(graph, plan(append_head(graph, "probs")))
+    exe = net.compile("llvm")
+    x = fixed_inputs(net.input_shape, 5, seed=1)
+    board, local = upload(exe, boards)(x), exe(x)
+    assert isinstance(board, HeadOutput)
+    for got, want in zip(board, local):
+        np.testing.assert_array_equal(got, want)
+    report = validate(net, exe, boards, count=8)
+    assert report.ok, str(report)
+    plain_exe = PFPNetwork(graph, plan(graph)).compile("llvm")
+    with pytest.raises(NumericalError, match="not finite"):
+        upload(plain_exe, boards)(np.full((2, 6), 3e38, np.float32))  # squares overflow float32
