@@ -461,6 +461,7 @@ def test_unchecked_primitives_schedule_the_same_and_still_reject_misuse():
     unchecked = schedule(schedules._Unchecked(s_tir.Schedule(func)))
     assert tvm_ffi.structural_equal(checked, unchecked)
     sch = schedules._Unchecked(s_tir.Schedule(func))
+    assert sch.split.func is s_tir.Schedule.split.__wrapped__  # TVM's type-checking wrapper bypassed
     block = sch.get_sblock("b")
     with pytest.raises(Exception, match="(?i)loop|sref|type|convert"):
         sch.split(block, factors=[None, 16])  # a block where a loop is expected

@@ -346,9 +346,11 @@ class _Unchecked:
     def __getattr__(self, name: str) -> Any:
         method = self._methods.get(name)
         if method is None:
-            raw = getattr(getattr(type(self._sch), name, None), "__wrapped__", None)
-            if raw is None:  # not a checked primitive (``mod``, ``get``, ...)
-                return getattr(self._sch, name)
+            attr = getattr(type(self._sch), name, None)
+            code = getattr(attr, "__code__", None)
+            raw = getattr(attr, "__wrapped__", None)
+            if raw is None or code is None or not code.co_filename.endswith("_type_checker.py"):
+                return getattr(self._sch, name)  # not a type-checked primitive: as it is
             method = self._methods[name] = functools.partial(raw, self._sch)
         return method
 
