@@ -321,10 +321,11 @@ The best threshold depends on the machine (how fast a core computes against what
 Measured (median ``exe(x)``, static batch, the executables A/B in one process, 2 threads):
 on the znver5 VM (2026-11-25, loaded, which favours serial code) shared-factor ResNet-20 b1 2.72-2.74 ms
 with every loop parallel, 2.46 / 2.41 / 2.38 ms with this threshold at 1e5 / 3e5 / 1e6, LeNet-5 b10
-0.291 / 0.286 / 0.280 / 0.277 ms; on the znver4 VM (2026-11-26, quiet; AVX-512 at half the width) LeNet-5
-b10 0.269 / 0.271 / 0.282 / 0.325 ms (every loop parallel / 1e5 / 3e5 / 1e6), ResNet-20 b1 3.41-3.47 /
-3.31-3.37 / 3.29-3.37 / 3.33-3.41 ms, ResNet-8 b10 13.2 ms at 1e5 vs 13.8-14.0 at 1e6.  1e5 is within 3 %
-of the best on both machines; 1e6 cost LeNet-5 20 % on the second."""
+0.291 / 0.286 / 0.280 / 0.277 ms; on the znver4 VM (2026-11-26, quiet; AVX-512 at half the width), with
+both thresholds set to 0 / 1e5 / 3e5 / 1e6: LeNet-5 b10 0.269 / 0.271 / 0.282 / 0.325 ms, ResNet-20 b1
+3.41-3.47 / 3.31-3.37 / 3.29-3.37 / 3.33-3.41 ms; with :data:`SERIAL_WORK` 1e6 and this one 1e5, LeNet-5
+b10 0.269 ms (this threshold is what mattered) and ResNet-8 b10 13.2 ms against 13.8-14.0 at 1e6.  1e5 is
+within 3 % of the best on both machines; 1e6 cost LeNet-5 20 % on the second."""
 
 
 class _Unchecked:
