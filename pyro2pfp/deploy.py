@@ -85,6 +85,12 @@ def _metadata_signature(info: dict[str, Any], meta: str, input_shape: Any,
     return tuple(shape), takes_var
 
 
+def _last_line(exc: BaseException) -> str:
+    """The last line of ``exc``'s message (TVM puts the reason there, after its traceback), else its type."""
+    text = str(exc).strip()
+    return text.splitlines()[-1] if text else type(exc).__name__
+
+
 def _check_signature(vm: Any, device: Any, path: str, shape: tuple[int, ...], takes_var: bool, head: Any = None,
                      batch: int = 1) -> None:
     """The library's own ``main`` (run by ``vm``) must take what the metadata says: its arity, and one
@@ -102,7 +108,7 @@ def _check_signature(vm: Any, device: Any, path: str, shape: tuple[int, ...], ta
         mean, var = vm["main"](*[tvm.runtime.tensor(z, device) for z in zeros])
         mean, var = np.from_dlpack(mean), np.from_dlpack(var)
     except Exception as exc:
-        first = str(exc).strip().splitlines()[-1] if str(exc).strip() else type(exc).__name__
+        first = _last_line(exc)
         raise LoadError(f"{path}: the library does not accept input of shape (batch, "
                         f"{', '.join(map(str, shape))}) that its metadata (or load's input_shape) states "
                         f"(tried batch {batch}: {first}); the library and the shape do not belong together") from None
@@ -131,7 +137,7 @@ def _load_module(path: str) -> Any:
         with _native_stderr_filtered():
             return tvm.runtime.load_module(path)
     except Exception as exc:
-        first = str(exc).strip().splitlines()[-1] if str(exc).strip() else type(exc).__name__
+        first = _last_line(exc)
         raise LoadError(f"cannot load {path} as a pyro2pfp library with the TVM runtime: {first}") from exc
 
 
@@ -226,7 +232,7 @@ def load(path: str | os.PathLike, *, input_shape: tuple[int, ...] | None = None,
     try:
         exe = CompiledPFP(lib, shape, takes_var, target, tuned=specialised)
     except Exception as exc:
-        first = str(exc).strip().splitlines()[-1] if str(exc).strip() else type(exc).__name__
+        first = _last_line(exc)
         raise LoadError(f"cannot load {path} as a pyro2pfp library with the TVM runtime: {first}") from exc
     head = info.get("head")
     if head is None and any(isinstance(v, list | tuple) and v and v[0] == "softmax_head"

@@ -313,12 +313,6 @@ def benchmark(exe: Any, x: Any, remote: Any, x_var: Any = None, *, repeats: int 
     return upload(exe, remote, batches=[_rows(x)]).time(x, x_var, repeats=repeats)
 
 
-def _head_arrays(out: Any) -> tuple[np.ndarray, np.ndarray]:
-    """A :class:`~pyro2pfp.ops.head.HeadOutput` as the module's two outputs ``(probs, stats)``."""
-    return np.asarray(out.probs), np.stack([out.predictive_entropy, out.expected_entropy,
-                                            out.mutual_information], axis=1)
-
-
 def _rows(x: Any) -> int:
     """The batch size of ``x`` (its first dimension; 0 for a scalar, which the input check refuses)."""
     shape = getattr(x, "shape", None)
@@ -368,7 +362,7 @@ def validate(net: Any, exe: Any, remote: Any, *, x: Any = None, count: int = 32,
     got = upload(exe, remote, batches=[_rows(xs)])(xs, x_var)
     want = net.reference(xs, x_var)
     if getattr(net, "head", None) is not None:  # HeadOutputs: probabilities, and the three entropies
-        got, want = _head_arrays(got), _head_arrays(want)
+        got, want = got.module_outputs(), want.module_outputs()
     abs_err = [float(np.max(np.abs(g.astype(np.float64) - w))) for g, w in zip(got, want)]
     rel_err = [e / max(float(np.max(np.abs(w))), 1e-30) for e, w in zip(abs_err, want)]
     return ValidationReport(remote.address, int(xs.shape[0]), abs_err[0], abs_err[1], rel_err[0], rel_err[1],

@@ -103,6 +103,11 @@ class HeadOutput(NamedTuple):
         return {"probs": self.probs, "total": self.predictive_entropy, "aleatoric": self.expected_entropy,
                 "epistemic": self.mutual_information}
 
+    def module_outputs(self) -> tuple[np.ndarray, np.ndarray]:
+        """The module's two outputs ``(probs, stats)`` again (stats: (batch, 3), columns :data:`STATS`):
+        the inverse of :func:`head_output`."""
+        return np.asarray(self.probs), np.stack([getattr(self, name) for name in STATS], axis=1)
+
 
 def head_output(probs: Any, stats: Any) -> HeadOutput:
     """Unpack the module's two outputs ``(probs, stats)`` (stats: (batch, 3), columns :data:`STATS`)."""
