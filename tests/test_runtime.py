@@ -6,9 +6,9 @@ import os
 
 import numpy as np
 import pytest
-
 from builders import mlp_graph
-from pyro2pfp.errors import InputShapeError, PFPError
+
+from pyro2pfp.errors import InputShapeError, NumericalError, PFPError
 from pyro2pfp.network import PFPNetwork
 from pyro2pfp.plan import plan
 from pyro2pfp.tuning import api as tuning_api
@@ -69,17 +69,15 @@ def test_bad_inputs_name_the_problem(net_exe):
         exe(np.full((2, 12), np.nan, np.float32))
     with pytest.raises(InputShapeError, match="real numbers"):
         exe(np.zeros((2, 12), np.complex64))
-    # the float32 fast path (one sum) must still find a single bad entry, and must not refuse finite
-    # values whose sum overflows
+    # the float32 fast path (one dot Σx²) must still find a single bad entry, and must not refuse
+    # finite values whose sum of squares overflows
     one_inf = np.zeros((3, 12), np.float32)
     one_inf[2, 5] = -np.inf
     with pytest.raises(InputShapeError, match="1 NaN or infinite"):
         exe(one_inf)
-    from pyro2pfp.inputs import _SMALL, as_input_array
+    from pyro2pfp.inputs import as_input_array
 
-    # both fast paths: small inputs (one float64 sum) and large ones (a float32 sum, falling back to
-    # the element-wise check when finite values overflow it)
-    for rows in (2, _SMALL // 12 + 1):
+    for rows in (1, 2, 5000):
         huge = np.full((rows, 12), 3e38, np.float32)
         assert as_input_array(huge, (12,)) is huge
         for bad in (np.nan, np.inf, -np.inf):
@@ -87,6 +85,30 @@ def test_bad_inputs_name_the_problem(net_exe):
             x[rows - 1, 3] = bad
             with pytest.raises(InputShapeError, match="1 NaN or infinite"):
                 as_input_array(x, (12,))
+            x[rows - 1, 3] = 0.0
+            x[0, 0] = bad  # first entry too (a dot's partial sums)
+            with pytest.raises(InputShapeError, match="1 NaN or infinite"):
+                as_input_array(x, (12,))
+
+
+@pytest.mark.parametrize("shape", [(1, 10), (3, 4), (100, 10), (7, 1000)])
+def test_output_check_finds_every_non_finite_entry_and_accepts_huge_finite_values(shape):
+    """``check_finite_outputs``' one-dot fast path against ``np.isfinite`` at every kind of bad value,
+    beside zeros (``inf·0``) and beside huge finite values (whose squares overflow the dot)."""
+    from pyro2pfp.inputs import check_finite_outputs
+
+    rng = np.random.default_rng(0)
+    for fill in (0.0, 1.0, 3e38, -3e38):
+        mean = np.full(shape, fill, np.float32)
+        var = np.abs(rng.standard_normal(shape)).astype(np.float32)
+        check_finite_outputs(mean, var)  # all finite: no error, however large
+        for bad in (np.nan, np.inf, -np.inf):
+            for which in ("mean", "var"):
+                for index in ((0, 0), (shape[0] - 1, shape[1] - 1), (shape[0] // 2, shape[1] // 3)):
+                    m, v = mean.copy(), var.copy()
+                    (m if which == "mean" else v)[index] = bad
+                    with pytest.raises(NumericalError, match=f"1 of {m.size} {which} entries"):
+                        check_finite_outputs(m, v)
 
 
 def test_input_variance_shapes_are_checked():

@@ -70,7 +70,7 @@ class _ThreadState:
         self.vm, self.tuned_vms = vm, tuned_vms
         self.main = vm["main"]
         self.tuned_mains = {b: tvm_vm["main"] for b, tvm_vm in tuned_vms.items()}
-        self.inputs: dict[tuple[int, ...], list[tuple[Any, np.ndarray]]] = {}
+        self.inputs: dict[tuple[int, ...], tuple[list[Any], list[np.ndarray]]] = {}
 
 
 class CompiledPFP:
@@ -125,24 +125,25 @@ class CompiledPFP:
         return state.tuned_vms.get(int(batch), state.vm)
 
     def _input_buffers(self, shape: tuple[int, ...], count: int, state: _ThreadState | None = None
-                       ) -> list[tuple[Any, np.ndarray]]:
+                       ) -> tuple[list[Any], list[np.ndarray]]:
+        """This thread's cached input tensors of ``shape`` and NumPy views of them."""
         cache = (state or self._state()).inputs
         buffers = cache.get(shape)
         if buffers is None:
             if len(cache) >= 8:  # bounded cache: many batch sizes
                 cache.pop(next(iter(cache)))
             tensors = [tvm.runtime.empty(shape, "float32", self.device) for _ in range(count)]
-            buffers = cache[shape] = [(t, np.from_dlpack(t)) for t in tensors]
+            buffers = cache[shape] = (tensors, [np.from_dlpack(t) for t in tensors])
         return buffers
 
     def _args(self, x: Any, x_var: Any, state: _ThreadState | None = None) -> list:
         """The checked inputs copied into this thread's cached, aligned input tensors (``state``: the
         calling thread's, if the caller has it already)."""
         arrays = checked_inputs(x, x_var, self.input_shape, self.input_variance, np.float32)
-        buffers = self._input_buffers(arrays[0].shape, len(arrays), state)
-        for array, (_, view) in zip(arrays, buffers, strict=True):
+        tensors, views = self._input_buffers(arrays[0].shape, len(arrays), state)
+        for array, view in zip(arrays, views, strict=True):
             np.copyto(view, array)
-        return [tensor for tensor, _ in buffers]
+        return tensors
 
     def __call__(self, x: Any, x_var: Any = None) -> Any:
         """``(mean, var)`` of the logits; with the uncertainty head (``self.head == "probs"``) a
@@ -151,8 +152,8 @@ class CompiledPFP:
         state = self._state()
         args = self._args(x, x_var, state)
         main = state.tuned_mains.get(args[0].shape[0], state.main) if state.tuned_mains else state.main
-        mean, var = main(*args)
-        mean, var = np.from_dlpack(mean), np.from_dlpack(var)
+        out = main(*args)  # indexing the returned tvm_ffi Array is ~0.7 µs cheaper than unpacking it
+        mean, var = np.from_dlpack(out[0]), np.from_dlpack(out[1])
         check_finite_outputs(mean, var)
         if self.head is not None:
             from ..ops.head import head_output
