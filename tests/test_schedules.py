@@ -351,8 +351,8 @@ def test_elementwise_kernel_on_a_flat_view_where_that_widens_the_vector():
 
 @pytest.mark.parametrize("builder", [lenet_graph, mlp_graph])
 def test_small_static_kernels_run_serially(builder, monkeypatch):
-    """In a static-batch module the kernels under ``SERIAL_WORK`` operations lose their parallel
-    loops (and only those); the module still matches the reference; any-batch kernels stay parallel."""
+    """In a static-batch module the kernels under ``SERIAL_WORK`` operations and ``SERIAL_BYTES`` bytes of
+    arguments lose their parallel loops (and only those); the module still matches the reference; any-batch kernels stay parallel."""
     from pyro2pfp.tuning.specialize import specialize_batch
 
     rng = np.random.default_rng(0)
@@ -363,6 +363,14 @@ def test_small_static_kernels_run_serially(builder, monkeypatch):
     flops = {name: schedules.kernel_work(tvm.s_tir.Schedule(f)) for name, f in prim_funcs(static).items()}
     assert len(set(flops.values())) > 1, flops
     monkeypatch.setattr(schedules, "NEST_SERIAL_WORK", 0.0)  # the kernel rule alone (the nest rule: below)
+    # the bytes rule alone: a kernel of few operations that reads or writes many bytes stays parallel
+    sizes = {name: schedules.kernel_bytes(tvm.s_tir.Schedule(f)) for name, f in prim_funcs(static).items()}
+    assert len(set(sizes.values())) > 1, sizes
+    monkeypatch.setattr(schedules, "SERIAL_WORK", float("inf"))
+    monkeypatch.setattr(schedules, "SERIAL_BYTES", float(np.median(list(sizes.values()))) + 0.5)
+    for name, func in prim_funcs(schedule_module(static, planned, TARGETS["native"])).items():
+        assert ("T.parallel" in func.script()) == (sizes[name] >= schedules.SERIAL_BYTES), (name, sizes[name])
+    monkeypatch.setattr(schedules, "SERIAL_BYTES", float("inf"))  # the operations rule alone
     monkeypatch.setattr(schedules, "SERIAL_WORK", float(np.median(list(flops.values()))) + 0.5)
     scheduled = schedule_module(static, planned, TARGETS["native"])
     for name, func in prim_funcs(scheduled).items():

@@ -312,6 +312,17 @@ ResNet-20, static batch 1: 2.20-2.37 ms with every kernel parallel, 2.01-2.07 ms
 keep their parallel loops: their work is not known when they are compiled."""
 
 
+SERIAL_BYTES = 1e5
+"""...unless the kernel's arguments (:func:`kernel_bytes`) reach this many bytes: a kernel that
+streams that much data with little arithmetic per byte (a dense layer at batch 1 reads each weight
+once) runs faster with each core reading part of it (from its own cache) than on one core.
+Measured (median ``exe(x)``, static batch, the executables A/B in one process, 2 threads, znver4
+VM, 2026-11-26), with this threshold at inf / 1e6 / 5e5 / 2.5e5 / 1e5 bytes: MLP b1 10.9 / 10.8 /
+7.7 / 7.7 / 7.7 µs (its 784x100 layer: 0.41 MB, 0.48 M operations), LeNet-5 b1 68.7 / 68.8 / 68.0 /
+67.3 / 66.7 µs; at inf / 2.5e5 / 1e5 MLP b10 30.2 / 29.9 / 29.8 µs, LeNet-5 b10 271.5 / 272.5 /
+272.0 µs; shared-factor ResNet-20 b1 3.23-3.36 / 3.23-3.33 / 3.18-3.31 ms and ResNet-8 b1 1.10 /
+1.10 / 1.09 ms (fast phases of the VM) -- unchanged within the noise."""
+
 NEST_SERIAL_WORK = 1e5
 """In a static-shape kernel that stays parallel, a parallel loop whose blocks do less than this many
 operations (:func:`loop_work`) runs serially, as a whole kernel does under :data:`SERIAL_WORK`: a
@@ -387,6 +398,27 @@ def kernel_work(sch: s_tir.Schedule) -> float | None:
     return _blocks_work(sch, sch.get_child_blocks(sch.get_sblock("root")))
 
 
+def kernel_bytes(sch: s_tir.Schedule) -> float:
+    """Bytes of the buffers a static-shape kernel (the function of ``sch``) reads or writes that it
+    does not allocate itself -- its arguments; ``inf`` if a shape is symbolic."""
+    root = sch.get_sblock("root")
+    seen = list(sch.get(root).alloc_buffers)  # intermediates: not counted
+    total = 0.0
+    for block in sch.get_child_blocks(root):
+        for region in (*sch.get(block).reads, *sch.get(block).writes):
+            buf = region.source
+            if any(buf.same_as(b) for b in seen):
+                continue
+            seen.append(buf)
+            size = float(tvm.DataType(buf.dtype).bits // 8)
+            for dim in buf.shape:
+                if not isinstance(dim, tirx.IntImm):
+                    return float("inf")
+                size *= int(dim)
+            total += size
+    return total
+
+
 def loop_work(sch: s_tir.Schedule, loop: Any) -> float | None:
     """:func:`kernel_work` of the blocks under ``loop`` (each block's whole iteration space runs inside it)."""
     return _blocks_work(sch, sch.get_child_blocks(loop))
@@ -418,8 +450,9 @@ def schedule_function(func: tirx.PrimFunc, op: str, layer: Any, target: tvm.targ
                       ) -> tirx.PrimFunc:
     """``func`` with the default schedule of PFP op ``op`` (``layer``: its planned layer, may be
     None; the schedules only read shapes from the PrimFunc itself); raises if a primitive fails.
-    A static-shape kernel whose :func:`kernel_work` is below :data:`SERIAL_WORK` gets the schedule
-    without its parallel loops; in the other static-shape kernels, the parallel loops doing less than
+    A static-shape kernel whose :func:`kernel_work` is below :data:`SERIAL_WORK` and whose arguments
+    are below :data:`SERIAL_BYTES` gets the schedule without its parallel loops; in the other
+    static-shape kernels, the parallel loops doing less than
     :data:`NEST_SERIAL_WORK` operations in the scheduled kernel are left serial (the schedule is
     made again, skipping those ``parallel`` calls: a loop's work is known only once every block
     computed under it is in place)."""
@@ -430,7 +463,7 @@ def schedule_function(func: tirx.PrimFunc, op: str, layer: Any, target: tvm.targ
     work = kernel_work(sch)
     if work is None:  # a symbolic extent (any batch): the work is unknown, every parallel loop stays
         fn(_Unchecked(sch), layer, target)
-    elif work < SERIAL_WORK:
+    elif work < SERIAL_WORK and kernel_bytes(sch) < SERIAL_BYTES:
         fn(_ParallelFilter(sch, keep=lambda _i: False), layer, target)
     else:
         recorded = _ParallelFilter(sch)
