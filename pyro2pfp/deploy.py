@@ -175,6 +175,18 @@ def _batch_library_files(info: dict[str, Any], meta: str, verify_sha256: bool) -
     return dict(sorted(files.items()))
 
 
+def _relax_executable(module: Any, path: str, what: str) -> Any:
+    """``module`` if a Relax VM can run it; else a :class:`LoadError` naming ``path`` (``what`` it is)."""
+    import tvm
+
+    try:
+        tvm.relax.VirtualMachine(module, tvm.cpu())
+    except Exception as exc:
+        raise LoadError(f"{path} ({what}) is not a Relax executable the TVM runtime can run: "
+                        f"{_last_line(exc)}") from exc
+    return module
+
+
 def load(path: str | os.PathLike, *, input_shape: tuple[int, ...] | None = None,
          input_variance: bool | None = None, verify_sha256: bool = True):
     """Load a library written by ``exe.export_library(path)``: a predictor that behaves like ``exe``.
@@ -223,7 +235,8 @@ def load(path: str | os.PathLike, *, input_shape: tuple[int, ...] | None = None,
         _check_sha256(path, info["sha256"], verify_sha256, "library")
     batch_files = _batch_library_files(info, meta, verify_sha256)
     lib = _load_module(path)
-    specialised = {batch: _load_module(file) for batch, file in batch_files.items()}
+    specialised = {batch: _relax_executable(_load_module(file), file, f"the batch-{batch} executable {meta} lists")
+                   for batch, file in batch_files.items()}
     target: Any = info.get("target", "llvm")
     try:
         target = tvm.target.Target(json.loads(target)) if isinstance(target, str) else tvm.target.Target(target)

@@ -230,6 +230,21 @@ def test_batch_specialised_executable_survives_export_and_load_in_a_new_process(
         pyro2pfp.load(swapped)
     with pytest.warns(UserWarning, match="sha256 mismatch"):  # accepted when told, and then checked by a call
         assert sorted(pyro2pfp.load(swapped, verify_sha256=False).tuned) == [3]
+    # a TVM library that is no Relax executable in the batch slot: the error names that file, not mlp.so
+    import tvm
+    from tvm.script import tirx as T
+
+    @T.prim_func
+    def plain(a: T.Buffer((4,), "float32")):
+        for i in range(4):
+            a[i] = T.float32(0)
+
+    not_relax = tmp_path / "plain.so"
+    tvm.compile(plain, target="llvm").export_library(str(not_relax))
+    foreign = copy_set("foreign", lambda info, f: (shutil.copy(not_relax, f), info["batch_executables"]["3"].update(
+        sha256=hashlib.sha256(f.read_bytes()).hexdigest())))
+    with pytest.raises(LoadError, match=r"foreign\.batch3\.so \(the batch-3 executable .*\) is not a Relax executable"):
+        pyro2pfp.load(foreign)
     elsewhere = copy_set("elsewhere", lambda info, f: info["batch_executables"]["3"].update(
         library=str(tmp_path / "mlp.batch3.so")))
     with pytest.raises(LoadError, match="must be a file name in the metadata file's directory"):
