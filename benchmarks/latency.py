@@ -348,7 +348,8 @@ def run_net(name: str, args, tgt, x_all: np.ndarray, y_all: np.ndarray, log) -> 
         out = det_vm["main"](tvm.runtime.tensor(x))
         checks.append(f"{label}: det TVM default vs torch max|diff| {np.abs(out.numpy() - det_ref).max():.1e}")
         rows.append(Row(name, batch, "det TVM, default pipeline (unscheduled)",
-                        median_time(lambda: det_vm["main"](tvm.runtime.tensor(x)).numpy(), budget), vm_time(det_vm, [x], budget),
+                        median_time(lambda: det_vm["main"](tvm.runtime.tensor(x)).numpy(), budget),
+                        vm_time(det_vm, [x], budget),
                         kind="det_tvm_default"))
         det_tuned_vm = None
         if not args.no_tune:
@@ -368,7 +369,8 @@ def run_net(name: str, args, tgt, x_all: np.ndarray, y_all: np.ndarray, log) -> 
         ref_row = len(rows)
 
         def rel_err(outs):
-            return max(float(np.abs(o - r).max() / (np.abs(r).max() + 1e-30)) for o, r in zip(outs, (ref_mean, ref_var)))
+            return max(float(np.abs(o - r).max() / (np.abs(r).max() + 1e-30))
+                       for o, r in zip(outs, (ref_mean, ref_var)))
 
         checks.append(f"{label}: PFP default schedules vs reference: rel. error {rel_err(exe(x)):.1e}")
         rows.append(Row(name, batch, "PFP TVM, default schedules (any batch)", median_time(lambda: exe(x), budget),
@@ -566,10 +568,12 @@ def main(argv=None) -> int:
         f"CPU cores {os.cpu_count()}",
         f"load average (1/5/15 min): start {load0[0]:.1f}/{load0[1]:.1f}/{load0[2]:.1f}, "
         f"end {load1[0]:.1f}/{load1[1]:.1f}/{load1[2]:.1f}  (a shared machine: expect noise)",
-        f"weights: {'SVI ' + str(args.epochs) + ' epochs, lr 1e-2, 2000 digits' if args.epochs else 'initialised guide (untrained)'};"
-        f" inputs: MNIST digits (ResNets: seeded random 3x32x32, He-scale posterior); medians of repeated calls",
+        "weights: "
+        + (f"SVI {args.epochs} epochs, lr 1e-2, 2000 digits" if args.epochs else "initialised guide (untrained)")
+        + "; inputs: MNIST digits (ResNets: seeded random 3x32x32, He-scale posterior); medians of repeated calls",
         f"tuning: {'off' if args.no_tune else f'MetaSchedule, {args.trials} trials per (net, batch), cache {cache}'}",
-        "e2e = user call from NumPy (exe(x); vm['main'](tvm.runtime.tensor(x)).numpy(); the torch or Pyro call); VM = vm.time_evaluator",
+        "e2e = user call from NumPy (exe(x); vm['main'](tvm.runtime.tensor(x)).numpy(); the torch or Pyro call); "
+        "VM = vm.time_evaluator",
         "xPred, xvmap = baseline e2e / row e2e;  /det = row / deterministic TVM net (MetaSchedule, same trials)",
         "=" * 100,
     ]

@@ -50,11 +50,9 @@ import pyro  # noqa: E402
 import torch  # noqa: E402
 
 import pyro2pfp  # noqa: E402
+from pyro2pfp.uncertainty import auroc, calibrate, uncertainty, uncertainty_from_logit_samples  # noqa: E402
 from pyro2pfp_experiments.datasets import load_mnist  # noqa: E402
-from pyro2pfp_experiments.ood_data import (ambiguous_digits, fashion_shapes, rendered_letters,  # noqa: E402
-                               sample_ambiguous_labels)
-from pyro2pfp.uncertainty import (auroc, calibrate, uncertainty,  # noqa: E402
-                                  uncertainty_from_logit_samples)
+from pyro2pfp_experiments.ood_data import ambiguous_digits, fashion_shapes, rendered_letters, sample_ambiguous_labels  # noqa: E402
 from pyro2pfp_experiments.zoo import BayesianLeNet5, BayesianMLP, make_guide, predictive_logits, train_svi  # noqa: E402
 
 ARCHS = {

@@ -8,13 +8,24 @@ absolute values of their terms; elementwise ops against a few ulps of their inpu
 from __future__ import annotations
 
 import numpy as np
-from op_coverage import COMPILED, MONTE_CARLO, covers
 import pytest
+from builders import (
+    assert_compute_layer,
+    conv_layer,
+    dense_layer,
+    forms,
+    input_var,
+    lenet_graph,
+    mlp_graph,
+    pool_layer,
+    relu_layer,
+    scales,
+    var_scales,
+)
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from op_coverage import COMPILED, covers
 
-from builders import (assert_compute_layer, conv_layer, dense_layer, forms, input_var,
-                      lenet_graph, mlp_graph, pool_layer, relu_layer, scales, var_scales)
 from pyro2pfp.graph import INPUT, LayerGraph
 from pyro2pfp.network import PFPNetwork
 from pyro2pfp.plan import plan

@@ -24,9 +24,9 @@ import numpy as np
 import pyro
 import pytest
 import torch
+from builders import mlp_graph
 
 import pyro2pfp
-from builders import mlp_graph
 from pyro2pfp import deploy
 from pyro2pfp.errors import InputShapeError, PFPError
 from pyro2pfp.network import PFPNetwork

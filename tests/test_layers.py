@@ -7,19 +7,19 @@ import copy
 import warnings
 
 import numpy as np
-from op_coverage import COMPILED, MONTE_CARLO, covers
 import pyro
 import pyro.distributions as dist
 import pytest
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+from builders import ResidualNet, pool_cases, pool_graph
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from op_coverage import COMPILED, MONTE_CARLO, covers
 from pyro.nn import PyroModule, PyroSample
 
 import pyro2pfp
-from builders import ResidualNet, pool_cases, pool_graph
 from pyro2pfp.graph import INPUT, GaussianParam, Layer, LayerGraph
 from pyro2pfp.network import PFPNetwork
 from pyro2pfp.plan import plan

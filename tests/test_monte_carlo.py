@@ -30,10 +30,10 @@ from fractions import Fraction
 import hypothesis.extra.numpy as hnp
 import mpmath
 import numpy as np
-from op_coverage import COMPILED, MONTE_CARLO, covers
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from op_coverage import MONTE_CARLO, covers
 from scipy.special import ndtr
 from stats import EPS, assert_check_rejects, assert_moments_agree
 
@@ -311,7 +311,7 @@ def test_dense_moments_match_monte_carlo(case):
     assert_moments_agree(dense_samples(case), mean, var)
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def fixed_dense_case(form: str):
     rng = np.random.default_rng(20240601)
     bsz, k, o = 2, 5, 3
@@ -322,7 +322,7 @@ def fixed_dense_case(form: str):
                 form=form)
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def fixed_dense_samples(gaussian_input: bool):
     # the same draws serve the raw and the variance form (same distribution, same seed)
     return dense_samples(fixed_dense_case("raw" if gaussian_input else "deterministic"))
@@ -426,7 +426,7 @@ def test_conv_by_definition_matches_a_plain_convolution():
         np.testing.assert_allclose(mine, ref, rtol=1e-12, atol=1e-12)
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def fixed_conv_case():
     rng = np.random.default_rng(99)
     return dict(x_mean=rng.uniform(-1, 1, (1, 2, 5, 5)), x_std=np.full((1, 2, 5, 5), 0.5),
@@ -436,7 +436,7 @@ def fixed_conv_case():
                 calibration=1.0, seed=12, form="raw")
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def fixed_conv_samples():
     return conv_samples(fixed_conv_case())
 
@@ -530,7 +530,7 @@ def test_relu_extreme_ratio_and_tiny_variance_match_monte_carlo():
     assert_moments_agree(x, out_mean, out_var, weights=w)
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def fixed_relu_case():
     mean = np.array([-2.0, -0.5, 0.0, 0.7, 3.0]) * 1.5
     std = np.full(5, 1.5)
@@ -642,7 +642,7 @@ def test_max_pool_pair_matches_monte_carlo(case):
     assert_moments_agree(samples, mean, var)
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def fixed_max_case():
     # θ = √(0.5 + 1.3) ≈ 1.34, α from −1.5 to 2: Clark's correction terms all matter
     m1 = np.array([0.0, 1.0, -2.0, 3.0, 10.0])

@@ -13,14 +13,26 @@ import pyro
 import pyro.distributions as dist
 import pytest
 import torch
-import torch.nn as nn
-import torch.nn.functional as F
+from builders import (
+    U32,
+    ResidualNet,
+    assert_compute_layer,
+    conv_layer,
+    dense_layer,
+    forms,
+    input_var,
+    lenet_graph,
+    mlp_graph,
+    pool_cases,
+    pool_graph,
+    pool_layer,
+    relu_layer,
+    reshape_layer,
+    scales,
+    var_scales,
+)
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-
-from builders import (U32, ResidualNet, assert_compute_layer, conv_layer, dense_layer, forms, input_var,
-                      lenet_graph, mlp_graph, pool_cases, pool_graph, pool_layer, relu_layer, reshape_layer, scales,
-                      var_scales)
 from pyro.nn import PyroSample
 
 import pyro2pfp

@@ -15,9 +15,9 @@ import warnings
 import numpy as np
 import pytest
 import tvm
+from builders import lenet_graph
 from tvm import relax
 
-from builders import lenet_graph
 from pyro2pfp.graph import INPUT, Layer, LayerGraph
 from pyro2pfp.plan import plan
 from pyro2pfp.reference import execute

@@ -14,8 +14,8 @@ import pytest
 from pyro2pfp import onnx_export
 from pyro2pfp.converters import CONVERTERS
 from pyro2pfp.plan import op_specs
-from pyro2pfp.registry import OPS, PASS_THROUGH_TORCH_OPS, OpDef, OpRegistryError, register_op, render_layer_table
 from pyro2pfp.reference._core import REFERENCES
+from pyro2pfp.registry import OPS, PASS_THROUGH_TORCH_OPS, OpDef, OpRegistryError, register_op, render_layer_table
 from pyro2pfp.tvm_backend import _core
 
 TESTS = Path(__file__).parent

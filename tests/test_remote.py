@@ -180,7 +180,8 @@ BUILDER = textwrap.dedent("""\
 
         model = BayesianMLP(6, (5,), 3)
         guide = make_guide(model, init_scale=0.02)
-        guide(torch.zeros(2, 6), torch.zeros(2, dtype=torch.long))  # initialise the posterior (an untrained guide holds none)
+        # initialise the posterior (an untrained guide holds none)
+        guide(torch.zeros(2, 6), torch.zeros(2, dtype=torch.long))
         return model, guide
     """)
 

@@ -18,17 +18,16 @@ import numpy as np
 import pytest
 import tvm
 import tvm_ffi
+from builders import lenet_graph, mlp_graph
 from tvm import relax
 
-from builders import lenet_graph, mlp_graph
 from pyro2pfp.graph import INPUT, GaussianParam, Layer, LayerGraph
 from pyro2pfp.network import PFPNetwork
 from pyro2pfp.ops.head import append_head
 from pyro2pfp.plan import plan
-from pyro2pfp.registry import OPS
 from pyro2pfp.reference import execute
-from pyro2pfp.tvm_backend import _core, emit_module
-from pyro2pfp.tvm_backend import schedules
+from pyro2pfp.registry import OPS
+from pyro2pfp.tvm_backend import emit_module, schedules
 from pyro2pfp.tvm_backend.schedules import SCHEDULES, schedule_module
 
 BATCHES = (1, 7, 13)
@@ -150,8 +149,10 @@ def case_graphs() -> dict[str, LayerGraph]:
 GRAPHS = case_graphs()
 EXPECT_VECTOR = {  # functions with a vectorizable body and a vector width dividing the vector axis
     "dense": ("pfp_dense_fc1", "pfp_dense_fc2"),
-    "conv_cols": ("pfp_conv2d_c",), "conv_chans": ("pfp_conv2d_c",), "conv_wide": ("pfp_conv2d_c1", "pfp_conv2d_c2"), "conv_groups": ("pfp_conv2d_c1",),
-    "pool_det": ("pfp_max_pool2d_p",), "pool_flat": ("pfp_max_pool2d_p",), "pool_chans": ("pfp_max_pool2d_p",), "relu_det": ("pfp_relu_r",), "convert": ("pfp_convert_input_to_second",),
+    "conv_cols": ("pfp_conv2d_c",), "conv_chans": ("pfp_conv2d_c",), "conv_wide": ("pfp_conv2d_c1", "pfp_conv2d_c2"),
+    "conv_groups": ("pfp_conv2d_c1",),
+    "pool_det": ("pfp_max_pool2d_p",), "pool_flat": ("pfp_max_pool2d_p",), "pool_chans": ("pfp_max_pool2d_p",),
+    "relu_det": ("pfp_relu_r",), "convert": ("pfp_convert_input_to_second",),
 }
 
 
@@ -352,7 +353,8 @@ def test_elementwise_kernel_on_a_flat_view_where_that_widens_the_vector():
 @pytest.mark.parametrize("builder", [lenet_graph, mlp_graph])
 def test_small_static_kernels_run_serially(builder, monkeypatch):
     """In a static-batch module the kernels under ``SERIAL_WORK`` operations and ``SERIAL_BYTES`` bytes of
-    arguments lose their parallel loops (and only those); the module still matches the reference; any-batch kernels stay parallel."""
+    arguments lose their parallel loops (and only those); the module still matches the reference;
+    any-batch kernels stay parallel."""
     from pyro2pfp.tuning.specialize import specialize_batch
 
     rng = np.random.default_rng(0)

@@ -8,8 +8,6 @@ marginal variances instead.
 """
 from __future__ import annotations
 
-import warnings
-
 import numpy as np
 import pyro
 import pyro.distributions as dist
@@ -17,8 +15,7 @@ import pytest
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
-from pyro.infer import SVI, Predictive, Trace_ELBO
-from pyro.infer import autoguide
+from pyro.infer import SVI, Predictive, Trace_ELBO, autoguide
 from pyro.nn import PyroModule, PyroParam, PyroSample
 from scipy.special import ndtri
 
@@ -109,7 +106,8 @@ def test_correlated_autoguides_use_marginals_and_warn(guide_cls):
         size = site["value"].numel()
         expected[site["name"]] = marginal[pos:pos + size]
         pos += size
-    got = {f"{n}.{a}": net.layer_graph.layer(n).params[a].var.ravel() for n in ("fc1", "fc2") for a in ("weight", "bias")}
+    got = {f"{n}.{a}": net.layer_graph.layer(n).params[a].var.ravel()
+           for n in ("fc1", "fc2") for a in ("weight", "bias")}
     for name in names:
         np.testing.assert_allclose(got[name], expected[name], rtol=1e-5)
     assert flat.size == marginal.size
@@ -360,7 +358,8 @@ def test_autostructured_mvn_uses_the_marginals_and_warns():
     fit(model, guide, steps=10)
     n = HIDDEN * D_IN  # a correlation factor far from the identity (set in the store, as after a load)
     a = torch.randn(n, n, generator=torch.Generator().manual_seed(3)) / n**0.5
-    pyro.get_param_store()["AutoStructured.scale_trils.fc1.weight"] = torch.linalg.cholesky(a @ a.T + 0.5 * torch.eye(n))
+    tril = torch.linalg.cholesky(a @ a.T + 0.5 * torch.eye(n))
+    pyro.get_param_store()["AutoStructured.scale_trils.fc1.weight"] = tril
     with pytest.warns(UserWarning, match="correlations are dropped"):
         net = pyro2pfp.convert(model, guide)
     with torch.no_grad():

@@ -10,13 +10,14 @@ import time
 import numpy as np
 import pytest
 import tvm
+from builders import lenet_graph, mlp_graph
 from tvm import relax, tirx
 
-from builders import lenet_graph, mlp_graph
 from pyro2pfp import _fast_inspect, tuning
-from pyro2pfp.tuning import api, choose, database, measure, search, specialize
 from pyro2pfp.network import PFPNetwork
 from pyro2pfp.plan import plan
+from pyro2pfp.tuning import api, choose, database, measure, search, specialize
+
 
 @pytest.fixture(autouse=True)
 def _quick_kernel_timing(monkeypatch):
@@ -139,14 +140,17 @@ def test_database_is_keyed_reused_and_topped_up(tmp_path, monkeypatch):
     assert {k.name for k in first.kernels} == set(meta["choices"])
     assert any("tuning 2 kernel(s)" in line for line in lines)
 
-    again = tuning.tune(net.mod, TARGET, batch=5, trials=6, plan=net.plan, work_dir=tmp_path, progress=False, min_share=0.0)
+    again = tuning.tune(net.mod, TARGET, batch=5, trials=6, plan=net.plan, work_dir=tmp_path,
+                        progress=False, min_share=0.0)
     assert calls == [(2, 6)] and again.reused and again.work_dir == first.work_dir
     retrained = tuning.tune(tiny_mlp(seed=7).mod, TARGET, batch=5, trials=4, plan=net.plan, work_dir=tmp_path,
                             progress=False, min_share=0.0)
     assert calls == [(2, 6)] and retrained.work_dir == first.work_dir  # weights do not matter
-    more = tuning.tune(net.mod, TARGET, batch=5, trials=10, plan=net.plan, work_dir=tmp_path, progress=False, min_share=0.0)
+    more = tuning.tune(net.mod, TARGET, batch=5, trials=10, plan=net.plan, work_dir=tmp_path,
+                       progress=False, min_share=0.0)
     assert calls == [(2, 6), (2, 4)] and more.trials == 10  # only the difference is searched
-    other = tuning.tune(net.mod, TARGET, batch=2, trials=6, plan=net.plan, work_dir=tmp_path, progress=False, min_share=0.0)
+    other = tuning.tune(net.mod, TARGET, batch=2, trials=6, plan=net.plan, work_dir=tmp_path,
+                        progress=False, min_share=0.0)
     assert other.work_dir != first.work_dir
 
     vm = relax.VirtualMachine(first.build(), tvm.cpu())
@@ -265,10 +269,11 @@ def test_inprocess_builder_and_runner_round_trip():
     mod = measure._normalized(static["pfp_dense_fc1"])
     (built,) = tuning.InProcessBuilder().build([BuilderInput(mod, TARGET)])
     assert built.error_msg is None
-    (future,) = tuning.InProcessRunner().run([RunnerInput(built.artifact_path, "cpu", ArgInfo.from_prim_func(mod["main"]))])
+    args = ArgInfo.from_prim_func(mod["main"])
+    (future,) = tuning.InProcessRunner().run([RunnerInput(built.artifact_path, "cpu", args)])
     result = future.result()
     assert result.error_msg is None and len(result.run_secs) == 1 and float(result.run_secs[0]) > 0
-    (missing,) = tuning.InProcessRunner().run([RunnerInput("/nonexistent/x.so", "cpu", ArgInfo.from_prim_func(mod["main"]))])
+    (missing,) = tuning.InProcessRunner().run([RunnerInput("/nonexistent/x.so", "cpu", args)])
     assert missing.result().error_msg is not None
 
 

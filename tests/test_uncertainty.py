@@ -20,11 +20,23 @@ from scipy.special import softmax
 from scipy.stats import entropy
 
 import pyro2pfp
-from pyro2pfp_experiments.ood_data import (FASHION_KINDS, ambiguous_digits, fashion_shapes, rendered_letters,
-                               sample_ambiguous_labels)
-from pyro2pfp.uncertainty import (CalibrationObjective, auroc, calibrate, minimise_log_scale,
-                                  predictive_uncertainty, sample_logits, uncertainty,
-                                  uncertainty_from_logit_samples)
+from pyro2pfp.uncertainty import (
+    CalibrationObjective,
+    auroc,
+    calibrate,
+    minimise_log_scale,
+    predictive_uncertainty,
+    sample_logits,
+    uncertainty,
+    uncertainty_from_logit_samples,
+)
+from pyro2pfp_experiments.ood_data import (
+    FASHION_KINDS,
+    ambiguous_digits,
+    fashion_shapes,
+    rendered_letters,
+    sample_ambiguous_labels,
+)
 from pyro2pfp_experiments.zoo import BayesianMLP, predictive_logits
 
 FAST = settings(max_examples=40, deadline=None)

@@ -17,9 +17,9 @@ Bounds and why:
 from __future__ import annotations
 
 import numpy as np
-from op_coverage import COMPILED, MONTE_CARLO, covers
 import pytest
 import torch
+from op_coverage import MONTE_CARLO, covers
 from scipy.special import ndtri
 
 import pyro2pfp

@@ -7,11 +7,11 @@ import math
 import numpy as np
 import pyro
 import pyro.poutine as poutine
-from pyro.poutine.util import site_is_subsample
 import pytest
 import torch
 from pyro.infer import Trace_ELBO
 from pyro.infer.autoguide import AutoNormal, init_to_sample
+from pyro.poutine.util import site_is_subsample
 from torch.distributions import Normal, kl_divergence
 
 from pyro2pfp_experiments.datasets import load_mnist
@@ -263,7 +263,7 @@ def test_train_svi_progress_and_inputs(capsys):
         torch.from_numpy(y_tr),
         epochs=3,
         batch_size=25,
-        progress=lambda e, l: seen.append((e, l)),
+        progress=lambda epoch, loss: seen.append((epoch, loss)),
     )
     assert len(losses) == 3 and all(math.isfinite(v) for v in losses)
     assert seen == list(zip([1, 2, 3], losses))
