@@ -1,6 +1,7 @@
 """The public entry point: :func:`convert` and the :class:`PFPNetwork` it returns."""
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
@@ -64,10 +65,16 @@ class PFPNetwork:
     @property
     def mod(self):
         """The Relax IRModule (built on first access; importing TVM takes a few seconds)."""
+        return self.module()
+
+    def module(self, on_kernel: Callable[[str, Any], None] | None = None):
+        """:attr:`mod`; if it is not built yet, it is built now and ``on_kernel(name, prim_func)`` is
+        called with each kernel as soon as it is emitted (``net.compile`` schedules and compiles
+        kernels while the rest of the module is emitted)."""
         if self._mod is None:
             from .tvm_backend import emit_module
 
-            self._mod = emit_module(self.plan, fuse=self.fuse)
+            self._mod = emit_module(self.plan, fuse=self.fuse, on_kernel=on_kernel)
         return self._mod
 
     def reference(self, x: Any, x_var: Any = None) -> Any:

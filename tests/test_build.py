@@ -79,6 +79,48 @@ def test_kernels_compiled_while_scheduling_are_linked_not_compiled_again(lenet):
         np.testing.assert_array_equal(g, w)
 
 
+def test_kernels_compile_while_the_module_is_emitted(monkeypatch):
+    """``net.compile()`` of a network whose module is not emitted yet schedules each distinct kernel as
+    it is emitted and hands it to the build threads then (``KernelStream``): parts are compiling before
+    emission ends, no kernel of the module is queued twice or compiled again after the Relax pipeline,
+    and the executable's outputs equal those of the build that schedules after emitting (bitwise)."""
+    from pyro2pfp.tvm_backend.runtime import build_network
+
+    pools: list[KernelPool] = []
+
+    class Spy(KernelPool):
+        def __init__(self, *args, **kwargs):
+            super().__init__(*args, **kwargs)
+            pools.append(self)
+
+    monkeypatch.setattr(build_module, "KernelPool", Spy)
+    monkeypatch.setenv("PYRO2PFP_BUILD_JOBS", "2")
+    graph = lenet_graph(np.random.default_rng(0), widths=(3, 4, 12, 8), image=12)
+    fresh, emitted = PFPNetwork(graph, plan(graph)), PFPNetwork(graph, plan(graph))
+    parts_when_emitted: list[int] = []
+    module = PFPNetwork.module
+
+    def watched(self, on_kernel=None):
+        out = module(self, on_kernel=on_kernel)
+        parts_when_emitted.append(len(pools[-1].parts) if pools else 0)
+        return out
+
+    monkeypatch.setattr(PFPNetwork, "module", watched)
+    streamed = build_network(fresh, TARGET)
+    (pool,) = pools
+    assert parts_when_emitted and parts_when_emitted[0] >= 1  # compiling before the module was finished
+    names = [name for part, _ in pool.parts for name in part]
+    kernels = {gv.name_hint for gv, f in fresh.mod.functions_items() if isinstance(f, tvm.tirx.PrimFunc)}
+    assert len(names) == len(set(names))  # nothing queued twice
+    assert not set(pool.compiled_late) & kernels  # each kernel compiled once, while emitting
+    assert "pfp_conv2d_conv1" in set(names) - set(pool.compiled_late)
+    emitted.mod  # noqa: B018 -- emitted first: the build schedules after emitting
+    after = build_network(emitted, TARGET)
+    x = np.random.default_rng(1).standard_normal((3, *fresh.input_shape)).astype(np.float32)
+    for got, want in zip(run(streamed, x), run(after, x)):
+        np.testing.assert_array_equal(got, want)
+
+
 def test_a_kernel_that_changed_after_it_was_queued_is_compiled_again(lenet):
     """A part compiled early whose kernel is not the one the module links (here: the unscheduled
     version was queued) is dropped and the module's kernel compiled: the executable runs the

@@ -237,6 +237,8 @@ class EmitContext:
     batch: tirx.Var
     shapes: dict[str, tuple[int, ...]]  # per-sample shape of every edge (input and layer outputs)
     activation: PlannedLayer | None = None  # a ReLU fused into the compute kernel being emitted
+    # called with (name, PrimFunc) of each kernel as soon as it is emitted (build_network's KernelStream)
+    on_kernel: Callable[[str, tirx.PrimFunc], None] | None = None
 
     def const(self, array: np.ndarray) -> relax.Constant:
         return relax.const(np.ascontiguousarray(array, dtype=np.float32))
@@ -249,10 +251,24 @@ class EmitContext:
         if self.activation is not None:
             name += f"_{self.activation.name}"
             attrs[FUSED_ATTR] = self.activation.name
-        out = self.bb.emit_te(fn, *args, primfunc_name_hint=name, primfunc_attrs=attrs)
+        return self.emit_kernel(fn, args, name, attrs)
+
+    def emit_kernel(self, fn: Callable[..., Any], args: list[relax.Expr], name: str, attrs: dict[str, Any]
+                    ) -> list[relax.Expr]:
+        """``bb.emit_te`` of ``fn`` as the PrimFunc ``name`` with ``attrs``, announced to
+        :attr:`on_kernel`; returns its output tensors."""
+        call = self.bb.call_te(fn, *args, primfunc_name_hint=name, primfunc_attrs=attrs)
+        if self.on_kernel is not None:
+            self.announce(call.args[0])
+        out = self.bb.emit(call)
         if isinstance(out.ty, relax.TupleType):
             return [self.bb.emit(relax.TupleGetItem(out, i)) for i in range(len(out.ty.fields))]
         return [out]
+
+    def announce(self, gv: relax.GlobalVar) -> None:
+        """Hand the PrimFunc ``gv`` of the module being built to :attr:`on_kernel`, if any."""
+        if self.on_kernel is not None:
+            self.on_kernel(gv.name_hint, self.bb.get()[gv])
 
 
 def activation_out(outs: list[relax.Expr], layer: PlannedLayer) -> RelaxActivation:
@@ -358,14 +374,17 @@ def fused_activations(graph: PlannedGraph) -> dict[str, PlannedLayer]:
     return out
 
 
-def emit_module(graph: PlannedGraph, *, fuse: bool = True) -> tvm.IRModule:
+def emit_module(graph: PlannedGraph, *, fuse: bool = True,
+                on_kernel: Callable[[str, tirx.PrimFunc], None] | None = None) -> tvm.IRModule:
     """The planned network as a Relax IRModule.
 
     ``main(x: (batch, *input_shape) float32[, x_var]) -> (mean, var)`` of the output; weights are
     bound as float32 constants; ``batch`` is symbolic.  ``fuse``: ReLUs that follow a dense layer
     are computed in its kernel (:func:`fused_activations`; not for a shared-factor plan, whose
     kernels of :data:`SCHEME_STEPS` follow every layer's, and replace the mean-field kernel of the
-    layers where :meth:`SchemeStep.emits_mean_field`: its ReLUs).
+    layers where :meth:`SchemeStep.emits_mean_field`: its ReLUs).  ``on_kernel(name, func)`` is
+    called with each PrimFunc as soon as it is emitted (a kernel emitted again under the same name,
+    deduplicated by the block builder, may be announced again).
     """
     step = None
     if graph.factors is not None:  # shared-factor PFP: its kernels after each layer's (no fusion)
@@ -374,7 +393,7 @@ def emit_module(graph: PlannedGraph, *, fuse: bool = True) -> tvm.IRModule:
     batch = tirx.Var("batch", "int64")
     bb = relax.BlockBuilder()
     shapes = {INPUT: graph.input_shape, **{p.name: p.layer.out_shape for p in graph.layers}}
-    ctx = EmitContext(bb=bb, batch=batch, shapes=shapes)
+    ctx = EmitContext(bb=bb, batch=batch, shapes=shapes, on_kernel=on_kernel)
     in_type = relax.TensorType((batch, *graph.input_shape), F32)
     params = [relax.Var("x", in_type)]
     if graph.input_repr is not Repr.DETERMINISTIC:

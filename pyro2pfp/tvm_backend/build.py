@@ -8,7 +8,8 @@ independent functions and TVM releases the GIL while LLVM works, so here they ar
 of :data:`KERNELS_PER_PART` on a pool of threads (:class:`KernelPool`, :func:`build_jobs` threads):
 lowering, LLVM and, for a target this machine runs, the machine code.  ``build_network`` hands each
 kernel to the pool as soon as it is scheduled (scheduling is Python and holds the GIL; LLVM compiles
-the previous kernels meanwhile); :func:`build` runs the Relax pipeline and the VM's code generation as
+the previous kernels meanwhile) -- and, when it is the compile that emits the module, as soon as it is
+emitted (:class:`KernelStream`); :func:`build` runs the Relax pipeline and the VM's code generation as
 ``tvm.compile`` does, compiles what the pipeline added (its ``shape_func``) or changed (a part whose
 kernel is not, structurally, the one the module links is dropped and compiled again), and links the
 parts into one executable: the first part's library imports the others, the VM finds a kernel in any
@@ -124,9 +125,15 @@ class KernelPool:
         self.queued: list[tuple[str, tvm.tirx.PrimFunc]] = []
         self.parts: list[tuple[dict[str, tvm.tirx.PrimFunc], concurrent.futures.Future[Any]]] = []
         self.compiled_late: list[str] = []  # kernels finish() compiled (not added, or changed since)
+        self.added: dict[str, tvm.tirx.PrimFunc] = {}
 
     def add(self, name: str, func: tvm.tirx.PrimFunc) -> None:
-        """Queue kernel ``name`` (compiled under that symbol, as the Relax pipeline will name it)."""
+        """Queue kernel ``name`` (compiled under that symbol, as the Relax pipeline will name it); a
+        kernel added again unchanged (the same function, or a structurally equal one) is not queued twice."""
+        before = self.added.get(name)
+        if before is not None and (before.same_as(func) or tvm_ffi.structural_equal(before, func)):
+            return
+        self.added[name] = func
         attrs = func.attrs
         if attrs is None or "global_symbol" not in attrs:
             func = func.with_attr("global_symbol", name)
@@ -217,3 +224,49 @@ def build(mod: tvm.IRModule, target: Any, relax_pipeline: Any = "default", jobs:
                                       list(attrs.get("external_mods", [])),
                                       dict(attrs.get("const_name_to_constant", {})))
     return relax.VMExecutable(linked)
+
+
+class KernelStream:
+    """Schedules each kernel as the module is emitted and hands it to a :class:`KernelPool`, so LLVM
+    starts on the first kernels while the later ones are still being emitted (emitting a shared-factor
+    ResNet-20 takes ~1.2 s, during which the build threads would otherwise wait).
+
+    ``add(name, func)`` is :func:`~pyro2pfp.tvm_backend._core.emit_module`'s ``on_kernel``: a kernel
+    structurally equal to an earlier one (up to its layer name) is skipped -- it will share that one's
+    code (:func:`~pyro2pfp.tvm_backend.sharing.share_identical_kernels` with ``prefer=``
+    :attr:`scheduled`) -- any other is scheduled (:func:`~.schedules.schedule_kernel`) and queued.
+    :meth:`scheduled_module` then puts the scheduled kernels into the shared module, so that
+    ``schedule_module`` only re-announces them (the pool does not queue a kernel twice) and
+    :meth:`KernelPool.finish` finds each compiled part's kernels unchanged."""
+
+    def __init__(self, plan: Any, target: Any, pool: KernelPool) -> None:
+        from .schedules import layers_by_name
+        from .sharing import KernelGroups
+
+        self.target, self.pool = make_target(target), pool
+        self.layers = layers_by_name(plan)
+        self.groups = KernelGroups()
+        self.scheduled: dict[str, tvm.tirx.PrimFunc] = {}  # name -> its scheduled function
+        self.emitted: dict[str, tvm.tirx.PrimFunc] = {}  # name -> the function scheduled
+
+    def add(self, name: str, func: tvm.tirx.PrimFunc) -> None:
+        """Schedule and queue kernel ``name`` unless an earlier kernel equals it."""
+        from .schedules import schedule_kernel
+
+        if name in self.scheduled or self.groups.first_of(name, func) is not None:
+            return
+        scheduled = schedule_kernel(name, func, self.layers, self.target)
+        if scheduled is not None:
+            self.scheduled[name], self.emitted[name] = scheduled, func
+            self.pool.add(name, scheduled)
+
+    def scheduled_module(self, shared: tvm.IRModule) -> tvm.IRModule:
+        """``shared`` (the emitted module after sharing, with ``prefer=self.scheduled``) with the
+        kernels scheduled here in place of their unscheduled versions -- only where the module holds
+        the very function that was scheduled (anything else is scheduled by ``schedule_module``)."""
+        out = shared.clone()
+        for gv, func in shared.functions_items():
+            emitted = self.emitted.get(gv.name_hint)
+            if emitted is not None and (emitted.same_as(func) or tvm_ffi.structural_equal(emitted, func)):
+                out[gv] = self.scheduled[gv.name_hint]
+        return out

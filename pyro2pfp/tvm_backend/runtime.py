@@ -247,16 +247,23 @@ def build_network(net: Any, target: tvm.target.Target, schedule: bool = True, ba
     :func:`pyro2pfp.tuning.specialize_batch`, as for tuning: the batch fixed in Relax and in every
     PrimFunc -- no shape arithmetic per call, storage planned once), else the any-batch one."""
     from ..tuning.specialize import specialize_batch
-    from .build import KernelPool, parallel
+    from .build import KernelPool, KernelStream, parallel
     from .sharing import share_identical_kernels
 
-    mod = net.mod if batch is None else specialize_batch(net.mod, batch)
-    mod = share_identical_kernels(mod)
     if not schedule:
-        return build(mod, target)
-    # LLVM compiles each kernel on the build threads as soon as it is scheduled
+        return build(share_identical_kernels(net.mod if batch is None else specialize_batch(net.mod, batch)), target)
+    # LLVM compiles each kernel on the build threads as soon as it is scheduled -- for a module not yet
+    # emitted, as soon as it is emitted (KernelStream)
     kernels = KernelPool(target) if parallel(target) else None
     try:
+        stream = KernelStream(net.plan, target, kernels) if kernels is not None and batch is None else None
+        if stream is not None:  # a module emitted earlier announces no kernel: stream.scheduled stays empty
+            mod = net.module(on_kernel=stream.add)
+        else:
+            mod = net.mod if batch is None else specialize_batch(net.mod, batch)
+        mod = share_identical_kernels(mod, prefer=stream.scheduled if stream is not None else ())
+        if stream is not None:
+            mod = stream.scheduled_module(mod)
         mod = schedule_module(mod, net.plan, target, on_scheduled=kernels.add if kernels else None)
         if kernels is not None:
             kernels.flush()  # the last kernels compile while the Relax pipeline runs

@@ -499,30 +499,46 @@ def schedule_module(mod: tvm.IRModule, plan: Any, target: tvm.target.Target,
     """
     if not isinstance(target, tvm.target.Target):
         target = tvm.target.Target(target)
-    from ._core import kernel_info
-
     out = mod.clone()
-    layers = {layer.name: layer for layer in getattr(plan, "layers", ())}
+    layers = layers_by_name(plan)
     for gv in mod.get_global_vars():
         func = mod[gv]
         if not isinstance(func, tirx.PrimFunc):
             continue
-        if func.attrs is not None and func.attrs.get("tirx.is_scheduled", False):
-            if on_scheduled is not None:  # hand-written TIR (sf_cholesky): final already
-                on_scheduled(gv.name_hint, func)
+        scheduled = schedule_kernel(gv.name_hint, func, layers, target)
+        if scheduled is None:
             continue
-        op, layer_name = kernel_info(func)
-        layer = layers.get(layer_name) if layer_name is not None else None
-        if op is None or _schedule_fn(op) is None:
-            continue
-        try:
-            out[gv] = schedule_function(func, op, layer, target)
-        except Exception as err:  # noqa: BLE001 -- fail soft: keep the correct naive kernel
-            lines = str(err).strip().splitlines()
-            warnings.warn(f"pyro2pfp: the default schedule of {gv.name_hint} ({op}) failed, "
-                          f"keeping it unscheduled: {type(err).__name__}: {lines[-1] if lines else ''}",
-                          RuntimeWarning, stacklevel=2)
-        else:
-            if on_scheduled is not None:
-                on_scheduled(gv.name_hint, out[gv])
+        if scheduled is not func:
+            out[gv] = scheduled
+        if on_scheduled is not None:
+            on_scheduled(gv.name_hint, scheduled)
     return out
+
+
+def layers_by_name(plan: Any) -> dict[str, Any]:
+    """``{layer name: planned layer}`` of ``plan`` (what :func:`schedule_kernel` looks layers up in)."""
+    return {layer.name: layer for layer in getattr(plan, "layers", ())}
+
+
+def schedule_kernel(name: str, func: tirx.PrimFunc, layers: dict[str, Any], target: tvm.target.Target
+                    ) -> tirx.PrimFunc | None:
+    """Kernel ``name`` with its op's default schedule (:func:`schedule_function`; the op and layer
+    from its attributes, ``layers`` from :func:`layers_by_name`): ``func`` itself if it came scheduled
+    (hand-written TIR such as ``sf_cholesky``), None if its op has no schedule or the schedule raised
+    (fail soft: the naive kernel is correct; a ``RuntimeWarning`` names it)."""
+    from ._core import kernel_info
+
+    if func.attrs is not None and func.attrs.get("tirx.is_scheduled", False):
+        return func
+    op, layer_name = kernel_info(func)
+    layer = layers.get(layer_name) if layer_name is not None else None
+    if op is None or _schedule_fn(op) is None:
+        return None
+    try:
+        return schedule_function(func, op, layer, target)
+    except Exception as err:  # noqa: BLE001 -- fail soft: keep the correct naive kernel
+        lines = str(err).strip().splitlines()
+        warnings.warn(f"pyro2pfp: the default schedule of {name} ({op}) failed, "
+                      f"keeping it unscheduled: {type(err).__name__}: {lines[-1] if lines else ''}",
+                      RuntimeWarning, stacklevel=3)
+        return None

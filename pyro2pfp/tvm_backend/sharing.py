@@ -11,6 +11,7 @@ same arguments).  A shared kernel keeps the name of its first layer: a profile r
 """
 from __future__ import annotations
 
+from collections.abc import Collection
 from typing import Any
 
 import tvm
@@ -38,23 +39,39 @@ class _Redirect(PyExprMutator):
         return self.mapping.get(op, op)
 
 
-def share_identical_kernels(mod: tvm.IRModule) -> tvm.IRModule:
+class KernelGroups:
+    """Groups of structurally equal PrimFuncs (equal up to ``pfp.layer``), filled one kernel at a
+    time: :meth:`first_of` says which earlier kernel a new one duplicates."""
+
+    def __init__(self) -> None:
+        self._buckets: dict[int, list[tuple[Any, tvm.tirx.PrimFunc]]] = {}
+
+    def first_of(self, ref: Any, func: tvm.tirx.PrimFunc) -> Any:
+        """The ``ref`` (a GlobalVar, a name) of the first kernel added that equals ``func``; None (and
+        ``func`` is added under ``ref``) if there is none."""
+        key = _shape_key(func)
+        bucket = self._buckets.setdefault(tvm_ffi.structural_hash(key), [])
+        for first, first_key in bucket:
+            if tvm_ffi.structural_equal(first_key, key):
+                return first
+        bucket.append((ref, key))
+        return None
+
+
+def share_identical_kernels(mod: tvm.IRModule, prefer: Collection[str] = ()) -> tvm.IRModule:
     """``mod`` with each group of structurally equal PrimFuncs (equal up to ``pfp.layer``) reduced
-    to its first member, every call redirected to it; ``mod`` itself is not modified."""
-    groups: dict[int, list[tuple[Any, tvm.tirx.PrimFunc]]] = {}
+    to one member -- one named in ``prefer`` if any (the kernels already compiled while the module
+    was emitted, :class:`~pyro2pfp.tvm_backend.runtime.KernelStream`), else the first by name --
+    every call redirected to it; ``mod`` itself is not modified."""
+    groups = KernelGroups()
     mapping: dict[Any, Any] = {}
-    for gv in sorted(mod.get_global_vars(), key=lambda v: v.name_hint):
+    for gv in sorted(mod.get_global_vars(), key=lambda v: (v.name_hint not in prefer, v.name_hint)):
         func = mod[gv]
         if not isinstance(func, tvm.tirx.PrimFunc):
             continue
-        key = _shape_key(func)
-        bucket = groups.setdefault(tvm_ffi.structural_hash(key), [])
-        for first_gv, first_key in bucket:
-            if tvm_ffi.structural_equal(first_key, key):
-                mapping[gv] = first_gv
-                break
-        else:
-            bucket.append((gv, key))
+        first = groups.first_of(gv, func)
+        if first is not None:
+            mapping[gv] = first
     if not mapping:
         return mod
     out = tvm.IRModule({gv: func for gv, func in mod.functions_items() if gv not in mapping},

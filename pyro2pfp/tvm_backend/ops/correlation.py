@@ -165,11 +165,7 @@ class SharedRelax:
 
 def _emit(ctx: EmitContext, fn: Any, args: list[relax.Expr], layer: PlannedLayer, part: str) -> list[relax.Expr]:
     """One TE function as the PrimFunc ``pfp_sf_<part>_<layer>`` (op attribute ``sf_<part>``)."""
-    attrs = {OP_ATTR: f"sf_{part}", LAYER_ATTR: layer.name}
-    out = ctx.bb.emit_te(fn, *args, primfunc_name_hint=f"pfp_sf_{part}_{layer.name}", primfunc_attrs=attrs)
-    if isinstance(out.ty, relax.TupleType):
-        return [ctx.bb.emit(relax.TupleGetItem(out, i)) for i in range(len(out.ty.fields))]
-    return [out]
+    return ctx.emit_kernel(fn, args, f"pfp_sf_{part}_{layer.name}", {OP_ATTR: f"sf_{part}", LAYER_ATTR: layer.name})
 
 
 def _view(ctx: EmitContext, t: relax.Expr, *shape: int) -> relax.Expr:
@@ -690,6 +686,7 @@ class SharedStep(FixedKStep):
         width = aligned(rows)
         func = cholesky_factor(rows, width).with_attrs({OP_ATTR: "sf_cholesky", LAYER_ATTR: layer.name})
         gv = ctx.bb.add_func(func, f"pfp_sf_cholesky_{layer.name}")
+        ctx.announce(gv)
         g = ctx.bb.emit(relax.call_tir(gv, [gram], out_ty=relax.TensorType((ctx.batch, rows, width), "float32")))
         return SharedRelax(sh.s, g, width)
 
