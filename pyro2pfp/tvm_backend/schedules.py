@@ -313,11 +313,12 @@ keep their parallel loops: their work is not known when they are compiled."""
 
 
 SERIAL_BYTES = 1e5
-"""...unless the kernel's arguments (:func:`kernel_bytes`) reach this many bytes: a kernel that
-streams that much data with little arithmetic per byte (a dense layer at batch 1 reads each weight
-once) runs faster with each core reading part of it (from its own cache) than on one core.
-Measured (median ``exe(x)``, static batch, the executables A/B in one process, 2 threads, znver4
-VM, 2026-11-26), with this threshold at inf / 1e6 / 5e5 / 2.5e5 / 1e5 bytes: MLP b1 10.9 / 10.8 /
+"""A static kernel under :data:`SERIAL_WORK` operations keeps its parallel loops all the same when its
+arguments (:func:`kernel_bytes`) reach this many bytes: a kernel that streams that much data with
+little arithmetic per byte (a dense layer at batch 1 reads each weight once) runs faster with each core
+reading part of it (from its own cache) than on one core.  Measured (median of the VM's ``main`` call,
+static batch, the executables A/B in one process, 2 threads, znver4 VM, 2026-11-26), with this
+threshold at inf / 1e6 / 5e5 / 2.5e5 / 1e5 bytes: MLP b1 10.9 / 10.8 /
 7.7 / 7.7 / 7.7 µs (its 784x100 layer: 0.41 MB, 0.48 M operations), LeNet-5 b1 68.7 / 68.8 / 68.0 /
 67.3 / 66.7 µs; at inf / 2.5e5 / 1e5 MLP b10 30.2 / 29.9 / 29.8 µs, LeNet-5 b10 271.5 / 272.5 /
 272.0 µs; shared-factor ResNet-20 b1 3.23-3.36 / 3.23-3.33 / 3.18-3.31 ms and ResNet-8 b1 1.10 /
