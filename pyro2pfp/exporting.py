@@ -121,7 +121,9 @@ def export_library(exe: Any, path: str | os.PathLike, *, cc: str | None = None,
     For a cross target, ``.so`` is linked with the target's cross compiler (``cc`` or
     ``$PYRO2PFP_CROSS_CC`` overrides the default, e.g. ``aarch64-linux-gnu-gcc``); ``.tar`` holds
     the object files and needs no toolchain.  ``metadata``: extra JSON-serialisable entries for the
-    sidecar (the CLI stores the layer plan).  Returns the library path.
+    sidecar (the CLI stores the layer plan).  Batch libraries that an earlier export to the same
+    ``path`` listed and this one does not are removed (so the directory holds what the sidecar lists;
+    no other file is touched).  Returns the library path.
     """
     import tvm
 
@@ -135,6 +137,7 @@ def export_library(exe: Any, path: str | os.PathLike, *, cc: str | None = None,
         raise PFPError(f"cannot write {path}: directory {directory} does not exist")
     executable = exe.executable
     specialised = _batch_executables(exe, batches)
+    earlier = _listed_batch_files(path)
     for what in (executable, *specialised.values()):
         if not hasattr(what, "export_library"):
             raise PFPError(f"this predictor ({type(what).__name__}) cannot be exported")
@@ -176,7 +179,28 @@ def export_library(exe: Any, path: str | os.PathLike, *, cc: str | None = None,
     with open(sidecar_path(path), "w") as f:
         json.dump(info, f, indent=2)
         f.write("\n")
+    for stale in earlier - {batch_library_path(path, int(b)) for b in batch_files}:
+        os.remove(stale)  # an earlier export's batch library that this one does not list
     return path
+
+
+def _listed_batch_files(path: str) -> set[str]:
+    """The batch libraries an earlier export to ``path`` wrote and listed in its sidecar (only files
+    of the :func:`batch_library_path` names that exist: nothing else is ever removed); empty if there
+    is no readable sidecar."""
+    try:
+        with open(sidecar_path(path)) as f:
+            entries = json.load(f).get(BATCH_KEY) or {}
+    except (OSError, ValueError, AttributeError):
+        return set()
+    files = set()
+    for key, entry in entries.items() if isinstance(entries, dict) else ():
+        if not (isinstance(key, str) and key.isdigit() and int(key) > 0 and isinstance(entry, dict)):
+            continue
+        ours = batch_library_path(path, int(key))
+        if entry.get("library") == os.path.basename(ours) and os.path.isfile(ours):
+            files.add(ours)
+    return files
 
 
 def _batch_executables(exe: Any, batches: Iterable[int] | None) -> dict[int, Any]:

@@ -249,6 +249,15 @@ def test_batch_specialised_executable_survives_export_and_load_in_a_new_process(
         library=str(tmp_path / "mlp.batch3.so")))
     with pytest.raises(LoadError, match="must be a file name in the metadata file's directory"):
         pyro2pfp.load(elsewhere)
+    # re-exporting to the same path with fewer batch sizes removes the earlier export's extra library
+    # (and only it: a file the sidecar never listed stays)
+    net.compile("native", batch_sizes=[3, 5]).export_library(tmp_path / "again.so")
+    assert (tmp_path / "again.batch5.so").is_file()
+    (tmp_path / "again.batch7.so").write_bytes(b"not ours")
+    exe.export_library(tmp_path / "again.so")
+    assert not (tmp_path / "again.batch5.so").exists() and (tmp_path / "again.batch3.so").is_file()
+    assert (tmp_path / "again.batch7.so").read_bytes() == b"not ours"
+    assert sorted(pyro2pfp.load(tmp_path / "again.so").tuned) == [3]
     old = copy_set("old", lambda info, f: info.pop("batch_executables"))  # a sidecar from before the key
     loaded = pyro2pfp.load(old)
     assert loaded.tuned == {} and loaded.vm_for_batch(3) is loaded.vm
