@@ -16,6 +16,11 @@ instead compiles each distinct kernel of one net alone and sums per PFP op the C
 ``tvm.compile`` (TIR passes and LLVM's optimisation), of the JIT (LLVM's machine code, which a
 ``CompiledPFP`` pays when its VM is created) and the lines of LLVM IR (``--kernels``: one row per
 kernel).
+
+    PYTHONPATH=. .venv/bin/python benchmarks/compile_time.py --k-sharing resnet20
+
+instead lists the shared-factor kernels that sharing across layers differing only in the factor width
+``K`` would remove, and what compiling them costs (an upper bound on that saving).
 """
 from __future__ import annotations
 
@@ -101,14 +106,69 @@ def per_op(net_name: str, kernels: bool = False) -> None:
           f"{sum(r[2] for r in rows.values()):>6.2f} {int(sum(r[3] for r in rows.values())):>9}")
 
 
+def _k_blind_signature(func) -> str:
+    """A kernel's signature with every buffer's last dimension and every parameter name blanked: equal
+    for the shared-factor kernels of layers that differ only in the factor width ``K`` (and offset)."""
+    import re
+
+    text = func.script()
+    head = text[text.index("def main("):text.index("):")]
+    head = re.sub(r"T\.int64\(\d+\)\)(, \"float32\")", r"K)\1", head)
+    return re.sub(r"\w+: T\.Buffer", "T.Buffer", head)
+
+
+def k_sharing(net_name: str, ops: tuple[str, ...] = ("sf_conv_load", "sf_relu", "sf_add")) -> None:
+    """What sharing ``ops``' kernels across layers that differ only in ``K`` would save: the kernels
+    of ``net_name`` that would go (each but the first of a group with equal :func:`_k_blind_signature`)
+    and the CPU seconds of compiling each alone as a build does (``build_context``: TIR passes, LLVM,
+    machine code) -- an upper bound on the build's saving (shape-generic kernels may be larger)."""
+    import tvm
+
+    from pyro2pfp.targets import resolve_target
+    from pyro2pfp.tvm_backend._core import kernel_info
+    from pyro2pfp.tvm_backend.build import build_context
+    from pyro2pfp.tvm_backend.schedules import schedule_module
+    from pyro2pfp.tvm_backend.sharing import share_identical_kernels
+
+    net = next((net for _, net in networks(only=net_name)), None)
+    if net is None:
+        raise SystemExit(f"--k-sharing: no net {net_name!r}")
+    target = resolve_target("native")
+    mod = schedule_module(share_identical_kernels(net.mod), net.plan, target)
+    first: dict[tuple[str, str], str] = {}
+    total = 0.0
+    for gv in sorted(mod.get_global_vars(), key=lambda v: v.name_hint):
+        func = mod[gv]
+        op = kernel_info(func)[0] if isinstance(func, tvm.tirx.PrimFunc) else None
+        if op not in ops:
+            continue
+        key = (str(op), _k_blind_signature(func))
+        if key not in first:
+            first[key] = gv.name_hint
+            continue
+        c0 = time.process_time()
+        with build_context():
+            exe = tvm.compile(tvm.IRModule({"main": func.with_attr("global_symbol", "main")}), target=target)
+        exe.jit()["main"]
+        seconds = time.process_time() - c0
+        total += seconds
+        print(f"  {gv.name_hint:<44} shares {first[key]:<44} {seconds:.3f} CPU s")
+    print(f"{net_name}: sharing {', '.join(ops)} across K would remove these kernels: {total:.2f} CPU s")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--per-op", metavar="NET", help="instead: compile time of each distinct kernel of NET "
                         "(e.g. 'resnet20', 'resnet20 (mf)'), summed per PFP op")
     parser.add_argument("--kernels", action="store_true", help="with --per-op: one row per kernel too")
+    parser.add_argument("--k-sharing", metavar="NET", help="instead: the compile time that sharing the "
+                        "shared-factor kernels of NET across layers differing only in K would save")
     args = parser.parse_args()
     warnings.simplefilter("ignore")
+    if args.k_sharing:
+        k_sharing(args.k_sharing)
+        return
     if args.per_op:
         per_op(args.per_op, args.kernels)
         return
