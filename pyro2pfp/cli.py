@@ -314,19 +314,14 @@ class _OnnxPredictor:
         self.session = ort.InferenceSession(path, providers=["CPUExecutionProvider"])
 
     def __call__(self, x: Any, x_var: Any = None) -> Any:
-        from .inputs import check_finite_outputs, checked_inputs
+        from .inputs import checked_inputs, compiled_outputs
 
         arrays = checked_inputs(x, x_var, self.input_shape, self.input_variance, np.float32)
         names = [o.name for o in self.session.get_outputs()]
         head = names == ["probs", "uncertainty"]  # converted with head="probs" (pyro2pfp.ops.head)
         mean, var = self.session.run(names if head else ["mean", "var"],
                                      dict(zip(("x", "x_var"), arrays, strict=False)))
-        check_finite_outputs(mean, var)
-        if head:
-            from .ops.head import head_output
-
-            return head_output(mean, var)
-        return mean, var
+        return compiled_outputs(mean, var, "probs" if head else None)
 
 
 def load_predictor(path: str):

@@ -87,6 +87,18 @@ def checked_inputs(x: Any, x_var: Any, input_shape: tuple[int, ...], input_varia
     return (*arrays, var)
 
 
+def compiled_outputs(first: np.ndarray, second: np.ndarray, head: str | None) -> Any:
+    """What a compiled predictor (here or on a board) returns for its module's two float32 outputs:
+    checked finite (:func:`check_finite_outputs`), ``(mean, var)`` of the logits, or for a network
+    with the uncertainty head (``head == "probs"``) a :class:`~pyro2pfp.ops.head.HeadOutput`."""
+    check_finite_outputs(first, second)
+    if head is None:
+        return first, second
+    from .ops.head import head_output
+
+    return head_output(first, second)
+
+
 def check_finite_outputs(mean: np.ndarray, var: np.ndarray) -> None:
     """Raise :class:`NumericalError` if the compiled network's float32 outputs are not all finite."""
     if sum_of_squares_finite(mean) and sum_of_squares_finite(var):

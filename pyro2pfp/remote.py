@@ -231,15 +231,9 @@ class RemotePredictor:
 
     def __call__(self, x: Any, x_var: Any = None) -> Any:
         """The network's outputs for ``x`` computed on the board (see the class docstring)."""
-        from .inputs import check_finite_outputs
+        from .inputs import compiled_outputs
 
-        mean, var = self.outputs(x, x_var)
-        check_finite_outputs(mean, var)
-        if self.head is not None:
-            from .ops.head import head_output
-
-            return head_output(mean, var)
-        return mean, var
+        return compiled_outputs(*self.outputs(x, x_var), self.head)
 
     def outputs(self, x: Any, x_var: Any = None) -> tuple[np.ndarray, np.ndarray]:
         """The compiled module's two outputs as they come from the board, unchecked: ``(mean, var)``

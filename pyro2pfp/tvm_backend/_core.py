@@ -258,8 +258,7 @@ class EmitContext:
         """``bb.emit_te`` of ``fn`` as the PrimFunc ``name`` with ``attrs``, announced to
         :attr:`on_kernel`; returns its output tensors."""
         call = self.bb.call_te(fn, *args, primfunc_name_hint=name, primfunc_attrs=attrs)
-        if self.on_kernel is not None:
-            self.announce(call.args[0])
+        self.announce(call.args[0])
         out = self.bb.emit(call)
         if isinstance(out.ty, relax.TupleType):
             return [self.bb.emit(relax.TupleGetItem(out, i)) for i in range(len(out.ty.fields))]

@@ -20,7 +20,7 @@ import tvm
 from tvm import relax
 
 from ..errors import ArgumentError
-from ..inputs import check_finite_outputs, checked_inputs
+from ..inputs import checked_inputs, compiled_outputs
 from .build import available_cpus, build
 from .schedules import schedule_module
 
@@ -153,13 +153,7 @@ class CompiledPFP:
         args = self._args(x, x_var, state)
         main = state.tuned_mains.get(args[0].shape[0], state.main) if state.tuned_mains else state.main
         out = main(*args)  # indexing the returned tvm_ffi Array is ~0.7 µs cheaper than unpacking it
-        mean, var = np.from_dlpack(out[0]), np.from_dlpack(out[1])
-        check_finite_outputs(mean, var)
-        if self.head is not None:
-            from ..ops.head import head_output
-
-            return head_output(mean, var)
-        return mean, var
+        return compiled_outputs(np.from_dlpack(out[0]), np.from_dlpack(out[1]), self.head)
 
     def profile(self, x: Any, x_var: Any = None, *, repeats: int = 30, method: str = "isolated",
                 remote: Any = None):
@@ -250,11 +244,9 @@ def build_network(net: Any, target: tvm.target.Target, schedule: bool = True, ba
     from .build import KernelPool, KernelStream, parallel
     from .sharing import share_identical_kernels
 
-    if not schedule:
-        return build(share_identical_kernels(net.mod if batch is None else specialize_batch(net.mod, batch)), target)
     # LLVM compiles each kernel on the build threads as soon as it is scheduled -- for a module not yet
     # emitted, as soon as it is emitted (KernelStream)
-    kernels = KernelPool(target) if parallel(target) else None
+    kernels = KernelPool(target) if schedule and parallel(target) else None
     try:
         stream = KernelStream(net.plan, target, kernels) if kernels is not None and batch is None else None
         if stream is not None:  # a module emitted earlier announces no kernel: stream.scheduled stays empty
@@ -262,6 +254,8 @@ def build_network(net: Any, target: tvm.target.Target, schedule: bool = True, ba
         else:
             mod = net.mod if batch is None else specialize_batch(net.mod, batch)
         mod = share_identical_kernels(mod, prefer=stream.scheduled if stream is not None else ())
+        if not schedule:
+            return build(mod, target)
         if stream is not None:
             mod = stream.scheduled_module(mod)
         mod = schedule_module(mod, net.plan, target, on_scheduled=kernels.add if kernels else None)
