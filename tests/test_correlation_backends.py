@@ -18,6 +18,7 @@ from builders import conv_layer, dense_layer, reshape_layer
 
 import pyro2pfp
 from pyro2pfp.correlation import with_correlation
+from pyro2pfp.correlation.factors import fixed_k_plan
 from pyro2pfp.graph import INPUT, Layer, LayerGraph
 from pyro2pfp.network import PFPNetwork
 from pyro2pfp.plan import plan
@@ -25,6 +26,7 @@ from pyro2pfp.tvm_backend import emit_module
 from pyro2pfp.tvm_backend._core import kernel_info
 from pyro2pfp.tvm_backend.ops.correlation import PARTS
 from pyro2pfp.tvm_backend.schedules import schedule_module
+from pyro2pfp.tvm_backend.sharing import share_identical_kernels
 
 RTOL = 2e-5
 # onnxruntime's Erf/Exp (ReLU and Clark-max moments of the mean-field part) are less exact than the TVM
@@ -257,7 +259,39 @@ def test_converted_resnet8_one_kernel_per_relu_matches_the_reference():
     for op, layer in kernel_table(emit_module(net.plan)).values():
         kernels.setdefault(layer, []).append(op)
     assert len(relus) == 7 and all(kernels[name] == ["sf_relu"] for name in relus), kernels
+    # ReLUs and conv loadings (and adds) that differ only in their factor widths share one kernel
+    fp = fixed_k_plan(net.plan, "the TVM back end", compaction=True)
+    callee = _callees(emit_module(net.plan))
+    for op in ("relu", "conv2d"):  # (one add per shape here)
+        groups: dict[tuple[object, ...], set[str]] = {}
+        for p in net.plan.layers:
+            if p.op == op and p.name in callee.get(f"sf_{'conv_load' if op == 'conv2d' else op}", {}):
+                key = (p.layer.out_shape, net.plan.shape_of(p.inputs[0]), str(p.layer.attrs),
+                       str(sorted((k, t.shape) for k, t in p.tensors.items())))  # all but the factor widths
+                groups.setdefault(key, set()).add(p.name)
+        shared = [names for names in groups.values() if len({fp.width[n] for n in names}) > 1]
+        assert shared, (op, groups)  # some layers of one shape differ in K ...
+        for names in shared:  # ... and call one kernel
+            assert len({callee[f"sf_{'conv_load' if op == 'conv2d' else op}"][n] for n in names}) == 1, (op, names)
     assert_matches(net.compile("native")(x.numpy()), net.reference(x.numpy()))
+
+
+def _callees(mod: tvm.IRModule) -> dict[str, dict[str, str]]:
+    """Per kernel op, each layer's kernel symbol after :func:`share_identical_kernels` (the shared and
+    the emitted ``main`` make the same calls in the same order; the emitted one names the layer)."""
+    from pyro2pfp.tvm_backend._core import kernel_table
+
+    def calls(m: tvm.IRModule) -> list[str]:
+        return [line.split("R.call_tir(")[1].split(",")[0].strip() for line in m["main"].script().splitlines()
+                if "R.call_tir(" in line]
+
+    table = kernel_table(mod)
+    out: dict[str, dict[str, str]] = {}
+    for emitted, shared in zip(calls(mod), calls(share_identical_kernels(mod)), strict=True):
+        if emitted in table:
+            op, layer = table[emitted]
+            out.setdefault(op, {})[layer] = shared
+    return out
 
 
 def test_tuned_shared_factor_resnet_matches_the_reference(tmp_path, monkeypatch):
@@ -449,6 +483,19 @@ def _run_kernel(func: tvm.tirx.PrimFunc, op: str, inputs: list[np.ndarray]) -> l
     return [o.numpy() for o in outs]
 
 
+def _kernel(mod: tvm.IRModule, symbol: str) -> tvm.tirx.PrimFunc:
+    """PrimFunc ``symbol`` of the emitted ``mod``, with the scalar arguments its call passes (the factor
+    widths and offset of a kernel shared across layers that differ only in them) bound."""
+    from pyro2pfp.tuning.specialize import bind_scalar_arguments
+
+    func = mod[symbol]
+    if not any(isinstance(p, tvm.tirx.Var) for p in func.params):
+        return func
+    bound = bind_scalar_arguments(mod)
+    (copy,) = [gv for gv in bound.get_global_vars() if gv.name_hint.startswith(f"{symbol}_k")]
+    return bound[copy]
+
+
 def _relu_kernel_inputs(planned, name: str, batch: int = 3) -> tuple[np.ndarray, ...]:
     """(μ, v, s, g) of the input edge of ReLU layer ``name`` with the limit cases: a zero-variance
     channel (its profile 0, means of both signs and exact zeros), means of ±1e30, ±1e4 with variances
@@ -497,7 +544,7 @@ def test_shared_factor_relu_kernel_limit_cases(every_rule, name):
     mod = emit_module(planned)
     m, v, s, g = _relu_kernel_inputs(planned, name)
     k = fp.width[name]
-    mean, second, s_out, g_out = _run_kernel(mod[f"pfp_sf_relu_{name}"], "sf_relu", [m, v, s, g])
+    mean, second, s_out, g_out = _run_kernel(_kernel(mod, f"pfp_sf_relu_{name}"), "sf_relu", [m, v, s, g])
     assert mean.shape == second.shape == s_out.shape == m.shape and g_out.shape == (*m.shape[:2], k)
     for got in (mean, second, s_out, g_out):
         assert np.isfinite(got).all()
@@ -526,7 +573,8 @@ def test_shared_factor_relu_mean_field_outputs_are_the_mean_field_kernels(every_
     graph, planned, _ = every_rule
     layer = next(p for p in planned.layers if p.name == name)
     m, v, s, g = _relu_kernel_inputs(planned, name)
-    mean, second, _, _ = _run_kernel(emit_module(planned)[f"pfp_sf_relu_{name}"], "sf_relu", [m, v, s, g])
+    mean, second, _, _ = _run_kernel(_kernel(emit_module(planned), f"pfp_sf_relu_{name}"), "sf_relu",
+                                 [m, v, s, g])
     mean_field = emit_module(plan(graph), fuse=False)[f"pfp_{layer.op}_{name}"]
     want_mean, want_var = _run_kernel(mean_field, layer.op, [m, v])  # on a flat (batch, N) view here
     assert np.array_equal(mean.reshape(want_mean.shape), want_mean)

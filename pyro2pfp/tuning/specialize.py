@@ -10,6 +10,7 @@ import json
 import tvm
 import tvm_ffi
 from tvm import relax, tirx
+from tvm.relax.expr_functor import PyExprMutator, mutator
 
 from ..errors import TuningError
 from .database import FORMAT_VERSION
@@ -56,9 +57,57 @@ def specialize_batch(mod: tvm.IRModule, batch: int, *, fuse: bool | None = None)
         out = relax.get_pipeline("zero")(out)
     elif _has_relax_ops(out):
         out = relax.transform.LegalizeOps()(out)
+    out = bind_scalar_arguments(out)
     out = relax.transform.SpecializePrimFuncBasedOnCallSite()(out)
     out = relax.transform.DeadCodeElimination(["main"])(out)
     return out
+
+
+@mutator
+class _BindScalars(PyExprMutator):
+    """Rewrites each ``call_tir`` that passes constant scalars (``R.prim_value``) to call a copy of
+    its PrimFunc with those scalars bound (one copy per distinct callee and values)."""
+
+    def __init__(self, mod: tvm.IRModule) -> None:
+        super().__init__(mod)
+        self.mod_in = mod
+        self.copies: dict[tuple[str, tuple[int, ...]], relax.GlobalVar] = {}
+
+    def visit_call_(self, call: relax.Call) -> relax.Expr:  # noqa: N802 (TVM's name)
+        call = super().visit_call_(call)
+        if call.op != tvm.ir.Op.get("relax.call_tir") or not isinstance(call.args[1], relax.Tuple):
+            return call
+        args = list(call.args[1].fields)
+        scalars = [a for a in args if isinstance(a, tirx.IntImm)]  # R.prim_value(int) is an IntImm
+        if not scalars:
+            return call
+        gv = call.args[0]
+        func = self.mod_in[gv]
+        tensors = [a for a in args if not isinstance(a, tirx.IntImm)]
+        params = func.params[len(tensors):len(tensors) + len(scalars)]
+        values = tuple(int(a.value) for a in scalars)
+        key = (gv.name_hint, values)
+        if key not in self.copies:
+            bound = func.specialize(dict(zip(params, (tirx.IntImm("int64", v) for v in values),
+                                             strict=True)))
+            suffix = "_".join(str(v) for v in values)
+            self.copies[key] = self.builder_.add_func(bound, f"{gv.name_hint}_k{suffix}")
+        return relax.Call(call.op, [self.copies[key], relax.Tuple(tensors)], call.attrs, call.ty_args)
+
+
+def bind_scalar_arguments(mod: tvm.IRModule) -> tvm.IRModule:
+    """``mod`` with every PrimFunc called with constant scalar arguments (the factor widths of a
+    shared-factor kernel shared across layers) replaced, per call site, by a copy with them bound:
+    the static kernels a static-shape build schedules and tunes (TVM's
+    ``SpecializePrimFuncBasedOnCallSite`` does not take scalar arguments)."""
+    if not any(isinstance(f, relax.Function) for f in mod.functions.values()):
+        return mod
+    mutator_ = _BindScalars(mod)
+    for gv, func in mod.functions_items():
+        if isinstance(func, relax.Function):
+            mutator_.builder_.update_func(gv, mutator_.visit_expr(func))
+    out = mutator_.builder_.get()
+    return relax.transform.DeadCodeElimination(["main"])(out) if mutator_.copies else mod
 
 
 def _prim_funcs(mod: tvm.IRModule) -> dict[str, tirx.PrimFunc]:

@@ -62,6 +62,7 @@ from typing import Any
 import tvm
 import tvm_ffi
 from tvm import s_tir, tirx
+from tvm.sym.analyzer import Analyzer
 
 from ..registry import add_to
 
@@ -106,6 +107,19 @@ def static_extent(sch: s_tir.Schedule, loop: Any) -> int:
     if ext is None:
         raise ValueError(f"loop {sch.get(loop)} has a symbolic extent; only the batch axis may")
     return ext
+
+
+def vector_width(sch: s_tir.Schedule, loop: Any, lanes: int) -> int:
+    """The largest power of two up to ``lanes`` that divides the loop's extent -- for a symbolic
+    extent, one the arithmetic analyser proves divides it (a factor width ``k16 * 16``), else 1."""
+    ext = sch.get(loop).extent
+    if isinstance(ext, tirx.IntImm | int):
+        return pow2_divisor(int(ext), lanes)
+    analyzer = Analyzer()
+    width = lanes
+    while width > 1 and not analyzer.can_prove(tirx.floormod(ext, width) == 0):
+        width //= 2
+    return width
 
 
 def pow2_divisor(n: int, cap: int) -> int:

@@ -82,6 +82,15 @@ by ``Rᵀ`` of its QR factorisation, the kernels compute the Gram matrix ``g·g�
 Cholesky factor ``L`` (``sf_cholesky``, :func:`cholesky_factor`, hand-written TIR in float64) -- the
 same ``g·gᵀ``, which is all that is used downstream, so the results are the reference's up to float32
 rounding and ``K`` stays bounded (ResNet-20: ≤ 320 columns instead of 1,488 without compaction).
+
+**Kernels generic in K**: ``sf_conv_load``, ``sf_relu`` and ``sf_add`` take the factor widths (in units
+of ``FACTOR_ALIGN``) and the layer's factor offset as scalar arguments (:func:`_emit_width_generic`),
+so layers that differ only in them share one kernel (:mod:`..sharing`): ResNet-20 63 → 51 distinct
+PrimFuncs, ~1.5 of ~12 CPU s of compile.  Their per-row loadings are expressions, not buffers
+(:func:`_widened_column`, ``_normalised`` of a function): a row buffer of symbolic size is a workspace
+allocation per row, and a lane-wise clamp of a symbolic index is a gather.  A static-batch build binds
+the scalars per call site (:func:`~pyro2pfp.tuning.specialize.bind_scalar_arguments`), so its kernels
+are the constant-``K`` ones, scheduled and tuned as before.
 Not compiled (an ``ArgumentError`` naming the layer): activations other than ReLU/LeakyReLU/scale,
 the raw-moment plan and ``injection='rescaled'``.
 """
@@ -95,10 +104,11 @@ from typing import Any
 import numpy as np
 import tvm
 from tvm import relax, s_tir, te, tirx
+from tvm.sym.analyzer import Analyzer
 
 from ... import moments
 from ...correlation.backend import FixedKStep
-from ...correlation.factors import ComputeFactors, aligned
+from ...correlation.factors import FACTOR_ALIGN, ComputeFactors, aligned
 from ...plan import PlannedLayer
 from ...reference.arrays import average_divisor
 from .._core import (
@@ -119,6 +129,7 @@ from ..schedules import (
     schedule,
     simd_lanes,
     static_extent,
+    vector_width,
     vectorizable,
     vectorize_inner,
 )
@@ -168,6 +179,69 @@ def _emit(ctx: EmitContext, fn: Any, args: list[relax.Expr], layer: PlannedLayer
     return ctx.emit_kernel(fn, args, f"pfp_sf_{part}_{layer.name}", {OP_ATTR: f"sf_{part}", LAYER_ATTR: layer.name})
 
 
+@dataclass(frozen=True)
+class FactorWidths:
+    """The factor widths and offset one shared-factor kernel is specialised to at its call site, passed
+    as scalar arguments (:func:`_emit_width_generic`) so that layers that differ only in them share the
+    kernel: ``k_in16s`` -- each factor input's ``K`` in units of
+    :data:`~pyro2pfp.correlation.factors.FACTOR_ALIGN` --, ``k16`` -- the output's -- and ``offset``,
+    the layer's first factor column."""
+
+    k_in16s: tuple[Any, ...]
+    k16: Any
+    offset: Any
+
+    @property
+    def k(self) -> Any:
+        """The output's ``K``."""
+        return self.k16 * FACTOR_ALIGN
+
+    @property
+    def scalars(self) -> list[Any]:
+        """The scalar parameters in the order the call passes them."""
+        return [*self.k_in16s, self.k16, self.offset]
+
+
+def _emit_width_generic(ctx: EmitContext, fn: Any, args: list[relax.Expr], layer: PlannedLayer, part: str,
+                        g_args: dict[int, int], k: int, offset: int) -> list[relax.Expr]:
+    """:func:`_emit`, but the PrimFunc does not depend on the factor widths or the offset: ``fn(*ts,
+    widths=...)`` gets placeholders whose ``args[i]`` for ``i`` in ``g_args`` (a factor input, its
+    ``K`` the value) have the symbolic last dimension ``widths.k_in16s[n]·FACTOR_ALIGN`` (``n``: its
+    place in ``g_args``), and a :class:`FactorWidths` of symbolic scalars, which the call passes (the
+    inputs' widths, ``k`` and ``offset``; every width a multiple of ``FACTOR_ALIGN``)."""
+    widths_in = list(g_args.values())
+    if any(w % FACTOR_ALIGN for w in (*widths_in, k)):
+        raise ValueError(f"{layer.name}: factor widths {widths_in}, {k} are not multiples of {FACTOR_ALIGN}")
+    widths = FactorWidths(tuple(tirx.Var(f"k_in16_{n}", "int64") for n in range(len(g_args))),
+                          tirx.Var("k16", "int64"), tirx.Var("offset", "int64"))
+    slot = {i: n for n, i in enumerate(g_args)}
+    tensors = []
+    for i, arg in enumerate(args):
+        shape = list(arg.ty.shape.values)
+        if i in slot:
+            shape[-1] = widths.k_in16s[slot[i]] * FACTOR_ALIGN
+        tensors.append(te.placeholder(shape, "float32", name=f"arg{i}"))
+    outs = fn(*tensors, widths=widths)
+    func = te.create_prim_func([*tensors, *widths.scalars, *outs], index_dtype_override="int64")
+    if func.attrs is not None and "global_symbol" in func.attrs:
+        func = func.without_attr("global_symbol")
+    func = func.with_attrs({OP_ATTR: f"sf_{part}", LAYER_ATTR: layer.name})
+    gv = ctx.bb.add_func(func, f"pfp_sf_{part}_{layer.name}")
+    ctx.announce(gv)
+    values = dict(zip(widths.scalars, (*(w // FACTOR_ALIGN for w in widths_in), k // FACTOR_ALIGN, offset),
+                      strict=True))
+    analyzer = Analyzer()  # the outputs' shapes at this call: the scalars bound, the batch kept
+    for var, value in values.items():
+        analyzer.bind(var, tirx.IntImm("int64", value))
+    out_ty = [relax.TensorType([analyzer.simplify(d) for d in out.shape], "float32") for out in outs]
+    call = relax.call_tir(gv, [*args, *(relax.prim_value(tirx.IntImm("int64", int(v))) for v in values.values())],
+                          out_ty if len(out_ty) > 1 else out_ty[0])
+    out = ctx.bb.emit(call)
+    if isinstance(out.ty, relax.TupleType):
+        return [ctx.bb.emit(relax.TupleGetItem(out, i)) for i in range(len(out.ty.fields))]
+    return [out]
+
+
 def _view(ctx: EmitContext, t: relax.Expr, *shape: int) -> relax.Expr:
     """``t`` (B, ...) as (B, *shape): a reshape, or ``t`` itself when it has that shape already."""
     current = getattr(getattr(t, "ty", None), "shape", None)
@@ -198,16 +272,33 @@ def _row_mean(t: te.Tensor, name: str) -> te.Tensor:
     return te.compute(t.shape[:2], lambda b, r: te.sum(t[(b, r, *axes)] * inv, axis=axes), name=name)
 
 
-def _widened(g: te.Tensor, k: int) -> te.Tensor:
-    """``g`` (B, R, k_in) with zero columns up to ``k``."""
-    k_in = int(g.shape[2])
-    if k_in == k:
+def _widened(g: te.Tensor, k: Any) -> te.Tensor:
+    """``g`` (B, R, k_in) with zero columns up to ``k`` (either may be symbolic)."""
+    k_in = g.shape[2]
+    if isinstance(k_in, tirx.IntImm) and isinstance(k, int) and int(k_in) == k:
         return g
-    return te.compute((g.shape[0], g.shape[1], k), lambda b, r, f: tirx.Select(
-        f < k_in, g[b, r, te.min(f, k_in - 1)], _c(0.0)), name="widened")
+    return te.compute((g.shape[0], g.shape[1], k), _widened_column(g), name="widened")
 
 
-def _row_products(a: te.Tensor, b: te.Tensor, k: int) -> te.Tensor:
+def _widened_column(g: te.Tensor) -> Any:
+    """``(b, r, f) ↦ g[b, r, f]`` for ``f < k_in``, else 0 (an expression, for any ``f ≥ 0``).  For a
+    symbolic ``k_in`` (a multiple of FACTOR_ALIGN, as every width is) the test and the clamp are on
+    the vector's index ``f // FACTOR_ALIGN``, the same for all its lanes, so a vectorised copy stays
+    vector loads (a lane-wise ``min(f, k_in - 1)`` is a gather)."""
+    k_in = g.shape[2]
+    if isinstance(k_in, tirx.IntImm):
+        return lambda b, r, f: tirx.Select(f < k_in, g[b, r, te.min(f, k_in - 1)], _c(0.0))
+    chunks = tirx.floordiv(k_in, FACTOR_ALIGN)
+
+    def column(b: Any, r: Any, f: Any) -> Any:
+        chunk = tirx.floordiv(f, FACTOR_ALIGN)
+        safe = te.min(chunk, chunks - 1) * FACTOR_ALIGN + tirx.floormod(f, FACTOR_ALIGN)
+        return tirx.Select(chunk < chunks, g[b, r, safe], _c(0.0))
+
+    return column
+
+
+def _row_products(a: te.Tensor, b: te.Tensor, k: Any) -> te.Tensor:
     """``out[n, r, c] = Σ_{f<k} a[n, c, f]·b[n, r, f]`` (B, rows of ``b``, rows of ``a``): the inner
     products of every row of ``b`` with every row of ``a`` -- ``β = ⟨g_in[c], g[o]⟩`` of the conv rule,
     the Gram matrix ``g·gᵀ`` of a compaction.  ``a`` is transposed first so ``c`` is unit-stride (block
@@ -223,25 +314,29 @@ def _row_products(a: te.Tensor, b: te.Tensor, k: int) -> te.Tensor:
 NORM_FLOOR = 1e-30
 
 
-def _normalised(loading: te.Tensor) -> tuple[te.Tensor, te.Tensor]:
+def _normalised(loading: Any, shape: Any = None) -> tuple[te.Tensor, te.Tensor]:
     """``(g, ‖ℓ‖)`` of a loading ``ℓ`` (B, R, K) as TE stages of the kernel that computes ``ℓ``
     (no kernel of its own): ``p = max_f |ℓ_f|``, ``‖ℓ‖ = p·√(Σ_f (ℓ_f/p)²)`` and ``g = ℓ/‖ℓ‖``
     (as ``ℓ·(1/p)/√Σ``), 0 where ``p ≤`` :data:`NORM_FLOOR` -- the reference's
     ``correlation.rules._normalised`` in float32, finite up to ``|ℓ| ≈ FLT_MAX`` (the square of an
-    entry above ~1.8e19 would overflow without the scale ``p``)."""
-    rows, k = loading.shape[:2], loading.shape[2]
+    entry above ~1.8e19 would overflow without the scale ``p``).  ``loading``: a tensor, or a function
+    ``(b, r, f) ↦ ℓ`` of shape ``shape`` (no buffer: it is evaluated where each stage reads it)."""
+    if isinstance(loading, te.Tensor):
+        shape, tensor = loading.shape, loading
+        loading = lambda b, r, f: tensor[b, r, f]  # noqa: E731
+    rows, k = shape[:2], shape[2]
     f = te.reduce_axis((0, k), name="f_peak")
-    peak = te.compute(rows, lambda b, r: te.max(te.abs(loading[b, r, f]), axis=f), name="peak")
+    peak = te.compute(rows, lambda b, r: te.max(te.abs(loading(b, r, f)), axis=f), name="peak")
     inv = te.compute(rows, lambda b, r: tirx.Select(peak[b, r] > _c(NORM_FLOOR), _c(1.0) / te.max(
         peak[b, r], _c(NORM_FLOOR)), _c(0.0)), name="inv_peak")
     f2 = te.reduce_axis((0, k), name="f_sq")
-    sq = te.compute(rows, lambda b, r: te.sum(loading[b, r, f2] * inv[b, r] * loading[b, r, f2] * inv[b, r],
+    sq = te.compute(rows, lambda b, r: te.sum(loading(b, r, f2) * inv[b, r] * loading(b, r, f2) * inv[b, r],
                                               axis=f2), name="sq")
     # sq = 0 exactly where inv = 0 (else the largest term is ~1): then norm = 0 and g = 0
     norm = te.compute(rows, lambda b, r: peak[b, r] * te.sqrt(sq[b, r]), name="norm")
     scale = te.compute(rows, lambda b, r: tirx.Select(sq[b, r] > _c(0.0), inv[b, r] / te.sqrt(
         te.max(sq[b, r], _c(NORM_FLOOR))), _c(0.0)), name="g_scale")
-    g = te.compute(loading.shape, lambda b, r, j: loading[b, r, j] * scale[b, r], name="g")
+    g = te.compute(shape, lambda b, r, j: loading(b, r, j) * scale[b, r], name="g")
     return g, norm
 
 
@@ -336,7 +431,7 @@ class SharedStep(FixedKStep):
 
             return list(te.compute(m.shape, element, name="relu"))
 
-        def rule(*ts: te.Tensor) -> list[te.Tensor]:
+        def rule(*ts: te.Tensor, widths: FactorWidths | None = None) -> list[te.Tensor]:
             m, v, s = ts[:3]
             mean, second, lin, *h = terms(m, v, s)
 
@@ -345,17 +440,21 @@ class SharedStep(FixedKStep):
 
             if offset is None:  # hermite='none': the linear response only
                 return [mean, second, te.compute(lin.shape, lambda *i: _clip(lin[i], var(*i)), name="s")]
+            assert widths is not None  # the factor widths and offset: symbolic (_emit_width_generic)
             lbar, hbar = _row_mean(lin, "lbar"), _row_mean(h[0], "hbar")
-            gw = _widened(ts[3], k)
-            loading = te.compute((lbar.shape[0], lbar.shape[1], k), lambda b, r, f: lbar[b, r] * gw[b, r, f]
-                                 + tirx.Select(f == r + offset, hbar[b, r], _c(0.0)), name="loading")
-            g, norm = _normalised(loading)
+            column = _widened_column(ts[3])
+            g, norm = _normalised(lambda b, r, f: lbar[b, r] * column(b, r, f) + tirx.Select(
+                f == r + widths.offset, hbar[b, r], _c(0.0)), (lbar.shape[0], lbar.shape[1], widths.k))
             s_out = te.compute(lin.shape, lambda b, r, *q: _clip(
                 _safe_div(lbar[b, r], norm[b, r]) * lin[(b, r, *q)]
                 + _safe_div(hbar[b, r], norm[b, r]) * h[0][(b, r, *q)], var(b, r, *q)), name="profile")
             return [mean, second, s_out, g]
 
-        outs = _emit(ctx, rule, views + ([sh.g] if offset is not None else []), layer, "relu")
+        if offset is None:
+            outs = _emit(ctx, rule, views, layer, "relu")
+        else:  # layers that differ only in the factor widths and offset share the kernel
+            outs = _emit_width_generic(ctx, rule, [*views, sh.g], layer, "relu", g_args={3: sh.k}, k=k,
+                                       offset=offset)
         out = RelaxActivation(self._edge(ctx, outs[0], name), self._edge(ctx, outs[1], name), layer.out_repr)
         if offset is None:
             return SharedRelax(self._edge(ctx, outs[2], name), sh.g, sh.k), out
@@ -367,27 +466,30 @@ class SharedStep(FixedKStep):
         k = self.fp.width[name]
         a_s, b_s, var = (self._rows(ctx, t, name) for t in (sa.s, sb.s, out.second))
 
-        def rule(at: te.Tensor, bt: te.Tensor, v: te.Tensor, ga: te.Tensor, gb: te.Tensor) -> list[te.Tensor]:
+        def rule(at: te.Tensor, bt: te.Tensor, v: te.Tensor, ga: te.Tensor, gb: te.Tensor, widths: FactorWidths
+                 ) -> list[te.Tensor]:
             """The loading ``ā·g_a + b̄·g_b`` normalised, the branch covariance ``⟨g_a, g_b⟩``, the
-            corrected variance and the profile, in one kernel (every step is per row)."""
-            gaw, gbw = _widened(ga, k), _widened(gb, k)
+            corrected variance and the profile, in one kernel (every step is per row; the factor
+            widths are the symbolic ``widths``, so adds that differ only in them share the kernel)."""
+            k = widths.k
+            gaw, gbw = _widened_column(ga), _widened_column(gb)  # expressions: no (B, R, K) buffers
             abar, bbar = _row_mean(at, "abar"), _row_mean(bt, "bbar")
             f = te.reduce_axis((0, k), name="f")
-            dot = te.compute(at.shape[:2], lambda b, r: te.sum(gaw[b, r, f] * gbw[b, r, f], axis=f), name="dot")
-            loading = te.compute((at.shape[0], at.shape[1], k), lambda b, r, j: abar[b, r] * gaw[b, r, j]
-                                 + bbar[b, r] * gbw[b, r, j], name="loading")
-            gt, _ = _normalised(loading)
+            dot = te.compute(at.shape[:2], lambda b, r: te.sum(gaw(b, r, f) * gbw(b, r, f), axis=f), name="dot")
+            gt, _ = _normalised(lambda b, r, j: abar[b, r] * gaw(b, r, j) + bbar[b, r] * gbw(b, r, j),
+                                (at.shape[0], at.shape[1], k))
             f1 = te.reduce_axis((0, k), name="f1")
-            pa = te.compute(at.shape[:2], lambda b, r: te.sum(gaw[b, r, f1] * gt[b, r, f1], axis=f1), name="pa")
+            pa = te.compute(at.shape[:2], lambda b, r: te.sum(gaw(b, r, f1) * gt[b, r, f1], axis=f1), name="pa")
             f2 = te.reduce_axis((0, k), name="f2")
-            pb = te.compute(at.shape[:2], lambda b, r: te.sum(gbw[b, r, f2] * gt[b, r, f2], axis=f2), name="pb")
+            pb = te.compute(at.shape[:2], lambda b, r: te.sum(gbw(b, r, f2) * gt[b, r, f2], axis=f2), name="pb")
             var_new = te.compute(at.shape, lambda b, r, *q: te.max(
                 v[(b, r, *q)] + _c(2.0) * at[(b, r, *q)] * bt[(b, r, *q)] * dot[b, r], _c(0.0)), name="var")
             s = te.compute(at.shape, lambda b, r, *q: _clip(at[(b, r, *q)] * pa[b, r] + bt[(b, r, *q)] * pb[b, r],
                                                             var_new[(b, r, *q)]), name="s")
             return [s, var_new, gt]
 
-        s, var_new, g = _emit(ctx, rule, [a_s, b_s, var, sa.g, sb.g], layer, "add")
+        s, var_new, g = _emit_width_generic(ctx, rule, [a_s, b_s, var, sa.g, sb.g], layer, "add",
+                                            g_args={3: sa.k, 4: sb.k}, k=k, offset=0)
         out = RelaxActivation(out.mean, self._edge(ctx, var_new, name), out.repr)
         return SharedRelax(self._edge(ctx, s, name), g, k), out
 
@@ -491,14 +593,17 @@ class SharedStep(FixedKStep):
             return te.compute((src.shape[0], c, kh, kw), lambda b, ch, i, j: te.sum(cols[b, ch, i, xr] * cw[j, xr],
                                                                                     axis=xr), name=f"bar{n}")
 
-        def load(*ts: te.Tensor) -> list[te.Tensor]:
+        def load(*ts: te.Tensor, widths: FactorWidths) -> list[te.Tensor]:
             """The pooled views ``m̄μ``, ``m̄s``; ``w̄ = √(Σ V·(m̄μ² + m̄s²) + v_bias)``; the loading
             ``ℓ = A·g_in ⊕ w̄`` (``A = W·m̄s``) normalised to ``g``; ``β = ⟨g_in[c], g[o]⟩``; the
             injection's coefficient ``coef = g[o, offset + o]/w̄`` (0 where ``w̄ = 0``, or without an
             injection) -- one kernel (the weights are read in ``(C, KH, KW, O)`` layout: ``A`` and
             the weight-variance sum are vectors over output channels).  ``coef`` is computed here,
             where ``g`` is, so the weights kernel does not read ``g``: it then does not depend on
-            ``K``, and layers that differ only in ``K`` share it (:mod:`..sharing`)."""
+            ``K``, and layers that differ only in ``K`` share it (:mod:`..sharing`).  The factor widths
+            and the offset are the symbolic ``widths`` (:func:`_emit_width_generic`): layers that
+            differ only in them share this kernel too."""
+            k, off = widths.k, widths.offset
             it = iter(ts)
             mu = next(it)
             s_in, g_in = (next(it), next(it)) if has_s else (None, None)
@@ -520,12 +625,12 @@ class SharedStep(FixedKStep):
                 """``coef[b, o] = g[b, o, offset + o]/w̄[b, o]`` (0 where ``w̄ = 0`` or without an injection)."""
                 if offset is None:
                     return te.compute((batch, o), lambda b, oo: _c(0.0), name="coef")
-                return te.compute((batch, o), lambda b, oo: _safe_div(g[b, oo, oo + offset], wbar[b, oo]),
+                return te.compute((batch, o), lambda b, oo: _safe_div(g[b, oo, oo + off], wbar[b, oo]),
                                   name="coef")
 
             if sb is None or g_in is None:
                 loading = te.compute((batch, o, k), lambda b, oo, f: tirx.Select(
-                    f == oo + (offset or 0), wbar[b, oo], _c(0.0)), name="loading")
+                    f == oo + off, wbar[b, oo], _c(0.0)), name="loading")
                 g = _normalised(loading)[0]
                 return [mb, g, coefficient(g)]
             i2, j2 = te.reduce_axis((0, kh), name="i2"), te.reduce_axis((0, kw), name="j2")
@@ -536,14 +641,15 @@ class SharedStep(FixedKStep):
             prop = te.compute((batch, o, k), lambda b, oo, f: te.sum(amap[b, c2, oo] * gw[b, c2, f], axis=c2),
                               name="prop")
             loading = prop if offset is None else te.compute(prop.shape, lambda b, oo, f: prop[b, oo, f] + tirx.Select(
-                f == oo + offset, wbar[b, oo], _c(0.0)), name="loading")
+                f == oo + off, wbar[b, oo], _c(0.0)), name="loading")
             g = _normalised(loading)[0]
             # βᵀ[b, c, o] = ⟨g_in[c], g[o]⟩ (B, C, O): unit-stride in o, as the weights kernel reads it
-            return [mb, sb, g, coefficient(g), _row_products(g, g_in, int(g_in.shape[2]))]
+            return [mb, sb, g, coefficient(g), _row_products(g, g_in, g_in.shape[2])]
 
         w_cons = [ctx.const(np.transpose(t_, (1, 2, 3, 0))) for t_ in (wm, wv)]  # (C, KH, KW, O), both kernels
         args = [x.mean] + ([sh.s, sh.g] if sh is not None else []) + [ctx.const(col_weights), *w_cons, bias_var]
-        outs = _emit(ctx, load, args, layer, "conv_load")
+        outs = _emit_width_generic(ctx, load, args, layer, "conv_load", g_args={2: sh.k} if sh is not None else {},
+                                   k=k, offset=offset or 0)
         if sh is not None:
             mbar, sbar, g, coef_t, beta = outs
         else:
@@ -882,7 +988,7 @@ def schedule_shared(sch: s_tir.Schedule, layer: Any, target: tvm.target.Target) 
             if len(loops) == 4 and pow2_divisor(static_extent(sch, loops[2]) * static_extent(sch, last), lanes
                                                 ) > pow2_divisor(static_extent(sch, last), lanes):
                 last = sch.fuse(loops[2], last)  # a row's 8 x 8 positions: vectors of 16, not 8
-            vec = pow2_divisor(static_extent(sch, last), lanes)
+            vec = vector_width(sch, last, lanes)  # the factor axis may be symbolic (k16 * 16)
             if vec > 1:
                 sch.vectorize(sch.split(last, [None, vec])[1])
     merges = [everything] if everything is not None else list({id(m): m for m in groups.values()}.values())
@@ -961,9 +1067,9 @@ def _tiled_product(sch: s_tir.Schedule, block: Any, lanes: int) -> None:
     each kernel timed alone, one thread: 322 -> 146 us at batch 10, 31 -> 13 us at batch 1 (~40
     GFMA/s, compute-bound)."""
     b, o, n, r = sch.get_loops(block)
-    n_ext, o_ext = static_extent(sch, n), static_extent(sch, o)
-    vec = pow2_divisor(n_ext, lanes) if vectorizable(sch, [block]) else 1
-    jm = divisor_at_most(n_ext // vec, 2)
+    n_ext, o_ext = extent(sch, n), static_extent(sch, o)  # n: a factor axis may be symbolic (k16 * 16)
+    vec = vector_width(sch, n, lanes) if vectorizable(sch, [block]) else 1
+    jm = divisor_at_most(n_ext // vec, 2) if n_ext is not None else 1
     om = divisor_at_most(o_ext, max(1, register_budget(lanes) // jm))
     tile = sch.cache_write(block, 0, "global")
     oo, oi = sch.split(o, [None, om])
@@ -999,13 +1105,15 @@ def _vector_reduction(sch: s_tir.Schedule, block: Any, loops: list[Any], lanes: 
     if (len(kinds) != len(loops) or n_spatial == 0 or n_spatial == len(kinds)
             or any(k != 0 for k in kinds[:n_spatial]) or any(k != 2 for k in kinds[n_spatial:])):
         return False
-    length = 1
-    for loop in loops[n_spatial:]:
-        size = extent(sch, loop)
-        if size is None:
+    sizes = [extent(sch, loop) for loop in loops[n_spatial:]]
+    if None in sizes:  # a symbolic factor axis (k16 * 16): vectors if it is the only reduction
+        if len(sizes) > 1:
             return False
-        length *= size
-    vec = pow2_divisor(length, lanes)
+        vec = vector_width(sch, loops[n_spatial], lanes)
+        length = 2 * vec  # at least one vector (the widths are >= FACTOR_ALIGN)
+    else:
+        length = math.prod(s for s in sizes if s is not None)
+        vec = pow2_divisor(length, lanes)
     if vec < 4 or length < 2 * vec or not vectorizable(sch, [block]):
         return False
     # several trailing reductions (e.g. over channel and kernel offsets) are one row-major sum
