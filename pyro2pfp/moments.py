@@ -179,7 +179,10 @@ def _horner(x: Any, coeffs: tuple[float, ...], ops: Any) -> Any:
 
 
 def _abs(x: Any, ops: Any) -> Any:
-    return ops.maximum(x, -x)
+    """``|x|`` as ``max(x, −x)``, or ``ops.abs`` where the namespace has one (the dual numbers of
+    :mod:`pyro2pfp.correlation.stein`, whose derivative of ``|x|`` at 0 must follow the sign of ``x'``)."""
+    own = getattr(ops, "abs", None)
+    return ops.maximum(x, -x) if own is None else own(x)
 
 
 def _all(conditions: list[Any], ops: Any) -> Any:

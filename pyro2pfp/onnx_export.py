@@ -176,6 +176,9 @@ class Sym:
     def __lt__(self, o: Any) -> Sym:
         return Sym(self.b, self.b.node("Less", [self.name, self._wrap(o).name]))
 
+    def __le__(self, o: Any) -> Sym:
+        return Sym(self.b, self.b.node("LessOrEqual", [self.name, self._wrap(o).name]))
+
     def __pow__(self, p: int) -> Sym:
         if p != 2:
             raise ValueError("only squares are needed")

@@ -10,6 +10,7 @@ from typing import Any
 from ..errors import PFPError
 from ..graph import INPUT, Repr
 from ..plan import PlannedGraph, PlannedLayer
+from ..registry import OPS
 from .factors import TERMINAL_OPS, fixed_k_plan
 
 
@@ -70,6 +71,8 @@ class FixedKStep:
             sh = self.linear(ctx, layer, shs[0], out)
         elif op in ("relu", "leaky_relu"):
             sh = self.relu(ctx, layer, inputs[0], shs[0], out)
+        elif op in OPS and OPS[op].activation is not None:
+            sh = self.activation(ctx, layer, inputs[0], shs[0], out)
         elif op == "avg_pool2d":
             sh, out = self.avg_pool(ctx, layer, inputs[0], shs[0], out)
         elif op == "max_pool2d":
@@ -96,6 +99,12 @@ class FixedKStep:
         raise NotImplementedError
 
     def relu(self, ctx: Any, layer: PlannedLayer, x: Any, sh: Any, out: Any) -> Any:
+        raise NotImplementedError
+
+    def activation(self, ctx: Any, layer: PlannedLayer, x: Any, sh: Any, out: Any) -> Any:
+        """The generic activation rule (any op with an ``ActivationRule`` but relu, leaky_relu and
+        scale): ``clip(E[f'(a)]·s)`` per element, the slope by
+        :func:`~pyro2pfp.correlation.stein.stein_slope` on the back end's ``ops``; ``g`` unchanged."""
         raise NotImplementedError
 
     def relu_with_moments(self, ctx: Any, layer: PlannedLayer, x: Any, sh: Any) -> tuple[Any, Any]:

@@ -137,9 +137,17 @@ def plan_factors(graph: PlannedGraph, hermite: str = "factor", compact: bool = T
 
 #: the float32 back ends' factor counts are multiples of this (16 fp32 = one AVX-512 register)
 FACTOR_ALIGN = 16
-#: ops whose rule the compiled (TVM) and the ONNX back ends implement
+#: ops with a dedicated rule in the compiled (TVM) and the ONNX back ends; every op with an
+#: ``ActivationRule`` has the generic one there too (:func:`in_backends`)
 BACKEND_OPS = ("conv2d", "dense", "affine", "scale", "relu", "leaky_relu", "add", "avg_pool2d", "max_pool2d",
                "reshape", "convert", *TERMINAL_OPS)
+
+
+def in_backends(op: str, ops: tuple[str, ...] | None = None) -> bool:
+    """The compiled and ONNX back ends implement ``op``'s shared-factor rule: one of ``ops`` (default
+    :data:`BACKEND_OPS`) or an elementwise activation (the generic Stein rule,
+    :mod:`pyro2pfp.correlation.stein`)."""
+    return op in (BACKEND_OPS if ops is None else ops) or (op in OPS and OPS[op].activation is not None)
 
 
 def fixed_k_plan(graph: PlannedGraph, what: str, ops: tuple[str, ...] | None = None,
@@ -150,11 +158,10 @@ def fixed_k_plan(graph: PlannedGraph, what: str, ops: tuple[str, ...] | None = N
     replaces ``g`` by a ``C × C`` factor of ``g·gᵀ`` there, e.g. its Cholesky factor -- exact, only
     ``g·gᵀ`` is used downstream), else none (``K`` grows with depth).  :class:`ArgumentError` for
     what they do not implement: the raw-moment plan, ``injection='rescaled'``, ops outside ``ops``
-    (default :data:`BACKEND_OPS`; naming the layer).  Every ``K`` is rounded up to a multiple of
+    (default :data:`BACKEND_OPS` and the activations, :func:`in_backends`; naming the layer).  Every ``K`` is rounded up to a multiple of
     :data:`FACTOR_ALIGN` (zero columns) so the kernels' factor axis is whole SIMD vectors; a
     compacted edge carries ``aligned(rows)`` columns (:func:`aligned`)."""
     fp = graph.factors
-    ops = BACKEND_OPS if ops is None else ops
     if graph.moment_form != "variance":
         raise ArgumentError(f"{what} of correlation='shared-factor' needs moment_form='variance', not "
                             f"{graph.moment_form!r}")
@@ -162,10 +169,11 @@ def fixed_k_plan(graph: PlannedGraph, what: str, ops: tuple[str, ...] | None = N
         raise ArgumentError(f"{what} of correlation='shared-factor' supports injection='regression' only, not "
                             f"{fp.injection!r}")
     for layer in graph.layers:
-        if layer.op not in ops:
+        if not in_backends(layer.op, ops):
+            implemented = ", ".join(BACKEND_OPS if ops is None else ops)
             raise ArgumentError(f"{layer.layer.source}: {what} has no shared-factor rule for op '{layer.op}' "
-                                f"(implemented: {', '.join(ops)}); net.reference runs it, or convert with "
-                                "correlation='mean-field'")
+                                f"(implemented: {implemented} and the activations); net.reference runs it, or "
+                                "convert with correlation='mean-field'")
     fixed = plan_factors(graph, fp.hermite, compact=compaction, injection=fp.injection)
     # whole SIMD vectors of factor columns (zero columns change nothing: only g·gᵀ is used)
     width = {name: aligned(k) for name, k in fixed.width.items()}
@@ -233,8 +241,7 @@ def choose(graph: PlannedGraph, correlation: str) -> FactorPlan | None:
     ``"shared-factor"``: the scheme, or :class:`CorrelationError` naming the layer it has no rule
     for; ``"mean-field"``: None; ``"auto"``: the scheme when :func:`needs_shared_factors` finds a
     reason, else mean-field -- and mean-field with a warning when the scheme has no rule for a layer,
-    or one that only the NumPy reference implements (the generic activation rule: the plan must
-    compile and export)."""
+    or one that only the NumPy reference implements (none today: the plan must compile and export)."""
     if correlation not in CORRELATIONS:
         raise ArgumentError(f"correlation must be one of {CORRELATIONS}, got {correlation!r}")
     if correlation == "mean-field":
@@ -246,7 +253,7 @@ def choose(graph: PlannedGraph, correlation: str) -> FactorPlan | None:
         return None
     try:
         fp = plan_factors(graph)
-        reference_only = next((layer for layer in graph.layers if layer.op not in BACKEND_OPS), None)
+        reference_only = next((layer for layer in graph.layers if not in_backends(layer.op)), None)
         if reference_only is not None:
             raise CorrelationError(f"{reference_only.layer.source}: op '{reference_only.op}' has a shared-factor rule "
                                    "in the NumPy reference only, not in the compiled or ONNX back ends")

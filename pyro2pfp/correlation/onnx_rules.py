@@ -6,8 +6,9 @@ only ``g·gᵀ`` is used downstream, ``K`` grows with depth instead -- the compi
 ``tvm_backend/ops/correlation.py``).  Every tensor op is Einsum, MatMul, Pad, Slice (strided kernel
 taps), ReduceSum (axes as an input: opset ≥ 13), Reshape, Where and elementwise arithmetic; the
 per-input weights of the conv profile are Einsums over the kernel taps (``Σ_k tap_k(s)·W_k·β``), not
-a grouped Conv (whose group count cannot follow a dynamic batch).  Ops without an ONNX rule here
-(activations other than ReLU/LeakyReLU/scale) and the raw-moment plan raise an ``ArgumentError``.
+a grouped Conv (whose group count cannot follow a dynamic batch).  Any other elementwise activation
+gets Stein's rule with the exact slope of its own mean formula (forward-mode AD on the exporter's
+ops, :mod:`pyro2pfp.correlation.stein`).  The raw-moment plan raises an ``ArgumentError``.
 """
 from __future__ import annotations
 
@@ -22,8 +23,10 @@ from ..graph import Repr
 from ..onnx_export import LOWEST32, SCHEME_STEPS, OnnxActivation, OnnxContext, Sym
 from ..plan import PlannedGraph, PlannedLayer
 from ..reference.arrays import average_divisor
+from ..registry import OPS
 from .backend import FixedKStep
 from .factors import ComputeFactors
+from .stein import stein_slope
 
 _TINY = 1e-30
 
@@ -149,6 +152,28 @@ class OnnxSharedStep(FixedKStep):
         g, norm = self.normalise(loading)
         s_out = self.safe_div(lbar * lin + hbar * h, norm)
         return OnnxShared(self.view_as(self.clip(s_out, var_out), *self.ctx.shapes[name]), g, k)
+
+    def activation(self, ctx: OnnxContext, layer: PlannedLayer, x: OnnxActivation, sh: OnnxShared,
+                   out: OnnxActivation) -> OnnxShared:
+        """The generic activation rule: ``clip(E[f'(a)]·s)``, the slope the exact ``μ``-derivative of the
+        rule's mean on the exporter's ops (:func:`~pyro2pfp.correlation.stein.stein_slope`); the nodes
+        of the rule's variance, which the slope does not need, are dropped (:meth:`_prune`)."""
+        assert x.second is not None and x.repr is Repr.VARIANCE, x.repr
+        start = len(self.ctx.b.nodes)
+        slope = stein_slope(OPS[layer.op].activation, x.mean, x.second, layer.layer.attrs, self.ctx.ops)
+        s = self.clip(slope * sh.s, self.var(out))
+        self._prune(start, s.name)
+        return OnnxShared(s, sh.g, sh.k)
+
+    def _prune(self, start: int, output: str) -> None:
+        """Drop the nodes added since ``start`` that ``output`` does not depend on."""
+        nodes = self.ctx.b.nodes
+        needed, kept = {output}, []
+        for node in reversed(nodes[start:]):
+            if any(o in needed for o in node.output):
+                needed.update(node.input)
+                kept.append(node)
+        nodes[start:] = kept[::-1]
 
     def add(self, ctx: OnnxContext, layer: PlannedLayer, sa: OnnxShared, sb: OnnxShared, out: OnnxActivation
             ) -> tuple[OnnxShared, OnnxActivation]:

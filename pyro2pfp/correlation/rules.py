@@ -56,9 +56,10 @@ in the layer's own factor column; Φ, φ the normal CDF/PDF; ``(μ, v)`` are mea
   ``hermite='none'`` keeps ``lin`` only (measured ResNet-20 median 0.89 instead of 0.97).
 * any other elementwise activation with an :class:`~pyro2pfp.registry.ActivationRule` (the
   generic rule, :func:`shared_activation`): Stein's lemma ``lin = E[f'(a)]·s`` with ``E[f'(a)] =
-  ∂E[f(a)]/∂μ`` (differentiate ``E[f(μ + σz)]`` under the integral) by a central difference of
-  the rule's own mean moment (step ``1e-4·σ``; exact for a Gaussian ``a`` up to the difference's
-  error, ~1e-8 relative); no second-Hermite factor (``s`` keeps the linear response only).
+  ∂E[f(a)]/∂μ`` (differentiate ``E[f(μ + σz)]`` under the integral), the exact derivative of the
+  rule's own mean moment by forward-mode AD (:mod:`pyro2pfp.correlation.stein`; exact for a
+  Gaussian ``a`` up to the mean rule's own accuracy, in float32 too); no second-Hermite factor
+  (``s`` keeps the linear response only).
 * add (residual): ``ℓ = m̄ s_a·g_a + m̄ s_b·g_b`` — branches that share upstream factors (both
   functions of the block input) add coherently; ``g = ℓ/‖ℓ‖``, ``s = s_a·⟨g_a, g⟩ + s_b·⟨g_b, g⟩``;
   ``v = v_a + v_b + 2·s_a·s_b·⟨g_a, g_b⟩`` (the branch covariance; exact in a linear Gaussian net).
@@ -91,6 +92,7 @@ from ..plan import PlannedLayer
 from ..reference import Activation
 from ..reference.arrays import LOWEST, average_divisor, conv2d_nchw, padded, window_views
 from .factors import FactorPlan, weight_var
+from .stein import stein_slope
 
 _SQRT2PI = float(np.sqrt(2.0 * np.pi))
 
@@ -296,15 +298,10 @@ def shared_pool(layer: PlannedLayer, x: Activation, sh: Shared, var: np.ndarray)
 
 def shared_activation(layer: PlannedLayer, x: Activation, sh: Shared, rule: Any) -> Shared:
     """The generic activation rule (module docstring): Stein's linear response ``E[f'(a)]·s`` with
-    ``E[f'(a)]`` the central difference of ``rule.moments``' mean in ``μ``."""
-    attrs = layer.layer.attrs
-    var = x.variance()
+    ``E[f'(a)] = ∂E[f(a)]/∂μ`` the exact derivative of ``rule.moments``' mean
+    (:func:`~pyro2pfp.correlation.stein.stein_slope`, forward-mode AD)."""
     mu = x.mean
-    sd = np.sqrt(var)
-    step = 1e-4 * np.where(sd > 0, sd, 1.0)
-    up = rule.moments(mu + step, var, attrs, moments.NUMPY)[0]
-    down = rule.moments(mu - step, var, attrs, moments.NUMPY)[0]
-    slope = np.where(np.isfinite(up - down), (up - down) / (2.0 * step), 0.0)
+    slope = np.broadcast_to(stein_slope(rule, mu, x.variance(), layer.layer.attrs, moments.NUMPY), mu.shape)
     return Shared((slope * sh.s.reshape(mu.shape)).reshape(sh.s.shape), sh.g)
 
 

@@ -91,8 +91,10 @@ PrimFuncs, ~1.5 of ~12 CPU s of compile.  Their per-row loadings are expressions
 allocation per row, and a lane-wise clamp of a symbolic index is a gather.  A static-batch build binds
 the scalars per call site (:func:`~pyro2pfp.tuning.specialize.bind_scalar_arguments`), so its kernels
 are the constant-``K`` ones, scheduled and tuned as before.
-Not compiled (an ``ArgumentError`` naming the layer): activations other than ReLU/LeakyReLU/scale,
-the raw-moment plan and ``injection='rescaled'``.
+Any other elementwise activation (an ``ActivationRule``: SiLU, GELU, tanh, ...): ``sf_stein``, Stein's
+``clip(E[f'(a)]·s)`` with the exact slope of the rule's own float32 mean formula by forward-mode AD
+(:func:`stein_kernel`, :mod:`pyro2pfp.correlation.stein`).  Not compiled (an ``ArgumentError`` naming
+the layer): the raw-moment plan and ``injection='rescaled'``.
 """
 from __future__ import annotations
 
@@ -109,8 +111,10 @@ from tvm.sym.analyzer import Analyzer
 from ... import moments
 from ...correlation.backend import FixedKStep
 from ...correlation.factors import FACTOR_ALIGN, ComputeFactors, aligned
+from ...correlation.stein import stein_slope
 from ...plan import PlannedLayer
 from ...reference.arrays import average_divisor
+from ...registry import OPS
 from .._core import (
     F32,
     LAYER_ATTR,
@@ -137,7 +141,7 @@ from .activation import activation_moments
 from .compute import _pad, schedule_conv2d
 from .winograd import schedule_weight_transforms, weight_transform, winograd_correlation, winograd_shape
 
-PARTS = ("scale", "conv_load", "conv_weights", "relu", "add", "avgpool", "maxpool", "dense_load", "gram")
+PARTS = ("scale", "conv_load", "conv_weights", "relu", "add", "avgpool", "maxpool", "dense_load", "gram", "stein")
 _LOWEST = float(np.finfo(np.float32).min)
 
 
@@ -351,6 +355,28 @@ def _scaled(ctx: EmitContext, s: relax.Expr, var: relax.Expr, factor: relax.Expr
     return _emit(ctx, fn, [s, var, factor], layer, "scale")[0]
 
 
+def stein_kernel(layer: PlannedLayer, x_repr: Any) -> Any:
+    """``fn(m, second, s, var_out)``: the TE stage of the generic activation rule ``sf_stein`` (one
+    elementwise block ``stein``) -- ``clip(E[f'(a)]·s, ±√var_out)`` per element, ``E[f'(a)]`` the exact
+    ``μ``-derivative of the layer's ``ActivationRule`` mean at the input's ``(μ, v)`` (``second`` in
+    ``x_repr``): :func:`~pyro2pfp.correlation.stein.stein_slope` on ``TE_OPS`` (forward-mode AD of
+    the very float32 formula the mean-field kernel evaluates; shared sub-expressions let-bound once,
+    :func:`~pyro2pfp.tvm_backend._core.te_shared`)."""
+    rule, attrs = OPS[layer.op].activation, layer.layer.attrs
+
+    def fn(m: te.Tensor, second: te.Tensor, s: te.Tensor, var: te.Tensor) -> te.Tensor:
+        def element(*i: Any) -> Any:
+            def build(ops: Any) -> list[Any]:
+                slope = stein_slope(rule, m[i], variance_of(m[i], second[i], x_repr), attrs, ops)
+                return [_clip(slope * s[i], var[i])]
+
+            return te_shared(build)[0]
+
+        return te.compute(m.shape, element, name="stein")
+
+    return fn
+
+
 def winograd_profile(pairs: list[tuple[te.Tensor, te.Tensor]], shift: te.Tensor, var: te.Tensor) -> te.Tensor:
     """The profile convolution of a :func:`~.winograd.winograd_shape` layer by Winograd F(2x2, 3x3):
     ``s[b, o, y, x] = clip(Σ_k conv3x3(x_k, w_k)[b, o, y, x] + shift[b, o], ±√var[b, o, y, x])`` for
@@ -396,6 +422,13 @@ class SharedStep(FixedKStep):
         name = layer.name
         s = _scaled(ctx, self._rows(ctx, sh.s, name), self._rows(ctx, out.second, name), ctx.const(factor), layer)
         return SharedRelax(self._edge(ctx, s, name), sh.g, sh.k)
+
+    def activation(self, ctx: EmitContext, layer: PlannedLayer, x: RelaxActivation, sh: SharedRelax,
+                   out: RelaxActivation) -> SharedRelax:
+        """The generic activation rule, one elementwise kernel ``sf_stein`` (:func:`stein_kernel`)."""
+        assert x.second is not None and out.second is not None
+        s = _emit(ctx, stein_kernel(layer, x.repr), [x.mean, x.second, sh.s, out.second], layer, "stein")[0]
+        return SharedRelax(s, sh.g, sh.k)
 
     def relu_with_moments(self, ctx: EmitContext, layer: PlannedLayer, x: RelaxActivation, sh: SharedRelax
                           ) -> tuple[SharedRelax, RelaxActivation]:
