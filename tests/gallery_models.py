@@ -347,8 +347,8 @@ GALLERY = {e.name: e for e in [
           lambda: (lambda m: Built(m, AutoNormal(m, init_scale=0.01), input_shape=(IMAGE * IMAGE,),
                                    convert_options={"correlation": "shared-factor"}))(SiLUConvNet()),
           "CNN: x.view(-1, 1, 4, 4), PyroModule[nn.Conv2d], BatchNorm2d, SiLU, avg-pool, Linear, AutoNormal; "
-          "converted with correlation='shared-factor' (NumPy reference: SiLU's shared-factor rule is not compiled "
-          "yet, so 'auto' falls back to mean-field, median variance ratio 0.66)", exact=False, d_in=IMAGE * IMAGE,
+          "converted with correlation='shared-factor' (what 'auto' chooses; mean-field: median variance ratio "
+          "0.66)", exact=False, d_in=IMAGE * IMAGE,
           steps=800),
 ]}
 

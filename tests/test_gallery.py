@@ -306,17 +306,19 @@ def test_tyxe_gaussian_regression_keeps_its_final_sigmoid():
     assert np.all((mean > 0) & (mean < 1))
 
 
-def test_cnn_auto_falls_back_to_mean_field_with_a_warning():
-    """The SiLU CNN averages positions of a conv output, but SiLU's shared-factor rule exists only in the
-    NumPy reference: ``correlation='auto'`` then keeps every back end working with mean-field and says so
-    (the gallery entry converts with ``'shared-factor'`` for the reference, see gallery_models)."""
+def test_cnn_auto_chooses_shared_factors():
+    """The SiLU CNN averages positions of a conv output: ``correlation='auto'`` gives shared factors,
+    with no warning (SiLU's generic Stein rule is in every back end, ``correlation/stein.py``) -- the
+    plan the gallery entry asks for explicitly (``'shared-factor'``, see gallery_models)."""
     entry = G.GALLERY["cnn-silu-batchnorm"]
     built = entry.build()
     x, y = entry.data(8, 0)
     built.guide(x, y)
-    with pytest.warns(UserWarning, match="correlation='auto'"):
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", UserWarning)
         net = pyro2pfp.convert(built.model, built.guide, input_shape=built.input_shape)
-    assert net.plan.correlation == "mean-field"
+    assert net.plan.correlation == "shared-factor"
+    assert "silu" in {layer.op for layer in net.plan.layers}
 
 
 def test_homoscedastic_model_with_a_column_index_converts():

@@ -8,9 +8,9 @@ from __future__ import annotations
 import warnings
 
 import numpy as np
-import pytest
 import pyro
 import pyro.distributions as dist
+import pytest
 import torch
 import torch.nn.functional as F
 from pyro.nn import PyroSample

@@ -158,7 +158,8 @@ def fixed_k_plan(graph: PlannedGraph, what: str, ops: tuple[str, ...] | None = N
     replaces ``g`` by a ``C × C`` factor of ``g·gᵀ`` there, e.g. its Cholesky factor -- exact, only
     ``g·gᵀ`` is used downstream), else none (``K`` grows with depth).  :class:`ArgumentError` for
     what they do not implement: the raw-moment plan, ``injection='rescaled'``, ops outside ``ops``
-    (default :data:`BACKEND_OPS` and the activations, :func:`in_backends`; naming the layer).  Every ``K`` is rounded up to a multiple of
+    (default :data:`BACKEND_OPS` and the activations, :func:`in_backends`; naming the layer).
+    Every ``K`` is rounded up to a multiple of
     :data:`FACTOR_ALIGN` (zero columns) so the kernels' factor axis is whole SIMD vectors; a
     compacted edge carries ``aligned(rows)`` columns (:func:`aligned`)."""
     fp = graph.factors
