@@ -61,8 +61,8 @@ def _avg_pool(name: str, inp: str, in_shape: tuple[int, int, int], kernel: int, 
 
 def every_rule_graph(rng: np.random.Generator) -> LayerGraph:
     """conv (stride 2, padding, dilation) → BN affine → leaky ReLU → conv → scale → add (residual) →
-    ReLU → padded 3×3 average pool (stride 2) → flatten → dense → ReLU → dense: every compiled rule
-    (and a dense → ReLU → dense tail whose edges are flat)."""
+    ReLU → padded 3×3 average pool (stride 2) → SiLU (the generic Stein rule) → flatten → dense → ReLU →
+    dense: every compiled rule (and a dense → ReLU → dense tail whose edges are flat)."""
     c0 = conv_layer(rng, "c0", INPUT, (2, 9, 9), 4, 3, 2, 2, 2, 1, 0.5, 0.02)  # (4, 5, 5)
     shape = c0.out_shape
     bn = Layer(name="bn", op="affine", inputs=["c0"], out_shape=shape, source="bn (test)",
@@ -72,8 +72,9 @@ def every_rule_graph(rng: np.random.Generator) -> LayerGraph:
                  attrs={"factor": -0.5})
     add = Layer(name="add", op="add", inputs=["half", "r0"], out_shape=shape, source="add (test)")
     pool = _avg_pool("pool", "r1", shape, 3, 2, 1, False)  # (4, 3, 3)
-    layers = [c0, bn, _relu("r0", "bn", shape, 0.1), c1, half, add, _relu("r1", "add", shape), pool,
-              reshape_layer("flat", "pool", (36,)), dense_layer(rng, "fc1", "flat", 36, 7, 0.3, 0.01),
+    act = Layer(name="act", op="silu", inputs=["pool"], out_shape=pool.out_shape, source="act (test)")
+    layers = [c0, bn, _relu("r0", "bn", shape, 0.1), c1, half, add, _relu("r1", "add", shape), pool, act,
+              reshape_layer("flat", "act", (36,)), dense_layer(rng, "fc1", "flat", 36, 7, 0.3, 0.01),
               _relu("r2", "fc1", (7,)), dense_layer(rng, "fc2", "r2", 7, 3, 0.4, 0.01)]
     return LayerGraph(input_shape=(2, 9, 9), layers=layers, output="fc2")
 
