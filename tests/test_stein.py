@@ -220,13 +220,13 @@ def test_silu_resnet_auto_is_shared_factor_and_closer_to_sampling(silu_resnet):
     assert net.plan.correlation == "shared-factor"
     assert "silu" in {layer.op for layer in net.plan.layers}
     mean_field = pyro2pfp.convert(model, guide, input_shape=(3, 8, 8), correlation="mean-field")
-    diag = pyro2pfp.diagnose(model, guide, x, num_samples=300, net=mean_field, per_layer=False, seed=7)
+    diag = pyro2pfp.diagnose(model, guide, x, num_samples=200, net=mean_field, per_layer=False, seed=7)
     mc_mean, mc_var = diag.output["mc_mean"], diag.output["mc_var"]
     xs = x.numpy().astype(np.float64)
     factored = layer_fidelity("logits", "", *net.reference(xs), mc_mean, mc_var)
     plain = layer_fidelity("logits", "", *mean_field.reference(xs), mc_mean, mc_var)
-    # 300 samples: the MC variance's relative sd is ~0.08; the approximation's stated tolerance ±0.25
-    assert 0.75 <= factored.ratio_median <= 1.3, factored
+    # 200 samples: each logit's MC variance has relative sd ~0.1, their median (60 logits) ~0.02
+    assert 0.85 <= factored.ratio_median <= 1.2, factored  # slope 0 (no shared part through SiLU): 0.76
     assert abs(np.log(factored.ratio_median)) < abs(np.log(plain.ratio_median)), (factored, plain)
 
 
