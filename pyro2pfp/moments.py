@@ -171,7 +171,13 @@ def _share(value: Any, ops: Any) -> Any:
 
 
 def _horner(x: Any, coeffs: tuple[float, ...], ops: Any) -> Any:
-    """``c0·x^n + c1·x^(n−1) + … + cn`` (coefficients from the highest degree down)."""
+    """``c0·x^n + c1·x^(n−1) + … + cn`` (coefficients from the highest degree down), or ``ops.horner``
+    where the namespace has one (the dual numbers of :mod:`pyro2pfp.correlation.stein`: the derivative
+    as ``p'(x)·x'``, linear in the degree, where the product rule at every step of Horner's scheme
+    writes the accumulator out again)."""
+    own = getattr(ops, "horner", None)
+    if own is not None:
+        return own(x, coeffs)
     acc = ops.const(coeffs[0])
     for c in coeffs[1:]:
         acc = acc * x + ops.const(c)
