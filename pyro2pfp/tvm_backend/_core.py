@@ -259,6 +259,10 @@ class EmitContext:
         :attr:`on_kernel`; returns its output tensors."""
         call = self.bb.call_te(fn, *args, primfunc_name_hint=name, primfunc_attrs=attrs)
         self.announce(call.args[0])
+        return self.emit_outputs(call)
+
+    def emit_outputs(self, call: relax.Call) -> list[relax.Expr]:
+        """Emit ``call`` (a ``call_tir``) and return its output tensors, each bound on its own."""
         out = self.bb.emit(call)
         if isinstance(out.ty, relax.TupleType):
             return [self.bb.emit(relax.TupleGetItem(out, i)) for i in range(len(out.ty.fields))]

@@ -240,10 +240,7 @@ def _emit_width_generic(ctx: EmitContext, fn: Any, args: list[relax.Expr], layer
     out_ty = [relax.TensorType([analyzer.simplify(d) for d in out.shape], "float32") for out in outs]
     call = relax.call_tir(gv, [*args, *(relax.prim_value(tirx.IntImm("int64", int(v))) for v in values.values())],
                           out_ty if len(out_ty) > 1 else out_ty[0])
-    out = ctx.bb.emit(call)
-    if isinstance(out.ty, relax.TupleType):
-        return [ctx.bb.emit(relax.TupleGetItem(out, i)) for i in range(len(out.ty.fields))]
-    return [out]
+    return ctx.emit_outputs(call)
 
 
 def _view(ctx: EmitContext, t: relax.Expr, *shape: int) -> relax.Expr:
