@@ -401,7 +401,9 @@ def _tune_spec(args: argparse.Namespace) -> dict[str, Any] | None:
         raise CLIError("--remote measures tuning candidates on a board: give --tune BATCH too")
     if not args.tune:
         return None
-    spec: dict[str, Any] = {"batch": list(args.tune), "trials": args.trials}
+    spec: dict[str, Any] = {"batch": list(args.tune)}
+    if args.trials is not None:  # else the library's default (pyro2pfp.tuning.DEFAULT_TRIALS)
+        spec["trials"] = args.trials
     if args.remote:
         from .remote import Remote
 
@@ -687,7 +689,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="also tune with MetaSchedule for these batch sizes (on this machine, or with --remote on "
                         "a board of the target's architecture; cached in ~/.cache/pyro2pfp/tuning), exported "
                         "like --batch-sizes")
-    p.add_argument("--trials", type=positive_int, default=64, help="MetaSchedule trials per --tune batch (default 64)")
+    p.add_argument("--trials", type=positive_int, default=None,
+                   help="MetaSchedule trials per --tune batch (default: the library's, pyro2pfp.tuning.DEFAULT_TRIALS)")
     _add_remote_options(p, required=False)
     p.add_argument("--verbose", "-v", action="store_true", help="print the layer plan")
     p.set_defaults(func=cmd_convert)

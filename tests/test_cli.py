@@ -258,3 +258,16 @@ def test_internal_errors_are_short_unless_debug(trained, capsys, monkeypatch):
     assert main(["--debug", *argv]) == 2
     err = capsys.readouterr().err
     assert "Traceback" in err and "RuntimeError: something deep" in err
+
+
+def test_trials_default_is_the_librarys():
+    """Without ``--trials`` the tune spec leaves the budget to ``pyro2pfp.tuning`` (no second default
+    to drift); with it, the given number is passed on."""
+    from pyro2pfp.cli import _tune_spec
+
+    parser = build_parser()
+    spec = _tune_spec(parser.parse_args(["convert", "builder.py", "-p", "p.pt", "--tune", "10", "-o", "n.so"]))
+    assert spec == {"batch": [10]}
+    spec = _tune_spec(parser.parse_args(["convert", "builder.py", "-p", "p.pt", "--tune", "10", "--trials", "5",
+                                         "-o", "n.so"]))
+    assert spec == {"batch": [10], "trials": 5}
