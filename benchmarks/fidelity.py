@@ -13,10 +13,19 @@ logit means in MC standard deviations, then a HOLDS/SHORT line per target.
 
     PYTHONPATH=. python benchmarks/fidelity.py [--samples 300] [--inputs 32] [--nets mlp,lenet,resnet8,resnet20]
                                               [--schemes mean-field,shared-factor] [--latency] [--cost]
+                                              [--variants]
+
+``--variants``: also the shared-factor rule variants that cost less arithmetic (the fidelity side of a
+speed trade, issue 13): ``hermite='none'`` (no second-Hermite factor per ReLU channel: fewer factor
+columns), ``injection='rescaled'`` (no profile convolution on the input mean) and both, each with the
+multiply-adds of its fixed-K plan (what the compiled module computes, :func:`cost_model`) against
+mean-field's.  Only the NumPy reference runs them (the compiled and ONNX back ends implement
+``injection='regression'`` only).
 """
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import time
 
 import numpy as np
@@ -24,7 +33,9 @@ import torch
 
 import pyro2pfp
 from pyro2pfp.correlation import cost_model, plan_factors
+from pyro2pfp.correlation.factors import aligned
 from pyro2pfp.diagnose import layer_fidelity
+from pyro2pfp.network import PFPNetwork
 from pyro2pfp_experiments.zoo import BayesianLeNet5, BayesianMLP, bayesian_resnet, he_posterior
 
 NETS = {
@@ -56,6 +67,31 @@ def latency_ms(net, x: np.ndarray, repeats: int = 20) -> float:
     return 1e3 * float(np.median(times))
 
 
+VARIANTS = {"sf[hermite=none]": {"hermite": "none"}, "sf[rescaled]": {"injection": "rescaled"},
+            "sf[both]": {"hermite": "none", "injection": "rescaled"}}
+"""``--variants``: label -> the :func:`plan_factors` options of a cheaper shared-factor rule variant."""
+
+
+def variant_nets(model, guide, shape: tuple[int, ...]) -> dict[str, PFPNetwork]:
+    """The shared-factor net of ``model`` with each of :data:`VARIANTS`' factor plans (reference only);
+    empty if the net has no shared-factor plan."""
+    base = pyro2pfp.convert(model, guide, input_shape=shape, correlation="auto")
+    if base.plan.factors is None:
+        return {}
+    return {label: PFPNetwork(base.layer_graph,
+                              dataclasses.replace(base.plan, factors=plan_factors(base.plan, **options)))
+            for label, options in VARIANTS.items()}
+
+
+def macs_summary(net: PFPNetwork) -> str:
+    """The multiply-adds per input of ``net``'s shared-factor plan as the compiled module would run it
+    (compaction where the reference compacts, ``K`` in whole SIMD vectors) relative to mean-field PFP's."""
+    fp = net.plan.factors
+    fixed = plan_factors(net.plan, fp.hermite, compact=True, injection=fp.injection)
+    cost = cost_model(net.plan, dataclasses.replace(fixed, width={n: aligned(k) for n, k in fixed.width.items()}))
+    return f"x{(cost.mean_field_macs + cost.extra_macs) / cost.mean_field_macs:.2f} of mean-field's"
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--samples", type=int, default=300)
@@ -68,10 +104,13 @@ def main() -> None:
                     help="also time the compiled net of each scheme (batch 1, median of 20)")
     ap.add_argument("--cost", action="store_true",
                     help="also print the scheme's cost model and NumPy float64 times (batch 1, best of 3)")
+    ap.add_argument("--variants", action="store_true",
+                    help="also the cheaper shared-factor rule variants (hermite='none', injection='rescaled', both) "
+                         "with their multiply-adds")
     ap.add_argument("--seed", type=int, default=0)
     args = ap.parse_args()
     print(f"{args.samples} MC samples, {args.inputs} inputs")
-    head = f"{'net':<9} {'scheme':<13} {'var ratio med':>13} {'p10':>6} {'p90':>6} {'argmax %':>9} {'mean err/sd':>11}"
+    head = f"{'net':<9} {'scheme':<16} {'var ratio med':>13} {'p10':>6} {'p90':>6} {'argmax %':>9} {'mean err/sd':>11}"
     rows, verdicts = [head, "-" * len(head)], []
     for name in args.nets.split(","):
         make, shape = NETS[name]
@@ -81,6 +120,8 @@ def main() -> None:
         guide = he_posterior(model, x, scale=0.02, seed=args.seed)
         nets = {scheme: pyro2pfp.convert(model, guide, input_shape=shape, correlation=scheme)
                 for scheme in args.schemes.split(",")}
+        if args.variants:
+            nets.update(variant_nets(model, guide, shape))
         d = pyro2pfp.diagnose(model, guide, x, num_samples=args.samples, net=next(iter(nets.values())),
                               seed=args.seed, per_layer=False)
         for scheme, net in nets.items():
@@ -88,7 +129,7 @@ def main() -> None:
             label = f"auto={net.plan.correlation}" if scheme == "auto" else scheme
             r = layer_fidelity("logits", "", mean, var, d.output["mc_mean"], d.output["mc_var"])
             agree = float(np.mean(mean.argmax(-1) == d.output["mc_prob"].argmax(-1)))
-            line = (f"{name:<9} {label:<13} {r.ratio_median:13.3f} {r.ratio_p10:6.3f} {r.ratio_p90:6.3f} "
+            line = (f"{name:<9} {label:<16} {r.ratio_median:13.3f} {r.ratio_p10:6.3f} {r.ratio_p90:6.3f} "
                     f"{100 * agree:9.1f} {r.mean_error:11.3f}")
             if args.latency:
                 line += f"   compiled latency (batch 1) {latency_ms(net, x[:1].numpy()):.3f} ms"
@@ -99,6 +140,8 @@ def main() -> None:
                     fixed = cost_model(net.plan, plan_factors(net.plan, compact=False))
                     line += (f"\n{'':23}reference (QR compaction): {cost_model(net.plan).summary()}"
                              f"\n{'':23}compiled / ONNX (fixed K): {fixed.summary()}")
+            if scheme in VARIANTS or (args.variants and scheme == "shared-factor"):
+                line += f"   multiply-adds {macs_summary(net)}"
             rows.append(line)
             print(line, flush=True)
             ok = {"median in [0.8, 1.25]": 0.8 <= r.ratio_median <= 1.25,
