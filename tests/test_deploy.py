@@ -17,6 +17,7 @@ import os
 import shutil
 import struct
 import subprocess
+import sys
 import tarfile
 from pathlib import Path
 
@@ -161,15 +162,54 @@ print(json.dumps({"tuned": sorted(exe.tuned), "specialised": static is not exe.v
 """
 
 
+def _load_in_a_new_process(tmp_path: Path, path: Path, x: np.ndarray) -> tuple[dict, dict]:
+    """Run :data:`LOAD_IN_A_NEW_PROCESS` on library ``path`` and input ``x``: (its JSON report, its outputs)."""
+    np.save(tmp_path / "x.npy", x)
+    (tmp_path / "load.py").write_text(LOAD_IN_A_NEW_PROCESS)
+    result = subprocess.run([sys.executable, str(tmp_path / "load.py"), str(path), str(tmp_path / "x.npy"),
+                             str(tmp_path / "out.npz")], capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr[-3000:]
+    with np.load(tmp_path / "out.npz") as out:
+        return json.loads(result.stdout.strip().splitlines()[-1]), dict(out)
+
+
+def test_shared_factor_resnet_survives_export_and_load_in_a_new_process(tmp_path):
+    """The default plan of a ResNet (shared factors: kernels with scalar factor-width arguments, the
+    hand-written Cholesky TIR) exported and loaded by ``pyro2pfp.load`` in a fresh process, as users
+    deploy: bit-identical to the compiling process's predictor, equal to the float64 reference to
+    float32 rounding -- and not the mean-field network (whose logit variances are ~2x smaller here),
+    so a library that lost the scheme's kernels would fail.  (Static-batch executables of the scheme:
+    ``test_correlation_backends``; their export: the MLP test below -- one compile here keeps it short.)"""
+    from pyro2pfp_experiments.zoo import bayesian_resnet, he_posterior
+
+    torch.manual_seed(0)
+    model = bayesian_resnet(blocks=1, widths=(4, 8))
+    x = np.random.default_rng(1).standard_normal((3, 3, 16, 16)).astype(np.float32)
+    guide = he_posterior(model, torch.as_tensor(x), scale=0.05, seed=0)
+    net = pyro2pfp.convert(model, guide, input_shape=(3, 16, 16))
+    assert net.plan.correlation == "shared-factor"
+    exe = net.compile("native")
+    path = tmp_path / "resnet.so"
+    exe.export_library(path)
+    report, out = _load_in_a_new_process(tmp_path, path, x)
+    assert report == {"tuned": [], "specialised": False, "takes_other_sizes": True}
+    mean, var = exe(x)
+    np.testing.assert_array_equal(out["mean"], mean)
+    np.testing.assert_array_equal(out["var"], var)
+    np.testing.assert_array_equal(out["mean4"], exe(np.concatenate([x, x[:1]]))[0])
+    ref_mean, ref_var = net.reference(x)
+    for got, want in ((out["mean"], ref_mean), (out["var"], ref_var)):
+        np.testing.assert_allclose(got, want, rtol=0, atol=2e-5 * np.abs(want).max())
+    _, mf_var = pyro2pfp.convert(model, guide, input_shape=(3, 16, 16), correlation="mean-field").reference(x)
+    assert np.median(ref_var / mf_var) > 1.5  # the scheme matters on this net (else the check above is moot)
+
+
 def test_batch_specialised_executable_survives_export_and_load_in_a_new_process(tmp_path):
     """``compile(batch_sizes=[3])`` → ``export_library`` writes ``mlp.batch3.so`` next to ``mlp.so``
     and lists it (name, sha256) in the sidecar; ``pyro2pfp.load`` in a fresh process gives back a
     predictor whose batch-3 calls run that static executable (it refuses other sizes, unlike the
     any-batch one), with outputs bit-identical to the compiling process's.  A missing or altered
     extra file is a LoadError naming it; a sidecar without the key (older exports) still loads."""
-    import subprocess
-    import sys
-
     from pyro2pfp.errors import LoadError
 
     graph = mlp_graph(np.random.default_rng(0), [12, 8, 3])
@@ -184,14 +224,8 @@ def test_batch_specialised_executable_survives_export_and_load_in_a_new_process(
     assert elf_header(extra.read_bytes()[:64])[1] == ET_DYN
 
     x = np.random.default_rng(1).standard_normal((3, 12)).astype(np.float32)
-    np.save(tmp_path / "x.npy", x)
-    (tmp_path / "load.py").write_text(LOAD_IN_A_NEW_PROCESS)
-    result = subprocess.run([sys.executable, str(tmp_path / "load.py"), str(path), str(tmp_path / "x.npy"),
-                             str(tmp_path / "out.npz")], capture_output=True, text=True, timeout=300)
-    assert result.returncode == 0, result.stderr[-3000:]
-    report = json.loads(result.stdout.strip().splitlines()[-1])
+    report, out = _load_in_a_new_process(tmp_path, path, x)
     assert report == {"tuned": [3], "specialised": True, "takes_other_sizes": False}
-    out = np.load(tmp_path / "out.npz")
     mean, var = exe(x)
     assert exe.vm_for_batch(3) is not exe.vm
     np.testing.assert_array_equal(out["mean"], mean)  # the same static executable: bit-identical
