@@ -87,6 +87,32 @@ def lenet_aarch64(lenet, tmp_path_factory):
     return exe, path
 
 
+@pytest.fixture(scope="module")
+def sf_resnet():
+    """A small Bayesian ResNet (the zoo's, widths 4 and 8, 3x16x16 inputs) whose default plan is
+    shared factors (He-scale posterior, sd 0.05), its mean-field twin, and three inputs."""
+    from pyro2pfp_experiments.zoo import bayesian_resnet, he_posterior
+
+    torch.manual_seed(0)
+    model = bayesian_resnet(blocks=1, widths=(4, 8))
+    x = np.random.default_rng(1).standard_normal((3, 3, 16, 16)).astype(np.float32)
+    guide = he_posterior(model, torch.as_tensor(x), scale=0.05, seed=0)
+    net = pyro2pfp.convert(model, guide, input_shape=(3, 16, 16))
+    assert net.plan.correlation == "shared-factor"
+    mean_field = pyro2pfp.convert(model, guide, input_shape=(3, 16, 16), correlation="mean-field")
+    return net, mean_field, x
+
+
+def assert_shared_factor_outputs(mean: np.ndarray, var: np.ndarray, sf_resnet) -> None:
+    """``(mean, var)`` are the shared-factor reference's to float32 rounding, and the scheme matters on
+    this net: the mean-field variances are far off (else this check could not tell the two apart)."""
+    net, mean_field, x = sf_resnet
+    ref_mean, ref_var = net.reference(x)
+    for got, want in ((mean, ref_mean), (var, ref_var)):
+        np.testing.assert_allclose(got, want, rtol=0, atol=2e-5 * np.abs(want).max())
+    assert np.median(ref_var / mean_field.reference(x)[1]) > 1.5
+
+
 # ---------------------------------------------------------------------------------------------
 # Export and load on this machine
 # ---------------------------------------------------------------------------------------------
@@ -173,21 +199,14 @@ def _load_in_a_new_process(tmp_path: Path, path: Path, x: np.ndarray) -> tuple[d
         return json.loads(result.stdout.strip().splitlines()[-1]), dict(out)
 
 
-def test_shared_factor_resnet_survives_export_and_load_in_a_new_process(tmp_path):
+def test_shared_factor_resnet_survives_export_and_load_in_a_new_process(sf_resnet, tmp_path):
     """The default plan of a ResNet (shared factors: kernels with scalar factor-width arguments, the
     hand-written Cholesky TIR) exported and loaded by ``pyro2pfp.load`` in a fresh process, as users
     deploy: bit-identical to the compiling process's predictor, equal to the float64 reference to
     float32 rounding -- and not the mean-field network (whose logit variances are ~2x smaller here),
     so a library that lost the scheme's kernels would fail.  (Static-batch executables of the scheme:
     ``test_correlation_backends``; their export: the MLP test below -- one compile here keeps it short.)"""
-    from pyro2pfp_experiments.zoo import bayesian_resnet, he_posterior
-
-    torch.manual_seed(0)
-    model = bayesian_resnet(blocks=1, widths=(4, 8))
-    x = np.random.default_rng(1).standard_normal((3, 3, 16, 16)).astype(np.float32)
-    guide = he_posterior(model, torch.as_tensor(x), scale=0.05, seed=0)
-    net = pyro2pfp.convert(model, guide, input_shape=(3, 16, 16))
-    assert net.plan.correlation == "shared-factor"
+    net, _, x = sf_resnet
     exe = net.compile("native")
     path = tmp_path / "resnet.so"
     exe.export_library(path)
@@ -197,11 +216,7 @@ def test_shared_factor_resnet_survives_export_and_load_in_a_new_process(tmp_path
     np.testing.assert_array_equal(out["mean"], mean)
     np.testing.assert_array_equal(out["var"], var)
     np.testing.assert_array_equal(out["mean4"], exe(np.concatenate([x, x[:1]]))[0])
-    ref_mean, ref_var = net.reference(x)
-    for got, want in ((out["mean"], ref_mean), (out["var"], ref_var)):
-        np.testing.assert_allclose(got, want, rtol=0, atol=2e-5 * np.abs(want).max())
-    _, mf_var = pyro2pfp.convert(model, guide, input_shape=(3, 16, 16), correlation="mean-field").reference(x)
-    assert np.median(ref_var / mf_var) > 1.5  # the scheme matters on this net (else the check above is moot)
+    assert_shared_factor_outputs(out["mean"], out["var"], sf_resnet)
 
 
 def test_batch_specialised_executable_survives_export_and_load_in_a_new_process(tmp_path):
@@ -487,34 +502,60 @@ def build_runner(runtime: Path, workdir: Path) -> Path:
     return exe
 
 
-def test_aarch64_library_runs_under_qemu_and_matches_x86(lenet, lenet_aarch64, tmp_path):
+@pytest.fixture(scope="module")
+def qemu(tmp_path_factory):
+    """``run(library, x) -> (mean, var)``: an exported AArch64 library run on ``x`` under qemu-user
+    (Cortex-A72) by the C++ driver with the AArch64 TVM runtime (built once per module)."""
     if os.environ.get("PYRO2PFP_SKIP_QEMU") == "1":
         pytest.skip("PYRO2PFP_SKIP_QEMU=1")
     if deploy.host_arch() == "aarch64":
         pytest.skip("running natively on aarch64: covered by the export/load tests")
-    qemu = require("qemu-aarch64", "qemu-user")
+    qemu_bin = require("qemu-aarch64", "qemu-user")
     require(CROSS_GCC, "gcc-aarch64-linux-gnu")
+    workdir = tmp_path_factory.mktemp("qemu")
+    runtime = aarch64_tvm_runtime()
+    runner = build_runner(runtime, workdir)
+    env = dict(os.environ, QEMU_LD_PREFIX="/usr/aarch64-linux-gnu", LD_LIBRARY_PATH=str(runtime))
+    calls = iter(range(1_000_000))
+
+    def run(library: Path, x: np.ndarray, check: bool = True) -> tuple[np.ndarray, np.ndarray] | None:
+        """The library's flat (mean, var) outputs; with ``check=False`` None if the run failed and wrote
+        nothing (a failed run that wrote outputs is an error either way)."""
+        out = workdir / f"out{next(calls)}"
+        x.astype(np.float32).tofile(f"{out}.x.bin")
+        result = subprocess.run([qemu_bin, "-cpu", "cortex-a72", str(runner), str(library), str(out),
+                                 ",".join(map(str, x.shape)), f"{out}.x.bin"],
+                                env=env, capture_output=True, text=True, timeout=300, cwd=workdir)
+        wrote = Path(f"{out}.mean.bin").exists()
+        if result.returncode != 0 and not check:
+            assert not wrote, f"{library.name} failed after writing outputs"
+            return None
+        assert result.returncode == 0, f"{library.name}: {result.stderr[-2000:]}"
+        return np.fromfile(f"{out}.mean.bin", dtype=np.float32), np.fromfile(f"{out}.var.bin", dtype=np.float32)
+
+    return run
+
+
+def test_aarch64_library_runs_under_qemu_and_matches_x86(lenet, lenet_aarch64, qemu):
     _, exe_x86, x = lenet
     _, path = lenet_aarch64
-    runtime = aarch64_tvm_runtime()
-    runner = build_runner(runtime, tmp_path)
-    x.astype(np.float32).tofile(tmp_path / "x.bin")
-    env = dict(os.environ, QEMU_LD_PREFIX="/usr/aarch64-linux-gnu", LD_LIBRARY_PATH=str(runtime))
     mean, var = exe_x86(x)
     # the any-batch library and the static batch-5 one (batch_sizes=[5]) exported next to it
-    for library, out in ((Path(path), "out"), (Path(path).with_name("lenet_a64.batch5.so"), "out5")):
-        result = subprocess.run([qemu, "-cpu", "cortex-a72", str(runner), str(library), str(tmp_path / out),
-                                 ",".join(map(str, x.shape)), str(tmp_path / "x.bin")],
-                                env=env, capture_output=True, text=True, timeout=120)
-        assert result.returncode == 0, f"{library.name}: {result.stderr[-2000:]}"
-        mean_a64 = np.fromfile(tmp_path / f"{out}.mean.bin", dtype=np.float32).reshape(mean.shape)
-        var_a64 = np.fromfile(tmp_path / f"{out}.var.bin", dtype=np.float32).reshape(var.shape)
+    for library in (Path(path), Path(path).with_name("lenet_a64.batch5.so")):
+        mean_a64, var_a64 = (a.reshape(mean.shape) for a in qemu(library, x))
         # same network, another ISA (FMA contraction, other vector widths): float32 rounding apart
         np.testing.assert_allclose(mean_a64, mean, rtol=1e-5, atol=1e-5 * np.abs(mean).max())
         np.testing.assert_allclose(var_a64, var, rtol=1e-4, atol=1e-5 * np.abs(var).max())
     # the static library takes exactly 5 rows: it really is the batch-specialised executable
-    x[:4].tofile(tmp_path / "x4.bin")
-    result = subprocess.run([qemu, "-cpu", "cortex-a72", str(runner), str(Path(path).with_name("lenet_a64.batch5.so")),
-                             str(tmp_path / "out4"), "4,1,28,28", str(tmp_path / "x4.bin")],
-                            env=env, capture_output=True, text=True, timeout=120, cwd=tmp_path)
-    assert result.returncode != 0 and not (tmp_path / "out4.mean.bin").exists()
+    assert qemu(Path(path).with_name("lenet_a64.batch5.so"), x[:4], check=False) is None
+
+
+def test_shared_factor_resnet_for_aarch64_runs_under_qemu(sf_resnet, qemu, tmp_path):
+    """The shared-factor plan cross-compiled for AArch64 (NEON: 4 lanes where the factor axis is
+    padded to 16 columns; the float64 Cholesky TIR) runs under qemu and gives the float64 reference's
+    moments to float32 rounding -- not the mean-field ones."""
+    net, _, x = sf_resnet
+    require(CROSS_GCC, "gcc-aarch64-linux-gnu")
+    net.compile("aarch64").export_library(tmp_path / "resnet_a64.so")
+    mean, var = qemu(tmp_path / "resnet_a64.so", x)
+    assert_shared_factor_outputs(mean.reshape(len(x), -1), var.reshape(len(x), -1), sf_resnet)
