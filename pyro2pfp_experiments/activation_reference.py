@@ -103,14 +103,17 @@ def _integrate(g: Callable[[float], float], edges: list[float]) -> float:
     return total
 
 
-def moments(act: Activation, mu: float, var: float) -> tuple[float, float]:
-    """``(E f(X), Var f(X))`` for ``X ~ N(mu, var)`` by adaptive quadrature (see the module doc)."""
+def moments(act: Activation, mu: float, var: float, cuts: tuple[float, ...] = ()) -> tuple[float, float]:
+    """``(E f(X), Var f(X))`` for ``X ~ N(mu, var)`` by adaptive quadrature (see the module doc).
+
+    ``cuts``: further points ``x`` to cut the integral at, besides the kinks (e.g. ``0, ±1, ±10, ±40``,
+    where a logistic-family function varies, when σ is so large that this is a narrow feature in ``z``)."""
     mu, var = float(mu), float(var)
     f_mu = float(act.f(np.asarray(mu)))
     if var == 0.0:
         return f_mu, 0.0
     s = np.sqrt(var)
-    points = sorted({0.0, *((k - mu) / s for k in act.kinks)})
+    points = sorted({0.0, *((k - mu) / s for k in (*act.kinks, *cuts))})
     edges = [-Z_MAX] + [p for p in points if -Z_MAX < p < Z_MAX] + [Z_MAX]
     norm = 1.0 / np.sqrt(2.0 * np.pi)
 

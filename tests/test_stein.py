@@ -37,6 +37,10 @@ GENERIC = [name for name, op in OPS.items() if op.activation is not None and nam
 MEANS = np.array([-30.0, -3.3, -1.28, -0.4, 0.0, 0.7, 2.5, 8.0])
 VARIANCES = np.array([0.0, 1e-3, 0.04, 0.3, 4.0, 100.0, 1e12, 1e14])
 HUGE_MEANS = np.array([-1e30, -1e4, 1e4, 1e30])
+#: beyond the logistic family's clamp (|μ| > 1000, moments._A_CLAMP) with σ from 1e-2·|μ| to 1e2·|μ|: the
+#: slope there is ~Φ(μ/σ) (SiLU, softplus) or ~φ(μ/σ)/σ (sigmoid, tanh), not 0
+FAR_POINTS = [(sign * m, (r * m) ** 2) for m in (1e3 * (1 + 1e-6), 1e4, 1e6) for r in (1e-2, 0.1, 0.3, 1.0, 10.0, 1e2)
+              for sign in (-1.0, 1.0)]
 FEATURES = (-30.0, -10.0, -3.0, -1.0, 0.0, 1.0, 3.0, 10.0, 30.0)
 _GL_X, _GL_W = np.polynomial.legendre.leggauss(200)
 
@@ -68,15 +72,16 @@ def true_slope(name: str, mu: float, var: float) -> float:
 
 
 def grid(name: str, float32: bool = False) -> tuple[np.ndarray, np.ndarray]:
-    """Every (μ, v) of MEANS × VARIANCES; the huge means with v ≤ 100 (the logistic-family rules take
-    the tail as exact beyond |μ| = 1000, ``moments._A_CLAMP``, so not with σ ~ |μ|); tiny σ = 1e-8·|μ|
-    (in float32's range); no zero variance at a kink of f (no derivative there)."""
-    mu, var = (a.ravel() for a in np.meshgrid(MEANS, VARIANCES, indexing="ij"))
-    big_mu, big_var = (a.ravel() for a in np.meshgrid(HUGE_MEANS, VARIANCES[VARIANCES <= 100], indexing="ij"))
+    """Every (μ, v) of (MEANS ∪ HUGE_MEANS) × VARIANCES and FAR_POINTS (float32: v ≤ 1e14); tiny
+    σ = 1e-8·|μ| (in float32's range); no zero variance at a kink of f (no derivative there)."""
+    mu, var = (a.ravel() for a in np.meshgrid(np.concatenate([MEANS, HUGE_MEANS]), VARIANCES, indexing="ij"))
+    far_mu, far_var = (np.array(c) for c in zip(*FAR_POINTS, strict=True))
+    if float32:
+        far_mu, far_var = far_mu[far_var <= 1e14], far_var[far_var <= 1e14]
     nonzero = np.concatenate([MEANS[MEANS != 0], HUGE_MEANS])
     if float32:
         nonzero = nonzero[np.abs(nonzero) <= 1e18]
-    mu, var = np.concatenate([mu, big_mu, nonzero]), np.concatenate([var, big_var, (1e-8 * nonzero) ** 2])
+    mu, var = np.concatenate([mu, far_mu, nonzero]), np.concatenate([var, far_var, (1e-8 * nonzero) ** 2])
     kinks = TORCH[name][1](OPS[name].example_attrs)
     keep = ~((var == 0) & np.isin(mu, kinks))
     return mu[keep], var[keep]

@@ -78,13 +78,14 @@ SCALE = register_activation(OpDef(
 # The moment rules are in pyro2pfp.moments (their docstrings give the method, the sources and the
 # accuracy against adaptive quadrature printed by benchmarks/activation_accuracy.py).
 _QUADRATURE = ("numerical: delta series (v < 0.05), 16-node Gauss–Hermite (σ < 1.1) or tilted split "
-               "Gauss–Laguerre, {acc} (`moments.{fn}`; `benchmarks/activation_accuracy.py`)")
+               "Gauss–Laguerre, {acc} (`moments.{fn}`; `benchmarks/activation_accuracy.py`); for |μ| > 1000 the "
+               "{limit} moments plus the density-expansion correction (`moments._far_corrections`, ≤ 1e-7 relative)")
 _GAUSSIAN_INPUT = "input treated as Gaussian"
 
 SIGMOID = register_activation(OpDef(
     "sigmoid", ("aten.sigmoid.default", "aten.sigmoid_.default"),
     modules="`Sigmoid` (hidden; a final one is stripped, see below the table)", modules_short=("Sigmoid",),
-    moments=_QUADRATURE.format(acc="variance ≤ 1e-6 relative", fn="sigmoid_moments"),
+    moments=_QUADRATURE.format(acc="variance ≤ 1e-6 relative", fn="sigmoid_moments", limit="Heaviside"),
     assumptions=_GAUSSIAN_INPUT, contract=ACTIVATION,
     activation=ActivationRule(
         exact=lambda x, attrs, ops: moments.sigmoid_exact(x, ops),
@@ -93,7 +94,8 @@ SIGMOID = register_activation(OpDef(
 TANH = register_activation(OpDef(
     "tanh", ("aten.tanh.default", "aten.tanh_.default"),
     modules="`Tanh`", modules_short=("Tanh",),
-    moments="the sigmoid rule via `tanh(x) = 2σ(2x) − 1`, variance ≤ 1.4e-6 relative (`moments.tanh_moments`)",
+    moments="the sigmoid rule via `tanh(x) = 2σ(2x) − 1`, variance ≤ 1.4e-6 relative (`moments.tanh_moments`; "
+            "for |μ| > 500 the sign function's moments plus the correction)",
     assumptions=_GAUSSIAN_INPUT, contract=ACTIVATION,
     activation=ActivationRule(
         exact=lambda x, attrs, ops: moments.tanh_exact(x, ops),
@@ -126,7 +128,7 @@ GELU = register_activation(OpDef(
 SILU = register_activation(OpDef(
     "silu", ("aten.silu.default", "aten.silu_.default"),
     modules="`SiLU` / Swish (`F.silu`)", modules_short=("SiLU",),
-    moments=_QUADRATURE.format(acc="variance ≤ 1e-5 relative", fn="silu_moments"),
+    moments=_QUADRATURE.format(acc="variance ≤ 1e-5 relative", fn="silu_moments", limit="ReLU"),
     assumptions=_GAUSSIAN_INPUT, contract=ACTIVATION,
     activation=ActivationRule(
         exact=lambda x, attrs, ops: moments.silu_exact(x, ops),
@@ -143,7 +145,7 @@ def _softplus_moments(mean: Any, var: Any, attrs: dict[str, Any], ops: Any) -> t
 SOFTPLUS = register_activation(OpDef(
     "softplus", ("aten.softplus.default",),
     modules="`Softplus(beta, threshold)`", modules_short=("Softplus",),
-    moments=_QUADRATURE.format(acc="variance ≤ 5e-7 relative", fn="softplus_moments")
+    moments=_QUADRATURE.format(acc="variance ≤ 5e-7 relative", fn="softplus_moments", limit="ReLU")
     + "; `beta`: `softplus(βx)/β` exactly",
     assumptions=_GAUSSIAN_INPUT + "; `threshold` ignored (torch's numerical cut to `x` where βx > threshold "
                 "changes the function by < e^−threshold/β; thresholds below 10 are refused)",
