@@ -120,9 +120,38 @@ def test_max_pool_compiled_matches_the_reference():
     assert not np.allclose(net.reference(x)[1], PFPNetwork(graph, plan(graph)).reference(x)[1], rtol=1e-3)
 
 
-def test_every_rule_compiled_matches_the_reference(every_rule):
+@pytest.fixture(scope="module")
+def every_rule_static_batch(every_rule):
+    """The every-rule net compiled with ``batch_sizes=[3]`` -- the any-batch executable and a static
+    batch-3 one -- built once for the three tests that use it (each build of this net is ~5-8 s), and
+    the :class:`~pyro2pfp.tvm_backend.build.KernelPool` of each build (any-batch first), on 2 build
+    threads.  Every kernel of both must take its default schedule: a schedule that fails soft is a
+    failure here."""
+    from pyro2pfp.tvm_backend import build as build_module
+
+    _, _, net = every_rule
+    pools: list[build_module.KernelPool] = []
+
+    class Spy(build_module.KernelPool):
+        def __init__(self, *args, **kwargs):
+            super().__init__(*args, **kwargs)
+            pools.append(self)
+
+    with pytest.MonkeyPatch.context() as patch, warnings.catch_warnings():
+        patch.setattr(build_module, "KernelPool", Spy)
+        patch.setenv("PYRO2PFP_BUILD_JOBS", "2")
+        warnings.simplefilter("error", RuntimeWarning)
+        return net.compile("native", batch_sizes=[3]), pools
+
+
+def test_every_rule_compiled_matches_the_reference(every_rule, every_rule_static_batch):
+    from pyro2pfp.tvm_backend.runtime import CompiledPFP
+
     graph, planned, net = every_rule
-    exe = net.compile("native")
+    # the any-batch executable alone (what net.compile("native") returns): every batch size runs it
+    compiled, _ = every_rule_static_batch
+    exe = CompiledPFP(compiled.executable, net.input_shape, net.input_variance, compiled.target)
+    assert not exe.tuned and exe.vm_for_batch(3) is exe.vm
     rng = np.random.default_rng(1)
     for batch in (1, 3):
         x = rng.standard_normal((batch, *graph.input_shape)).astype(np.float32)
@@ -378,14 +407,12 @@ def test_compiled_plan_compacts_where_the_reference_does():
     assert compiled.max_factors == 320 and exported.max_factors > 1400
 
 
-def test_static_batch_executable_is_scheduled_and_matches_the_reference(every_rule):
+def test_static_batch_executable_is_scheduled_and_matches_the_reference(every_rule, every_rule_static_batch):
     """``compile(batch_sizes=[3])`` re-emits the module with a static batch: every kernel (shared-
     factor ones included) must still take its default schedule (a schedule that fails soft is a
     failure here) and give the reference's results."""
     _, _, net = every_rule
-    with warnings.catch_warnings():
-        warnings.simplefilter("error", RuntimeWarning)
-        exe = net.compile("native", batch_sizes=[3])
+    exe, _ = every_rule_static_batch
     x = np.random.default_rng(8).standard_normal((3, *net.input_shape)).astype(np.float32)
     assert exe.vm_for_batch(3) is not exe.vm
     assert_matches(exe(x), net.reference(x))
@@ -582,24 +609,15 @@ def test_shared_factor_relu_mean_field_outputs_are_the_mean_field_kernels(every_
     assert np.array_equal(second.reshape(want_var.shape), want_var)
 
 
-def test_every_kernel_goes_to_the_build_threads_while_scheduling(every_rule, monkeypatch):
+def test_every_kernel_goes_to_the_build_threads_while_scheduling(every_rule, every_rule_static_batch):
     """``net.compile()`` hands each kernel to the build threads as soon as it is final: the scheduled
     ones, the hand-written ``sf_cholesky`` (it comes scheduled) and the last partial part (flushed
-    when scheduling ends), so after the Relax pipeline only what it added is compiled."""
-    from pyro2pfp.tvm_backend import build as build_module
-
-    pools: list[build_module.KernelPool] = []
-
-    class Spy(build_module.KernelPool):
-        def __init__(self, *args, **kwargs):
-            super().__init__(*args, **kwargs)
-            pools.append(self)
-
-    monkeypatch.setattr(build_module, "KernelPool", Spy)
-    monkeypatch.setenv("PYRO2PFP_BUILD_JOBS", "2")
+    when scheduling ends), so after the Relax pipeline only what it added is compiled (the any-batch
+    build of the fixture's compile)."""
     graph, _, net = every_rule
-    exe = net.compile("native")
-    (pool,) = pools
+    exe, pools = every_rule_static_batch
+    assert len(pools) == 2  # the any-batch build, then the static batch-3 one
+    pool = pools[0]
     handed = {name for part, _ in pool.parts for name in part} - set(pool.compiled_late)
     kernels = {gv.name_hint for gv, f in net.mod.functions_items() if isinstance(f, tvm.tirx.PrimFunc)}
     cholesky = {name for name in kernels if "sf_cholesky" in name}

@@ -13,6 +13,7 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+from concurrent.futures import Future, ThreadPoolExecutor
 
 import lifecycle_worker as worker
 import numpy as np
@@ -30,21 +31,53 @@ WORKER = os.path.join(os.path.dirname(__file__), "lifecycle_worker.py")
 LIFECYCLES = ("load", "set_state", "run-guide-then-load", "run-guide-then-set_state")
 
 
-def _run(*args: str) -> None:
+PARALLEL_PIPELINES = 2  # the CI machine has 2 cores; each worker uses one torch thread
+
+
+def _run(*args: str) -> str | None:
+    """Run one worker step in a fresh interpreter; the failure message (with its stderr), or None."""
     result = subprocess.run([sys.executable, WORKER, *args], capture_output=True, text=True, timeout=600)
-    assert result.returncode == 0, f"worker {args} failed:\n{result.stderr[-3000:]}"
+    if result.returncode != 0:
+        return f"worker {args} failed (exit {result.returncode}):\n{result.stderr[-3000:]}"
+    return None
+
+
+def _pipeline(kind: str, out_dir: str) -> str | None:
+    """Train in one process, then convert in a fresh one that only loads the saved store from disk."""
+    return _run("train", kind, out_dir) or _run("convert", kind, out_dir)
+
+
+def _selected_kinds(request: pytest.FixtureRequest) -> list[str]:
+    """The kinds whose test was collected and selected (-k, node ids), in collection order."""
+    kinds = [item.callspec.params["kind"] for item in request.session.items
+             if getattr(item, "originalname", None) == "test_fresh_process_converts_the_saved_posterior"
+             and item.module is request.module]
+    return kinds or list(worker.KINDS)
 
 
 @pytest.fixture(scope="module")
-def trained_dir(tmp_path_factory):
+def pipelines(request, tmp_path_factory):
+    """Every selected kind's train -> convert pipeline, at most PARALLEL_PIPELINES running at once.
+
+    Each pipeline is two fresh subprocesses (~2 s / ~4 s of each is interpreter start-up and
+    imports), so running kinds concurrently rather than one after the other halves the wall time;
+    each test still waits for and checks its own kind, so failures are reported per kind.
+    """
     out = tmp_path_factory.mktemp("lifecycle")
-    return out
+    kinds = sorted(_selected_kinds(request), key=lambda k: not k.endswith("lenet"))  # longest first
+    with ThreadPoolExecutor(max_workers=PARALLEL_PIPELINES) as pool:
+        futures = {kind: pool.submit(_pipeline, kind, str(out)) for kind in kinds}
+        yield out, futures
+        for future in futures.values():  # an unselected/failed test must not leave workers behind
+            future.cancel()
 
 
 @pytest.mark.parametrize("kind", list(worker.KINDS))
-def test_fresh_process_converts_the_saved_posterior(kind, trained_dir):
-    _run("train", kind, str(trained_dir))
-    _run("convert", kind, str(trained_dir))
+def test_fresh_process_converts_the_saved_posterior(kind, pipelines):
+    trained_dir, futures = pipelines
+    future: Future[str | None] = futures[kind]
+    failure = future.result()
+    assert failure is None, failure
     truth = np.load(trained_dir / f"{kind}-truth.npz")
     mc_mean, mc_var = truth["mean"], truth["var"]
     mc_error = np.sqrt(mc_var / worker.MC_SAMPLES)

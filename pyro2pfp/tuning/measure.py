@@ -204,10 +204,40 @@ def _run_built(rt_mod: Any, symbol: str, arrays: list[np.ndarray], time_it: bool
     return outputs, seconds
 
 
+def _build_parts(entries: dict[str, tirx.PrimFunc], target: tvm.target.Target) -> dict[str, Any]:
+    """``{symbol: built module holding it}`` for ``entries`` (``{symbol: PrimFunc}``, each
+    ``global_symbol`` set), built for this machine as :class:`~pyro2pfp.tvm_backend.build.KernelPool`
+    builds a network: parts of :data:`~pyro2pfp.tvm_backend.build.KERNELS_PER_PART` kernels on
+    :func:`~pyro2pfp.tvm_backend.build.build_jobs` threads (TVM releases the GIL while LLVM works), each
+    part's machine code generated on its thread too (LLVM's JIT would otherwise generate the code of the
+    whole module on the first call, on one thread).  A part that does not build is left out (its
+    kernels are then built one by one when run)."""
+    import concurrent.futures
+
+    from ..tvm_backend.build import KERNELS_PER_PART, build_jobs
+
+    items = list(entries.items())
+    parts = [dict(items[i:i + KERNELS_PER_PART]) for i in range(0, len(items), KERNELS_PER_PART)]
+
+    def compile_part(part: dict[str, tirx.PrimFunc]) -> Any:
+        try:
+            rt_mod = _build_prim_module(tvm.IRModule(part), target)
+            rt_mod.get_function(next(iter(part)))  # the machine code of the whole part, on this thread
+        except Exception:  # noqa: BLE001 -- one bad candidate: its part's kernels are built one by one
+            return None
+        return rt_mod
+
+    with concurrent.futures.ThreadPoolExecutor(max_workers=max(1, build_jobs()),
+                                               thread_name_prefix="pyro2pfp-tune-build") as pool:
+        built = list(pool.map(compile_part, parts))
+    return {sym: rt_mod for part, rt_mod in zip(parts, built, strict=True) if rt_mod is not None for sym in part}
+
+
 class _BatchRunner:
-    """Builds many PrimFuncs as one module (one LLVM compile instead of one per kernel) and runs
-    them by identity; falls back to one build per function if the joint build fails.  With
-    ``remote`` (a :class:`pyro2pfp.remote.Remote`) the module is uploaded and run on a board."""
+    """Builds many PrimFuncs and runs them by identity: for this machine in parts on parallel threads
+    (:func:`_build_parts`), for a board as one module (one upload); a kernel whose build failed is
+    built alone when run.  With ``remote`` (a :class:`pyro2pfp.remote.Remote`) the module is uploaded
+    and run on a board."""
 
     def __init__(self, funcs: list[tirx.PrimFunc], target: tvm.target.Target, remote: Any = None) -> None:
         self.target = target
@@ -215,24 +245,29 @@ class _BatchRunner:
         self.device = None
         self.symbols = {}
         self.rt_mod = None
+        self.modules: dict[str, Any] = {}  # symbol -> the built module that holds it
         entries = {}
         for i, f in enumerate(funcs):
             sym = f"pyro2pfp_candidate_{i}"
             self.symbols[id(f)] = (f, sym)
             entries[sym] = f.with_attr("global_symbol", sym).with_attr("tirx.noalias", True)
+        if remote is None:
+            self.modules = _build_parts(entries, target)
+            return
         try:
             self.rt_mod = _build_prim_module(tvm.IRModule(entries), target)
-        except Exception:  # noqa: BLE001 -- one bad candidate: build them one by one
+        except Exception:  # noqa: BLE001
             self.rt_mod = None
-        if remote is not None:
-            if self.rt_mod is None:
-                raise TuningError(f"the kernels to time on {remote.address} do not build as one module")
-            self.rt_mod, self.device = _upload_module(self.rt_mod, remote, target)
+        if self.rt_mod is None:
+            raise TuningError(f"the kernels to time on {remote.address} do not build as one module")
+        self.rt_mod, self.device = _upload_module(self.rt_mod, remote, target)
+        self.modules = dict.fromkeys(entries, self.rt_mod)
 
     def close(self) -> None:
-        """Drop the built module (and with it the RPC session of a remote run: the board is free)."""
+        """Drop the built modules (and with them the RPC session of a remote run: the board is free)."""
         self.rt_mod = self.device = None
         self.symbols = {}
+        self.modules = {}
 
     def __call__(self, func: tirx.PrimFunc, arrays: list[np.ndarray], time_it: bool = True
                  ) -> tuple[list[np.ndarray], float | None]:
@@ -242,9 +277,9 @@ class _BatchRunner:
                 raise TuningError(f"kernel {func} was not uploaded to {self.remote.address}")
             return self.remote._bounded("running a kernel on the board", lambda: _run_built(
                 self.rt_mod, entry[1], arrays, time_it, device=self.device), timeout=self.remote.session_timeout)
-        if self.rt_mod is None or entry is None or not entry[0].same_as(func):
+        if entry is None or not entry[0].same_as(func) or entry[1] not in self.modules:
             return run_prim_func(func, self.target, arrays, time_it=time_it)
-        return _run_built(self.rt_mod, entry[1], arrays, time_it)
+        return _run_built(self.modules[entry[1]], entry[1], arrays, time_it)
 
 
 def _upload_module(rt_mod: Any, remote: Any, target: tvm.target.Target) -> tuple[Any, Any]:
