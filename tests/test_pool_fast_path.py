@@ -176,8 +176,8 @@ def general_graph(in_shape, k, s, pad, ceil, variance: bool = True) -> LayerGrap
 
 @pytest.mark.parametrize("case", GENERAL, ids=["pad", "overhang", "overlap"])
 def test_general_max_pool_matches_reference(case):
-    """Windows with padding, overhang or overlap take the reduction path (no copy stage) and match
-    the float64 reference, also at the limit cases."""
+    """Windows with padding, overhang or overlap take the reduction path (no deinterleaving copy) and
+    match the float64 reference, also at the limit cases."""
     in_shape, k, s, pad, ceil = case
     planned, mod, _, vm = compiled(general_graph(in_shape, k, s, pad, ceil), "native")
     assert "deinterleave" not in mod["pfp_max_pool2d_p"].script()
@@ -187,6 +187,41 @@ def test_general_max_pool_matches_reference(case):
     check(planned, vm, [x, (0.1 * rng.uniform(0, 1, shape)).astype(np.float32)], f"{case}")
     check(planned, vm, [x, np.zeros(shape, np.float32)], f"{case} zero variance")
     check(planned, vm, [(1e30 * np.sign(x)).astype(np.float32), np.ones(shape, np.float32)], f"{case} ±1e30")
+
+
+def tap_checks(func: tvm.tirx.PrimFunc, block: str) -> int:
+    """The ``if_then_else`` calls inside the body of ``block`` of ``func`` (its window taps' bounds
+    checks, when the taps are not read from a padded stage)."""
+    from tvm import s_tir
+
+    from pyro2pfp.tvm_backend.schedules import walk
+
+    sch = s_tir.Schedule(func)
+    found = []
+    walk(sch.get(sch.get_sblock(block)), lambda node: found.append(node) if isinstance(
+        node, tvm.ir.expr.Call) and isinstance(node.op, tvm.ir.Op) and node.op.name.endswith(".if_then_else") else None)
+    return len(found)
+
+
+@pytest.mark.parametrize("case", GENERAL[:2], ids=["pad", "overhang"])
+def test_overhanging_windows_fold_padded_taps(case):
+    """With padding or overhang the taps come from one padded stage (``pad_v0``/``pad_v1``): the Clark
+    combiner uses each tap several times and TVM substitutes the tap expression into every use, so a
+    bounds check per tap made LLVM spend ~4 s on a 3x3 / stride-2 / padding-1 pool (0.2 s now).  The
+    shared-factor kernel (``sf_maxpool``) reads its three taps the same way."""
+    from test_correlation_backends import max_pool_graph
+
+    from pyro2pfp.correlation import with_correlation
+    from pyro2pfp.tvm_backend._core import kernel_info
+
+    in_shape, k, s, pad, ceil = case
+    func = emit_module(plan(general_graph(in_shape, k, s, pad, ceil)))["pfp_max_pool2d_p"]
+    assert tap_checks(func, "pad_v0") == 1 and tap_checks(func, "max_pool2d") == 0
+    planned = with_correlation(plan(max_pool_graph(np.random.default_rng(0))), "shared-factor")
+    mod = emit_module(planned)
+    folds = [f for f in mod.functions.values() if isinstance(f, tvm.tirx.PrimFunc) and kernel_info(f) == (
+        "sf_maxpool", "p1")]  # the graph's 3x3 / stride-2 / padding-1 pool
+    assert len(folds) == 1 and tap_checks(folds[0], "pad_v2") == 1 and tap_checks(folds[0], "fold") == 0
 
 
 def run(vm, args):

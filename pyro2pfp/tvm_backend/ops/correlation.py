@@ -139,6 +139,7 @@ from ..schedules import (
 )
 from .activation import activation_moments
 from .compute import _pad, schedule_conv2d
+from .pooling import Windows
 from .winograd import schedule_weight_transforms, weight_transform, winograd_correlation, winograd_shape
 
 PARTS = ("scale", "conv_load", "conv_weights", "relu", "add", "avgpool", "maxpool", "dense_load", "gram", "stein")
@@ -560,24 +561,21 @@ class SharedStep(FixedKStep):
 
     def max_pool(self, ctx: EmitContext, layer: PlannedLayer, x: RelaxActivation, sh: SharedRelax,
                   out: RelaxActivation) -> SharedRelax:
-        a = layer.layer.attrs
-        (kh, kw), (sy, sx), (py, px) = a["kernel"], a["stride"], a["padding"]
-        h, w = ctx.shapes[layer.inputs[0]][1:]
+        win = Windows(layer, ctx.shapes[layer.inputs[0]])
         out_hw = layer.layer.out_shape[1:]
 
         def fn(m: te.Tensor, v: te.Tensor, s: te.Tensor, var: te.Tensor) -> te.Tensor:
-            i, j = te.reduce_axis((0, kh), name="i"), te.reduce_axis((0, kw), name="j")
+            i, j = win.axes()
+            taps = [m, v, s]
+            if win.overhangs:  # plain loads in the combiner (see Windows.padded)
+                taps = win.padded(taps, [_LOWEST, 0.0, 0.0])
 
-            def tap(t: te.Tensor, fill: float, b: Any, c: Any, y: Any, x_: Any) -> Any:
-                yy, xx = y * sy + i - py, x_ * sx + j - px
-                inside = tirx.all(yy >= 0, yy < h, xx >= 0, xx < w)
-                return tirx.Select(inside, t[b, c, te.min(te.max(yy, 0), h - 1), te.min(te.max(xx, 0), w - 1)],
-                                   _c(fill))
+            def tap(t: te.Tensor, b: Any, c: Any, y: Any, x_: Any) -> Any:
+                return win.load_padded(t, b, c, y, x_, i, j) if win.overhangs else win.load(t, b, c, y, x_, i, j, 0.0)
 
             shape = (m.shape[0], m.shape[1], *out_hw)
-            acc = te.compute(shape, lambda b, c, y, x_: shared_max(
-                (tap(m, _LOWEST, b, c, y, x_), tap(v, 0.0, b, c, y, x_), tap(s, 0.0, b, c, y, x_)), axis=[i, j]),
-                name="fold")
+            acc = te.compute(shape, lambda b, c, y, x_: shared_max(tuple(tap(t, b, c, y, x_) for t in taps),
+                                                                   axis=[i, j]), name="fold")
             return te.compute(shape, lambda b, c, y, x_: _clip(acc[2][b, c, y, x_], var[b, c, y, x_]), name="s")
 
         s = _emit(ctx, fn, [x.mean, x.second, sh.s, out.second], layer, "maxpool")[0]
