@@ -78,7 +78,7 @@ SCALE = register_activation(OpDef(
 # The moment rules are in pyro2pfp.moments (their docstrings give the method, the sources and the
 # accuracy against adaptive quadrature printed by benchmarks/activation_accuracy.py).
 _QUADRATURE = ("numerical: delta series (v < 0.05), 16-node Gauss–Hermite (σ < 1.1) or tilted split "
-               "Gauss–Laguerre, {acc} (`moments.{fn}`; `benchmarks/activation_accuracy.py`); for |μ| > 1000 the "
+               "Gauss–Laguerre, {acc} (`moments.{fn}`; `benchmarks/activation_accuracy.py`); for μ outside ±1000 the "
                "{limit} moments plus the density-expansion correction (`moments._far_corrections`, ≤ 1e-7 relative)")
 _GAUSSIAN_INPUT = "input treated as Gaussian"
 
@@ -95,7 +95,7 @@ TANH = register_activation(OpDef(
     "tanh", ("aten.tanh.default", "aten.tanh_.default"),
     modules="`Tanh`", modules_short=("Tanh",),
     moments="the sigmoid rule via `tanh(x) = 2σ(2x) − 1`, variance ≤ 1.4e-6 relative (`moments.tanh_moments`; "
-            "for |μ| > 500 the sign function's moments plus the correction)",
+            "for μ outside ±500 the sign function's moments plus the correction)",
     assumptions=_GAUSSIAN_INPUT, contract=ACTIVATION,
     activation=ActivationRule(
         exact=lambda x, attrs, ops: moments.tanh_exact(x, ops),
