@@ -566,16 +566,10 @@ class SharedStep(FixedKStep):
 
         def fn(m: te.Tensor, v: te.Tensor, s: te.Tensor, var: te.Tensor) -> te.Tensor:
             i, j = win.axes()
-            taps = [m, v, s]
-            if win.overhangs:  # plain loads in the combiner (see Windows.padded)
-                taps = win.padded(taps, [_LOWEST, 0.0, 0.0])
-
-            def tap(t: te.Tensor, b: Any, c: Any, y: Any, x_: Any) -> Any:
-                return win.load_padded(t, b, c, y, x_, i, j) if win.overhangs else win.load(t, b, c, y, x_, i, j, 0.0)
-
+            taps = win.padded([m, v, s], [_LOWEST, 0.0, 0.0])  # plain loads in the combiner (see Windows.padded)
             shape = (m.shape[0], m.shape[1], *out_hw)
-            acc = te.compute(shape, lambda b, c, y, x_: shared_max(tuple(tap(t, b, c, y, x_) for t in taps),
-                                                                   axis=[i, j]), name="fold")
+            acc = te.compute(shape, lambda b, c, y, x_: shared_max(
+                tuple(win.load_padded(t, b, c, y, x_, i, j) for t in taps), axis=[i, j]), name="fold")
             return te.compute(shape, lambda b, c, y, x_: _clip(acc[2][b, c, y, x_], var[b, c, y, x_]), name="s")
 
         s = _emit(ctx, fn, [x.mean, x.second, sh.s, out.second], layer, "maxpool")[0]

@@ -88,11 +88,14 @@ class Windows:
 
     def padded(self, tensors: list[te.Tensor], fills: list[float]) -> list[te.Tensor]:
         """``tensors`` (B, C, H, W) as one ``pad`` stage covering every window position: the input
-        shifted by the padding, ``fill`` outside it (padding, ceil-mode overhang); read with
+        shifted by the padding, ``fill`` outside it (padding, ceil-mode overhang); the tensors
+        themselves when no window overhangs (then there is no padding).  Read with
         :meth:`load_padded`.  A Clark fold (a TE reduction whose combiner uses each tap several
-        times) must read its taps from such a stage, not through :meth:`load`: TVM substitutes the
-        tap expression into every use, and the bounds check in each copy made LLVM spend ~4 s on a
+        times) must read its taps this way, not through :meth:`load`: TVM substitutes the tap
+        expression into every use, and the bounds check in each copy made LLVM spend ~4 s on a
         3x3 / stride-2 / padding-1 pool (0.2 s with plain loads)."""
+        if not self.overhangs:
+            return list(tensors)
         rows = (self.out_shape[1] - 1) * self.stride[0] + self.kernel[0]
         cols = (self.out_shape[2] - 1) * self.stride[1] + self.kernel[1]
         (ph, pw), (hi, wi) = self.padding, self.in_hw
@@ -107,7 +110,7 @@ class Windows:
         return list(out) if isinstance(out, list | tuple) else [out]
 
     def load_padded(self, t: te.Tensor, b, c, i, j, rp, rq):
-        """A window tap of a :meth:`padded` tensor (no bounds check)."""
+        """A window tap of a tensor :meth:`padded` returned (no bounds check)."""
         return t[b, c, i * self.stride[0] + rp, j * self.stride[1] + rq]
 
 
@@ -213,14 +216,10 @@ def max_pool2d(ctx: EmitContext, layer: PlannedLayer, inputs: list[RelaxActivati
 
     def fn(m: te.Tensor, v: te.Tensor) -> list[te.Tensor]:
         rp, rq = win.axes()
-        if win.overhangs:  # taps from a padded stage: plain loads in the Clark combiner (see Windows.padded)
-            m, v = win.padded([m, v], [_LOWEST, 0.0])
-
-        def tap(t: te.Tensor, b, c, i, j):
-            return win.load_padded(t, b, c, i, j, rp, rq) if win.overhangs else win.load(t, b, c, i, j, rp, rq, 0.0)
+        m, v = win.padded([m, v], [_LOWEST, 0.0])  # plain loads in the Clark combiner (see Windows.padded)
 
         def body(b, c, i, j):
-            return gaussian_max((tap(m, b, c, i, j), tap(v, b, c, i, j)), axis=[rp, rq])
+            return gaussian_max(tuple(win.load_padded(t, b, c, i, j, rp, rq) for t in (m, v)), axis=[rp, rq])
 
         acc = te.compute((m.shape[0], *win.out_shape), body, name="max_pool2d")
         return te.compute(acc[0].shape, lambda *i: epilogue(acc[0][i], acc[1][i], layer), name="epilogue")
