@@ -33,7 +33,7 @@ import torch
 
 import pyro2pfp
 from pyro2pfp.correlation import cost_model, plan_factors
-from pyro2pfp.correlation.factors import aligned
+from pyro2pfp.correlation.factors import with_aligned_widths
 from pyro2pfp.diagnose import layer_fidelity
 from pyro2pfp.network import PFPNetwork
 from pyro2pfp_experiments.zoo import BayesianLeNet5, BayesianMLP, bayesian_resnet, he_posterior
@@ -87,8 +87,8 @@ def macs_summary(net: PFPNetwork) -> str:
     """The multiply-adds per input of ``net``'s shared-factor plan as the compiled module would run it
     (compaction where the reference compacts, ``K`` in whole SIMD vectors) relative to mean-field PFP's."""
     fp = net.plan.factors
-    fixed = plan_factors(net.plan, fp.hermite, compact=True, injection=fp.injection)
-    cost = cost_model(net.plan, dataclasses.replace(fixed, width={n: aligned(k) for n, k in fixed.width.items()}))
+    cost = cost_model(net.plan, with_aligned_widths(plan_factors(net.plan, fp.hermite, compact=True,
+                                                                  injection=fp.injection)))
     return f"x{(cost.mean_field_macs + cost.extra_macs) / cost.mean_field_macs:.2f} of mean-field's"
 
 

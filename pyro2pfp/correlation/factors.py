@@ -175,10 +175,13 @@ def fixed_k_plan(graph: PlannedGraph, what: str, ops: tuple[str, ...] | None = N
             raise ArgumentError(f"{layer.layer.source}: {what} has no shared-factor rule for op '{layer.op}' "
                                 f"(implemented: {implemented} and the activations); net.reference runs it, or "
                                 "convert with correlation='mean-field'")
-    fixed = plan_factors(graph, fp.hermite, compact=compaction, injection=fp.injection)
-    # whole SIMD vectors of factor columns (zero columns change nothing: only g·gᵀ is used)
-    width = {name: aligned(k) for name, k in fixed.width.items()}
-    return dataclasses.replace(fixed, width=width)
+    return with_aligned_widths(plan_factors(graph, fp.hermite, compact=compaction, injection=fp.injection))
+
+
+def with_aligned_widths(fp: FactorPlan) -> FactorPlan:
+    """``fp`` with every edge's ``K`` rounded up to whole SIMD vectors of factor columns (:func:`aligned`;
+    zero columns change nothing: only ``g·gᵀ`` is used) -- the widths the float32 back ends carry."""
+    return dataclasses.replace(fp, width={name: aligned(k) for name, k in fp.width.items()})
 
 
 def aligned(k: int) -> int:

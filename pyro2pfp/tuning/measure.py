@@ -255,12 +255,10 @@ class _BatchRunner:
             self.modules = _build_parts(entries, target)
             return
         try:
-            self.rt_mod = _build_prim_module(tvm.IRModule(entries), target)
-        except Exception:  # noqa: BLE001
-            self.rt_mod = None
-        if self.rt_mod is None:
-            raise TuningError(f"the kernels to time on {remote.address} do not build as one module")
-        self.rt_mod, self.device = _upload_module(self.rt_mod, remote, target)
+            built = _build_prim_module(tvm.IRModule(entries), target)
+        except Exception as exc:  # noqa: BLE001
+            raise TuningError(f"the kernels to time on {remote.address} do not build as one module") from exc
+        self.rt_mod, self.device = _upload_module(built, remote, target)
         self.modules = dict.fromkeys(entries, self.rt_mod)
 
     def close(self) -> None:
