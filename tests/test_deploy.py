@@ -12,6 +12,7 @@ fetches them once with ``pip download --platform manylinux_2_28_aarch64``.
 from __future__ import annotations
 
 import hashlib
+import itertools
 import json
 import os
 import shutil
@@ -516,7 +517,7 @@ def qemu(tmp_path_factory):
     runtime = aarch64_tvm_runtime()
     runner = build_runner(runtime, workdir)
     env = dict(os.environ, QEMU_LD_PREFIX="/usr/aarch64-linux-gnu", LD_LIBRARY_PATH=str(runtime))
-    calls = iter(range(1_000_000))
+    calls = itertools.count()
 
     def run(library: Path, x: np.ndarray, check: bool = True) -> tuple[np.ndarray, np.ndarray] | None:
         """The library's flat (mean, var) outputs; with ``check=False`` None if the run failed and wrote
