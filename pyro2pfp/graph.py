@@ -75,6 +75,7 @@ class Layer:
     source: str
     attrs: dict[str, Any] = field(default_factory=dict)
     params: dict[str, GaussianParam] = field(default_factory=dict)
+    note: str = ""  # what the planner changed about this layer, for the plan summary
 
 
 @dataclass

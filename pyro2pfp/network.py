@@ -7,6 +7,7 @@ from typing import Any
 import numpy as np
 
 from . import folding
+from .correlated_pools import MAX_POOL_RULES, correlate_max_pools
 from .correlation import with_correlation
 from .errors import ArgumentError, InputShapeError, PosteriorError
 from .graph import LayerGraph, Repr
@@ -174,7 +175,8 @@ class PFPNetwork:
 def convert(model: Any, guide: Any = None, *, input_shape: tuple[int, ...] | None = None,
             calibration: float = 1.0, moment_form: str = "variance",
             input_variance: bool = False, check_posterior: bool = True,
-            fold_batch_norm: bool = True, correlation: str = "auto", head: str | None = None) -> PFPNetwork:
+            fold_batch_norm: bool = True, correlation: str = "auto", head: str | None = None,
+            max_pool: str = "correlated") -> PFPNetwork:
     """Convert a Pyro BNN (``model``, trained ``guide``) into a PFP network.
 
     Traces ``model`` (a ``PyroModule``) over a deterministic copy holding the posterior means, reads
@@ -215,6 +217,14 @@ def convert(model: Any, guide: Any = None, *, input_shape: tuple[int, ...] | Non
     otherwise (MLPs, LeNet-5), and mean-field with a warning when an op has no shared-factor rule.
     ``net.plan.correlation`` tells which was chosen.
 
+    ``max_pool``: the rule of max pooling under mean-field PFP.  ``"correlated"`` (default): where a
+    conv feeds the pool (directly or through a non-decreasing activation, which is then applied after
+    the pool -- an exact rewrite), the pool folds Clark's max of the window's *correlated* Gaussians,
+    their covariances computed from the conv (:mod:`pyro2pfp.correlated_pools`); ``"independent"``:
+    every pool treats its window's taps as independent (the paper's rule, which under-states the
+    variance after a pool when the posterior is wide).  ``net.summary()`` names the pools that use
+    the correlated rule.
+
     ``head="probs"`` appends the uncertainty head to the logits, in the same compiled module, the
     NumPy reference and the ONNX export: the network then outputs the class probabilities and, per
     input, the predictive entropy, the expected softmax entropy and the mutual information, without
@@ -253,6 +263,14 @@ def convert(model: Any, guide: Any = None, *, input_shape: tuple[int, ...] | Non
     if head is not None and isinstance(noise, NoiseModel | HeteroscedasticNoise):
         raise ArgumentError(f"head={head!r} is for classifiers (logits); this model has a Normal likelihood "
                             "(regression): use net.regression(mean, var) instead")
+    if max_pool not in MAX_POOL_RULES:
+        raise ArgumentError(f"max_pool must be one of {MAX_POOL_RULES}, got {max_pool!r}")
     planned_graph = append_head(layer_graph, head) if head is not None else layer_graph
     planned = with_correlation(plan(planned_graph, calibration, moment_form), correlation)
+    if planned.factors is None and max_pool == "correlated":
+        rewritten = correlate_max_pools(layer_graph)
+        if rewritten is not layer_graph:
+            layer_graph = rewritten
+            planned_graph = append_head(layer_graph, head) if head is not None else layer_graph
+            planned = plan(planned_graph, calibration, moment_form)
     return PFPNetwork(layer_graph, planned, nonweight_sites=traced.nonweight_sites, noise=noise)

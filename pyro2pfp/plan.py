@@ -151,6 +151,8 @@ class PlannedGraph:
                 notes.append(f"conversion in epilogue: {p.natural_out} → {p.out_repr}")
             if p.op == "convert":
                 notes.append("inserted conversion")
+            if p.layer.note:
+                notes.append(p.layer.note)
             rows.append((p.name, p.op, p.layer.source, str(p.layer.out_shape),
                          ", ".join(map(str, p.in_reprs)), str(p.out_repr), "; ".join(notes)))
         widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
@@ -173,6 +175,12 @@ def _stored_tensors(layer: Layer, input_repr: Repr, calibration: float) -> dict[
     if layer.op == "layer_norm":  # γ, β: means and calibrated variances (pyro2pfp/ops/normalization.py)
         return {f"{name}_{what}": value for name in ("weight", "bias")
                 for what, value in (("mean", layer.params[name].mean), ("var", calibration * layer.params[name].var))}
+    if layer.op == "window_cov":  # the feeding conv's weights (pyro2pfp/ops/window_covariance.py)
+        tensors = {"weight_mean": layer.params["weight"].mean, "weight_var": calibration * layer.params["weight"].var}
+        bias = layer.params.get("bias")
+        if bias is not None and not bias.is_deterministic:
+            tensors["bias_var"] = calibration * bias.var
+        return tensors
     if layer.op not in ("dense", "conv2d"):
         return {}
     weight = layer.params["weight"]
@@ -209,8 +217,9 @@ def plan(graph: LayerGraph, calibration: float = 1.0, moment_form: str = "varian
     # 1. Forward: which edges are deterministic.
     deterministic = {INPUT: input_repr is D}
     for layer in graph.layers:
-        deterministic[layer.name] = specs[layer.op].keeps_deterministic and all(
-            deterministic[i] for i in layer.inputs)
+        spec = specs[layer.op]  # natural D: a plain tensor whatever the input (window_cov's covariances)
+        deterministic[layer.name] = spec.natural is D or (spec.keeps_deterministic and all(
+            deterministic[i] for i in layer.inputs))
 
     # 2. Backward: what each edge's consumers want (pass-through layers forward their consumers' wants).
     wants: dict[str, list[Repr]] = {INPUT: [], **{layer.name: [] for layer in graph.layers}}
@@ -259,7 +268,7 @@ def plan(graph: LayerGraph, calibration: float = 1.0, moment_form: str = "varian
         else:
             out = choose(layer.name, spec.natural)
         new_layer = Layer(name=layer.name, op=layer.op, inputs=inputs, out_shape=layer.out_shape,
-                          source=layer.source, attrs=dict(layer.attrs), params=layer.params)
+                          source=layer.source, attrs=dict(layer.attrs), params=layer.params, note=layer.note)
         natural = None if spec.natural is None or out is D else spec.natural
         planned.append(PlannedLayer(layer=new_layer, in_reprs=in_reprs, out_repr=out, natural_out=natural,
                                     tensors=_stored_tensors(layer, in_reprs[0], calibration)))

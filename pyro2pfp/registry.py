@@ -97,6 +97,9 @@ class ActivationRule:
 
     exact: Callable[[Any, dict[str, Any], Any], Any]
     moments: Callable[[Any, Any, dict[str, Any], Any], tuple[Any, Any]]
+    non_decreasing: Callable[[dict[str, Any]], bool] | None = None
+    """Whether ``f`` is non-decreasing for these attrs (None: not known to be).  Then
+    ``max_pool(f(a)) = f(max_pool(a))`` exactly, and the planner may apply ``f`` after a max pool."""
 
 
 @dataclass(frozen=True)

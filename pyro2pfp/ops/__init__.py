@@ -8,7 +8,16 @@ allow, :mod:`pyro2pfp.ops._formula`).  Their TVM kernels and CPU schedules are t
 it first).  See :mod:`pyro2pfp.registry` and docs/architecture.md ("how to add an op").
 """
 from ..registry import OPS, OpDef, OpRegistryError, get_op, register_op, render_layer_table, supported_modules
-from . import activation, arithmetic, compute, head, normalization, pooling, shape  # noqa: F401  (registers the ops)
+from . import (  # noqa: F401  (registers the ops)
+    activation,
+    arithmetic,
+    compute,
+    head,
+    normalization,
+    pooling,
+    shape,
+    window_covariance,
+)
 
 __all__ = ["OPS", "OpDef", "OpRegistryError", "get_op", "register_op", "render_layer_table",
            "supported_modules"]

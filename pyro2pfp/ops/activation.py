@@ -51,7 +51,8 @@ RELU = register_activation(OpDef(
     moments="exact for a Gaussian input", assumptions="input treated as Gaussian", contract=ACTIVATION,
     activation=ActivationRule(
         exact=lambda x, attrs, ops: ops.maximum(x, ops.const(0.0)),
-        moments=lambda mean, var, attrs, ops: moments.relu_moments(mean, var, ops))))
+        moments=lambda mean, var, attrs, ops: moments.relu_moments(mean, var, ops),
+        non_decreasing=lambda attrs: True)))
 
 LEAKY_RELU = register_activation(OpDef(
     "leaky_relu", ("aten.leaky_relu.default", "aten.leaky_relu_.default"),
@@ -60,7 +61,8 @@ LEAKY_RELU = register_activation(OpDef(
     contract=ACTIVATION, example_attrs={"slope": 0.1},
     activation=ActivationRule(
         exact=lambda x, attrs, ops: ops.where(x > ops.const(0.0), x, ops.const(attrs["slope"]) * x),
-        moments=lambda mean, var, attrs, ops: moments.leaky_relu_moments(mean, var, attrs["slope"], ops))))
+        moments=lambda mean, var, attrs, ops: moments.leaky_relu_moments(mean, var, attrs["slope"], ops),
+        non_decreasing=lambda attrs: attrs["slope"] >= 0)))
 
 
 SCALE = register_activation(OpDef(
@@ -71,7 +73,8 @@ SCALE = register_activation(OpDef(
     activation=ActivationRule(
         exact=lambda x, attrs, ops: ops.const(attrs["factor"]) * x,
         moments=lambda mean, var, attrs, ops: (ops.const(attrs["factor"]) * mean,
-                                               ops.const(attrs["factor"] ** 2) * var))))
+                                               ops.const(attrs["factor"] ** 2) * var),
+        non_decreasing=lambda attrs: attrs["factor"] >= 0)))
 
 
 # ------------------------------------------------------------------ smooth and clipped activations
@@ -89,7 +92,8 @@ SIGMOID = register_activation(OpDef(
     assumptions=_GAUSSIAN_INPUT, contract=ACTIVATION,
     activation=ActivationRule(
         exact=lambda x, attrs, ops: moments.sigmoid_exact(x, ops),
-        moments=lambda mean, var, attrs, ops: moments.sigmoid_moments(mean, var, ops))))
+        moments=lambda mean, var, attrs, ops: moments.sigmoid_moments(mean, var, ops),
+        non_decreasing=lambda attrs: True)))
 
 TANH = register_activation(OpDef(
     "tanh", ("aten.tanh.default", "aten.tanh_.default"),
@@ -99,7 +103,8 @@ TANH = register_activation(OpDef(
     assumptions=_GAUSSIAN_INPUT, contract=ACTIVATION,
     activation=ActivationRule(
         exact=lambda x, attrs, ops: moments.tanh_exact(x, ops),
-        moments=lambda mean, var, attrs, ops: moments.tanh_moments(mean, var, ops))))
+        moments=lambda mean, var, attrs, ops: moments.tanh_moments(mean, var, ops),
+        non_decreasing=lambda attrs: True)))
 
 _GELU_TANH_K = math.sqrt(2.0 / math.pi)
 
@@ -153,7 +158,7 @@ SOFTPLUS = register_activation(OpDef(
     activation=ActivationRule(
         exact=lambda x, attrs, ops: ops.const(1.0 / attrs["beta"]) * moments.softplus_exact(
             ops.const(attrs["beta"]) * x, ops),
-        moments=_softplus_moments)))
+        moments=_softplus_moments, non_decreasing=lambda attrs: attrs["beta"] > 0)))
 
 ELU = register_activation(OpDef(
     "elu", ("aten.elu.default", "aten.elu_.default"),
@@ -163,7 +168,8 @@ ELU = register_activation(OpDef(
     example_attrs={"alpha": 0.5},
     activation=ActivationRule(
         exact=lambda x, attrs, ops: moments.elu_exact(x, attrs["alpha"], ops),
-        moments=lambda mean, var, attrs, ops: moments.elu_moments(mean, var, attrs["alpha"], ops))))
+        moments=lambda mean, var, attrs, ops: moments.elu_moments(mean, var, attrs["alpha"], ops),
+        non_decreasing=lambda attrs: attrs["alpha"] >= 0)))
 
 HARDTANH = register_activation(OpDef(
     "hardtanh", ("aten.hardtanh.default", "aten.hardtanh_.default", "aten.relu6.default", "aten.relu6_.default"),
@@ -172,7 +178,8 @@ HARDTANH = register_activation(OpDef(
     assumptions=_GAUSSIAN_INPUT, contract=ACTIVATION, example_attrs={"lo": -1.0, "hi": 2.0},
     activation=ActivationRule(
         exact=lambda x, attrs, ops: moments.hardtanh_exact(x, attrs["lo"], attrs["hi"], ops),
-        moments=lambda mean, var, attrs, ops: moments.hardtanh_moments(mean, var, attrs["lo"], attrs["hi"], ops))))
+        moments=lambda mean, var, attrs, ops: moments.hardtanh_moments(mean, var, attrs["lo"], attrs["hi"], ops),
+        non_decreasing=lambda attrs: attrs["lo"] <= attrs["hi"])))
 
 
 # ------------------------------------------------------------------------------------ converters

@@ -1,10 +1,14 @@
 """Pooling: ``max_pool2d`` (Clark's pairwise Gaussian max over each window) and ``avg_pool2d`` (linear;
 also global/adaptive average pooling and ``mean`` over (H, W)).
 
-* Max pooling folds Clark's max of two independent Gaussians (``pfp-math.md`` "Max pooling",
-  :func:`pyro2pfp.moments.max_moments`) over each window in row-major order.  Positions outside the
-  input (padding, ceil-mode overhang) hold the fold's exact identity ``(−MAX, 0)``
-  (``max_moments(−MAX, 0, μ, v) = (μ, v)``).
+* Max pooling folds Clark's max of two Gaussians over each window in row-major order (``docs/math.md``
+  "Max pooling").  With a second input -- the in-window covariances of a ``window_cov`` layer, which
+  the planner inserts where a conv feeds the pool (:mod:`pyro2pfp.correlated_pools`) -- the fold is
+  Clark's *correlated* max, carrying the running maximum's covariance with the remaining taps
+  (:func:`pyro2pfp.moments.correlated_window_max`); without it, the taps are taken as independent
+  (:func:`pyro2pfp.moments.max_moments`, the paper's rule).  Positions outside the input (padding,
+  ceil-mode overhang) hold the fold's exact identity ``(−MAX, 0)`` (``max_moments(−MAX, 0, μ, v) =
+  (μ, v)``) and covariance 0.
 * Average pooling: ``μ ↦ Σμ/d``, ``v ↦ Σv/d²`` with torch's divisor ``d`` per output position
   (``divisor``, ``count_include_pad``); padded positions are zeros.
 
@@ -32,8 +36,9 @@ D = Repr.DETERMINISTIC
 MAX_POOL2D = register_op(OpDef(
     "max_pool2d", ("aten.max_pool2d.default", "aten.max_pool2d_with_indices.default"),
     modules="`MaxPool2d` (any kernel, stride, padding, `ceil_mode`)", modules_short=("MaxPool2d",),
-    moments="Clark's max, exact for two inputs",
-    assumptions="pairwise fold over the window in row-major order; independent inputs"))
+    moments="Clark's max, exact for two inputs; in-window covariances from the conv that feeds it",
+    assumptions="pairwise fold over the window in row-major order, the running max treated as Gaussian; "
+                "a non-decreasing activation between conv and pool is applied after the pool (exact)"))
 
 AVG_POOL2D = register_op(OpDef(
     "avg_pool2d", ("aten.avg_pool2d.default", "aten.adaptive_avg_pool2d.default", "aten.mean.dim"),
@@ -55,6 +60,12 @@ def max_pool2d(layer: PlannedLayer, inputs: list[Activation]) -> Activation:
             mean = np.maximum(mean, m)
         return Activation(mean, None, D)
     vars_ = window_views(padded(x.variance(), a, out_hw, 0.0), a["kernel"], a["stride"], out_hw)
+    if len(inputs) == 2:  # in-window covariances (window_cov): Clark's correlated fold
+        cov = inputs[1].mean
+        pairs = moments.window_pairs(a["kernel"][0] * a["kernel"][1])
+        mean, var = moments.correlated_window_max(
+            list(zip(means, vars_)), {pair: cov[:, :, k] for k, pair in enumerate(pairs)})
+        return emit_output(mean, var, layer)
     mean, var = next(means), next(vars_)
     for m, v in zip(means, vars_):
         mean, var = moments.max_moments(mean, var, m, v)
@@ -105,6 +116,12 @@ def _pad(ctx: OnnxContext, x: Sym, pads: list[int] | None, value: float) -> Sym:
     return x.nary("Pad", ctx.b.ints(pads, "pads"), Sym(ctx.b, value=value), mode="constant")
 
 
+def _pair_slice(ctx: OnnxContext, cov: Sym, k: int) -> Sym:
+    """Pair ``k`` of a ``window_cov`` tensor ``(batch, C, P, OH, OW)`` as ``(batch, C, OH, OW)``."""
+    one = cov.nary("Slice", ctx.b.ints([k], "starts"), ctx.b.ints([k + 1], "ends"), ctx.b.ints([2], "axes"))
+    return one.nary("Squeeze", ctx.b.ints([2], "axes"))
+
+
 @exporter("max_pool2d")
 def max_pool2d_onnx(ctx: OnnxContext, layer: PlannedLayer, inputs: list[OnnxActivation]) -> OnnxActivation:
     """``max_pool2d``: positions outside the input hold the fold's identity."""
@@ -119,6 +136,12 @@ def max_pool2d_onnx(ctx: OnnxContext, layer: PlannedLayer, inputs: list[OnnxActi
         return OnnxActivation(mean, None, D)
     means = _window_views(ctx, _pad(ctx, x.mean, pads, LOWEST32), kernel, stride, out_hw)
     vars_ = _window_views(ctx, _pad(ctx, ctx.random_variance(x), pads, 0.0), kernel, stride, out_hw)
+    if len(inputs) == 2:  # in-window covariances (window_cov): Clark's correlated fold
+        cov = inputs[1].mean
+        pairs = moments.window_pairs(kernel[0] * kernel[1])
+        covs = {pair: _pair_slice(ctx, cov, k) for k, pair in enumerate(pairs)}
+        mean, var = moments.correlated_window_max(list(zip(means, vars_)), covs, ctx.ops)
+        return ctx.emit(mean, var, layer)
     mean, var = next(means), next(vars_)
     for m, v in zip(means, vars_):
         mean, var = moments.max_moments(mean, var, m, v, ctx.ops)

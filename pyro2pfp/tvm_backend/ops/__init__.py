@@ -1,4 +1,14 @@
 """The TVM side of the PFP ops, one file per op family (matching ``pyro2pfp/ops/<family>.py``): each
 registers its ops' TE kernels (:func:`~pyro2pfp.tvm_backend.kernel`) and default CPU schedules
 (:func:`~pyro2pfp.tvm_backend.schedule`)."""
-from . import activation, arithmetic, compute, correlation, head, normalization, pooling, shape  # noqa: F401  (registers the kernels)
+from . import (  # noqa: F401  (registers the kernels)
+    activation,
+    arithmetic,
+    compute,
+    correlation,
+    head,
+    normalization,
+    pooling,
+    shape,
+    window_covariance,
+)

@@ -188,6 +188,55 @@ def clark_chain(batch: Any, n: int, taps: int, tap: Any) -> list[te.Tensor]:
     return list(prev)
 
 
+CORRELATED = "correlated_max"
+"""Name prefix of the stages of the correlated Clark fold (:func:`_correlated_max_pool`)."""
+
+
+def _correlated_max_pool(win: Windows, layer: PlannedLayer, m: te.Tensor, v: te.Tensor, cov: te.Tensor
+                         ) -> list[te.Tensor]:
+    """Clark's correlated max folded over each window (:func:`pyro2pfp.moments.correlated_window_max`).
+
+    Stage ``t`` (``correlated_max_<t>``, one ``te.compute`` per fold step, as :func:`clark_chain`)
+    outputs the running maximum's (mean, variance) after tap ``t`` and its covariance with every
+    later tap; ``cov[b, c, k, i, j]`` holds the covariance of the window's pair ``k``
+    (:func:`pyro2pfp.moments.window_pairs`).  Taps outside the input are the fold's identity (read
+    through :meth:`Windows.padded`), their covariances 0."""
+    kh, kw = win.kernel
+    n_taps = kh * kw
+    pair_index = {pair: k for k, pair in enumerate(moments.window_pairs(n_taps))}
+    m, v = win.padded([m, v], [_LOWEST, 0.0])
+    shape = (m.shape[0], *win.out_shape)
+
+    def tap(t: int, b, c, i, j):
+        return (win.load_padded(m, b, c, i, j, t // kw, t % kw), win.load_padded(v, b, c, i, j, t // kw, t % kw))
+
+    def fold_step(t: int, prev: Any) -> Any:
+        def step(b, c, i, j):
+            if prev is None:
+                m1, v1 = tap(0, b, c, i, j)
+                carried = [cov[b, c, pair_index[(0, u)], i, j] for u in range(1, n_taps)]
+            else:
+                m1, v1 = prev[0][b, c, i, j], prev[1][b, c, i, j]
+                carried = [prev[2 + k][b, c, i, j] for k in range(n_taps - t)]
+            m2, v2 = tap(t, b, c, i, j)
+
+            def build(ops):
+                mean, var, cdf, cdf_neg = moments.correlated_max_moments(m1, v1, m2, v2, carried[0], ops)
+                later = [carried[1 + k] * cdf + cov[b, c, pair_index[(t, u)], i, j] * cdf_neg
+                         for k, u in enumerate(range(t + 1, n_taps))]
+                return [mean, var, *later]
+
+            return te_shared(build)
+
+        return step
+
+    prev: Any = None
+    for t in range(1, n_taps):
+        prev = te.compute(shape, fold_step(t, prev), name=f"{CORRELATED}_{t}")
+        prev = list(prev) if isinstance(prev, list | tuple) else [prev]
+    return te.compute(shape, lambda *i: epilogue(prev[0][i], prev[1][i], layer), name="epilogue")
+
+
 def _input_shape(ctx: EmitContext, layer: PlannedLayer) -> tuple[int, ...]:
     return ctx.shapes[layer.inputs[0]]
 
@@ -207,6 +256,10 @@ def max_pool2d(ctx: EmitContext, layer: PlannedLayer, inputs: list[RelaxActivati
         return activation_out(ctx.emit_te(exact, [x.mean], layer), layer)
 
     assert x.repr is Repr.VARIANCE, x.repr  # the plan delivers variances to max pooling
+
+    if len(inputs) == 2:  # in-window covariances (window_cov): Clark's correlated fold
+        return activation_out(ctx.emit_te(lambda m, v, cov: _correlated_max_pool(win, layer, m, v, cov),
+                                          x.tensors() + [inputs[1].mean], layer), layer)
 
     # windows that tile the input: deinterleaved (LeNet pool2, 16 channels: vectors of channels
     # with strided taps measured 34 us at batch 10 (one thread), deinterleaved 23 us)
@@ -304,6 +357,10 @@ def schedule_max_pool2d(sch: s_tir.Schedule, layer: Any, target: tvm.target.Targ
     lanes = simd_lanes(target)
     if has_block(sch, "deinterleave_v0"):
         _schedule_deinterleaved_pool(sch, lanes)
+        return
+    if has_block(sch, f"{CORRELATED}_1") or has_block(sch, f"{CORRELATED}_1_v0"):
+        # the correlated fold: every stage (and the padded input) an elementwise nest of its own
+        flat_nests(sch, list(sch.get_child_blocks(sch.get_sblock("root"))), lanes)
         return
     if has_block(sch, f"{PAD}_v0"):  # the padded input of overhanging windows: its own elementwise nest
         flat_nests(sch, [b for b in sch.get_child_blocks(sch.get_sblock("root"))

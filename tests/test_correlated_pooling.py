@@ -1,0 +1,336 @@
+"""Max pooling with in-window covariances: Clark's correlated max, ``window_cov``, the plan rewrite that
+puts a non-decreasing activation after the pool, and all three back ends.
+
+* Clark's max of two *correlated* Gaussians is exact: checked against Monte Carlo with the derived
+  bound of ``tests/stats.py``, and the independent rule must be rejected on the same sample.
+* ``window_cov`` (the covariances of every pair of taps of a window, from the conv that feeds the pool)
+  is exact for a conv with independent Gaussian weights and independent inputs: its pairs'
+  covariances are checked against Monte Carlo the same way, for a deterministic and a random conv
+  input, overlapping / padded / ceil-mode windows and a strided conv.
+* A conv → ReLU → max pool stack with a wide posterior: after the pool the variance ratio to sampling
+  is within a stated band with the correlated rule, and the independent rule fails the same band.
+* Compiled (TVM) and ONNX outputs equal the float64 reference to float32 rounding.
+"""
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+from builders import conv_layer, dense_layer, pool_layer, relu_layer, reshape_layer
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from op_coverage import COMPILED, MONTE_CARLO, covers
+from stats import assert_check_rejects, assert_moments_agree
+
+from pyro2pfp import moments
+from pyro2pfp.correlated_pools import correlate_max_pools
+from pyro2pfp.graph import INPUT, Layer, LayerGraph
+from pyro2pfp.network import PFPNetwork
+from pyro2pfp.plan import plan
+from pyro2pfp.reference import execute_all
+from pyro2pfp.reference.arrays import LOWEST, padded, window_views
+
+N_MC = 200_000
+MC = settings(max_examples=12, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+
+
+# --------------------------------------------------------------------------------------------
+# Clark's max of two correlated Gaussians
+# --------------------------------------------------------------------------------------------
+
+@st.composite
+def correlated_pairs(draw):
+    k = draw(st.integers(1, 4))
+    scale = 10.0 ** draw(st.floats(-4, 4))
+    m1, s1, m2, s2, rho = (np.empty(k) for _ in range(5))
+    for i in range(k):
+        s1[i] = scale
+        s2[i] = scale * 10.0 ** draw(st.floats(-1, 1))
+        rho[i] = draw(st.floats(-0.95, 0.999) | st.sampled_from([0.0, 0.9, 0.99]))
+        theta = math.sqrt(max(s1[i] ** 2 + s2[i] ** 2 - 2 * rho[i] * s1[i] * s2[i], 1e-300))
+        m1[i] = scale * draw(st.floats(-100, 100))
+        m2[i] = m1[i] + theta * draw(st.floats(-5, 5))
+    return m1, s1, m2, s2, rho, draw(st.integers(0, 2**32 - 1))
+
+
+def correlated_samples(rng, m1, s1, m2, s2, rho, n=N_MC):
+    z1 = rng.standard_normal((n, m1.size))
+    z2 = rho * z1 + np.sqrt(1 - rho**2) * rng.standard_normal((n, m1.size))
+    return m1 + s1 * z1, m2 + s2 * z2
+
+
+@MC
+@given(correlated_pairs())
+def test_correlated_max_of_two_matches_monte_carlo(case):
+    m1, s1, m2, s2, rho, seed = case
+    mean, var, cdf, cdf_neg = moments.correlated_max_moments(m1, s1**2, m2, s2**2, rho * s1 * s2)
+    x1, x2 = correlated_samples(np.random.default_rng(seed), m1, s1, m2, s2, rho)
+    assert_moments_agree(np.maximum(x1, x2), mean, var)
+    np.testing.assert_allclose(cdf + cdf_neg, 1.0, rtol=1e-12)
+
+
+def test_independent_clark_is_rejected_for_correlated_inputs():
+    m1, s1 = np.array([0.0, 1.0, 5.0]), np.array([1.0, 2.0, 1.0])
+    m2, s2, rho = m1 + np.array([0.1, -0.5, 0.3]), s1 * 1.1, np.array([0.9, 0.95, 0.8])
+    x1, x2 = correlated_samples(np.random.default_rng(3), m1, s1, m2, s2, rho)
+    mean, var, _, _ = moments.correlated_max_moments(m1, s1**2, m2, s2**2, rho * s1 * s2)
+    assert_moments_agree(np.maximum(x1, x2), mean, var)
+    wrong_mean, wrong_var = moments.max_moments(m1, s1**2, m2, s2**2)
+    assert_check_rejects(np.maximum(x1, x2), wrong_mean, wrong_var)
+
+
+def test_correlated_max_limit_cases():
+    # perfectly correlated, equal variances (θ = 0): the larger mean, its variance; no NaN
+    m, v, _, _ = moments.correlated_max_moments(np.array([1.0, -3.0, 1e30]), np.array([4.0, 0.0, 1e20]),
+                                                np.array([2.0, -3.0, -1e30]), np.array([4.0, 0.0, 1e20]),
+                                                np.array([4.0, 0.0, 1e20]))
+    np.testing.assert_array_equal(m, [2.0, -3.0, 1e30])
+    np.testing.assert_array_equal(v, [4.0, 0.0, 1e20])
+    # a covariance that rounding pushed past v1 + v2: θ² clamped at 0, finite
+    m, v, _, _ = moments.correlated_max_moments(np.array([0.5]), np.array([1.0]), np.array([0.0]),
+                                                np.array([1.0]), np.array([1.0 + 1e-12]))
+    assert np.isfinite(m).all() and np.isfinite(v).all() and m[0] == 0.5
+    # covariance 0 is the independent rule, bit for bit
+    a = np.random.default_rng(0).normal(size=(4, 50))
+    mi, vi = moments.max_moments(a[0], a[1] ** 2, a[2], a[3] ** 2)
+    mc, vc, _, _ = moments.correlated_max_moments(a[0], a[1] ** 2, a[2], a[3] ** 2, np.zeros(50))
+    np.testing.assert_allclose(mc, mi, rtol=1e-14, atol=1e-14)
+    np.testing.assert_allclose(vc, vi, rtol=1e-12, atol=1e-14)
+    # the fold's identity (−MAX, 0) with covariance 0 leaves the other tap as it is
+    m, v = moments.correlated_window_max([(np.array([LOWEST]), np.array([0.0])), (np.array([2.0]), np.array([3.0]))],
+                                         {(0, 1): np.array([0.0])})
+    assert m[0] == 2.0 and v[0] == 3.0
+
+
+# --------------------------------------------------------------------------------------------
+# window_cov against Monte Carlo
+# --------------------------------------------------------------------------------------------
+
+CASES = [  # (conv: in_ch, out_ch, kernel, stride, padding; pool: kernel, stride, padding, ceil; image; random input)
+    ((2, 3, 3, 1, 1), (2, 2, 0, False), 6, False),
+    ((2, 2, 3, 1, 0), (3, 2, 1, False), 7, True),
+    ((1, 2, 2, 2, 1), (2, 2, 0, True), 7, True),
+]
+
+
+def small_graph(rng, case, mean_scale=0.5, var_scale=0.2):
+    (cin, cout, k, s, p), (pk, ps, pp, ceil), image, _ = case
+    conv = conv_layer(rng, "conv", INPUT, (cin, image, image), cout, k, s, p, 1, 1, mean_scale, var_scale)
+    pool = pool_layer("pool", "conv", conv.out_shape, pk, ps)
+    pool.attrs.update({"padding": [pp, pp], "ceil_mode": ceil})
+    import torch
+
+    out = torch.nn.functional.max_pool2d(torch.zeros(1, *conv.out_shape), pk, ps, pp, ceil_mode=ceil)
+    pool.out_shape = tuple(out.shape[1:])
+    return LayerGraph(input_shape=(cin, image, image), layers=[conv, pool], output="pool",
+                      input_variance=case[3])
+
+
+def sample_conv(rng, layer, x_mean, x_var, n):
+    """``n`` draws of the conv output (new weights, bias and input every draw): each draw's weights
+    times its input's patches (``unfold``), one batched matmul."""
+    import torch
+    import torch.nn.functional as F
+
+    w, b, a = layer.params["weight"], layer.params["bias"], layer.attrs
+    ws = w.mean.reshape(w.shape[0], -1) + np.sqrt(w.var).reshape(w.shape[0], -1) * rng.standard_normal(
+        (n, w.shape[0], w.mean[0].size))
+    bs = b.mean + np.sqrt(b.var) * rng.standard_normal((n, *b.shape))
+    xs = x_mean if x_var is None else x_mean + np.sqrt(x_var) * rng.standard_normal((n, *x_mean.shape[1:]))
+    patches = F.unfold(torch.as_tensor(xs), w.shape[2:], padding=a["padding"], stride=a["stride"]).numpy()
+    out = np.matmul(ws, patches) + bs[:, :, None]  # (n, O, L)
+    oh = (x_mean.shape[2] + 2 * a["padding"][0] - w.shape[2]) // a["stride"][0] + 1
+    return out.reshape(n, w.shape[0], oh, -1)
+
+
+@covers("window_cov", kind=MONTE_CARLO)
+@pytest.mark.parametrize("case", CASES)
+def test_window_cov_matches_monte_carlo(case):
+    rng = np.random.default_rng(7)
+    graph = correlate_max_pools(small_graph(rng, case))
+    assert [layer.op for layer in graph.layers] == ["conv2d", "window_cov", "max_pool2d"]
+    planned = plan(graph)
+    cin, image = case[0][0], case[2]
+    x = rng.normal(size=(1, cin, image, image))
+    x_var = rng.uniform(0.1, 1.0, x.shape) if case[3] else None
+    values = execute_all(planned, x, x_var)
+    cov = values["pool_window_cov"].mean[0]  # (C, P, OH, OW)
+    pool = planned.layer("pool").layer
+    out_hw = pool.out_shape[1:]
+    a = sample_conv(rng, graph.layer("conv"), x, x_var, 20_000)  # (n, C, H, W)
+    centred = a - values["conv"].mean  # the exact means (conv means are exact)
+    taps = list(window_views(padded(centred, pool.attrs, out_hw, np.nan), pool.attrs["kernel"],
+                             pool.attrs["stride"], out_hw))
+    checked = 0
+    for k, (i, j) in enumerate(moments.window_pairs(len(taps))):
+        prod = taps[i] * taps[j]  # (n, C, OH, OW); NaN where a tap is outside the conv output
+        inside = ~np.isnan(prod[0])
+        assert np.all(cov[:, k][~inside] == 0)
+        assert_moments_agree(prod[:, inside], cov[:, k][inside], None)
+        checked += int(inside.sum())
+    assert checked > 0
+
+
+def test_window_cov_check_can_fail():
+    """The same check rejects covariances without the bias variance (deterministic input, case 0)."""
+    rng = np.random.default_rng(7)
+    graph = correlate_max_pools(small_graph(rng, CASES[0]))
+    planned = plan(graph)
+    x = rng.normal(size=(1, 2, 6, 6))
+    cov = execute_all(planned, x)["pool_window_cov"].mean[0][:, 0]
+    bias_var = graph.layer("conv").params["bias"].var[:, None, None]
+    a = sample_conv(rng, graph.layer("conv"), x, None, 20_000) - execute_all(planned, x)["conv"].mean
+    views = list(window_views(a, [2, 2], [2, 2], (3, 3)))
+    assert_moments_agree(views[0] * views[1], cov, None)
+    assert_check_rejects(views[0] * views[1], cov - bias_var, None)
+
+
+# --------------------------------------------------------------------------------------------
+# the plan rewrite
+# --------------------------------------------------------------------------------------------
+
+def cnn_graph(rng, act: str = "relu", act_attrs=None, mean_scale=0.4, var_scale=0.05):
+    conv = conv_layer(rng, "conv1", INPUT, (1, 12, 12), 4, 3, 1, 1, 1, 1, mean_scale, var_scale)
+    a = Layer("act1", act, ["conv1"], conv.out_shape, "act1 (test)", attrs=dict(act_attrs or {}))
+    pool = pool_layer("pool1", "act1", conv.out_shape, 2, 2)
+    conv2 = conv_layer(rng, "conv2", "pool1", pool.out_shape, 6, 3, 1, 0, 1, 1, mean_scale, var_scale)
+    relu2 = relu_layer("relu2", "conv2", conv2.out_shape)
+    pool2 = pool_layer("pool2", "relu2", conv2.out_shape, 2, 2)
+    flat = int(np.prod(pool2.out_shape))
+    return LayerGraph(input_shape=(1, 12, 12), layers=[
+        conv, a, pool, conv2, relu2, pool2, reshape_layer("flat", "pool2", (flat,)),
+        dense_layer(rng, "fc", "flat", flat, 5, mean_scale, var_scale)], output="fc")
+
+
+def test_rewrite_moves_non_decreasing_activations_and_adds_covariances():
+    g = correlate_max_pools(cnn_graph(np.random.default_rng(0), "leaky_relu", {"slope": 0.2}))
+    ops = [(layer.name, layer.op) for layer in g.layers]
+    assert ops[:4] == [("conv1", "conv2d"), ("pool1_window_cov", "window_cov"),
+                       ("pool1_pre_leaky_relu", "max_pool2d"), ("pool1", "leaky_relu")]
+    assert g.layer("pool1_pre_leaky_relu").inputs == ["conv1", "pool1_window_cov"]
+    assert g.layer("pool1_window_cov").inputs == [INPUT]
+    assert "moved after" in g.layer("pool1_pre_leaky_relu").note
+    summary = plan(g).summary()
+    assert "correlated Clark max" in summary and "leaky_relu moved after it" in summary
+
+
+@pytest.mark.parametrize("act, attrs", [("gelu", {"approximate": "none"}), ("leaky_relu", {"slope": -0.5}),
+                                        ("silu", {})])
+def test_rewrite_keeps_activations_that_are_not_non_decreasing(act, attrs):
+    g = correlate_max_pools(cnn_graph(np.random.default_rng(0), act, attrs))
+    assert g.layer("act1").op == act and g.layer("pool1").op == "max_pool2d"
+    assert g.layer("pool1").inputs == ["act1"]  # the independent fold
+    assert g.layer("pool2").op == "relu"  # the second stack is rewritten
+
+
+def test_rewrite_is_exact_on_deterministic_weights():
+    """With zero posterior variances the rewritten net computes the deterministic net exactly."""
+    rng = np.random.default_rng(1)
+    g0 = cnn_graph(rng, var_scale=0.0)
+    x = rng.normal(size=(3, 1, 12, 12))
+    m0, v0 = PFPNetwork(g0, plan(g0)).reference(x)
+    m1, v1 = PFPNetwork(correlate_max_pools(g0), plan(correlate_max_pools(g0))).reference(x)
+    np.testing.assert_allclose(m1, m0, rtol=1e-12, atol=1e-12)
+    assert not v0.any() and not v1.any()
+
+
+# --------------------------------------------------------------------------------------------
+# a wide posterior: the variance after the pools, against sampling the same network
+# --------------------------------------------------------------------------------------------
+
+def sample_network(rng, g: LayerGraph, x: np.ndarray, n: int) -> dict[str, np.ndarray]:
+    """Monte Carlo of conv1 → relu → pool1 → conv2 → relu → pool2: per layer, (n, batch, ...) draws
+    (new weights every draw; draw ``s`` is group ``s`` of one grouped convolution)."""
+    import torch
+    import torch.nn.functional as F
+
+    def draw(p):
+        return torch.as_tensor(p.mean + np.sqrt(p.var) * rng.standard_normal((n, *p.mean.shape)))
+
+    c1, c2 = g.layer("conv1"), g.layer("conv2")
+    w1, b1 = draw(c1.params["weight"]), draw(c1.params["bias"])
+    w2, b2 = draw(c2.params["weight"]), draw(c2.params["bias"])
+    xt = torch.as_tensor(x).repeat(1, n, 1, 1)
+    h = F.conv2d(xt, w1.reshape(-1, *w1.shape[2:]), b1.reshape(-1), padding=1, groups=n)
+    p1 = F.max_pool2d(F.relu(h), 2)
+    p2 = F.max_pool2d(F.relu(F.conv2d(p1, w2.reshape(-1, *w2.shape[2:]), b2.reshape(-1), groups=n)), 2)
+
+    def per_draw(t):
+        return t.numpy().reshape(x.shape[0], n, -1, *t.shape[2:]).swapaxes(0, 1)
+
+    return {"pool1": per_draw(p1), "pool2": per_draw(p2)}
+
+
+@pytest.fixture(scope="module")
+def wide_cnn():
+    rng = np.random.default_rng(5)
+    g = cnn_graph(rng, mean_scale=0.4, var_scale=0.1)
+    x = rng.uniform(0, 1, (4, 1, 12, 12))
+    x[:, :, :3] = 0.0  # a blank band: windows whose taps are (nearly) one variable
+    return g, x, sample_network(rng, g, x, 3000)
+
+
+@pytest.mark.parametrize("pool, correlated_band, mean_error", [("pool1", (0.92, 1.08), 0.1),
+                                                              ("pool2", (0.85, 1.15), 0.6)])
+def test_variance_after_max_pool_matches_sampling(wide_cnn, pool, correlated_band, mean_error):
+    """pool1 sees the conv of a deterministic input (exact covariances); pool2's conv has a mean-field
+    input (the covariances between pool1's outputs are dropped), hence its wider bounds."""
+    g, x, samples = wide_cnn
+    mc_mean, mc_var = samples[pool].mean(0), samples[pool].var(0)
+    live = mc_var > 1e-6 * mc_var.max()
+    results = {}
+    for name, graph in (("independent", g), ("correlated", correlate_max_pools(g))):
+        values = execute_all(plan(graph), x)
+        results[name] = (values[pool].mean, values[pool].variance())
+    se = np.sqrt(mc_var / 3000)
+    m_c, v_c = results["correlated"]
+    ratio = np.median(v_c[live] / mc_var[live])
+    assert correlated_band[0] <= ratio <= correlated_band[1], ratio
+    assert np.median(np.abs(m_c - mc_mean)[live] / np.sqrt(mc_var[live])) < mean_error
+    m_i, v_i = results["independent"]
+    # the paper's rule is measurably off on the same windows (the failure this rule fixes)
+    assert np.median(v_i[live] / mc_var[live]) < correlated_band[0] or \
+        np.median(np.abs(m_i - mc_mean)[live] / se[live]) > 5
+
+
+# --------------------------------------------------------------------------------------------
+# compiled and ONNX back ends
+# --------------------------------------------------------------------------------------------
+
+def backend_graph(rng) -> LayerGraph:
+    """A random-input conv → ReLU → 3×3/2/1 pool (overlap, padding) and a strided conv → 2×2 ceil pool."""
+    conv1 = conv_layer(rng, "conv1", INPUT, (2, 9, 9), 4, 3, 1, 1, 1, 1, 0.4, 0.05)
+    relu1 = relu_layer("relu1", "conv1", conv1.out_shape)
+    pool1 = pool_layer("pool1", "relu1", conv1.out_shape, 3, 2)
+    pool1.attrs["padding"] = [1, 1]
+    pool1.out_shape = (4, 5, 5)
+    conv2 = conv_layer(rng, "conv2", "pool1", pool1.out_shape, 3, 2, 2, 1, 1, 1, 0.4, 0.05)
+    pool2 = pool_layer("pool2", "conv2", conv2.out_shape, 2, 2)
+    pool2.attrs["ceil_mode"] = True
+    pool2.out_shape = (3, 2, 2)
+    flat = 12
+    return LayerGraph(input_shape=(2, 9, 9), input_variance=True, layers=[
+        conv1, relu1, pool1, conv2, pool2, reshape_layer("flat", "pool2", (flat,)),
+        dense_layer(rng, "fc", "flat", flat, 4, 0.4, 0.05)], output="fc")
+
+
+@covers("window_cov", kind=COMPILED)
+@pytest.mark.parametrize("moment_form", ["variance", "raw"])
+def test_compiled_and_onnx_equal_the_reference(moment_form):
+    import onnxruntime as ort
+
+    rng = np.random.default_rng(11)
+    g = correlate_max_pools(backend_graph(rng))
+    assert sum(layer.op == "window_cov" for layer in g.layers) == 2
+    net = PFPNetwork(g, plan(g, 1.0, moment_form))
+    x = rng.uniform(0, 1, (3, 2, 9, 9)).astype(np.float32)
+    x_var = rng.uniform(0, 0.1, x.shape).astype(np.float32)
+    ref = net.reference(x, x_var)
+    session = ort.InferenceSession(net.to_onnx().SerializeToString())
+    outputs = [session.run(None, {"x": x, "x_var": x_var})]
+    if moment_form == "variance":  # the compiled path is the same for both forms but for the conversions
+        outputs.append(net.compile("llvm")(x, x_var))
+    for got in outputs:
+        for r, o in zip(ref, got):
+            np.testing.assert_allclose(o, r, rtol=2e-4, atol=2e-5 * np.abs(r).max())
