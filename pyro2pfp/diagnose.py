@@ -8,27 +8,37 @@ computes.  From the samples it estimates each activation's Monte Carlo mean ``m`
 ``s²`` (Welford, float64) and compares them with the float64 NumPy reference of the PFP plan
 ``(μ, v)`` of the same layer:
 
-* mean error ``|μ − m| / s`` (averaged over the layer's elements and the inputs).  With ``N``
-  samples the MC mean itself is off by ``s/√N``, so ``≈ 0.8/√N`` is the noise floor;
+* mean error ``|μ − m| / max(s, s_floor)`` per element, reported as its median and 90th percentile
+  over the layer's elements and the inputs.  ``s_floor`` is a tenth of the layer's median ``s``:
+  a saturated unit (a Softplus or sigmoid far in its flat tail) has a sampled ``s`` near 0, and
+  dividing by it alone turns a negligible absolute difference into a figure of millions.  With
+  ``N`` samples the MC mean itself is off by ``s/√N``, so an exact PFP mean gives a median of
+  ``≈ 0.67/√N`` (the median of ``|N(0, 1)|`` over ``√N``): that is the noise floor;
 * variance ratio ``v / s²`` per element: median, 10th and 90th percentile (the MC variance has a
-  relative sd ``√(2/(N−1))``, e.g. 0.08 at ``N = 300``).
+  relative sd ``√(2/(N−1))`` for Gaussian activations, e.g. 0.08 at ``N = 300``).
 
-Elements whose MC variance is zero (deterministic so far) are left out of both figures.
+Elements whose MC variance is zero (deterministic so far) are left out of both figures.  The
+medians are what :func:`pyro2pfp.fidelity.check_fidelity` (``convert(..., check=x)``) tests.
 """
 from __future__ import annotations
 
+import contextlib
 import math
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
 import pyro
+import pyro.util
 import torch
 import torch.fx
 
 from .errors import PFPError
 from .posterior import call_with_model_args
 from .tracing import _WRAPPER_PREFIX
+
+SD_FLOOR = 0.1  # the mean error's sd floor, as a fraction of the layer's median MC sd
 
 
 @dataclass(frozen=True)
@@ -38,10 +48,11 @@ class LayerFidelity:
     name: str
     op: str
     shape: tuple[int, ...]
-    mean_error: float  # mean over elements of |μ_pfp − μ_mc| / sd_mc
+    mean_error: float  # median over elements of |μ_pfp − μ_mc| / max(sd_mc, sd_floor) (module docstring)
     ratio_median: float  # of var_pfp / var_mc over elements
     ratio_p10: float
     ratio_p90: float
+    mean_error_p90: float = float("nan")  # 90th percentile of the same per-element mean error
 
 
 @dataclass
@@ -56,14 +67,18 @@ class Diagnosis:
 
     def table(self) -> str:
         """The per-layer figures as a fixed-width text table."""
-        head = f"{'layer':<24} {'op':<11} {'shape':<14} {'mean err/sd':>11} {'var ratio med':>13} {'p10':>7} {'p90':>7}"
+        head = (f"{'layer':<24} {'op':<11} {'shape':<14} {'mean err/sd':>11} {'p90':>7} {'var ratio med':>13} "
+                f"{'p10':>7} {'p90':>7}")
         lines = [head, "-" * len(head)]
         for r in self.layers:
-            lines.append(f"{r.name:<24} {r.op:<11} {str(r.shape):<14} {r.mean_error:11.3f} "
+            lines.append(f"{r.name:<24} {r.op:<11} {str(r.shape):<14} {r.mean_error:11.3f} {r.mean_error_p90:7.3f} "
                          f"{r.ratio_median:13.3f} {r.ratio_p10:7.3f} {r.ratio_p90:7.3f}")
-        lines.append(f"{self.num_samples} MC samples, {self.num_inputs} inputs; argmax agreement "
-                     f"{100 * self.argmax_agreement:.1f} %; MC noise floor: mean err ≈ "
-                     f"{0.8 / math.sqrt(self.num_samples):.3f}, ratio sd ≈ {math.sqrt(2 / (self.num_samples - 1)):.3f}")
+        n = self.num_samples
+        lines.append(f"{n} MC samples, {self.num_inputs} inputs; argmax agreement "
+                     f"{100 * self.argmax_agreement:.1f} %; MC noise floor: mean err median ≈ "
+                     f"{0.67 / math.sqrt(n):.3f}, ratio sd ≈ {math.sqrt(2 / (n - 1)):.3f}")
+        lines.append("mean err: median and p90 over elements of |PFP − MC| / MC sd, the sd floored at a tenth of "
+                     "the layer's median sd (saturated units)")
         return "\n".join(lines)
 
     def plot(self, path: Any) -> None:
@@ -124,10 +139,28 @@ class _Welford:
         return self.m2 / max(self.n - 1, 1)
 
 
+@contextlib.contextmanager
+def _restored_rng(state: dict[str, Any]) -> Iterator[None]:
+    try:
+        yield
+    finally:
+        pyro.util.set_rng_state(state)
+
+
 def _guide_sample(guide: Any, example: torch.Tensor) -> dict[str, torch.Tensor]:
     tr = pyro.poutine.trace(lambda *a: call_with_model_args(guide, a)).get_trace(example)
     return {name: torch.as_tensor(site["value"]).detach() for name, site in tr.nodes.items()
             if site["type"] == "sample"}
+
+
+def _model_and_guide(model: Any, guide: Any) -> tuple[Any, Any]:
+    """A TyXe ``VariationalBNN`` (alone, or with its ``guide`` or ``net_guide``) stands for its ``net`` and
+    ``net_guide``, as in :func:`pyro2pfp.convert`: the wrapper itself also holds the guides and the
+    likelihood, which are not part of the network (and need not survive a deep copy)."""
+    if hasattr(model, "net") and hasattr(model, "net_guide"):
+        if guide is None or guide is model.net_guide or guide == getattr(model, "guide", None):
+            return model.net, model.net_guide
+    return model, guide
 
 
 def layer_fidelity(name: str, op: str, pfp_mean: np.ndarray, pfp_var: np.ndarray, mc_mean: np.ndarray,
@@ -136,19 +169,26 @@ def layer_fidelity(name: str, op: str, pfp_mean: np.ndarray, pfp_var: np.ndarray
     keep = mc_var > 1e-12 * (mc_mean**2 + 1e-12)
     if not keep.any():
         nan = float("nan")
-        return LayerFidelity(name, op, tuple(pfp_mean.shape[1:]), nan, nan, nan, nan)
+        return LayerFidelity(name, op, tuple(pfp_mean.shape[1:]), nan, nan, nan, nan, nan)
     sd = np.sqrt(mc_var[keep])
-    err = np.abs(pfp_mean[keep] - mc_mean[keep]) / sd
+    # A saturated unit's sampled sd is ~0: measure its mean error against a tenth of the layer's median sd.
+    floor = SD_FLOOR * float(np.median(sd))
+    err = np.abs(pfp_mean[keep] - mc_mean[keep]) / np.maximum(sd, floor)
+    err_med, err_p90 = np.percentile(err, [50, 90])
     ratio = pfp_var[keep] / mc_var[keep]
     p10, med, p90 = np.percentile(ratio, [10, 50, 90])
-    return LayerFidelity(name, op, tuple(pfp_mean.shape[1:]), float(err.mean()), float(med), float(p10),
-                         float(p90))
+    return LayerFidelity(name, op, tuple(pfp_mean.shape[1:]), float(err_med), float(med), float(p10),
+                         float(p90), float(err_p90))
 
 
 def diagnose(model: Any, guide: Any, x: Any, *, num_samples: int = 300, input_shape: tuple[int, ...] | None = None,
              calibration: float = 1.0, net: Any = None, seed: int = 0, per_layer: bool = True,
              execute: Any = None, correlation: str = "auto") -> Diagnosis:
     """Compare every planned layer's PFP moments with Monte Carlo over the guide's samples.
+
+    ``model``, ``guide``: as for :func:`pyro2pfp.convert` (a TyXe ``VariationalBNN`` may be passed
+    alone).  Leaves the model, the guide, the param store and the random number generators (torch,
+    NumPy, Python) as it found them.
 
     ``x``: a batch of inputs ``(B, *input_shape)``; ``input_shape`` defaults to ``x.shape[1:]``.
     ``net``: an already converted :class:`~pyro2pfp.PFPNetwork` of ``(model, guide)`` (skips conversion;
@@ -160,13 +200,21 @@ def diagnose(model: Any, guide: Any, x: Any, *, num_samples: int = 300, input_sh
     -> {layer: Activation}`` replaces the NumPy reference (:func:`pyro2pfp.reference.execute_all`, which
     runs the plan's correlation scheme) as the PFP side.
     """
+    if num_samples < 2:
+        raise PFPError(f"diagnose needs num_samples >= 2, got {num_samples}")
+    model, guide = _model_and_guide(model, guide)
+    with _restored_rng(pyro.util.get_rng_state()):  # the caller's random streams are not disturbed
+        return _diagnose(model, guide, x, num_samples, input_shape, calibration, net, seed, per_layer, execute,
+                         correlation)
+
+
+def _diagnose(model: Any, guide: Any, x: Any, num_samples: int, input_shape: tuple[int, ...] | None,
+              calibration: float, net: Any, seed: int, per_layer: bool, execute: Any, correlation: str) -> Diagnosis:
     from .inputs import as_input_array
     from .network import convert
     from .reference import execute_all
     from .tracing import trace_model
 
-    if num_samples < 2:
-        raise PFPError(f"diagnose needs num_samples >= 2, got {num_samples}")
     if net is None:
         if input_shape is None:
             input_shape = tuple(np.shape(x)[1:])
