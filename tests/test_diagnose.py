@@ -99,11 +99,12 @@ def test_saturated_units_do_not_dominate_the_mean_error():
 
 
 def test_tyxe_bnn_alone():
-    """diagnose takes what convert takes: a TyXe VariationalBNN alone stands for its net and net_guide; the
-    caller's random streams are left as they were."""
+    """diagnose takes what convert takes: a TyXe VariationalBNN alone, or with its own guide (which also
+    holds the likelihood's scale), stands for its net and net_guide; the caller's random streams are left
+    as they were."""
     from gallery_models import D_IN, tyxe_regression
 
-    bnn = tyxe_regression()
+    bnn = tyxe_regression(learned_scale=True)
     x, y = torch.randn(16, D_IN), torch.randn(16, 1)
     bnn.fit(torch.utils.data.DataLoader(torch.utils.data.TensorDataset(x, y), batch_size=16),
             pyro.optim.Adam({"lr": 0.02}), 3)
@@ -111,6 +112,8 @@ def test_tyxe_bnn_alone():
     rng = torch.get_rng_state()
     alone = pyro2pfp.diagnose(bnn, None, x[:4], num_samples=20, net=net)
     assert torch.equal(torch.get_rng_state(), rng)
+    with_guide = pyro2pfp.diagnose(bnn, bnn.guide, x[:4], num_samples=20, net=net)
     parts = pyro2pfp.diagnose(bnn.net, bnn.net_guide, x[:4], num_samples=20, net=net)
-    assert [r.name for r in alone.layers] == [r.name for r in parts.layers] == ["0", "relu", "2"]
-    np.testing.assert_allclose(alone.output["mc_var"], parts.output["mc_var"], rtol=1e-10)
+    for d in (alone, with_guide):
+        assert [r.name for r in d.layers] == [r.name for r in parts.layers] == ["0", "relu", "2"]
+        np.testing.assert_allclose(d.output["mc_var"], parts.output["mc_var"], rtol=1e-10)
