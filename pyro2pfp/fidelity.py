@@ -133,6 +133,9 @@ def check_fidelity(net: Any, model: Any, guide: Any, x: Any, *, num_samples: int
     t0 = time.perf_counter()
     d = compare(net, model, guide, x, num_samples=num_samples, seed=seed)
     seconds = time.perf_counter() - t0
+    if not d.layers:
+        raise ArgumentError("check=: no layer of the converted network could be found in the traced model, so "
+                            "there is nothing to compare; run pyro2pfp.diagnose(model, guide, x) to see why")
     bounds = FidelityBounds(num_samples, tolerance)
     rows = {r.name: r for r in d.layers}
     output = rows.get(net.layer_graph.output, d.layers[-1])
