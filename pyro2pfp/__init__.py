@@ -13,11 +13,13 @@ from .deploy import load
 from .diagnose import Diagnosis, diagnose
 from .errors import (
     ArgumentError,
+    FidelityWarning,
     InputShapeError,
     LibraryNotFoundError,
     LoadError,
     NumericalError,
     PFPError,
+    PFPWarning,
     PosteriorError,
     RemoteError,
     TracingError,
@@ -41,4 +43,4 @@ __all__ = ["convert", "load", "PFPNetwork", "Repr", "PFPError", "UnsupportedLaye
            "InputShapeError", "TracingError", "NumericalError", "LoadError", "LibraryNotFoundError",
            "ArgumentError", "RemoteError", "TuningError", "uncertainty",
            "uncertainty_from_logit_samples", "predictive_uncertainty", "auroc", "calibrate", "set_num_threads",
-           "diagnose", "Diagnosis"]
+           "diagnose", "Diagnosis", "PFPWarning", "FidelityWarning"]

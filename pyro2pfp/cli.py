@@ -249,6 +249,8 @@ def convert_from_args(args: argparse.Namespace):
         options["input_variance"] = True
     if getattr(args, "head", None):
         options["head"] = args.head
+    if getattr(args, "check", None):
+        options["check"] = _load_array(args.check, "check input")
     try:
         net = pyro2pfp.convert(model, guide, input_shape=args.input_shape, calibration=args.calibration,
                                moment_form=args.moment_form, correlation=args.correlation, **options)
@@ -369,6 +371,8 @@ def cmd_convert(args: argparse.Namespace) -> int:
           f"({time.perf_counter() - t0:.1f} s)")
     if args.verbose:
         print(net.summary())
+    if net.fidelity is not None and net.fidelity.passed:  # a failed check has warned (stderr)
+        print(net.fidelity.message())
     t0 = time.perf_counter()
     if ext == ".onnx":
         if args.target not in (None, "llvm"):
@@ -693,6 +697,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="MetaSchedule trials per --tune batch (default: the library's, pyro2pfp.tuning.DEFAULT_TRIALS)")
     _add_remote_options(p, required=False)
     p.add_argument("--verbose", "-v", action="store_true", help="print the layer plan")
+    p.add_argument("--check", metavar="X.npy",
+                   help="after converting, compare the output moments with 150 samples of the guide on these "
+                        "inputs (a few, e.g. 16; ~150 forward passes of them) and warn, naming the first layer "
+                        "that parts from sampling, when they differ beyond the sampling noise (convert(check=x))")
     p.set_defaults(func=cmd_convert)
 
     p = sub.add_parser("inspect", formatter_class=formatter, help="print the layer plan of a model or file",

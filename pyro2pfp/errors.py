@@ -50,3 +50,13 @@ class ArgumentError(PFPError, ValueError):
 class RemoteError(PFPError, RuntimeError):
     """A remote board (TVM RPC tracker or server) cannot be reached, has no server under the key
     asked for, or did not answer within the session timeout."""
+
+
+class PFPWarning(UserWarning):
+    """Base class of the warnings pyro2pfp issues about a converted network (filter them with
+    ``warnings.simplefilter(..., pyro2pfp.PFPWarning)``)."""
+
+
+class FidelityWarning(PFPWarning):
+    """``convert(..., check=x)``: the network's output moments differ from sampling the guide by more
+    than the sample count explains (the message names the first layer outside the bounds and the figures)."""

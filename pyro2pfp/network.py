@@ -43,6 +43,7 @@ class PFPNetwork:
         self.noise = noise
         self.fuse = fuse  # ReLUs after dense layers computed in the dense kernel (tvm_backend.fused_activations)
         self._mod = None
+        self.fidelity: Any = None  # convert(..., check=x): the pyro2pfp.fidelity.FidelityCheck
 
     @property
     def head(self) -> str | None:
@@ -176,7 +177,7 @@ def convert(model: Any, guide: Any = None, *, input_shape: tuple[int, ...] | Non
             calibration: float = 1.0, moment_form: str = "variance",
             input_variance: bool = False, check_posterior: bool = True,
             fold_batch_norm: bool = True, correlation: str = "auto", head: str | None = None,
-            max_pool: str = "correlated") -> PFPNetwork:
+            max_pool: str = "correlated", check: Any = None) -> PFPNetwork:
     """Convert a Pyro BNN (``model``, trained ``guide``) into a PFP network.
 
     Traces ``model`` (a ``PyroModule``) over a deterministic copy holding the posterior means, reads
@@ -231,6 +232,14 @@ def convert(model: Any, guide: Any = None, *, input_shape: tuple[int, ...] | Non
     sampling (a fixed sigma-point quadrature of the logits' Gaussian, :mod:`pyro2pfp.ops.head`);
     ``net.reference(x)`` and ``exe(x)`` return a :class:`~pyro2pfp.ops.head.HeadOutput`.  The output
     must be a vector of logits per input (one logit: a Bernoulli/sigmoid output).
+
+    ``check=x_example`` (a small batch of inputs; off by default): after converting, sample the guide
+    150 times on those inputs and compare the logits' moments with the network's (its NumPy reference);
+    a :class:`~pyro2pfp.errors.FidelityWarning` naming the first layer that parts from sampling is issued
+    when they differ by more than the sample count explains; ``net.fidelity`` holds the figures
+    (:mod:`pyro2pfp.fidelity`).  Costs 150 guide samples and forward passes of the batch through the torch
+    model (16 digits: ~1.3 s of CPU for an MLP 784-100-10, ~2.3 s for a LeNet-5); the message says how
+    long it took.
     """
     from .ops.head import append_head, check_head
 
@@ -273,4 +282,9 @@ def convert(model: Any, guide: Any = None, *, input_shape: tuple[int, ...] | Non
             layer_graph = rewritten
             planned_graph = append_head(layer_graph, head) if head is not None else layer_graph
             planned = plan(planned_graph, calibration, moment_form)
-    return PFPNetwork(layer_graph, planned, nonweight_sites=traced.nonweight_sites, noise=noise)
+    net = PFPNetwork(layer_graph, planned, nonweight_sites=traced.nonweight_sites, noise=noise)
+    if check is not None:
+        from .fidelity import check_fidelity
+
+        net.fidelity = check_fidelity(net, model, guide, check)
+    return net

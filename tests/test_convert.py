@@ -76,9 +76,16 @@ def test_lenet_plans():
     x, y = mnist_like()
     guide = initialised_guide(model, x, y)
     default = pyro2pfp.convert(model, guide, input_shape=(1, 28, 28))
-    assert all(p.out_repr is Repr.VARIANCE for p in default.plan.layers)
-    assert "conversion" not in default.summary()
-    net = pyro2pfp.convert(model, guide, input_shape=(1, 28, 28), moment_form="raw")
+    # the default: each conv → ReLU → max pool becomes conv → correlated max pool → ReLU (exact), the
+    # pool reading its window's covariances from a window_cov layer (a plain tensor)
+    assert [p.op for p in default.plan.layers] == [
+        "conv2d", "window_cov", "max_pool2d", "relu", "conv2d", "window_cov", "max_pool2d", "relu", "reshape",
+        "dense", "relu", "dense", "relu", "dense"]
+    assert all(p.out_repr is (Repr.DETERMINISTIC if p.op == "window_cov" else Repr.VARIANCE)
+               for p in default.plan.layers)
+    assert "conversion" not in default.summary() and "correlated Clark max" in default.summary()
+    # the paper's plan: independent max pools, raw moments into compute layers
+    net = pyro2pfp.convert(model, guide, input_shape=(1, 28, 28), moment_form="raw", max_pool="independent")
     ops = [p.op for p in net.plan.layers]
     assert ops == ["conv2d", "relu", "max_pool2d", "conv2d", "relu", "max_pool2d", "reshape",
                    "dense", "relu", "dense", "relu", "dense"]

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import numpy as np
+import pyro
 import pytest
 import torch
 
@@ -77,3 +78,42 @@ def test_cli_diagnose(tmp_path, capsys):
     assert png.exists()
     assert main(["diagnose", str(tmp_path / "builder.py") + ":build", str(tmp_path / "missing.npy"),
                  "-s", "3,8,8"]) != 0
+
+
+def test_saturated_units_do_not_dominate_the_mean_error():
+    """A unit far in a flat tail (a saturated Softplus) has a sampled sd near 0: its negligible absolute
+    mean difference must not swamp the layer's figure (it read 1e6 and more when divided by that sd)."""
+    from pyro2pfp.diagnose import layer_fidelity
+
+    rng = np.random.default_rng(0)
+    n = 200
+    samples = 1.0 + rng.standard_normal((n, 4, 32))  # (samples, inputs, units), unit sd 1
+    samples[:, :, :3] = 1e-9 + 1e-12 * rng.standard_normal((n, 4, 3))  # three saturated units
+    mc_mean, mc_var = samples.mean(0), samples.var(0, ddof=1)
+    pfp_mean, pfp_var = np.where(mc_var > 1e-6, 1.0, 2e-6), np.where(mc_var > 1e-6, 1.0, 1e-24)
+    row = layer_fidelity("softplus", "softplus", pfp_mean, pfp_var, mc_mean, mc_var)
+    # the healthy units are exact: the MC noise floor, |N(0, 1)|/√n (median 0.67/√n, p90 1.64/√n)
+    assert row.mean_error < 3 * 0.67 / np.sqrt(n), row
+    assert row.mean_error_p90 < 3 * 1.64 / np.sqrt(n), row
+    assert 0.7 < row.ratio_median < 1.4, row
+
+
+def test_tyxe_bnn_alone():
+    """diagnose takes what convert takes: a TyXe VariationalBNN alone, or with its own guide (which also
+    holds the likelihood's scale), stands for its net and net_guide; the caller's random streams are left
+    as they were."""
+    from gallery_models import D_IN, tyxe_regression
+
+    bnn = tyxe_regression(learned_scale=True)
+    x, y = torch.randn(16, D_IN), torch.randn(16, 1)
+    bnn.fit(torch.utils.data.DataLoader(torch.utils.data.TensorDataset(x, y), batch_size=16),
+            pyro.optim.Adam({"lr": 0.02}), 3)
+    net = pyro2pfp.convert(bnn)
+    rng = torch.get_rng_state()
+    alone = pyro2pfp.diagnose(bnn, None, x[:4], num_samples=20, net=net)
+    assert torch.equal(torch.get_rng_state(), rng)
+    with_guide = pyro2pfp.diagnose(bnn, bnn.guide, x[:4], num_samples=20, net=net)
+    parts = pyro2pfp.diagnose(bnn.net, bnn.net_guide, x[:4], num_samples=20, net=net)
+    for d in (alone, with_guide):
+        assert [r.name for r in d.layers] == [r.name for r in parts.layers] == ["0", "relu", "2"]
+        np.testing.assert_allclose(d.output["mc_var"], parts.output["mc_var"], rtol=1e-10)

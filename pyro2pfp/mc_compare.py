@@ -1,0 +1,248 @@
+"""PFP against Monte Carlo, layer by layer: the machinery of :func:`pyro2pfp.diagnose` and of
+``convert(..., check=x)`` (:mod:`pyro2pfp.fidelity`), which needs no conversion of its own.
+
+:func:`compare` draws ``num_samples`` weight sets from the guide (its own sampling API, so the
+truth is the guide's posterior, not our reading of it), runs each through the *traced* torch
+program (the deterministic copy of the model that :func:`pyro2pfp.convert` exports, with the
+sampled weights in place of the means), and records every traced node that a planned layer
+computes.  From the samples it estimates each activation's Monte Carlo mean ``m`` and variance
+``s²`` (Welford, float64) and compares them with the float64 NumPy reference of the PFP plan
+``(μ, v)`` of the same layer:
+
+* mean error ``|μ − m| / max(s, s_floor)`` per element, reported as its median and 90th percentile
+  over the layer's elements and the inputs.  ``s_floor`` is a tenth of the layer's median ``s``:
+  a saturated unit (a Softplus or sigmoid far in its flat tail) has a sampled ``s`` near 0, and
+  dividing by it alone turns a negligible absolute difference into a figure of millions.  With
+  ``N`` samples the MC mean itself is off by ``s/√N``, so an exact PFP mean gives a median of
+  ``≈ 0.67/√N`` (the median of ``|N(0, 1)|`` over ``√N``): that is the noise floor;
+* variance ratio ``v / s²`` per element: median, 10th and 90th percentile (the MC variance has a
+  relative sd ``√(2/(N−1))`` for Gaussian activations, e.g. 0.08 at ``N = 300``).
+
+Elements whose MC variance is zero (deterministic so far) are left out of both figures.  The
+medians are what :func:`pyro2pfp.fidelity.check_fidelity` (``convert(..., check=x)``) tests.
+"""
+from __future__ import annotations
+
+import contextlib
+import math
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+import pyro
+import pyro.util
+import torch
+import torch.fx
+
+from .errors import PFPError
+from .posterior import call_with_model_args
+from .tracing import _WRAPPER_PREFIX
+
+SD_FLOOR = 0.1  # the mean error's sd floor, as a fraction of the layer's median MC sd
+
+
+@dataclass(frozen=True)
+class LayerFidelity:
+    """PFP vs Monte Carlo for one planned layer (all inputs pooled)."""
+
+    name: str
+    op: str
+    shape: tuple[int, ...]
+    mean_error: float  # median over elements of |μ_pfp − μ_mc| / max(sd_mc, sd_floor) (module docstring)
+    ratio_median: float  # of var_pfp / var_mc over elements
+    ratio_p10: float
+    ratio_p90: float
+    mean_error_p90: float = float("nan")  # 90th percentile of the same per-element mean error
+
+
+@dataclass
+class Diagnosis:
+    """The result of :func:`pyro2pfp.diagnose` and :func:`compare`: per-layer rows in plan order and
+    output-level figures."""
+
+    layers: list[LayerFidelity]
+    num_samples: int
+    num_inputs: int
+    argmax_agreement: float  # PFP mean-logit argmax == argmax of the MC mean class probabilities
+    output: dict[str, np.ndarray] = field(default_factory=dict)  # pfp_mean/var, mc_mean/var (logits)
+
+    def table(self) -> str:
+        """The per-layer figures as a fixed-width text table."""
+        head = (f"{'layer':<24} {'op':<11} {'shape':<14} {'mean err/sd':>11} {'p90':>7} {'var ratio med':>13} "
+                f"{'p10':>7} {'p90':>7}")
+        lines = [head, "-" * len(head)]
+        for r in self.layers:
+            lines.append(f"{r.name:<24} {r.op:<11} {str(r.shape):<14} {r.mean_error:11.3f} {r.mean_error_p90:7.3f} "
+                         f"{r.ratio_median:13.3f} {r.ratio_p10:7.3f} {r.ratio_p90:7.3f}")
+        n = self.num_samples
+        lines.append(f"{n} MC samples, {self.num_inputs} inputs; argmax agreement "
+                     f"{100 * self.argmax_agreement:.1f} %; MC noise floor: mean err median ≈ "
+                     f"{0.67 / math.sqrt(n):.3f}, ratio sd ≈ {math.sqrt(2 / (n - 1)):.3f}")
+        lines.append("mean err: median and p90 over elements of |PFP − MC| / MC sd, the sd floored at a tenth of "
+                     "the layer's median sd (saturated units)")
+        return "\n".join(lines)
+
+    def plot(self, path: Any) -> None:
+        """Write a PNG of the variance ratio (median, p10–p90 band) along the depth (log scale)."""
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+
+        k = np.arange(len(self.layers))
+        fig, ax = plt.subplots(figsize=(max(6.0, 0.28 * len(k)), 4.0))
+        ax.fill_between(k, [r.ratio_p10 for r in self.layers], [r.ratio_p90 for r in self.layers],
+                        alpha=0.3, label="p10–p90")
+        ax.plot(k, [r.ratio_median for r in self.layers], "o-", label="median")
+        ax.axhline(1.0, color="k", lw=0.8)
+        ax.set_yscale("log")
+        ax.set_xticks(k, [r.name for r in self.layers], rotation=80, fontsize=7)
+        ax.set_ylabel("PFP / MC variance")
+        ax.legend()
+        fig.tight_layout()
+        fig.savefig(path, dpi=120)
+        plt.close(fig)
+
+    def __str__(self) -> str:
+        return self.table()
+
+
+class _Capture(torch.fx.Interpreter):
+    def __init__(self, gm: torch.fx.GraphModule, wanted: set[str]) -> None:
+        super().__init__(gm)
+        self.wanted = wanted
+        self.values: dict[str, torch.Tensor] = {}
+
+    def run_node(self, n: torch.fx.Node) -> Any:
+        out = super().run_node(n)
+        if n.name in self.wanted:
+            self.values[n.name] = out
+        return out
+
+
+class _Welford:
+    def __init__(self) -> None:
+        self.n = 0
+        self.mean: np.ndarray = np.zeros(())
+        self.m2: np.ndarray = np.zeros(())
+
+    def add(self, x: np.ndarray) -> None:
+        self.n += 1
+        if self.n == 1:
+            self.mean, self.m2 = x.copy(), np.zeros_like(x)
+            return
+        delta = x - self.mean
+        self.mean += delta / self.n
+        self.m2 += delta * (x - self.mean)
+
+    @property
+    def var(self) -> np.ndarray:
+        return self.m2 / max(self.n - 1, 1)
+
+
+@contextlib.contextmanager
+def restored_rng(state: dict[str, Any]) -> Iterator[None]:
+    """Put back the random number generators' ``state`` (``pyro.util.get_rng_state()``) on leaving."""
+    try:
+        yield
+    finally:
+        pyro.util.set_rng_state(state)
+
+
+def _guide_sample(guide: Any, example: torch.Tensor) -> dict[str, torch.Tensor]:
+    tr = pyro.poutine.trace(lambda *a: call_with_model_args(guide, a)).get_trace(example)
+    return {name: torch.as_tensor(site["value"]).detach() for name, site in tr.nodes.items()
+            if site["type"] == "sample"}
+
+
+def model_and_guide(model: Any, guide: Any) -> tuple[Any, Any]:
+    """A TyXe ``VariationalBNN`` (alone, or with its ``guide`` or ``net_guide``) stands for its ``net`` and
+    ``net_guide``, as in :func:`pyro2pfp.convert`: the wrapper itself also holds the guides and the
+    likelihood, which are not part of the network (and need not survive a deep copy)."""
+    if hasattr(model, "net") and hasattr(model, "net_guide"):
+        if guide is None or guide is model.net_guide or guide == getattr(model, "guide", None):
+            return model.net, model.net_guide
+    return model, guide
+
+
+def layer_fidelity(name: str, op: str, pfp_mean: np.ndarray, pfp_var: np.ndarray, mc_mean: np.ndarray,
+                   mc_var: np.ndarray) -> LayerFidelity:
+    """The :class:`LayerFidelity` of one layer from PFP and MC moments of the same shape."""
+    keep = mc_var > 1e-12 * (mc_mean**2 + 1e-12)
+    if not keep.any():
+        nan = float("nan")
+        return LayerFidelity(name, op, tuple(pfp_mean.shape[1:]), nan, nan, nan, nan, nan)
+    sd = np.sqrt(mc_var[keep])
+    # A saturated unit's sampled sd is ~0: measure its mean error against a tenth of the layer's median sd.
+    floor = SD_FLOOR * float(np.median(sd))
+    err = np.abs(pfp_mean[keep] - mc_mean[keep]) / np.maximum(sd, floor)
+    err_med, err_p90 = np.percentile(err, [50, 90])
+    ratio = pfp_var[keep] / mc_var[keep]
+    p10, med, p90 = np.percentile(ratio, [10, 50, 90])
+    return LayerFidelity(name, op, tuple(pfp_mean.shape[1:]), float(err_med), float(med), float(p10),
+                         float(p90), float(err_p90))
+
+
+def compare(net: Any, model: Any, guide: Any, x: Any, *, num_samples: int, seed: int = 0, per_layer: bool = True,
+            execute: Any = None) -> Diagnosis:
+    """:class:`Diagnosis` of ``net`` (converted from ``model``, ``guide``) on the inputs ``x``: the work of
+    :func:`pyro2pfp.diagnose` once the network is converted (see there for the arguments).  Leaves the
+    random number generators as it found them."""
+    if num_samples < 2:
+        raise PFPError(f"diagnose needs num_samples >= 2, got {num_samples}")
+    model, guide = model_and_guide(model, guide)
+    with restored_rng(pyro.util.get_rng_state()):  # the caller's random streams are not disturbed
+        return _compare(net, model, guide, x, num_samples, seed, per_layer, execute)
+
+
+def _compare(net: Any, model: Any, guide: Any, x: Any, num_samples: int, seed: int, per_layer: bool,
+             execute: Any) -> Diagnosis:
+    from .inputs import as_input_array
+    from .reference import execute_all
+    from .tracing import trace_model
+
+    if net.input_variance:
+        raise PFPError("diagnose supports networks without input variance only")
+    xs = as_input_array(x, net.input_shape, dtype=np.float64)
+    traced = trace_model(model, guide, net.input_shape)
+    gm = traced.program.module()
+    params = dict(gm.named_parameters())
+    by_site = {p.site: params[path] if path in params else params[_WRAPPER_PREFIX + path]
+               for path, p in traced.params.items() if p.site is not None}
+    origins = net.layer_graph.origins
+    planned = [layer for layer in net.plan.layers if layer.name in origins
+               and (per_layer or layer.name == net.plan.output)]
+    wanted = {origins[layer.name] for layer in planned}
+    out_node = origins.get(net.plan.output)
+    stats = {node: _Welford() for node in wanted}
+    probs = _Welford()
+    xt = torch.as_tensor(xs, dtype=torch.float32)
+    example = xt[:1]
+    pyro.set_rng_seed(seed)
+    with torch.no_grad(), pyro.validation_enabled(False):
+        for _ in range(num_samples):
+            for site, value in _guide_sample(guide, example).items():
+                param = by_site.get(site)
+                if param is not None:
+                    param.data.copy_(value.reshape(param.shape))
+            cap = _Capture(gm, wanted)
+            cap.run(xt)
+            for node, value in cap.values.items():
+                stats[node].add(value.double().numpy())
+            if out_node is not None:
+                probs.add(torch.softmax(cap.values[out_node].double(), -1).numpy())
+    values = (execute or execute_all)(net.plan, xs)
+    rows = []
+    for layer in planned:
+        act, st = values[layer.name], stats[origins[layer.name]]
+        mc_mean, mc_var = st.mean, st.var
+        mean, var = act.mean.reshape(mc_mean.shape), act.variance().reshape(mc_mean.shape)
+        rows.append(layer_fidelity(layer.name, layer.op, mean, var, mc_mean, mc_var))
+    out = values[net.plan.output]
+    agreement = float("nan")
+    output: dict[str, np.ndarray] = {"pfp_mean": out.mean, "pfp_var": out.variance()}
+    if out_node is not None:
+        agreement = float(np.mean(out.mean.argmax(-1) == probs.mean.argmax(-1)))
+        output.update(mc_mean=stats[out_node].mean, mc_var=stats[out_node].var, mc_prob=probs.mean)
+    return Diagnosis(rows, num_samples, len(xs), agreement, output)
