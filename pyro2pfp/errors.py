@@ -50,3 +50,18 @@ class ArgumentError(PFPError, ValueError):
 class RemoteError(PFPError, RuntimeError):
     """A remote board (TVM RPC tracker or server) cannot be reached, has no server under the key
     asked for, or did not answer within the session timeout."""
+
+
+def brief(exc: BaseException, limit: int = 300) -> str:
+    """``"TypeName: first line of the message"`` of a foreign exception, to quote in a PFPError.
+
+    torch and Pyro put tensor values and trace-shape tables on the lines after the first (e.g. a
+    failed constraint check prints the offending tensor); a PFPError names the site, the shape and a
+    count instead, so only the first line is quoted, at most ``limit`` characters long.
+    """
+    lines = [line.strip() for line in str(exc).splitlines() if line.strip()]
+    first = lines[0] if lines else ""
+    first = first.split(", but found invalid values")[0]
+    if len(first) > limit:
+        first = first[:limit - 1] + "…"
+    return f"{type(exc).__name__}: {first}" if first else type(exc).__name__
