@@ -1,5 +1,5 @@
 """Degenerate posteriors (scales of exactly 0, scales float32 cannot hold) convert to networks that
-are deterministic where sampling is."""
+are deterministic where sampling is, and a module PFP has no rule for is named as such."""
 from __future__ import annotations
 
 import numpy as np
@@ -202,3 +202,27 @@ def test_consistency_check_still_sees_a_spread_read_as_negligible():
     posterior = {name: (locs[name].double().numpy(), np.full(shape, 1e-60)) for name, shape in SIZES.items()}
     with pytest.raises(pyro2pfp.PosteriorError, match=r"'fc2.weight': \d+ entries .* sd below float32"):
         check_posterior(guide, posterior, (x,))
+
+
+class _AttentionNet(PyroModule):
+    def __init__(self):
+        super().__init__()
+        self.fc = PyroModule[nn.Linear](8, 8)
+        self.fc.weight = PyroSample(dist.Normal(0.0, 1.0).expand([8, 8]).to_event(2))
+        self.attn = nn.MultiheadAttention(8, 2, batch_first=True)
+        self.out = nn.Linear(8, 3)
+
+    def forward(self, x, y=None):
+        h = self.fc(x).reshape(x.shape[0], 1, 8)
+        a, _ = self.attn(h, h, h)
+        return self.out(a.reshape(x.shape[0], 8))
+
+
+def test_unsupported_module_is_named_not_reported_as_a_batch_branch():
+    model = _AttentionNet()
+    guide = autoguide.AutoNormal(model)
+    guide(torch.zeros(2, 8))
+    with pytest.raises(pyro2pfp.UnsupportedLayerError,
+                       match=r"^`attn` \(nn\.MultiheadAttention\) is not supported by PFP: attn \(aten\.") as info:
+        pyro2pfp.convert(model, guide)
+    assert "differently at batch 1" not in str(info.value)
