@@ -474,7 +474,8 @@ def trace_model(model: Any, guide: Any, input_shape: tuple[int, ...] | None, *,
                         for name, _ in program.named_parameters() if not name.startswith("functional.")]
     check_all_matched(readings, [*(set(pyro_sample_sites.values()) - unused_samples), *exported_weights.values()],
                       nonweights,
-                      [*pyro_sample_sites, *model_parameters], guide)
+                      [*pyro_sample_sites, *model_parameters], guide,
+                      model_name=repr(getattr(model, "__name__", type(model).__name__)))
     for path, site in exported_weights.items():
         reading = readings[site]
         assert reading.mean is not None and reading.var is not None

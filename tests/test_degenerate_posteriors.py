@@ -1,5 +1,5 @@
 """Degenerate posteriors (scales of exactly 0, scales float32 cannot hold) convert to networks that
-are deterministic where sampling is, and a module PFP has no rule for is named as such."""
+are deterministic where sampling is, and the errors of three misuses name their cause."""
 from __future__ import annotations
 
 import numpy as np
@@ -226,3 +226,12 @@ def test_unsupported_module_is_named_not_reported_as_a_batch_branch():
                        match=r"^`attn` \(nn\.MultiheadAttention\) is not supported by PFP: attn \(aten\.") as info:
         pyro2pfp.convert(model, guide)
     assert "differently at batch 1" not in str(info.value)
+
+
+def test_model_that_runs_no_network_is_told_to_pass_the_guides_model():
+    model = _SmallNet()
+    guide = _trained_guide(model, "AutoNormal", _scales("partly"), _locs())
+    with pytest.raises(pyro2pfp.PosteriorError,
+                       match=r"'<lambda>' uses none of .*samples no site.*trained for \(_SmallNet\): "
+                             r"the network itself \(a PyroModule"):
+        pyro2pfp.convert(lambda x: x, guide, input_shape=(6,))
