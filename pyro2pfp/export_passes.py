@@ -60,11 +60,10 @@ _LAYOUT_OPS = {"view", "reshape", "_unsafe_view", "flatten", "unflatten", "expan
                "permute", "transpose", "broadcast_tensors", "identity"}
 
 
-def _reachable_from_output(program: torch.export.ExportedProgram, index: int | None = None) -> set[torch.fx.Node]:
+def _reachable_from_output(program: torch.export.ExportedProgram) -> set[torch.fx.Node]:
     output = next(n for n in program.graph.nodes if n.op == "output")
     seen: set[torch.fx.Node] = set()
-    outs = output.args[0]
-    stack = [outs[index] if index is not None and isinstance(outs, tuple | list) else output]
+    stack = [output]
     while stack:
         node = stack.pop()
         if node not in seen:
@@ -73,11 +72,11 @@ def _reachable_from_output(program: torch.export.ExportedProgram, index: int | N
     return seen
 
 
-def tensor_ops(program: torch.export.ExportedProgram, output: int | None = None) -> list[torch.fx.Node]:
-    """The ``call_function`` nodes the output (``output``: only that one of several) depends on that
-    compute tensors, in graph order: not the arithmetic on symbolic sizes (``batch * heads``, present
-    only where the batch is symbolic) nor indexing."""
-    needed = _reachable_from_output(program, output)
+def tensor_ops(program: torch.export.ExportedProgram) -> list[torch.fx.Node]:
+    """The ``call_function`` nodes the output depends on that compute tensors, in graph order: not
+    the arithmetic on symbolic sizes (``batch * heads``, present only where the batch is symbolic)
+    nor indexing."""
+    needed = _reachable_from_output(program)
     return [node for node in program.graph.nodes
             if node in needed and node.op == "call_function" and node.target is not operator.getitem
             and isinstance(node.meta.get("val"), torch.Tensor | tuple | list)]

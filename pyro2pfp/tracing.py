@@ -245,12 +245,11 @@ def _functional_means(readings: dict[str, SiteReading], pyro_sample_sites: set[s
             for site, r in readings.items() if site not in pyro_sample_sites}
 
 
-def _check_supported_ops(program: torch.export.ExportedProgram, model_name: str, probe_head: bool) -> None:
+def _check_supported_ops(program: torch.export.ExportedProgram, model_name: str) -> None:
     """Raise :class:`UnsupportedLayerError` for the first op the output depends on that has no PFP
     converter, naming the built-in torch module it is computed in (``attn`` (nn.MultiheadAttention)),
-    before anything else compares or converts the graph.  With ``probe_head`` only the model's own
-    output is checked (the likelihood's scale link is read by :func:`_end_at_head`, not converted)."""
-    for node in tensor_ops(program, 0 if probe_head else None):
+    before anything else compares or converts the graph."""
+    for node in tensor_ops(program):
         target = str(node.target)
         if target in CONVERTERS or target.startswith("aten.sym_"):
             continue
@@ -450,6 +449,7 @@ def trace_model(model: Any, guide: Any, input_shape: tuple[int, ...] | None, *,
     (:mod:`pyro2pfp.site_matching`).
     """
     input_shape = _checked_input_shape(model, input_shape)
+    model_name = getattr(model, "__name__", type(model).__name__)
     _warn_train_mode(model)
     example = _example_input(input_shape)
     pyro_sample_sites = sample_sites(model) if isinstance(model, torch.nn.Module) else {}
@@ -463,9 +463,12 @@ def trace_model(model: Any, guide: Any, input_shape: tuple[int, ...] | None, *,
             {name: wrapper.lifted[f"m{i}"] for i, name in enumerate(wrapper.lifted_names)}):
         program = _export(wrapper, example, input_shape)
         fold_identity_broadcasts(program)
-        _check_supported_ops(program, getattr(model, "__name__", type(model).__name__), wrapper.probe_head)
+        if not wrapper.probe_head:  # else the program ends at the network output once the head is read
+            _check_supported_ops(program, model_name)
         _check_batch_independent(program, wrapper, input_shape)
     head = _end_at_head(program, next(iter(wrapper.head_site))) if wrapper.probe_head else None
+    if head is not None:
+        _check_supported_ops(program, model_name)
 
     exported_weights, nonweights = _classify_exported_sites(wrapper, lifted_paths, program, readings, guide)
     unused_samples = _split_pyro_samples(program, pyro_sample_sites, params, readings, guide)
@@ -475,7 +478,7 @@ def trace_model(model: Any, guide: Any, input_shape: tuple[int, ...] | None, *,
     check_all_matched(readings, [*(set(pyro_sample_sites.values()) - unused_samples), *exported_weights.values()],
                       nonweights,
                       [*pyro_sample_sites, *model_parameters], guide,
-                      model_name=repr(getattr(model, "__name__", type(model).__name__)))
+                      model_name=repr(model_name))
     for path, site in exported_weights.items():
         reading = readings[site]
         assert reading.mean is not None and reading.var is not None
@@ -492,7 +495,7 @@ def trace_model(model: Any, guide: Any, input_shape: tuple[int, ...] | None, *,
         arr = buffer.detach().to(torch.float64).numpy().copy()
         params[path] = GaussianParam(arr, np.zeros_like(arr))
     return TracedModel(program=program, params=params, input_shape=input_shape,
-                       model_name=getattr(model, "__name__", type(model).__name__),
+                       model_name=model_name,
                        nonweight_sites={site: readings[site] for site in sorted(nonweights)},
                        noise=head if head is not None else find_noise(model, readings, nonweights, input_shape))
 
