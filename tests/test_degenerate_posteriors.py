@@ -12,6 +12,7 @@ from pyro.infer import autoguide
 from pyro.nn import PyroModule, PyroSample
 
 import pyro2pfp
+from pyro2pfp import tracing
 from pyro2pfp.graph import Repr
 from pyro2pfp.posterior import check_posterior
 from pyro2pfp_experiments.zoo import BayesianLeNet5, BayesianMLP, make_guide
@@ -226,6 +227,18 @@ def test_unsupported_module_is_named_not_reported_as_a_batch_branch():
                        match=r"^`attn` \(nn\.MultiheadAttention\) is not supported by PFP: attn \(aten\.") as info:
         pyro2pfp.convert(model, guide)
     assert "differently at batch 1" not in str(info.value)
+
+
+def test_batch_1_comparison_passes_over_torch_internals(monkeypatch):
+    """Without the unsupported-module check, the batch-1 comparison alone does not take attention's
+    arithmetic on the symbolic batch size (batch · heads) or torch's own lowering for a branch: the
+    walk then names the first op it cannot convert."""
+    monkeypatch.setattr(tracing, "_check_supported_ops", lambda *args: None, raising=False)
+    model = _AttentionNet()
+    guide = autoguide.AutoNormal(model)
+    guide(torch.zeros(2, 8))
+    with pytest.raises(pyro2pfp.UnsupportedLayerError, match=r"^attn \(aten\."):
+        pyro2pfp.convert(model, guide)
 
 
 def test_model_that_runs_no_network_is_told_to_pass_the_guides_model():
