@@ -71,7 +71,7 @@ def _trained_guide(model, kind: str, scales: dict[str, torch.Tensor], locs: dict
             store[f"AutoNormal.locs.{name}"] = locs[name].clone()
             store[f"AutoNormal.scales.{name}"] = scales[name].clone()
         return guide
-    if kind in ("AutoDiagonalNormal", "AutoLowRankMultivariateNormal"):
+    if kind in ("AutoDiagonalNormal", "AutoLowRankMultivariateNormal", "AutoMultivariateNormal"):
         guide = getattr(autoguide, kind)(model)
         guide(x, y)
         flat_loc, flat_scale = torch.zeros(guide.latent_dim), torch.zeros(guide.latent_dim)
@@ -105,9 +105,10 @@ def _sampled_logits(model, guide, x: torch.Tensor, n: int = 16) -> np.ndarray:
 
 GUIDES = ["AutoNormal", "AutoDiagonalNormal", "AutoLowRankMultivariateNormal", "hand-written"]
 CASES = [(g, s) for g in GUIDES for s in ("zero", "partly", "1e-30")] + [("Delta", "zero")]
+CASES += [("AutoMultivariateNormal", "partly")]  # the guard whitens the sub-vector of non-zero scales
 
 
-@pytest.mark.filterwarnings("ignore:AutoLowRankMultivariateNormal models correlations")
+@pytest.mark.filterwarnings("ignore:Auto.*MultivariateNormal models correlations")
 @pytest.mark.parametrize("guide_kind,scale_kind", CASES)
 def test_zero_and_denormal_scales_convert_deterministic_where_sampling_is(guide_kind, scale_kind):
     model = _SmallNet()

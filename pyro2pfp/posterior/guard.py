@@ -167,10 +167,15 @@ def _check_correlated(guide: Any, node: dict, posterior: dict[str, SitePosterior
         failures.append(f"{int(bad.sum())} marginal variances read differ from the guide's covariance diagonal")
     # Whiten the resolvable coordinates only: their marginal is the sub-vector's Gaussian.
     keep = torch.as_tensor(resolvable(loc.numpy(), var.numpy()))
-    gaussian: torch.distributions.Distribution
-    if isinstance(fn, torch.distributions.LowRankMultivariateNormal):
+    low_rank = isinstance(fn, torch.distributions.LowRankMultivariateNormal)
+    if low_rank:
         cov_diag = fn.cov_diag.detach().to(torch.float64)
         keep &= cov_diag > 0
+    n = int(keep.sum())
+    if n == 0:
+        return failures
+    gaussian: torch.distributions.Distribution
+    if low_rank:
         gaussian = torch.distributions.LowRankMultivariateNormal(
             loc[keep], fn.cov_factor.detach().to(torch.float64)[keep], cov_diag[keep])
     elif bool(keep.all()):
@@ -178,9 +183,7 @@ def _check_correlated(guide: Any, node: dict, posterior: dict[str, SitePosterior
     else:
         rows = fn.scale_tril.detach().to(torch.float64)[keep]
         gaussian = torch.distributions.MultivariateNormal(loc[keep], covariance_matrix=rows @ rows.T)
-    n = int(keep.sum())
-    if n:
-        whitened.append((float(-2.0 * (gaussian.log_prob(z[keep]) - gaussian.log_prob(loc[keep]))), n))
+    whitened.append((float(-2.0 * (gaussian.log_prob(z[keep]) - gaussian.log_prob(loc[keep]))), n))
     return failures
 
 
