@@ -60,3 +60,18 @@ class PFPWarning(UserWarning):
 class FidelityWarning(PFPWarning):
     """``convert(..., check=x)``: the network's output moments differ from sampling the guide by more
     than the sample count explains (the message names the first layer outside the bounds and the figures)."""
+
+
+def brief(exc: BaseException, limit: int = 300) -> str:
+    """``"TypeName: first line of the message"`` of a foreign exception, to quote in a PFPError.
+
+    torch and Pyro put tensor values and trace-shape tables on the lines after the first (e.g. a
+    failed constraint check prints the offending tensor); a PFPError names the site, the shape and a
+    count instead, so only the first line is quoted, at most ``limit`` characters long.
+    """
+    lines = [line.strip() for line in str(exc).splitlines() if line.strip()]
+    first = lines[0] if lines else ""
+    first = first.split(", but found invalid values")[0]
+    if len(first) > limit:
+        first = first[:limit - 1] + "…"
+    return f"{type(exc).__name__}: {first}" if first else type(exc).__name__

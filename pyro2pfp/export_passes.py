@@ -60,17 +60,57 @@ _LAYOUT_OPS = {"view", "reshape", "_unsafe_view", "flatten", "unflatten", "expan
                "permute", "transpose", "broadcast_tensors", "identity"}
 
 
+def _reachable_from_output(program: torch.export.ExportedProgram) -> set[torch.fx.Node]:
+    output = next(n for n in program.graph.nodes if n.op == "output")
+    seen: set[torch.fx.Node] = set()
+    stack = [output]
+    while stack:
+        node = stack.pop()
+        if node not in seen:
+            seen.add(node)
+            stack.extend(node.all_input_nodes)
+    return seen
+
+
+def tensor_ops(program: torch.export.ExportedProgram) -> list[torch.fx.Node]:
+    """The ``call_function`` nodes the output depends on that compute tensors, in graph order: not
+    the arithmetic on symbolic sizes (``batch * heads``, present only where the batch is symbolic)
+    nor indexing."""
+    needed = _reachable_from_output(program)
+    return [node for node in program.graph.nodes
+            if node in needed and node.op == "call_function" and node.target is not operator.getitem
+            and isinstance(node.meta.get("val"), torch.Tensor | tuple | list)]
+
+
 def compute_ops(program: torch.export.ExportedProgram) -> list[torch.fx.Node]:
-    """The graph's computing nodes in order (not shape queries, indexing or layout-only ops)."""
+    """The computing nodes the output depends on, in order (not shape queries or arithmetic,
+    indexing or layout-only ops)."""
     out = []
-    for node in program.graph.nodes:
-        if node.op != "call_function" or node.target is operator.getitem:
-            continue
+    for node in tensor_ops(program):
         name = str(node.target).removeprefix("aten.").split(".")[0]
         if name.startswith("sym_") or name in _LAYOUT_OPS:
             continue
         out.append(node)
     return out
+
+
+# torch.nn classes that only hold other modules: never the module an op is attributed to.
+_CONTAINERS = {"Sequential", "ModuleList", "ModuleDict", "ParameterList", "ParameterDict"}
+
+
+def _type_name(module_type: Any) -> str:
+    return module_type if isinstance(module_type, str) else f"{module_type.__module__}.{module_type.__qualname__}"
+
+
+def torch_module(node: torch.fx.Node, wrapper_prefix: str = "model.") -> tuple[str, str] | None:
+    """``(path, "nn.ClassName")`` of the outermost built-in torch module (``torch.nn``, containers
+    aside) that ``node`` is computed in, or None when it is computed in the model's own code."""
+    for path, module_type in (node.meta.get("nn_module_stack") or {}).values():
+        name = _type_name(module_type)
+        cls = name.rsplit(".", 1)[-1]
+        if name.startswith("torch.nn.") and cls not in _CONTAINERS:
+            return path.removeprefix("L['self'].").removeprefix(wrapper_prefix), f"nn.{cls}"
+    return None
 
 
 def user_line(node: torch.fx.Node) -> str:

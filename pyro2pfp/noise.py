@@ -44,6 +44,7 @@ from pyro import poutine
 from pyro.poutine.messenger import Messenger
 from pyro.poutine.subsample_messenger import _Subsample
 
+from .errors import brief
 from .posterior import SiteReading, call_with_model_args, unwrap_independent
 
 NODES = 64
@@ -129,7 +130,7 @@ def find_noise(model: Any, readings: dict[str, SiteReading], nonweight_sites: se
     try:
         name, scale = _likelihood_scale(model, values, x)
     except Exception as exc:  # the model's own error: no noise model, not a failed conversion
-        return NoNoiseModel(f"running the model eagerly failed: {type(exc).__name__}: {exc}")
+        return NoNoiseModel(f"running the model eagerly failed: {brief(exc)}")
     if scale is None:
         return NoNoiseModel("the likelihood is not a single Normal(mean, scale) site (classification?)")
     rows = scale.reshape(x.shape[0], -1) if scale.dim() and scale.shape[0] == x.shape[0] else None

@@ -26,6 +26,14 @@ stays so through ReLU/pooling/reshape until the first compute layer, which then 
 deterministic-input form ``v = Σ vw·x²`` and keeps its weight *variances*; every later compute layer
 stores ``E[w²] = μw² + vw`` instead.  All weight and bias variances are multiplied by the
 calibration factor first.
+
+Deterministic weights: a variance below float32's smallest normal number (``1.2e-38``: a posterior
+scale of 0, a ``Delta``, a scale of ``1e-30``) is stored as 0 — the float32 network cannot hold it
+(it would flush to 0 or lose its precision as a subnormal), and storing 0 keeps the reference in
+step.  A dense/conv layer whose weight and bias variances are then all 0 and whose input is
+deterministic gives a deterministic output, as sampling the posterior does: a collapsed posterior
+converts to a deterministic network with a variance of exactly 0, not the rounding residue of
+``E[w²] − μ²``.
 """
 from __future__ import annotations
 
@@ -41,6 +49,20 @@ from .graph import INPUT, Layer, LayerGraph, Repr
 from .registry import COMPUTE_INPUT, OPS
 
 D, V, S = Repr.DETERMINISTIC, Repr.VARIANCE, Repr.SECOND_MOMENT
+_FLOAT32_TINY = float(np.finfo(np.float32).tiny)
+_COMPUTE_OPS = ("dense", "conv2d")
+
+
+def stored_variance(var: np.ndarray, calibration: float) -> np.ndarray:
+    """``calibration · var`` with the values float32 cannot hold as normal numbers set to 0."""
+    scaled = calibration * np.asarray(var, dtype=np.float64)
+    return np.where(scaled < _FLOAT32_TINY, 0.0, scaled)
+
+
+def has_deterministic_weights(layer: Layer, calibration: float) -> bool:
+    """Whether a dense/conv layer's stored weight and bias variances are all 0."""
+    return layer.op in _COMPUTE_OPS and all(
+        not np.any(stored_variance(p.var, calibration)) for p in layer.params.values())
 
 
 @dataclass(frozen=True)
@@ -173,19 +195,20 @@ def _stored_tensors(layer: Layer, input_repr: Repr, calibration: float) -> dict[
     if layer.op == "affine":  # deterministic per-channel scale and shift
         return {"scale": layer.params["scale"].mean, "shift": layer.params["shift"].mean}
     if layer.op == "layer_norm":  # γ, β: means and calibrated variances (pyro2pfp/ops/normalization.py)
-        return {f"{name}_{what}": value for name in ("weight", "bias")
-                for what, value in (("mean", layer.params[name].mean), ("var", calibration * layer.params[name].var))}
+        return {f"{name}_{what}": value for name in ("weight", "bias") for what, value in
+                (("mean", layer.params[name].mean), ("var", stored_variance(layer.params[name].var, calibration)))}
     if layer.op == "window_cov":  # the feeding conv's weights (pyro2pfp/ops/window_covariance.py)
-        tensors = {"weight_mean": layer.params["weight"].mean, "weight_var": calibration * layer.params["weight"].var}
+        tensors = {"weight_mean": layer.params["weight"].mean,
+                   "weight_var": stored_variance(layer.params["weight"].var, calibration)}
         bias = layer.params.get("bias")
         if bias is not None and not bias.is_deterministic:
-            tensors["bias_var"] = calibration * bias.var
+            tensors["bias_var"] = stored_variance(bias.var, calibration)
         return tensors
-    if layer.op not in ("dense", "conv2d"):
+    if layer.op not in _COMPUTE_OPS:
         return {}
     weight = layer.params["weight"]
     tensors = {"weight_mean": weight.mean}
-    weight_var = calibration * weight.var
+    weight_var = stored_variance(weight.var, calibration)
     if input_repr is S:
         tensors["weight_second_moment"] = weight.mean**2 + weight_var
     else:
@@ -193,8 +216,9 @@ def _stored_tensors(layer: Layer, input_repr: Repr, calibration: float) -> dict[
     bias = layer.params.get("bias")
     if bias is not None:
         tensors["bias_mean"] = bias.mean
-        if not bias.is_deterministic:
-            tensors["bias_var"] = calibration * bias.var
+        bias_var = stored_variance(bias.var, calibration)
+        if np.any(bias_var):
+            tensors["bias_var"] = bias_var
     return tensors
 
 
@@ -218,8 +242,8 @@ def plan(graph: LayerGraph, calibration: float = 1.0, moment_form: str = "varian
     deterministic = {INPUT: input_repr is D}
     for layer in graph.layers:
         spec = specs[layer.op]  # natural D: a plain tensor whatever the input (window_cov's covariances)
-        deterministic[layer.name] = spec.natural is D or (spec.keeps_deterministic and all(
-            deterministic[i] for i in layer.inputs))
+        keeps = spec.keeps_deterministic or has_deterministic_weights(layer, calibration)
+        deterministic[layer.name] = spec.natural is D or (keeps and all(deterministic[i] for i in layer.inputs))
 
     # 2. Backward: what each edge's consumers want (pass-through layers forward their consumers' wants).
     wants: dict[str, list[Repr]] = {INPUT: [], **{layer.name: [] for layer in graph.layers}}

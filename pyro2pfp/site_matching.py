@@ -15,6 +15,7 @@ so is a guide with latent sites but a network without a single random weight.
 """
 from __future__ import annotations
 
+import functools
 from collections.abc import Iterable
 from typing import Any
 
@@ -30,7 +31,7 @@ def require_weight_posterior(site: str, where: str, reading: SiteReading, guide:
     """Raise unless the posterior of weight ``site`` (used at ``where``) has a mean and a variance."""
     if reading.usable_as_weight:
         return
-    why = {"point": "a point estimate without a variance (AutoDelta / Delta): PFP needs each weight's "
+    why = {"point": "a point estimate without a variance (AutoDelta, trained as MAP): PFP needs each weight's "
                     "posterior variance. Use AutoNormal for the weights (an AutoDelta part of an "
                     "AutoGuideList is fine for non-weight sites such as a noise scale)",
            "unsupported": "a posterior without closed-form mean and variance"}.get(reading.kind, reading.kind)
@@ -38,13 +39,36 @@ def require_weight_posterior(site: str, where: str, reading: SiteReading, guide:
                          f"{why} [{reading.reason}]")
 
 
+def _guide_model_name(guide: Any) -> str:
+    """The class or function name of the model an autoguide was built for ('' if unknown)."""
+    try:
+        model = getattr(guide, "model", None)
+    except Exception:  # an autoguide's model property on a guide that lost its model
+        return ""
+    if model is None or not callable(model):
+        return ""
+    while isinstance(model, functools.partial) and model.args:  # InitMessenger(init)(model): partial(…, model)
+        model = model.args[-1]
+    return getattr(model, "__name__", None) or type(model).__name__
+
+
 def check_all_matched(readings: dict[str, SiteReading], weight_sites: Iterable[str],
-                      nonweight_sites: Iterable[str], model_parameters: Iterable[str], guide: Any) -> None:
-    """Raise if a guide site is neither a weight nor a non-weight site of the model, or if the guide
-    has latent sites but none of them is a weight."""
+                      nonweight_sites: Iterable[str], model_parameters: Iterable[str], guide: Any,
+                      model_name: str = "") -> None:
+    """Raise if a guide site is neither a weight nor a non-weight site of the model (with the remedy
+    of passing the guide's own model when the model uses none of them), or if the guide has latent
+    sites but none of them is a weight."""
     weights, others = set(weight_sites), set(nonweight_sites)
     unmatched = sorted(set(readings) - weights - others)
     names = sorted(model_parameters)
+    if unmatched and not weights and not others and not names:
+        trained_for = _guide_model_name(guide)
+        raise PosteriorError(
+            f"the model {model_name or 'passed'} uses none of the guide {guide_name(guide)}'s sites "
+            f"{unmatched[:6]}{' …' if len(unmatched) > 6 else ''}: it samples no site and has no parameters, so "
+            "it does not run the network whose posterior the guide holds. Pass the model the guide was trained "
+            f"for{f' ({trained_for})' if trained_for else ''}: the network itself (a PyroModule with PyroSample "
+            "weights), or a model function that runs it (pyro.random_module style), as convert(model, guide).")
     if unmatched:
         raise PosteriorError(
             f"the guide {guide_name(guide)} samples sites {unmatched[:6]}{' …' if len(unmatched) > 6 else ''} "

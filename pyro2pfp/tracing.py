@@ -15,6 +15,7 @@ each one is looked up by the site the parameter came from (recorded while buildi
 from __future__ import annotations
 
 import copy
+import difflib
 import functools
 import numbers
 import warnings
@@ -30,9 +31,11 @@ from pyro.nn.module import _make_name
 from pyro.poutine.messenger import Messenger
 from pyro.poutine.subsample_messenger import _Subsample
 
+from . import ops as _ops  # noqa: F401  (registers the converters that _check_supported_ops consults)
 from . import random_module
+from .converters import CONVERTERS, unsupported_message
 from .errors import InputShapeError, PosteriorError, TracingError, UnsupportedLayerError
-from .export_passes import compute_ops, fold_identity_broadcasts, used_parameters, user_line
+from .export_passes import compute_ops, fold_identity_broadcasts, tensor_ops, torch_module, used_parameters, user_line
 from .graph import GaussianParam
 from .noise import HeteroscedasticNoise, NoiseModel, NoNoiseModel, find_noise, read_head, scale_depends_on_input
 from .posterior import SiteReading, call_with_model_args, read_posterior, unwrap_independent
@@ -242,6 +245,22 @@ def _functional_means(readings: dict[str, SiteReading], pyro_sample_sites: set[s
             for site, r in readings.items() if site not in pyro_sample_sites}
 
 
+def _check_supported_ops(program: torch.export.ExportedProgram, model_name: str) -> None:
+    """Raise :class:`UnsupportedLayerError` for the first op the output depends on that has no PFP
+    converter, naming the built-in torch module it is computed in (``attn`` (nn.MultiheadAttention)),
+    before anything else compares or converts the graph."""
+    for node in tensor_ops(program):
+        target = str(node.target)
+        if target in CONVERTERS or target.startswith("aten.sym_"):
+            continue
+        op = target.removesuffix(".default")
+        module = torch_module(node, _WRAPPER_PREFIX)
+        if module is None:
+            raise UnsupportedLayerError(unsupported_message(f"{model_name or 'model'}.forward ({op})"))
+        path, cls = module
+        raise UnsupportedLayerError(unsupported_message(f"`{path}` ({cls})", f": {path} ({op}) has no PFP rule"))
+
+
 def _check_batch_independent(program: torch.export.ExportedProgram, wrapper: _Wrapper,
                              input_shape: tuple[int, ...]) -> None:
     """Raise :class:`TracingError` if ``forward`` computes something else at batch 1.
@@ -249,19 +268,29 @@ def _check_batch_independent(program: torch.export.ExportedProgram, wrapper: _Wr
     The program is traced with a symbolic batch, which torch assumes to be ≥ 2 (sizes 0 and 1 are
     specialised), so ``if x.shape[0] > 1:`` is baked in without a guard.  A second trace at batch 1
     must run the same computing ops in the same order, or the converted network would be wrong there.
+    Compared are the tensor ops the output depends on (arithmetic on the symbolic batch size exists
+    at batch ≥ 2 only); a difference inside a built-in torch module is torch lowering the same
+    module differently at batch 1, not a branch in the model, and is passed over.
     """
     single = _export(wrapper, _example_input(input_shape, batch=1), input_shape, dynamic=False)
     fold_identity_broadcasts(single)
     ops, ops1 = compute_ops(program), compute_ops(single)
-    for i in range(max(len(ops), len(ops1))):
-        a, b = (ops[i] if i < len(ops) else None), (ops1[i] if i < len(ops1) else None)
-        if a is None or b is None or a.target != b.target:
-            where = user_line(a if a is not None else b)  # type: ignore[arg-type]
-            first, second = (n.target if n is not None else "nothing" for n in (a, b))
-            raise TracingError(
-                f"the model computes differently at batch 1 than at batch ≥ 2 ({first} vs {second} at {where}): "
-                "forward() branches on the batch "
-                "size (e.g. `if x.shape[0] > 1:`). PFP needs one network for every batch size: remove the branch.")
+    keys, keys1 = ([(str(n.target), str(torch_module(n))) for n in nodes] for nodes in (ops, ops1))
+    matcher = difflib.SequenceMatcher(a=keys, b=keys1, autojunk=False)
+    for tag, i1, i2, j1, j2 in matcher.get_opcodes():
+        if tag == "equal":
+            continue
+        differing = [n for n in [*ops[i1:i2], *ops1[j1:j2]] if torch_module(n) is None]
+        if not differing:
+            continue
+        a = ops[i1] if i1 < i2 else None
+        b = ops1[j1] if j1 < j2 else None
+        where = user_line(differing[0])
+        first, second = (n.target if n is not None else "nothing" for n in (a, b))
+        raise TracingError(
+            f"the model computes differently at batch 1 than at batch ≥ 2 ({first} vs {second} at {where}): "
+            "forward() branches on the batch "
+            "size (e.g. `if x.shape[0] > 1:`). PFP needs one network for every batch size: remove the branch.")
 
 
 def _export(wrapper: _Wrapper, example: torch.Tensor, input_shape: tuple[int, ...], *,
@@ -420,6 +449,7 @@ def trace_model(model: Any, guide: Any, input_shape: tuple[int, ...] | None, *,
     (:mod:`pyro2pfp.site_matching`).
     """
     input_shape = _checked_input_shape(model, input_shape)
+    model_name = getattr(model, "__name__", type(model).__name__)
     _warn_train_mode(model)
     example = _example_input(input_shape)
     pyro_sample_sites = sample_sites(model) if isinstance(model, torch.nn.Module) else {}
@@ -433,8 +463,12 @@ def trace_model(model: Any, guide: Any, input_shape: tuple[int, ...] | None, *,
             {name: wrapper.lifted[f"m{i}"] for i, name in enumerate(wrapper.lifted_names)}):
         program = _export(wrapper, example, input_shape)
         fold_identity_broadcasts(program)
+        if not wrapper.probe_head:  # else the program ends at the network output once the head is read
+            _check_supported_ops(program, model_name)
         _check_batch_independent(program, wrapper, input_shape)
     head = _end_at_head(program, next(iter(wrapper.head_site))) if wrapper.probe_head else None
+    if head is not None:
+        _check_supported_ops(program, model_name)
 
     exported_weights, nonweights = _classify_exported_sites(wrapper, lifted_paths, program, readings, guide)
     unused_samples = _split_pyro_samples(program, pyro_sample_sites, params, readings, guide)
@@ -443,7 +477,8 @@ def trace_model(model: Any, guide: Any, input_shape: tuple[int, ...] | None, *,
                         for name, _ in program.named_parameters() if not name.startswith("functional.")]
     check_all_matched(readings, [*(set(pyro_sample_sites.values()) - unused_samples), *exported_weights.values()],
                       nonweights,
-                      [*pyro_sample_sites, *model_parameters], guide)
+                      [*pyro_sample_sites, *model_parameters], guide,
+                      model_name=repr(model_name))
     for path, site in exported_weights.items():
         reading = readings[site]
         assert reading.mean is not None and reading.var is not None
@@ -460,7 +495,7 @@ def trace_model(model: Any, guide: Any, input_shape: tuple[int, ...] | None, *,
         arr = buffer.detach().to(torch.float64).numpy().copy()
         params[path] = GaussianParam(arr, np.zeros_like(arr))
     return TracedModel(program=program, params=params, input_shape=input_shape,
-                       model_name=getattr(model, "__name__", type(model).__name__),
+                       model_name=model_name,
                        nonweight_sites={site: readings[site] for site in sorted(nonweights)},
                        noise=head if head is not None else find_noise(model, readings, nonweights, input_shape))
 

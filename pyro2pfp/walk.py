@@ -15,10 +15,9 @@ import torch
 import torch.fx
 
 from . import ops  # noqa: F401  (registers the converters)
-from .converters import CONVERTERS, Alias, supported_ops
+from .converters import CONVERTERS, Alias, unsupported_message
 from .errors import TracingError, UnsupportedLayerError
 from .graph import INPUT, GaussianParam, Layer, LayerGraph
-from .registry import supported_modules
 from .tracing import _WRAPPER_PREFIX, TracedModel
 
 # Ops that only compute shapes (SymInts) or are bookkeeping; never activations.
@@ -139,11 +138,7 @@ def _reachable(output: torch.fx.Node) -> set[torch.fx.Node]:
 
 
 def _unsupported_message(ctx: ConversionContext, node: torch.fx.Node) -> str:
-    return (
-        f"{ctx.source(node)} is not supported by PFP. Supported torch ops: "
-        + ", ".join(t.removesuffix(".default") for t in supported_ops())
-        + ". Supported modules: " + ", ".join(supported_modules()) + "."
-    )
+    return unsupported_message(ctx.source(node))
 
 
 def build_layer_graph(traced: TracedModel) -> LayerGraph:

@@ -26,7 +26,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from op_coverage import COMPILED, covers
 
-from pyro2pfp.graph import INPUT, LayerGraph
+from pyro2pfp.graph import INPUT, LayerGraph, Repr
 from pyro2pfp.network import PFPNetwork
 from pyro2pfp.plan import plan
 from pyro2pfp.reference.arrays import conv2d_nchw
@@ -164,25 +164,22 @@ def test_networks_match_reference_any_batch(arch, form):
 @pytest.mark.parametrize("form", ["variance", "raw"])
 def test_deterministic_limit(form):
     """Zero weight variance and a deterministic input give the deterministic network: the mean is
-    its output and the variance is exactly 0 in the variance plan (every term is a product with a
-    zero variance) and 0 up to float32 rounding of Σ(μw·μx)² in the paper's raw-moment plan."""
+    its output and the variance is exactly 0 in both plans (every layer is planned deterministic, so
+    the raw-moment plan has no Σ sw·sx − (μw·μx)² to round)."""
     rng = np.random.default_rng(3)
     graph = lenet_graph(rng, var_scale=0.0)
     net, exe = build(graph, moment_form=form)
     x = rng.uniform(0, 1, (5, *graph.input_shape)).astype(np.float32)
     (rm, rv), (cm, cv) = run_both(net, exe, x, None)
     np.testing.assert_allclose(cm, rm, rtol=1e-4, atol=1e-5 * np.abs(rm).max())
-    if form == "variance":
-        assert np.all(cv == 0.0) and np.all(rv == 0.0)
-    else:
-        assert np.all(cv >= 0) and np.all(rv >= 0)
-        assert cv.max() <= 1e-5 * (rm**2).max() and rv.max() <= 1e-12 * (rm**2).max()
+    assert np.all(cv == 0.0) and np.all(rv == 0.0)
+    assert all(p.out_repr is Repr.DETERMINISTIC for p in net.plan.layers if p.name != net.plan.output)
     # Calibration 0 turns any posterior into the deterministic network too.
     noisy = lenet_graph(np.random.default_rng(3), var_scale=1.0)
     net0, exe0 = build(noisy, calibration=0.0, moment_form=form)
     (rm0, rv0), (cm0, cv0) = run_both(net0, exe0, x, None)
     np.testing.assert_allclose(cm0, cm, rtol=1e-5, atol=1e-6 * np.abs(rm).max())
-    assert cv0.max() <= (0.0 if form == "variance" else 1e-5 * (rm**2).max())
+    assert np.all(cv0 == 0.0) and np.all(rv0 == 0.0)
 
 
 def test_narrow_posterior_variances_are_kept_to_float32_precision():

@@ -39,7 +39,7 @@ from stats import EPS, assert_check_rejects, assert_moments_agree
 
 from pyro2pfp import moments
 from pyro2pfp.graph import GaussianParam, Layer, LayerGraph, Repr
-from pyro2pfp.plan import PlannedLayer, plan
+from pyro2pfp.plan import PlannedLayer, has_deterministic_weights, plan
 from pyro2pfp.reference import REFERENCES, Activation, execute
 from pyro2pfp.reference.arrays import conv2d_nchw
 
@@ -104,6 +104,15 @@ def run_compute(op, layer, in_shape, x_mean, x_var, calibration, form):
     else:
         assert pl.in_reprs == [D] and "weight_var" in t and "weight_second_moment" not in t
         inp = Activation(x_mean, None, D)
+    if form == "deterministic" and has_deterministic_weights(layer, calibration):
+        # zero weight variances and a deterministic input: the layer is planned deterministic
+        assert pl.out_repr is D
+        out = REFERENCES[op](pl, [inp])
+        assert out.repr is D
+        ex_mean, ex_var = execute(planned, x_mean, x_var)
+        np.testing.assert_allclose(ex_mean, out.mean, rtol=1e-14, atol=0)
+        np.testing.assert_array_equal(ex_var, 0.0)
+        return out.mean, np.zeros_like(out.mean)
     assert pl.out_repr is V
     out = REFERENCES[op](pl, [inp])
     assert out.repr is V

@@ -5,6 +5,6 @@ family files, ``pyro2pfp/ops/<family>.py``; the walk over an exported program th
 A converter ``fn(node, ctx) -> Layer | list[Layer] | Alias`` is registered with :func:`register` for
 the torch op names it handles (``str(node.target)``, e.g. ``"aten.linear.default"``).
 """
-from ._registry import CONVERTERS, PRODUCES, Alias, register, supported_ops
+from ._registry import CONVERTERS, PRODUCES, Alias, register, supported_ops, unsupported_message
 
-__all__ = ["CONVERTERS", "PRODUCES", "Alias", "register", "supported_ops"]
+__all__ = ["CONVERTERS", "PRODUCES", "Alias", "register", "supported_ops", "unsupported_message"]

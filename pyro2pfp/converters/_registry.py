@@ -5,7 +5,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from ..registry import add_to
+from ..registry import add_to, supported_modules
 
 
 @dataclass(frozen=True)
@@ -41,3 +41,10 @@ _add = add_to(CONVERTERS, "converter of torch op")
 def supported_ops() -> list[str]:
     """Torch op names the converters handle."""
     return sorted(CONVERTERS)
+
+
+def unsupported_message(what: str, detail: str = "") -> str:
+    """``"<what> is not supported by PFP<detail>. Supported torch ops: … Supported modules: …"``."""
+    return (f"{what} is not supported by PFP{detail}. Supported torch ops: "
+            + ", ".join(t.removesuffix(".default") for t in supported_ops())
+            + ". Supported modules: " + ", ".join(supported_modules()) + ".")

@@ -6,7 +6,9 @@ One reader for everything (``convert``, ``calibrate``, the CLI): :func:`read_pos
    ``pyro.get_param_store().load(path)``) — :func:`~.store.setup_guide_prototype`;
 2. brings the model's and the guide's parameters in line with the param store (they are a cache of
    it) — :func:`~.store.sync_with_param_store`;
-3. reads each site's mean and variance through the guide's own API — :func:`~.readers.read_guide`;
+3. reads each site's mean and variance through the guide's own API — :func:`~.readers.read_guide`
+   (scales of 0 are read as variance 0; NaN, infinite or negative values are an error naming the
+   site and how many values are bad — :func:`~.readers.check_readings`);
 4. checks that one sample of the guide is plausible under what was read —
    :func:`~.guard.check_posterior` (opt out with ``check=False`` for guides that cannot be sampled).
 
@@ -19,8 +21,10 @@ from __future__ import annotations
 from collections.abc import Iterable
 from typing import Any
 
+import pyro
+
 from .guard import check_posterior
-from .readers import SitePosterior, SiteReading, call_with_model_args, read_guide, unwrap_independent
+from .readers import SitePosterior, SiteReading, call_with_model_args, check_readings, read_guide, unwrap_independent
 from .store import setup_guide_prototype, sync_with_param_store
 
 __all__ = ["read_posterior", "SitePosterior", "SiteReading", "check_posterior", "sync_with_param_store",
@@ -41,7 +45,9 @@ def read_posterior(model: Any, guide: Any, example_args: tuple, *, weight_sites:
     setup_guide_prototype(model, guide, example_args, set(weight_sites))
     sync_with_param_store(model, "the model")
     sync_with_param_store(guide, f"the {type(guide).__name__} guide")
-    readings = read_guide(guide, example_args)
+    with pyro.validation_enabled(False):  # Normal(loc, 0) is a valid (deterministic) posterior here
+        readings = read_guide(guide, example_args)
+    check_readings(readings, guide)
     if check:
         gaussian = {name: (r.mean, r.var) for name, r in readings.items()
                     if r.kind == "gaussian" and r.mean is not None and r.var is not None}

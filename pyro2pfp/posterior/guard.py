@@ -17,18 +17,26 @@ which runs the guide, so its parameters are the param store's) and tests it agai
   ``AutoLaplaceApproximation``): the flat latent sample is whitened with the guide's own covariance
   around the mean that was read: ``d² = (z − mean)ᵀ Σ⁻¹ (z − mean) = −2 (log p(z) − log p(mean))`` is
   χ²(n); the marginal variances that were read must equal ``diag Σ``.
-* sites read with variance 0 (deterministic) must be sampled exactly at their mean;
+* entries read with variance 0 (deterministic: a scale of exactly 0, a ``Delta``) must be sampled
+  exactly at their mean, and entries whose sd float32 cannot resolve (below ``1e-5·|mean|`` or below
+  float32's smallest normal number, e.g. scales of 1e-30) within ``k`` sd plus float32's rounding of
+  the mean (``k``: the normal quantile at ``ALPHA`` over the number of such entries); the residual
+  and whitening statistics use the resolvable entries only (a Gaussian's marginal over a subset of
+  its coordinates is the sub-vector and sub-covariance, so the test stays exact);
 * every parameter of a ``PyroModule`` guide that the param store also holds must have the store's
   values (a guide's plain ``nn.Parameter``, e.g. ``AutoDiagonalNormal.loc``, is not refreshed by
   running the guide, so a stale one would pass the sampling test: sampler and reader share it).
 
-Entries whose sd is below float32's resolution of the mean (``sd < 1e-5·|mean|``: the float32 sample
-cannot resolve it) are left out of the statistics.  Guides that cannot be sampled can opt out with
-``convert(..., check_posterior=False)``.
+Guides are sampled with Pyro's argument validation off, so that ``Normal(loc, 0)`` samples ``loc``
+(the reader has already rejected NaN, infinite and negative values).  A correlated guide whose
+covariance is singular because scales are 0 (``AutoLowRankMultivariateNormal``: torch cannot build
+a ``LowRankMultivariateNormal`` whose diagonal has zeros) cannot be sampled at all; its parameters are
+then still checked against the param store, and no sample is drawn.  Other guides that cannot be
+sampled can opt out with ``convert(..., check_posterior=False)``.
 """
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, NoReturn
 
 import numpy as np
 import pyro
@@ -38,7 +46,7 @@ from pyro.infer import autoguide
 from pyro.nn import PyroModule
 from scipy import stats
 
-from ..errors import PosteriorError
+from ..errors import PosteriorError, brief
 from .readers import call_with_model_args
 from .store import full_name, module_local_params, named_pyro_modules
 
@@ -46,6 +54,8 @@ ALPHA = 1e-9
 RESIDUALS = 20_000  # residuals per check: mean(r²) then has sd 0.01, a 20 % scale error moves it ≥ 0.3
 MAX_SAMPLES = 64
 _FLOAT32_RESOLUTION = 1e-5
+_FLOAT32_TINY = float(np.finfo(np.float32).tiny)  # smallest normal float32; below it sd loses precision
+_FLOAT32_EPS = float(np.finfo(np.float32).eps)
 
 SitePosterior = tuple[np.ndarray, np.ndarray]
 
@@ -64,16 +74,45 @@ def mean_bound(n: int, alpha: float = ALPHA) -> float:
     return float(stats.norm.isf(alpha / 2) / np.sqrt(n))
 
 
-def _sample_guide(guide: Any, example_args: tuple) -> Any:
+def _sample_guide(guide: Any, example_args: tuple, singular_ok: bool) -> Any:
+    """One trace of the guide, or None if ``singular_ok`` and its covariance is singular."""
     try:
-        with torch.no_grad(), poutine.block():
+        with torch.no_grad(), poutine.block(), pyro.validation_enabled(False):
             return poutine.trace(lambda *a: call_with_model_args(guide, a)).get_trace(*example_args)
     except Exception as exc:
-        raise PosteriorError(
-            f"the consistency check could not sample the guide {type(guide).__name__}: "
-            f"{type(exc).__name__}: {exc}. If this guide cannot be sampled, convert with "
-            "check_posterior=False (then nothing checks that the posterior read is the trained one)."
-        ) from exc
+        if singular_ok and isinstance(exc, torch.linalg.LinAlgError):
+            return None
+        _raise_sampling_error(guide, exc)
+
+
+def _raise_sampling_error(guide: Any, exc: Exception) -> NoReturn:
+    raise PosteriorError(
+        f"the consistency check could not sample the guide {type(guide).__name__}: {brief(exc)}. "
+        "If this guide cannot be sampled, convert with "
+        "check_posterior=False (then nothing checks that the posterior read is the trained one)."
+    ) from exc
+
+
+def resolvable(loc: np.ndarray, var: np.ndarray) -> np.ndarray:
+    """Entries whose sd a float32 sample resolves: above ``1e-5·|mean|`` and float32's smallest normal."""
+    return (var > (_FLOAT32_RESOLUTION * np.abs(loc)) ** 2) & (var >= _FLOAT32_TINY ** 2)
+
+
+def _unresolved_failure(name: str, z: np.ndarray, loc: np.ndarray, var: np.ndarray, k: float) -> str | None:
+    """Entries of variance 0 must be sampled at their mean exactly, the other unresolvable ones within
+    ``k`` sd plus float32's rounding of the mean; a failure message naming the count, else None."""
+    exact = var == 0
+    bad = int(np.count_nonzero(z[exact] != loc[exact]))
+    if bad:
+        return f"'{name}': {bad} entries read as deterministic (variance 0) were sampled at another value"
+    tiny = ~exact & ~resolvable(loc, var)
+    sd = np.sqrt(var[tiny])
+    tol = k * sd * (1 + 1e-6) + 2 * _FLOAT32_EPS * (np.abs(loc[tiny]) + k * sd) + 2.0 ** -140
+    far = int(np.count_nonzero(np.abs(z[tiny] - loc[tiny]) > tol))
+    if far:
+        return (f"'{name}': {far} entries read with an sd below float32's resolution were sampled more than "
+                f"{k:.3g} sd from their mean")
+    return None
 
 
 def _describe(name: str, n: int, mean: float, mean_square: float) -> str:
@@ -122,15 +161,29 @@ def _check_correlated(guide: Any, node: dict, posterior: dict[str, SitePosterior
         return [f"the flat latent has {z.numel()} entries but the sites read have {loc.numel()}"]
     failures = []
     guide_var = fn.variance.detach().to(torch.float64)
-    bad = ~torch.isclose(var, guide_var, rtol=1e-4, atol=0.0)
+    # Variances below float32's smallest normal are 0 or imprecise in the guide's float32 covariance.
+    bad = ~torch.isclose(var, guide_var, rtol=1e-4, atol=_FLOAT32_TINY)
     if bad.any():
         failures.append(f"{int(bad.sum())} marginal variances read differ from the guide's covariance diagonal")
-    if isinstance(fn, torch.distributions.LowRankMultivariateNormal):
-        gaussian: torch.distributions.Distribution = torch.distributions.LowRankMultivariateNormal(
-            loc, fn.cov_factor.to(torch.float64), fn.cov_diag.to(torch.float64))
+    # Whiten the resolvable coordinates only: their marginal is the sub-vector's Gaussian.
+    keep = torch.as_tensor(resolvable(loc.numpy(), var.numpy()))
+    low_rank = isinstance(fn, torch.distributions.LowRankMultivariateNormal)
+    if low_rank:
+        cov_diag = fn.cov_diag.detach().to(torch.float64)
+        keep &= cov_diag > 0
+    n = int(keep.sum())
+    if n == 0:
+        return failures
+    gaussian: torch.distributions.Distribution
+    if low_rank:
+        gaussian = torch.distributions.LowRankMultivariateNormal(
+            loc[keep], fn.cov_factor.detach().to(torch.float64)[keep], cov_diag[keep])
+    elif bool(keep.all()):
+        gaussian = torch.distributions.MultivariateNormal(loc, scale_tril=fn.scale_tril.detach().to(torch.float64))
     else:
-        gaussian = torch.distributions.MultivariateNormal(loc, scale_tril=fn.scale_tril.to(torch.float64))
-    whitened.append((float(-2.0 * (gaussian.log_prob(z) - gaussian.log_prob(loc))), z.numel()))
+        rows = fn.scale_tril.detach().to(torch.float64)[keep]
+        gaussian = torch.distributions.MultivariateNormal(loc[keep], covariance_matrix=rows @ rows.T)
+    whitened.append((float(-2.0 * (gaussian.log_prob(z[keep]) - gaussian.log_prob(loc[keep]))), n))
     return failures
 
 
@@ -166,10 +219,14 @@ def check_posterior(guide: Any, posterior: dict[str, SitePosterior], example_arg
     failures = [f"the guide's parameter '{name}' differs from the param store's"
                 for name in stale_parameters(guide)]
     n = sum(loc.size for loc, _ in posterior.values())
+    unresolved = sum(int(np.count_nonzero(~resolvable(loc, var))) for loc, var in posterior.values())
+    k = float(stats.norm.isf(ALPHA / 2 / max(unresolved, 1)))
     residuals: dict[str, list[np.ndarray]] = {name: [] for name in posterior}
     whitened: list[tuple[float, int]] = []
     for _ in range(num_samples_for(n)):
-        trace = _sample_guide(guide, example_args)
+        trace = _sample_guide(guide, example_args, singular_ok=unresolved > 0 and isinstance(guide, PyroModule))
+        if trace is None:  # a singular covariance (scales of 0): the parameters were checked above
+            break
         for name, (loc, var) in posterior.items():
             node = trace.nodes.get(name)
             if node is None or node["type"] != "sample":
@@ -179,11 +236,11 @@ def check_posterior(guide: Any, posterior: dict[str, SitePosterior], example_arg
             if z.shape != loc.shape:
                 failures.append(f"'{name}': read with shape {loc.shape}, sampled with shape {z.shape}")
                 continue
-            fixed = var == 0
-            if np.any(z[fixed] != loc[fixed]):
-                failures.append(f"'{name}': read as deterministic (variance 0) but sampled at another value")
-            resolvable = var > (_FLOAT32_RESOLUTION * np.abs(loc)) ** 2
-            residuals[name].append(((z - loc)[resolvable] / np.sqrt(var[resolvable])).ravel())
+            failure = _unresolved_failure(name, z, loc, var, k)
+            if failure is not None:
+                failures.append(failure)
+            fine = resolvable(loc, var)
+            residuals[name].append(((z - loc)[fine] / np.sqrt(var[fine])).ravel())
         correlated = _correlated_latent(guide, trace)
         if correlated is not None:
             failures += _check_correlated(guide, correlated, posterior, whitened)

@@ -10,8 +10,8 @@ so a reading is one of
   ``(exp(σ²) − 1)·exp(2μ + σ²)``) — *moment-matched*: PFP then treats the weight as Gaussian with
   those moments (exact for the mean of a linear layer, and for its variance given independent
   inputs; the shape beyond two moments is dropped);
-* ``point``: a point estimate (``AutoDelta``): fine for a non-weight site such as a noise scale, an
-  error for a weight;
+* ``point``: a point estimate (``AutoDelta``, a guide trained as MAP): fine for a non-weight site
+  such as a noise scale, an error for a weight;
 * ``unsupported``: anything else (``reason`` says what), an error only if the site is a weight.
 
 Guides read through their own API:
@@ -28,7 +28,13 @@ Guides read through their own API:
   ``scale²·Σ_j L_ij²`` -- correlations dropped, with a warning).
 * :class:`~pyro.infer.autoguide.AutoGuideList`: each part through its own reader.
 * Any other guide (hand-written, TyXe, …): the guide is traced once and each sample site's
-  distribution is read (``Independent`` unwrapped; ``Normal``; an affine transform of a Normal).
+  distribution is read (``Independent`` unwrapped; ``Normal``; an affine transform of a Normal; a
+  ``Delta``, which the guide's author chose for that site, as a Gaussian of variance 0).
+
+Scales of exactly 0 (a collapsed posterior, ``Normal(loc, 0)``, a ``Delta``) are read as variance 0:
+the weight is deterministic there.  Pyro's argument validation rejects ``Normal(loc, 0)``, so guides
+are run for reading and checking with validation off; :func:`check_readings` then rejects NaN,
+infinite and negative values itself, naming the site, its shape and how many values are bad.
 """
 from __future__ import annotations
 
@@ -48,7 +54,7 @@ from pyro.distributions.transforms import AffineTransform, ComposeTransform, Exp
 from pyro.infer import autoguide
 from pyro.poutine.subsample_messenger import _Subsample
 
-from ..errors import PosteriorError
+from ..errors import PosteriorError, brief
 
 SitePosterior = tuple[np.ndarray, np.ndarray]  # (mean, var), float64
 
@@ -229,8 +235,10 @@ def _read_distribution(fn: Any, what: str) -> SiteReading:
                 mean, var = t.loc + t.scale * mean, t.scale ** 2 * var
             mean, var = torch.broadcast_tensors(mean, var)
             return SiteReading("gaussian", _np(mean), _np(var), f"{what}: affine map of a Normal")
-    if isinstance(fn, dist.Delta):
-        return SiteReading("point", _np(fn.v), np.zeros(tuple(fn.v.shape)), f"{what}: Delta (a point estimate)")
+    if isinstance(fn, dist.Delta):  # a point mass: a Gaussian of variance 0, the weight is deterministic
+        value = _np(fn.v)
+        return SiteReading("gaussian", value, np.zeros_like(value), f"{what}: Delta (variance 0)",
+                           latent=(value, np.zeros_like(value), torch.distributions.transforms.identity_transform))
     try:
         mean, var = torch.broadcast_tensors(fn.mean, fn.variance)
     except NotImplementedError:
@@ -263,12 +271,41 @@ def _from_trace(guide: Any, example_args: tuple) -> dict[str, SiteReading]:
     except Exception as exc:  # the guide's own error, re-raised with context
         raise PosteriorError(
             f"could not run the guide {getattr(guide, '__name__', type(guide).__name__)} to read its "
-            f"posterior: {type(exc).__name__}: {exc}") from exc
+            f"posterior: {brief(exc)}") from exc
     what = getattr(guide, "__name__", type(guide).__name__)
     return {name: _read_distribution(site["fn"], what) for name, site in trace.nodes.items()
             if site["type"] == "sample" and not site["is_observed"]
             and not (site["infer"] or {}).get("is_auxiliary", False)
             and not isinstance(site["fn"], _Subsample)}
+
+
+def _count(what: str, bad: np.ndarray) -> str | None:
+    n = int(np.count_nonzero(bad))
+    return f"{n} {what}" if n else None
+
+
+def check_readings(readings: dict[str, SiteReading], guide: Any) -> None:
+    """Raise :class:`PosteriorError` if a site's posterior holds NaN, an infinite Gaussian mean or
+    variance, or a negative scale, naming the site, its shape and how many values are bad (a guide
+    whose training diverged, a param store written with NaN).  Scales of exactly 0 are valid: the
+    site is deterministic there."""
+    what = getattr(guide, "__name__", None) or type(guide).__name__
+    for name, r in readings.items():
+        if r.mean is None or r.var is None:
+            continue
+        gaussian = r.kind == "gaussian"
+        problems = [_count("NaN means", np.isnan(r.mean)), _count("NaN variances", np.isnan(r.var)),
+                    _count("infinite means", np.isinf(r.mean)) if gaussian else None,
+                    _count("infinite variances", np.isinf(r.var)) if gaussian else None,
+                    _count("negative variances", r.var < 0)]
+        if r.latent is not None:
+            problems.append(_count("negative scales", np.asarray(r.latent[1]) < 0))
+        found = [p for p in problems if p]
+        if found:
+            raise PosteriorError(
+                f"the guide {what} gives site '{name}' (shape {tuple(r.mean.shape)}, {r.mean.size} values) "
+                f"{', '.join(found)}: a posterior needs finite means and scales ≥ 0. Did training diverge, "
+                "or was the param store written with invalid values?")
 
 
 def read_guide(guide: Any, example_args: tuple) -> dict[str, SiteReading]:

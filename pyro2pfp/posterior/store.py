@@ -39,7 +39,7 @@ from pyro.infer.autoguide.initialization import InitMessenger
 from pyro.nn import PyroModule
 from pyro.nn.module import _is_module_local_param_enabled, _make_name
 
-from ..errors import PosteriorError
+from ..errors import PosteriorError, brief
 
 
 def module_local_params() -> bool:
@@ -191,14 +191,14 @@ def setup_guide_prototype(model: Any, guide: Any, example_args: tuple, weight_si
             # strategy meets the (discrete, unobserved) likelihood site first and fails.
             blocked = poutine.block(inner, hide_fn=hide)
             g._model = (init(blocked) if init is not None else blocked,)
-        with torch.no_grad(), poutine.block():
+        with torch.no_grad(), poutine.block(), pyro.validation_enabled(False):  # scales of 0 are valid
             guide(*example_args)
     except PosteriorError:
         raise
     except Exception as exc:
         raise PosteriorError(
             f"the {type(guide).__name__} guide has never been run; running it once (so that it takes its "
-            f"trained parameters from the param store) failed: {type(exc).__name__}: {exc}") from exc
+            f"trained parameters from the param store) failed: {brief(exc)}") from exc
     finally:
         for g, original in originals:
             g._model = original
