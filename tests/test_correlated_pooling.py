@@ -111,6 +111,7 @@ CASES = [  # (conv: in_ch, out_ch, kernel, stride, padding; pool: kernel, stride
     ((2, 3, 3, 1, 1), (2, 2, 0, False), 6, False),
     ((2, 2, 3, 1, 0), (3, 2, 1, False), 7, True),
     ((1, 2, 2, 2, 1), (2, 2, 0, True), 7, True),
+    ((2, 3, 3, 1, 1), (3, 2, 1, False), 7, True),
 ]
 
 
