@@ -22,7 +22,7 @@ keep the independent fold (their factor rules do not know ``window_cov``).
 """
 from __future__ import annotations
 
-from .graph import Layer, LayerGraph
+from .graph import INPUT, Layer, LayerGraph
 from .registry import OPS
 
 MAX_POOL_RULES = ("correlated", "independent")
@@ -96,3 +96,37 @@ def correlate_max_pools(graph: LayerGraph) -> LayerGraph:
     origins = {name: node for name, node in graph.origins.items() if name not in dropped}
     return LayerGraph(input_shape=graph.input_shape, layers=layers, output=graph.output,
                       input_variance=graph.input_variance, origins=origins)
+
+
+def _passes_through(layer: Layer) -> bool:
+    """Elementwise layers between a conv and the next one (activations, per-channel affine maps)."""
+    return layer.op == "affine" or (layer.op in OPS and OPS[layer.op].activation is not None)
+
+
+def pool_caveats(graph: LayerGraph) -> list[str]:
+    """What a user should know about the max pools of a mean-field plan after :func:`correlate_max_pools`:
+    pools that keep the independent fold (their input is not a conv, or passes an activation that is not
+    non-decreasing or that feeds other layers too), and correlated pools whose conv reads another conv's
+    output with no pooling between -- neighbouring inputs then share most of their noise, which
+    mean-field PFP does not carry, so the in-window correlation is under-stated."""
+    by_name = {layer.name: layer for layer in graph.layers}
+    notes = []
+    for layer in graph.layers:
+        if layer.op != "max_pool2d":
+            continue
+        if len(layer.inputs) == 1:
+            src = by_name.get(layer.inputs[0])
+            what = "the network input" if src is None else f"{src.name} ({src.op})"
+            notes.append(f"{layer.source}: max pool '{layer.name}' reads {what}, not a conv (or through an "
+                         "activation that is not non-decreasing or has other consumers), so it folds its window "
+                         "as independent Gaussians: its variance is under-stated where the window is correlated")
+            continue
+        cov = by_name[layer.inputs[1]]
+        name = cov.inputs[0]
+        while name != INPUT and _passes_through(by_name[name]):
+            name = by_name[name].inputs[0]
+        if name != INPUT and by_name[name].op == "conv2d":
+            notes.append(f"{layer.source}: max pool '{layer.name}' follows a conv whose input is another conv's "
+                         f"output ({name}) with no pooling between; mean-field PFP drops the correlation of "
+                         "neighbouring inputs, so the in-window correlation and the pool's moments are approximate")
+    return notes

@@ -1,15 +1,16 @@
 """The public entry point: :func:`convert` and the :class:`PFPNetwork` it returns."""
 from __future__ import annotations
 
+import warnings
 from collections.abc import Callable
 from typing import Any
 
 import numpy as np
 
 from . import folding
-from .correlated_pools import MAX_POOL_RULES, correlate_max_pools
+from .correlated_pools import MAX_POOL_RULES, correlate_max_pools, pool_caveats
 from .correlation import with_correlation
-from .errors import ArgumentError, InputShapeError, PosteriorError
+from .errors import ArgumentError, InputShapeError, PFPWarning, PosteriorError
 from .graph import LayerGraph, Repr
 from .inputs import checked_inputs
 from .plan import PlannedGraph, plan
@@ -282,6 +283,9 @@ def convert(model: Any, guide: Any = None, *, input_shape: tuple[int, ...] | Non
             layer_graph = rewritten
             planned_graph = append_head(layer_graph, head) if head is not None else layer_graph
             planned = plan(planned_graph, calibration, moment_form)
+        for note in pool_caveats(layer_graph):
+            warnings.warn(f"{note}. Measure it with convert(..., check=x) or pyro2pfp.diagnose.",
+                          PFPWarning, stacklevel=2)
     net = PFPNetwork(layer_graph, planned, nonweight_sites=traced.nonweight_sites, noise=noise)
     if check is not None:
         from .fidelity import check_fidelity

@@ -335,3 +335,19 @@ def test_compiled_and_onnx_equal_the_reference(moment_form):
     for got in outputs:
         for r, o in zip(ref, got):
             np.testing.assert_allclose(o, r, rtol=2e-4, atol=2e-5 * np.abs(r).max())
+
+
+def test_caveats_name_the_pools_the_rule_does_not_cover():
+    from pyro2pfp.correlated_pools import pool_caveats
+
+    rng = np.random.default_rng(0)
+    assert pool_caveats(correlate_max_pools(cnn_graph(rng))) == []  # LeNet-style: both pools covered
+    notes = pool_caveats(correlate_max_pools(cnn_graph(rng, "gelu", {"approximate": "none"})))
+    assert len(notes) == 1 and "'pool1'" in notes[0] and "independent" in notes[0]
+    conv1 = conv_layer(rng, "conv1", INPUT, (1, 8, 8), 2, 3, 1, 1, 1, 1, 0.3, 0.05)
+    conv2 = conv_layer(rng, "conv2", "relu1", conv1.out_shape, 2, 3, 1, 1, 1, 1, 0.3, 0.05)
+    vgg = LayerGraph(input_shape=(1, 8, 8), output="pool", layers=[
+        conv1, relu_layer("relu1", "conv1", conv1.out_shape), conv2, relu_layer("relu2", "conv2", conv2.out_shape),
+        pool_layer("pool", "relu2", conv2.out_shape, 2, 2)])
+    notes = pool_caveats(correlate_max_pools(vgg))
+    assert len(notes) == 1 and "another conv's output (conv1)" in notes[0]
