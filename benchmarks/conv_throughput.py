@@ -2,7 +2,7 @@
 conv2d on the same shapes, both on one thread.
 
 A PFP conv computes three convolutions per layer -- the mean ``Σ μw·μx`` and the two variance
-terms ``Σ μw²·vx`` and ``Σ vw·(μx² + vx)`` (pfp-math.md, variance form) -- so at equal arithmetic
+terms ``Σ μw²·vx`` and ``Σ vw·(μx² + vx)`` (``docs/math.md`` "Compute layers", variance form) -- so at equal arithmetic
 throughput it takes 3x the deterministic conv's time.  This script prints the GFLOP/s of both
 (counting 2 flops per multiply-add, 3 products per PFP tap) and the time ratio, which is what bounds
 a ResNet's PFP/deterministic latency ratio once the convs dominate (batch >= 10).

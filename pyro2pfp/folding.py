@@ -8,7 +8,7 @@ follows a ``dense``/``conv2d`` layer whose output feeds nothing else, ``z = Σ w
 and for independent Gaussian weights ``w ~ N(μw, vw)``, ``b ~ N(μb, vb)`` the folded parameters are
 Gaussian with ``a·w ~ N(a·μw, a²·vw)`` and ``a·b + c ~ N(a·μb + c, a²·vb)`` (``a``, ``c`` deterministic).
 The folded layer's output (mean, variance) is exactly the affine of the unfolded layer's output
-(``pfp-math.md`` "Layers that are linear in the input": ``μ ↦ aμ + c``, ``v ↦ a²v``), in every input
+(``docs/math.md`` "Linear layers": ``μ ↦ aμ + c``, ``v ↦ a²v``), in every input
 representation, so the fold changes no result (up to float rounding) and saves a kernel, a tensor pair
 and a memory pass per batch norm.  The calibration factor, applied later by the planner to every
 weight variance, commutes with the fold (``c·a²·vw = a²·(c·vw)``).

@@ -3,7 +3,7 @@
 Each function takes an ``ops`` namespace (:data:`NUMPY` here, ``TE_OPS`` in the TVM back end) so
 that the *same* formula runs on float64 arrays and on TE expressions.
 
-Numerics (the limit cases of ``pfp-math.md``):
+Numerics (the limit cases of ``docs/math.md`` "Activations"):
 
 * ``α = μ/σ`` is clamped to ``±ALPHA_MAX``, beyond which ``Φ`` is exactly 0 or 1 in float32 and
   float64; at ``σ = 0`` it is set to ``±ALPHA_MAX`` by the sign of ``μ`` (0 for ``μ = 0``) instead of

@@ -2,7 +2,7 @@
 
 Two plans (``moment_form``):
 
-``"raw"`` — the paper's plan (section 5, ``pfp-math.md`` "Representation planning"):
+``"raw"`` — the paper's plan (section 5, ``docs/math.md`` "Representation planning"):
 
 * compute layers (dense, conv2d) take the **second raw moment** (or a deterministic input) and
   give the **variance**, ``v = Σ sw·sx − (μw·μx)²`` with ``E[w²]`` precomputed;
@@ -12,7 +12,7 @@ Two plans (``moment_form``):
 * the network output is (mean, **variance**).
 
 ``"variance"`` (the default) — every edge carries the variance; compute layers use the
-variance-input form ``v = Σ vw·(μx² + vx) + μw²·vx`` of ``pfp-math.md``.  Its terms are all
+variance-input form ``v = Σ vw·(μx² + vx) + μw²·vx`` of ``docs/math.md`` "Compute layers".  Its terms are all
 non-negative, so it has no cancellation: the raw moment ``s = μ² + v`` cannot hold a variance
 below ``~1e-7·μ²`` in float32 (SVI posteriors are often that narrow), and ``Σ sw·sx − (μw·μx)²``
 subtracts nearly equal sums.  It costs the same per term (two weight tensors, four operations).

@@ -109,7 +109,7 @@ class OpDef:
     ``torch_ops``: the ``str(node.target)`` names its converters handle; ``modules``: the torch
     modules/expressions they come from, as the README table shows them (``modules_short``: the
     names listed in the unsupported-op message); ``moments``/``assumptions``: the moment rule's
-    exactness and what it assumes (see docs/pfp-math.md); ``contract``: its representation contract;
+    exactness and what it assumes (see docs/math.md); ``contract``: its representation contract;
     ``activation``: the rule of an elementwise activation (then the reference, ONNX export and TVM
     kernel are the generic ones); ``compute_layer``: has Gaussian weights (dense, conv);
     ``internal``: inserted by the planner, never converted from torch (no table row, no converter);

@@ -14,7 +14,7 @@ entropies in nats)::
 ``p̄k`` underflow. The metrics' sources:
 
 * :func:`uncertainty` — a PFP network's ``(mean, var)`` of the logits: *logit sampling*
-  (``pfp-math.md``), ``l[n] = mean + sqrt(var) · z[n]`` with ``z ~ N(0, 1)`` drawn in one
+  (``docs/math.md`` "Uncertainty from the logits"), ``l[n] = mean + sqrt(var) · z[n]`` with ``z ~ N(0, 1)`` drawn in one
   vectorised call from ``numpy.random.default_rng(seed)``.
 * :func:`predictive_uncertainty` — the original Pyro BNN: logits from
   ``pyro.infer.Predictive`` (:func:`pyro2pfp.sampling.predictive_logits`).

@@ -1,7 +1,7 @@
 """Monte Carlo tests of the PFP moment formulas (float64 NumPy reference).
 
 For a single op with independent Gaussian inputs and (mean-field) Gaussian weights, every PFP
-formula of ``pfp-math.md`` is the *exact* mean and variance of the op's output.  Each test draws
+formula of ``docs/math.md`` is the *exact* mean and variance of the op's output.  Each test draws
 ``N`` independent samples of the output — every draw with **new weights, new bias and new inputs**
 — and compares the sample moments with what ``pyro2pfp.reference.REFERENCES[op]`` returns, using
 the bound of ``tests/stats.py``: ``z·se`` with ``se ∝ 1/√N`` estimated from the same draws and a

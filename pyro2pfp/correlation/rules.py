@@ -3,7 +3,7 @@ the noise that is shared by all positions and, across channels, by the same upst
 
 Why
 ---
-Mean-field PFP (``pfp-math.md``) keeps per element ``(μ, v)`` and treats all elements as
+Mean-field PFP (``docs/math.md``) keeps per element ``(μ, v)`` and treats all elements as
 independent.  Its per-position variances match sampling even in a ResNet-20 (``pyro2pfp.diagnose``:
 every layer's median PFP/MC variance ratio 0.95–1.08), but a conv weight is shared by all
 positions and every channel mixes all upstream channels, so *sums* over positions (global average

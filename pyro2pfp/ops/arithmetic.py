@@ -1,7 +1,7 @@
 """Linear elementwise ops: the per-channel ``affine`` map (eval-mode batch norm) and the residual ``add``.
 
-* ``affine``: ``μ ↦ a·μ + c``, ``v ↦ a²·v`` per channel (channel axis 1), exact (``pfp-math.md``
-  "Layers that are linear in the input"); ``a = γ/√(running_var + ε)``, ``c = β − a·running_mean``.
+* ``affine``: ``μ ↦ a·μ + c``, ``v ↦ a²·v`` per channel (channel axis 1), exact (``docs/math.md``
+  "Linear layers"); ``a = γ/√(running_var + ε)``, ``c = β − a·running_mean``.
 * ``add``: the sum of two activations, ``μ = μa + μb``, ``v = va + vb`` -- exact for independent
   summands (the branches of a residual block share their input, so their covariance is dropped).
 
@@ -111,7 +111,7 @@ def convert_add(node, ctx) -> Layer | Alias:
 
 def _bias_add(node, ctx, activation, bias_arg) -> Alias:
     """Attach a parameter added to the output of a bias-free dense/conv layer as that layer's bias (exact:
-    the bias is independent of the weights, ``pfp-math.md`` "Compute layers")."""
+    the bias is independent of the weights, ``docs/math.md`` "Compute layers")."""
     producer = ctx.producer(activation)
     if producer is None or producer.op not in ("dense", "conv2d") or "bias" in producer.params \
             or len(activation.users) != 1:

@@ -1,6 +1,6 @@
 """Compute layers (Gaussian weights): ``dense`` (``nn.Linear``) and ``conv2d`` (``nn.Conv2d``, ``nn.Conv1d``).
 
-Moments (``pfp-math.md`` "Compute layers"; paper eq. 11), with independent Gaussian weights and inputs:
+Moments (``docs/math.md`` "Compute layers"; the paper's eqs. 7, 12, 13), with independent Gaussian weights and inputs:
 
 * deterministic input ``x``:      ``μ = Σ μw·x + μb``,   ``v = Σ vw·x² + vb``;
 * variance input ``(μx, vx)``:    ``μ = Σ μw·μx + μb``,  ``v = Σ vw·(μx² + vx) + μw²·vx + vb``;

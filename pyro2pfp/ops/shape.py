@@ -1,5 +1,5 @@
 """Shape and representation ops: ``reshape`` (flatten/view/squeeze, a view on both components), the
-planner's representation ``convert`` (``s = μ² + v`` or ``v = s − μ²``, ``pfp-math.md``
+planner's representation ``convert`` (``s = μ² + v`` or ``v = s − μ²``, ``docs/math.md``
 "Representation planning"), and the torch ops that are the identity at inference (dropout, clone, …).
 
 The TVM kernels are in ``tvm_backend/ops/shape.py``.

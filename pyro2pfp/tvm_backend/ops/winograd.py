@@ -4,7 +4,7 @@
 convolution of the same layers (``correlation.py``, see the end of this docstring).
 
 The PFP conv with a variance input computes three convolutions of the same input window
-(pfp-math.md, variance form)::
+(``docs/math.md`` "Compute layers", variance form)::
 
     μ = conv(μw, μx) + μb,     v = conv(μw², vx) + conv(vw, μx² + vx) + vb
 
