@@ -6,7 +6,8 @@ Gaussians then over-states the mean of the max and under-states its variance.  T
 layer graph lets the pool fold Clark's *correlated* max instead (:mod:`pyro2pfp.ops.window_covariance`):
 
 1. **Activation after the pool.**  For a non-decreasing activation ``f`` (ReLU, LeakyReLU with a
-   slope ≥ 0, Hardtanh/ReLU6, Sigmoid, Tanh, Softplus, ELU with α ≥ 0; not GELU or SiLU)
+   slope ≥ 0, Hardtanh/ReLU6, Sigmoid, Tanh, Softplus, ELU with α ≥ 0,
+   scaling by c ≥ 0; not GELU or SiLU)
    ``max_pool(f(a)) = f(max_pool(a))`` exactly, so ``conv → f → max_pool`` becomes
    ``conv → max_pool → f``: the max sees the conv's Gaussian outputs, whose covariances are known in
    closed form, and ``f``'s moments are computed once per pooled output instead of once per tap.  The

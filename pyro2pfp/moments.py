@@ -14,7 +14,7 @@ Numerics (the limit cases of ``docs/math.md`` "Activations"):
   ``s − μ²``), so huge means do not cancel catastrophically; ``Φ(−α)`` is its own term
   (``ndtr(−α)`` in NumPy), never ``1 − Φ(α)`` computed in a separate rounding step.
 
-Smooth and clipped activations (issue 16; every rule ``xxx_moments(mean, var, [attrs,] ops)``
+Smooth and clipped activations (every rule ``xxx_moments(mean, var, [attrs,] ops)``
 returns ``(mean, var)`` of the activation of ``N(mean, var)``, ``xxx_exact(x, [attrs,] ops)`` is
 the deterministic activation, and ``var = 0`` returns exactly ``xxx_exact(mean)``):
 
@@ -199,7 +199,7 @@ def second_to_variance(mean: Any, second: Any, ops: Any = NUMPY) -> Any:
 
 
 # =============================================================================================
-# Smooth and clipped activations (issue 16).  Every formula below is written against ``ops``
+# Smooth and clipped activations.  Every formula below is written against ``ops``
 # only, like the ReLU rules above, so that the same code runs on float64 NumPy arrays, on TE
 # float32 expressions and on ONNX symbols.  The accuracy numbers quoted in the docstrings are
 # printed by ``benchmarks/activation_accuracy.py``.

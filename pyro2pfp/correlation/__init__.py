@@ -1,4 +1,4 @@
-"""Shared-factor PFP (issue 12): correlation-aware moments for nets that sum positions or branches.
+"""Shared-factor PFP: correlation-aware moments for nets that sum positions or branches.
 
 Mean-field PFP treats every activation element as independent.  A conv weight is shared by all
 positions of its channel and a residual add sums two functions of the same input, so global

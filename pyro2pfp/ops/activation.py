@@ -1,5 +1,5 @@
 """Elementwise activations with Gaussian moments: ReLU, LeakyReLU, scaling by a constant, and the smooth
-and clipped activations of issue 16 (Sigmoid, Tanh, GELU, SiLU, ELU, Softplus, Hardtanh/ReLU6); a final
+and clipped activations (Sigmoid, Tanh, GELU, SiLU, ELU, Softplus, Hardtanh/ReLU6); a final
 softmax, and a final sigmoid that gives Bernoulli probabilities, are stripped.
 
 Each activation is one :class:`~pyro2pfp.registry.OpDef` with an
