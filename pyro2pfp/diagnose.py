@@ -162,6 +162,8 @@ def diagnose(model: Any, guide: Any, x: Any, *, num_samples: int = 300, input_sh
     """
     from .inputs import as_input_array
     from .network import convert
+    from .posterior import sync_with_param_store
+    from .preserve import preserved
     from .reference import execute_all
     from .tracing import trace_model
 
@@ -174,7 +176,9 @@ def diagnose(model: Any, guide: Any, x: Any, *, num_samples: int = 300, input_sh
     if net.input_variance:
         raise PFPError("diagnose supports networks without input variance only")
     xs = as_input_array(x, net.input_shape, dtype=np.float64)
-    traced = trace_model(model, guide, net.input_shape)
+    with preserved(model, guide):
+        traced = trace_model(model, guide, net.input_shape)
+    sync_with_param_store(guide, f"the {type(guide).__name__} guide")  # it is sampled below
     gm = traced.program.module()
     params = dict(gm.named_parameters())
     by_site = {p.site: params[path] if path in params else params[_WRAPPER_PREFIX + path]

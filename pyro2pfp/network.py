@@ -202,6 +202,11 @@ def convert(model: Any, guide: Any = None, *, input_shape: tuple[int, ...] | Non
     :class:`PosteriorError`.  ``check_posterior=False`` skips that check, for guides that cannot be
     sampled with the model's input alone.
 
+    Converting runs the model and the guide, but leaves everything the user owns as it found it, on
+    success and on failure: the model, the guide and the modules their code uses (parameters and
+    buffers, train/eval mode, hooks), the param store and the global random state
+    (:mod:`pyro2pfp.preserve`).
+
     ``fold_batch_norm=True`` (default) folds every eval-mode batch norm that follows a Linear/Conv layer
     into that layer's weight and bias moments (exact, :mod:`pyro2pfp.folding`): one kernel fewer each.
 
@@ -223,36 +228,38 @@ def convert(model: Any, guide: Any = None, *, input_shape: tuple[int, ...] | Non
     must be a vector of logits per input (one logit: a Bernoulli/sigmoid output).
     """
     from .ops.head import append_head, check_head
+    from .preserve import preserved
 
-    check_head(head)
-    if not isinstance(input_variance, bool | np.bool_):
-        raise ArgumentError(f"input_variance must be True or False, got {input_variance!r}")
-    tyxe_bnn = None
-    if guide is None and hasattr(model, "net") and hasattr(model, "net_guide"):  # TyXe VariationalBNN
-        tyxe_bnn, model, guide = model, model.net, model.net_guide
-    if guide is None:
-        raise PosteriorError("convert(model, guide) needs the trained guide that holds the posterior")
-    traced = trace_model(model, guide, input_shape, check_posterior=check_posterior)
-    if tyxe_bnn is not None:
-        traced.tyxe_gaussian_likelihood = type(getattr(tyxe_bnn, "likelihood", None)).__name__ in (
-            "HomoskedasticGaussian", "HeteroskedasticGaussian")
-    if not isinstance(fold_batch_norm, bool | np.bool_):
-        raise ArgumentError(f"fold_batch_norm must be True or False, got {fold_batch_norm!r}")
-    layer_graph = build_layer_graph(traced)
-    layer_graph.input_variance = bool(input_variance)
-    if fold_batch_norm:
-        layer_graph = folding.fold_batch_norm(layer_graph)
-    noise = traced.noise
-    if tyxe_bnn is not None and hasattr(tyxe_bnn, "likelihood"):  # the likelihood is outside bnn.net
-        from .noise import tyxe_noise
+    with preserved(model, guide):  # the user's objects, the param store, the random state: as found
+        check_head(head)
+        if not isinstance(input_variance, bool | np.bool_):
+            raise ArgumentError(f"input_variance must be True or False, got {input_variance!r}")
+        tyxe_bnn = None
+        if guide is None and hasattr(model, "net") and hasattr(model, "net_guide"):  # TyXe VariationalBNN
+            tyxe_bnn, model, guide = model, model.net, model.net_guide
+        if guide is None:
+            raise PosteriorError("convert(model, guide) needs the trained guide that holds the posterior")
+        traced = trace_model(model, guide, input_shape, check_posterior=check_posterior)
+        if tyxe_bnn is not None:
+            traced.tyxe_gaussian_likelihood = type(getattr(tyxe_bnn, "likelihood", None)).__name__ in (
+                "HomoskedasticGaussian", "HeteroskedasticGaussian")
+        if not isinstance(fold_batch_norm, bool | np.bool_):
+            raise ArgumentError(f"fold_batch_norm must be True or False, got {fold_batch_norm!r}")
+        layer_graph = build_layer_graph(traced)
+        layer_graph.input_variance = bool(input_variance)
+        if fold_batch_norm:
+            layer_graph = folding.fold_batch_norm(layer_graph)
+        noise = traced.noise
+        if tyxe_bnn is not None and hasattr(tyxe_bnn, "likelihood"):  # the likelihood is outside bnn.net
+            from .noise import tyxe_noise
 
-        output_shape = layer_graph.shape_of(layer_graph.output)
-        noise = tyxe_noise(tyxe_bnn, traced.input_shape, tuple(output_shape))
-    from .noise import HeteroscedasticNoise, NoiseModel
+            output_shape = layer_graph.shape_of(layer_graph.output)
+            noise = tyxe_noise(tyxe_bnn, traced.input_shape, tuple(output_shape))
+        from .noise import HeteroscedasticNoise, NoiseModel
 
-    if head is not None and isinstance(noise, NoiseModel | HeteroscedasticNoise):
-        raise ArgumentError(f"head={head!r} is for classifiers (logits); this model has a Normal likelihood "
-                            "(regression): use net.regression(mean, var) instead")
-    planned_graph = append_head(layer_graph, head) if head is not None else layer_graph
-    planned = with_correlation(plan(planned_graph, calibration, moment_form), correlation)
-    return PFPNetwork(layer_graph, planned, nonweight_sites=traced.nonweight_sites, noise=noise)
+        if head is not None and isinstance(noise, NoiseModel | HeteroscedasticNoise):
+            raise ArgumentError(f"head={head!r} is for classifiers (logits); this model has a Normal likelihood "
+                                "(regression): use net.regression(mean, var) instead")
+        planned_graph = append_head(layer_graph, head) if head is not None else layer_graph
+        planned = with_correlation(plan(planned_graph, calibration, moment_form), correlation)
+        return PFPNetwork(layer_graph, planned, nonweight_sites=traced.nonweight_sites, noise=noise)

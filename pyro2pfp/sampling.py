@@ -20,7 +20,8 @@ def predictive_logits(
     """Monte Carlo logits from the posterior: the sampling baseline.
 
     Runs ``pyro.infer.Predictive(model, guide=guide, num_samples=num_samples,
-    return_sites=("_RETURN",))(x)`` under ``torch.no_grad``.
+    return_sites=("_RETURN",))(x)`` under ``torch.no_grad``, after bringing the model's and guide's
+    parameters in line with the param store (:func:`pyro2pfp.posterior.sync_with_param_store`).
 
     Args:
         model: Pyro model returning logits.
@@ -33,6 +34,12 @@ def predictive_logits(
         ``float64`` array of shape ``(num_samples, B, classes)``. Class predictions are
         ``predictive_logits(...).mean(0).argmax(-1)``.
     """
+    from .posterior import sync_with_param_store
+
+    # Pyro's own Predictive samples the guide's cached parameters: bring them in line with the param store
+    # first (a guide that ran before pyro.get_param_store().load(...) would sample its old values).
+    sync_with_param_store(model, "the model")
+    sync_with_param_store(guide, f"the {type(guide).__name__} guide")
     if seed is not None:
         pyro.set_rng_seed(seed)
     x_t = x.detach().to(torch.float32) if isinstance(x, torch.Tensor) else torch.as_tensor(

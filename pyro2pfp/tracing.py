@@ -36,6 +36,7 @@ from .export_passes import compute_ops, fold_identity_broadcasts, used_parameter
 from .graph import GaussianParam
 from .noise import HeteroscedasticNoise, NoiseModel, NoNoiseModel, find_noise, read_head, scale_depends_on_input
 from .posterior import SiteReading, call_with_model_args, read_posterior, unwrap_independent
+from .preserve import module_changes_undone
 from .site_matching import check_all_matched, require_weight_posterior
 
 _WRAPPER_PREFIX = "model."
@@ -103,13 +104,21 @@ def _module_call(self: torch.nn.Module, *args: Any, **kwargs: Any) -> Any:
     return torch.nn.Module.__call__(self, *args, **kwargs)
 
 
+def _module_setattr(self: torch.nn.Module, name: str, value: Any) -> None:
+    torch.nn.Module.__setattr__(self, name, value)  # looked up at call time (pyro2pfp.preserve wraps it)
+
+
+def _module_delattr(self: torch.nn.Module, name: str) -> None:
+    torch.nn.Module.__delattr__(self, name)
+
+
 @functools.cache
 def _plain_module_class(cls: type) -> type:
     """A subclass of ``cls`` whose attribute access and call are plain ``nn.Module`` ones."""
     namespace = {
         "__getattr__": torch.nn.Module.__getattr__,
-        "__setattr__": torch.nn.Module.__setattr__,
-        "__delattr__": torch.nn.Module.__delattr__,
+        "__setattr__": _module_setattr,
+        "__delattr__": _module_delattr,
         "__call__": _module_call,
         "__module__": cls.__module__,
     }
@@ -267,8 +276,8 @@ def _check_batch_independent(program: torch.export.ExportedProgram, wrapper: _Wr
 def _export(wrapper: _Wrapper, example: torch.Tensor, input_shape: tuple[int, ...], *,
             dynamic: bool = True) -> torch.export.ExportedProgram:
     dynamic_shapes = {"x": {0: torch.export.Dim("batch", min=1, max=2**20)}} if dynamic else None
-    try:
-        with pyro.validation_enabled(False), torch.no_grad():
+    try:  # each run of the model leaves the modules it assigns to as they were (pyro2pfp.preserve)
+        with pyro.validation_enabled(False), torch.no_grad(), module_changes_undone():
             return torch.export.export(wrapper, (example,), dynamic_shapes=dynamic_shapes, strict=False)
     except Exception as exc:
         raise TracingError(
