@@ -213,7 +213,8 @@ def _restore_values(values: list[tuple[torch.Tensor, torch.Tensor, bool]]) -> No
 class _StoreState:
     def __init__(self) -> None:
         store = pyro.get_param_store()
-        self.dicts = [(d, dict(d)) for d in (store._params, store._param_to_name, store._constraints)]
+        self.dicts: list[tuple[dict[Any, Any], dict[Any, Any]]] = [
+            (d, dict(d)) for d in (store._params, store._param_to_name, store._constraints)]
         self.values = _tensor_values(iter(store._params.values()))
 
     def restore(self) -> None:

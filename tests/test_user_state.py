@@ -174,12 +174,14 @@ def _mlp(guide_cls):
 def _hand_written():
     model = MLP()
 
+    shapes = {"fc1.weight": (HIDDEN, D_IN), "fc1.bias": (HIDDEN,), "fc2.weight": (CLASSES, HIDDEN),
+              "fc2.bias": (CLASSES,)}
+
     def guide(x, y=None):
-        for layer in ("fc1", "fc2"):
-            for attr, shape in (("weight", getattr(model, layer).weight.shape), ("bias", getattr(model, layer).bias.shape)):
-                loc = pyro.param(f"{layer}_{attr}_loc", torch.zeros(shape))
-                scale = pyro.param(f"{layer}_{attr}_scale", torch.full(shape, 0.1), constraint=dist.constraints.positive)
-                pyro.sample(f"{layer}.{attr}", dist.Normal(loc, scale).to_event(len(shape)))
+        for site, shape in shapes.items():
+            loc = pyro.param(f"{site}_loc", torch.zeros(shape))
+            scale = pyro.param(f"{site}_scale", torch.full(shape, 0.1), constraint=dist.constraints.positive)
+            pyro.sample(site, dist.Normal(loc, scale).to_event(len(shape)))
 
     fit(model, guide)
     return model, guide, [model]
