@@ -25,6 +25,7 @@ import numpy as np
 import pyro
 import torch
 import torch.fx
+from pyro.distributions.torch_distribution import ExpandedDistribution, MaskedDistribution
 from pyro.nn import PyroModule
 from pyro.nn.module import _make_name
 from pyro.poutine.messenger import Messenger
@@ -74,6 +75,18 @@ def _likelihood_mean(fn: Any) -> torch.Tensor:
     return loc if isinstance(loc, torch.Tensor) else torch.zeros(())
 
 
+def network_output_of(fn: Any) -> torch.Tensor | None:
+    """The tensor a likelihood's distribution was built from -- its ``logits`` or ``probs`` as given, or
+    its ``loc`` -- i.e. the network's output when the model returns nothing useful (None, or the sample)."""
+    while isinstance(fn, torch.distributions.Independent | MaskedDistribution | ExpandedDistribution):
+        fn = fn.base_dist
+    given = vars(fn)
+    for name in ("logits", "probs", "loc"):  # lazy properties: only the one the distribution was built from
+        if isinstance(given.get(name), torch.Tensor):
+            return given[name]
+    return None
+
+
 class _ModelSites(Messenger):
     """While the deterministic copy is exported: a latent sample site the guide has a posterior for
     returns the wrapper's parameter holding its posterior mean (so the graph names it, and whether
@@ -95,6 +108,7 @@ class _ModelSites(Messenger):
             self.wrapper.likelihoods.append((msg["name"], msg["fn"]))
             if msg["value"] is None:
                 msg["value"] = _likelihood_mean(msg["fn"])
+                self.wrapper.placeholders.append(id(msg["value"]))
         msg["done"] = True
         msg["stop"] = True
 
@@ -201,6 +215,7 @@ class _Wrapper(torch.nn.Module):
         self.lifted_names: list[str] = []
         # The non-latent sample sites of the last run (the likelihood): [(name, distribution)].
         self.likelihoods: list[tuple[str, Any]] = []
+        self.placeholders: list[int] = []  # ids of the values the likelihood sites returned (no observation)
         # Heteroscedastic head: also return the Normal likelihood's loc and scale, so the graph shows
         # where they are read from (pyro2pfp.noise.read_head).
         self.probe_head = False
@@ -208,9 +223,15 @@ class _Wrapper(torch.nn.Module):
         self.head_site: set[str] = set()
 
     def forward(self, x: torch.Tensor) -> Any:
-        self.likelihoods = []
+        self.likelihoods, self.placeholders = [], []
         with _ModelSites(self):
             out = call_with_model_args(self.model, (x,))
+        if out is None or id(out) in self.placeholders:
+            # The model returns nothing (or its likelihood's sample): the network output is what the
+            # likelihood is built from (Categorical(logits=...), Bernoulli(probs=...), Normal(loc, ...)).
+            built_from = [t for t in (network_output_of(fn) for _, fn in self.likelihoods) if t is not None]
+            if len(built_from) == 1:
+                out = built_from[0]
         if not self.probe_head:
             return out
         normals = [(name, unwrap_independent(fn)) for name, fn in self.likelihoods]

@@ -9,6 +9,7 @@ the identity on one of its inputs (dropout at inference, ``contiguous``, …).
 from __future__ import annotations
 
 import operator
+import warnings
 from typing import Any
 
 import torch
@@ -18,6 +19,7 @@ from . import ops  # noqa: F401  (registers the converters)
 from .converters import CONVERTERS, Alias, supported_ops
 from .errors import TracingError, UnsupportedLayerError
 from .graph import INPUT, GaussianParam, Layer, LayerGraph
+from .output_chain import strip_output_normalisation
 from .registry import supported_modules
 from .tracing import _WRAPPER_PREFIX, TracedModel
 
@@ -148,6 +150,12 @@ def _unsupported_message(ctx: ConversionContext, node: torch.fx.Node) -> str:
 
 def build_layer_graph(traced: TracedModel) -> LayerGraph:
     """Convert the traced program into a :class:`LayerGraph` (float64 parameters, torch layouts)."""
+    stripped, where = strip_output_normalisation(traced.program, regression=traced.regression())
+    if stripped:
+        warnings.warn(f"the final {stripped} is stripped{f' ({where})' if where else ''}: it normalises the "
+                      "logits, and the PFP network outputs "
+                      "the (mean, variance) of the logits. Use pyro2pfp.uncertainty() or convert(..., head='probs') "
+                      "for the probabilities.", stacklevel=3)
     graph = traced.program.graph_module.graph
     ctx = ConversionContext(traced)
     user_inputs = traced.program.graph_signature.user_inputs

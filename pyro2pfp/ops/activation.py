@@ -216,8 +216,12 @@ def convert_leaky_relu(node, ctx) -> Layer:
 @register("aten.softmax.int", "aten._softmax.default", "aten.log_softmax.int", "aten._log_softmax.default")
 def strip_final_softmax(node, ctx) -> Alias:
     if not ctx.is_output(node):
-        raise ctx.unsupported(node, "softmax inside the network is not supported (only a final softmax, "
-                                    "which is stripped so the output stays the logits)")
+        users = ", ".join(sorted(u.name for u in node.users))
+        raise ctx.unsupported(node, f"softmax inside the network (its result feeds {users}) is not supported: "
+                                    "PFP has no Gaussian moment rule for it. Only a trailing normalisation of the "
+                                    "logits (softmax, log_softmax, exp of log_softmax, sigmoid, logsigmoid, constant "
+                                    "scalings, reshapes) is recognised, and stripped; move the softmax to the end, "
+                                    "or replace it by an activation PFP supports")
     warnings.warn(f"{ctx.source(node)}: the final softmax/log_softmax is stripped; the PFP network outputs "
                   "the (mean, variance) of the logits. Use pyro2pfp.uncertainty() for class probabilities.",
                   stacklevel=2)

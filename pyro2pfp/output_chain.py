@@ -1,0 +1,149 @@
+"""The network's output, found by meaning: the logits under a trailing normalisation.
+
+Models end in many spellings of the same thing -- the logits ``z`` of a classifier turned into what
+the likelihood takes or what the user likes to return: ``softmax(z)``, ``log_softmax(z)``,
+``log_softmax(z).exp()``, ``softmax(z).log()``, ``sigmoid(z)``, ``logsigmoid(z)``, a torch
+distribution's own normalisation (``Categorical(logits=z)`` stores ``z - logsumexp(z)``,
+``Categorical(probs=p)`` stores ``p / p.sum(-1)``), scalings by a constant after any of these, and
+reshapes in between.  PFP propagates the logits' Gaussian moments; the normalisation has no Gaussian
+moment rule and is not needed (``pyro2pfp.uncertainty`` or ``convert(..., head="probs")`` give the
+probabilities).  :func:`strip_output_normalisation` walks back from the graph's output through such a
+chain and makes the output the logits (reshapes kept, so the output keeps its shape).
+
+A scaling *inside* the normalisation stays: ``softmax(z / T)`` has the logits ``z / T`` (a temperature
+is part of the logits).  ``exp`` is a normalisation only over a log-normalisation (``exp∘log_softmax``:
+probabilities), ``log`` only over a normalisation (``log∘softmax``).  Nothing is stripped when the
+output is the mean of a Normal likelihood (a regression: a final sigmoid is then the mean's activation).
+"""
+from __future__ import annotations
+
+import numbers
+import operator
+from typing import Any
+
+import torch
+import torch.fx
+
+from .export_passes import user_line
+
+_RESHAPES = {"view", "reshape", "_unsafe_view", "squeeze", "unsqueeze", "flatten", "clone", "contiguous",
+             "alias", "detach", "expand"}
+_NORMALISATIONS = {"softmax": "softmax", "_softmax": "softmax", "log_softmax": "log_softmax",
+                   "_log_softmax": "log_softmax", "sigmoid": "sigmoid", "log_sigmoid": "log_sigmoid"}
+_CLASSIFIER_ONLY = {"sigmoid", "log_sigmoid"}  # kept for a regression's mean
+_RENORMALISED = ("probs / probs.sum(-1)", "logits - logsumexp")  # what torch distributions store
+_LOG_NORMALISED = {"log_softmax", "log_sigmoid", "logits - logsumexp"}
+
+
+def _op(node: Any) -> str:
+    if not isinstance(node, torch.fx.Node) or node.op != "call_function" or node.target is operator.getitem:
+        return ""
+    return str(node.target).removeprefix("aten.").split(".")[0]
+
+
+def _last_dim(dims: Any, node: torch.fx.Node) -> bool:
+    val = node.meta.get("val")
+    rank = val.dim() if isinstance(val, torch.Tensor) else None
+    dims = list(dims) if isinstance(dims, list | tuple) else [dims]
+    return len(dims) == 1 and (dims[0] == -1 or (rank is not None and dims[0] == rank - 1))
+
+
+def _constant(arg: Any) -> bool:
+    return isinstance(arg, numbers.Real) and not isinstance(arg, bool)
+
+
+def _step(node: torch.fx.Node, regression: bool) -> tuple[str, torch.fx.Node] | None:
+    """``(what, input)`` if ``node`` is one link of an output chain: a normalisation's name, ``"reshape"``,
+    ``"scale"`` (by a constant), ``"exp"`` or ``"log"`` (normalisations only next to one); else None."""
+    op = _op(node)
+    args: Any = node.args
+    source = args[0] if args and isinstance(args[0], torch.fx.Node) else None
+    if source is None:
+        return None
+    if op in _RESHAPES:
+        return "reshape", source
+    if op in _NORMALISATIONS:
+        name = _NORMALISATIONS[op]
+        return None if regression and name in _CLASSIFIER_ONLY else (name, source)
+    if op in ("exp", "log"):
+        return op, source
+    if op in ("mul", "div") and len(args) == 2:
+        if _constant(args[1]):
+            return "scale", source
+        if op == "mul" and _constant(args[0]) and isinstance(args[1], torch.fx.Node):
+            return "scale", args[1]
+        if op == "div" and _op(args[1]) == "sum" and args[1].args[0] is source \
+                and _last_dim(args[1].args[1], source) and (args[1].args[2:3] or [False])[0]:
+            return "probs / probs.sum(-1)", source  # Categorical(probs=...) renormalises
+    if op == "sub" and len(args) == 2 and _op(args[1]) == "logsumexp" and args[1].args[0] is source \
+            and _last_dim(args[1].args[1], source) and (args[1].args[2:3] or [False])[0]:
+        return "logits - logsumexp", source  # Categorical(logits=...) normalises
+    return None
+
+
+def _below(chain: list[tuple[str, torch.fx.Node, torch.fx.Node]], i: int) -> str:
+    """The first link below chain[i] that is not a reshape ('' if none)."""
+    for what, _, _ in chain[i + 1:]:
+        if what != "reshape":
+            return what
+    return ""
+
+
+def strip_output_normalisation(program: torch.export.ExportedProgram, *, regression: bool) -> tuple[str, str]:
+    """Make the graph's (single) output the logits under its trailing normalisation, if it has one.
+
+    Returns what was stripped and where, for the user (``("log_softmax → exp", "model.py, line 12")``),
+    ``("", "")`` when nothing or only a distribution's own normalisation was.
+    """
+    graph = program.graph_module.graph
+    out_node = next(n for n in graph.nodes if n.op == "output")
+    outs: Any = out_node.args[0]
+    if not isinstance(outs, tuple | list) or len(outs) != 1 or not isinstance(outs[0], torch.fx.Node):
+        return "", ""
+    chain: list[tuple[str, torch.fx.Node, torch.fx.Node]] = []
+    node, allowed = outs[0], {out_node}
+    while set(node.users) <= allowed:  # used by the chain alone
+        step = _step(node, regression)
+        if step is None:
+            break
+        chain.append((step[0], node, step[1]))
+        allowed = {node}
+        if step[0] in _RENORMALISED and isinstance(node.args[1], torch.fx.Node):
+            allowed.add(node.args[1])  # the logsumexp / sum it is normalised by
+        node = step[1]
+    # Which links are normalisations: exp over a log-normalisation, log over a normalisation.
+    deepest = -1
+    for i, (what, _, _) in enumerate(chain):
+        below = _below(chain, i)
+        if what in _NORMALISATIONS.values() or what in _RENORMALISED \
+                or (what == "exp" and below in _LOG_NORMALISED) \
+                or (what == "log" and below in ("softmax", "sigmoid", "probs / probs.sum(-1)")):
+            deepest = i
+        elif what in ("exp", "log"):
+            break
+    if deepest < 0:
+        return "", ""
+    stripped = [(what, node, source) for what, node, source in chain[:deepest + 1] if what != "reshape"]
+    for _, node, source in stripped:
+        node.replace_all_uses_with(source)
+    graph.eliminate_dead_code()
+    _rename_outputs(program, out_node)
+    program.graph_module.recompile()
+    # What the user wrote, innermost first (a distribution's own normalisation is not news to them).
+    written = [(what, node) for what, node, _ in reversed(stripped) if what not in _RENORMALISED]
+    if not written:
+        return "", ""
+    shown = ["× constant" if what == "scale" else what for what, _ in written]
+    where = user_line(written[0][1])
+    where = "" if "/pyro2pfp/" in where or "unknown" in where else where  # a model function: no frame
+    return " → ".join(shown), where
+
+
+def _rename_outputs(program: torch.export.ExportedProgram, out_node: torch.fx.Node) -> None:
+    """Keep the program's output signature naming the (new) output node."""
+    from torch.export.graph_signature import TensorArgument
+
+    args: Any = out_node.args[0]
+    for spec, arg in zip(program.graph_signature.output_specs, args, strict=False):
+        if isinstance(arg, torch.fx.Node) and isinstance(spec.arg, TensorArgument):
+            spec.arg = TensorArgument(name=arg.name)
