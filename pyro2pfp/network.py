@@ -11,6 +11,7 @@ from .correlation import with_correlation
 from .errors import ArgumentError, InputShapeError, PosteriorError
 from .graph import LayerGraph, Repr
 from .inputs import checked_inputs
+from .model_args import user_model_args
 from .plan import PlannedGraph, plan
 from .reference import execute
 from .tracing import trace_model
@@ -174,7 +175,8 @@ class PFPNetwork:
 def convert(model: Any, guide: Any = None, *, input_shape: tuple[int, ...] | None = None,
             calibration: float = 1.0, moment_form: str = "variance",
             input_variance: bool = False, check_posterior: bool = True,
-            fold_batch_norm: bool = True, correlation: str = "auto", head: str | None = None) -> PFPNetwork:
+            fold_batch_norm: bool = True, correlation: str = "auto", head: str | None = None,
+            example_args: tuple | None = None, example_kwargs: dict[str, Any] | None = None) -> PFPNetwork:
     """Convert a Pyro BNN (``model``, trained ``guide``) into a PFP network.
 
     Traces ``model`` (a ``PyroModule``) over a deterministic copy holding the posterior means, reads
@@ -201,6 +203,12 @@ def convert(model: Any, guide: Any = None, *, input_shape: tuple[int, ...] | Non
     checked against what was read (:mod:`pyro2pfp.posterior.guard`); a mismatch raises
     :class:`PosteriorError`.  ``check_posterior=False`` skips that check, for guides that cannot be
     sampled with the model's input alone.
+
+    ``example_args=(x, y, ...)`` / ``example_kwargs``: the arguments of one call of the model and guide
+    (the input batch first) for models and guides that need more than the input, e.g. ``model(X, cll)``
+    reading ``cll.size(0)``; ``input_shape`` then defaults to ``x.shape[1:]``.  They are used to run the
+    model and guide; the labels never enter the network (:mod:`pyro2pfp.model_args`).  Without them the
+    model and guide are called with a batch of zeros and ``None`` for further required parameters.
 
     Converting runs the model and the guide, but leaves everything the user owns as it found it, on
     success and on failure: the model, the guide and the modules their code uses (parameters and
@@ -239,7 +247,8 @@ def convert(model: Any, guide: Any = None, *, input_shape: tuple[int, ...] | Non
             tyxe_bnn, model, guide = model, model.net, model.net_guide
         if guide is None:
             raise PosteriorError("convert(model, guide) needs the trained guide that holds the posterior")
-        traced = trace_model(model, guide, input_shape, check_posterior=check_posterior)
+        example = user_model_args(example_args, example_kwargs, input_shape)
+        traced = trace_model(model, guide, input_shape, check_posterior=check_posterior, example=example)
         if tyxe_bnn is not None:
             traced.tyxe_gaussian_likelihood = type(getattr(tyxe_bnn, "likelihood", None)).__name__ in (
                 "HomoskedasticGaussian", "HeteroskedasticGaussian")

@@ -35,8 +35,10 @@ from . import random_module
 from .errors import InputShapeError, PosteriorError, TracingError, UnsupportedLayerError
 from .export_passes import compute_ops, fold_identity_broadcasts, used_parameters, user_line
 from .graph import GaussianParam
+from .model_args import TracedArgs
 from .noise import HeteroscedasticNoise, NoiseModel, NoNoiseModel, find_noise, read_head, scale_depends_on_input
-from .posterior import SiteReading, call_with_model_args, read_posterior, unwrap_independent
+from .posterior import ModelArgs, SiteReading, call_failure, call_with_model_args, read_posterior, unwrap_independent
+from .posterior.readers import padded_parameters
 from .preserve import module_changes_undone
 from .site_matching import check_all_matched, require_weight_posterior
 
@@ -61,6 +63,8 @@ class TracedModel:
     # Whether the output feeds a Normal likelihood (a regression): set for a TyXe Gaussian likelihood,
     # which lives outside the traced net; see :meth:`regression`.
     tyxe_gaussian_likelihood: bool = False
+    # The graph's inputs after the network input (batched example arguments), named for messages.
+    extra_inputs: list[str] = field(default_factory=list)
 
     def regression(self) -> bool:
         """Whether the network's output is the mean (and scale) of a Normal likelihood (a regression),
@@ -221,11 +225,13 @@ class _Wrapper(torch.nn.Module):
         self.probe_head = False
         # The Normal likelihood's site: a set, mutated in place (export restores assigned attributes and lists).
         self.head_site: set[str] = set()
+        self.traced_args: TracedArgs | None = None  # the model's further arguments (convert's example_args)
 
-    def forward(self, x: torch.Tensor) -> Any:
+    def forward(self, x: torch.Tensor, batched: tuple = ()) -> Any:
         self.likelihoods, self.placeholders = [], []
+        args = self.traced_args.call(x, batched) if self.traced_args is not None else (x,)
         with _ModelSites(self):
-            out = call_with_model_args(self.model, (x,))
+            out = call_with_model_args(self.model, args)
         if out is None or id(out) in self.placeholders:
             # The model returns nothing (or its likelihood's sample): the network output is what the
             # likelihood is built from (Categorical(logits=...), Bernoulli(probs=...), Normal(loc, ...)).
@@ -280,7 +286,8 @@ def _check_batch_independent(program: torch.export.ExportedProgram, wrapper: _Wr
     specialised), so ``if x.shape[0] > 1:`` is baked in without a guard.  A second trace at batch 1
     must run the same computing ops in the same order, or the converted network would be wrong there.
     """
-    single = _export(wrapper, _example_input(input_shape, batch=1), input_shape, dynamic=False)
+    assert wrapper.traced_args is not None
+    single = _export(wrapper, wrapper.traced_args.inputs(1), input_shape, dynamic=False)
     fold_identity_broadcasts(single)
     ops, ops1 = compute_ops(program), compute_ops(single)
     for i in range(max(len(ops), len(ops1))):
@@ -294,13 +301,32 @@ def _check_batch_independent(program: torch.export.ExportedProgram, wrapper: _Wr
                 "size (e.g. `if x.shape[0] > 1:`). PFP needs one network for every batch size: remove the branch.")
 
 
-def _export(wrapper: _Wrapper, example: torch.Tensor, input_shape: tuple[int, ...], *,
-            dynamic: bool = True) -> torch.export.ExportedProgram:
-    dynamic_shapes = {"x": {0: torch.export.Dim("batch", min=1, max=2**20)}} if dynamic else None
+def _export(wrapper: _Wrapper, inputs: tuple[torch.Tensor, tuple[torch.Tensor, ...]], input_shape: tuple[int, ...],
+            *, dynamic: bool = True) -> torch.export.ExportedProgram:
+    """Export ``wrapper`` at the example ``inputs`` (the input batch and the batched further arguments,
+    which share its batch dimension)."""
+    x, batched = inputs
+    batch = torch.export.Dim("batch", min=1, max=2**20)
+    dynamic_shapes: Any = None
+    if dynamic:
+        dynamic_shapes = {"x": {0: batch}, "batched": tuple({0: batch} for _ in batched)} if batched else \
+            {"x": {0: batch}}
+    example = (x, batched) if batched else (x,)
     try:  # each run of the model leaves the modules it assigns to as they were (pyro2pfp.preserve)
         with pyro.validation_enabled(False), torch.no_grad(), module_changes_undone():
-            return torch.export.export(wrapper, (example,), dynamic_shapes=dynamic_shapes, strict=False)
+            return torch.export.export(wrapper, example, dynamic_shapes=dynamic_shapes, strict=False)
     except Exception as exc:
+        args = wrapper.traced_args.call(x, batched) if wrapper.traced_args is not None else (x,)
+        name = getattr(wrapper.model, "__name__", type(wrapper.model).__name__)
+        if padded_parameters(wrapper.model, args):
+            raise TracingError(f"running the model {name} to trace it failed: "
+                               f"{call_failure(wrapper.model, args, exc)}") from exc
+        if "specialized it to be a constant" in str(exc):
+            raise TracingError(
+                f"the model {name} fixes the batch size while it is traced: it turns the batch dimension into a "
+                "Python int (len(x), int(x.shape[0]), a size computed with NumPy, …), typically for the "
+                "likelihood's plate. Write pyro.plate('data', x.shape[0]) (a size torch can keep symbolic) "
+                "instead of pyro.plate('data', len(x)).") from exc
         raise TracingError(
             f"torch.export could not trace the model for input shape (batch, {', '.join(map(str, input_shape))}): "
             f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}. "
@@ -371,7 +397,7 @@ def _split_pyro_samples(program: torch.export.ExportedProgram, pyro_sample_sites
 
 
 def _build_wrapper(model: Any, readings: dict[str, SiteReading], weights: dict[str, GaussianParam],
-                   example: torch.Tensor) -> tuple[_Wrapper, dict[str, str]]:
+                   example: ModelArgs) -> tuple[_Wrapper, dict[str, str]]:
     """The module to export: the deterministic copy (posterior means), a parameter per site sampled in
     ``forward``, a deterministic copy per ``pyro.random_module`` net.  Also ``{parameter path: site}``
     of the random modules' parameters."""
@@ -382,7 +408,7 @@ def _build_wrapper(model: Any, readings: dict[str, SiteReading], weights: dict[s
         lifted: dict[str, torch.nn.Module] = {}
     else:
         det = model
-        lifted = random_module.lifted_modules(model, lambda fn: call_with_model_args(fn, (example,)))
+        lifted = random_module.lifted_modules(model, lambda fn: call_with_model_args(fn, example))
     lifted_paths = {f"lifted.m{i}.{path}": f"{name}{random_module.SEPARATOR}{path}"
                     for i, (name, module) in enumerate(lifted.items()) for path, _ in module.named_parameters()}
     lifted_means = {site: torch.as_tensor(readings[site].mean, dtype=torch.float32)
@@ -440,28 +466,33 @@ def _warn_moment_matched(params: dict[str, GaussianParam], readings: dict[str, S
 
 
 def trace_model(model: Any, guide: Any, input_shape: tuple[int, ...] | None, *,
-                check_posterior: bool = True) -> TracedModel:
+                check_posterior: bool = True, example: ModelArgs | None = None) -> TracedModel:
     """Trace ``model`` with the posterior of ``guide`` (as the param store holds it now) into a
     :class:`TracedModel`; ``check_posterior``: see :func:`pyro2pfp.posterior.read_posterior`.
 
     ``model`` is a ``PyroModule`` (weights as ``PyroSample`` attributes and/or sampled in
     ``forward``) or a model function (``pyro.random_module`` style; ``input_shape`` required).  Every
     latent site of the guide must be a weight or a non-weight site of the model
-    (:mod:`pyro2pfp.site_matching`).
+    (:mod:`pyro2pfp.site_matching`).  ``example``: the arguments to run the model and guide with
+    (:mod:`pyro2pfp.model_args`; default: a zero batch of ``input_shape``).
     """
+    if example is not None and input_shape is None:
+        input_shape = tuple(example[0].shape[1:])
     input_shape = _checked_input_shape(model, input_shape)
     _warn_train_mode(model)
-    example = _example_input(input_shape)
+    if example is None:
+        example = ModelArgs((_example_input(input_shape),))
     pyro_sample_sites = sample_sites(model) if isinstance(model, torch.nn.Module) else {}
-    readings = read_posterior(model, guide, (example,), weight_sites=pyro_sample_sites.values(),
+    readings = read_posterior(model, guide, example, weight_sites=pyro_sample_sites.values(),
                               check=check_posterior)
     params = _pyro_sample_weights(model, readings, guide)
 
     wrapper, lifted_paths = _build_wrapper(model, readings, params, example)
+    wrapper.traced_args = TracedArgs(example)
     wrapper.probe_head = scale_depends_on_input(model, guide, input_shape)
     with random_module.replaced_random_modules(
             {name: wrapper.lifted[f"m{i}"] for i, name in enumerate(wrapper.lifted_names)}):
-        program = _export(wrapper, example, input_shape)
+        program = _export(wrapper, wrapper.traced_args.inputs(2), input_shape)
         fold_identity_broadcasts(program)
         _check_batch_independent(program, wrapper, input_shape)
     head = _end_at_head(program, next(iter(wrapper.head_site))) if wrapper.probe_head else None
@@ -490,6 +521,7 @@ def trace_model(model: Any, guide: Any, input_shape: tuple[int, ...] | None, *,
         arr = buffer.detach().to(torch.float64).numpy().copy()
         params[path] = GaussianParam(arr, np.zeros_like(arr))
     return TracedModel(program=program, params=params, input_shape=input_shape,
+                       extra_inputs=list(wrapper.traced_args.batched_names),
                        model_name=getattr(model, "__name__", type(model).__name__),
                        nonweight_sites={site: readings[site] for site in sorted(nonweights)},
                        noise=head if head is not None else find_noise(model, readings, nonweights, input_shape))

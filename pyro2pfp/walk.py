@@ -169,12 +169,21 @@ def build_layer_graph(traced: TracedModel) -> LayerGraph:
     result = outs[0]
     ctx.output_node = result
     needed = _reachable(result)
+    input_node = next(n for n in graph.nodes if n.op == "placeholder" and n.name in user_inputs)
     for node in graph.nodes:
         if node not in needed:
             continue
         if node.op == "placeholder":
-            if node.name in user_inputs:
+            if node is input_node:
                 ctx._names[node] = INPUT
+            elif node.name in user_inputs:
+                names = traced.extra_inputs
+                index = user_inputs.index(node.name) - 1
+                which = names[index] if 0 <= index < len(names) else "an example argument besides the input"
+                raise TracingError(
+                    f"the network's output depends on {which}: the example arguments besides the input "
+                    "batch (labels, …) are only there to run the model and guide, and never enter the network. "
+                    "Compute the output from the input alone; pass the labels only to the likelihood.")
             continue
         if node.op != "call_function":
             continue
@@ -199,7 +208,8 @@ def build_layer_graph(traced: TracedModel) -> LayerGraph:
             ctx._names[node] = layers[-1].name
             ctx.origins[layers[-1].name] = node.name
     if result not in ctx._names:
-        raise TracingError("the model's output does not depend on its input")
-    input_node = next(n for n in graph.nodes if n.op == "placeholder" and n.name in user_inputs)
+        raise TracingError("the model's output does not depend on its input (it returns a constant, or a value "
+                           "computed from the weights alone): return the logits computed from the input x, or "
+                           "build the likelihood from them")
     return LayerGraph(input_shape=ctx.shape(input_node), layers=ctx.layers, output=ctx._names[result],
                       origins=ctx.origins)

@@ -20,11 +20,19 @@ from collections.abc import Iterable
 from typing import Any
 
 from .guard import check_posterior
-from .readers import SitePosterior, SiteReading, call_with_model_args, read_guide, unwrap_independent
+from .readers import (
+    ModelArgs,
+    SitePosterior,
+    SiteReading,
+    call_failure,
+    call_with_model_args,
+    read_guide,
+    unwrap_independent,
+)
 from .store import setup_guide_prototype, sync_with_param_store
 
 __all__ = ["read_posterior", "SitePosterior", "SiteReading", "check_posterior", "sync_with_param_store",
-           "setup_guide_prototype", "call_with_model_args", "unwrap_independent"]
+           "setup_guide_prototype", "call_with_model_args", "call_failure", "unwrap_independent", "ModelArgs"]
 
 
 def read_posterior(model: Any, guide: Any, example_args: tuple, *, weight_sites: Iterable[str] = (),

@@ -39,7 +39,7 @@ from pyro.nn import PyroModule
 from scipy import stats
 
 from ..errors import PosteriorError
-from .readers import call_with_model_args
+from .readers import call_failure, call_with_model_args
 from .store import full_name, module_local_params, named_pyro_modules
 
 ALPHA = 1e-9
@@ -67,11 +67,11 @@ def mean_bound(n: int, alpha: float = ALPHA) -> float:
 def _sample_guide(guide: Any, example_args: tuple) -> Any:
     try:
         with torch.no_grad(), poutine.block():
-            return poutine.trace(lambda *a: call_with_model_args(guide, a)).get_trace(*example_args)
+            return poutine.trace(lambda: call_with_model_args(guide, example_args)).get_trace()
     except Exception as exc:
         raise PosteriorError(
             f"the consistency check could not sample the guide {type(guide).__name__}: "
-            f"{type(exc).__name__}: {exc}. If this guide cannot be sampled, convert with "
+            f"{call_failure(guide, example_args, exc)}. If this guide cannot be sampled, convert with "
             "check_posterior=False (then nothing checks that the posterior read is the trained one)."
         ) from exc
 
