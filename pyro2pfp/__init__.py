@@ -14,6 +14,7 @@ from .diagnose import Diagnosis, diagnose
 from .errors import (
     ArgumentError,
     InputShapeError,
+    InternalError,
     LibraryNotFoundError,
     LoadError,
     NumericalError,
@@ -39,6 +40,6 @@ def set_num_threads(n: int) -> int:
 
 __all__ = ["convert", "load", "PFPNetwork", "Repr", "PFPError", "UnsupportedLayerError", "PosteriorError",
            "InputShapeError", "TracingError", "NumericalError", "LoadError", "LibraryNotFoundError",
-           "ArgumentError", "RemoteError", "TuningError", "uncertainty",
+           "ArgumentError", "RemoteError", "TuningError", "InternalError", "uncertainty",
            "uncertainty_from_logit_samples", "predictive_uncertainty", "auroc", "calibrate", "set_num_threads",
            "diagnose", "Diagnosis"]

@@ -50,3 +50,8 @@ class ArgumentError(PFPError, ValueError):
 class RemoteError(PFPError, RuntimeError):
     """A remote board (TVM RPC tracker or server) cannot be reached, has no server under the key
     asked for, or did not answer within the session timeout."""
+
+
+class InternalError(PFPError):
+    """pyro2pfp failed in a way it does not anticipate -- a bug, not the user's mistake.  The message names
+    the layer or stage it happened in and asks for a report; the original exception is chained."""

@@ -7,8 +7,9 @@ from typing import Any
 import numpy as np
 
 from . import folding
+from ._version import __version__
 from .correlation import with_correlation
-from .errors import ArgumentError, InputShapeError, PosteriorError
+from .errors import ArgumentError, InputShapeError, InternalError, PFPError, PosteriorError
 from .graph import LayerGraph, Repr
 from .inputs import checked_inputs
 from .model_args import user_model_args
@@ -239,36 +240,49 @@ def convert(model: Any, guide: Any = None, *, input_shape: tuple[int, ...] | Non
     from .preserve import preserved
 
     with preserved(model, guide):  # the user's objects, the param store, the random state: as found
-        check_head(head)
-        if not isinstance(input_variance, bool | np.bool_):
-            raise ArgumentError(f"input_variance must be True or False, got {input_variance!r}")
-        tyxe_bnn = None
-        if guide is None and hasattr(model, "net") and hasattr(model, "net_guide"):  # TyXe VariationalBNN
-            tyxe_bnn, model, guide = model, model.net, model.net_guide
-        if guide is None:
-            raise PosteriorError("convert(model, guide) needs the trained guide that holds the posterior")
-        example = user_model_args(example_args, example_kwargs, input_shape)
-        traced = trace_model(model, guide, input_shape, check_posterior=check_posterior, example=example)
-        if tyxe_bnn is not None:
-            traced.tyxe_gaussian_likelihood = type(getattr(tyxe_bnn, "likelihood", None)).__name__ in (
-                "HomoskedasticGaussian", "HeteroskedasticGaussian")
-        if not isinstance(fold_batch_norm, bool | np.bool_):
-            raise ArgumentError(f"fold_batch_norm must be True or False, got {fold_batch_norm!r}")
-        layer_graph = build_layer_graph(traced)
-        layer_graph.input_variance = bool(input_variance)
-        if fold_batch_norm:
-            layer_graph = folding.fold_batch_norm(layer_graph)
-        noise = traced.noise
-        if tyxe_bnn is not None and hasattr(tyxe_bnn, "likelihood"):  # the likelihood is outside bnn.net
-            from .noise import tyxe_noise
+        stage = "checking the arguments"
+        try:
+            check_head(head)
+            if not isinstance(input_variance, bool | np.bool_):
+                raise ArgumentError(f"input_variance must be True or False, got {input_variance!r}")
+            tyxe_bnn = None
+            if guide is None and hasattr(model, "net") and hasattr(model, "net_guide"):  # TyXe VariationalBNN
+                tyxe_bnn, model, guide = model, model.net, model.net_guide
+            if guide is None:
+                raise PosteriorError("convert(model, guide) needs the trained guide that holds the posterior: "
+                                     "pass the guide trained with SVI as the second argument (a TyXe "
+                                     "VariationalBNN may be passed alone)")
+            example = user_model_args(example_args, example_kwargs, input_shape)
+            stage = "reading the posterior and tracing the model"
+            traced = trace_model(model, guide, input_shape, check_posterior=check_posterior, example=example)
+            if tyxe_bnn is not None:
+                traced.tyxe_gaussian_likelihood = type(getattr(tyxe_bnn, "likelihood", None)).__name__ in (
+                    "HomoskedasticGaussian", "HeteroskedasticGaussian")
+            if not isinstance(fold_batch_norm, bool | np.bool_):
+                raise ArgumentError(f"fold_batch_norm must be True or False, got {fold_batch_norm!r}")
+            stage = "converting the traced graph into layers"
+            layer_graph = build_layer_graph(traced)
+            layer_graph.input_variance = bool(input_variance)
+            if fold_batch_norm:
+                layer_graph = folding.fold_batch_norm(layer_graph)
+            noise = traced.noise
+            if tyxe_bnn is not None and hasattr(tyxe_bnn, "likelihood"):  # the likelihood is outside bnn.net
+                from .noise import tyxe_noise
 
-            output_shape = layer_graph.shape_of(layer_graph.output)
-            noise = tyxe_noise(tyxe_bnn, traced.input_shape, tuple(output_shape))
-        from .noise import HeteroscedasticNoise, NoiseModel
+                output_shape = layer_graph.shape_of(layer_graph.output)
+                noise = tyxe_noise(tyxe_bnn, traced.input_shape, tuple(output_shape))
+            from .noise import HeteroscedasticNoise, NoiseModel
 
-        if head is not None and isinstance(noise, NoiseModel | HeteroscedasticNoise):
-            raise ArgumentError(f"head={head!r} is for classifiers (logits); this model has a Normal likelihood "
-                                "(regression): use net.regression(mean, var) instead")
-        planned_graph = append_head(layer_graph, head) if head is not None else layer_graph
-        planned = with_correlation(plan(planned_graph, calibration, moment_form), correlation)
-        return PFPNetwork(layer_graph, planned, nonweight_sites=traced.nonweight_sites, noise=noise)
+            if head is not None and isinstance(noise, NoiseModel | HeteroscedasticNoise):
+                raise ArgumentError(f"head={head!r} is for classifiers (logits); this model has a Normal likelihood "
+                                    "(regression): use net.regression(mean, var) instead")
+            stage = "planning the network"
+            planned_graph = append_head(layer_graph, head) if head is not None else layer_graph
+            planned = with_correlation(plan(planned_graph, calibration, moment_form), correlation)
+            return PFPNetwork(layer_graph, planned, nonweight_sites=traced.nonweight_sites, noise=noise)
+        except PFPError:
+            raise
+        except Exception as exc:  # not a mistake of the user's that pyro2pfp recognises: a bug
+            raise InternalError(
+                f"internal error while {stage} -- please report it with the model's code (pyro2pfp "
+                f"{__version__}): {type(exc).__name__}: {exc}. The original exception is chained.") from exc

@@ -40,7 +40,7 @@ from .noise import HeteroscedasticNoise, NoiseModel, NoNoiseModel, find_noise, r
 from .posterior import ModelArgs, SiteReading, call_failure, call_with_model_args, read_posterior, unwrap_independent
 from .posterior.readers import padded_parameters
 from .preserve import module_changes_undone
-from .site_matching import check_all_matched, require_weight_posterior
+from .site_matching import check_all_matched, guide_name, require_weight_posterior
 
 _WRAPPER_PREFIX = "model."
 
@@ -301,6 +301,34 @@ def _check_batch_independent(program: torch.export.ExportedProgram, wrapper: _Wr
                 "size (e.g. `if x.shape[0] > 1:`). PFP needs one network for every batch size: remove the branch.")
 
 
+def _check_output(program: torch.export.ExportedProgram, model: Any) -> None:
+    """Raise :class:`TracingError` unless the traced model returns one tensor computed from its input."""
+    out_node = next(n for n in program.graph.nodes if n.op == "output")
+    outs = out_node.args[0]
+    outs = list(outs) if isinstance(outs, tuple | list) else [outs]
+    name = getattr(model, "__name__", type(model).__name__)
+    if len(outs) == 1 and outs[0] is None:
+        raise TracingError(
+            f"the model {name} returned None, and no likelihood site is built from the network's output "
+            "(Categorical(logits=...), Bernoulli(probs=...), Normal(loc, ...)): return the logits from the "
+            "model, or sample a likelihood built from them.")
+    if len(outs) != 1 or not isinstance(outs[0], torch.fx.Node):
+        raise TracingError(f"the model {name} returned {len(outs)} values; PFP converts a network with one output: "
+                           "return the logits alone (one tensor).")
+    user_inputs = set(program.graph_signature.user_inputs)
+    seen, stack = set(), [outs[0]]
+    while stack:
+        node = stack.pop()
+        if node not in seen:
+            seen.add(node)
+            stack.extend(node.all_input_nodes)
+    if not any(n.op == "placeholder" and n.name in user_inputs for n in seen):
+        raise TracingError(
+            f"the model {name}'s output does not depend on its input (it returns a constant, or a value computed "
+            "from the weights alone): return the logits computed from the input x, or build the likelihood from "
+            "them.")
+
+
 def _export(wrapper: _Wrapper, inputs: tuple[torch.Tensor, tuple[torch.Tensor, ...]], input_shape: tuple[int, ...],
             *, dynamic: bool = True) -> torch.export.ExportedProgram:
     """Export ``wrapper`` at the example ``inputs`` (the input batch and the batched further arguments,
@@ -365,9 +393,13 @@ def _pyro_sample_weights(model: Any, readings: dict[str, SiteReading], guide: An
     for path, site in sample_sites(model).items():
         reading = readings.get(site)
         if reading is None:
+            has = sorted(readings)
             raise PosteriorError(
-                f"sample site '{site}' of the model (parameter {path}) has no posterior in the "
-                f"guide {type(guide).__name__}."
+                f"sample site '{site}' of the model (parameter {path}) has no posterior in the guide "
+                f"{guide_name(guide)}, which samples {has[:6]}{' …' if len(has) > 6 else ''}. Sample it in the "
+                f"guide (pyro.sample('{site}', Normal(loc, scale).to_event(...)) with the prior's shape) or make "
+                "it a parameter (PyroParam / nn.Parameter) if it is deterministic; and check that the guide is "
+                "the one trained for this model."
             )
         expected = prior_shapes.get(path)
         if reading.mean is None or reading.var is None:  # not usable as a weight: an error if it is one
@@ -376,7 +408,9 @@ def _pyro_sample_weights(model: Any, readings: dict[str, SiteReading], guide: An
             continue
         if expected is not None and tuple(reading.mean.shape) != expected:
             raise PosteriorError(f"site '{site}': the guide's posterior has shape {tuple(reading.mean.shape)} but "
-                                 f"the model's prior (parameter {path}) has shape {expected}")
+                                 f"the model's prior (parameter {path}) has shape {expected}. Was the guide (or the "
+                                 "param store it was loaded from) trained for a model of other sizes? Give the "
+                                 "guide's site the prior's shape, or convert the model it was trained for.")
         params[path] = GaussianParam(reading.mean, reading.var, site=site)
     return params
 
@@ -408,7 +442,11 @@ def _build_wrapper(model: Any, readings: dict[str, SiteReading], weights: dict[s
         lifted: dict[str, torch.nn.Module] = {}
     else:
         det = model
-        lifted = random_module.lifted_modules(model, lambda fn: call_with_model_args(fn, example))
+        try:
+            lifted = random_module.lifted_modules(model, lambda fn: call_with_model_args(fn, example))
+        except Exception as exc:  # the model function's own error
+            raise TracingError(f"running the model {getattr(model, '__name__', type(model).__name__)} failed: "
+                               f"{call_failure(model, example, exc)}") from exc
     lifted_paths = {f"lifted.m{i}.{path}": f"{name}{random_module.SEPARATOR}{path}"
                     for i, (name, module) in enumerate(lifted.items()) for path, _ in module.named_parameters()}
     lifted_means = {site: torch.as_tensor(readings[site].mean, dtype=torch.float32)
@@ -494,6 +532,7 @@ def trace_model(model: Any, guide: Any, input_shape: tuple[int, ...] | None, *,
             {name: wrapper.lifted[f"m{i}"] for i, name in enumerate(wrapper.lifted_names)}):
         program = _export(wrapper, wrapper.traced_args.inputs(2), input_shape)
         fold_identity_broadcasts(program)
+        _check_output(program, model)
         _check_batch_independent(program, wrapper, input_shape)
     head = _end_at_head(program, next(iter(wrapper.head_site))) if wrapper.probe_head else None
 

@@ -16,8 +16,9 @@ import torch
 import torch.fx
 
 from . import ops  # noqa: F401  (registers the converters)
+from ._version import __version__
 from .converters import CONVERTERS, Alias, supported_ops
-from .errors import TracingError, UnsupportedLayerError
+from .errors import InternalError, PFPError, TracingError, UnsupportedLayerError
 from .graph import INPUT, GaussianParam, Layer, LayerGraph
 from .output_chain import strip_output_normalisation
 from .registry import supported_modules
@@ -86,9 +87,15 @@ class ConversionContext:
         if isinstance(arg, torch.fx.Node) and arg in self._names:
             return self._names[arg]
         if isinstance(arg, torch.fx.Node) and arg.name in self._param_of:
+            path = self._param_of[arg.name].removeprefix(_WRAPPER_PREFIX)
+            param = self.traced.params.get(path)
+            what = f"the weight of sample site '{param.site}'" if param is not None and param.site else \
+                f"parameter {path}"
             raise UnsupportedLayerError(
-                f"{self.source(node)}: uses parameter {self._param_of[arg.name]} as an activation; "
-                "only parameters of Linear/Conv/normalisation layers are supported."
+                f"{self.source(node)}: computes with {what} as if it were an activation (PFP reads weights only "
+                "where a Linear/Conv/matmul/normalisation layer uses them directly). Use the weight as it is: "
+                "make the weight itself the sample site (e.g. scale its prior rather than the sample), or "
+                "fold the computation into the layer's input."
             )
         raise UnsupportedLayerError(f"{self.source(node)}: unsupported argument {arg!r}")
 
@@ -144,7 +151,8 @@ def _unsupported_message(ctx: ConversionContext, node: torch.fx.Node) -> str:
     return (
         f"{ctx.source(node)} is not supported by PFP. Supported torch ops: "
         + ", ".join(t.removesuffix(".default") for t in supported_ops())
-        + ". Supported modules: " + ", ".join(supported_modules()) + "."
+        + ". Supported modules: " + ", ".join(supported_modules()) + ". Replace it by one of the supported "
+        "ops (e.g. an activation PFP has a moment rule for), or keep it outside the converted model."
     )
 
 
@@ -199,7 +207,15 @@ def build_layer_graph(traced: TracedModel) -> LayerGraph:
         converter = CONVERTERS.get(target)
         if converter is None:
             raise UnsupportedLayerError(_unsupported_message(ctx, node))
-        out = converter(node, ctx)
+        try:
+            out = converter(node, ctx)
+        except PFPError:
+            raise
+        except Exception as exc:  # a converter's own failure: a bug, reported as such
+            raise InternalError(
+                f"internal error converting layer {ctx.source(node)} ({type(exc).__name__}: {exc}) -- please "
+                f"report it with the model's code (pyro2pfp {__version__}); the original exception is "
+                "chained") from exc
         if isinstance(out, Alias):
             ctx._names[node] = ctx.activation(out.node, node)
         else:
