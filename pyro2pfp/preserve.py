@@ -14,9 +14,10 @@ through globals, closures or a bound ``self``): attributes, parameters and buffe
 values), train/eval mode, hooks, class; the param store; torch's, NumPy's and Python's global
 random state; and restores all of it on exit.  Modules reached by no such route are covered by an
 undo log: while a :func:`module_changes_undone` block is active, the first attribute assignment,
-deletion, registration or mode change on *any* module snapshots that module's attributes, and the
-block's exit restores them (the tracer wraps each run of the user's code in one, so a model that
-assigns to a global network finds its layers as they were before the next run).
+deletion, registration or mode change on *any* module (by the block's thread) snapshots that
+module's attributes, and the block's exit restores them (the tracer wraps each run of the user's
+code in one, so a model that assigns to a global network finds its layers as they were before the
+next run).
 """
 from __future__ import annotations
 
@@ -24,6 +25,7 @@ import contextlib
 import copy
 import inspect
 import random
+import threading
 import types
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -63,6 +65,7 @@ class _ModuleState:
 
 class _UndoLog:
     def __init__(self) -> None:
+        self.thread = threading.get_ident()  # only this thread's changes (another may be training)
         self.states: dict[int, _ModuleState] = {}
         self.created: dict[int, Any] = {}  # modules made inside the block (kept alive: ids stay unique)
 
@@ -86,7 +89,8 @@ _ORIGINALS: list[tuple[type, str, Any]] = []
 def _recording(original: Callable[..., Any], creates: bool) -> Callable[..., Any]:
     def method(self: Any, *args: Any, **kwargs: Any) -> Any:
         for log in _ACTIVE:
-            log.create(self) if creates else log.touch(self)
+            if log.thread == threading.get_ident():
+                log.create(self) if creates else log.touch(self)
         return original(self, *args, **kwargs)
 
     method.__name__ = getattr(original, "__name__", "method")
