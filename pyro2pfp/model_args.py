@@ -88,6 +88,10 @@ class TracedArgs:
         x = _rows(self.args[0], batch)
         return x, tuple(_rows(t, batch) for t in self.batched)
 
+    def at(self, x: torch.Tensor) -> ModelArgs:
+        """The model's arguments for another input batch ``x`` (the batched arguments resized to it)."""
+        return self.call(x, tuple(_rows(t, int(x.shape[0])) for t in self.batched))
+
     def call(self, x: Any, batched: tuple) -> ModelArgs:
         """The model's arguments with the traced input and batched arguments in place."""
 

@@ -527,7 +527,7 @@ def trace_model(model: Any, guide: Any, input_shape: tuple[int, ...] | None, *,
 
     wrapper, lifted_paths = _build_wrapper(model, readings, params, example)
     wrapper.traced_args = TracedArgs(example)
-    wrapper.probe_head = scale_depends_on_input(model, guide, input_shape)
+    wrapper.probe_head = scale_depends_on_input(model, guide, input_shape, wrapper.traced_args.at)
     with random_module.replaced_random_modules(
             {name: wrapper.lifted[f"m{i}"] for i, name in enumerate(wrapper.lifted_names)}):
         program = _export(wrapper, wrapper.traced_args.inputs(2), input_shape)
@@ -563,7 +563,8 @@ def trace_model(model: Any, guide: Any, input_shape: tuple[int, ...] | None, *,
                        extra_inputs=list(wrapper.traced_args.batched_names),
                        model_name=getattr(model, "__name__", type(model).__name__),
                        nonweight_sites={site: readings[site] for site in sorted(nonweights)},
-                       noise=head if head is not None else find_noise(model, readings, nonweights, input_shape))
+                       noise=head if head is not None else find_noise(model, readings, nonweights, input_shape,
+                                                                        wrapper.traced_args.at))
 
 
 def _end_at_head(program: torch.export.ExportedProgram, site: str) -> HeteroscedasticNoise:
