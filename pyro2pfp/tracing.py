@@ -352,9 +352,9 @@ def _export(wrapper: _Wrapper, inputs: tuple[torch.Tensor, tuple[torch.Tensor, .
         if "specialized it to be a constant" in str(exc):
             raise TracingError(
                 f"the model {name} fixes the batch size while it is traced: it turns the batch dimension into a "
-                "Python int (len(x), int(x.shape[0]), a size computed with NumPy, …), typically for the "
-                "likelihood's plate. Write pyro.plate('data', x.shape[0]) (a size torch can keep symbolic) "
-                "instead of pyro.plate('data', len(x)).") from exc
+                "Python int (len(x), int(x.shape[0]), a size computed with NumPy, a plate's subsample_size, …), "
+                "typically for the likelihood's plate. Write pyro.plate('data', x.shape[0]) (a size torch can "
+                "keep symbolic, no subsampling) instead of pyro.plate('data', len(x)).") from exc
         raise TracingError(
             f"torch.export could not trace the model for input shape (batch, {', '.join(map(str, input_shape))}): "
             f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}. "
