@@ -64,14 +64,16 @@ def _step(node: torch.fx.Node, regression: bool) -> tuple[str, torch.fx.Node] | 
         return "reshape", source
     if op in _NORMALISATIONS:
         name = _NORMALISATIONS[op]
-        return None if regression and name in _CLASSIFIER_ONLY else (name, source)
+        if regression and name in _CLASSIFIER_ONLY:
+            return None
+        if name in ("softmax", "log_softmax") and not _last_dim(args[1], node):
+            return None  # over another dimension than the classes: not a normalisation of the logits
+        return name, source
     if op in ("exp", "log"):
         return op, source
     if op in ("mul", "div") and len(args) == 2:
-        if _constant(args[1]):
+        if _constant(args[1]):  # torch puts the tensor first (3 * z is mul(z, 3))
             return "scale", source
-        if op == "mul" and _constant(args[0]) and isinstance(args[1], torch.fx.Node):
-            return "scale", args[1]
         if op == "div" and _op(args[1]) == "sum" and args[1].args[0] is source \
                 and _last_dim(args[1].args[1], source) and (args[1].args[2:3] or [False])[0]:
             return "probs / probs.sum(-1)", source  # Categorical(probs=...) renormalises

@@ -157,3 +157,9 @@ def test_a_softmax_inside_the_network_names_its_use_and_the_fix():
     model = SoftmaxInside(lambda z: z)
     with pytest.raises(pyro2pfp.UnsupportedLayerError, match=r"softmax inside the network.*feeds.*move the softmax"):
         converted(model, torch.zeros(4, dtype=torch.long))
+
+
+def test_a_softmax_over_the_batch_is_not_taken_for_a_normalisation():
+    model = Classifier(lambda z: F.softmax(z, dim=0))
+    with pytest.raises(pyro2pfp.UnsupportedLayerError, match=r"softmax over dimension 0, not the last"):
+        converted(model, torch.zeros(4, dtype=torch.long))
