@@ -280,7 +280,7 @@ def convert(model: Any, guide: Any = None, *, input_shape: tuple[int, ...] | Non
             planned_graph = append_head(layer_graph, head) if head is not None else layer_graph
             planned = with_correlation(plan(planned_graph, calibration, moment_form), correlation)
             return PFPNetwork(layer_graph, planned, nonweight_sites=traced.nonweight_sites, noise=noise)
-        except PFPError:
+        except (PFPError, Warning):  # a Warning: the user's warnings filter made one an error
             raise
         except Exception as exc:  # not a mistake of the user's that pyro2pfp recognises: a bug
             raise InternalError(

@@ -209,7 +209,7 @@ def build_layer_graph(traced: TracedModel) -> LayerGraph:
             raise UnsupportedLayerError(_unsupported_message(ctx, node))
         try:
             out = converter(node, ctx)
-        except PFPError:
+        except (PFPError, Warning):  # a Warning: raised by the user's warnings filter
             raise
         except Exception as exc:  # a converter's own failure: a bug, reported as such
             raise InternalError(
