@@ -180,7 +180,12 @@ def _pyro_param_value(module: PyroModule, attr: str) -> torch.Tensor:
 
 def _deterministic_copy(model: torch.nn.Module, means: dict[str, torch.Tensor]) -> torch.nn.Module:
     """Copy of ``model`` with every sample site replaced by an ``nn.Parameter`` (its mean)."""
-    det = copy.deepcopy(model)
+    try:
+        det = copy.deepcopy(model)
+    except Exception as exc:
+        raise TracingError(f"the model {type(model).__name__} cannot be copied ({type(exc).__name__}: {exc}): PFP "
+                           "traces a copy of it that holds the posterior means. Make the model deep-copyable "
+                           "(no open files, locks or generators among its attributes).") from exc
     originals = dict(model.named_modules())
     for path, module in det.named_modules():
         if not isinstance(module, PyroModule):
