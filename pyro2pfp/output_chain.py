@@ -23,7 +23,9 @@ from typing import Any
 
 import torch
 import torch.fx
+from pyro.distributions.torch_distribution import ExpandedDistribution, MaskedDistribution
 
+from .errors import TracingError
 from .export_passes import user_line
 
 _RESHAPES = {"view", "reshape", "_unsafe_view", "squeeze", "unsqueeze", "flatten", "clone", "contiguous",
@@ -149,3 +151,43 @@ def _rename_outputs(program: torch.export.ExportedProgram, out_node: torch.fx.No
     for spec, arg in zip(program.graph_signature.output_specs, args, strict=False):
         if isinstance(arg, torch.fx.Node) and isinstance(spec.arg, TensorArgument):
             spec.arg = TensorArgument(name=arg.name)
+
+
+def network_output_of(fn: Any) -> torch.Tensor | None:
+    """The tensor a likelihood's distribution was built from -- its ``logits`` or ``probs`` as given, or
+    its ``loc`` -- i.e. the network's output when the model returns nothing useful (None, or the sample)."""
+    while isinstance(fn, torch.distributions.Independent | MaskedDistribution | ExpandedDistribution):
+        fn = fn.base_dist
+    given = vars(fn)
+    for name in ("logits", "probs", "loc"):  # lazy properties: only the one the distribution was built from
+        if isinstance(given.get(name), torch.Tensor):
+            return given[name]
+    return None
+
+
+def check_output(program: torch.export.ExportedProgram, model: Any) -> None:
+    """Raise :class:`TracingError` unless the traced model returns one tensor computed from its input."""
+    out_node = next(n for n in program.graph.nodes if n.op == "output")
+    outs = out_node.args[0]
+    outs = list(outs) if isinstance(outs, tuple | list) else [outs]
+    name = getattr(model, "__name__", type(model).__name__)
+    if len(outs) == 1 and outs[0] is None:
+        raise TracingError(
+            f"the model {name} returned None, and no likelihood site is built from the network's output "
+            "(Categorical(logits=...), Bernoulli(probs=...), Normal(loc, ...)): return the logits from the "
+            "model, or sample a likelihood built from them.")
+    if len(outs) != 1 or not isinstance(outs[0], torch.fx.Node):
+        raise TracingError(f"the model {name} returned {len(outs)} values; PFP converts a network with one output: "
+                           "return the logits alone (one tensor).")
+    user_inputs = set(program.graph_signature.user_inputs)
+    seen, stack = set(), [outs[0]]
+    while stack:
+        node = stack.pop()
+        if node not in seen:
+            seen.add(node)
+            stack.extend(node.all_input_nodes)
+    if not any(n.op == "placeholder" and n.name in user_inputs for n in seen):
+        raise TracingError(
+            f"the model {name}'s output does not depend on its input (it returns a constant, or a value computed "
+            "from the weights alone): return the logits computed from the input x, or build the likelihood from "
+            "them.")

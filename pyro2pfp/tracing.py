@@ -25,7 +25,6 @@ import numpy as np
 import pyro
 import torch
 import torch.fx
-from pyro.distributions.torch_distribution import ExpandedDistribution, MaskedDistribution
 from pyro.nn import PyroModule
 from pyro.nn.module import _make_name
 from pyro.poutine.messenger import Messenger
@@ -37,6 +36,7 @@ from .export_passes import compute_ops, fold_identity_broadcasts, used_parameter
 from .graph import GaussianParam
 from .model_args import TracedArgs
 from .noise import HeteroscedasticNoise, NoiseModel, NoNoiseModel, find_noise, read_head, scale_depends_on_input
+from .output_chain import check_output, network_output_of
 from .posterior import ModelArgs, SiteReading, call_failure, call_with_model_args, read_posterior, unwrap_independent
 from .posterior.readers import padded_parameters
 from .preserve import module_changes_undone
@@ -77,18 +77,6 @@ def _likelihood_mean(fn: Any) -> torch.Tensor:
     network output) of a Normal-like likelihood, else a placeholder."""
     loc = getattr(unwrap_independent(fn), "loc", None)
     return loc if isinstance(loc, torch.Tensor) else torch.zeros(())
-
-
-def network_output_of(fn: Any) -> torch.Tensor | None:
-    """The tensor a likelihood's distribution was built from -- its ``logits`` or ``probs`` as given, or
-    its ``loc`` -- i.e. the network's output when the model returns nothing useful (None, or the sample)."""
-    while isinstance(fn, torch.distributions.Independent | MaskedDistribution | ExpandedDistribution):
-        fn = fn.base_dist
-    given = vars(fn)
-    for name in ("logits", "probs", "loc"):  # lazy properties: only the one the distribution was built from
-        if isinstance(given.get(name), torch.Tensor):
-            return given[name]
-    return None
 
 
 class _ModelSites(Messenger):
@@ -306,34 +294,6 @@ def _check_batch_independent(program: torch.export.ExportedProgram, wrapper: _Wr
                 "size (e.g. `if x.shape[0] > 1:`). PFP needs one network for every batch size: remove the branch.")
 
 
-def _check_output(program: torch.export.ExportedProgram, model: Any) -> None:
-    """Raise :class:`TracingError` unless the traced model returns one tensor computed from its input."""
-    out_node = next(n for n in program.graph.nodes if n.op == "output")
-    outs = out_node.args[0]
-    outs = list(outs) if isinstance(outs, tuple | list) else [outs]
-    name = getattr(model, "__name__", type(model).__name__)
-    if len(outs) == 1 and outs[0] is None:
-        raise TracingError(
-            f"the model {name} returned None, and no likelihood site is built from the network's output "
-            "(Categorical(logits=...), Bernoulli(probs=...), Normal(loc, ...)): return the logits from the "
-            "model, or sample a likelihood built from them.")
-    if len(outs) != 1 or not isinstance(outs[0], torch.fx.Node):
-        raise TracingError(f"the model {name} returned {len(outs)} values; PFP converts a network with one output: "
-                           "return the logits alone (one tensor).")
-    user_inputs = set(program.graph_signature.user_inputs)
-    seen, stack = set(), [outs[0]]
-    while stack:
-        node = stack.pop()
-        if node not in seen:
-            seen.add(node)
-            stack.extend(node.all_input_nodes)
-    if not any(n.op == "placeholder" and n.name in user_inputs for n in seen):
-        raise TracingError(
-            f"the model {name}'s output does not depend on its input (it returns a constant, or a value computed "
-            "from the weights alone): return the logits computed from the input x, or build the likelihood from "
-            "them.")
-
-
 def _export(wrapper: _Wrapper, inputs: tuple[torch.Tensor, tuple[torch.Tensor, ...]], input_shape: tuple[int, ...],
             *, dynamic: bool = True) -> torch.export.ExportedProgram:
     """Export ``wrapper`` at the example ``inputs`` (the input batch and the batched further arguments,
@@ -537,7 +497,7 @@ def trace_model(model: Any, guide: Any, input_shape: tuple[int, ...] | None, *,
             {name: wrapper.lifted[f"m{i}"] for i, name in enumerate(wrapper.lifted_names)}):
         program = _export(wrapper, wrapper.traced_args.inputs(2), input_shape)
         fold_identity_broadcasts(program)
-        _check_output(program, model)
+        check_output(program, model)
         _check_batch_independent(program, wrapper, input_shape)
     head = _end_at_head(program, next(iter(wrapper.head_site))) if wrapper.probe_head else None
 
