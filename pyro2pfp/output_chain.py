@@ -14,6 +14,11 @@ A scaling *inside* the normalisation stays: ``softmax(z / T)`` has the logits ``
 is part of the logits).  ``exp`` is a normalisation only over a log-normalisation (``exp∘log_softmax``:
 probabilities), ``log`` only over a normalisation (``log∘softmax``).  Nothing is stripped when the
 output is the mean of a Normal likelihood (a regression: a final sigmoid is then the mean's activation).
+
+Where the chain starts: what the model returns, or -- when it returns ``None`` or its likelihood's
+sample -- the tensor the likelihood is built from (:func:`network_output_of`: ``logits`` or ``probs``
+as given, or ``loc``).  :func:`check_output` refuses, with the remedy, an output that is missing, not one
+tensor, or not computed from the input.
 """
 from __future__ import annotations
 
