@@ -162,7 +162,7 @@ def diagnose(model: Any, guide: Any, x: Any, *, num_samples: int = 300, input_sh
     """
     from .inputs import as_input_array
     from .network import convert
-    from .posterior import sync_with_param_store
+    from .posterior import ready_to_sample
     from .preserve import preserved
     from .reference import execute_all
     from .tracing import trace_model
@@ -178,7 +178,7 @@ def diagnose(model: Any, guide: Any, x: Any, *, num_samples: int = 300, input_sh
     xs = as_input_array(x, net.input_shape, dtype=np.float64)
     with preserved(model, guide):
         traced = trace_model(model, guide, net.input_shape)
-    sync_with_param_store(guide, f"the {type(guide).__name__} guide")  # it is sampled below
+    ready_to_sample(model, guide, (torch.as_tensor(xs[:2], dtype=torch.float32),))  # it is sampled below
     gm = traced.program.module()
     params = dict(gm.named_parameters())
     by_site = {p.site: params[path] if path in params else params[_WRAPPER_PREFIX + path]
