@@ -15,6 +15,7 @@ from .errors import (
     ArgumentError,
     FidelityWarning,
     InputShapeError,
+    InternalError,
     LibraryNotFoundError,
     LoadError,
     NumericalError,
@@ -41,6 +42,6 @@ def set_num_threads(n: int) -> int:
 
 __all__ = ["convert", "load", "PFPNetwork", "Repr", "PFPError", "UnsupportedLayerError", "PosteriorError",
            "InputShapeError", "TracingError", "NumericalError", "LoadError", "LibraryNotFoundError",
-           "ArgumentError", "RemoteError", "TuningError", "uncertainty",
+           "ArgumentError", "RemoteError", "TuningError", "InternalError", "uncertainty",
            "uncertainty_from_logit_samples", "predictive_uncertainty", "auroc", "calibrate", "set_num_threads",
            "diagnose", "Diagnosis", "PFPWarning", "FidelityWarning"]

@@ -17,7 +17,7 @@ from typing import Any
 
 import numpy as np
 
-from .errors import PFPError
+from .errors import InternalError, PFPError
 
 DEFAULT_FUNCTION = "build"
 LIBRARY_EXTS = (".so", ".tar")
@@ -233,6 +233,32 @@ def load_param_store(path: str) -> set[str]:
     return set(state["params"])
 
 
+def load_example(path: str) -> tuple[tuple[Any, ...], dict[str, Any]]:
+    """``--example FILE``: the arguments of one call of the model and guide, for ``convert(...,
+    example_args=..., example_kwargs=...)``: a ``.npy`` (the input batch) or a ``.npz`` whose unnamed
+    arrays (``np.savez(path, x, y)``: ``arr_0``, ``arr_1``, …) are the positional arguments in order and
+    named ones the keyword arguments."""
+    if not os.path.isfile(path):
+        raise CLIError(f"example file '{path}' not found")
+    try:
+        data = np.load(path, allow_pickle=False)
+    except Exception as exc:
+        raise CLIError(f"cannot read the example '{path}' as a NumPy .npy/.npz file: {exc}") from None
+    if not isinstance(data, np.lib.npyio.NpzFile):
+        return (data,), {}
+    with data:
+        arrays = {key: data[key] for key in data.keys()}
+    positional = sorted((k for k in arrays if k.startswith("arr_") and k[4:].isdigit()), key=lambda k: int(k[4:]))
+    args = tuple(arrays[k] for k in positional)
+    kwargs = {k: v for k, v in arrays.items() if k not in positional}
+    if not args and "x" in kwargs:
+        args = (kwargs.pop("x"),)
+    if not args:
+        raise CLIError(f"{path} holds arrays {sorted(arrays)}: save the input batch first, e.g. "
+                       "np.savez(path, x, y) (positional arguments) or np.savez(path, x=x, y=y)")
+    return args, kwargs
+
+
 def convert_from_args(args: argparse.Namespace):
     """Builder + param store → PFPNetwork (what convert / inspect / bench share)."""
     import pyro
@@ -251,6 +277,8 @@ def convert_from_args(args: argparse.Namespace):
         options["head"] = args.head
     if getattr(args, "check", None):
         options["check"] = _load_array(args.check, "check input")
+    if getattr(args, "example", None):
+        options["example_args"], options["example_kwargs"] = load_example(args.example)
     try:
         net = pyro2pfp.convert(model, guide, input_shape=args.input_shape, calibration=args.calibration,
                                moment_form=args.moment_form, correlation=args.correlation, **options)
@@ -632,6 +660,10 @@ def _add_conversion_options(p: argparse.ArgumentParser, builder_help: str = BUIL
                    help="'variance' (default, accurate in float32) or 'raw' (the paper's raw-moment plan)")
     p.add_argument("--input-variance", action="store_true",
                    help="the network also takes the variance of its input (sensor noise): inputs x, x_var")
+    p.add_argument("--example", "-e", metavar="EXAMPLE.npz",
+                   help="arguments of one call of the model and guide, for models/guides that need more than "
+                        "the input (e.g. model(x, y) reading y.size(0)): np.savez(EXAMPLE.npz, x, y) with a few "
+                        "real inputs first (named arrays are keyword arguments); the labels never enter the net")
     p.add_argument("--correlation", choices=("auto", "shared-factor", "mean-field"), default="auto",
                    help="treatment of noise shared across positions/branches: 'auto' (default: shared-factor "
                         "for nets with average pooling of conv outputs or residual adds), 'shared-factor' or "
@@ -777,6 +809,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parser.parse_args(argv)
     try:
         return int(args.func(args) or 0)
+    except InternalError as exc:  # a bug the library caught and named: as below, its cause chained
+        print(f"pyro2pfp {args.command}: {' '.join(str(exc).split())}"
+              + ("" if args.debug else " (rerun with --debug for the traceback)"), file=sys.stderr)
+        if args.debug:
+            traceback.print_exc()
+        return 2
     except (PFPError, OSError) as exc:  # a user error (or a file system one): one clear line, no traceback
         message = " ".join(str(exc).split()) or type(exc).__name__
         print(f"pyro2pfp {args.command}: error: {message}", file=sys.stderr)

@@ -75,3 +75,8 @@ def brief(exc: BaseException, limit: int = 300) -> str:
     if len(first) > limit:
         first = first[:limit - 1] + "…"
     return f"{type(exc).__name__}: {first}" if first else type(exc).__name__
+
+
+class InternalError(PFPError):
+    """pyro2pfp failed in a way it does not anticipate -- a bug, not the user's mistake.  The message names
+    the layer or stage it happened in and asks for a report; the original exception is chained."""

@@ -199,13 +199,17 @@ def compare(net: Any, model: Any, guide: Any, x: Any, *, num_samples: int, seed:
 def _compare(net: Any, model: Any, guide: Any, x: Any, num_samples: int, seed: int, per_layer: bool,
              execute: Any) -> Diagnosis:
     from .inputs import as_input_array
+    from .posterior import ready_to_sample
+    from .preserve import preserved
     from .reference import execute_all
     from .tracing import trace_model
 
     if net.input_variance:
         raise PFPError("diagnose supports networks without input variance only")
     xs = as_input_array(x, net.input_shape, dtype=np.float64)
-    traced = trace_model(model, guide, net.input_shape)
+    with preserved(model, guide):
+        traced = trace_model(model, guide, net.input_shape)
+    ready_to_sample(model, guide, (torch.as_tensor(xs[:2], dtype=torch.float32),))  # it is sampled below
     gm = traced.program.module()
     params = dict(gm.named_parameters())
     by_site = {p.site: params[path] if path in params else params[_WRAPPER_PREFIX + path]

@@ -8,11 +8,13 @@ from typing import Any
 import numpy as np
 
 from . import folding
+from ._version import __version__
 from .correlated_pools import MAX_POOL_RULES, correlate_max_pools, pool_caveats
 from .correlation import with_correlation
-from .errors import ArgumentError, InputShapeError, PFPWarning, PosteriorError
+from .errors import ArgumentError, InputShapeError, InternalError, PFPError, PFPWarning, PosteriorError
 from .graph import LayerGraph, Repr
 from .inputs import checked_inputs
+from .model_args import user_model_args
 from .plan import PlannedGraph, plan
 from .reference import execute
 from .tracing import trace_model
@@ -178,7 +180,8 @@ def convert(model: Any, guide: Any = None, *, input_shape: tuple[int, ...] | Non
             calibration: float = 1.0, moment_form: str = "variance",
             input_variance: bool = False, check_posterior: bool = True,
             fold_batch_norm: bool = True, correlation: str = "auto", head: str | None = None,
-            max_pool: str = "correlated", check: Any = None) -> PFPNetwork:
+            max_pool: str = "correlated", check: Any = None,
+            example_args: tuple | None = None, example_kwargs: dict[str, Any] | None = None) -> PFPNetwork:
     """Convert a Pyro BNN (``model``, trained ``guide``) into a PFP network.
 
     Traces ``model`` (a ``PyroModule``) over a deterministic copy holding the posterior means, reads
@@ -205,6 +208,17 @@ def convert(model: Any, guide: Any = None, *, input_shape: tuple[int, ...] | Non
     checked against what was read (:mod:`pyro2pfp.posterior.guard`); a mismatch raises
     :class:`PosteriorError`.  ``check_posterior=False`` skips that check, for guides that cannot be
     sampled with the model's input alone.
+
+    ``example_args=(x, y, ...)`` / ``example_kwargs``: the arguments of one call of the model and guide
+    (the input batch first) for models and guides that need more than the input, e.g. ``model(X, cll)``
+    reading ``cll.size(0)``; ``input_shape`` then defaults to ``x.shape[1:]``.  They are used to run the
+    model and guide; the labels never enter the network (:mod:`pyro2pfp.model_args`).  Without them the
+    model and guide are called with a batch of zeros and ``None`` for further required parameters.
+
+    Converting runs the model and the guide, but leaves everything the user owns as it found it, on
+    success and on failure: the model, the guide and the modules their code uses (parameters and
+    buffers, train/eval mode, hooks), the param store and the global random state
+    (:mod:`pyro2pfp.preserve`).
 
     ``fold_batch_norm=True`` (default) folds every eval-mode batch norm that follows a Linear/Conv layer
     into that layer's weight and bias moments (exact, :mod:`pyro2pfp.folding`): one kernel fewer each.
@@ -243,52 +257,69 @@ def convert(model: Any, guide: Any = None, *, input_shape: tuple[int, ...] | Non
     long it took.
     """
     from .ops.head import append_head, check_head
+    from .preserve import preserved
 
-    check_head(head)
-    if not isinstance(input_variance, bool | np.bool_):
-        raise ArgumentError(f"input_variance must be True or False, got {input_variance!r}")
-    tyxe_bnn = None
-    if guide is None and hasattr(model, "net") and hasattr(model, "net_guide"):  # TyXe VariationalBNN
-        tyxe_bnn, model, guide = model, model.net, model.net_guide
-    if guide is None:
-        raise PosteriorError("convert(model, guide) needs the trained guide that holds the posterior")
-    traced = trace_model(model, guide, input_shape, check_posterior=check_posterior)
-    if tyxe_bnn is not None:
-        traced.tyxe_gaussian_likelihood = type(getattr(tyxe_bnn, "likelihood", None)).__name__ in (
-            "HomoskedasticGaussian", "HeteroskedasticGaussian")
-    if not isinstance(fold_batch_norm, bool | np.bool_):
-        raise ArgumentError(f"fold_batch_norm must be True or False, got {fold_batch_norm!r}")
-    layer_graph = build_layer_graph(traced)
-    layer_graph.input_variance = bool(input_variance)
-    if fold_batch_norm:
-        layer_graph = folding.fold_batch_norm(layer_graph)
-    noise = traced.noise
-    if tyxe_bnn is not None and hasattr(tyxe_bnn, "likelihood"):  # the likelihood is outside bnn.net
-        from .noise import tyxe_noise
+    with preserved(model, guide):  # the user's objects, the param store, the random state: as found
+        stage = "checking the arguments"
+        try:
+            check_head(head)
+            if not isinstance(input_variance, bool | np.bool_):
+                raise ArgumentError(f"input_variance must be True or False, got {input_variance!r}")
+            tyxe_bnn = None
+            if guide is None and hasattr(model, "net") and hasattr(model, "net_guide"):  # TyXe VariationalBNN
+                tyxe_bnn, model, guide = model, model.net, model.net_guide
+            if guide is None:
+                raise PosteriorError("convert(model, guide) needs the trained guide that holds the posterior: "
+                                     "pass the guide trained with SVI as the second argument (a TyXe "
+                                     "VariationalBNN may be passed alone)")
+            example = user_model_args(example_args, example_kwargs, input_shape)
+            stage = "reading the posterior and tracing the model"
+            traced = trace_model(model, guide, input_shape, check_posterior=check_posterior, example=example)
+            if tyxe_bnn is not None:
+                traced.tyxe_gaussian_likelihood = type(getattr(tyxe_bnn, "likelihood", None)).__name__ in (
+                    "HomoskedasticGaussian", "HeteroskedasticGaussian")
+            if not isinstance(fold_batch_norm, bool | np.bool_):
+                raise ArgumentError(f"fold_batch_norm must be True or False, got {fold_batch_norm!r}")
+            stage = "converting the traced graph into layers"
+            layer_graph = build_layer_graph(traced)
+            layer_graph.input_variance = bool(input_variance)
+            if fold_batch_norm:
+                layer_graph = folding.fold_batch_norm(layer_graph)
+            noise = traced.noise
+            if tyxe_bnn is not None and hasattr(tyxe_bnn, "likelihood"):  # the likelihood is outside bnn.net
+                from .noise import tyxe_noise
 
-        output_shape = layer_graph.shape_of(layer_graph.output)
-        noise = tyxe_noise(tyxe_bnn, traced.input_shape, tuple(output_shape))
-    from .noise import HeteroscedasticNoise, NoiseModel
+                output_shape = layer_graph.shape_of(layer_graph.output)
+                noise = tyxe_noise(tyxe_bnn, traced.input_shape, tuple(output_shape))
+            from .noise import HeteroscedasticNoise, NoiseModel
 
-    if head is not None and isinstance(noise, NoiseModel | HeteroscedasticNoise):
-        raise ArgumentError(f"head={head!r} is for classifiers (logits); this model has a Normal likelihood "
-                            "(regression): use net.regression(mean, var) instead")
-    if max_pool not in MAX_POOL_RULES:
-        raise ArgumentError(f"max_pool must be one of {MAX_POOL_RULES}, got {max_pool!r}")
-    planned_graph = append_head(layer_graph, head) if head is not None else layer_graph
-    planned = with_correlation(plan(planned_graph, calibration, moment_form), correlation)
-    if planned.factors is None and max_pool == "correlated":
-        rewritten = correlate_max_pools(layer_graph)
-        if rewritten is not layer_graph:
-            layer_graph = rewritten
+            if head is not None and isinstance(noise, NoiseModel | HeteroscedasticNoise):
+                raise ArgumentError(f"head={head!r} is for classifiers (logits); this model has a Normal likelihood "
+                                    "(regression): use net.regression(mean, var) instead")
+            if max_pool not in MAX_POOL_RULES:
+                raise ArgumentError(f"max_pool must be one of {MAX_POOL_RULES}, got {max_pool!r}")
+            stage = "planning the network"
             planned_graph = append_head(layer_graph, head) if head is not None else layer_graph
-            planned = plan(planned_graph, calibration, moment_form)
-        for note in pool_caveats(layer_graph):
-            warnings.warn(f"{note}. Measure it with convert(..., check=x) or pyro2pfp.diagnose.",
-                          PFPWarning, stacklevel=2)
-    net = PFPNetwork(layer_graph, planned, nonweight_sites=traced.nonweight_sites, noise=noise)
-    if check is not None:
-        from .fidelity import check_fidelity
+            planned = with_correlation(plan(planned_graph, calibration, moment_form), correlation)
+            if planned.factors is None and max_pool == "correlated":
+                rewritten = correlate_max_pools(layer_graph)
+                if rewritten is not layer_graph:
+                    layer_graph = rewritten
+                    planned_graph = append_head(layer_graph, head) if head is not None else layer_graph
+                    planned = plan(planned_graph, calibration, moment_form)
+                for note in pool_caveats(layer_graph):
+                    warnings.warn(f"{note}. Measure it with convert(..., check=x) or pyro2pfp.diagnose.",
+                                  PFPWarning, stacklevel=3)
+            net = PFPNetwork(layer_graph, planned, nonweight_sites=traced.nonweight_sites, noise=noise)
+            if check is not None:
+                from .fidelity import check_fidelity
 
-        net.fidelity = check_fidelity(net, model, guide, check)
-    return net
+                stage = "checking the network against sampling"
+                net.fidelity = check_fidelity(net, model, guide, check)
+            return net
+        except (PFPError, Warning):  # a Warning: the user's warnings filter made one an error
+            raise
+        except Exception as exc:  # not a mistake of the user's that pyro2pfp recognises: a bug
+            raise InternalError(
+                f"internal error while {stage} -- please report it with the model's code (pyro2pfp "
+                f"{__version__}): {type(exc).__name__}: {exc}. The original exception is chained.") from exc

@@ -34,6 +34,7 @@ behind a hidden layer ``S_j`` is a sum of products, so the Gaussian is an approx
 """
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -97,11 +98,20 @@ def _value(reading: SiteReading) -> torch.Tensor:
     return transform(torch.as_tensor(loc, dtype=torch.float32))
 
 
-def _likelihood_scale(model: Any, values: dict[str, torch.Tensor], x: torch.Tensor) -> tuple[str, Any]:
+ArgsFor = Callable[[torch.Tensor], tuple]
+"""The model's arguments for an input batch ``x`` (``convert``'s example arguments at that batch)."""
+
+
+def _args(x: torch.Tensor, args_for: ArgsFor | None) -> tuple:
+    return args_for(x) if args_for is not None else (x,)
+
+
+def _likelihood_scale(model: Any, values: dict[str, torch.Tensor], x: torch.Tensor,
+                      args_for: ArgsFor | None = None) -> tuple[str, Any]:
     """(likelihood site, its scale tensor or None) of one eager run with the sites at ``values``."""
     capture = _AtValues(values)
     with torch.no_grad(), poutine.block(), pyro.validation_enabled(False), capture:
-        call_with_model_args(model, (x,))
+        call_with_model_args(model, _args(x, args_for))
     if len(capture.likelihoods) != 1:
         return "", None
     name, fn = capture.likelihoods[0]
@@ -123,12 +133,12 @@ def _quadrature(reading: SiteReading, scale_at: Any) -> np.ndarray:
 
 
 def find_noise(model: Any, readings: dict[str, SiteReading], nonweight_sites: set[str],
-               input_shape: tuple[int, ...]) -> NoiseModel | NoNoiseModel:
+               input_shape: tuple[int, ...], args_for: ArgsFor | None = None) -> NoiseModel | NoNoiseModel:
     """The model's regression noise, or why there is none (see the module docstring)."""
     x = torch.randn((3, *input_shape), generator=torch.Generator().manual_seed(0))
     values = {site: _value(r) for site, r in readings.items() if r.mean is not None or r.latent is not None}
     try:
-        name, scale = _likelihood_scale(model, values, x)
+        name, scale = _likelihood_scale(model, values, x, args_for)
     except Exception as exc:  # the model's own error: no noise model, not a failed conversion
         return NoNoiseModel(f"running the model eagerly failed: {brief(exc)}")
     if scale is None:
@@ -140,7 +150,7 @@ def find_noise(model: Any, readings: dict[str, SiteReading], nonweight_sites: se
     depends = []
     for site in sorted(nonweight_sites & set(values)):
         moved = dict(values, **{site: values[site] * 1.5 + 0.1})
-        _, other = _likelihood_scale(model, moved, x)
+        _, other = _likelihood_scale(model, moved, x, args_for)
         if other is None or other.shape != scale.shape or not torch.equal(other, scale):
             depends.append(site)
     if not depends:
@@ -150,7 +160,7 @@ def find_noise(model: Any, readings: dict[str, SiteReading], nonweight_sites: se
     site = depends[0]
 
     def scale_at(value: torch.Tensor) -> np.ndarray:
-        _, s = _likelihood_scale(model, dict(values, **{site: value}), x)
+        _, s = _likelihood_scale(model, dict(values, **{site: value}), x, args_for)
         assert s is not None
         return (s.reshape(x.shape[0], -1)[0] if s.dim() and s.shape[0] == x.shape[0] else s.reshape(-1)).numpy()
 
@@ -301,7 +311,8 @@ class HeteroscedasticNoise:
         return {"mean": loc, "epistemic": epistemic, "aleatoric": aleatoric, "total": epistemic + aleatoric}
 
 
-def scale_depends_on_input(model: Any, guide: Any, input_shape: tuple[int, ...]) -> bool:
+def scale_depends_on_input(model: Any, guide: Any, input_shape: tuple[int, ...],
+                           args_for: ArgsFor | None = None) -> bool:
     """Whether the model's Normal likelihood has a scale that changes with the input: one eager run
     with the latent sites at one sample of the guide (not at the means: an untrained net's weights
     may all be 0, which makes every output constant)."""
@@ -309,10 +320,10 @@ def scale_depends_on_input(model: Any, guide: Any, input_shape: tuple[int, ...])
     try:
         with torch.random.fork_rng(), torch.no_grad(), poutine.block(), pyro.validation_enabled(False):
             torch.manual_seed(0)
-            trace = poutine.trace(lambda: call_with_model_args(guide, (x,))).get_trace()
+            trace = poutine.trace(lambda: call_with_model_args(guide, _args(x, args_for))).get_trace()
         values = {name: site["value"].detach() for name, site in trace.nodes.items()
                   if site["type"] == "sample" and not site["is_observed"] and isinstance(site["value"], torch.Tensor)}
-        _, scale = _likelihood_scale(model, values, x)
+        _, scale = _likelihood_scale(model, values, x, args_for)
     except Exception:  # the model's or guide's own error: decided (and reported) later by find_noise
         return False
     if scale is None or not scale.dim() or scale.shape[0] != x.shape[0]:

@@ -20,7 +20,8 @@ def predictive_logits(
     """Monte Carlo logits from the posterior: the sampling baseline.
 
     Runs ``pyro.infer.Predictive(model, guide=guide, num_samples=num_samples,
-    return_sites=("_RETURN",))(x)`` under ``torch.no_grad``.
+    return_sites=("_RETURN",))(x)`` under ``torch.no_grad``, after bringing the model's and guide's
+    parameters in line with the param store (:func:`pyro2pfp.posterior.ready_to_sample`).
 
     Args:
         model: Pyro model returning logits.
@@ -33,10 +34,15 @@ def predictive_logits(
         ``float64`` array of shape ``(num_samples, B, classes)``. Class predictions are
         ``predictive_logits(...).mean(0).argmax(-1)``.
     """
-    if seed is not None:
-        pyro.set_rng_seed(seed)
+    from .posterior import ready_to_sample
+
     x_t = x.detach().to(torch.float32) if isinstance(x, torch.Tensor) else torch.as_tensor(
         np.asarray(x), dtype=torch.float32)
+    # Pyro's own Predictive samples the guide's cached parameters, and a fresh autoguide needs the labels to
+    # set itself up: set it up and bring it in line with the param store first.
+    ready_to_sample(model, guide, (x_t,))
+    if seed is not None:
+        pyro.set_rng_seed(seed)
     predictive = Predictive(model, guide=guide, num_samples=num_samples, return_sites=("_RETURN",))
     with torch.no_grad():
         out = predictive(x_t)["_RETURN"]

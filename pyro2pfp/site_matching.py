@@ -34,7 +34,9 @@ def require_weight_posterior(site: str, where: str, reading: SiteReading, guide:
     why = {"point": "a point estimate without a variance (AutoDelta, trained as MAP): PFP needs each weight's "
                     "posterior variance. Use AutoNormal for the weights (an AutoDelta part of an "
                     "AutoGuideList is fine for non-weight sites such as a noise scale)",
-           "unsupported": "a posterior without closed-form mean and variance"}.get(reading.kind, reading.kind)
+           "unsupported": "a posterior without closed-form mean and variance; PFP needs each weight's mean and "
+                          "variance: use a Normal posterior (or another with finite mean and variance) for "
+                          "the weights"}.get(reading.kind, reading.kind)
     raise PosteriorError(f"site '{site}' is a weight ({where}), but the guide {guide_name(guide)} gives it "
                          f"{why} [{reading.reason}]")
 

@@ -37,9 +37,13 @@ from .converters import CONVERTERS, unsupported_message
 from .errors import InputShapeError, PosteriorError, TracingError, UnsupportedLayerError
 from .export_passes import compute_ops, fold_identity_broadcasts, tensor_ops, torch_module, used_parameters, user_line
 from .graph import GaussianParam
+from .model_args import TracedArgs
 from .noise import HeteroscedasticNoise, NoiseModel, NoNoiseModel, find_noise, read_head, scale_depends_on_input
-from .posterior import SiteReading, call_with_model_args, read_posterior, unwrap_independent
-from .site_matching import check_all_matched, require_weight_posterior
+from .output_chain import check_output, network_output_of, trailing_chain_nodes
+from .posterior import ModelArgs, SiteReading, call_failure, call_with_model_args, read_posterior, unwrap_independent
+from .posterior.readers import padded_parameters
+from .preserve import module_changes_undone
+from .site_matching import check_all_matched, guide_name, require_weight_posterior
 
 _WRAPPER_PREFIX = "model."
 
@@ -62,6 +66,8 @@ class TracedModel:
     # Whether the output feeds a Normal likelihood (a regression): set for a TyXe Gaussian likelihood,
     # which lives outside the traced net; see :meth:`regression`.
     tyxe_gaussian_likelihood: bool = False
+    # The graph's inputs after the network input (batched example arguments), named for messages.
+    extra_inputs: list[str] = field(default_factory=list)
 
     def regression(self) -> bool:
         """Whether the network's output is the mean (and scale) of a Normal likelihood (a regression),
@@ -97,6 +103,7 @@ class _ModelSites(Messenger):
             self.wrapper.likelihoods.append((msg["name"], msg["fn"]))
             if msg["value"] is None:
                 msg["value"] = _likelihood_mean(msg["fn"])
+                self.wrapper.placeholders.append(id(msg["value"]))
         msg["done"] = True
         msg["stop"] = True
 
@@ -106,13 +113,21 @@ def _module_call(self: torch.nn.Module, *args: Any, **kwargs: Any) -> Any:
     return torch.nn.Module.__call__(self, *args, **kwargs)
 
 
+def _module_setattr(self: torch.nn.Module, name: str, value: Any) -> None:
+    torch.nn.Module.__setattr__(self, name, value)  # looked up at call time (pyro2pfp.preserve wraps it)
+
+
+def _module_delattr(self: torch.nn.Module, name: str) -> None:
+    torch.nn.Module.__delattr__(self, name)
+
+
 @functools.cache
 def _plain_module_class(cls: type) -> type:
     """A subclass of ``cls`` whose attribute access and call are plain ``nn.Module`` ones."""
     namespace = {
         "__getattr__": torch.nn.Module.__getattr__,
-        "__setattr__": torch.nn.Module.__setattr__,
-        "__delattr__": torch.nn.Module.__delattr__,
+        "__setattr__": _module_setattr,
+        "__delattr__": _module_delattr,
         "__call__": _module_call,
         "__module__": cls.__module__,
     }
@@ -156,7 +171,12 @@ def _pyro_param_value(module: PyroModule, attr: str) -> torch.Tensor:
 
 def _deterministic_copy(model: torch.nn.Module, means: dict[str, torch.Tensor]) -> torch.nn.Module:
     """Copy of ``model`` with every sample site replaced by an ``nn.Parameter`` (its mean)."""
-    det = copy.deepcopy(model)
+    try:
+        det = copy.deepcopy(model)
+    except Exception as exc:
+        raise TracingError(f"the model {type(model).__name__} cannot be copied ({type(exc).__name__}: {exc}): PFP "
+                           "traces a copy of it that holds the posterior means. Make the model deep-copyable "
+                           "(no open files, locks or generators among its attributes).") from exc
     originals = dict(model.named_modules())
     for path, module in det.named_modules():
         if not isinstance(module, PyroModule):
@@ -195,16 +215,25 @@ class _Wrapper(torch.nn.Module):
         self.lifted_names: list[str] = []
         # The non-latent sample sites of the last run (the likelihood): [(name, distribution)].
         self.likelihoods: list[tuple[str, Any]] = []
+        self.placeholders: list[int] = []  # ids of the values the likelihood sites returned (no observation)
         # Heteroscedastic head: also return the Normal likelihood's loc and scale, so the graph shows
         # where they are read from (pyro2pfp.noise.read_head).
         self.probe_head = False
         # The Normal likelihood's site: a set, mutated in place (export restores assigned attributes and lists).
         self.head_site: set[str] = set()
+        self.traced_args: TracedArgs | None = None  # the model's further arguments (convert's example_args)
 
-    def forward(self, x: torch.Tensor) -> Any:
-        self.likelihoods = []
+    def forward(self, x: torch.Tensor, batched: tuple = ()) -> Any:
+        self.likelihoods, self.placeholders = [], []
+        args = self.traced_args.call(x, batched) if self.traced_args is not None else (x,)
         with _ModelSites(self):
-            out = call_with_model_args(self.model, (x,))
+            out = call_with_model_args(self.model, args)
+        if out is None or id(out) in self.placeholders:
+            # The model returns nothing (or its likelihood's sample): the network output is what the
+            # likelihood is built from (Categorical(logits=...), Bernoulli(probs=...), Normal(loc, ...)).
+            built_from = [t for t in (network_output_of(fn) for _, fn in self.likelihoods) if t is not None]
+            if len(built_from) == 1:
+                out = built_from[0]
         if not self.probe_head:
             return out
         normals = [(name, unwrap_independent(fn)) for name, fn in self.likelihoods]
@@ -249,9 +278,10 @@ def _check_supported_ops(program: torch.export.ExportedProgram, model_name: str)
     """Raise :class:`UnsupportedLayerError` for the first op the output depends on that has no PFP
     converter, naming the built-in torch module it is computed in (``attn`` (nn.MultiheadAttention)),
     before anything else compares or converts the graph."""
+    chain = trailing_chain_nodes(program)  # a final normalisation: stripped later (pyro2pfp.output_chain)
     for node in tensor_ops(program):
         target = str(node.target)
-        if target in CONVERTERS or target.startswith("aten.sym_"):
+        if target in CONVERTERS or target.startswith("aten.sym_") or node in chain:
             continue
         op = target.removesuffix(".default")
         module = torch_module(node, _WRAPPER_PREFIX)
@@ -272,7 +302,8 @@ def _check_batch_independent(program: torch.export.ExportedProgram, wrapper: _Wr
     at batch ≥ 2 only); a difference inside a built-in torch module is torch lowering the same
     module differently at batch 1, not a branch in the model, and is passed over.
     """
-    single = _export(wrapper, _example_input(input_shape, batch=1), input_shape, dynamic=False)
+    assert wrapper.traced_args is not None
+    single = _export(wrapper, wrapper.traced_args.inputs(1), input_shape, dynamic=False)
     fold_identity_broadcasts(single)
     ops, ops1 = compute_ops(program), compute_ops(single)
     keys, keys1 = ([(str(n.target), str(torch_module(n))) for n in nodes] for nodes in (ops, ops1))
@@ -293,13 +324,32 @@ def _check_batch_independent(program: torch.export.ExportedProgram, wrapper: _Wr
             "size (e.g. `if x.shape[0] > 1:`). PFP needs one network for every batch size: remove the branch.")
 
 
-def _export(wrapper: _Wrapper, example: torch.Tensor, input_shape: tuple[int, ...], *,
-            dynamic: bool = True) -> torch.export.ExportedProgram:
-    dynamic_shapes = {"x": {0: torch.export.Dim("batch", min=1, max=2**20)}} if dynamic else None
-    try:
-        with pyro.validation_enabled(False), torch.no_grad():
-            return torch.export.export(wrapper, (example,), dynamic_shapes=dynamic_shapes, strict=False)
+def _export(wrapper: _Wrapper, inputs: tuple[torch.Tensor, tuple[torch.Tensor, ...]], input_shape: tuple[int, ...],
+            *, dynamic: bool = True) -> torch.export.ExportedProgram:
+    """Export ``wrapper`` at the example ``inputs`` (the input batch and the batched further arguments,
+    which share its batch dimension)."""
+    x, batched = inputs
+    batch = torch.export.Dim("batch", min=1, max=2**20)
+    dynamic_shapes: Any = None
+    if dynamic:
+        dynamic_shapes = {"x": {0: batch}, "batched": tuple({0: batch} for _ in batched)} if batched else \
+            {"x": {0: batch}}
+    example = (x, batched) if batched else (x,)
+    try:  # each run of the model leaves the modules it assigns to as they were (pyro2pfp.preserve)
+        with pyro.validation_enabled(False), torch.no_grad(), module_changes_undone():
+            return torch.export.export(wrapper, example, dynamic_shapes=dynamic_shapes, strict=False)
     except Exception as exc:
+        args = wrapper.traced_args.call(x, batched) if wrapper.traced_args is not None else (x,)
+        name = getattr(wrapper.model, "__name__", type(wrapper.model).__name__)
+        if padded_parameters(wrapper.model, args):
+            raise TracingError(f"running the model {name} to trace it failed: "
+                               f"{call_failure(wrapper.model, args, exc)}") from exc
+        if "specialized it to be a constant" in str(exc):
+            raise TracingError(
+                f"the model {name} fixes the batch size while it is traced: it turns the batch dimension into a "
+                "Python int (len(x), int(x.shape[0]), a size computed with NumPy, a plate's subsample_size, …), "
+                "typically for the likelihood's plate. Write pyro.plate('data', x.shape[0]) (a size torch can "
+                "keep symbolic, no subsampling) instead of pyro.plate('data', len(x)).") from exc
         raise TracingError(
             f"torch.export could not trace the model for input shape (batch, {', '.join(map(str, input_shape))}): "
             f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}. "
@@ -338,9 +388,13 @@ def _pyro_sample_weights(model: Any, readings: dict[str, SiteReading], guide: An
     for path, site in sample_sites(model).items():
         reading = readings.get(site)
         if reading is None:
+            has = sorted(readings)
             raise PosteriorError(
-                f"sample site '{site}' of the model (parameter {path}) has no posterior in the "
-                f"guide {type(guide).__name__}."
+                f"sample site '{site}' of the model (parameter {path}) has no posterior in the guide "
+                f"{guide_name(guide)}, which samples {has[:6]}{' …' if len(has) > 6 else ''}. Sample it in the "
+                f"guide (pyro.sample('{site}', Normal(loc, scale).to_event(...)) with the prior's shape) or make "
+                "it a parameter (PyroParam / nn.Parameter) if it is deterministic; and check that the guide is "
+                "the one trained for this model."
             )
         expected = prior_shapes.get(path)
         if reading.mean is None or reading.var is None:  # not usable as a weight: an error if it is one
@@ -349,7 +403,9 @@ def _pyro_sample_weights(model: Any, readings: dict[str, SiteReading], guide: An
             continue
         if expected is not None and tuple(reading.mean.shape) != expected:
             raise PosteriorError(f"site '{site}': the guide's posterior has shape {tuple(reading.mean.shape)} but "
-                                 f"the model's prior (parameter {path}) has shape {expected}")
+                                 f"the model's prior (parameter {path}) has shape {expected}. Was the guide (or the "
+                                 "param store it was loaded from) trained for a model of other sizes? Give the "
+                                 "guide's site the prior's shape, or convert the model it was trained for.")
         params[path] = GaussianParam(reading.mean, reading.var, site=site)
     return params
 
@@ -370,7 +426,7 @@ def _split_pyro_samples(program: torch.export.ExportedProgram, pyro_sample_sites
 
 
 def _build_wrapper(model: Any, readings: dict[str, SiteReading], weights: dict[str, GaussianParam],
-                   example: torch.Tensor) -> tuple[_Wrapper, dict[str, str]]:
+                   example: ModelArgs) -> tuple[_Wrapper, dict[str, str]]:
     """The module to export: the deterministic copy (posterior means), a parameter per site sampled in
     ``forward``, a deterministic copy per ``pyro.random_module`` net.  Also ``{parameter path: site}``
     of the random modules' parameters."""
@@ -381,7 +437,11 @@ def _build_wrapper(model: Any, readings: dict[str, SiteReading], weights: dict[s
         lifted: dict[str, torch.nn.Module] = {}
     else:
         det = model
-        lifted = random_module.lifted_modules(model, lambda fn: call_with_model_args(fn, (example,)))
+        try:
+            lifted = random_module.lifted_modules(model, lambda fn: call_with_model_args(fn, example))
+        except Exception as exc:  # the model function's own error
+            raise TracingError(f"running the model {getattr(model, '__name__', type(model).__name__)} failed: "
+                               f"{call_failure(model, example, exc)}") from exc
     lifted_paths = {f"lifted.m{i}.{path}": f"{name}{random_module.SEPARATOR}{path}"
                     for i, (name, module) in enumerate(lifted.items()) for path, _ in module.named_parameters()}
     lifted_means = {site: torch.as_tensor(readings[site].mean, dtype=torch.float32)
@@ -439,29 +499,34 @@ def _warn_moment_matched(params: dict[str, GaussianParam], readings: dict[str, S
 
 
 def trace_model(model: Any, guide: Any, input_shape: tuple[int, ...] | None, *,
-                check_posterior: bool = True) -> TracedModel:
+                check_posterior: bool = True, example: ModelArgs | None = None) -> TracedModel:
     """Trace ``model`` with the posterior of ``guide`` (as the param store holds it now) into a
     :class:`TracedModel`; ``check_posterior``: see :func:`pyro2pfp.posterior.read_posterior`.
 
     ``model`` is a ``PyroModule`` (weights as ``PyroSample`` attributes and/or sampled in
     ``forward``) or a model function (``pyro.random_module`` style; ``input_shape`` required).  Every
     latent site of the guide must be a weight or a non-weight site of the model
-    (:mod:`pyro2pfp.site_matching`).
+    (:mod:`pyro2pfp.site_matching`).  ``example``: the arguments to run the model and guide with
+    (:mod:`pyro2pfp.model_args`; default: a zero batch of ``input_shape``).
     """
+    if example is not None and input_shape is None:
+        input_shape = tuple(example[0].shape[1:])
     input_shape = _checked_input_shape(model, input_shape)
     model_name = getattr(model, "__name__", type(model).__name__)
     _warn_train_mode(model)
-    example = _example_input(input_shape)
+    if example is None:
+        example = ModelArgs((_example_input(input_shape),))
     pyro_sample_sites = sample_sites(model) if isinstance(model, torch.nn.Module) else {}
-    readings = read_posterior(model, guide, (example,), weight_sites=pyro_sample_sites.values(),
+    readings = read_posterior(model, guide, example, weight_sites=pyro_sample_sites.values(),
                               check=check_posterior)
     params = _pyro_sample_weights(model, readings, guide)
 
     wrapper, lifted_paths = _build_wrapper(model, readings, params, example)
-    wrapper.probe_head = scale_depends_on_input(model, guide, input_shape)
+    wrapper.traced_args = TracedArgs(example)
+    wrapper.probe_head = scale_depends_on_input(model, guide, input_shape, wrapper.traced_args.at)
     with random_module.replaced_random_modules(
             {name: wrapper.lifted[f"m{i}"] for i, name in enumerate(wrapper.lifted_names)}):
-        program = _export(wrapper, example, input_shape)
+        program = _export(wrapper, wrapper.traced_args.inputs(2), input_shape)
         fold_identity_broadcasts(program)
         if not wrapper.probe_head:  # else the program ends at the network output once the head is read
             _check_supported_ops(program, model_name)
@@ -469,6 +534,7 @@ def trace_model(model: Any, guide: Any, input_shape: tuple[int, ...] | None, *,
     head = _end_at_head(program, next(iter(wrapper.head_site))) if wrapper.probe_head else None
     if head is not None:
         _check_supported_ops(program, model_name)
+    check_output(program, model)
 
     exported_weights, nonweights = _classify_exported_sites(wrapper, lifted_paths, program, readings, guide)
     unused_samples = _split_pyro_samples(program, pyro_sample_sites, params, readings, guide)
@@ -495,9 +561,11 @@ def trace_model(model: Any, guide: Any, input_shape: tuple[int, ...] | None, *,
         arr = buffer.detach().to(torch.float64).numpy().copy()
         params[path] = GaussianParam(arr, np.zeros_like(arr))
     return TracedModel(program=program, params=params, input_shape=input_shape,
+                       extra_inputs=list(wrapper.traced_args.batched_names),
                        model_name=model_name,
                        nonweight_sites={site: readings[site] for site in sorted(nonweights)},
-                       noise=head if head is not None else find_noise(model, readings, nonweights, input_shape))
+                       noise=head if head is not None else find_noise(model, readings, nonweights, input_shape,
+                                                                        wrapper.traced_args.at))
 
 
 def _end_at_head(program: torch.export.ExportedProgram, site: str) -> HeteroscedasticNoise:

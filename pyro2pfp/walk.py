@@ -9,15 +9,18 @@ the identity on one of its inputs (dropout at inference, ``contiguous``, …).
 from __future__ import annotations
 
 import operator
+import warnings
 from typing import Any
 
 import torch
 import torch.fx
 
 from . import ops  # noqa: F401  (registers the converters)
+from ._version import __version__
 from .converters import CONVERTERS, Alias, unsupported_message
-from .errors import TracingError, UnsupportedLayerError
+from .errors import InternalError, PFPError, TracingError, UnsupportedLayerError
 from .graph import INPUT, GaussianParam, Layer, LayerGraph
+from .output_chain import strip_output_normalisation
 from .tracing import _WRAPPER_PREFIX, TracedModel
 
 # Ops that only compute shapes (SymInts) or are bookkeeping; never activations.
@@ -83,9 +86,15 @@ class ConversionContext:
         if isinstance(arg, torch.fx.Node) and arg in self._names:
             return self._names[arg]
         if isinstance(arg, torch.fx.Node) and arg.name in self._param_of:
+            path = self._param_of[arg.name].removeprefix(_WRAPPER_PREFIX)
+            param = self.traced.params.get(path)
+            what = f"the weight of sample site '{param.site}'" if param is not None and param.site else \
+                f"parameter {path}"
             raise UnsupportedLayerError(
-                f"{self.source(node)}: uses parameter {self._param_of[arg.name]} as an activation; "
-                "only parameters of Linear/Conv/normalisation layers are supported."
+                f"{self.source(node)}: computes with {what} as if it were an activation (PFP reads weights only "
+                "where a Linear/Conv/matmul/normalisation layer uses them directly). Use the weight as it is: "
+                "make the weight itself the sample site (e.g. scale its prior rather than the sample), or "
+                "fold the computation into the layer's input."
             )
         raise UnsupportedLayerError(f"{self.source(node)}: unsupported argument {arg!r}")
 
@@ -143,6 +152,12 @@ def _unsupported_message(ctx: ConversionContext, node: torch.fx.Node) -> str:
 
 def build_layer_graph(traced: TracedModel) -> LayerGraph:
     """Convert the traced program into a :class:`LayerGraph` (float64 parameters, torch layouts)."""
+    stripped, where = strip_output_normalisation(traced.program, regression=traced.regression())
+    if stripped:
+        warnings.warn(f"the final {stripped} is stripped{f' ({where})' if where else ''}: it normalises the "
+                      "logits, and the PFP network outputs "
+                      "the (mean, variance) of the logits. Use pyro2pfp.uncertainty() or convert(..., head='probs') "
+                      "for the probabilities.", stacklevel=3)
     graph = traced.program.graph_module.graph
     ctx = ConversionContext(traced)
     user_inputs = traced.program.graph_signature.user_inputs
@@ -156,12 +171,21 @@ def build_layer_graph(traced: TracedModel) -> LayerGraph:
     result = outs[0]
     ctx.output_node = result
     needed = _reachable(result)
+    input_node = next(n for n in graph.nodes if n.op == "placeholder" and n.name in user_inputs)
     for node in graph.nodes:
         if node not in needed:
             continue
         if node.op == "placeholder":
-            if node.name in user_inputs:
+            if node is input_node:
                 ctx._names[node] = INPUT
+            elif node.name in user_inputs:
+                names = traced.extra_inputs
+                index = user_inputs.index(node.name) - 1
+                which = names[index] if 0 <= index < len(names) else "an example argument besides the input"
+                raise TracingError(
+                    f"the network's output depends on {which}: the example arguments besides the input "
+                    "batch (labels, …) are only there to run the model and guide, and never enter the network. "
+                    "Compute the output from the input alone; pass the labels only to the likelihood.")
             continue
         if node.op != "call_function":
             continue
@@ -177,7 +201,15 @@ def build_layer_graph(traced: TracedModel) -> LayerGraph:
         converter = CONVERTERS.get(target)
         if converter is None:
             raise UnsupportedLayerError(_unsupported_message(ctx, node))
-        out = converter(node, ctx)
+        try:
+            out = converter(node, ctx)
+        except (PFPError, Warning):  # a Warning: raised by the user's warnings filter
+            raise
+        except Exception as exc:  # a converter's own failure: a bug, reported as such
+            raise InternalError(
+                f"internal error converting layer {ctx.source(node)} ({type(exc).__name__}: {exc}) -- please "
+                f"report it with the model's code (pyro2pfp {__version__}); the original exception is "
+                "chained") from exc
         if isinstance(out, Alias):
             ctx._names[node] = ctx.activation(out.node, node)
         else:
@@ -186,7 +218,8 @@ def build_layer_graph(traced: TracedModel) -> LayerGraph:
             ctx._names[node] = layers[-1].name
             ctx.origins[layers[-1].name] = node.name
     if result not in ctx._names:
-        raise TracingError("the model's output does not depend on its input")
-    input_node = next(n for n in graph.nodes if n.op == "placeholder" and n.name in user_inputs)
+        raise TracingError("the model's output does not depend on its input (it returns a constant, or a value "
+                           "computed from the weights alone): return the logits computed from the input x, or "
+                           "build the likelihood from them")
     return LayerGraph(input_shape=ctx.shape(input_node), layers=ctx.layers, output=ctx._names[result],
                       origins=ctx.origins)

@@ -271,3 +271,36 @@ def test_trials_default_is_the_librarys():
     spec = _tune_spec(parser.parse_args(["convert", "builder.py", "-p", "p.pt", "--tune", "10", "--trials", "5",
                                          "-o", "n.so"]))
     assert spec == {"batch": [10], "trials": 5}
+
+
+LABELLED_BUILDER = textwrap.dedent("""\
+    import pyro, pyro.distributions as dist, torch
+
+    def build():
+        def model(X, cll):
+            W = pyro.sample("W", dist.Normal(torch.zeros(4, 3), 1.0).to_event(2))
+            with pyro.plate("data", cll.size(0)):
+                pyro.sample("obs", dist.Categorical(logits=X.mm(W)), obs=cll)
+
+        def guide(X, cll):
+            cll.size(0)  # a guide that reads the labels
+            loc = pyro.param("W_loc", torch.zeros(4, 3))
+            scale = pyro.param("W_scale", torch.ones(4, 3), constraint=dist.constraints.positive)
+            pyro.sample("W", dist.Normal(loc, scale).to_event(2))
+
+        return model, guide
+    """)
+
+
+def test_example_arguments_for_models_that_need_the_labels(tmp_path, capsys):
+    (tmp_path / "labelled.py").write_text(LABELLED_BUILDER)
+    pyro.clear_param_store()
+    pyro.param("W_loc", torch.randn(4, 3))
+    pyro.param("W_scale", torch.full((4, 3), 0.1), constraint=pyro.distributions.constraints.positive)
+    pyro.get_param_store().save(str(tmp_path / "params.pt"))
+    argv = ["inspect", str(tmp_path / "labelled.py"), "-p", str(tmp_path / "params.pt"), "-s", "4"]
+    err = _error(argv, capsys)
+    assert "cll got None" in err and "example_args=(x, cll)" in err
+    np.savez(tmp_path / "example.npz", np.random.rand(5, 4).astype(np.float32), np.array([0, 1, 2, 0, 1]))
+    assert main([*argv, "--example", str(tmp_path / "example.npz")]) == 0
+    assert "dense" in capsys.readouterr().out

@@ -47,4 +47,5 @@ def unsupported_message(what: str, detail: str = "") -> str:
     """``"<what> is not supported by PFP<detail>. Supported torch ops: … Supported modules: …"``."""
     return (f"{what} is not supported by PFP{detail}. Supported torch ops: "
             + ", ".join(t.removesuffix(".default") for t in supported_ops())
-            + ". Supported modules: " + ", ".join(supported_modules()) + ".")
+            + ". Supported modules: " + ", ".join(supported_modules()) + ". Replace it by one of the supported "
+            "ops (e.g. an activation PFP has a moment rule for), or keep it outside the converted model.")

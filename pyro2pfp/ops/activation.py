@@ -221,14 +221,19 @@ def convert_leaky_relu(node, ctx) -> Layer:
 
 
 @register("aten.softmax.int", "aten._softmax.default", "aten.log_softmax.int", "aten._log_softmax.default")
-def strip_final_softmax(node, ctx) -> Alias:
-    if not ctx.is_output(node):
-        raise ctx.unsupported(node, "softmax inside the network is not supported (only a final softmax, "
-                                    "which is stripped so the output stays the logits)")
-    warnings.warn(f"{ctx.source(node)}: the final softmax/log_softmax is stripped; the PFP network outputs "
-                  "the (mean, variance) of the logits. Use pyro2pfp.uncertainty() for class probabilities.",
-                  stacklevel=2)
-    return Alias(node.args[0])
+def softmax_not_a_trailing_normalisation(node, ctx) -> Alias:
+    """A softmax the walk meets was not stripped as the output's normalisation
+    (:mod:`pyro2pfp.output_chain`): it is inside the network, or over another dimension than the classes."""
+    if ctx.is_output(node):
+        raise ctx.unsupported(node, f"the output is a softmax over dimension {node.args[1]}, not the last "
+                                    "(class) dimension: it is not a normalisation of the logits, and PFP has no "
+                                    "moment rule for it. Return the logits (or a softmax over the last dimension)")
+    users = ", ".join(sorted(u.name for u in node.users))
+    raise ctx.unsupported(node, f"softmax inside the network (its result feeds {users}) is not supported: "
+                                "PFP has no Gaussian moment rule for it. Only a trailing normalisation of the "
+                                "logits (softmax, log_softmax, exp of log_softmax, sigmoid, logsigmoid, constant "
+                                "scalings, reshapes) is recognised, and stripped; move the softmax to the end, "
+                                "or replace it by an activation PFP supports")
 
 
 def _arg(node: Any, index: int, name: str, default: Any) -> Any:

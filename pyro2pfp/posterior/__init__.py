@@ -24,11 +24,31 @@ from typing import Any
 import pyro
 
 from .guard import check_posterior
-from .readers import SitePosterior, SiteReading, call_with_model_args, check_readings, read_guide, unwrap_independent
+from .readers import (
+    ModelArgs,
+    SitePosterior,
+    SiteReading,
+    call_failure,
+    call_with_model_args,
+    check_readings,
+    read_guide,
+    unwrap_independent,
+)
 from .store import setup_guide_prototype, sync_with_param_store
 
 __all__ = ["read_posterior", "SitePosterior", "SiteReading", "check_posterior", "sync_with_param_store",
-           "setup_guide_prototype", "call_with_model_args", "unwrap_independent"]
+           "setup_guide_prototype", "call_with_model_args", "call_failure", "unwrap_independent", "ModelArgs",
+           "ready_to_sample"]
+
+
+def ready_to_sample(model: Any, guide: Any, example_args: tuple) -> None:
+    """Make ``guide`` sample the param store's posterior, as Pyro's ``Predictive`` on it then does: set
+    up an autoguide that has never run (likelihood hidden) and bring the model's and guide's cached
+    parameters in line with the store.  Unlike :func:`read_posterior` (which ``convert`` runs on objects it
+    restores afterwards), this changes the user's guide: for the sampling helpers."""
+    setup_guide_prototype(model, guide, example_args, set())
+    sync_with_param_store(model, "the model")
+    sync_with_param_store(guide, f"the {type(guide).__name__} guide")
 
 
 def read_posterior(model: Any, guide: Any, example_args: tuple, *, weight_sites: Iterable[str] = (),

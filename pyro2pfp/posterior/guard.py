@@ -46,8 +46,8 @@ from pyro.infer import autoguide
 from pyro.nn import PyroModule
 from scipy import stats
 
-from ..errors import PosteriorError, brief
-from .readers import call_with_model_args
+from ..errors import PosteriorError
+from .readers import call_failure, call_with_model_args
 from .store import full_name, module_local_params, named_pyro_modules
 
 ALPHA = 1e-9
@@ -78,16 +78,17 @@ def _sample_guide(guide: Any, example_args: tuple, singular_ok: bool) -> Any:
     """One trace of the guide, or None if ``singular_ok`` and its covariance is singular."""
     try:
         with torch.no_grad(), poutine.block(), pyro.validation_enabled(False):
-            return poutine.trace(lambda *a: call_with_model_args(guide, a)).get_trace(*example_args)
+            return poutine.trace(lambda: call_with_model_args(guide, example_args)).get_trace()
     except Exception as exc:
         if singular_ok and isinstance(exc, torch.linalg.LinAlgError):
             return None
-        _raise_sampling_error(guide, exc)
+        _raise_sampling_error(guide, example_args, exc)
 
 
-def _raise_sampling_error(guide: Any, exc: Exception) -> NoReturn:
+def _raise_sampling_error(guide: Any, example_args: tuple, exc: Exception) -> NoReturn:
     raise PosteriorError(
-        f"the consistency check could not sample the guide {type(guide).__name__}: {brief(exc)}. "
+        f"the consistency check could not sample the guide {type(guide).__name__}: "
+        f"{call_failure(guide, example_args, exc)}. "
         "If this guide cannot be sampled, convert with "
         "check_posterior=False (then nothing checks that the posterior read is the trained one)."
     ) from exc

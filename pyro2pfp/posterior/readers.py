@@ -251,27 +251,78 @@ def _read_distribution(fn: Any, what: str) -> SiteReading:
                        latent=latent)
 
 
-def call_with_model_args(fn: Callable[..., Any], example_args: tuple) -> Any:
-    """Call a guide with the model's arguments: ``example_args`` (the input batch) padded with
-    ``None`` for further required positional parameters (``guide(x, y)`` written with the model's
-    signature, ``y`` unused when sampling)."""
+class ModelArgs(tuple):
+    """The arguments the model and guide are called with while converting: the positional ones (the input
+    batch first), ``kwargs``, and whether the user ``given`` them (``convert(..., example_args=...)``).
+    Without them, only the input batch is known and further required positional parameters get ``None``
+    (``guide(x, y)`` written with the model's signature, ``y`` unused when sampling)."""
+
+    kwargs: dict[str, Any]
+    given: bool
+
+    def __new__(cls, args: Any = (), kwargs: dict[str, Any] | None = None, given: bool = False) -> ModelArgs:
+        self = super().__new__(cls, tuple(args))
+        self.kwargs = dict(kwargs or {})
+        self.given = given
+        return self
+
+    def replaced(self, args: Any) -> ModelArgs:
+        """The same kind of arguments with other positional values."""
+        return ModelArgs(args, self.kwargs, self.given)
+
+
+def _positional_parameters(fn: Callable[..., Any]) -> list[inspect.Parameter] | None:
     try:
         params = list(inspect.signature(fn).parameters.values())
     except (TypeError, ValueError):
-        return fn(*example_args)
-    required = [p for p in params if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)
-                and p.default is p.empty]
-    return fn(*example_args, *([None] * max(0, len(required) - len(example_args))))
+        return None
+    return [p for p in params if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
+
+
+def padded_parameters(fn: Callable[..., Any], example_args: tuple) -> list[str]:
+    """The required positional parameters of ``fn`` that :func:`call_with_model_args` fills with ``None``."""
+    kwargs = getattr(example_args, "kwargs", {})
+    params = _positional_parameters(fn)
+    if params is None or getattr(example_args, "given", False):
+        return []
+    return [p.name for p in params[len(example_args):] if p.default is p.empty and p.name not in kwargs]
+
+
+def call_with_model_args(fn: Callable[..., Any], example_args: tuple) -> Any:
+    """Call a model or guide with ``example_args`` (a tuple, or :class:`ModelArgs` with keyword arguments);
+    required positional parameters beyond them get ``None`` unless the user gave the arguments."""
+    kwargs = getattr(example_args, "kwargs", {})
+    return fn(*example_args, *([None] * len(padded_parameters(fn, example_args))), **kwargs)
+
+
+def call_failure(fn: Callable[..., Any], example_args: tuple, exc: BaseException) -> str:
+    """``exc`` raised by ``call_with_model_args(fn, example_args)``, with the parameters that were missing
+    and the remedy: ``TypeError: ... (the guide was called as guide(x, cll=None): ...)``."""
+    name = getattr(fn, "__name__", None) or type(fn).__name__
+    text = brief(exc)
+    padded = padded_parameters(fn, example_args)
+    params = _positional_parameters(fn) or []
+    if padded:
+        shown = ", ".join(["x", *[f"{p}=None" for p in padded]])
+        needed = ", ".join(["x", *[p.name for p in params[len(example_args):] if p.name in padded]])
+        return (f"{text}. convert() called it as {name}({shown}): it only has a batch of inputs, and "
+                f"{', '.join(padded)} got None. Pass what {name} needs: convert(model, guide, "
+                f"example_args=({needed}), ...) with a few real inputs and labels (or example_kwargs=...); "
+                "they are used to run the model and guide, and never enter the network")
+    if getattr(example_args, "given", False) and isinstance(exc, TypeError) and "argument" in str(exc):
+        return (f"{text}. convert() called {name} with example_args of {len(example_args)} value(s) and "
+                f"example_kwargs {sorted(getattr(example_args, 'kwargs', {}))}: pass every argument {name} needs")
+    return text
 
 
 def _from_trace(guide: Any, example_args: tuple) -> dict[str, SiteReading]:
     try:
         with torch.no_grad(), poutine.block():
-            trace = poutine.trace(lambda *a: call_with_model_args(guide, a)).get_trace(*example_args)
+            trace = poutine.trace(lambda: call_with_model_args(guide, example_args)).get_trace()
     except Exception as exc:  # the guide's own error, re-raised with context
         raise PosteriorError(
             f"could not run the guide {getattr(guide, '__name__', type(guide).__name__)} to read its "
-            f"posterior: {brief(exc)}") from exc
+            f"posterior: {call_failure(guide, example_args, exc)}") from exc
     what = getattr(guide, "__name__", type(guide).__name__)
     return {name: _read_distribution(site["fn"], what) for name, site in trace.nodes.items()
             if site["type"] == "sample" and not site["is_observed"]

@@ -39,7 +39,8 @@ from pyro.infer.autoguide.initialization import InitMessenger
 from pyro.nn import PyroModule
 from pyro.nn.module import _is_module_local_param_enabled, _make_name
 
-from ..errors import PosteriorError, brief
+from ..errors import PosteriorError
+from .readers import call_failure, call_with_model_args
 
 
 def module_local_params() -> bool:
@@ -192,13 +193,13 @@ def setup_guide_prototype(model: Any, guide: Any, example_args: tuple, weight_si
             blocked = poutine.block(inner, hide_fn=hide)
             g._model = (init(blocked) if init is not None else blocked,)
         with torch.no_grad(), poutine.block(), pyro.validation_enabled(False):  # scales of 0 are valid
-            guide(*example_args)
+            call_with_model_args(guide, example_args)
     except PosteriorError:
         raise
     except Exception as exc:
         raise PosteriorError(
             f"the {type(guide).__name__} guide has never been run; running it once (so that it takes its "
-            f"trained parameters from the param store) failed: {brief(exc)}") from exc
+            f"trained parameters from the param store) failed: {call_failure(guide, example_args, exc)}") from exc
     finally:
         for g, original in originals:
             g._model = original
