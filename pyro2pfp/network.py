@@ -6,7 +6,9 @@ from typing import Any
 
 import numpy as np
 
+from . import correlation as correlation  # registers the shared-factor executor with the reference
 from . import folding
+from . import ops as ops  # the op registry: every op family registers its converter, reference, ONNX export
 from .correlation import with_correlation
 from .errors import ArgumentError, InputShapeError, PosteriorError
 from .graph import LayerGraph, Repr
