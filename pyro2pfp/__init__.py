@@ -14,6 +14,8 @@ library), so a board runs exported networks without torch, Pyro or the TVM compi
 from __future__ import annotations
 
 import importlib
+import sys
+import types
 from typing import TYPE_CHECKING, Any
 
 from ._version import __version__ as __version__
@@ -71,6 +73,20 @@ def __getattr__(name: str) -> Any:
 
 def __dir__() -> list[str]:
     return sorted(set(globals()) | set(_LAZY))
+
+
+class _Package(types.ModuleType):
+    """``pyro2pfp.diagnose`` stays the function when its module, ``pyro2pfp.diagnose``, is imported
+    (the import system sets a package's attribute to each submodule it loads)."""
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        if (_LAZY.get(name) == name and isinstance(value, types.ModuleType)
+                and value.__name__ == f"{__name__}.{name}"):
+            value = getattr(value, name)
+        super().__setattr__(name, value)
+
+
+sys.modules[__name__].__class__ = _Package
 
 
 def set_num_threads(n: int) -> int:

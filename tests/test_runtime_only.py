@@ -124,14 +124,15 @@ def test_a_board_without_torch_pyro_or_scipy_loads_predicts_and_checks(exported)
 
 def test_importing_the_package_imports_no_converter():
     """``import pyro2pfp`` (and the CLI) imports neither torch, Pyro, SciPy nor TVM; ``pyro2pfp.convert``
-    and the op registry come when first used, as before."""
+    and the op registry come when first used, and ``pyro2pfp.diagnose`` is the function, as before."""
     code = ("import sys, pyro2pfp, pyro2pfp.cli\n"
             "print(sorted({m.partition('.')[0] for m in sys.modules} & {'torch', 'pyro', 'scipy', 'tvm', 'tvm_ffi'}))\n"
             "convert = pyro2pfp.convert\n"
             "from pyro2pfp.registry import OPS\n"
-            "print(convert.__module__, 'torch' in sys.modules, 'dense' in OPS)")
+            "from pyro2pfp.diagnose import layer_fidelity\n"  # the submodule: pyro2pfp.diagnose stays the function
+            "print(convert.__module__, 'torch' in sys.modules, 'dense' in OPS, pyro2pfp.diagnose.__name__)")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr[-2000:]
-    assert out.stdout.split("\n")[:2] == ["[]", "pyro2pfp.network True True"]
+    assert out.stdout.split("\n")[:2] == ["[]", "pyro2pfp.network True True diagnose"]
     with pytest.raises(AttributeError, match="no attribute 'no_such_thing'"):
         pyro2pfp.no_such_thing  # noqa: B018
