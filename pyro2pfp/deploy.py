@@ -10,7 +10,7 @@ shared library; ``.tar``: the object files, linked by ``load`` on the machine th
 *sidecar* ``path + ".json"`` holding what the predictor needs besides the code: the input shape,
 whether it takes an input variance, the target and versions (and, from the CLI, the layer plan).
 Copy both files.  :func:`load` reads the sidecar and returns the same
-:class:`~pyro2pfp.tvm_backend.runtime.CompiledPFP` (input validation included) as ``net.compile``.
+:class:`~pyro2pfp.predictor.CompiledPFP` (input validation included) as ``net.compile``.
 A predictor with batch-specialised executables (``net.compile(..., batch_sizes=[10])`` or
 ``tune=...``) also writes one library per batch size, ``lenet.batch10.so``, listed in the sidecar with
 its sha256; copy those too: :func:`load` loads them back, so a call with 10 rows runs the specialised
@@ -96,7 +96,8 @@ def _check_signature(vm: Any, device: Any, path: str, shape: tuple[int, ...], ta
     """The library's own ``main`` (run by ``vm``) must take what the metadata says: its arity, and one
     call on zeros of ``(batch, *shape)`` giving ``batch`` rows."""
     import numpy as np
-    import tvm
+
+    from . import tvm_runtime as rt
 
     arity = int(vm.module["get_function_arity"]("main"))
     if arity != 1 + int(takes_var):
@@ -105,7 +106,7 @@ def _check_signature(vm: Any, device: Any, path: str, shape: tuple[int, ...], ta
                         "together: re-export them")
     zeros = [np.zeros((batch, *shape), np.float32)] * arity
     try:
-        mean, var = vm["main"](*[tvm.runtime.tensor(z, device) for z in zeros])
+        mean, var = vm["main"](*[rt.tensor(z, device) for z in zeros])
         mean, var = np.from_dlpack(mean), np.from_dlpack(var)
     except Exception as exc:
         first = _last_line(exc)
@@ -130,12 +131,13 @@ def _check_sha256(path: str, recorded: str, verify_sha256: bool, what: str) -> N
 
 
 def _load_module(path: str) -> Any:
-    """``tvm.runtime.load_module(path)`` (TVM's save/load noise dropped); a :class:`LoadError` naming it."""
-    import tvm
+    """``path`` loaded by the TVM runtime (:func:`pyro2pfp.tvm_runtime.load_module`; TVM's save/load
+    noise dropped); a :class:`LoadError` naming it."""
+    from . import tvm_runtime as rt
 
     try:
         with _native_stderr_filtered():
-            return tvm.runtime.load_module(path)
+            return rt.load_module(path)
     except Exception as exc:
         first = _last_line(exc)
         raise LoadError(f"cannot load {path} as a pyro2pfp library with the TVM runtime: {first}") from exc
@@ -177,10 +179,10 @@ def _batch_library_files(info: dict[str, Any], meta: str, verify_sha256: bool) -
 
 def _relax_executable(module: Any, path: str, what: str) -> Any:
     """``module`` if a Relax VM can run it; else a :class:`LoadError` naming ``path`` (``what`` it is)."""
-    import tvm
+    from . import tvm_runtime as rt
 
     try:
-        tvm.relax.VirtualMachine(module, tvm.cpu())
+        rt.virtual_machine(module, rt.cpu())
     except Exception as exc:
         raise LoadError(f"{path} ({what}) is not a Relax executable the TVM runtime can run: "
                         f"{_last_line(exc)}") from exc
@@ -191,12 +193,12 @@ def load(path: str | os.PathLike, *, input_shape: tuple[int, ...] | None = None,
          input_variance: bool | None = None, verify_sha256: bool = True):
     """Load a library written by ``exe.export_library(path)``: a predictor that behaves like ``exe``.
 
-    Returns a :class:`~pyro2pfp.tvm_backend.runtime.CompiledPFP`: ``exe(x[, x_var]) -> (mean, var)``
+    Returns a :class:`~pyro2pfp.predictor.CompiledPFP`: ``exe(x[, x_var]) -> (mean, var)``
     float32 NumPy arrays, same input checks (a network converted with ``head="probs"``: a
     :class:`~pyro2pfp.ops.head.HeadOutput`, as its sidecar's ``"head"`` says).
     The input shape and input-variance flag come from
     ``path + ".json"``; ``input_shape`` / ``input_variance`` override them (or replace a lost
-    sidecar).  Uses ``tvm.runtime.load_module`` (a ``.tar`` is linked here with the system compiler).
+    sidecar).  Uses the TVM runtime's module loader (a ``.tar`` is linked here with the system compiler).
 
     What is checked (every failure is a :class:`~pyro2pfp.errors.LoadError` naming the path): the
     library exists and is a TVM library with a Relax ``main``; the metadata file parses and has the
@@ -209,10 +211,11 @@ def load(path: str | os.PathLike, *, input_shape: tuple[int, ...] | None = None,
     checks: each file is in the sidecar's directory, exists, has its recorded sha256, and its
     ``main`` takes the stated inputs at its batch size; a missing or changed one is a ``LoadError``
     naming it (never a silent fall-back to the any-batch executable).
-    """
-    import tvm
 
-    from .tvm_backend.runtime import CompiledPFP
+    Loading and running need only NumPy and the TVM runtime (:mod:`pyro2pfp.tvm_runtime`): neither
+    torch, Pyro nor the TVM compiler is imported (``exe.target`` imports ``tvm`` when read).
+    """
+    from .predictor import CompiledPFP
 
     path = os.fspath(path)
     if path.endswith(SIDECAR_SUFFIX) and os.path.isfile(path[: -len(SIDECAR_SUFFIX)]):
@@ -237,11 +240,14 @@ def load(path: str | os.PathLike, *, input_shape: tuple[int, ...] | None = None,
     lib = _load_module(path)
     specialised = {batch: _relax_executable(_load_module(file), file, f"the batch-{batch} executable {meta} lists")
                    for batch, file in batch_files.items()}
-    target: Any = info.get("target", "llvm")
-    try:
-        target = tvm.target.Target(json.loads(target)) if isinstance(target, str) else tvm.target.Target(target)
-    except Exception:  # informational only
-        target = tvm.target.Target("llvm")
+    target: Any = info.get("target") or "llvm"
+    if isinstance(target, str) and target.lstrip().startswith("{"):
+        try:
+            target = json.loads(target)
+        except ValueError:  # informational only: CompiledPFP.target falls back to llvm
+            target = "llvm"
+    if not isinstance(target, dict | str):
+        target = "llvm"
     try:
         exe = CompiledPFP(lib, shape, takes_var, target, tuned=specialised)
     except Exception as exc:

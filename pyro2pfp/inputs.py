@@ -94,7 +94,7 @@ def compiled_outputs(first: np.ndarray, second: np.ndarray, head: str | None) ->
     check_finite_outputs(first, second)
     if head is None:
         return first, second
-    from .ops.head import head_output
+    from .outputs import head_output
 
     return head_output(first, second)
 

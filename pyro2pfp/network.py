@@ -7,7 +7,9 @@ from typing import Any
 
 import numpy as np
 
+from . import correlation as correlation  # registers the shared-factor executor with the reference
 from . import folding
+from . import ops as ops  # the op registry: every op family registers its converter, reference, ONNX export
 from ._version import __version__
 from .correlated_pools import MAX_POOL_RULES, correlate_max_pools, pool_caveats
 from .correlation import with_correlation

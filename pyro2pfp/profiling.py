@@ -135,13 +135,19 @@ def _resolve_vm(target: Any, batch: int | None) -> Any:
     if isinstance(target, relax.VirtualMachine):
         return target
     pick = getattr(target, "vm_for_batch", None)  # a CompiledPFP with batch-specialised VMs
-    if callable(pick) and batch is not None:
-        vm = pick(batch)
-        if vm is not None:
-            return vm
-    vm = getattr(target, "vm", None)
+    vm = pick(batch) if callable(pick) and batch is not None else None
+    if vm is None:
+        vm = getattr(target, "vm", None)
     if vm is not None:
-        return vm
+        if isinstance(vm, relax.VirtualMachine):
+            return vm
+        # a CompiledPFP's runtime-only VM (pyro2pfp.tvm_runtime): TVM's VM over the same executable
+        # has the instrument hook and time_evaluator
+        import tvm
+
+        from .tvm_runtime import as_tvm
+
+        return relax.VirtualMachine(as_tvm(vm.executable), tvm.cpu())
     if getattr(target, "runnable", True) is False:
         raise PFPError("this network was cross-compiled for another CPU architecture: profile it on the device")
     import tvm
@@ -151,10 +157,11 @@ def _resolve_vm(target: Any, batch: int | None) -> Any:
 
 def _as_tensors(args: Sequence[Any], device: Any) -> list[Any]:
     import tvm
+    import tvm_ffi
 
     out = []
     for a in args:
-        if isinstance(a, tvm.runtime.Tensor):
+        if isinstance(a, tvm_ffi.Tensor):  # also the runtime-only predictor's (pyro2pfp.tvm_runtime)
             out.append(a)
         else:
             if hasattr(a, "detach"):
@@ -174,9 +181,10 @@ def _threads() -> int | None:
 
 def _copy_arg(a: Any, device: Any) -> Any:
     import tvm
+    import tvm_ffi
 
-    if isinstance(a, tvm.runtime.Tensor):
-        return tvm.runtime.tensor(a.numpy(), device)
+    if isinstance(a, tvm_ffi.Tensor):
+        return tvm.runtime.tensor(np.from_dlpack(a), device)
     return a
 
 

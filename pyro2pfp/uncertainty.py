@@ -33,7 +33,6 @@ from collections.abc import Callable
 from typing import Any
 
 import numpy as np
-from scipy.special import logsumexp
 
 from .errors import ArgumentError
 
@@ -63,6 +62,14 @@ def _as_float64(a: Any, name: str) -> np.ndarray:
 
 
 # --------------------------------------------------------------------------- metrics
+
+def logsumexp(a: np.ndarray, axis: int, keepdims: bool = False) -> np.ndarray:
+    """``log Σ exp(a)`` along ``axis``, shifted by the maximum so that nothing overflows (finite ``a``).
+    NumPy only (not SciPy's), so that the metrics run where only NumPy is installed (a board)."""
+    top = np.max(a, axis=axis, keepdims=True)
+    out = np.log(np.sum(np.exp(a - top), axis=axis, keepdims=True)) + top
+    return out if keepdims else np.squeeze(out, axis=axis)
+
 
 def uncertainty_from_logit_samples(samples: Any) -> dict[str, np.ndarray]:
     """Shannon entropy, softmax entropy and mutual information from logit samples.

@@ -16,6 +16,7 @@ from builders import conv_layer, dense_layer, reshape_layer
 from stats import check_moments, z_threshold
 
 import pyro2pfp
+from pyro2pfp import ops as ops  # the op registry: every op family registers itself
 from pyro2pfp.correlation import (
     CorrelationError,
     FactorPlan,

@@ -551,6 +551,53 @@ def test_aarch64_library_runs_under_qemu_and_matches_x86(lenet, lenet_aarch64, q
     assert qemu(Path(path).with_name("lenet_a64.batch5.so"), x[:4], check=False) is None
 
 
+BOARD_PYTHON_SCRIPT = """\
+import json, platform, sys
+import numpy as np
+import pyro2pfp
+
+lib, x_path, out = sys.argv[1:]
+x = np.load(x_path)
+exe = pyro2pfp.load(lib)
+mean, var = exe(x)            # 5 rows: the batch-5 executable the sidecar lists
+mean4, var4 = exe(x[:4])      # the any-batch one
+np.savez(out, mean=mean, var=var, mean4=mean4, var4=var4)
+print(json.dumps({"machine": platform.machine(), "specialised": exe.vm_for_batch(len(x)) is not exe.vm,
+                  "imported": sorted({m.partition(".")[0] for m in sys.modules} & {"torch", "pyro", "scipy", "tvm"})}))
+"""
+
+
+def test_pyro2pfp_load_in_an_aarch64_python_matches_x86(lenet, lenet_aarch64, tmp_path):
+    """The board's Python route: ``pyro2pfp.load`` + predict in an AArch64 CPython under qemu-user
+    (Cortex-A72) that has only NumPy and the TVM runtime wheels (manylinux aarch64) installed -- no
+    torch, Pyro or SciPy (:mod:`pyro2pfp_experiments.board_python`) -- on the cross-compiled LeNet and
+    its batch-5 executable, against the x86 predictor to float32 rounding."""
+    if os.environ.get("PYRO2PFP_SKIP_QEMU") == "1":
+        pytest.skip("PYRO2PFP_SKIP_QEMU=1")
+    if deploy.host_arch() == "aarch64":
+        pytest.skip("running natively on aarch64: covered by the export/load tests")
+    from pyro2pfp_experiments.board_python import BoardPythonError, run
+
+    _, exe_x86, x = lenet
+    _, path = lenet_aarch64
+    np.save(tmp_path / "x.npy", x)
+    (tmp_path / "board.py").write_text(BOARD_PYTHON_SCRIPT)
+    try:
+        result = run([str(tmp_path / "board.py"), str(path), str(tmp_path / "x.npy"), str(tmp_path / "out.npz")],
+                     pythonpath=(str(Path(pyro2pfp.__file__).resolve().parents[1]),))
+    except BoardPythonError as err:
+        pytest.fail(f"{err}\nOr PYRO2PFP_SKIP_QEMU=1 to skip this test.", pytrace=False)
+    assert result.returncode == 0, result.stderr[-3000:]
+    report = json.loads(result.stdout.strip().splitlines()[-1])
+    assert report == {"machine": "aarch64", "specialised": True, "imported": []}
+    with np.load(tmp_path / "out.npz") as out:
+        for rows, suffix in ((x, ""), (x[:4], "4")):
+            mean, var = exe_x86(rows)
+            # same network, another ISA (FMA contraction, other vector widths): float32 rounding apart
+            np.testing.assert_allclose(out["mean" + suffix], mean, rtol=1e-5, atol=1e-5 * np.abs(mean).max())
+            np.testing.assert_allclose(out["var" + suffix], var, rtol=1e-4, atol=1e-5 * np.abs(var).max())
+
+
 def test_shared_factor_resnet_for_aarch64_runs_under_qemu(sf_resnet, qemu, tmp_path):
     """The shared-factor plan cross-compiled for AArch64 (NEON: 4 lanes where the factor axis is
     padded to 16 columns; the float64 Cholesky TIR) runs under qemu and gives the float64 reference's

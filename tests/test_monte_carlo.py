@@ -38,6 +38,7 @@ from scipy.special import ndtr
 from stats import EPS, assert_check_rejects, assert_moments_agree
 
 from pyro2pfp import moments
+from pyro2pfp import ops as ops  # the op registry (contracts, references) that plan and execute read
 from pyro2pfp.graph import GaussianParam, Layer, LayerGraph, Repr
 from pyro2pfp.plan import PlannedLayer, has_deterministic_weights, plan
 from pyro2pfp.reference import REFERENCES, Activation, execute

@@ -12,6 +12,7 @@ from pathlib import Path
 
 from op_coverage import COMPILED, COVERAGE, MONTE_CARLO
 
+from pyro2pfp import ops as ops  # the op registry: every op family registers itself
 from pyro2pfp.converters import PRODUCES
 from pyro2pfp.onnx_export import EXPORTERS
 from pyro2pfp.reference import REFERENCES

@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 
 from pyro2pfp import onnx_export
+from pyro2pfp import ops as ops  # the op registry: every op family registers itself
 from pyro2pfp.converters import CONVERTERS
 from pyro2pfp.plan import op_specs
 from pyro2pfp.reference._core import REFERENCES

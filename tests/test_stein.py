@@ -18,6 +18,7 @@ from torch import nn
 
 import pyro2pfp
 from pyro2pfp import moments
+from pyro2pfp import ops as ops  # the op registry: every op family registers itself
 from pyro2pfp.correlation.stein import UnsupportedDualOp, dual_ops, stein_slope
 from pyro2pfp.diagnose import layer_fidelity
 from pyro2pfp.registry import OPS

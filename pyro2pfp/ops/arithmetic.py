@@ -12,7 +12,6 @@ from __future__ import annotations
 from typing import Any
 
 import numpy as np
-import torch
 
 from ..converters import Alias, register
 from ..graph import GaussianParam, Layer, Repr
@@ -99,6 +98,8 @@ def convert_add(node, ctx) -> Layer | Alias:
         raise ctx.unsupported(node, f"add with alpha={alpha} is not supported")
     if ctx.is_parameter(a) or ctx.is_parameter(b):
         return _bias_add(node, ctx, b if ctx.is_parameter(a) else a, a if ctx.is_parameter(a) else b)
+    import torch.fx  # converters run while converting, with torch loaded
+
     if not (isinstance(a, torch.fx.Node) and isinstance(b, torch.fx.Node)):
         raise ctx.unsupported(node, "only the sum of two activations (a residual connection) or a bias after a "
                                     "dense/conv layer is supported")

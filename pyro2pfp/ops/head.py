@@ -57,13 +57,16 @@ second component (the planner's variance slot; every predictor unpacks it into a
 """
 from __future__ import annotations
 
-from typing import Any, NamedTuple
+from typing import Any
 
 import numpy as np
 
 from ..errors import ArgumentError
 from ..graph import Layer, LayerGraph, Repr
 from ..onnx_export import OnnxActivation, Sym, exporter
+from ..outputs import OUTPUT_NAMES, STATS
+from ..outputs import HeadOutput as HeadOutput  # the head's outputs, defined beside the predictor (NumPy only)
+from ..outputs import head_output as head_output
 from ..plan import PlannedLayer
 from ..reference import Activation, reference
 from ..registry import Contract, OpDef, register_op
@@ -71,10 +74,6 @@ from ..registry import Contract, OpDef, register_op
 HEAD_OP = "softmax_head"
 HEADS = ("probs",)
 """The values of ``convert(..., head=...)`` (``None``: the network outputs the logits' (mean, var))."""
-STATS = ("predictive_entropy", "expected_entropy", "mutual_information")
-"""The columns of the head's second output, in order."""
-OUTPUT_NAMES = ("probs", "uncertainty")
-"""The names of the module's two outputs with the head (ONNX output names, the library sidecar)."""
 VAR_CLAMP = 1e30
 """Logit variances are clamped here (σ = 1e15: effectively infinite against any logit) so that
 ``√(K v)`` stays finite in float32."""
@@ -84,34 +83,6 @@ SOFTMAX_HEAD = register_op(OpDef(
     moments="fixed quadrature: 2·max(32, 2K) antithetic Sobol' points, moment-matched",
     assumptions="independent logits (mean field); a fixed quadrature of E[softmax] and E[entropy]",
     contract=Contract(Repr.VARIANCE, Repr.VARIANCE, keeps_deterministic=False), internal=True))
-
-
-class HeadOutput(NamedTuple):
-    """The outputs of a network converted with ``head="probs"`` (float32 from a compiled predictor,
-    float64 from ``net.reference``): ``probs`` (batch, K) -- ``P(y = 1)`` (batch, 1) for one logit --
-    and per input the predictive (total) entropy ``H[p̄]``, the expected softmax entropy ``E[H]``
-    (aleatoric) and the mutual information ``H[p̄] − E[H]`` (epistemic), in nats, each (batch,)."""
-
-    probs: np.ndarray
-    predictive_entropy: np.ndarray
-    expected_entropy: np.ndarray
-    mutual_information: np.ndarray
-
-    def as_dict(self) -> dict[str, np.ndarray]:
-        """The same quantities under the keys of :func:`pyro2pfp.uncertainty`: ``probs``,
-        ``total``, ``aleatoric``, ``epistemic``."""
-        return {"probs": self.probs, "total": self.predictive_entropy, "aleatoric": self.expected_entropy,
-                "epistemic": self.mutual_information}
-
-    def module_outputs(self) -> tuple[np.ndarray, np.ndarray]:
-        """The module's two outputs ``(probs, stats)`` again (stats: (batch, 3), columns :data:`STATS`):
-        the inverse of :func:`head_output`."""
-        return np.asarray(self.probs), np.stack([getattr(self, name) for name in STATS], axis=1)
-
-
-def head_output(probs: Any, stats: Any) -> HeadOutput:
-    """Unpack the module's two outputs ``(probs, stats)`` (stats: (batch, 3), columns :data:`STATS`)."""
-    return HeadOutput(probs, stats[:, 0], stats[:, 1], stats[:, 2])
 
 
 def check_head(head: Any) -> str | None:

@@ -11,7 +11,6 @@ import warnings
 from typing import Any
 
 import numpy as np
-import torch
 
 from ..converters import Alias, register
 from ..graph import Layer
@@ -68,6 +67,8 @@ def convert_select(node, ctx) -> Layer | Alias:
     has size 1, or the slice spans it): a reshape.  Picking some of several columns is not a PFP layer
     (a regression head that reads its mean and noise scale from columns is read by
     :func:`pyro2pfp.noise.read_head` and ends the network before the indexing)."""
+    import torch  # converters run while converting, with torch loaded
+
     x = node.args[0]
     dim = node.args[1] if len(node.args) > 1 else node.kwargs.get("dim", 0)
     if node.target is torch.ops.aten.slice.Tensor and dim == 0 and (node.args[2:3] or [0])[0] in (0, None) and \

@@ -5,6 +5,7 @@ Each PFP op has one emitter registered with :func:`kernel` (it calls ``bb.emit_t
 function computing mean and second component together) and a default CPU schedule registered with
 :func:`schedule`, both in ``tvm_backend/ops/<family>.py``.
 """
+from .. import ops as _registry  # noqa: F401  (the op registry first: every activation op gets a kernel below)
 from . import ops  # noqa: F401  (registers the kernels and schedules)
 from ._core import KERNELS, RelaxActivation, emit_module, kernel
 from .schedules import SCHEDULES, schedule

@@ -31,18 +31,11 @@ from tvm.relax import vm_build
 
 from ..errors import ArgumentError
 from ..targets import is_cross_target, make_target
+from ..tvm_runtime import available_cpus
 
 #: kernels compiled per LLVM module at most: several modules per thread, so that a slow kernel
 #: does not hold one thread while the others idle (a module costs ~3 ms of fixed LLVM set-up)
 KERNELS_PER_PART = 4
-
-
-def available_cpus() -> list[int]:
-    """The logical CPUs this process may run on (its affinity)."""
-    try:
-        return sorted(os.sched_getaffinity(0))
-    except AttributeError:  # pragma: no cover -- not Linux
-        return list(range(os.cpu_count() or 1))
 
 
 def build_jobs() -> int:
