@@ -42,14 +42,7 @@ def _replace_if_same_shape(node: torch.fx.Node, operand: Any) -> None:
 
 def used_parameters(program: torch.export.ExportedProgram) -> set[str]:
     """Fully qualified names of the parameters the graph's output depends on."""
-    output = next(n for n in program.graph.nodes if n.op == "output")
-    seen: set[torch.fx.Node] = set()
-    stack = [output]
-    while stack:
-        node = stack.pop()
-        if node not in seen:
-            seen.add(node)
-            stack.extend(node.all_input_nodes)
+    seen = _reachable_from_output(program)
     by_placeholder = program.graph_signature.inputs_to_parameters
     return {by_placeholder[n.name] for n in seen if n.op == "placeholder" and n.name in by_placeholder}
 
