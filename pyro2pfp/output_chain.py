@@ -188,8 +188,17 @@ def network_output_of(fn: Any) -> torch.Tensor | None:
     return None
 
 
-def check_output(program: torch.export.ExportedProgram, model: Any) -> None:
-    """Raise :class:`TracingError` unless the traced model returns one tensor computed from its input."""
+def extra_input_error(which: str) -> TracingError:
+    """The error for a network output that depends on an example argument besides the input batch."""
+    return TracingError(
+        f"the network's output depends on {which}: the example arguments besides the input "
+        "batch (labels, …) are only there to run the model and guide, and never enter the network. "
+        "Compute the output from the input alone; pass the labels only to the likelihood.")
+
+
+def check_output(program: torch.export.ExportedProgram, model: Any, extra_names: list[str] | None = None) -> None:
+    """Raise :class:`TracingError` unless the traced model returns one tensor computed from its input (and
+    from no other example argument: ``extra_names`` name the user inputs after the first)."""
     out_node = next(n for n in program.graph.nodes if n.op == "output")
     outs = out_node.args[0]
     outs = list(outs) if isinstance(outs, tuple | list) else [outs]
@@ -209,6 +218,12 @@ def check_output(program: torch.export.ExportedProgram, model: Any) -> None:
         if node not in seen:
             seen.add(node)
             stack.extend(node.all_input_nodes)
+    user_order = list(program.graph_signature.user_inputs)
+    for n in seen:
+        if n.op == "placeholder" and n.name in user_inputs and user_order.index(n.name) > 0:
+            index = user_order.index(n.name) - 1
+            names = extra_names or []
+            raise extra_input_error(names[index] if index < len(names) else "an example argument besides the input")
     if not any(n.op == "placeholder" and n.name in user_inputs for n in seen):
         raise TracingError(
             f"the model {name}'s output does not depend on its input (it returns a constant, or a value computed "

@@ -528,13 +528,15 @@ def trace_model(model: Any, guide: Any, input_shape: tuple[int, ...] | None, *,
             {name: wrapper.lifted[f"m{i}"] for i, name in enumerate(wrapper.lifted_names)}):
         program = _export(wrapper, wrapper.traced_args.inputs(2), input_shape)
         fold_identity_broadcasts(program)
+        extra_names = list(wrapper.traced_args.batched_names)
         if not wrapper.probe_head:  # else the program ends at the network output once the head is read
+            check_output(program, model, extra_names)
             _check_supported_ops(program, model_name)
         _check_batch_independent(program, wrapper, input_shape)
     head = _end_at_head(program, next(iter(wrapper.head_site))) if wrapper.probe_head else None
     if head is not None:
+        check_output(program, model, extra_names)
         _check_supported_ops(program, model_name)
-    check_output(program, model)
 
     exported_weights, nonweights = _classify_exported_sites(wrapper, lifted_paths, program, readings, guide)
     unused_samples = _split_pyro_samples(program, pyro_sample_sites, params, readings, guide)

@@ -20,7 +20,7 @@ from ._version import __version__
 from .converters import CONVERTERS, Alias, unsupported_message
 from .errors import InternalError, PFPError, TracingError, UnsupportedLayerError
 from .graph import INPUT, GaussianParam, Layer, LayerGraph
-from .output_chain import strip_output_normalisation
+from .output_chain import extra_input_error, strip_output_normalisation
 from .tracing import _WRAPPER_PREFIX, TracedModel
 
 # Ops that only compute shapes (SymInts) or are bookkeeping; never activations.
@@ -182,10 +182,7 @@ def build_layer_graph(traced: TracedModel) -> LayerGraph:
                 names = traced.extra_inputs
                 index = user_inputs.index(node.name) - 1
                 which = names[index] if 0 <= index < len(names) else "an example argument besides the input"
-                raise TracingError(
-                    f"the network's output depends on {which}: the example arguments besides the input "
-                    "batch (labels, …) are only there to run the model and guide, and never enter the network. "
-                    "Compute the output from the input alone; pass the labels only to the likelihood.")
+                raise extra_input_error(which)
             continue
         if node.op != "call_function":
             continue

@@ -21,6 +21,7 @@ import tvm_ffi
 from builders import lenet_graph, mlp_graph
 from tvm import relax
 
+from pyro2pfp.correlated_pools import correlate_max_pools
 from pyro2pfp.graph import INPUT, GaussianParam, Layer, LayerGraph
 from pyro2pfp.network import PFPNetwork
 from pyro2pfp.ops.head import append_head
@@ -93,6 +94,13 @@ def case_graphs() -> dict[str, LayerGraph]:
     c1 = conv(rng, "c1", INPUT, (4, 9, 9), 8, 3, pad=1)
     g["conv_groups"] = LayerGraph((4, 9, 9), [c1, relu("r", "c1", c1.out_shape),
                                               conv(rng, "c2", "r", c1.out_shape, 8, 3, dil=2, groups=2)], "c2")
+    # correlated max pools (window_cov + Clark's correlated fold): a conv of a Gaussian input into a padded,
+    # overlapping 3x3/2/1 pool with the ReLU moved after it
+    c1 = conv(rng, "c1", INPUT, (2, 9, 9), 4, 3, pad=1)
+    p1 = Layer("p", "max_pool2d", ["r"], (4, 5, 5), "p", attrs={
+        "kernel": [3, 3], "stride": [2, 2], "padding": [1, 1], "dilation": [1, 1], "ceil_mode": False})
+    g["pool_correlated"] = correlate_max_pools(LayerGraph(
+        (2, 9, 9), [c1, relu("r", "c1", c1.out_shape), p1], "p", input_variance=True))
     # max pooling of Gaussians (Clark's max) and of a deterministic input
     g["pool_gauss"] = LayerGraph((3, 8, 10), [pool("p", INPUT, (3, 8, 10), 2, 2)], "p", input_variance=True)
     g["pool_det"] = LayerGraph((3, 9, 9), [pool("p", INPUT, (3, 9, 9), 3, 2)], "p")
