@@ -1,13 +1,14 @@
 """The ``window_cov`` kernel and its default CPU schedule.  (The op, its math, reference and ONNX
 export: ``pyro2pfp/ops/window_covariance.py``.)
 
-One reduction stage per pair of window taps, ``window_cov_<k>[b, i, j, o]`` (output channels
-innermost: the weights are stored ``(c, r, s, o)``, so the sums are vector FMAs over ``o``): the sums of
-``Var(W)·μ·μ'`` (and, for a random input, ``W·W'·v``) over the conv's input channels and kernel
-offsets at the first tap's position, read from one zero-padded copy of the input (``pad`` stage:
-the conv's padding plus the pool's, so the reductions load without bounds checks).  A last
-elementwise stage ``window_cov`` stacks the pairs, adds the bias variance and zeroes pairs with a tap
-outside the conv output.  The pair's offsets are Python constants of each stage (no index tables).
+One reduction stage ``window_cov_sum[b, p, i, j, o]`` over all pairs ``p`` of window taps (output
+channels innermost: the weights are stored ``(c, r, s, o)``, so the sums are vector FMAs over ``o``): the
+sums of ``Var(W)·μ·μ'`` (and, for a random input, ``W·W'·v``) over the conv's input channels and kernel
+offsets at the pair's first tap, read from one zero-padded copy of the input (``pad`` stage: the conv's
+padding plus the pool's, so the reductions load without bounds checks).  The pair's tap offsets are
+selected from constants by ``p``, an outer loop, so they are loop-invariant integers in the inner
+loops.  A last elementwise stage ``window_cov`` moves the channels to their place, adds the bias
+variance and zeroes pairs with a tap outside the conv output.
 """
 from __future__ import annotations
 
@@ -24,6 +25,7 @@ from .._core import F32, EmitContext, RelaxActivation, activation_out, kernel
 from ..schedules import flat_nests, schedule, simd_lanes, static_extent
 
 PAD = "pad"
+SUM = "window_cov_sum"
 STACK = "window_cov"
 
 
@@ -67,58 +69,55 @@ def window_cov(ctx: EmitContext, layer: PlannedLayer, inputs: list[RelaxActivati
         pads = te.compute((m.shape[0], n_in, rows, cols), padded, name=PAD)
         pads = list(pads) if isinstance(pads, list | tuple) else [pads]
         mp = pads[0]
-        covs = []
-        def pair_sum(first: tuple[int, int], second: tuple[int, int]) -> Any:
-            (r1, q1), (r2, q2) = first, second
+        first = [tap_list[i] for i, _ in pairs]
+        second = [tap_list[j] for _, j in pairs]
 
-            def body(b, i, j, o):
-                c = te.reduce_axis((0, n_in), name="c")
-                r = te.reduce_axis((0, kh), name="r")
-                s = te.reduce_axis((0, kw), name="s")
-                y1, x1 = cs_h * (ps_h * i + r1) + r, cs_w * (ps_w * j + q1) + s
-                y2, x2 = cs_h * (ps_h * i + r2) + r, cs_w * (ps_w * j + q2) + s
-                term = wv[c, r, s, o] * mp[b, c, y1, x1] * mp[b, c, y2, x2]
-                if wpair is not None:
-                    d = shift_index[(cs_h * (r2 - r1), cs_w * (q2 - q1))]
-                    term = term + wpair[d, c, r, s, o] * pads[1][b, c, y1, x1]
-                return te.sum(term, axis=[c, r, s])
+        def pick(p: Any, values: list[int]) -> Any:
+            """``values[p]`` for a loop variable ``p`` (a chain of selects between integer constants)."""
+            out = tirx.const(values[-1], "int32")
+            for k in range(len(values) - 2, -1, -1):
+                out = tirx.Select(p == k, tirx.const(values[k], "int32"), out)
+            return out
 
-            return body
+        def pair_sum(b, p, i, j, o):
+            c = te.reduce_axis((0, n_in), name="c")
+            r = te.reduce_axis((0, kh), name="r")
+            s = te.reduce_axis((0, kw), name="s")
+            r1, q1 = pick(p, [t[0] for t in first]), pick(p, [t[1] for t in first])
+            r2, q2 = pick(p, [t[0] for t in second]), pick(p, [t[1] for t in second])
+            y1, x1 = cs_h * (ps_h * i + r1) + r, cs_w * (ps_w * j + q1) + s
+            y2, x2 = cs_h * (ps_h * i + r2) + r, cs_w * (ps_w * j + q2) + s
+            term = wv[c, r, s, o] * mp[b, c, y1, x1] * mp[b, c, y2, x2]
+            if wpair is not None:
+                d = pick(p, [shift_index[(cs_h * (t2[0] - t1[0]), cs_w * (t2[1] - t1[1]))]
+                             for t1, t2 in zip(first, second)])
+                term = term + wpair[d, c, r, s, o] * pads[1][b, c, y1, x1]
+            return te.sum(term, axis=[c, r, s])
 
-        for k, (i1, i2) in enumerate(pairs):
-            covs.append(te.compute((m.shape[0], oh, ow, n_out), pair_sum(tap_list[i1], tap_list[i2]),
-                                   name=f"{STACK}_{k}"))
-
-        def stack(b, o, p, i, j):
-            value = covs[-1][b, i, j, o]
-            for k in range(n_pairs - 2, -1, -1):
-                value = tirx.Select(p == k, covs[k][b, i, j, o], value)
-            return (value + bv[o]) * mask[p, i, j]
-
-        return te.compute((m.shape[0], n_out, n_pairs, oh, ow), stack, name=STACK)
+        sums = te.compute((m.shape[0], n_pairs, oh, ow, n_out), pair_sum, name=SUM)
+        return te.compute((m.shape[0], n_out, n_pairs, oh, ow),
+                          lambda b, o, p, i, j: (sums[b, p, i, j, o] + bv[o]) * mask[p, i, j], name=STACK)
 
     return activation_out(ctx.emit_te(fn, x.tensors() + consts, layer), layer)
 
 
 @schedule("window_cov")
 def schedule_window_cov(sch: s_tir.Schedule, layer: Any, target: tvm.target.Target) -> None:
-    """The padded copy and the stacking stage are elementwise nests; each pair's reduction runs
-    parallel over (batch, output row), the output channels innermost as one vector and the kernel's
+    """The padded copy and the last stage are elementwise nests; the pair reduction runs parallel
+    over (batch, pair, output row), the output channels innermost as one vector and the kernel's
     columns unrolled."""
     lanes = simd_lanes(target)
     root = sch.get_sblock("root")
     blocks = list(sch.get_child_blocks(root))
     names = [sch.get(b).name_hint for b in blocks]
     flat_nests(sch, [b for b, n in zip(blocks, names) if n.startswith(PAD)], lanes)
-    for blk, name in zip(blocks, names):
-        if not name.startswith(f"{STACK}_"):
-            continue
-        b, i, j, o, c, r, s = sch.get_loops(blk)
-        sch.reorder(b, i, j, c, r, s, o)
-        sch.parallel(sch.fuse(b, i))
-        if static_extent(sch, s) <= 8:
-            sch.unroll(s)
-        if static_extent(sch, o) <= 4 * lanes:
-            sch.vectorize(o)
-        sch.decompose_reduction(blk, c)
+    blk = sch.get_sblock(SUM)
+    b, p, i, j, o, c, r, s = sch.get_loops(blk)
+    sch.reorder(b, p, i, j, c, r, s, o)
+    sch.parallel(sch.fuse(b, p, i))
+    if static_extent(sch, s) <= 8:
+        sch.unroll(s)
+    if static_extent(sch, o) <= 4 * lanes:
+        sch.vectorize(o)
+    sch.decompose_reduction(blk, c)
     flat_nests(sch, [sch.get_sblock(STACK)], lanes)
