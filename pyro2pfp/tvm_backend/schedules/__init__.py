@@ -16,7 +16,8 @@ Rules shared by all schedules, and why:
 * **Parallel over an outer axis**: ``fuse(batch, <outer static tiles>)`` -> ``parallel``, so batch
   1 still gives both cores work and large batches give many evenly divided chunks.
 * **Vectorise a unit-stride inner axis by a width that divides it**.  A split that does not divide
-  its extent puts a predicate inside the vector loop and TVM falls back to scalar code; a width that is not a power of two (e.g. a whole row of 20 or 50) makes LLVM
+  its extent puts a predicate inside the vector loop and TVM falls back to scalar code; a width that is
+  not a power of two (e.g. a whole row of 20 or 50) makes LLVM
   shuffle the accumulators lane by lane.  So the width is the largest power of two dividing the
   extent, capped at the SIMD width (16 fp32 lanes with AVX-512, 8 with AVX, else 4), and several
   such vectors are unrolled side by side to form a register tile.
@@ -45,7 +46,8 @@ Rules shared by all schedules, and why:
 * **Inputs of libm-bound kernels staged** (``cache_read`` + ``compute_at`` the parallel loop): in
   a parallel loop body the input pointers come out of the closure, so LLVM must assume that each
   ``erff`` call (which may write ``errno``) clobbers them; it then reloads the inputs after every
-  call and shares fewer ``erf``/``exp`` values between the mean and the variance output.  Reading from a thread-private stack tile (< 1 KiB) avoids that.
+  call and shares fewer ``erf``/``exp`` values between the mean and the variance output.  Reading from a
+  thread-private stack tile (< 1 KiB) avoids that.
 
 Everything fails soft: if a primitive raises for a function, a warning names the function and the
 unscheduled (correct, slower) PrimFunc is kept.  Ops without an entry in :data:`SCHEDULES` stay
