@@ -73,7 +73,7 @@ def per_op(net_name: str, kernels: bool = False) -> None:
     import tvm
 
     from pyro2pfp.targets import resolve_target
-    from pyro2pfp.tvm_backend._core import kernel_info
+    from pyro2pfp.tvm_backend.emit import kernel_info
     from pyro2pfp.tvm_backend.schedules import schedule_module
     from pyro2pfp.tvm_backend.sharing import share_identical_kernels
 
@@ -125,8 +125,8 @@ def k_sharing(net_name: str, ops: tuple[str, ...] = ("sf_conv_load", "sf_relu", 
     import tvm
 
     from pyro2pfp.targets import resolve_target
-    from pyro2pfp.tvm_backend._core import kernel_info
     from pyro2pfp.tvm_backend.build import build_context
+    from pyro2pfp.tvm_backend.emit import kernel_info
     from pyro2pfp.tvm_backend.schedules import schedule_module
     from pyro2pfp.tvm_backend.sharing import share_identical_kernels
 

@@ -8,8 +8,9 @@
 
 Importing the package is cheap: the converter (``convert``, ``PFPNetwork``, ``diagnose``, which need
 torch and Pyro) is imported when first used, and with it the op registry (``pyro2pfp.ops``).
-:func:`load`, the uncertainty metrics and the errors need only NumPy (and the TVM runtime to run a
-library), so a board runs exported networks without torch, Pyro or the TVM compiler installed.
+:func:`load` (an exported library, or an ONNX model run with onnxruntime), the uncertainty metrics and
+the errors need only NumPy (and the TVM runtime to run a library), so a board runs exported networks
+without torch, Pyro or the TVM compiler installed.
 """
 from __future__ import annotations
 

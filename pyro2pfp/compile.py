@@ -27,7 +27,7 @@ def compile_network(net: Any, target: Any = "native", *, schedule: bool = True, 
     it runs, so tuning a cross target without a board is refused.
     """
     from .tvm_backend import runtime
-    from .tvm_backend._core import kernel_table
+    from .tvm_backend.emit import kernel_table
 
     tgt = resolve_target(target)
     static = _batch_sizes(batch_sizes)

@@ -29,7 +29,7 @@ import warnings
 from typing import Any
 
 from .compile import compile_network
-from .errors import LibraryNotFoundError, LoadError
+from .errors import ArgumentError, LibraryNotFoundError, LoadError
 from .exporting import (
     BATCH_KEY,
     FORMAT,
@@ -191,7 +191,10 @@ def _relax_executable(module: Any, path: str, what: str) -> Any:
 
 def load(path: str | os.PathLike, *, input_shape: tuple[int, ...] | None = None,
          input_variance: bool | None = None, verify_sha256: bool = True):
-    """Load a library written by ``exe.export_library(path)``: a predictor that behaves like ``exe``.
+    """Load a library written by ``exe.export_library(path)``: a predictor that behaves like ``exe``; or
+    an ONNX model written by ``net.to_onnx(path)`` (a path ending in ``.onnx``): an
+    :class:`~pyro2pfp.onnx_runtime.OnnxPredictor` running it with onnxruntime, with the same input checks
+    and outputs (its input shape and input-variance flag come from the model itself).
 
     Returns a :class:`~pyro2pfp.predictor.CompiledPFP`: ``exe(x[, x_var]) -> (mean, var)``
     float32 NumPy arrays, same input checks (a network converted with ``head="probs"``: a
@@ -218,6 +221,15 @@ def load(path: str | os.PathLike, *, input_shape: tuple[int, ...] | None = None,
     from .predictor import CompiledPFP
 
     path = os.fspath(path)
+    if path.lower().endswith(".onnx"):
+        if input_shape is not None or input_variance is not None:
+            raise ArgumentError(f"{path}: an ONNX model states its own input shape and input variance; "
+                                "input_shape= and input_variance= are for compiled libraries")
+        if not os.path.isfile(path):
+            raise LibraryNotFoundError(f"no such ONNX model: {path}")
+        from .onnx_runtime import OnnxPredictor
+
+        return OnnxPredictor(path)
     if path.endswith(SIDECAR_SUFFIX) and os.path.isfile(path[: -len(SIDECAR_SUFFIX)]):
         raise LoadError(f"{path} is the metadata file: pass the library itself, "
                         f"pyro2pfp.load({path[: -len(SIDECAR_SUFFIX)]!r})")

@@ -31,7 +31,8 @@ class NumericalError(PFPError):
 
 
 class LoadError(PFPError):
-    """An exported library or its metadata cannot be loaded (names the path and what is wrong)."""
+    """A file cannot be loaded: an exported library or its metadata, an ONNX model, a builder or a param
+    store (names the path and what is wrong)."""
 
 
 class LibraryNotFoundError(LoadError, FileNotFoundError):

@@ -334,7 +334,7 @@ def tvm_build() -> Callable:
     tvm = pytest.importorskip("tvm")
     from tvm import s_tir, te
 
-    from pyro2pfp.tvm_backend._core import te_shared
+    from pyro2pfp.tvm_backend.te_let import te_shared
 
     target = tvm.target.Target({"kind": "llvm", "mcpu": tvm.target.codegen.llvm_get_system_cpu()})
 

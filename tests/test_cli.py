@@ -250,7 +250,7 @@ def test_internal_errors_are_short_unless_debug(trained, capsys, monkeypatch):
     def broken(*args, **kwargs):
         raise RuntimeError("something deep\nbroke")
 
-    monkeypatch.setattr(pyro2pfp.cli, "convert_from_args", broken)
+    monkeypatch.setattr(pyro2pfp.cli.commands, "convert_from_args", broken)
     assert main(argv) == 2
     err = capsys.readouterr().err
     assert "internal error" in err and "something deep broke" in err and "Traceback" not in err

@@ -23,7 +23,7 @@ from pyro2pfp.graph import INPUT, Layer, LayerGraph
 from pyro2pfp.network import PFPNetwork
 from pyro2pfp.plan import plan
 from pyro2pfp.tvm_backend import emit_module
-from pyro2pfp.tvm_backend._core import kernel_info
+from pyro2pfp.tvm_backend.emit import kernel_info
 from pyro2pfp.tvm_backend.ops.correlation import PARTS
 from pyro2pfp.tvm_backend.schedules import schedule_module
 from pyro2pfp.tvm_backend.sharing import share_identical_kernels
@@ -274,7 +274,7 @@ def test_converted_resnet8_one_kernel_per_relu_matches_the_reference():
     """The ResNet-8 of ``benchmarks/latency.py`` (16/32/64 channels, on 16x16 inputs here) with the
     default plan (shared-factor): every ReLU is one kernel (``sf_relu``, no mean-field ``relu``
     kernel left in the module), and the compiled net gives the reference's results."""
-    from pyro2pfp.tvm_backend._core import kernel_table
+    from pyro2pfp.tvm_backend.emit import kernel_table
     from pyro2pfp_experiments.zoo import bayesian_resnet, he_posterior
 
     torch.manual_seed(0)
@@ -309,7 +309,7 @@ def test_converted_resnet8_one_kernel_per_relu_matches_the_reference():
 def _callees(mod: tvm.IRModule) -> dict[str, dict[str, str]]:
     """Per kernel op, each layer's kernel symbol after :func:`share_identical_kernels` (the shared and
     the emitted ``main`` make the same calls in the same order; the emitted one names the layer)."""
-    from pyro2pfp.tvm_backend._core import kernel_table
+    from pyro2pfp.tvm_backend.emit import kernel_table
 
     def calls(m: tvm.IRModule) -> list[str]:
         return [line.split("R.call_tir(")[1].split(",")[0].strip() for line in m["main"].script().splitlines()
@@ -429,8 +429,8 @@ def test_normalised_loading_limit_cases(monkeypatch):
     from pyro2pfp.tvm_backend.ops.correlation import NORM_FLOOR, _normalised
     from pyro2pfp.tvm_backend.schedules import schedule_function
 
-    monkeypatch.setattr(schedules, "SERIAL_WORK", 0.0)  # this small static kernel: the parallel schedule
-    monkeypatch.setattr(schedules, "NEST_SERIAL_WORK", 0.0)
+    monkeypatch.setattr(schedules.driver, "SERIAL_WORK", 0.0)  # this small static kernel: the parallel schedule
+    monkeypatch.setattr(schedules.driver, "NEST_SERIAL_WORK", 0.0)
     rng = np.random.default_rng(11)
     ell = rng.standard_normal((2, 6, 48))
     ell[0, 0] = 0.0
@@ -473,7 +473,7 @@ def test_shared_factor_kernels_per_layer(every_rule):
     input is exactly one kernel (``sf_relu``, which computes the mean-field moments too: no ``relu``
     kernel), add one shared-factor kernel (no separate normalisation kernel anywhere); the
     ReLU/add/affine/scale kernels read the (B, C, H, W) edges without reshapes."""
-    from pyro2pfp.tvm_backend._core import kernel_table
+    from pyro2pfp.tvm_backend.emit import kernel_table
 
     _, planned, _ = every_rule
     mod = emit_module(planned)

@@ -329,3 +329,39 @@ def test_converted_torch_model_with_every_op(form, tmp_path):
     ref_mean, ref_var = net.reference(x, xv)
     np.testing.assert_allclose(mean, ref_mean, rtol=1e-4, atol=1e-4 * np.abs(ref_mean).max())
     np.testing.assert_allclose(var, ref_var, rtol=1e-3, atol=1e-4 * np.abs(ref_var).max())
+
+
+def test_load_runs_an_onnx_model_with_the_predictor_input_checks(tmp_path):
+    """``pyro2pfp.load("net.onnx")`` runs an exported model with onnxruntime: the reference's moments
+    (and the uncertainty head's outputs), the compiled predictor's input checks, and a LoadError naming
+    a file that is not an ONNX model."""
+    from pyro2pfp.ops.head import append_head
+
+    rng = np.random.default_rng(0)
+    graph = mlp_graph(rng, [12, 8, 3])
+    net = PFPNetwork(graph, plan(graph))
+    net.to_onnx(tmp_path / "mlp.onnx")
+    exe = pyro2pfp.load(tmp_path / "mlp.onnx")
+    assert exe.input_shape == (12,) and not exe.input_variance
+    x = rng.uniform(0, 1, (4, 12)).astype(np.float32)
+    mean, var = exe(x)
+    ref_mean, ref_var = net.reference(x)
+    np.testing.assert_allclose(mean, ref_mean, rtol=1e-4, atol=1e-5 * np.abs(ref_mean).max())
+    np.testing.assert_allclose(var, ref_var, rtol=1e-3, atol=1e-5 * np.abs(ref_var).max())
+    with pytest.raises(pyro2pfp.InputShapeError, match="expected"):
+        exe(x[:, :5])
+    with pytest.raises(pyro2pfp.PFPError):
+        exe(np.where(x > 0.5, np.inf, x))
+
+    head_net = PFPNetwork(graph, plan(append_head(graph, "probs")))
+    head_net.to_onnx(tmp_path / "head.onnx")
+    out = pyro2pfp.load(str(tmp_path / "head.onnx"))(x)
+    ref = head_net.reference(x)
+    np.testing.assert_allclose(out.probs, ref.probs, rtol=1e-4, atol=1e-6)
+    np.testing.assert_allclose(out.mutual_information, ref.mutual_information, rtol=1e-3, atol=1e-6)
+
+    (tmp_path / "junk.onnx").write_bytes(b"not an onnx model")
+    with pytest.raises(pyro2pfp.LoadError, match="junk.onnx"):
+        pyro2pfp.load(tmp_path / "junk.onnx")
+    with pytest.raises(pyro2pfp.LibraryNotFoundError):
+        pyro2pfp.load(tmp_path / "missing.onnx")

@@ -214,7 +214,7 @@ def test_overhanging_windows_fold_padded_taps(case):
     from test_correlation_backends import max_pool_graph
 
     from pyro2pfp.correlation import with_correlation
-    from pyro2pfp.tvm_backend._core import kernel_info
+    from pyro2pfp.tvm_backend.emit import kernel_info
 
     in_shape, k, s, pad, ceil = case
     func = emit_module(plan(general_graph(in_shape, k, s, pad, ceil)))["pfp_max_pool2d_p"]

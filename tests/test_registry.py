@@ -17,7 +17,7 @@ from pyro2pfp.converters import CONVERTERS
 from pyro2pfp.plan import op_specs
 from pyro2pfp.reference._core import REFERENCES
 from pyro2pfp.registry import OPS, PASS_THROUGH_TORCH_OPS, OpDef, OpRegistryError, register_op, render_layer_table
-from pyro2pfp.tvm_backend import _core
+from pyro2pfp.tvm_backend import emit
 
 TESTS = Path(__file__).parent
 REPO = TESTS.parent
@@ -29,7 +29,7 @@ def test_no_unregistered_implementations():
     names = set(OPS)
     for form in ("variance", "raw"):
         assert set(op_specs(form)) == names, "the planner's contracts and the registry know different ops"
-    for what, impl in [("reference", REFERENCES), ("kernel", _core.KERNELS),
+    for what, impl in [("reference", REFERENCES), ("kernel", emit.KERNELS),
                        ("ONNX exporter", onnx_export.EXPORTERS)]:
         assert set(impl) <= names, f"{what} for unregistered ops: {sorted(set(impl) - names)}"
     claimed = {t for op in OPS.values() for t in op.torch_ops} | set(PASS_THROUGH_TORCH_OPS)

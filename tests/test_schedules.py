@@ -277,7 +277,7 @@ def test_fused_relu_dense_matches_unfused_and_reference(form):
     """A ReLU after a dense layer is computed in the dense kernel's epilogue (one kernel fewer);
     after a conv layer it stays its own kernel; results match the unfused module and the float64
     reference."""
-    from pyro2pfp.tvm_backend._core import fused_activations
+    from pyro2pfp.tvm_backend.fusion import fused_activations
 
     rng = np.random.default_rng(3)
     for graph in (mlp_graph(rng, [20, 24, 16, 5]), lenet_graph(rng, widths=(2, 4, 8, 6), image=12)):
@@ -306,7 +306,7 @@ def test_fused_relu_dense_matches_unfused_and_reference(form):
 def test_fused_relu_after_residual_add(form):
     """A residual block's last ReLU is computed in the ``add`` kernel (``pfp_add_sum_out``, no
     ``pfp_relu_out``), with the same results as one kernel per layer and the float64 reference."""
-    from pyro2pfp.tvm_backend._core import fused_activations
+    from pyro2pfp.tvm_backend.fusion import fused_activations
 
     rng = np.random.default_rng(4)
     c1 = conv(rng, "c1", INPUT, (3, 6, 6), 4, 3, pad=1)
@@ -372,24 +372,24 @@ def test_small_static_kernels_run_serially(builder, monkeypatch):
     static = specialize_batch(mod, 7)
     flops = {name: schedules.kernel_work(tvm.s_tir.Schedule(f)) for name, f in prim_funcs(static).items()}
     assert len(set(flops.values())) > 1, flops
-    monkeypatch.setattr(schedules, "NEST_SERIAL_WORK", 0.0)  # the kernel rule alone (the nest rule: below)
+    monkeypatch.setattr(schedules.driver, "NEST_SERIAL_WORK", 0.0)  # the kernel rule alone (the nest rule: below)
     # the bytes rule alone: a kernel of few operations that reads or writes many bytes stays parallel
     sizes = {name: schedules.kernel_bytes(tvm.s_tir.Schedule(f)) for name, f in prim_funcs(static).items()}
     assert len(set(sizes.values())) > 1, sizes
-    monkeypatch.setattr(schedules, "SERIAL_WORK", float("inf"))
-    monkeypatch.setattr(schedules, "SERIAL_BYTES", float(np.median(list(sizes.values()))) + 0.5)
+    monkeypatch.setattr(schedules.driver, "SERIAL_WORK", float("inf"))
+    monkeypatch.setattr(schedules.driver, "SERIAL_BYTES", float(np.median(list(sizes.values()))) + 0.5)
     for name, func in prim_funcs(schedule_module(static, planned, TARGETS["native"])).items():
-        assert ("T.parallel" in func.script()) == (sizes[name] >= schedules.SERIAL_BYTES), (name, sizes[name])
-    monkeypatch.setattr(schedules, "SERIAL_BYTES", float("inf"))  # the operations rule alone
-    monkeypatch.setattr(schedules, "SERIAL_WORK", float(np.median(list(flops.values()))) + 0.5)
+        assert ("T.parallel" in func.script()) == (sizes[name] >= schedules.driver.SERIAL_BYTES), (name, sizes[name])
+    monkeypatch.setattr(schedules.driver, "SERIAL_BYTES", float("inf"))  # the operations rule alone
+    monkeypatch.setattr(schedules.driver, "SERIAL_WORK", float(np.median(list(flops.values()))) + 0.5)
     scheduled = schedule_module(static, planned, TARGETS["native"])
     for name, func in prim_funcs(scheduled).items():
-        assert ("T.parallel" in func.script()) == (flops[name] >= schedules.SERIAL_WORK), (name, flops[name])
+        assert ("T.parallel" in func.script()) == (flops[name] >= schedules.driver.SERIAL_WORK), (name, flops[name])
     for name, func in prim_funcs(schedule_module(mod, planned, TARGETS["native"])).items():
         assert "T.parallel" in func.script(), name  # symbolic batch: work unknown at compile time
     x = np.random.default_rng(3).standard_normal((7, *graph.input_shape)).astype(np.float32)
     serial = compile_vm(scheduled, TARGETS["native"])["main"](tvm.runtime.tensor(x))
-    monkeypatch.setattr(schedules, "SERIAL_WORK", 0.0)
+    monkeypatch.setattr(schedules.driver, "SERIAL_WORK", 0.0)
     parallel = compile_vm(schedule_module(static, planned, TARGETS["native"]), TARGETS["native"])["main"](
         tvm.runtime.tensor(x))
     for got, want, ref in zip(serial, parallel, execute(planned, x)):
@@ -420,12 +420,12 @@ def test_small_parallel_loops_of_static_kernels_run_serially(monkeypatch):
     graph = lenet_graph(np.random.default_rng(0))
     planned = plan(graph)
     static = specialize_batch(emit_module(planned, fuse=False), 7)
-    monkeypatch.setattr(schedules, "SERIAL_WORK", 0.0)  # the nest rule alone
-    monkeypatch.setattr(schedules, "NEST_SERIAL_WORK", 0.0)
+    monkeypatch.setattr(schedules.driver, "SERIAL_WORK", 0.0)  # the nest rule alone
+    monkeypatch.setattr(schedules.driver, "NEST_SERIAL_WORK", 0.0)
     every = schedule_module(static, planned, TARGETS["native"])
     works_all = [w for f in prim_funcs(every).values() for w in parallel_loop_works(f)]
     threshold = float(np.median(works_all)) + 0.5
-    monkeypatch.setattr(schedules, "NEST_SERIAL_WORK", threshold)
+    monkeypatch.setattr(schedules.driver, "NEST_SERIAL_WORK", threshold)
     some = schedule_module(static, planned, TARGETS["native"])
     works_some = [w for f in prim_funcs(some).values() for w in parallel_loop_works(f)]
     assert works_some and min(works_some) >= threshold

@@ -156,7 +156,7 @@ def assert_float32_close(got: tuple, ref: tuple, x: np.ndarray, x_var: np.ndarra
     """float32 kernel vs float64 reference, per element: the mean within ``4e-7·(|μ_in| + σ_in + 1)`` (a few
     float32 ulps of the input's own magnitude, which the rules' quadrature nodes and tails scale with), the
     variance within ``2e-5`` relative (the float32 bound measured over μ ∈ [−30, 30] × v ∈ [0, 1e3] in the
-    moments.py docstrings) plus ``2e-7·(σ_in + 1e-3)²`` (for variances that are second order in v).
+    pyro2pfp.moments docstrings) plus ``2e-7·(σ_in + 1e-3)²`` (for variances that are second order in v).
     Measured: at most a quarter of each bound."""
     scale = np.abs(x.astype(np.float64)) + np.sqrt(x_var) + 1.0
     assert np.all(np.isfinite(got[0])) and np.all(np.isfinite(got[1])) and np.all(got[1] >= 0)

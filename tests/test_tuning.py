@@ -294,7 +294,7 @@ def test_fused_kernels_keep_their_default(tmp_path, monkeypatch):
 
 def test_the_schedule_fingerprint_covers_every_op_family_file(monkeypatch):
     """Cached per-kernel choices are invalidated when any default schedule changes: the schedules live in
-    tvm_backend/schedules.py *and* the op family files tvm_backend/ops/<family>.py."""
+    tvm_backend/schedules/ *and* the op family files tvm_backend/ops/<family>.py."""
     from pyro2pfp.tvm_backend.ops import compute
 
     before = specialize._schedules_fingerprint()

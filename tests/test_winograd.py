@@ -15,7 +15,7 @@ from pyro2pfp.graph import INPUT, LayerGraph
 from pyro2pfp.network import PFPNetwork
 from pyro2pfp.plan import plan
 from pyro2pfp.reference.arrays import conv2d_nchw
-from pyro2pfp.tvm_backend import _core
+from pyro2pfp.tvm_backend import emit
 from pyro2pfp.tvm_backend.ops import winograd
 from pyro2pfp.tvm_backend.ops.winograd import WINO_AT, WINO_BT, WINO_G, direct_convolutions, use_winograd
 
@@ -182,7 +182,7 @@ def test_two_layer_net_and_direct_context_give_the_direct_kernel():
     scheduled = schedule_module(net.mod, net.plan, TARGETS["native"])
     for gv in scheduled.get_global_vars():
         func = scheduled[gv]
-        if isinstance(func, tvm.tirx.PrimFunc) and _core.kernel_info(func)[0] == "conv2d":
+        if isinstance(func, tvm.tirx.PrimFunc) and emit.kernel_info(func)[0] == "conv2d":
             assert func.attrs.get("tirx.is_scheduled", False), gv.name_hint
 
 

@@ -19,7 +19,7 @@ from .specialize import _prim_funcs
 def _default_schedules(mod: tvm.IRModule, plan: Any, target: tvm.target.Target) -> dict[str, tirx.PrimFunc]:
     """The default (hand-written) schedule of every PFP kernel of ``mod`` that has one."""
     from ..tvm_backend import schedules
-    from ..tvm_backend._core import kernel_info
+    from ..tvm_backend.emit import kernel_info
 
     layers = {layer.name: layer for layer in getattr(plan, "layers", ())}
     out = {}
@@ -44,7 +44,7 @@ def _any_batch_defaults(mod: tvm.IRModule, plan: Any, target: tvm.target.Target,
     candidates in the specialised module as well: the tuned module is then never slower, kernel
     by kernel, than the untuned one (a schedule applied to the static kernel can differ)."""
     from ..tvm_backend import schedules
-    from ..tvm_backend._core import kernel_table
+    from ..tvm_backend.emit import kernel_table
 
     if not set(kernel_table(mod)) & names:
         return {}

@@ -78,7 +78,7 @@ def _select_tasks(static: tvm.IRModule, target: tvm.target.Target, base_us: dict
                   min_share: float, search_ops: Sequence[str] | None = None) -> list[Any]:
     """The extracted tasks worth searching: PFP kernels of ``search_ops`` taking at least
     ``min_share`` of the default-scheduled time, and every kernel without a default schedule."""
-    from ..tvm_backend._core import kernel_table
+    from ..tvm_backend.emit import kernel_table
 
     ops = {name: op for name, (op, _) in kernel_table(static).items()}
     tasks = ms.relax_integration.extract_tasks(static, target)

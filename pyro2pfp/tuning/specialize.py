@@ -135,13 +135,15 @@ def tuning_key(mod: tvm.IRModule, target: tvm.target.Target, batch: int, board: 
 
 
 def _schedules_fingerprint() -> str:
-    """Hash of the default schedules' and kernels' source (the schedule helpers and every op family's
-    TVM file): the per-kernel choices depend on it."""
+    """Hash of the default schedules' and kernels' source (the modules of ``tvm_backend.schedules`` and
+    every op family's TVM file): the per-kernel choices depend on it."""
     from ..tvm_backend import ops, schedules
+    from ..tvm_backend.schedules import driver, elementwise, primitives, table, work
 
     sources = []
-    for module in (schedules, *(getattr(ops, name) for name in sorted(vars(ops)) if not name.startswith("_")
-                                if inspect.ismodule(getattr(ops, name)))):
+    families = [getattr(ops, name) for name in sorted(vars(ops))
+                if not name.startswith("_") and inspect.ismodule(getattr(ops, name))]
+    for module in (schedules, table, primitives, elementwise, work, driver, *families):
         try:
             sources.append(inspect.getsource(module))
         except OSError:  # pragma: no cover -- no source (zipped install)

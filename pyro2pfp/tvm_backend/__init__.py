@@ -7,7 +7,7 @@ function computing mean and second component together) and a default CPU schedul
 """
 from .. import ops as _registry  # noqa: F401  (the op registry first: every activation op gets a kernel below)
 from . import ops  # noqa: F401  (registers the kernels and schedules)
-from ._core import KERNELS, RelaxActivation, emit_module, kernel
+from .emit import KERNELS, RelaxActivation, emit_module, kernel
 from .schedules import SCHEDULES, schedule
 
 __all__ = ["KERNELS", "SCHEDULES", "RelaxActivation", "emit_module", "kernel", "schedule"]

@@ -224,7 +224,7 @@ class KernelStream:
     starts on the first kernels while the later ones are still being emitted (emitting a shared-factor
     ResNet-20 takes ~1.2 s, during which the build threads would otherwise wait).
 
-    ``add(name, func)`` is :func:`~pyro2pfp.tvm_backend._core.emit_module`'s ``on_kernel``: a kernel
+    ``add(name, func)`` is :func:`~pyro2pfp.tvm_backend.emit.emit_module`'s ``on_kernel``: a kernel
     structurally equal to an earlier one (up to its layer name) is skipped -- it will share that one's
     code (:func:`~pyro2pfp.tvm_backend.sharing.share_identical_kernels` with ``prefer=``
     :attr:`scheduled`) -- any other is scheduled (:func:`~.schedules.schedule_kernel`) and queued.

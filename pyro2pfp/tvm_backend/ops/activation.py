@@ -3,8 +3,8 @@ their default CPU schedule.
 
 Every op with an :class:`~pyro2pfp.registry.ActivationRule` (``pyro2pfp/ops/activation.py``) gets
 the generic kernel :func:`activation_kernel`: the rule's ``exact`` on a deterministic input, else its
-``moments`` evaluated on TE expressions (:data:`~pyro2pfp.tvm_backend._core.TE_OPS`, shared
-sub-expressions let-bound once, :func:`~pyro2pfp.tvm_backend._core.te_shared`) and emitted in the
+``moments`` evaluated on TE expressions (:data:`~pyro2pfp.tvm_backend.fast_math.TE_OPS`, shared
+sub-expressions let-bound once, :func:`~pyro2pfp.tvm_backend.te_let.te_shared`) and emitted in the
 representation the plan asks for -- the same function the NumPy reference and the ONNX export run.
 Their schedule is :func:`~pyro2pfp.tvm_backend.schedules.schedule_flat` (vectorised when the body
 has no libm call: ``fast_erf``/``fast_exp`` are plain arithmetic).
@@ -22,8 +22,9 @@ from ...errors import PFPError
 from ...graph import Repr
 from ...plan import PlannedLayer
 from ...registry import OPS, ActivationRule
-from .._core import EmitContext, RelaxActivation, activation_out, epilogue, kernel, te_shared, variance_of
+from ..emit import EmitContext, RelaxActivation, activation_out, epilogue, kernel, variance_of
 from ..schedules import pow2_divisor, schedule, schedule_flat, simd_lanes
+from ..te_let import te_shared
 
 #: the widest vector :func:`~pyro2pfp.tvm_backend.schedules.schedule_flat` uses (AVX-512 fp32 lanes)
 _MAX_LANES = 16

@@ -7,16 +7,8 @@ from tvm import te, tirx
 
 from ...graph import Repr
 from ...plan import PlannedLayer
-from .._core import (
-    F32,
-    EmitContext,
-    RelaxActivation,
-    activation_out,
-    epilogue,
-    epilogue_fused,
-    kernel,
-    variance_of,
-)
+from ..emit import EmitContext, RelaxActivation, activation_out, epilogue, epilogue_fused, kernel, variance_of
+from ..fast_math import F32
 from ..schedules import schedule
 from .activation import schedule_elementwise
 
@@ -45,7 +37,7 @@ def affine(ctx: EmitContext, layer: PlannedLayer, inputs: list[RelaxActivation])
 @kernel("add")
 def add(ctx: EmitContext, layer: PlannedLayer, inputs: list[RelaxActivation]) -> RelaxActivation:
     """Sum of two independent Gaussians: means and variances add; a ReLU after it (a residual block's
-    last ReLU) is computed in the same pass when fused (``_core.fused_activations``)."""
+    last ReLU) is computed in the same pass when fused (``fusion.fused_activations``)."""
     a, b = inputs
     if a.repr is Repr.DETERMINISTIC and b.repr is Repr.DETERMINISTIC:
         def det(x: te.Tensor, y: te.Tensor) -> te.Tensor:
@@ -63,7 +55,7 @@ def add(ctx: EmitContext, layer: PlannedLayer, inputs: list[RelaxActivation]) ->
         return te.compute(t[0].shape, lambda *i: epilogue_fused(
             ta[0][i] + tb[0][i], var(ta, a.repr, i) + var(tb, b.repr, i), layer, relu), name="add")
 
-    relu = ctx.activation  # a ReLU fused into this kernel (_core.fused_activations): its moments are emitted
+    relu = ctx.activation  # a ReLU fused into this kernel (fusion.fused_activations): its moments are emitted
     return activation_out(ctx.emit_te(fn, a.tensors() + b.tensors(), layer), relu or layer)
 
 

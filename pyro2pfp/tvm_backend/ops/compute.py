@@ -27,15 +27,8 @@ from tvm import s_tir, te, tirx
 
 from ...graph import Repr
 from ...plan import PlannedLayer
-from .._core import (
-    F32,
-    EmitContext,
-    RelaxActivation,
-    activation_out,
-    epilogue_fused,
-    kernel,
-    pair_sum,
-)
+from ..emit import EmitContext, RelaxActivation, activation_out, epilogue_fused, kernel, pair_sum
+from ..fast_math import F32
 from ..schedules import (
     divisor_at_most,
     epilogue_at,
@@ -99,7 +92,7 @@ def _epilogue_stage(acc_mean: te.Tensor, acc_var: te.Tensor, bias: list[te.Tenso
                     index: Callable[..., tuple] | None = None) -> list[te.Tensor]:
     """Bias, variance clamp and representation conversion of the accumulated sums; ``shape``
     (default: the accumulators') may cut off padding columns.  With a fused ``activation`` (a
-    ReLU layer, see ``_core.fused_activations``) the ReLU's output moments are emitted instead,
+    ReLU layer, see ``fusion.fused_activations``) the ReLU's output moments are emitted instead,
     in its representation.  ``index`` maps an output index to the accumulators' (default: the
     same; the Winograd conv's accumulators are NHWC)."""
     def f(*idx):

@@ -21,7 +21,8 @@ from tvm import s_tir, te, tirx
 from ...graph import Repr
 from ...ops.head import HEAD_OP, VAR_CLAMP, point_weight
 from ...plan import PlannedLayer
-from .._core import F32, EmitContext, RelaxActivation, fast_exp, kernel, pair_sum
+from ..emit import EmitContext, RelaxActivation, kernel, pair_sum
+from ..fast_math import F32, fast_exp
 from ..schedules import schedule
 
 

@@ -16,7 +16,8 @@ import tvm
 from tvm import s_tir, te
 
 from ...plan import PlannedLayer
-from .._core import F32, EmitContext, RelaxActivation, activation_out, epilogue, kernel, variance_of
+from ..emit import EmitContext, RelaxActivation, activation_out, epilogue, kernel, variance_of
+from ..fast_math import F32
 from ..schedules import schedule, simd_lanes, vectorize_inner
 
 _TENSORS = ("weight_mean", "weight_var", "bias_mean", "bias_var")

@@ -28,7 +28,8 @@ from ... import moments
 from ...graph import Repr
 from ...plan import PlannedLayer
 from ...reference.arrays import average_divisor
-from .._core import F32, EmitContext, RelaxActivation, activation_out, epilogue, kernel, te_shared
+from ..emit import EmitContext, RelaxActivation, activation_out, epilogue, kernel
+from ..fast_math import F32
 from ..schedules import (
     divisor_at_most,
     epilogue_at,
@@ -42,6 +43,7 @@ from ..schedules import (
     static_extent,
     vectorizable,
 )
+from ..te_let import te_shared
 from .compute import CONV_MAX_UNROLLED_WINDOW
 
 _LOWEST = float(np.finfo(np.float32).min)

@@ -4,7 +4,7 @@ from __future__ import annotations
 from tvm import relax
 
 from ...plan import PlannedLayer
-from .._core import EmitContext, RelaxActivation, kernel
+from ..emit import EmitContext, RelaxActivation, kernel
 
 
 @kernel("reshape")

@@ -21,7 +21,8 @@ from tvm import s_tir, te, tirx
 from ...moments import window_pairs
 from ...ops.window_covariance import shift_product_kernel, tap_masks, taps
 from ...plan import PlannedLayer
-from .._core import F32, EmitContext, RelaxActivation, activation_out, kernel
+from ..emit import EmitContext, RelaxActivation, activation_out, kernel
+from ..fast_math import F32
 from ..schedules import flat_nests, schedule, simd_lanes, static_extent
 
 PAD = "pad"

@@ -73,7 +73,8 @@ from tvm import s_tir, te, tirx
 
 from ...graph import Repr
 from ...plan import PlannedLayer
-from .._core import F32, EmitContext, RelaxActivation, pair_sum
+from ..emit import EmitContext, RelaxActivation, pair_sum
+from ..fast_math import F32
 from ..schedules import divisor_at_most, pow2_divisor, register_budget, simd_lanes, static_extent, vectorize_inner
 
 TILE = 2  # output tile m of F(m x m, 3 x 3)
