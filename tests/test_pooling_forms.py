@@ -102,6 +102,21 @@ class Forms2d(nn.Module):
         return self.aavg(self.amax(self.c3(self.zp(h)))).flatten(1)
 
 
+class GlobalPools(nn.Module):
+    """Global pooling written as reductions: over L of (N, C, L), and over H×W of (N, C, H, W)."""
+
+    def __init__(self):
+        super().__init__()
+        self.c1 = nn.Conv1d(2, 3, 3)
+        self.c2 = nn.Conv2d(3, 3, 2)
+
+    def forward(self, x):
+        h = torch.relu(self.c1(x))  # (N, 3, 10)
+        g = h.mean(-1) + h.amax(-1) + h.max(dim=2).values + h.mean(2, keepdim=True).flatten(1)
+        h2 = self.c2(h.view(-1, 3, 2, 5))  # (N, 3, 1, 4)
+        return g + h2.amax((2, 3)) + torch.max(h2.flatten(2), -1, keepdim=True)[0].squeeze(-1)
+
+
 def _converted(body_cls, first, shape, seed=0, calibration=0.0, correlation="mean-field"):
     torch.manual_seed(seed)
     body = body_cls()
@@ -153,6 +168,16 @@ def test_1d_forms_onnx_equals_the_reference():
 def test_2d_forms_match_torch():
     net, reference = _converted(Forms2d, "c1", (2, 6, 6))
     x = torch.randn(3, 2, 6, 6, generator=torch.Generator().manual_seed(3))
+    mean, var = net.reference(x)
+    with torch.no_grad():
+        expected = reference(x).double().numpy()
+    np.testing.assert_allclose(mean, expected, rtol=1e-5, atol=1e-5)
+    assert np.all(var == 0.0)
+
+
+def test_global_pooling_reductions_match_torch():
+    net, reference = _converted(GlobalPools, "c1", (2, 12))
+    x = torch.randn(3, 2, 12, generator=torch.Generator().manual_seed(9))
     mean, var = net.reference(x)
     with torch.no_grad():
         expected = reference(x).double().numpy()

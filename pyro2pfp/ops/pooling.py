@@ -39,9 +39,9 @@ D = Repr.DETERMINISTIC
 MAX_POOL2D = register_op(OpDef(
     "max_pool2d", ("aten.max_pool2d.default", "aten.max_pool2d_with_indices.default", "aten.max_pool1d.default",
                    "aten.max_pool1d_with_indices.default", "aten.adaptive_max_pool2d.default",
-                   "aten.adaptive_max_pool1d.default"),
+                   "aten.adaptive_max_pool1d.default", "aten.amax.default", "aten.max.dim"),
     modules="`MaxPool2d`, `MaxPool1d` (any kernel, stride, padding, `ceil_mode`), `AdaptiveMaxPool1d/2d` "
-            "(windows of a regular pool, e.g. an output dividing the input)",
+            "(windows of a regular pool, e.g. an output dividing the input), `x.amax(-1)`/`x.max(-1)` (global)",
     modules_short=("MaxPool1d/2d", "AdaptiveMaxPool1d/2d"),
     moments="Clark's max, exact for two inputs; in-window covariances from the conv that feeds it",
     assumptions="pairwise fold over the window in row-major order, the running max treated as Gaussian; "
@@ -51,7 +51,7 @@ AVG_POOL2D = register_op(OpDef(
     "avg_pool2d", ("aten.avg_pool2d.default", "aten.adaptive_avg_pool2d.default", "aten.mean.dim",
                    "aten.avg_pool1d.default", "aten.adaptive_avg_pool1d.default"),
     modules="`AvgPool2d`, `AvgPool1d`, `AdaptiveAvgPool1d/2d` (windows of a regular pool, e.g. an output "
-            "dividing the input), `x.mean((2, 3))`",
+            "dividing the input), `x.mean(-1)` of `(N, C, L)`, `x.mean((2, 3))`",
     modules_short=("AvgPool1d/2d", "AdaptiveAvgPool1d/2d"),
     moments="exact (linear)", assumptions="independent inputs"))
 
@@ -305,12 +305,39 @@ def convert_adaptive_pool(node, ctx) -> list[Layer]:
     return _pool(node, ctx, x, "avg_pool2d", attrs, spatial)
 
 
-@register("aten.mean.dim", produces=("avg_pool2d", "reshape"))
-def convert_mean(node, ctx) -> list[Layer]:
-    x, dims = node.args[:2]
-    keepdim = bool(node.args[2]) if len(node.args) > 2 else bool(node.kwargs.get("keepdim", False))
+def _global_pool(node, ctx, x, op: str) -> list[Layer]:
+    """``op`` (``max_pool2d``/``avg_pool2d``) over the whole ``L`` of ``(batch, C, L)`` (as ``(C, 1, L)``)
+    or ``H×W`` of ``(batch, C, H, W)``, then the node's own shape (keepdim or not)."""
+    shape = ctx.shape(x)
+    if len(shape) == 3 and op == "avg_pool2d":
+        return _global_average(node, ctx, x, keep_shape=out_shape(node, ctx) == (shape[0], 1, 1))
+    name, source = ctx.new_name(node, prefer_module=False), ctx.source(node)
+    layers, src = [], ctx.activation(x, node)
+    if len(shape) == 2:
+        layers.append(Layer(name=f"{name}_to_2d", op="reshape", inputs=[src], out_shape=(shape[0], 1, shape[1]),
+                            source=source))
+        src, shape = layers[-1].name, (shape[0], 1, shape[1])
+    attrs: dict = {"kernel": list(shape[1:]), "stride": list(shape[1:]), "padding": [0, 0], "ceil_mode": False}
+    attrs.update({"dilation": [1, 1]} if op == "max_pool2d" else {"count_include_pad": True, "divisor": None})
+    final = out_shape(node, ctx)
+    pool_name = name if final == (shape[0], 1, 1) else f"{name}_2d"
+    layers.append(Layer(name=pool_name, op=op, inputs=[src], out_shape=(shape[0], 1, 1), source=source, attrs=attrs))
+    if pool_name != name:
+        layers.append(Layer(name=name, op="reshape", inputs=[pool_name], out_shape=final, source=source))
+    return layers
+
+
+@register("aten.mean.dim", "aten.amax.default", "aten.max.dim", produces=("avg_pool2d", "max_pool2d", "reshape"))
+def convert_global_pool(node, ctx) -> list[Layer]:
+    """``x.mean(-1)``, ``x.amax(-1)``, ``x.max(-1)[0]`` over the ``L`` of ``(batch, C, L)``, and
+    ``x.mean((2, 3))``/``x.amax((2, 3))`` over ``H×W``: global average/max pooling."""
+    x, dims = node.args[0], node.args[1] if len(node.args) > 1 else node.kwargs.get("dim", [])
+    dims = [dims] if isinstance(dims, int) else list(dims)
     rank = len(ctx.shape(x)) + 1
-    if rank != 4 or sorted(d % rank for d in dims) != [2, 3]:
-        raise ctx.unsupported(node, f"mean over dims {list(dims)}; only the spatial mean of (batch, C, H, W) "
-                                    "(global average pooling) is supported")
-    return _global_average(node, ctx, x, keep_shape=keepdim)
+    op = "avg_pool2d" if str(node.target) == "aten.mean.dim" else "max_pool2d"
+    if rank not in (3, 4) or sorted(d % rank for d in dims) != list(range(2, rank)):
+        what = "mean" if op == "avg_pool2d" else "max"
+        raise ctx.unsupported(node, f"{what} over dims {dims} of (batch, {', '.join(map(str, ctx.shape(x)))}); only "
+                                    "the spatial reduction of (batch, C, L) or (batch, C, H, W) (global pooling) is "
+                                    "supported")
+    return _global_pool(node, ctx, x, op)
