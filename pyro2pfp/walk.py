@@ -20,6 +20,7 @@ from ._version import __version__
 from .converters import CONVERTERS, Alias, unsupported_message
 from .errors import InternalError, PFPError, TracingError, UnsupportedLayerError
 from .graph import INPUT, GaussianParam, Layer, LayerGraph
+from .onedim import lift_1d
 from .output_chain import extra_input_error, strip_output_normalisation
 from .tracing import _WRAPPER_PREFIX, TracedModel
 
@@ -218,5 +219,5 @@ def build_layer_graph(traced: TracedModel) -> LayerGraph:
         raise TracingError("the model's output does not depend on its input (it returns a constant, or a value "
                            "computed from the weights alone): return the logits computed from the input x, or "
                            "build the likelihood from them")
-    return LayerGraph(input_shape=ctx.shape(input_node), layers=ctx.layers, output=ctx._names[result],
-                      origins=ctx.origins)
+    return lift_1d(LayerGraph(input_shape=ctx.shape(input_node), layers=ctx.layers, output=ctx._names[result],
+                              origins=ctx.origins))

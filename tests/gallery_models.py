@@ -264,6 +264,41 @@ class SiLUConvNet(PyroModule):
         return logits
 
 
+# -------------------------------------------------------------------------- (h) a 1-D signal CNN
+SIGNAL = 16  # the 1-D CNN's inputs are signals of SIGNAL samples, one channel
+
+
+class BayesianSmallCNN(PyroModule):
+    """A scientific-code 1-D CNN: Bayesian ``Conv1d`` (``padding='same'`` with an even kernel) →
+    ``BatchNorm1d`` → ReLU → ``MaxPool1d`` → Bayesian ``Conv1d`` → ``BatchNorm1d`` → ReLU →
+    ``AdaptiveAvgPool1d(1)`` → Bayesian ``Linear``; the signal gets its channel axis in ``forward``."""
+
+    def __init__(self, channels: int = 6) -> None:
+        super().__init__()
+        self.conv1 = PyroModule[nn.Conv1d](1, channels, kernel_size=4, padding="same")
+        self.conv1.weight = PyroSample(_normal_prior((channels, 1, 4)))
+        self.conv1.bias = PyroSample(_normal_prior((channels,)))
+        self.bn1 = nn.BatchNorm1d(channels)
+        self.pool = nn.MaxPool1d(2)
+        self.conv2 = PyroModule[nn.Conv1d](channels, channels, kernel_size=3, padding=1)
+        self.conv2.weight = PyroSample(_normal_prior((channels, channels, 3)))
+        self.conv2.bias = PyroSample(_normal_prior((channels,)))
+        self.bn2 = nn.BatchNorm1d(channels)
+        self.gap = nn.AdaptiveAvgPool1d(1)
+        self.fc = PyroModule[nn.Linear](channels, CLASSES)
+        self.fc.weight = PyroSample(_normal_prior((CLASSES, channels)))
+        self.fc.bias = PyroSample(_normal_prior((CLASSES,)))
+
+    def forward(self, x: torch.Tensor, y: torch.Tensor | None = None) -> torch.Tensor:
+        h = x.unsqueeze(1)  # (batch, SIGNAL) -> (batch, 1, SIGNAL)
+        h = self.pool(F.relu(self.bn1(self.conv1(h))))
+        h = F.relu(self.bn2(self.conv2(h)))
+        logits = self.fc(self.gap(h).squeeze(-1))
+        with pyro.plate("data", x.shape[0]):
+            pyro.sample("obs", dist.Categorical(logits=logits), obs=y)
+        return logits
+
+
 # ------------------------------------------------------------------------------------ the gallery
 @dataclass
 class Built:
@@ -350,6 +385,10 @@ GALLERY = {e.name: e for e in [
           "converted with correlation='shared-factor' (what 'auto' chooses; mean-field: median variance ratio "
           "0.66)", exact=False, d_in=IMAGE * IMAGE,
           steps=800),
+    Entry("cnn1d-signal", "classification",
+          lambda: (lambda m: Built(m, AutoNormal(m, init_scale=0.01), input_shape=(SIGNAL,)))(BayesianSmallCNN()),
+          "scientific 1-D CNN: Conv1d(padding='same', even kernel), BatchNorm1d, ReLU, MaxPool1d, Conv1d, "
+          "AdaptiveAvgPool1d, Linear, AutoNormal", exact=False, d_in=SIGNAL, steps=100),
 ]}
 
 

@@ -210,7 +210,7 @@ def test_unsupported_padding_and_softmax_inside_are_clear_errors():
     class Bad(nn.Module):
         def __init__(self):
             super().__init__()
-            self.c = nn.Conv2d(1, 2, 2, padding="same")
+            self.c = nn.Conv2d(1, 2, 3, padding=1, padding_mode="reflect")
 
         def forward(self, x):
             return self.c(x)
@@ -224,7 +224,7 @@ def test_unsupported_padding_and_softmax_inside_are_clear_errors():
         def forward(self, x):
             return self.b(torch.softmax(self.a(x), -1))
 
-    for body, first, shape, pattern in [(Bad, "c", (1, 5, 5), r"c \(aten.conv2d.padding\).*asymmetric"),
+    for body, first, shape, pattern in [(Bad, "c", (1, 5, 5), r"c \(aten.pad\): .*'reflect'.*only as zeros"),
                                         (Mid, "a", (4,), r"softmax inside")]:
         model = _Det(body(), first)
         guide, _ = _posterior_guide(model, shape)

@@ -1,6 +1,7 @@
 """The dispatch table from torch op names to converters."""
 from __future__ import annotations
 
+import re
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -43,8 +44,15 @@ def supported_ops() -> list[str]:
     return sorted(CONVERTERS)
 
 
+_THREE_D = re.compile(r"aten\.(conv3d|conv_transpose3d|max_pool3d\w*|avg_pool3d|adaptive_\w+_pool3d)\b")
+
+
 def unsupported_message(what: str, detail: str = "") -> str:
-    """``"<what> is not supported by PFP<detail>. Supported torch ops: … Supported modules: …"``."""
+    """``"<what> is not supported by PFP<detail>. Supported torch ops: … Supported modules: …"``
+    (a 3-D convolution or pooling: said so, before the lists)."""
+    if _THREE_D.search(what + detail):
+        detail += (": 3-D (volumetric) convolution and pooling are not supported (PFP converts Conv1d/Conv2d and "
+                   "the 1-D and 2-D pools); keep the layer outside the converted model or use 2-D layers")
     return (f"{what} is not supported by PFP{detail}. Supported torch ops: "
             + ", ".join(t.removesuffix(".default") for t in supported_ops())
             + ". Supported modules: " + ", ".join(supported_modules()) + ". Replace it by one of the supported "

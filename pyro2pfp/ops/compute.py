@@ -9,7 +9,10 @@ Moments (``docs/math.md`` "Compute layers"; the paper's eqs. 7, 12, 13), with in
 each sum being the layer's linear map (a matmul or a convolution) applied to the products.  The
 stored weights (``weight_var`` or ``weight_second_moment = μw² + vw``, calibrated) come from the
 planner.  ``conv1d`` becomes ``reshape (C, 1, L)`` → ``conv2d`` with a 1×k kernel → ``reshape
-(O, L')``; ``padding="same"``/``"valid"`` become explicit (symmetric) padding.
+(O, L')`` (:mod:`pyro2pfp.onedim`).  Padding is symmetric in every back end: ``padding="same"``/``"valid"``
+become explicit padding as torch pads them, a zero ``F.pad`` before the conv is added to it, and an
+asymmetric padding (``"same"`` with an even kernel) becomes the larger side on both sides plus zero
+taps in the kernel on the other side (:func:`_symmetric_padding`; exact).
 
 The TVM kernels and schedules are in ``tvm_backend/ops/compute.py``.
 """
@@ -17,8 +20,11 @@ from __future__ import annotations
 
 from typing import Any
 
-from ..converters import register
+import numpy as np
+
+from ..converters import Alias, register
 from ..graph import GaussianParam, Layer, Repr
+from ..onedim import as_2d
 from ..plan import PlannedLayer
 from ..registry import COMPUTE_INPUT, Contract, OpDef, register_op
 from ._formula import formula
@@ -33,8 +39,10 @@ DENSE = register_op(OpDef(
     assumptions="mean-field weights, independent inputs", contract=_COMPUTE, compute_layer=True))
 
 CONV2D = register_op(OpDef(
-    "conv2d", ("aten.conv2d.default", "aten.conv2d.padding", "aten.conv1d.default", "aten.conv1d.padding"),
-    modules="`Conv2d` (stride, padding incl. `\"same\"` for odd kernels, dilation, groups), `Conv1d`",
+    "conv2d", ("aten.conv2d.default", "aten.conv2d.padding", "aten.conv1d.default", "aten.conv1d.padding",
+               "aten.pad.default", "aten.constant_pad_nd.default"),
+    modules="`Conv2d`, `Conv1d` (stride, padding incl. `\"same\"`, dilation, groups; a zero `F.pad`/`ZeroPad` "
+            "before it is folded into its padding)",
     modules_short=("Conv1d", "Conv2d"), moments="as dense",
     assumptions="as dense (shared weights make outputs correlated: ignored downstream)", contract=_COMPUTE,
     compute_layer=True))
@@ -92,25 +100,88 @@ def _pair(value, n: int = 2) -> list[int]:
     return [int(v) for v in (value * n if len(value) == 1 else value)]
 
 
-def _string_padding(node, ctx, padding: str, kernel: list[int], dilation: list[int]) -> list[int]:
+def _string_padding(padding: str, kernel: list[int], dilation: list[int]) -> list[tuple[int, int]]:
+    """``(begin, end)`` padding of each spatial dim as torch pads ``"valid"``/``"same"``: a total of
+    ``d·(k − 1)``, ``total // 2`` before and the rest after (asymmetric for an odd total)."""
     if padding == "valid":
-        return [0] * len(kernel)
+        return [(0, 0)] * len(kernel)
     totals = [d * (k - 1) for k, d in zip(kernel, dilation)]
-    if any(t % 2 for t in totals):
-        raise ctx.unsupported(node, f"padding='same' with kernel {kernel} needs asymmetric padding; "
-                                    "use an odd kernel or explicit padding")
-    return [t // 2 for t in totals]
+    return [(t // 2, t - t // 2) for t in totals]
 
 
-def _conv_params(node, ctx, weight, bias, reshape_to_2d: bool) -> dict[str, GaussianParam]:
+_PAD_OPS = ("aten.pad.default", "aten.constant_pad_nd.default")
+
+
+def _explicit_padding(x, spatial: int) -> tuple[object, list[tuple[int, int]]]:
+    """The conv input before an ``F.pad``/``nn.ZeroPad``/``nn.ConstantPad`` that only feeds convs
+    (checked by :func:`convert_pad`), and the ``(begin, end)`` zeros it adds to each spatial dim."""
+    if str(getattr(x, "target", "")) not in _PAD_OPS:
+        return x, [(0, 0)] * spatial
+    pads = [int(p) for p in x.args[1]] + [0] * (2 * spatial)
+    per_dim = [(pads[2 * i], pads[2 * i + 1]) for i in range(spatial)]  # torch lists the last dim first
+    return x.args[0], per_dim[::-1]
+
+
+def _spread(a, axis: int, d: int):
+    """A kernel of dilation ``d`` written as a dense one (zeros between the taps) along ``axis``."""
+    shape = list(a.shape)
+    shape[axis] = d * (shape[axis] - 1) + 1
+    out = np.zeros(shape)
+    index = [slice(None)] * a.ndim
+    index[axis] = slice(None, None, d)
+    out[tuple(index)] = a
+    return out
+
+
+def _symmetric_padding(w: GaussianParam, pads: list[tuple[int, int]], dilation: list[int]
+                       ) -> tuple[GaussianParam, list[int], list[int]]:
+    """A conv with ``(begin, end)`` padding per spatial dim (weight axes 2, 3) as one with symmetric
+    padding: where ``begin ≠ end``, pad ``max(begin, end)`` on both sides and add ``|end − begin| / d``
+    zero taps (mean 0, variance 0) to the kernel on the side with less padding.  Every output reads
+    the same inputs with the same weights as before, and the zero taps add nothing to the mean or the
+    variance, so the result is exact in every back end.  A dilation that does not divide the
+    difference is first written as a dense kernel (dilation 1).  Returns ``(weight, padding, dilation)``."""
+    mean, var, padding, dilations = w.mean, w.var, [], []
+    for axis, (begin, end), d in zip((2, 3), pads, dilation):
+        if begin != end:
+            if abs(end - begin) % d:
+                mean, var, d = _spread(mean, axis, d), _spread(var, axis, d), 1
+            shape = list(mean.shape)
+            shape[axis] = abs(end - begin) // d
+            zeros = np.zeros(shape)
+            mean, var = ((np.concatenate([zeros, a], axis) if end > begin else np.concatenate([a, zeros], axis))
+                         for a in (mean, var))
+        padding.append(max(begin, end))
+        dilations.append(d)
+    if mean is w.mean:
+        return w, padding, dilations
+    return GaussianParam(mean, var, site=w.site), padding, dilations
+
+
+def _conv_layer(node, ctx, x, weight, bias, stride, padding, dilation, groups, spatial: int):
+    """``(input node, params, attrs)`` of the ``conv2d`` layer of a conv with ``spatial`` = 1 (a 1×k
+    kernel) or 2 spatial dims: explicit, string and folded ``F.pad`` paddings become symmetric ones."""
+    x, pre = _explicit_padding(x, spatial)
     w = ctx.param(weight, node, "weight")
-    if reshape_to_2d:
+    if spatial == 1:
         shape = (w.shape[0], w.shape[1], 1, w.shape[2])
         w = GaussianParam(w.mean.reshape(shape), w.var.reshape(shape), site=w.site)
+    dil = _pair(dilation if dilation is not None else 1, spatial)
+    if isinstance(padding, str):
+        own = _string_padding(padding, list(w.shape[4 - spatial:]), dil)
+    else:
+        own = [(p, p) for p in _pair(padding if padding is not None else 0, spatial)]
+    pads = [(a + c, b + e) for (a, b), (c, e) in zip(own, pre)]
+    step = _pair(stride if stride is not None else 1, spatial)
+    if spatial == 1:
+        pads, dil, step = [(0, 0), *pads], [1, *dil], [1, *step]
+    w, symmetric, dil = _symmetric_padding(w, pads, dil)
     params = {"weight": w}
     if bias is not None:
         params["bias"] = ctx.param(bias, node, "bias")
-    return params
+    attrs = {"stride": step, "padding": symmetric, "dilation": dil,
+             "groups": int(groups) if groups is not None else 1}
+    return x, params, attrs
 
 
 @register("aten.conv2d.default", "aten.conv2d.padding", produces=("conv2d",))
@@ -119,16 +190,7 @@ def convert_conv2d(node, ctx) -> Layer:
     x, weight, bias, stride, padding, dilation, groups = args[:7]
     if len(ctx.shape(x)) != 3:
         raise ctx.unsupported(node, f"conv2d expects (batch, C, H, W) input, got (batch, {ctx.shape(x)})")
-    params = _conv_params(node, ctx, weight, bias, reshape_to_2d=False)
-    dilation = _pair(dilation if dilation is not None else 1)
-    if isinstance(padding, str):
-        padding = _string_padding(node, ctx, padding, list(params["weight"].shape[2:]), dilation)
-    attrs = {
-        "stride": _pair(stride if stride is not None else 1),
-        "padding": _pair(padding if padding is not None else 0),
-        "dilation": dilation,
-        "groups": int(groups) if groups is not None else 1,
-    }
+    x, params, attrs = _conv_layer(node, ctx, x, weight, bias, stride, padding, dilation, groups, spatial=2)
     return Layer(name=ctx.new_name(node, prefer_module=True), op="conv2d",
                  inputs=[ctx.activation(x, node)], out_shape=ctx.shape(node),
                  source=ctx.source(node), attrs=attrs, params=params)
@@ -136,28 +198,35 @@ def convert_conv2d(node, ctx) -> Layer:
 
 @register("aten.conv1d.default", "aten.conv1d.padding", produces=("conv2d", "reshape"))
 def convert_conv1d(node, ctx) -> list[Layer]:
+    """``conv1d`` on ``(batch, C, L)``: ``conv2d`` with a 1×k kernel on ``(batch, C, 1, L)``, between
+    two reshapes (:mod:`pyro2pfp.onedim` removes the reshapes between consecutive 1-D layers)."""
     args = list(node.args) + [None] * 7
     x, weight, bias, stride, padding, dilation, groups = args[:7]
     if len(ctx.shape(x)) != 2:
         raise ctx.unsupported(node, f"conv1d expects (batch, C, L) input, got (batch, {ctx.shape(x)})")
-    c, length = ctx.shape(x)
-    params = _conv_params(node, ctx, weight, bias, reshape_to_2d=True)
-    dilation = _pair(dilation if dilation is not None else 1, 1)[0]
-    if isinstance(padding, str):
-        padding = _string_padding(node, ctx, padding, [params["weight"].shape[3]], [dilation])
-    o, out_len = ctx.shape(node)
-    name = ctx.new_name(node, prefer_module=True)
-    attrs = {"stride": [1, _pair(stride if stride is not None else 1, 1)[0]],
-             "padding": [0, _pair(padding if padding is not None else 0, 1)[0]],
-             "dilation": [1, dilation], "groups": int(groups) if groups is not None else 1}
-    source = ctx.source(node)
-    return [
-        Layer(name=f"{name}_to_2d", op="reshape", inputs=[ctx.activation(x, node)], out_shape=(c, 1, length),
-              source=source),
-        Layer(name=f"{name}_2d", op="conv2d", inputs=[f"{name}_to_2d"], out_shape=(o, 1, out_len),
-              source=source, attrs=attrs, params=params),
-        Layer(name=name, op="reshape", inputs=[f"{name}_2d"], out_shape=(o, out_len), source=source),
-    ]
+    x, params, attrs = _conv_layer(node, ctx, x, weight, bias, stride, padding, dilation, groups, spatial=1)
+    return as_2d(node, ctx, x, "conv2d", attrs, params, prefer_module=True)
+
+
+@register(*_PAD_OPS, produces=())
+def convert_pad(node, ctx) -> Alias:
+    """``F.pad``/``nn.ZeroPad1d/2d``/``nn.ConstantPad`` with zeros right before convs: folded into their
+    padding (:func:`_explicit_padding`), so the node itself is the identity."""
+    mode = node.args[2] if len(node.args) > 2 else node.kwargs.get("mode", "constant")
+    value = node.args[3] if len(node.args) > 3 else node.kwargs.get("value", 0.0)
+    if str(node.target) == "aten.constant_pad_nd.default":
+        mode, value = "constant", (node.args[2] if len(node.args) > 2 else node.kwargs.get("value", 0.0))
+    pads = [int(p) for p in node.args[1]]
+    convs = ("aten.conv1d.default", "aten.conv1d.padding", "aten.conv2d.default", "aten.conv2d.padding")
+    users = list(node.users)
+    spatial = len(ctx.shape(node.args[0])) - 1
+    if (mode != "constant" or (value or 0.0) != 0.0 or any(p < 0 for p in pads) or len(pads) > 2 * spatial
+            or not users or any(str(u.target) not in convs or u.args[0] is not node for u in users)):
+        raise ctx.unsupported(node, f"padding {pads} (mode {mode!r}, value {value}) is supported only as zeros "
+                                    "added to the spatial dims right before a Conv1d/Conv2d, which PFP folds into "
+                                    "the conv's padding. Pad with zeros before the conv, give the padding to the "
+                                    "conv itself (padding=...), or pad the input before calling the model")
+    return Alias(node.args[0])
 
 
 @register("aten.matmul.default", "aten.mm.default", produces=("dense",))

@@ -1,5 +1,7 @@
 """Pooling: ``max_pool2d`` (Clark's pairwise Gaussian max over each window) and ``avg_pool2d`` (linear;
-also global/adaptive average pooling and ``mean`` over (H, W)).
+also global/adaptive average pooling and ``mean`` over (H, W)).  1-D pools are these pools on a
+``(C, 1, L)`` input (:mod:`pyro2pfp.onedim`); an adaptive pool is the regular pool with torch's windows
+(:func:`adaptive_window`).
 
 * Max pooling folds Clark's max of two Gaussians over each window in row-major order (``docs/math.md``
   "Max pooling").  With a second input -- the in-window covariances of a ``window_cov`` layer, which
@@ -24,6 +26,7 @@ from .. import moments
 from ..converters import register
 from ..errors import UnsupportedLayerError
 from ..graph import Layer, Repr
+from ..onedim import as_2d, out_shape
 from ..onnx_export import LOWEST32, OnnxActivation, OnnxContext, Sym, exporter
 from ..plan import PlannedLayer
 from ..reference import Activation, emit_output, reference
@@ -34,16 +37,22 @@ from .compute import _pair
 D = Repr.DETERMINISTIC
 
 MAX_POOL2D = register_op(OpDef(
-    "max_pool2d", ("aten.max_pool2d.default", "aten.max_pool2d_with_indices.default"),
-    modules="`MaxPool2d` (any kernel, stride, padding, `ceil_mode`)", modules_short=("MaxPool2d",),
+    "max_pool2d", ("aten.max_pool2d.default", "aten.max_pool2d_with_indices.default", "aten.max_pool1d.default",
+                   "aten.max_pool1d_with_indices.default", "aten.adaptive_max_pool2d.default",
+                   "aten.adaptive_max_pool1d.default", "aten.amax.default", "aten.max.dim"),
+    modules="`MaxPool2d`, `MaxPool1d` (any kernel, stride, padding, `ceil_mode`), `AdaptiveMaxPool1d/2d` "
+            "(windows of a regular pool, e.g. an output dividing the input), `x.amax(-1)`/`x.max(-1)` (global)",
+    modules_short=("MaxPool1d/2d", "AdaptiveMaxPool1d/2d"),
     moments="Clark's max, exact for two inputs; in-window covariances from the conv that feeds it",
     assumptions="pairwise fold over the window in row-major order, the running max treated as Gaussian; "
                 "a non-decreasing activation between conv and pool is applied after the pool (exact)"))
 
 AVG_POOL2D = register_op(OpDef(
-    "avg_pool2d", ("aten.avg_pool2d.default", "aten.adaptive_avg_pool2d.default", "aten.mean.dim"),
-    modules="`AvgPool2d`, `AdaptiveAvgPool2d` (output dividing the input, e.g. 1×1), `x.mean((2, 3))`",
-    modules_short=("AvgPool2d", "AdaptiveAvgPool2d(1)"),
+    "avg_pool2d", ("aten.avg_pool2d.default", "aten.adaptive_avg_pool2d.default", "aten.mean.dim",
+                   "aten.avg_pool1d.default", "aten.adaptive_avg_pool1d.default"),
+    modules="`AvgPool2d`, `AvgPool1d`, `AdaptiveAvgPool1d/2d` (windows of a regular pool, e.g. an output "
+            "dividing the input), `x.mean(-1)` of `(N, C, L)`, `x.mean((2, 3))`",
+    modules_short=("AvgPool1d/2d", "AdaptiveAvgPool1d/2d"),
     moments="exact (linear)", assumptions="independent inputs"))
 
 
@@ -187,38 +196,58 @@ def _window_attrs(node, ctx, kernel, stride, padding, ceil_mode) -> dict:
     return attrs
 
 
-def _check_4d(node, ctx, x) -> None:
-    if len(ctx.shape(x)) != 3:
-        raise ctx.unsupported(node, f"expects (batch, C, H, W) input, got (batch, {ctx.shape(x)})")
+def _spatial_dims(node, ctx, x) -> int:
+    """1 for a ``(batch, C, L)`` input of a 1-D pool, 2 for ``(batch, C, H, W)`` of a 2-D one."""
+    one_d = "1d" in str(node.target)
+    rank = len(ctx.shape(x))
+    if rank != (2 if one_d else 3):
+        what = "(batch, C, L)" if one_d else "(batch, C, H, W)"
+        raise ctx.unsupported(node, f"expects {what} input, got (batch, {', '.join(map(str, ctx.shape(x)))})")
+    return rank - 1
 
 
-@register("aten.max_pool2d.default", "aten.max_pool2d_with_indices.default", produces=("max_pool2d",))
-def convert_max_pool2d(node, ctx) -> Layer:
+def _as_2d_window(spatial: int, value, fill: int):
+    """A 1-D pool's kernel/stride/padding as the 2-D one of a ``(C, 1, L)`` input (``fill`` for H)."""
+    if spatial == 2 or value in (None, [], ()):
+        return value
+    return [fill, _pair(value, 1)[0]]
+
+
+def _pool(node, ctx, x, op: str, attrs: dict, spatial: int) -> list[Layer]:
+    if spatial == 1:
+        return as_2d(node, ctx, x, op, attrs, {}, prefer_module=False)
+    return [Layer(name=ctx.new_name(node, prefer_module=False), op=op, inputs=[ctx.activation(x, node)],
+                  out_shape=out_shape(node, ctx), source=ctx.source(node), attrs=attrs)]
+
+
+@register("aten.max_pool2d.default", "aten.max_pool2d_with_indices.default", "aten.max_pool1d.default",
+          "aten.max_pool1d_with_indices.default", produces=("max_pool2d", "reshape"))
+def convert_max_pool(node, ctx) -> list[Layer]:
+    """``MaxPool2d``, and ``MaxPool1d`` as the 2-D pool of a ``(C, 1, L)`` input (:mod:`pyro2pfp.onedim`)."""
     args = list(node.args) + [None] * 6
     x, kernel, stride, padding, dilation, ceil_mode = args[:6]
-    _check_4d(node, ctx, x)
-    attrs = _window_attrs(node, ctx, kernel, stride, padding, ceil_mode)
-    attrs["dilation"] = _pair(dilation if dilation is not None else 1)
+    spatial = _spatial_dims(node, ctx, x)
+    attrs = _window_attrs(node, ctx, _as_2d_window(spatial, kernel, 1), _as_2d_window(spatial, stride, 1),
+                          _as_2d_window(spatial, padding if padding is not None else 0, 0), ceil_mode)
+    attrs["dilation"] = _pair(_as_2d_window(spatial, dilation if dilation is not None else 1, 1))
     if attrs["dilation"] != [1, 1]:
         raise ctx.unsupported(node, f"max pooling with dilation {dilation} is not supported")
-    return Layer(name=ctx.new_name(node, prefer_module=False), op="max_pool2d",
-                 inputs=[ctx.activation(x, node)], out_shape=ctx.shape(node),
-                 source=ctx.source(node), attrs=attrs)
+    return _pool(node, ctx, x, "max_pool2d", attrs, spatial)
 
 
-@register("aten.avg_pool2d.default", produces=("avg_pool2d",))
-def convert_avg_pool2d(node, ctx) -> Layer:
+@register("aten.avg_pool2d.default", "aten.avg_pool1d.default", produces=("avg_pool2d", "reshape"))
+def convert_avg_pool(node, ctx) -> list[Layer]:
+    """``AvgPool2d``, and ``AvgPool1d`` as the 2-D pool of a ``(C, 1, L)`` input."""
     args = list(node.args) + [None] * 7
     x, kernel, stride, padding, ceil_mode, count_include_pad, divisor = args[:7]
-    _check_4d(node, ctx, x)
-    attrs = _window_attrs(node, ctx, kernel, stride, padding, ceil_mode)
+    spatial = _spatial_dims(node, ctx, x)
+    attrs = _window_attrs(node, ctx, _as_2d_window(spatial, kernel, 1), _as_2d_window(spatial, stride, 1),
+                          _as_2d_window(spatial, padding if padding is not None else 0, 0), ceil_mode)
     attrs["count_include_pad"] = True if count_include_pad is None else bool(count_include_pad)
     attrs["divisor"] = int(divisor) if divisor is not None else None
     if attrs["ceil_mode"] and attrs["padding"] != [0, 0]:
         raise ctx.unsupported(node, "average pooling with both padding and ceil_mode is not supported")
-    return Layer(name=ctx.new_name(node, prefer_module=False), op="avg_pool2d",
-                 inputs=[ctx.activation(x, node)], out_shape=ctx.shape(node),
-                 source=ctx.source(node), attrs=attrs)
+    return _pool(node, ctx, x, "avg_pool2d", attrs, spatial)
 
 
 def _global_average(node, ctx, x, keep_shape: bool) -> list[Layer]:
@@ -234,29 +263,81 @@ def _global_average(node, ctx, x, keep_shape: bool) -> list[Layer]:
     return [pool, flat]
 
 
-@register("aten.adaptive_avg_pool2d.default", produces=("avg_pool2d", "reshape"))
-def convert_adaptive_avg_pool2d(node, ctx) -> list[Layer]:
-    x, size = node.args[:2]
-    _check_4d(node, ctx, x)
-    c, h, w = ctx.shape(x)
-    oh, ow = ctx.shape(node)[1:]
-    if (oh, ow) == (1, 1):
-        return _global_average(node, ctx, x, keep_shape=True)
-    if h % oh or w % ow:
-        raise ctx.unsupported(node, f"adaptive average pooling {h}x{w} -> {oh}x{ow} with unequal windows; "
-                                    "only output sizes that divide the input are supported")
-    attrs = {"kernel": [h // oh, w // ow], "stride": [h // oh, w // ow], "padding": [0, 0],
-             "ceil_mode": False, "count_include_pad": True, "divisor": None}
-    return [Layer(name=ctx.new_name(node, prefer_module=False), op="avg_pool2d",
-                  inputs=[ctx.activation(x, node)], out_shape=(c, oh, ow), source=ctx.source(node), attrs=attrs)]
+def adaptive_window(size: int, out: int) -> tuple[int, int] | None:
+    """``(kernel, stride)`` of the regular pool that computes torch's adaptive pooling of ``size``
+    elements to ``out`` (window ``i`` is ``[⌊i·size/out⌋, ⌈(i+1)·size/out⌉)``), or None when its
+    windows differ in size or spacing (e.g. 10 → 4: sizes 3, 4, 4, 3)."""
+    starts = [i * size // out for i in range(out)]
+    ends = [-(-(i + 1) * size // out) for i in range(out)]
+    sizes = {e - s for s, e in zip(starts, ends)}
+    stride = starts[1] - starts[0] if out > 1 else size
+    if len(sizes) != 1 or stride < 1 or any(s != i * stride for i, s in enumerate(starts)):
+        return None
+    return sizes.pop(), stride
 
 
-@register("aten.mean.dim", produces=("avg_pool2d", "reshape"))
-def convert_mean(node, ctx) -> list[Layer]:
-    x, dims = node.args[:2]
-    keepdim = bool(node.args[2]) if len(node.args) > 2 else bool(node.kwargs.get("keepdim", False))
+@register("aten.adaptive_avg_pool2d.default", "aten.adaptive_avg_pool1d.default", "aten.adaptive_max_pool2d.default",
+          "aten.adaptive_max_pool1d.default", produces=("avg_pool2d", "max_pool2d", "reshape"))
+def convert_adaptive_pool(node, ctx) -> list[Layer]:
+    """``AdaptiveAvgPool1d/2d``, ``AdaptiveMaxPool1d/2d`` where torch's windows are those of a regular
+    pool (:func:`adaptive_window`; e.g. an output size dividing the input): that pool."""
+    x = node.args[0]
+    spatial = _spatial_dims(node, ctx, x)
+    in_sizes, out_sizes = ctx.shape(x)[1:], out_shape(node, ctx)[1:]
+    windows = [adaptive_window(n, o) for n, o in zip(in_sizes, out_sizes)]
+    kind = "Max" if "max" in str(node.target) else "Avg"
+    if any(w is None for w in windows):
+        sizes = " x ".join(map(str, in_sizes))
+        dims = [(n, o) for (n, o), w in zip(zip(in_sizes, out_sizes), windows) if w is None]
+        fits = "; ".join(f"for {n}: {', '.join(str(d) for d in range(1, n + 1) if n % d == 0)}" for n, _ in dims)
+        raise ctx.unsupported(node, f"Adaptive{kind}Pool{spatial}d from {sizes} to {' x '.join(map(str, out_sizes))}: "
+                                    "torch's adaptive windows then differ in size or spacing, which PFP's regular "
+                                    "pools do not compute. Choose an output size that divides the input (" + fits +
+                                    f") or use {kind}Pool{spatial}d with a fixed kernel and stride")
+    kernel, stride = [w[0] for w in windows if w], [w[1] for w in windows if w]
+    if spatial == 1:
+        kernel, stride = [1, *kernel], [1, *stride]
+    attrs: dict = {"kernel": kernel, "stride": stride, "padding": [0, 0], "ceil_mode": False}
+    if kind == "Max":
+        attrs["dilation"] = [1, 1]
+        return _pool(node, ctx, x, "max_pool2d", attrs, spatial)
+    attrs.update(count_include_pad=True, divisor=None)
+    return _pool(node, ctx, x, "avg_pool2d", attrs, spatial)
+
+
+def _global_pool(node, ctx, x, op: str) -> list[Layer]:
+    """``op`` (``max_pool2d``/``avg_pool2d``) over the whole ``L`` of ``(batch, C, L)`` (as ``(C, 1, L)``)
+    or ``H×W`` of ``(batch, C, H, W)``, then the node's own shape (keepdim or not)."""
+    shape = ctx.shape(x)
+    if len(shape) == 3 and op == "avg_pool2d":
+        return _global_average(node, ctx, x, keep_shape=out_shape(node, ctx) == (shape[0], 1, 1))
+    name, source = ctx.new_name(node, prefer_module=False), ctx.source(node)
+    layers, src = [], ctx.activation(x, node)
+    if len(shape) == 2:
+        layers.append(Layer(name=f"{name}_to_2d", op="reshape", inputs=[src], out_shape=(shape[0], 1, shape[1]),
+                            source=source))
+        src, shape = layers[-1].name, (shape[0], 1, shape[1])
+    attrs: dict = {"kernel": list(shape[1:]), "stride": list(shape[1:]), "padding": [0, 0], "ceil_mode": False}
+    attrs.update({"dilation": [1, 1]} if op == "max_pool2d" else {"count_include_pad": True, "divisor": None})
+    final = out_shape(node, ctx)
+    pool_name = name if final == (shape[0], 1, 1) else f"{name}_2d"
+    layers.append(Layer(name=pool_name, op=op, inputs=[src], out_shape=(shape[0], 1, 1), source=source, attrs=attrs))
+    if pool_name != name:
+        layers.append(Layer(name=name, op="reshape", inputs=[pool_name], out_shape=final, source=source))
+    return layers
+
+
+@register("aten.mean.dim", "aten.amax.default", "aten.max.dim", produces=("avg_pool2d", "max_pool2d", "reshape"))
+def convert_global_pool(node, ctx) -> list[Layer]:
+    """``x.mean(-1)``, ``x.amax(-1)``, ``x.max(-1)[0]`` over the ``L`` of ``(batch, C, L)``, and
+    ``x.mean((2, 3))``/``x.amax((2, 3))`` over ``H×W``: global average/max pooling."""
+    x, dims = node.args[0], node.args[1] if len(node.args) > 1 else node.kwargs.get("dim", [])
+    dims = [dims] if isinstance(dims, int) else list(dims)
     rank = len(ctx.shape(x)) + 1
-    if rank != 4 or sorted(d % rank for d in dims) != [2, 3]:
-        raise ctx.unsupported(node, f"mean over dims {list(dims)}; only the spatial mean of (batch, C, H, W) "
-                                    "(global average pooling) is supported")
-    return _global_average(node, ctx, x, keep_shape=keepdim)
+    op = "avg_pool2d" if str(node.target) == "aten.mean.dim" else "max_pool2d"
+    if rank not in (3, 4) or sorted(d % rank for d in dims) != list(range(2, rank)):
+        what = "mean" if op == "avg_pool2d" else "max"
+        raise ctx.unsupported(node, f"{what} over dims {dims} of (batch, {', '.join(map(str, ctx.shape(x)))}); only "
+                                    "the spatial reduction of (batch, C, L) or (batch, C, H, W) (global pooling) is "
+                                    "supported")
+    return _global_pool(node, ctx, x, op)
