@@ -4,7 +4,7 @@ own mean formula, on any back end's ``ops`` namespace.
 
 Why
 ---
-Shared-factor PFP (:mod:`pyro2pfp.correlation.rules`) carries ``s = Cov(a, η)`` of every activation
+Shared-factor PFP (:mod:`pyro2pfp.correlation.shared`) carries ``s = Cov(a, η)`` of every activation
 with its channel's normal ``η``.  For ``y = f(a)`` with ``(a, η)`` jointly Gaussian, Stein's lemma
 (Stein 1981, *Ann. Statist.* 9(6); the ReLU rule's identity ``Cov(g(a), η) = E[g'(a)]·Cov(a, η)``)
 gives ``Cov(f(a), η) = E[f'(a)]·s``, and differentiating ``E[f(μ + σZ)]`` under the integral gives
