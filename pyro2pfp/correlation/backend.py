@@ -40,7 +40,7 @@ class FixedKStep:
     def emits_mean_field(self, layer: PlannedLayer) -> bool:
         """Whether this step computes ``layer``'s mean-field outputs itself, in its rule's kernel (the
         emitter then emits no mean-field kernel for the layer and calls the step with ``out=None``).
-        Asked in layer order, after the step has run on the layer's inputs.  None here."""
+        Asked in layer order, after the step has run on the layer's inputs.  Never, unless a back end says so."""
         return False
 
     def __call__(self, ctx: Any, layer: PlannedLayer, inputs: list[Any], out: Any) -> Any:
