@@ -20,8 +20,7 @@ from dataclasses import replace
 import numpy as np
 
 from .graph import GaussianParam, Layer, LayerGraph
-
-FOLDABLE_PRODUCERS = ("dense", "conv2d")
+from .plan import is_compute_layer
 
 
 def _scaled(param: GaussianParam, scale: np.ndarray, shift: np.ndarray | None = None) -> GaussianParam:
@@ -46,7 +45,7 @@ def fold_batch_norm(graph: LayerGraph) -> LayerGraph:
     renamed: dict[str, str] = {}  # folded affine layer name -> compute layer name
     for layer in graph.layers:
         producer = by_name.get(layer.inputs[0]) if layer.op == "affine" else None
-        if (producer is None or producer.op not in FOLDABLE_PRODUCERS or uses.get(producer.name) != 1
+        if (producer is None or not is_compute_layer(producer.op) or uses.get(producer.name) != 1
                 or producer.name == graph.output):
             continue
         scale, shift = layer.params["scale"].mean, layer.params["shift"].mean

@@ -305,7 +305,7 @@ exporter = add_to(EXPORTERS, "ONNX export of op")
 
 SCHEME_STEPS: dict[str, Callable[..., Any]] = {}
 """``{correlation scheme: factory(graph, ctx) -> step(ctx, layer, inputs, out) -> out}`` for plans that
-are not mean-field (``"shared-factor"``: :mod:`pyro2pfp.correlation.onnx_rules`, which builds on this
+are not mean-field (``"shared-factor"``: :mod:`pyro2pfp.correlation.onnx_step`, which builds on this
 module): the step emits the scheme's nodes after each layer's export."""
 
 
@@ -353,7 +353,7 @@ def build_model(net: Any, *, opset: int = DEFAULT_OPSET, graph_name: str | None 
         b._used["x_var"] += 1
         values = {INPUT: OnnxActivation(Sym(b, "x"), Sym(b, "x_var"), V)}
 
-    # shared-factor PFP: its rules after each layer's export (pyro2pfp/correlation/onnx_rules.py)
+    # shared-factor PFP: its rules after each layer's export (pyro2pfp/correlation/onnx_step.py)
     step = SCHEME_STEPS["shared-factor"](graph, ctx) if graph.factors is not None else None
     for layer in graph.layers:
         b.scope = layer.name

@@ -50,7 +50,11 @@ from .registry import COMPUTE_INPUT, OPS
 
 D, V, S = Repr.DETERMINISTIC, Repr.VARIANCE, Repr.SECOND_MOMENT
 _FLOAT32_TINY = float(np.finfo(np.float32).tiny)
-_COMPUTE_OPS = ("dense", "conv2d")
+
+
+def is_compute_layer(op: str) -> bool:
+    """``op`` has Gaussian weights (``OpDef.compute_layer``: dense, conv2d)."""
+    return op in OPS and OPS[op].compute_layer
 
 
 def stored_variance(var: np.ndarray, calibration: float) -> np.ndarray:
@@ -61,7 +65,7 @@ def stored_variance(var: np.ndarray, calibration: float) -> np.ndarray:
 
 def has_deterministic_weights(layer: Layer, calibration: float) -> bool:
     """Whether a dense/conv layer's stored weight and bias variances are all 0."""
-    return layer.op in _COMPUTE_OPS and all(
+    return is_compute_layer(layer.op) and all(
         not np.any(stored_variance(p.var, calibration)) for p in layer.params.values())
 
 
@@ -161,7 +165,7 @@ class PlannedGraph:
         rows.append(("input", "", "", str(self.input_shape), "", str(self.input_repr), ""))
         for p in self.layers:
             notes = []
-            if p.op in ("dense", "conv2d"):
+            if is_compute_layer(p.op):
                 w = "weight variances" if "weight_var" in p.tensors else "E[w²] precomputed"
                 w += {D: "", V: ", variance-input form", S: ", raw-moment form"}[p.in_reprs[0]]
                 b = ("no bias" if "bias_mean" not in p.tensors
@@ -204,7 +208,7 @@ def _stored_tensors(layer: Layer, input_repr: Repr, calibration: float) -> dict[
         if bias is not None and not bias.is_deterministic:
             tensors["bias_var"] = stored_variance(bias.var, calibration)
         return tensors
-    if layer.op not in _COMPUTE_OPS:
+    if not is_compute_layer(layer.op):
         return {}
     weight = layer.params["weight"]
     tensors = {"weight_mean": weight.mean}

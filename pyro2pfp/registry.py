@@ -17,6 +17,11 @@ TVM kernels        ``tvm_backend.kernel(op)``                            :mod:`p
 CPU schedules      ``tvm_backend.schedule(op)``                          :mod:`pyro2pfp.tvm_backend.schedules`
 =================  ====================================================  =================================
 
+The rules of shared-factor PFP (:mod:`pyro2pfp.correlation`) have three tables of their own, here
+(:data:`SHARED_REFERENCES`, :data:`SHARED_EXPORTERS`, :data:`SHARED_KERNELS`), filled by
+``@shared_reference(op)`` / ``@shared_exporter(op)`` in ``ops/<family>.py`` and ``@shared_kernel(op)``
+in ``tvm_backend/ops/<family>.py``, beside the op's mean-field parts.
+
 Elementwise activations need less: an :class:`ActivationRule` (the exact activation and its
 Gaussian moments, written against an ``ops`` namespace, see :mod:`pyro2pfp.moments`) in the OpDef
 gives the reference, the ONNX export and (through ``tvm_backend/ops/activation.py``) the TE kernel
@@ -100,6 +105,26 @@ class ActivationRule:
     non_decreasing: Callable[[dict[str, Any]], bool] | None = None
     """Whether ``f`` is non-decreasing for these attrs (None: not known to be).  Then
     ``max_pool(f(a)) = f(max_pool(a))`` exactly, and the planner may apply ``f`` after a max pool."""
+    stein: bool = True
+    """The op's shared-factor rule is the generic one, Stein's linear response with the slope of
+    ``moments``' mean (registered for every back end with the op); False where the op's family
+    file registers a rule of its own (ReLU's Hermite factors, scale's linear rule)."""
+
+
+@dataclass(frozen=True)
+class FactorSpec:
+    """What the shared-factor factor plan (:func:`pyro2pfp.correlation.factors.plan_factors`) needs
+    to know of an op beyond its rule.
+
+    ``terminal``: the op may only be the network's output and reads only its input's corrected
+    ``(μ, v)``: its shared part is dropped (exact: nothing after it sums anything);
+    ``hermite_block``: with a shared input (and ``hermite='factor'``) the op creates a factor block
+    of its channels (ReLU's second Hermite term); ``refuse(layer)``: why the rule cannot run this
+    layer (None: it can), e.g. a grouped convolution."""
+
+    terminal: bool = False
+    hermite_block: bool = False
+    refuse: Callable[[Any], str | None] | None = None
 
 
 @dataclass(frozen=True)
@@ -117,7 +142,11 @@ class OpDef:
     Relax view (no PrimFunc, so no schedule); ``required_tests``: the test kinds the completeness
     test demands (an op with no moments to sample, e.g. ``reshape``, omits ``"monte_carlo"``);
     ``example_attrs``: the attrs of a representative layer of an op that has any (e.g. a LeakyReLU
-    slope), so generic tests can build one layer of every registered activation.
+    slope), so generic tests can build one layer of every registered activation;
+    ``factor_spec``: the op's part of the shared-factor plan; ``no_shared_rule``: why the op has no
+    shared-factor rule (empty: it has one in every back end, which ``tests/test_op_completeness.py``
+    checks; a plan with factors is refused for a network with such an op, ``correlation='auto'``
+    falls back to mean-field).
     """
 
     name: str
@@ -134,6 +163,8 @@ class OpDef:
     view: bool = False
     required_tests: tuple[str, ...] = field(default=("monte_carlo", "compiled"))
     example_attrs: dict[str, Any] = field(default_factory=dict)
+    factor_spec: FactorSpec = FactorSpec()
+    no_shared_rule: str = ""
 
 
 OPS: dict[str, OpDef] = {}
@@ -151,6 +182,23 @@ EXTRA_TABLE_ROWS = (
     ("final `softmax` / `log_softmax`", "stripped, with a warning", "—",
      "the network outputs the logits' (mean, variance)"),
 )
+
+
+SHARED_REFERENCES: dict[str, Callable[..., Any]] = {}
+"""``{op: rule(layer, inputs, shared, fp, var) -> (shared part, var)}``: the float64 shared-factor
+rules (:func:`pyro2pfp.correlation.execute.execute_shared_all` runs them after each layer's
+reference; ``inputs``: the inputs' mean-field activations, ``shared``: their
+:class:`~pyro2pfp.correlation.shared.Shared` parts (None: none), ``var``: the layer's output
+variance, returned corrected where the rule corrects it)."""
+SHARED_EXPORTERS: dict[str, Callable[..., Any]] = {}
+"""``{op: rule(step, ctx, layer, inputs, shared, out) -> (shared part, out)}``: the ONNX export of the
+rules (``step``: the :class:`~pyro2pfp.correlation.onnx_step.OnnxSharedStep` and its helpers)."""
+SHARED_KERNELS: dict[str, Callable[..., Any]] = {}
+"""``{op: rule(step, ctx, layer, inputs, shared, out) -> (shared part, out)}``: the TE kernels of the
+rules (``step``: the ``tvm_backend.shared_factor.SharedStep``; filled when ``tvm_backend`` is imported)."""
+shared_reference = add_to(SHARED_REFERENCES, "shared-factor rule of op")
+shared_exporter = add_to(SHARED_EXPORTERS, "shared-factor ONNX export of op")
+shared_kernel = add_to(SHARED_KERNELS, "shared-factor TVM kernel of op")
 
 
 def register_op(op: OpDef) -> OpDef:

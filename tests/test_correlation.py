@@ -26,9 +26,10 @@ from pyro2pfp.correlation import (
     plan_factors,
     with_correlation,
 )
-from pyro2pfp.correlation.rules import shared_pool, shared_relu
 from pyro2pfp.diagnose import layer_fidelity
 from pyro2pfp.graph import INPUT, GaussianParam, Layer, LayerGraph, Repr
+from pyro2pfp.ops.activation import relu_shared
+from pyro2pfp.ops.pooling import max_pool2d_shared
 from pyro2pfp.plan import plan
 from pyro2pfp.reference import Activation, execute
 
@@ -150,7 +151,7 @@ def test_relu_stein_and_second_hermite_loadings_are_exact(op, slope):
     g = np.zeros((1, 2, k))
     g[0, 0, 0] = g[0, 1, 1] = 1.0
     fp = FactorPlan(offsets={"r": 2}, width={"r": k})  # the ReLU's Hermite block after the input's 2 factors
-    out = shared_relu(planned.layers[0], x, Shared(s, g), fp)
+    out, _ = relu_shared(planned.layers[0], [x], [Shared(s, g)], fp, x.variance())
     n = 200000
     eta = rng.standard_normal((n, 1, 2, 1, 1))
     a = mean + s * eta + e * rng.standard_normal((n, *shape))
@@ -177,7 +178,8 @@ def test_max_pool_linear_response_is_exact_for_a_pair():
     layer = Layer(name="mp", op="max_pool2d", inputs=[INPUT], out_shape=(1, 1, 1), source="mp (test)", attrs=attrs)
     planned = plan(LayerGraph(input_shape=(1, 1, 2), layers=[layer], output="mp", input_variance=True))
     x = Activation(mean, s**2 + e**2, Repr.VARIANCE)
-    out, _ = shared_pool(planned.layers[0], x, Shared(s, np.ones((1, 1, 1))), np.zeros((1, 1, 1, 1)))
+    out, _ = max_pool2d_shared(planned.layers[0], [x], [Shared(s, np.ones((1, 1, 1)))], FactorPlan(),
+                               np.zeros((1, 1, 1, 1)))
     n = 400000
     eta = rng.standard_normal((n, 1, 1, 1, 1))
     a = mean + s * eta + e * rng.standard_normal((n, 1, 1, 1, 2))
@@ -359,7 +361,7 @@ def test_generic_activation_rule_is_steins_lemma():
     """Any activation with an ActivationRule (here tanh's Gaussian moments, not a registered op): the
     shared profile is Cov(f(a), η) = E[f'(a)]·s (Stein's lemma; a = μ + s·η + e·ε Gaussian)."""
     from pyro2pfp import moments
-    from pyro2pfp.correlation.rules import shared_activation
+    from pyro2pfp.ops.activation import stein_shared
     from pyro2pfp.registry import ActivationRule
 
     rng = np.random.default_rng(11)
@@ -371,7 +373,7 @@ def test_generic_activation_rule_is_steins_lemma():
                           moments=lambda m, v, attrs, ops: moments.tanh_moments(m, v, ops))
     g = np.zeros((1, 2, 2))
     g[0, 0, 0] = g[0, 1, 1] = 1.0
-    out = shared_activation(planned.layers[0], Activation(mean, s**2 + e**2, Repr.VARIANCE), Shared(s, g), rule)
+    out = stein_shared(planned.layers[0], Activation(mean, s**2 + e**2, Repr.VARIANCE), Shared(s, g), rule)
     n = 200000
     eta = rng.standard_normal((n, 1, 2, 1, 1))
     f = np.tanh(mean + s * eta + e * rng.standard_normal((n, *shape)))

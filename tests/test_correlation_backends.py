@@ -1,5 +1,5 @@
-"""Shared-factor PFP compiled (tvm_backend/ops/correlation.py) and exported to ONNX
-(correlation/onnx_rules.py, run by onnxruntime) against the float64 NumPy reference.
+"""Shared-factor PFP compiled (tvm_backend/shared_factor.py and the rules of tvm_backend/ops/) and exported to ONNX
+(correlation/onnx_step.py and the rules of ops/<family>.py, run by onnxruntime) against the float64 NumPy reference.
 
 The compiled path compacts ``g`` where the reference does (a Cholesky factor of g·gᵀ instead of
 the reference's QR: exact, only g·gᵀ matters), ONNX export skips compaction (K grows; exact too), so
@@ -24,7 +24,6 @@ from pyro2pfp.network import PFPNetwork
 from pyro2pfp.plan import plan
 from pyro2pfp.tvm_backend import emit_module
 from pyro2pfp.tvm_backend.emit import kernel_info
-from pyro2pfp.tvm_backend.ops.correlation import PARTS
 from pyro2pfp.tvm_backend.schedules import schedule_module
 from pyro2pfp.tvm_backend.sharing import share_identical_kernels
 
@@ -191,7 +190,9 @@ def test_every_shared_factor_primfunc_is_scheduled(every_rule):
             parts.add(op)
             assert func.attrs.get("tirx.is_scheduled", False), gv.name_hint
             assert "T.parallel" in func.script(), gv.name_hint
-    assert {f"sf_{part}" for part in PARTS} | {"sf_conv_profile", "sf_cholesky"} <= parts
+    from pyro2pfp.tvm_backend import SCHEDULES
+
+    assert {op for op in SCHEDULES if op.startswith("sf_")} | {"sf_cholesky"} <= parts
 
 
 def test_compiled_zero_variance_and_large_inputs_stay_finite():
@@ -209,7 +210,8 @@ def test_compiled_zero_variance_and_large_inputs_stay_finite():
 
 
 def test_plans_the_compiled_path_does_not_cover_are_refused(monkeypatch):
-    from pyro2pfp.correlation import factors, plan_factors
+    from pyro2pfp.correlation import plan_factors
+    from pyro2pfp.registry import SHARED_EXPORTERS, SHARED_KERNELS
 
     rng = np.random.default_rng(4)
     conv = conv_layer(rng, "conv", INPUT, (1, 4, 4), 2, 1, 1, 0, 1, 1, 0.5, 0.05)
@@ -220,9 +222,10 @@ def test_plans_the_compiled_path_does_not_cover_are_refused(monkeypatch):
     planned.factors = plan_factors(planned, injection="rescaled")
     with pytest.raises(pyro2pfp.ArgumentError, match="injection='regression'"):
         emit_module(planned)
-    monkeypatch.setattr(factors, "BACKEND_OPS", ("dense",))  # as for an op added without a kernel
+    monkeypatch.delitem(SHARED_KERNELS, "conv2d")  # as for an op added without a kernel
     with pytest.raises(pyro2pfp.ArgumentError, match="conv \\(test\\): the TVM back end has no .*'conv2d'"):
         emit_module(with_correlation(plan(graph), "shared-factor"))
+    monkeypatch.delitem(SHARED_EXPORTERS, "conv2d")
     with pytest.raises(pyro2pfp.ArgumentError, match="conv \\(test\\): ONNX export has no .*'conv2d'"):
         PFPNetwork(graph, with_correlation(plan(graph), "shared-factor")).to_onnx()
 
@@ -359,7 +362,7 @@ def test_cholesky_compaction_keeps_the_gram_matrix_of_degenerate_loadings():
     (a dead channel), a duplicated row, a row nearly in the span of others, fewer factors than
     rows (rank-deficient) -- L·Lᵀ = g·gᵀ to float32 rounding, L lower-triangular with zero
     padding columns, finite (a zero or negative pivot must not divide)."""
-    from pyro2pfp.tvm_backend.ops.correlation import cholesky_factor
+    from pyro2pfp.tvm_backend.shared_factor import cholesky_factor
 
     rows, width = 12, 16
     rng = np.random.default_rng(3)
@@ -419,15 +422,15 @@ def test_static_batch_executable_is_scheduled_and_matches_the_reference(every_ru
 
 
 def test_normalised_loading_limit_cases(monkeypatch):
-    """``_normalised`` (the ``g = ℓ/‖ℓ‖`` stage fused into every loading kernel), unscheduled and with
+    """``normalised`` (the ``g = ℓ/‖ℓ‖`` stage fused into every loading kernel), unscheduled and with
     the row-local schedule, against float64: a zero row gives g = 0 and norm 0; rows of 1e30 (whose
     squares overflow float32) and of 1e-20 (whose squares underflow) keep unit rows and their norm; a
     row below NORM_FLOOR counts as zero; everything finite."""
     from tvm import te
 
     from pyro2pfp.tvm_backend import schedules
-    from pyro2pfp.tvm_backend.ops.correlation import NORM_FLOOR, _normalised
     from pyro2pfp.tvm_backend.schedules import schedule_function
+    from pyro2pfp.tvm_backend.shared_factor import NORM_FLOOR, normalised
 
     monkeypatch.setattr(schedules.driver, "SERIAL_WORK", 0.0)  # this small static kernel: the parallel schedule
     monkeypatch.setattr(schedules.driver, "NEST_SERIAL_WORK", 0.0)
@@ -447,7 +450,7 @@ def test_normalised_loading_limit_cases(monkeypatch):
     want_g = np.where(tiny[..., None], 0.0, ell / np.where(norm64 > 0, norm64, 1.0)[..., None])
 
     placeholder = te.placeholder(ell.shape, "float32", name="loading")
-    g, norm = _normalised(placeholder)
+    g, norm = normalised(placeholder)
     func = te.create_prim_func([placeholder, g, norm]).with_attr("pfp.op", "sf_add")
     scheduled = schedule_function(func, "sf_add", None, NATIVE)
     assert "T.parallel" in scheduled.script()
@@ -557,13 +560,14 @@ def _relu_kernel_inputs(planned, name: str, batch: int = 3) -> tuple[np.ndarray,
 def test_shared_factor_relu_kernel_limit_cases(every_rule, name):
     """The one ``sf_relu`` kernel on its own against float64 -- its mean-field outputs against
     ``moments.relu_moments``/``leaky_relu_moments``, the profile and loadings against the reference
-    rule (``correlation.rules.shared_relu``, then the executor's clip to ``±√v_out``) -- on inputs with
+    rule (``ops.activation.relu_shared``, then the executor's clip to ``±√v_out``) -- on inputs with
     zero-variance rows and elements and huge means: finite, and the reference's values (the
     ``σ = 0`` limits of Stein's terms: ``Φ → [μ > 0]``, ``h = 0``)."""
     from pyro2pfp import moments
     from pyro2pfp.correlation.factors import fixed_k_plan
-    from pyro2pfp.correlation.rules import Shared, shared_relu
+    from pyro2pfp.correlation.shared import Shared
     from pyro2pfp.graph import Repr
+    from pyro2pfp.ops.activation import relu_shared
     from pyro2pfp.reference._core import Activation
 
     _, planned, _ = every_rule
@@ -586,8 +590,8 @@ def test_shared_factor_relu_kernel_limit_cases(every_rule, name):
     np.testing.assert_allclose(second, want_var, rtol=RTOL, atol=RTOL * want_var.max())
     assert (second[0, 0] == 0).all() and (mean[0, 0] == np.maximum(m[0, 0], 0) + layer.layer.attrs.get(
         "slope", 0.0) * np.minimum(m[0, 0], 0)).all()
-    want = shared_relu(layer, Activation(m64, v64, Repr.VARIANCE), Shared(s.astype(np.float64), g.astype(np.float64)),
-                       fp)
+    want, _ = relu_shared(layer, [Activation(m64, v64, Repr.VARIANCE)],
+                          [Shared(s.astype(np.float64), g.astype(np.float64))], fp, v64)
     sd = np.sqrt(np.maximum(want_var, 0.0))
     want_s = np.clip(want.s, -sd, sd)
     assert_matches((s_out, g_out), (want_s, want.g))

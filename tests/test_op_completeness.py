@@ -1,12 +1,14 @@
 """Every registered PFP op is complete: something converts to it (or the planner inserts it), the
 NumPy reference executes it, the TVM back end has its kernel and a default CPU schedule, the ONNX
-exporter writes it, and the tests its OpDef requires (a Monte Carlo test and a compiled-vs-reference
-test) check it.
+exporter writes it, shared-factor PFP has its rule in every back end (float64, ONNX, TVM; unless the
+OpDef says why not, ``no_shared_rule``), and the tests its OpDef requires (a Monte Carlo test and a
+compiled-vs-reference test) check it.
 
 Adding an op without one of these fails here, with the name of what is missing (the checklist of
 docs/architecture.md)."""
 from __future__ import annotations
 
+import dataclasses
 import importlib
 from pathlib import Path
 
@@ -16,7 +18,7 @@ from pyro2pfp import ops as ops  # the op registry: every op family registers it
 from pyro2pfp.converters import PRODUCES
 from pyro2pfp.onnx_export import EXPORTERS
 from pyro2pfp.reference import REFERENCES
-from pyro2pfp.registry import OPS, OpDef
+from pyro2pfp.registry import OPS, SHARED_EXPORTERS, SHARED_KERNELS, SHARED_REFERENCES, OpDef
 
 # every test module: their @covers decorators fill COVERAGE (pytest has imported them already when it
 # collects the whole suite; a new test file needs no registration here)
@@ -37,6 +39,9 @@ def missing_parts() -> list[str]:
             "TVM kernel": name in KERNELS,
             "CPU schedule": name in SCHEDULES or op.view,  # a view emits no PrimFunc
             "ONNX export": name in EXPORTERS,
+            "shared-factor rule (NumPy)": name in SHARED_REFERENCES or bool(op.no_shared_rule),
+            "shared-factor rule (ONNX)": name in SHARED_EXPORTERS or bool(op.no_shared_rule),
+            "shared-factor rule (TVM)": name in SHARED_KERNELS or bool(op.no_shared_rule),
         }
         parts.update({TEST_KINDS[kind]: TEST_KINDS[kind] in COVERAGE[name] for kind in op.required_tests})
         missing += [f"{name}: no {part}" for part, present in parts.items() if not present]
@@ -50,7 +55,17 @@ def test_every_op_is_complete():
 def test_an_incomplete_op_is_reported(monkeypatch):
     monkeypatch.setitem(OPS, "mish", OpDef("mish", ("aten.mish.default",)))
     assert missing_parts() == [f"mish: no {part}" for part in (
-        "converter", "NumPy reference", "TVM kernel", "CPU schedule", "ONNX export", MONTE_CARLO, COMPILED)]
+        "converter", "NumPy reference", "TVM kernel", "CPU schedule", "ONNX export", "shared-factor rule (NumPy)",
+        "shared-factor rule (ONNX)", "shared-factor rule (TVM)", MONTE_CARLO, COMPILED)]
+
+
+def test_an_op_without_a_shared_factor_rule_says_why(monkeypatch):
+    """An op may go without a shared-factor rule only with its reason in the OpDef (then a plan with
+    factors refuses the network, naming the layer, and ``auto`` falls back to mean-field)."""
+    monkeypatch.delitem(SHARED_KERNELS, "avg_pool2d")
+    assert missing_parts() == ["avg_pool2d: no shared-factor rule (TVM)"]
+    monkeypatch.setitem(OPS, "avg_pool2d", dataclasses.replace(OPS["avg_pool2d"], no_shared_rule="(a test)"))
+    assert missing_parts() == []
 
 
 def test_ops_are_registered_once():

@@ -42,7 +42,7 @@ def test_split_kernel_name():
     assert split_kernel_name("pfp_relu_relu") == ("relu", "relu")
     assert split_kernel_name("fused_matmul_add") == ("fused_matmul_add", "")
     # shared-factor kernels (scheduled ops, not layer kernels): the op is the longest prefix
-    import pyro2pfp.tvm_backend.ops.correlation  # noqa: F401 -- registers the sf_* schedules
+    import pyro2pfp.tvm_backend  # noqa: F401 -- registers the sf_* schedules
 
     assert split_kernel_name("pfp_sf_conv_load_layers_7_conv2") == ("sf_conv_load", "layers_7_conv2")
     assert split_kernel_name("pfp_sf_relu_relu_10") == ("sf_relu", "relu_10")

@@ -128,7 +128,7 @@ def test_compiled_float32_slope_matches_the_float64_rule(name):
 
     from pyro2pfp.graph import Layer, Repr
     from pyro2pfp.plan import PlannedLayer
-    from pyro2pfp.tvm_backend.ops.correlation import stein_kernel
+    from pyro2pfp.tvm_backend.ops.activation import stein_kernel
 
     rule, attrs = OPS[name].activation, OPS[name].example_attrs
     mu, var = grid(name, float32=True)

@@ -1,6 +1,6 @@
 """Winograd F(2x2, 3x3) for the shared-factor profile convolution (``sf_conv_profile``): the run-time
 filter transform of the per-input weights (``winograd.weight_transform``, in ``sf_conv_weights``), the
-Winograd profile kernel (``correlation.winograd_profile``) against the float64 direct formula, its
+Winograd profile kernel (``compute_shared.winograd_profile``) against the float64 direct formula, its
 limit cases, and shared-factor nets compiled with it against ``net.reference``.
 
 Tolerances: the float32 bound of the direct kernels' tests (``builders.assert_compute_layer``:
@@ -25,7 +25,7 @@ from pyro2pfp.correlation import with_correlation
 from pyro2pfp.graph import INPUT, LayerGraph
 from pyro2pfp.network import PFPNetwork
 from pyro2pfp.plan import plan
-from pyro2pfp.tvm_backend.ops.correlation import winograd_profile
+from pyro2pfp.tvm_backend.ops.compute_shared import winograd_profile
 from pyro2pfp.tvm_backend.ops.winograd import WINO_G, direct_convolutions, weight_transform, winograd_shape
 from pyro2pfp.tvm_backend.schedules import schedule_function
 

@@ -10,11 +10,15 @@ uses them where positions and branches are summed; still one forward pass, no sa
 * :mod:`.factors`: the factor plan (plain data in the plan: ``PlannedGraph.factors``, set by
   :func:`with_correlation`) and the choice ``convert(..., correlation="auto" | "shared-factor" |
   "mean-field")``;
-* :mod:`.rules`: the representation, the per-op rules and their assumptions (NumPy float64);
+* :mod:`.shared`: the representation (NumPy float64) and its compaction;
+* the per-op rules live with their ops (``ops/<family>.py``: float64 and ONNX,
+  ``tvm_backend/ops/<family>.py``: TE kernels), in the tables ``registry.SHARED_REFERENCES``,
+  ``SHARED_EXPORTERS`` and ``SHARED_KERNELS``; an op with an ``ActivationRule`` gets the generic
+  one (Stein's lemma, :mod:`.stein`);
 * :mod:`.execute`: the executor (registered in ``reference.SCHEME_EXECUTORS``: what
   ``net.reference`` and ``reference.execute_all`` run for a plan with factors);
-* :mod:`.onnx_rules`: the ONNX export of the rules (registered in ``onnx_export.SCHEME_STEPS``);
-  the TVM kernels are in ``pyro2pfp/tvm_backend/ops/correlation.py``;
+* :mod:`.backend`: the per-layer dispatch of the float32 back ends, :mod:`.onnx_step` the ONNX one
+  (registered in ``onnx_export.SCHEME_STEPS``); the TVM one is ``pyro2pfp/tvm_backend/shared_factor.py``;
 * :mod:`.cost`: the cost model.
 
 Cost (per input; :func:`~pyro2pfp.correlation.cost.cost_model`, ``benchmarks/fidelity.py --cost``)
@@ -32,7 +36,7 @@ Back ends
 ---------
 * NumPy float64 (:mod:`.execute`, ``net.reference``): the rules with QR compaction of ``g`` where a
   layer's output is the only live edge and ``K ≥ 4·C`` (exact; bounds ``K`` by ~5·C).
-* TVM (``tvm_backend/ops/correlation.py``) and ONNX (:mod:`.onnx_rules`), both through the dispatch
+* TVM (``tvm_backend/shared_factor.py``) and ONNX (:mod:`.onnx_step`), both through the dispatch
   of :mod:`.backend`: the same rules in float32 with a static ``K`` per edge.  TVM compacts where the
   reference does, by the Cholesky factor of ``g·gᵀ`` (exact; ResNet-20 ``K ≤ 320``); ONNX has no
   Cholesky operator and skips compaction (exact, ``K`` grows with depth: ResNet-20 up to 1482, ×2.5
@@ -63,7 +67,7 @@ mean direction (a global scale mode of the homogeneous ReLU/BN-without-shift net
 interactions between layers' noises (the MC variance with all layers noisy is ~1.5× the sum of the
 single-layer variances in ResNet-20) are only partly covered.
 """
-from . import onnx_rules as onnx_rules  # registers the ONNX export of the rules
+from . import onnx_step as onnx_step  # registers the ONNX step of the scheme
 from .cost import Cost, cost_model
 from .execute import execute_shared, execute_shared_all
 from .factors import (
@@ -75,7 +79,7 @@ from .factors import (
     plan_factors,
     with_correlation,
 )
-from .rules import Shared
+from .shared import Shared
 
 __all__ = ["CORRELATIONS", "Cost", "CorrelationError", "FactorPlan", "Shared", "choose", "cost_model",
            "execute_shared", "execute_shared_all", "needs_shared_factors", "plan_factors", "with_correlation"]

@@ -7,7 +7,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from ..graph import INPUT, Repr
-from ..plan import PlannedGraph
+from ..plan import PlannedGraph, is_compute_layer
 from .factors import FactorPlan, plan_factors
 
 
@@ -55,7 +55,7 @@ def cost_model(graph: PlannedGraph, factors: FactorPlan | None = None) -> Cost:
         rows = fp.rows[layer.name]
         if k:
             extra_floats += n_out + rows * k
-        if layer.op in ("conv2d", "dense"):
+        if is_compute_layer(layer.op):
             wm = layer.tensors["weight_mean"]
             o, size = wm.shape[0], int(wm.size)
             positions = int(np.prod(shape[1:])) if layer.op == "conv2d" else 1

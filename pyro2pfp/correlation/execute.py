@@ -1,8 +1,9 @@
 """The float64 executor of shared-factor PFP: the mean-field reference of every layer
 (:data:`pyro2pfp.reference.REFERENCES`) plus the layer's shared-factor rule
-(:mod:`pyro2pfp.correlation.rules`), which also corrects the variance where positions or branches
-are summed (average pooling, dense, residual add).  :func:`pyro2pfp.reference.execute_all` runs it
-for a plan that carries a :class:`~pyro2pfp.correlation.factors.FactorPlan`."""
+(:data:`pyro2pfp.registry.SHARED_REFERENCES`, registered in the op's family file), which also
+corrects the variance where positions or branches are summed (average pooling, dense, residual
+add).  :func:`pyro2pfp.reference.execute_all` runs it for a plan that carries a
+:class:`~pyro2pfp.correlation.factors.FactorPlan`."""
 from __future__ import annotations
 
 import numpy as np
@@ -11,19 +12,9 @@ from ..errors import PFPError
 from ..graph import INPUT, Repr
 from ..plan import PlannedGraph
 from ..reference import REFERENCES, SCHEME_EXECUTORS, Activation, emit_output
-from ..registry import OPS
-from .factors import TERMINAL_OPS, FactorPlan
-from .rules import (
-    Shared,
-    compacted,
-    shared_activation,
-    shared_add,
-    shared_affine,
-    shared_conv2d,
-    shared_dense,
-    shared_pool,
-    shared_relu,
-)
+from ..registry import SHARED_REFERENCES
+from .factors import FactorPlan, is_noisy
+from .shared import Shared, compacted
 
 
 def execute_shared_all(graph: PlannedGraph, x: np.ndarray, factors: FactorPlan | None = None, *,
@@ -32,7 +23,7 @@ def execute_shared_all(graph: PlannedGraph, x: np.ndarray, factors: FactorPlan |
     plan's representation; ``(μ, v)`` are the mean-field ones except where a rule corrects ``v``).
 
     ``factors``: the factor plan (default ``graph.factors``); deterministic network input only.
-    ``keep``: names whose :class:`~pyro2pfp.correlation.rules.Shared` part is written into it (for
+    ``keep``: names whose :class:`~pyro2pfp.correlation.shared.Shared` part is written into it (for
     diagnostics and tests)."""
     fp = graph.factors if factors is None else factors
     if fp is None:
@@ -53,30 +44,11 @@ def execute_shared_all(graph: PlannedGraph, x: np.ndarray, factors: FactorPlan |
             out = REFERENCES[op](layer, ins)
             mean, var = out.mean, out.variance()
             sh: Shared | None = None
-            rule = OPS[op].activation if op in OPS else None
-            if op == "conv2d":
-                sh = shared_conv2d(layer, ins[0], shs[0], fp)
-            elif op == "dense":
-                sh, var = shared_dense(layer, ins[0], shs[0], fp, var)
-            elif op == "add":
-                sh, cross = shared_add(shs[0], shs[1], mean.shape, fp.width[layer.name])
-                var = np.maximum(var + cross, 0.0)
-            elif shs[0] is None or op in TERMINAL_OPS:
-                sh = None
-            elif op == "affine":
-                sh = shared_affine(layer, shs[0])
-            elif op in ("relu", "leaky_relu"):
-                sh = shared_relu(layer, ins[0], shs[0], fp)
-            elif op in ("avg_pool2d", "max_pool2d"):
-                sh, var = shared_pool(layer, ins[0], shs[0], var)
-            elif op in ("reshape", "convert"):
-                s_in = shs[0].s
-                sh = Shared(s_in.reshape((s_in.shape[0], -1) if op == "reshape" and mean.ndim == 2 else mean.shape),
-                            shs[0].g)
-            elif rule is not None:
-                sh = shared_activation(layer, ins[0], shs[0], rule)
-            else:  # plan_factors rejects such plans
-                raise PFPError(f"{layer.layer.source}: op '{op}' has no shared-factor rule")
+            if any(s is not None for s in shs) or is_noisy(layer):  # else nothing shared in or created
+                rule = SHARED_REFERENCES.get(op)
+                if rule is None:  # plan_factors rejects such plans
+                    raise PFPError(f"{layer.layer.source}: op '{op}' has no shared-factor rule")
+                sh, var = rule(layer, ins, shs, fp, var)
             if sh is not None:
                 sd = np.sqrt(np.maximum(var, 0.0)).reshape(sh.s.shape)
                 sh = Shared(np.clip(sh.s, -sd, sd), sh.g)

@@ -2,31 +2,28 @@
 columns every edge carries, and where they are compacted -- plain data, fixed before any input
 (:func:`plan_factors`); and the choice between shared factors and mean-field (:func:`choose`).
 
-The representation the plan describes and the per-op rules are in :mod:`pyro2pfp.correlation.rules`.
+The representation the plan describes is in :mod:`pyro2pfp.correlation.shared`; the per-op rules are
+registered with each op (:data:`~pyro2pfp.registry.SHARED_REFERENCES`, ``SHARED_EXPORTERS``,
+``SHARED_KERNELS``), and what the plan needs to know of an op is its
+:class:`~pyro2pfp.registry.FactorSpec`.
 """
 from __future__ import annotations
 
 import dataclasses
 import warnings
+from collections.abc import Collection
 from dataclasses import dataclass, field
 
 import numpy as np
 
 from ..errors import ArgumentError
 from ..graph import INPUT, Repr
-from ..plan import PlannedGraph, PlannedLayer
-from ..registry import OPS
+from ..plan import PlannedGraph, PlannedLayer, is_compute_layer
+from ..registry import OPS, SHARED_EXPORTERS, SHARED_REFERENCES
 
 CORRELATIONS = ("auto", "shared-factor", "mean-field")
 HERMITE_MODES = ("factor", "none")
 INJECTIONS = ("regression", "rescaled")
-#: ops with a dedicated rule; any op with an ActivationRule has the generic (Stein) one
-RULE_OPS = ("conv2d", "dense", "affine", "relu", "leaky_relu", "add", "avg_pool2d", "max_pool2d", "reshape",
-            "convert")
-#: ops that may only be the network's output and read only their input's ``(μ, v)`` (which the rules have
-#: already corrected where positions or branches were summed): their shared part is dropped -- exact,
-#: since nothing after them sums anything.  The uncertainty head (``pyro2pfp.ops.head``).
-TERMINAL_OPS = ("softmax_head",)
 #: compact an edge's ``g`` when its factor count reaches this multiple of its rows (cost 2·C²·K)
 COMPACT_RATIO = 4
 
@@ -45,7 +42,7 @@ class FactorPlan:
     (channels; units of a dense edge); ``group[edge]``: elements per channel of a flat edge;
     ``compact_at``: layers after which ``g`` is compacted to ``rows`` columns (``None``-free: a
     plan without compaction has an empty set); ``hermite``/``injection``: the rule variants
-    (:mod:`pyro2pfp.correlation.rules`)."""
+    (the rules' docstrings)."""
 
     offsets: dict[str, int] = field(default_factory=dict)
     width: dict[str, int] = field(default_factory=dict)
@@ -62,14 +59,20 @@ class FactorPlan:
 
 
 def is_noisy(layer: PlannedLayer) -> bool:
-    """A conv2d/dense layer with weight or bias variance (it creates a factor block)."""
+    """A compute layer (``OpDef.compute_layer``: dense, conv2d) with weight or bias variance (it creates a
+    factor block)."""
     t = layer.tensors
-    return layer.op in ("conv2d", "dense") and any(k in t for k in ("weight_var", "weight_second_moment", "bias_var"))
+    return is_compute_layer(layer.op) and any(k in t for k in ("weight_var", "weight_second_moment", "bias_var"))
 
 
 def has_rule(op: str) -> bool:
-    """Shared-factor PFP has a rule for ``op``."""
-    return op in RULE_OPS or op in TERMINAL_OPS or (op in OPS and OPS[op].activation is not None)
+    """Shared-factor PFP has a (float64) rule for ``op``."""
+    return op in SHARED_REFERENCES
+
+
+def is_terminal(op: str) -> bool:
+    """``op`` may only be the network's output; its shared part is dropped (``FactorSpec.terminal``)."""
+    return op in OPS and OPS[op].factor_spec.terminal
 
 
 def plan_factors(graph: PlannedGraph, hermite: str = "factor", compact: bool = True,
@@ -98,17 +101,18 @@ def plan_factors(graph: PlannedGraph, hermite: str = "factor", compact: bool = T
     for layer in graph.layers:
         name, op, ins = layer.name, layer.op, layer.inputs
         if not has_rule(op):
-            supported = sorted(set(RULE_OPS) | {n for n, o in OPS.items() if o.activation is not None})
+            supported = sorted(SHARED_REFERENCES)
             raise CorrelationError(f"{layer.layer.source}: op '{op}' has no shared-factor rule "
                                    f"(supported: {', '.join(supported)}); use correlation='mean-field'")
-        if op == "conv2d" and layer.layer.attrs.get("groups", 1) != 1:
-            raise CorrelationError(f"{layer.layer.source}: grouped convolutions (groups="
-                                   f"{layer.layer.attrs['groups']}) have no shared-factor rule; "
+        spec = OPS[op].factor_spec
+        refused = spec.refuse(layer) if spec.refuse is not None else None
+        if refused:
+            raise CorrelationError(f"{layer.layer.source}: {refused} have no shared-factor rule; "
                                    "use correlation='mean-field'")
-        if op in TERMINAL_OPS and name != graph.output:
+        if spec.terminal and name != graph.output:
             raise CorrelationError(f"{layer.layer.source}: op '{op}' has a shared-factor rule only as the "
                                    "network's output")
-        has_in = any(width[n] > 0 for n in ins) and op not in TERMINAL_OPS
+        has_in = any(width[n] > 0 for n in ins) and not spec.terminal
         shape = layer.layer.out_shape
         if op == "reshape" and has_in:
             src = ins[0]
@@ -119,7 +123,7 @@ def plan_factors(graph: PlannedGraph, hermite: str = "factor", compact: bool = T
             group[name] = int(np.prod(shape)) // max(rows[src], 1) if len(shape) == 1 else group[src]
         else:
             rows[name], group[name] = shape[0], 1
-        if is_noisy(layer) or (op in ("relu", "leaky_relu") and has_in and hermite == "factor"):
+        if is_noisy(layer) or (spec.hermite_block and has_in and hermite == "factor"):
             offsets[name] = k
             k += shape[0]
         width[name] = k if (has_in or name in offsets) else 0
@@ -137,20 +141,18 @@ def plan_factors(graph: PlannedGraph, hermite: str = "factor", compact: bool = T
 
 #: the float32 back ends' factor counts are multiples of this (16 fp32 = one AVX-512 register)
 FACTOR_ALIGN = 16
-#: ops with a dedicated rule in the compiled (TVM) and the ONNX back ends; every op with an
-#: ``ActivationRule`` has the generic one there too (:func:`in_backends`)
-BACKEND_OPS = ("conv2d", "dense", "affine", "scale", "relu", "leaky_relu", "add", "avg_pool2d", "max_pool2d",
-               "reshape", "convert", *TERMINAL_OPS)
 
 
-def in_backends(op: str, ops: tuple[str, ...] | None = None) -> bool:
-    """The compiled and ONNX back ends implement ``op``'s shared-factor rule: one of ``ops`` (default
-    :data:`BACKEND_OPS`) or an elementwise activation (the generic Stein rule,
-    :mod:`pyro2pfp.correlation.stein`)."""
-    return op in (BACKEND_OPS if ops is None else ops) or (op in OPS and OPS[op].activation is not None)
+def in_backends(op: str, ops: Collection[str] | None = None) -> bool:
+    """The float32 back ends implement ``op``'s shared-factor rule: ``op`` is in ``ops`` (a back end's
+    table of rules), by default in :data:`~pyro2pfp.registry.SHARED_EXPORTERS` -- the compiled back
+    end's table (``SHARED_KERNELS``, filled when TVM is imported) covers the same ops
+    (``tests/test_op_completeness.py``), so the choice of ``auto`` does not depend on whether TVM is
+    loaded."""
+    return op in (SHARED_EXPORTERS if ops is None else ops)
 
 
-def fixed_k_plan(graph: PlannedGraph, what: str, ops: tuple[str, ...] | None = None,
+def fixed_k_plan(graph: PlannedGraph, what: str, ops: Collection[str] | None = None,
                  compaction: bool = False) -> FactorPlan:
     """The factor plan the float32 back ends (``what``: "the TVM back end", "ONNX export") run for a
     shared-factor ``graph``: ``graph.factors``' variants with a static ``K`` per edge.
@@ -158,7 +160,7 @@ def fixed_k_plan(graph: PlannedGraph, what: str, ops: tuple[str, ...] | None = N
     replaces ``g`` by a ``C × C`` factor of ``g·gᵀ`` there, e.g. its Cholesky factor -- exact, only
     ``g·gᵀ`` is used downstream), else none (``K`` grows with depth).  :class:`ArgumentError` for
     what they do not implement: the raw-moment plan, ``injection='rescaled'``, ops outside ``ops``
-    (default :data:`BACKEND_OPS` and the activations, :func:`in_backends`; naming the layer).
+    (the back end's table of rules, :func:`in_backends`; naming the layer).
     Every ``K`` is rounded up to a multiple of
     :data:`FACTOR_ALIGN` (zero columns) so the kernels' factor axis is whole SIMD vectors; a
     compacted edge carries ``aligned(rows)`` columns (:func:`aligned`)."""
@@ -171,9 +173,9 @@ def fixed_k_plan(graph: PlannedGraph, what: str, ops: tuple[str, ...] | None = N
                             f"{fp.injection!r}")
     for layer in graph.layers:
         if not in_backends(layer.op, ops):
-            implemented = ", ".join(BACKEND_OPS if ops is None else ops)
+            implemented = ", ".join(sorted(SHARED_EXPORTERS if ops is None else ops))
             raise ArgumentError(f"{layer.layer.source}: {what} has no shared-factor rule for op '{layer.op}' "
-                                f"(implemented: {implemented} and the activations); net.reference runs it, or "
+                                f"(implemented: {implemented}); net.reference runs it, or "
                                 "convert with correlation='mean-field'")
     return with_aligned_widths(plan_factors(graph, fp.hermite, compact=compaction, injection=fp.injection))
 

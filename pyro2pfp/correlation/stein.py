@@ -4,7 +4,7 @@ own mean formula, on any back end's ``ops`` namespace.
 
 Why
 ---
-Shared-factor PFP (:mod:`pyro2pfp.correlation.rules`) carries ``s = Cov(a, η)`` of every activation
+Shared-factor PFP (:mod:`pyro2pfp.correlation.shared`) carries ``s = Cov(a, η)`` of every activation
 with its channel's normal ``η``.  For ``y = f(a)`` with ``(a, η)`` jointly Gaussian, Stein's lemma
 (Stein 1981, *Ann. Statist.* 9(6); the ReLU rule's identity ``Cov(g(a), η) = E[g'(a)]·Cov(a, η)``)
 gives ``Cov(f(a), η) = E[f'(a)]·s``, and differentiating ``E[f(μ + σZ)]`` under the integral gives
@@ -16,7 +16,7 @@ How
 ---
 Forward-mode AD with dual numbers (Griewank & Walther, *Evaluating Derivatives*, 2nd ed., SIAM
 2008, ch. 3): :func:`dual_ops` wraps a back end's ``ops`` namespace (``moments.NUMPY``, the TE ops of
-``tvm_backend._core.te_shared``, the ONNX exporter's symbolic ops) into one whose values are
+``tvm_backend.te_let.te_shared``, the ONNX exporter's symbolic ops) into one whose values are
 :class:`Dual` pairs ``(value, d/dμ)``; the rule runs unchanged on ``Dual(μ, 1)`` and
 ``Dual(v, 0)`` (the variance is a constant), and the mean it returns carries ``∂E[f(a)]/∂μ`` --
 the derivative of the very approximation the back end evaluates (its selects, clamps, quadrature

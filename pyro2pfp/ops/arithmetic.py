@@ -5,6 +5,10 @@
 * ``add``: the sum of two activations, ``μ = μa + μb``, ``v = va + vb`` -- exact for independent
   summands (the branches of a residual block share their input, so their covariance is dropped).
 
+Shared-factor PFP (:mod:`pyro2pfp.correlation`): the float64 and ONNX rules of ``affine``, ``add``
+and ``scale`` (a constant factor, registered in ``ops/activation.py``: the same rule as ``affine``)
+are at the end of this file, their TE kernels in ``tvm_backend/ops/arithmetic.py``.
+
 The TVM kernels and schedules are in ``tvm_backend/ops/arithmetic.py``.
 """
 from __future__ import annotations
@@ -14,9 +18,14 @@ from typing import Any
 import numpy as np
 
 from ..converters import Alias, register
+from ..correlation.factors import FactorPlan
+from ..correlation.onnx_step import OnnxShared, OnnxSharedStep
+from ..correlation.shared import Shared, expand, normalised, spatial_mean
 from ..graph import GaussianParam, Layer, Repr
-from ..plan import PlannedLayer
-from ..registry import OpDef, register_op
+from ..onnx_export import OnnxActivation, OnnxContext
+from ..plan import PlannedLayer, is_compute_layer
+from ..reference import Activation
+from ..registry import OpDef, register_op, shared_exporter, shared_reference
 from ._formula import formula
 
 AFFINE = register_op(OpDef(
@@ -114,7 +123,7 @@ def _bias_add(node, ctx, activation, bias_arg) -> Alias:
     """Attach a parameter added to the output of a bias-free dense/conv layer as that layer's bias (exact:
     the bias is independent of the weights, ``docs/math.md`` "Compute layers")."""
     producer = ctx.producer(activation)
-    if producer is None or producer.op not in ("dense", "conv2d") or "bias" in producer.params \
+    if producer is None or not is_compute_layer(producer.op) or "bias" in producer.params \
             or len(activation.users) != 1:
         raise ctx.unsupported(node, "adding a parameter to an activation is supported only as the bias of the "
                                     "bias-free dense/conv layer that computes it (x @ W + b)")
@@ -126,3 +135,81 @@ def _bias_add(node, ctx, activation, bias_arg) -> Alias:
                                     f"(batch, {', '.join(map(str, producer.out_shape))}); expected {per_channel}")
     producer.params["bias"] = GaussianParam(bias.mean.reshape(channels), bias.var.reshape(channels), site=bias.site)
     return Alias(activation)
+
+
+# ------------------------------------------------------------------------------------ shared-factor rules
+def linear_factor(layer: PlannedLayer) -> np.ndarray:
+    """The per-row factor of a linear elementwise layer: an affine layer's per-channel ``scale``, a
+    scale layer's constant ``factor`` (as a one-element array)."""
+    return layer.tensors["scale"] if "scale" in layer.tensors else np.array([layer.layer.attrs["factor"]])
+
+
+@shared_reference("affine", "scale")
+def linear_shared(layer: PlannedLayer, inputs: list[Activation], shared: list[Shared | None], fp: FactorPlan,
+                  var: np.ndarray) -> tuple[Shared | None, np.ndarray]:
+    """The affine (BatchNorm eval, scale ``a`` per channel) and scale (a constant ``a``) rule: ``s ↦ a·s``;
+    ``g`` unchanged (exact)."""
+    sh = shared[0]
+    if sh is None:
+        return None, var
+    factor = linear_factor(layer)
+    shape = sh.s.shape
+    rows = sh.g.shape[1]
+    s = sh.s.reshape(shape[0], rows, -1) * factor.reshape(1, -1, 1)
+    return Shared(s.reshape(shape), sh.g), var
+
+
+@shared_reference("add")
+def add_shared(layer: PlannedLayer, inputs: list[Activation], shared: list[Shared | None], fp: FactorPlan,
+               var: np.ndarray) -> tuple[Shared | None, np.ndarray]:
+    """The add (residual) rule: ``ℓ = m̄ s_a·g_a + m̄ s_b·g_b`` -- branches that share upstream factors
+    (both functions of the block input) add coherently; ``g = ℓ/‖ℓ‖``, ``s = s_a·⟨g_a, g⟩ +
+    s_b·⟨g_b, g⟩``; ``v = v_a + v_b + 2·s_a·s_b·⟨g_a, g_b⟩`` (the branch covariance; exact in a linear
+    Gaussian net).  A branch without a shared part leaves the other's."""
+    sa, sb = shared
+    if sa is None or sb is None:
+        return (sa if sb is None else sb), np.maximum(var + 0.0, 0.0)
+    shape = inputs[0].mean.shape
+    k = fp.width[layer.name]
+    a_s, b_s = sa.s.reshape(shape), sb.s.reshape(shape)
+    ga, gb = sa.widened(k), sb.widened(k)
+    cross = 2.0 * a_s * b_s * expand((ga * gb).sum(axis=2), len(shape))
+    loading = spatial_mean(a_s)[..., None] * ga + spatial_mean(b_s)[..., None] * gb
+    norm, g = normalised(loading)
+    s = a_s * expand((ga * g).sum(axis=2), len(shape)) + b_s * expand((gb * g).sum(axis=2), len(shape))
+    return Shared(s, g), np.maximum(var + cross, 0.0)
+
+
+@shared_exporter("affine", "scale")
+def linear_shared_onnx(step: OnnxSharedStep, ctx: OnnxContext, layer: PlannedLayer, inputs: list[OnnxActivation],
+                       shared: list[OnnxShared | None], out: OnnxActivation
+                       ) -> tuple[OnnxShared | None, OnnxActivation]:
+    """:func:`linear_shared` in ONNX."""
+    sh = shared[0]
+    if sh is None:
+        return None, out
+    s = step.grouped(sh.s, layer.name) * step.t(linear_factor(layer).reshape(-1, 1), "scale")
+    s = step.clip(s, step.grouped(step.var(out), layer.name))
+    return OnnxShared(step.view_as(s, *ctx.shapes[layer.name]), sh.g, sh.k), out
+
+
+@shared_exporter("add")
+def add_shared_onnx(step: OnnxSharedStep, ctx: OnnxContext, layer: PlannedLayer, inputs: list[OnnxActivation],
+                    shared: list[OnnxShared | None], out: OnnxActivation) -> tuple[OnnxShared | None, OnnxActivation]:
+    """:func:`add_shared` in ONNX."""
+    sa, sb = shared
+    if sa is None or sb is None:
+        return (sa if sb is None else sb), out  # one branch without a shared part: nothing to combine
+    name = layer.name
+    k = step.fp.width[name]
+    a_s, b_s, var = (step.grouped(t, name) for t in (sa.s, sb.s, step.var(out)))
+    ga, gb = step.widened(sa.g, sa.k, k), step.widened(sb.g, sb.k, k)
+    group = int(np.prod(step.ctx.shapes[name])) // step.fp.rows[name]
+    abar, bbar = (step.rsum(t, [2]) * step.c(1.0 / group) for t in (a_s, b_s))
+    g, _ = step.normalise(abar * ga + bbar * gb)
+    dot, pa, pb = (step.rsum(p * q, [2]) for p, q in ((ga, gb), (ga, g), (gb, g)))
+    var_new = (var + step.c(2.0) * a_s * b_s * dot).nary("Max", step.c(0.0))
+    s = step.clip(a_s * pa + b_s * pb, var_new)
+    shape = step.ctx.shapes[name]
+    out = OnnxActivation(out.mean, step.view_as(var_new, *shape), out.repr)
+    return OnnxShared(step.view_as(s, *shape), g, k), out

@@ -69,7 +69,7 @@ from ..outputs import HeadOutput as HeadOutput  # the head's outputs, defined be
 from ..outputs import head_output as head_output
 from ..plan import PlannedLayer
 from ..reference import Activation, reference
-from ..registry import Contract, OpDef, register_op
+from ..registry import Contract, FactorSpec, OpDef, register_op, shared_exporter, shared_reference
 
 HEAD_OP = "softmax_head"
 HEADS = ("probs",)
@@ -82,7 +82,20 @@ SOFTMAX_HEAD = register_op(OpDef(
     HEAD_OP, modules="(appended by `convert(..., head=\"probs\")`: class probabilities and uncertainty)",
     moments="fixed quadrature: 2·max(32, 2K) antithetic Sobol' points, moment-matched",
     assumptions="independent logits (mean field); a fixed quadrature of E[softmax] and E[entropy]",
-    contract=Contract(Repr.VARIANCE, Repr.VARIANCE, keeps_deterministic=False), internal=True))
+    contract=Contract(Repr.VARIANCE, Repr.VARIANCE, keeps_deterministic=False), internal=True,
+    factor_spec=FactorSpec(terminal=True)))
+
+
+# ------------------------------------------------------------------------------------ shared-factor rule
+@shared_reference(HEAD_OP)
+@shared_exporter(HEAD_OP)
+def softmax_head_shared(*args: Any) -> tuple[None, Any]:
+    """The head's shared-factor rule, in every back end (``rule(layer, inputs, shared, fp, var)``,
+    ``rule(step, ctx, layer, inputs, shared, out)``): the head is the network's output and reads only
+    its input's ``(μ, v)`` -- which the rules before it have already corrected where positions or
+    branches were summed --, so its shared part is dropped (exact: nothing after it sums anything);
+    the output unchanged."""
+    return None, args[-1]
 
 
 def check_head(head: Any) -> str | None:

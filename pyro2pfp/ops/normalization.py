@@ -53,7 +53,9 @@ LAYER_NORM = register_op(OpDef(
                 "from 1e-3 to 1e6: mean within 0.05 output sd, variance within 0.89–1.06× at D = 16, "
                 "0.95–1.03× at D = 64; poor for D ≤ 4); `γ`, `β` independent of the input",
     # a Gaussian γ or β makes a deterministic input random: never kept deterministic
-    contract=Contract(Repr.VARIANCE, Repr.VARIANCE, keeps_deterministic=False)))
+    contract=Contract(Repr.VARIANCE, Repr.VARIANCE, keeps_deterministic=False),
+    no_shared_rule="the row statistics mix every channel of a row, which the per-channel factors do not "
+                   "follow; a network with a LayerNorm is mean-field"))
 
 
 # ------------------------------------------------------------------------------------ reference + ONNX

@@ -16,14 +16,21 @@ also global/adaptive average pooling and ``mean`` over (H, W)).  1-D pools are t
 
 The reference and the ONNX export are written separately here (ONNX has ``MaxPool``/``AveragePool``
 and strided ``Slice``; NumPy folds strided views).  The TVM kernels and schedules are in
-``tvm_backend/ops/pooling.py``.
+``tvm_backend/ops/pooling.py``.  Shared-factor PFP (:mod:`pyro2pfp.correlation`): the float64 and
+ONNX rules of both ops are at the end of this file, their TE kernels in ``tvm_backend/ops/pooling.py``.
 """
 from __future__ import annotations
 
+from typing import Any
+
 import numpy as np
+from scipy.special import ndtr
 
 from .. import moments
 from ..converters import register
+from ..correlation.factors import FactorPlan
+from ..correlation.onnx_step import OnnxShared, OnnxSharedStep
+from ..correlation.shared import Shared
 from ..errors import UnsupportedLayerError
 from ..graph import Layer, Repr
 from ..onedim import as_2d, out_shape
@@ -31,7 +38,7 @@ from ..onnx_export import LOWEST32, OnnxActivation, OnnxContext, Sym, exporter
 from ..plan import PlannedLayer
 from ..reference import Activation, emit_output, reference
 from ..reference.arrays import LOWEST, average_divisor, padded, window_views
-from ..registry import OpDef, register_op
+from ..registry import OpDef, register_op, shared_exporter, shared_reference
 from .compute import _pair
 
 D = Repr.DETERMINISTIC
@@ -341,3 +348,103 @@ def convert_global_pool(node, ctx) -> list[Layer]:
                                     "the spatial reduction of (batch, C, L) or (batch, C, H, W) (global pooling) is "
                                     "supported")
     return _global_pool(node, ctx, x, op)
+
+
+# ------------------------------------------------------------------------------------ shared-factor rules
+def average_attrs(layer: PlannedLayer) -> dict[str, Any]:
+    """An avg_pool2d layer's attrs with the divisor defaults (torch's: none, padding not counted)."""
+    a = dict(layer.layer.attrs)
+    a.setdefault("divisor", None)
+    a.setdefault("count_include_pad", False)
+    return a
+
+
+@shared_reference("avg_pool2d")
+def avg_pool2d_shared(layer: PlannedLayer, inputs: list[Activation], shared: list[Shared | None], fp: FactorPlan,
+                      var: np.ndarray) -> tuple[Shared | None, np.ndarray]:
+    """The average pooling rule (global average pooling too; divisor ``n``): ``s ↦`` window mean of
+    ``s`` (exact); ``v = Σ(v − s²)/n² + s_out²`` (the shared part summed coherently, the remainder as
+    independent: an approximation -- directly after a conv with a deterministic input the remainder
+    sums to zero and this over-states the pooled variance; after ReLUs it stands in for what the
+    closure misses; measured better than dropping it).  Returns ``(shared part, output variance)``."""
+    x, sh = inputs[0], shared[0]
+    if sh is None:
+        return None, var
+    a = average_attrs(layer)
+    out_hw = layer.layer.out_shape[1:]
+    s_in = sh.s.reshape(x.mean.shape)
+    div = average_divisor(a, x.mean.shape[2:], out_hw)
+    s = sum(window_views(padded(s_in, a, out_hw, 0.0), a["kernel"], a["stride"], out_hw)) / div
+    indep = np.maximum(x.variance() - s_in**2, 0.0)
+    var = sum(window_views(padded(indep, a, out_hw, 0.0), a["kernel"], a["stride"], out_hw)) / div**2 + s**2
+    return Shared(s, sh.g), var
+
+
+@shared_reference("max_pool2d")
+def max_pool2d_shared(layer: PlannedLayer, inputs: list[Activation], shared: list[Shared | None], fp: FactorPlan,
+                      var: np.ndarray) -> tuple[Shared | None, np.ndarray]:
+    """The max pooling rule: Clark's fold for ``(μ, v)``; ``s`` by the linear response of the pairwise
+    maximum, ``Cov(max(A, B), η) = Φ(α)·Cov(A, η) + Φ(−α)·Cov(B, η)`` (exact for jointly Gaussian ``A,
+    B, η``; ``α`` from the mean-field ``θ = √(v_A + v_B)``, i.e. ignoring ``Cov(A, B)``).  The
+    variance is not corrected."""
+    x, sh = inputs[0], shared[0]
+    if sh is None:
+        return None, var
+    a = layer.layer.attrs
+    out_hw = layer.layer.out_shape[1:]
+    s_in = sh.s.reshape(x.mean.shape)
+    ms = window_views(padded(x.mean, a, out_hw, LOWEST), a["kernel"], a["stride"], out_hw)
+    vs = window_views(padded(x.variance(), a, out_hw, 0.0), a["kernel"], a["stride"], out_hw)
+    ss = window_views(padded(s_in, a, out_hw, 0.0), a["kernel"], a["stride"], out_hw)
+    mean, v, s = next(ms), next(vs), next(ss)
+    for m2, v2, s2 in zip(ms, vs, ss):
+        theta = np.sqrt(v + v2)
+        cdf = np.where(theta > 0, ndtr(np.clip((mean - m2) / np.where(theta > 0, theta, 1.0), -40, 40)),
+                       (mean >= m2).astype(np.float64))
+        s = cdf * s + (1.0 - cdf) * s2
+        mean, v = moments.max_moments(mean, v, m2, v2)
+    return Shared(s, sh.g), var
+
+
+@shared_exporter("avg_pool2d")
+def avg_pool2d_shared_onnx(step: OnnxSharedStep, ctx: OnnxContext, layer: PlannedLayer, inputs: list[OnnxActivation],
+                           shared: list[OnnxShared | None], out: OnnxActivation
+                           ) -> tuple[OnnxShared | None, OnnxActivation]:
+    """:func:`avg_pool2d_shared` in ONNX (the window taps as strided Slices)."""
+    x, sh = inputs[0], shared[0]
+    if sh is None:
+        return None, out
+    a = average_attrs(layer)
+    in_shape, out_hw = step.ctx.shapes[layer.inputs[0]], layer.layer.out_shape[1:]
+    div = average_divisor(a, in_shape[1:], out_hw)
+    assert x.second is not None
+    indep = (x.second - sh.s * sh.s).nary("Max", step.c(0.0))
+    args = (in_shape, tuple(a["kernel"]), a["stride"], a["padding"], [1, 1], out_hw)
+    s = step.total(step.taps(sh.s, *args)) * step.t(1.0 / div, "inv_divisor")
+    rest = step.total(step.taps(indep, *args)) * step.t(1.0 / div**2, "inv_divisor2")
+    return OnnxShared(s, sh.g, sh.k), OnnxActivation(out.mean, rest + s * s, out.repr)
+
+
+@shared_exporter("max_pool2d")
+def max_pool2d_shared_onnx(step: OnnxSharedStep, ctx: OnnxContext, layer: PlannedLayer, inputs: list[OnnxActivation],
+                           shared: list[OnnxShared | None], out: OnnxActivation
+                           ) -> tuple[OnnxShared | None, OnnxActivation]:
+    """:func:`max_pool2d_shared` in ONNX (the fold over the window taps)."""
+    x, sh = inputs[0], shared[0]
+    if sh is None:
+        return None, out
+    a = layer.layer.attrs
+    in_shape, out_hw = step.ctx.shapes[layer.inputs[0]], layer.layer.out_shape[1:]
+    args = (in_shape, tuple(a["kernel"]), a["stride"], a["padding"], [1, 1], out_hw)
+    assert x.second is not None
+    ms, vs, ss = step.taps(x.mean, *args, fill=LOWEST32), step.taps(x.second, *args), step.taps(sh.s, *args)
+    mean, var, s = ms[0], vs[0], ss[0]
+    ops = step.ctx.ops
+    for m2, v2, s2 in zip(ms[1:], vs[1:], ss[1:]):
+        theta = (var + v2).unary("Sqrt")
+        alpha = step.safe_div(mean - m2, theta).nary("Max", step.c(-40.0)).nary("Min", step.c(40.0))
+        cdf = step.where(theta > 0.0, ops.normal_cdfs(alpha)[0],
+                         step.where(mean.nary("GreaterOrEqual", m2), 1.0, 0.0))
+        s = cdf * s + (step.c(1.0) - cdf) * s2
+        mean, var = moments.max_moments(mean, var, m2, v2, ops)
+    return OnnxShared(step.clip(s, step.var(out)), sh.g, sh.k), out

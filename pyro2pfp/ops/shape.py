@@ -2,7 +2,10 @@
 planner's representation ``convert`` (``s = μ² + v`` or ``v = s − μ²``, ``docs/math.md``
 "Representation planning"), and the torch ops that are the identity at inference (dropout, clone, …).
 
-The TVM kernels are in ``tvm_backend/ops/shape.py``.
+The TVM kernels are in ``tvm_backend/ops/shape.py``.  Shared-factor PFP (:mod:`pyro2pfp.correlation`):
+both ops are views of the profile ``s`` (reshaped; ``g`` kept per channel, so a reshape must keep or
+flatten the channel axis, which the factor plan checks) -- their rules are at the end of this file,
+the TE one in ``tvm_backend/ops/shape.py``.
 """
 from __future__ import annotations
 
@@ -13,9 +16,14 @@ from typing import Any
 import numpy as np
 
 from ..converters import Alias, register
+from ..correlation.factors import FactorPlan
+from ..correlation.onnx_step import OnnxShared, OnnxSharedStep
+from ..correlation.shared import Shared
 from ..graph import Layer
+from ..onnx_export import OnnxActivation, OnnxContext
 from ..plan import PlannedLayer
-from ..registry import Contract, OpDef, register_op
+from ..reference import Activation
+from ..registry import Contract, OpDef, register_op, shared_exporter, shared_reference
 from ._formula import formula
 
 _PASS_THROUGH = Contract(takes=None, natural=None, keeps_deterministic=True)
@@ -100,3 +108,27 @@ def convert_dropout(node, ctx) -> Alias:
           "aten.identity.default")
 def convert_identity(node, ctx) -> Alias:
     return Alias(node.args[0])
+
+
+# ------------------------------------------------------------------------------------ shared-factor rules
+@shared_reference("reshape", "convert")
+def view_shared(layer: PlannedLayer, inputs: list[Activation], shared: list[Shared | None], fp: FactorPlan,
+                var: np.ndarray) -> tuple[Shared | None, np.ndarray]:
+    """reshape/flatten: ``s`` reshaped, ``g`` kept per channel; convert: the identity."""
+    sh = shared[0]
+    if sh is None:
+        return None, var
+    shape = (sh.s.shape[0], *layer.layer.out_shape)
+    s_in = sh.s
+    flat = layer.op == "reshape" and len(shape) == 2
+    return Shared(s_in.reshape((s_in.shape[0], -1) if flat else shape), sh.g), var
+
+
+@shared_exporter("reshape", "convert")
+def view_shared_onnx(step: OnnxSharedStep, ctx: OnnxContext, layer: PlannedLayer, inputs: list[OnnxActivation],
+                     shared: list[OnnxShared | None], out: OnnxActivation) -> tuple[OnnxShared | None, OnnxActivation]:
+    """:func:`view_shared` in ONNX (a Reshape)."""
+    sh = shared[0]
+    if sh is None:
+        return None, out
+    return OnnxShared(step.view_as(sh.s, *ctx.shapes[layer.name]), sh.g, sh.k), out

@@ -45,7 +45,8 @@ WINDOW_COV = register_op(OpDef(
     "window_cov", modules="(inserted by the planner before a max pool fed by a conv)",
     moments="exact for a conv with independent Gaussian weights and mean-field inputs",
     assumptions="mean-field conv input", internal=True,
-    contract=Contract(Repr.VARIANCE, Repr.DETERMINISTIC, keeps_deterministic=True)))
+    contract=Contract(Repr.VARIANCE, Repr.DETERMINISTIC, keeps_deterministic=True),
+    no_shared_rule="inserted only into mean-field plans (correlated max pooling), never beside shared factors"))
 
 
 def taps(kernel: list[int]) -> list[tuple[int, int]]:

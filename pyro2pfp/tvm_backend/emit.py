@@ -160,7 +160,7 @@ SCHEME_STEPS: dict[str, Callable[[PlannedGraph], SchemeStep]] = {}
 returns a :class:`SchemeStep` ``step(ctx, layer, inputs, out) -> out`` which emits the scheme's
 kernels after each layer's mean-field kernel and returns the layer's (possibly variance-corrected)
 output -- or, where ``step.emits_mean_field(layer)``, instead of it (``out=None``: one kernel computes
-both).  ``"shared-factor"``: ``tvm_backend/ops/correlation.py`` (its ReLU kernels compute the
+both).  ``"shared-factor"``: ``tvm_backend/shared_factor.py`` (its ReLU kernels compute the
 mean-field ReLU moments too, from the op's rule: ``ops.activation.activation_moments``)."""
 
 

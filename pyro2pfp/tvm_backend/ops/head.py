@@ -19,8 +19,9 @@ import tvm
 from tvm import s_tir, te, tirx
 
 from ...graph import Repr
-from ...ops.head import HEAD_OP, VAR_CLAMP, point_weight
+from ...ops.head import HEAD_OP, VAR_CLAMP, point_weight, softmax_head_shared
 from ...plan import PlannedLayer
+from ...registry import shared_kernel
 from ..emit import EmitContext, RelaxActivation, kernel, pair_sum
 from ..fast_math import F32, fast_exp
 from ..schedules import schedule
@@ -119,3 +120,7 @@ def schedule_head(sch: s_tir.Schedule, layer: Any, target: tvm.target.Target) ->
     for block in blocks[1:]:
         sch.reverse_compute_at(block, outer)
     sch.parallel(outer)
+
+
+# the shared-factor rule: the head's shared part is dropped (the same rule in every back end)
+shared_kernel(HEAD_OP)(softmax_head_shared)

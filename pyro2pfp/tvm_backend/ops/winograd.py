@@ -1,7 +1,7 @@
 """Winograd F(2x2, 3x3) kernels of the mean-field PFP conv2d (3x3, stride 1, padding 1), chosen by
 :func:`use_winograd` for the layers where it measured faster than the direct kernel of
 ``compute.conv2d`` (see ``benchmarks/conv_throughput.py``), and of the shared-factor profile
-convolution of the same layers (``correlation.py``, see the end of this docstring).
+convolution of the same layers (``compute_shared.py``, see the end of this docstring).
 
 The PFP conv with a variance input computes three convolutions of the same input window
 (``docs/math.md`` "Compute layers", variance form)::
@@ -40,7 +40,7 @@ Measured (``benchmarks/conv_throughput.py``, batch 10, one thread, AVX-512): 16-
 rest is mostly the NCHW <-> NHWC transposes (pad, epilogue), which TVM emits as per-lane
 gathers.  Compile time: about 0.3 s per distinct Winograd kernel, against 0.1 s direct.
 
-**Shared-factor profile convolution** (``sf_conv_profile`` of ``correlation.py``, on the layers of
+**Shared-factor profile convolution** (``sf_conv_profile`` of ``compute_shared.py``, on the layers of
 :func:`winograd_shape`): ``s = clip(Σ_c conv(A_c, s_in) + conv(M_c, μ) + shift, ±sd)`` with weights
 ``A``, ``M`` (B, C, 3, 3, O) that differ per input, so their transforms ``U = G·w·Gᵀ`` are computed
 at run time, per input, by the kernel that builds them (``sf_conv_weights``,
@@ -273,7 +273,7 @@ def winograd_conv(ctx: EmitContext, layer: PlannedLayer, x: RelaxActivation, epi
 def weight_transform(w: te.Tensor, name: str) -> te.Tensor:
     """``U[b, e, u, c, o] = (G·w[b, c, :, :, o]·Gᵀ)[e, u]`` of per-input 3x3 filters ``w``
     (B, C, 3, 3, O) -- the run-time filter transform of a convolution whose weights differ per input
-    (the shared-factor profile convolution, ``correlation.py``): two separable stages, ``G`` over
+    (the shared-factor profile convolution, ``compute_shared.py``): two separable stages, ``G`` over
     the kernel rows (``{name}_rows``, (B, α, 3, C, O)) then over the columns, each output a sum of
     at most 3 terms chosen per row by :func:`_row_terms` (``O·C·(12 + 16)·3`` multiply-adds per
     input, against ``O·C·16·P/4`` for the GEMM over ``P`` output positions)."""
@@ -408,7 +408,7 @@ def schedule_winograd(sch: s_tir.Schedule, target: tvm.target.Target) -> None:
 
 def schedule_weight_transforms(sch: s_tir.Schedule, lanes: int) -> list[str]:
     """Schedule the :func:`weight_transform` blocks of a function (the shared-factor
-    ``sf_conv_weights`` kernel; called by ``correlation.schedule_shared``): per transform, one
+    ``sf_conv_weights`` kernel; called by ``shared_factor_schedule.schedule_shared``): per transform, one
     parallel loop over (input, input channel), under which the per-input weights of that channel
     (the transform's producer, (KH, KW, O)), their row transforms (α, KW, O) and the transforms
     (α, α, O) are computed in thread-private buffers, each vectorised over ``o``.  Returns the

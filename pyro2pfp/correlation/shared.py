@@ -1,0 +1,93 @@
+"""Shared-factor PFP, the representation (float64): mean-field moments plus, per channel, the part of
+the noise that is shared by all positions and, across channels, by the same upstream weight noise.
+
+Why
+---
+Mean-field PFP (``docs/math.md``) keeps per element ``(μ, v)`` and treats all elements as
+independent.  Its per-position variances match sampling even in a ResNet-20 (``pyro2pfp.diagnose``:
+every layer's median PFP/MC variance ratio 0.95–1.08), but a conv weight is shared by all
+positions and every channel mixes all upstream channels, so *sums* over positions (global average
+pooling, flatten → dense) lose most of the variance (ResNet-20 logit variance ratio 0.17).  The
+scheme keeps the mean-field ``(μ, v)`` and carries beside them the covariance of every activation
+with a few normals per channel, used where positions and channels are summed.  Prediction stays a
+single forward pass without sampling; nothing is fitted to Monte Carlo.
+
+Representation (per edge, per input ``b``; ``C`` channels, ``P`` positions)
+-------------------------------------------------------------------------------
+* ``μ, v`` (B, C, P): the mean-field plan's moments, unchanged except at average pooling (pooled
+  variance), dense layers (output variance) and residual adds (branch covariance).
+* factors ``ζ_1 … ζ_K``: independent standard normals.  The planner
+  (:func:`~pyro2pfp.correlation.factors.plan_factors`) gives every layer that creates shared noise a
+  block of columns: one factor per output channel of every Bayesian conv2d/dense (its weight and bias
+  noise), one per channel of every ReLU (its second Hermite term, ``hermite='factor'``).
+* ``g`` (B, C, K), unit rows: the channel's normal ``η_c = Σ_f g[c, f]·ζ_f``.
+* ``s`` (B, C, P), signed: ``s[c, p] = Cov(a[c, p], η_c)``, the regression profile of the channel on
+  its normal.  The one approximation every rule shares is the rank-1-per-channel closure
+  ``Cov(a[c, p], ζ_f) ≈ s[c, p]·g[c, f]`` (what is carried of an activation's covariance with the
+  factors is its component along its channel's normal), so ``Cov(a[c, p], a[c', q]) ≈
+  s[c, p]·s[c', q]·⟨g[c], g[c']⟩`` for ``(c, p) ≠ (c', q)``; the rest of ``v`` (``v − s²``) is
+  independent across elements, as in mean-field.  Mean-field is the special case ``s ≡ 0``.
+* A flattened edge keeps ``g`` per channel and ``s`` flat (``group = P`` elements per channel).
+
+Rules
+-----
+Each op's rule lives with the op, in its family file ``pyro2pfp/ops/<family>.py``
+(``@shared_reference(op)``: float64; ``@shared_exporter(op)``: ONNX) and
+``pyro2pfp/tvm_backend/ops/<family>*.py`` (``@shared_kernel(op)``: TE), each with its formulas and
+their assumptions in its docstring.  Notation there: ``m̄`` the mean over the output positions;
+``W, V`` the weight mean and variance; ``⊕ x·e_o`` x in the layer's own factor column; Φ, φ the
+normal CDF/PDF; ``(μ, v)`` are mean-field unless said.  Every rule's profile is clipped to ``±sd``
+of its edge by the executor.  An op with an :class:`~pyro2pfp.registry.ActivationRule` and no rule
+of its own gets the generic one (Stein's lemma, :mod:`pyro2pfp.correlation.stein`).
+
+* compaction: where a layer's output is the only live edge (every ResNet block boundary) and
+  ``K ≥ 4·C``, ``g`` (C × K) becomes ``Rᵀ`` from ``gᵀ = Q·R`` (C × C).  Exact (only ``g·gᵀ``
+  matters from there on; later factors are new).  Bounds K by ~5·C instead of growing with depth.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+
+@dataclass
+class Shared:
+    """The shared part of one edge: ``s`` (B, C, *spatial) or flat (B, C·group), ``g`` (B, C, K)."""
+
+    s: np.ndarray
+    g: np.ndarray
+
+    def widened(self, k: int) -> np.ndarray:
+        """``g`` with zero columns appended up to ``k``."""
+        extra = k - self.g.shape[2]
+        return self.g if extra <= 0 else np.concatenate([self.g, np.zeros((*self.g.shape[:2], extra))], axis=2)
+
+
+def safe_div(num: np.ndarray, den: np.ndarray) -> np.ndarray:
+    """``num/den``, 0 where ``den ≤ 0``."""
+    return np.where(den > 0, num / np.where(den > 0, den, 1.0), 0.0)
+
+
+def spatial_mean(t: np.ndarray) -> np.ndarray:
+    """The mean of ``t`` (B, C, ...) over each row's positions: (B, C)."""
+    return t.reshape(t.shape[0], t.shape[1], -1).mean(axis=2)
+
+
+def expand(t: np.ndarray, ndim: int) -> np.ndarray:
+    """``t`` with trailing size-1 axes up to ``ndim`` axes."""
+    return t.reshape(t.shape + (1,) * (ndim - t.ndim))
+
+
+def normalised(loading: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """``(‖ℓ‖, ℓ/‖ℓ‖)`` of a loading ``ℓ`` (B, C, K), 0 where ``‖ℓ‖ = 0``."""
+    norm = np.sqrt((loading**2).sum(axis=2))
+    return norm, loading / np.where(norm > 0, norm, 1.0)[..., None]
+
+
+def compacted(sh: Shared) -> Shared:
+    """``g`` (B, C, K) → ``Rᵀ`` (B, C, C) with ``gᵀ = Q·R``: same ``g·gᵀ`` (exact)."""
+    _, r = np.linalg.qr(np.swapaxes(sh.g, 1, 2))
+    return Shared(sh.s, np.swapaxes(r, 1, 2))
+
+
