@@ -5,10 +5,10 @@ process (``time.process_time``: all threads, so a loaded machine does not inflat
 (what a user waits: the kernels compile on ``PYRO2PFP_BUILD_JOBS`` threads, default the CPUs this process
 may use; measure it on a quiet machine), best of ``--repeats``.
 
-    PYTHONPATH=. .venv/bin/python benchmarks/compile_time.py [--repeats 3]
+    PYTHONPATH=. .venv/bin/python benchmarks/compile_time.py [--repeats 3] [--markdown docs/generated/compile-time.md]
 
-Issue 13's targets (LeNet-5 <= 2 s, ResNet-20 <= 5 s) are printed as HOLDS/SHORT lines, judged on the
-wall time (the CPU seconds beside it).
+Budgets (LeNet-5 <= 2 s, ResNet-20 <= 5 s) are printed as HOLDS/SHORT lines, judged on the wall time
+(the CPU seconds beside it).
 
     PYTHONPATH=. .venv/bin/python benchmarks/compile_time.py --per-op resnet20
 
@@ -31,6 +31,7 @@ import time
 import warnings
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from markdown_report import add_markdown_argument, table, write_markdown  # noqa: E402
 
 TARGETS = {"lenet": 2.0, "resnet20": 5.0, "resnet20 (mf)": 5.0}
 
@@ -164,6 +165,7 @@ def main() -> None:
     parser.add_argument("--kernels", action="store_true", help="with --per-op: one row per kernel too")
     parser.add_argument("--k-sharing", metavar="NET", help="instead: the compile time that sharing the "
                         "shared-factor kernels of NET across layers differing only in K would save")
+    add_markdown_argument(parser)
     args = parser.parse_args()
     warnings.simplefilter("ignore")
     if args.k_sharing:
@@ -191,6 +193,10 @@ def main() -> None:
         wall_s, cpu_s = best[name]
         verdict = "HOLDS" if wall_s <= limit else "SHORT"
         print(f"{verdict}: {name} compile {wall_s:.2f} s wall <= {limit:.0f} s ({cpu_s:.2f} CPU s)")
+    write_markdown(args.markdown, [
+        table(["net", "wall s", "CPU s"], [[name, f"{w:.2f}", f"{c:.2f}"] for name, (w, c) in best.items()]),
+        f"`net.compile()` after `convert` (module emission included), best of {args.repeats}; kernels compiled on "
+        f"{build_jobs()} thread(s); `(mf)`: `correlation=\"mean-field\"`."])
 
 
 if __name__ == "__main__":

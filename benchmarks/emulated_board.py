@@ -2,6 +2,7 @@
 (prints a table; no assertions).
 
     .venv/bin/python benchmarks/emulated_board.py [--repeats 10] [--tune 4]
+                                                  [--markdown docs/generated/emulated-board.md]
 
 Starts :class:`pyro2pfp_experiments.emulated_board.EmulatedBoard` (the AArch64 TVM runtime under
 ``qemu-aarch64 -cpu cortex-a72``) and, for comparison, an x86 ``python -m tvm.exec.rpc_server`` on
@@ -29,6 +30,7 @@ import numpy as np
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "tests"))
 from builders import lenet_graph, mlp_graph  # noqa: E402
+from markdown_report import add_markdown_argument, table, write_markdown  # noqa: E402
 
 from pyro2pfp import tuning  # noqa: E402
 from pyro2pfp.errors import RemoteError  # noqa: E402
@@ -77,7 +79,10 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--repeats", type=int, default=10)
     p.add_argument("--tune", type=int, default=0, metavar="TRIALS", help="also tune the 16-8-4 MLP on the board")
+    add_markdown_argument(p)
     args = p.parse_args()
+    rows: list[list[str]] = []
+    notes: list[str] = []
     t0 = time.perf_counter()
     board = EmulatedBoard(session_timeout=300)
     board.start()
@@ -86,9 +91,9 @@ def main() -> None:
     try:
         print(f"emulated board (qemu-aarch64 -cpu cortex-a72) started in {started:.1f} s "
               f"(runtime fetch/build cached); TVM_NUM_THREADS={os.environ.get('TVM_NUM_THREADS', 'unset')}")
-        print("| network | validate on the board: max rel. error mean / var | batch | "
-              "qemu AArch64 mean (min) ms | x86 mean (min) ms | emulation factor |")
-        print("|---|---|---|---|---|---|")
+        columns = ["network", "validate on the board: max rel. error mean / var (wall time)", "batch",
+                   "qemu AArch64 mean (min) ms", "x86 mean (min) ms", "emulation factor"]
+        print(table(columns, []))
         for name, net in networks().items():
             exe_a64, exe_x86 = net.compile("rpi4"), net.compile("llvm")
             t = time.perf_counter()
@@ -101,8 +106,9 @@ def main() -> None:
                 ref = exe_x86.profile(x, remote=x86_remote, repeats=args.repeats)
                 err = (f"{report.max_rel_error_mean:.1e} / {report.max_rel_error_var:.1e} ({seconds:.1f} s)"
                        if batch == 1 else "")
-                print(f"| {name if batch == 1 else ''} | {err} | {batch} | {a64.mean_ms:.3f} ({a64.min_ms:.3f}) | "
-                      f"{ref.mean_ms:.3f} ({ref.min_ms:.3f}) | {a64.mean_ms / ref.mean_ms:.1f}x |")
+                rows.append([name if batch == 1 else "", err, str(batch), f"{a64.mean_ms:.3f} ({a64.min_ms:.3f})",
+                             f"{ref.mean_ms:.3f} ({ref.min_ms:.3f})", f"{a64.mean_ms / ref.mean_ms:.1f}x"])
+                print(table(columns, rows[-1:]).splitlines()[-1], flush=True)
         if args.tune:
             net = next(iter(networks().values()))
             with tempfile.TemporaryDirectory() as work:
@@ -110,11 +116,16 @@ def main() -> None:
                 result = tuning.tune(net.mod, "rpi4", batch=10,
                                      trials=args.tune, work_dir=work, plan=net.plan, progress=False,
                                      remote=board.remote)
-                print(f"\ntuning the 16-8-4 MLP at batch 10 on the emulated board: {args.tune} trials in "
-                      f"{time.perf_counter() - t:.0f} s; kernel choices (times on the board, us):")
+                notes.append(f"Tuning the 16-8-4 MLP at batch 10 on the emulated board: {args.tune} trials in "
+                             f"{time.perf_counter() - t:.0f} s; kernel choices (times on the board, µs):")
                 for k in result.kernels:
                     times = ", ".join(f"{c} {us:.1f}" for c, us in k.times_us.items())
-                    print(f"  {k.name}: {k.choice} ({times})")
+                    notes.append(f"* `{k.name}`: {k.choice} ({times})")
+                print("\n" + "\n".join(notes))
+        write_markdown(args.markdown, [table(columns, rows),
+                                       f"x86: the same network compiled for `llvm` on an x86 `rpc_server` on the same "
+                                       f"machine; {args.repeats} repeats of `time_evaluator`. The AArch64 column is "
+                                       "emulation, not a Raspberry Pi figure.", "\n".join(notes)])
     finally:
         board.stop()
         x86.kill()

@@ -1,23 +1,23 @@
-"""Issue 12 targets: PFP logit moments against Monte Carlo over the guide's samples, for the
-paper's nets (MLP 784-100-10, LeNet-5) and CIFAR-style ResNet-8 / ResNet-20 (3×32×32).
+"""PFP logit moments against Monte Carlo over the guide's samples, for the paper's nets (MLP
+784-100-10, LeNet-5) and CIFAR-style ResNet-8 / ResNet-20 (3×32×32).
 
 Every net has an untrained ``AutoNormal`` posterior with means at He scale and posterior sd 0.02
 (:func:`pyro2pfp_experiments.zoo.he_posterior`, means from a NumPy generator so that they cannot
 coincide with the guide's first Monte Carlo draw); inputs are standard normal.  Schemes (each
 ``pyro2pfp.convert(..., correlation=scheme)`` → ``net.reference``, float64): ``mean-field``,
-``shared-factor`` (:mod:`pyro2pfp.correlation`) and ``auto`` (the default; the row says which
-it chose), on the same MC samples.  Per net it prints the
-median and p10–p90 of the PFP/MC logit-variance ratio (over inputs × classes), the argmax
-agreement (PFP mean logits vs the MC predictive probabilities) and the mean error of the PFP
-logit means in MC standard deviations, then a HOLDS/SHORT line per target.
+``shared-factor`` and ``auto`` (the default; the row says which it chose), on the same MC samples.
+Per net it prints the median and p10–p90 of the PFP/MC logit-variance ratio (over inputs × classes),
+the argmax agreement (PFP mean logits vs the MC predictive probabilities) and the mean error of the PFP
+logit means in MC standard deviations, then a HOLDS/SHORT line per check (median ratio in [0.8, 1.25],
+p10–p90 in [0.6, 1.6], argmax ≥ 99 %, mean error ≤ 0.1 sd).
 
     PYTHONPATH=. python benchmarks/fidelity.py [--samples 300] [--inputs 32] [--nets mlp,lenet,resnet8,resnet20]
                                               [--schemes mean-field,shared-factor] [--latency] [--cost]
-                                              [--variants]
+                                              [--variants] [--markdown docs/generated/fidelity.md]
 
 ``--variants``: also the shared-factor rule variants that cost less arithmetic (the fidelity side of a
-speed trade, issue 13): ``hermite='none'`` (no second-Hermite factor per ReLU channel: fewer factor
-columns), ``injection='rescaled'`` (no profile convolution on the input mean) and both, each with the
+speed trade): ``hermite='none'`` (no second-Hermite factor per ReLU channel: fewer factor columns),
+``injection='rescaled'`` (no profile convolution on the input mean) and both, each with the
 multiply-adds of its fixed-K plan (what the compiled module computes, :func:`cost_model`) against
 mean-field's.  Only the NumPy reference runs them (the compiled and ONNX back ends implement
 ``injection='regression'`` only).
@@ -30,6 +30,7 @@ import time
 
 import numpy as np
 import torch
+from markdown_report import add_markdown_argument, table, write_markdown
 
 import pyro2pfp
 from pyro2pfp.correlation import cost_model, plan_factors
@@ -108,10 +109,12 @@ def main() -> None:
                     help="also the cheaper shared-factor rule variants (hermite='none', injection='rescaled', both) "
                          "with their multiply-adds")
     ap.add_argument("--seed", type=int, default=0)
+    add_markdown_argument(ap)
     args = ap.parse_args()
     print(f"{args.samples} MC samples, {args.inputs} inputs")
     head = f"{'net':<9} {'scheme':<16} {'var ratio med':>13} {'p10':>6} {'p90':>6} {'argmax %':>9} {'mean err/sd':>11}"
     rows, verdicts = [head, "-" * len(head)], []
+    md_rows: list[list[str]] = []
     for name in args.nets.split(","):
         make, shape = NETS[name]
         torch.manual_seed(args.seed)
@@ -144,12 +147,21 @@ def main() -> None:
                 line += f"   multiply-adds {macs_summary(net)}"
             rows.append(line)
             print(line, flush=True)
+            md_rows.append([name, label, f"{r.ratio_median:.3f} ({r.ratio_p10:.2f}–{r.ratio_p90:.2f})",
+                            f"{100 * agree:.1f} %", f"{r.mean_error:.3f}"]
+                           + ([macs_summary(net)] if args.variants else []))
             ok = {"median in [0.8, 1.25]": 0.8 <= r.ratio_median <= 1.25,
                   "p10-p90 in [0.6, 1.6]": r.ratio_p10 >= 0.6 and r.ratio_p90 <= 1.6,
                   "argmax >= 99 %": agree >= 0.99, "mean err <= 0.1 sd": r.mean_error <= 0.1}
             verdicts += [f"{name} {scheme}: {k}: {'HOLDS' if v else 'SHORT'}" for k, v in ok.items()]
     print("\n".join(rows))
     print("\n".join(verdicts))
+    columns = ["net", "scheme", "logit variance ratio PFP/MC: median (p10–p90)", "argmax agreement",
+               "mean error / MC sd"] + (["multiply-adds"] if args.variants else [])
+    write_markdown(args.markdown, [
+        table(columns, md_rows),
+        f"{args.samples} Monte Carlo samples of the guide, {args.inputs} standard-normal inputs; untrained "
+        "He-scale posteriors with sd 0.02 (`pyro2pfp_experiments.zoo.he_posterior`)."])
 
 
 if __name__ == "__main__":

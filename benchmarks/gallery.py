@@ -12,6 +12,7 @@ every logit):
 * ``argmax``: the fraction of inputs whose most probable class agrees (classification).
 
     PYTHONPATH=. python benchmarks/gallery.py [--samples 4000] [--only tutorial-regression,...]
+                                              [--markdown docs/generated/gallery.md]
 """
 from __future__ import annotations
 
@@ -25,13 +26,16 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "tests"))
 import gallery_models as G  # noqa: E402
 import pyro  # noqa: E402
 import torch  # noqa: E402
+from markdown_report import add_markdown_argument, table, write_markdown  # noqa: E402
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--samples", type=int, default=4000)
     parser.add_argument("--only", default="")
+    add_markdown_argument(parser)
     args = parser.parse_args()
+    rows = []
     names = [n for n in args.only.split(",") if n] or list(G.GALLERY)
     torch.set_num_threads(1)
     print(f"{'model':26} {'exact':>5} {'mean err/sd med':>15} {'max':>6} {'var ratio med':>13} {'min':>6} "
@@ -48,6 +52,14 @@ def main() -> None:
         print(f"{name:26} {'yes' if entry.exact else 'no':>5} {a['median_mean_err_sd']:15.2f} "
               f"{a['max_mean_err_sd']:6.2f} {a['median_var_ratio']:13.3f} {a['min_var_ratio']:6.3f} "
               f"{a['max_var_ratio']:6.3f} {a['max_var_err_se']:14.2f} {arg:>6}", flush=True)
+        rows.append([name, entry.style, "yes" if entry.exact else "no",
+                     f"{a['median_mean_err_sd']:.2f}, {a['max_mean_err_sd']:.2f}",
+                     f"{a['median_var_ratio']:.3f}, {a['min_var_ratio']:.3f}, {a['max_var_ratio']:.3f}",
+                     f"{a['max_var_err_se']:.2f}", arg])
+    write_markdown(args.markdown, [
+        table(["model", "style", "exact", "mean err/sd (median, max)", "var ratio (median, min, max)",
+               "var err/se max", "argmax"], rows),
+        f"{args.samples} `Predictive` draws per model; 24 test inputs."])
 
 
 if __name__ == "__main__":

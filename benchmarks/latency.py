@@ -2,7 +2,7 @@
 """Latency of PFP vs sampling vs the deterministic net: one table per run.
 
 For the paper's MLP (784-100-10) and LeNet-5 (real MNIST test digits) and Bayesian ResNet-8 / ResNet-20
-for 3×32×32 inputs (``--nets resnet8 resnet20``: the issue-12/13 style -- ``to_pyro_module_`` with
+for 3×32×32 inputs (``--nets resnet8 resnet20``: ``to_pyro_module_`` with
 ``PyroSample`` priors on every conv/linear weight and bias, BatchNorm in eval mode (folded into the
 convolutions by ``convert``), residual blocks, global average pooling; an untrained ``AutoNormal``
 posterior at He scale, seeded random inputs: latency does not depend on the values), at batch sizes 1,
@@ -29,6 +29,7 @@ timing loop).  Ratios: ``xPred``/``xvmap`` = that baseline's e2e time / this row
 
     .venv/bin/python benchmarks/latency.py                # full run (first run tunes: see --trials)
     .venv/bin/python benchmarks/latency.py --quick        # smoke run: MLP, batches 1 and 10, no search
+    .venv/bin/python benchmarks/latency.py --markdown docs/generated/latency.md   # also for the docs
 
 Tuning databases are cached (``~/.cache/pyro2pfp/tuning`` or ``$PYRO2PFP_CACHE``), keyed by the
 kernels' structure, target and batch, so only the first run pays for the search.  The networks
@@ -73,7 +74,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--correlation", default="auto", choices=("auto", "shared-factor", "mean-field"),
                     help="convert(..., correlation=) of the PFP network (default: auto; 'mean-field' gives the "
-                         "before-issue-12 plan of the ResNets)")
+                         "independent-activation plan of the ResNets)")
+    ap.add_argument("--markdown", metavar="PATH",
+                    help="also write the table and profiles (with the command, machine and date) to PATH")
     args = ap.parse_args(argv)
     if args.quick:
         args.nets = args.nets or ["mlp"]
@@ -593,6 +596,11 @@ def main(argv=None) -> int:
         print()
         print(prof.table(f"per-kernel profile, PFP {which}, {label} (kernels timed alone; "
                          f"(vm overhead) = VM total - kernels)"))
+    from markdown_report import write_markdown  # benchmarks/markdown_report.py, beside this script
+
+    write_markdown(args.markdown, ["```text\n" + table + "\n```"]
+                   + ["```text\n" + prof.table(f"per-kernel profile, PFP {which}, {label}") + "\n```"
+                      for label, prof, which in all_profiles], argv=argv and ["benchmarks/latency.py", *argv])
     bad = [c for c in all_checks if "rel. error" in c and float(c.split("rel. error ")[1].split()[0]) > 1e-3]
     if bad:
         print("\nMISMATCH:\n  " + "\n  ".join(bad))

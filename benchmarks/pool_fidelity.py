@@ -18,15 +18,13 @@ argmax agreement ≥ 99 %.  ``--latency``: compiled batch-1 and batch-10 latency
 calls) and the multiply-adds of the linear maps per input, correlated against independent.
 
     PYTHONPATH=. python benchmarks/pool_fidelity.py [--nets lenet,wide-cnn] [--samples 1000] [--inputs 64]
-                                                   [--epochs 10] [--latency] [--markdown out.md]
+                                                   [--epochs 10] [--latency]
+                                                   [--markdown docs/generated/pool-fidelity.md]
 """
 from __future__ import annotations
 
 import argparse
-import datetime
 import os
-import platform
-import sys
 import tempfile
 import time
 
@@ -34,6 +32,7 @@ import numpy as np
 import pyro
 import torch
 from fidelity import latency_ms  # benchmarks/fidelity.py, beside this script
+from markdown_report import add_markdown_argument, write_markdown
 from pyro.infer.autoguide import init_to_uniform
 from pyro.nn import PyroModule, PyroSample
 from torch import nn
@@ -142,10 +141,9 @@ def main() -> None:
     ap.add_argument("--inputs", type=int, default=64)
     ap.add_argument("--epochs", type=int, default=10, help="LeNet-5's epochs (the main job's)")
     ap.add_argument("--latency", action="store_true")
-    ap.add_argument("--markdown", help="also write the tables to this markdown file")
+    add_markdown_argument(ap)
     args = ap.parse_args()
-    out: list[str] = [f"`{' '.join(['python', *sys.argv])}` — {platform.processor() or platform.machine()}, "
-                      f"{os.cpu_count()} cores, {datetime.date.today()}", ""]
+    out: list[str] = []
     with tempfile.TemporaryDirectory() as tmp:
         for name in args.nets.split(","):
             model, guide, x_test = trained(name, args.epochs, os.path.join(tmp, f"{name}.pt"))
@@ -182,9 +180,7 @@ def main() -> None:
                 print("\n".join(out[-5:]), flush=True)
     text = "\n".join(out)
     print(text)
-    if args.markdown:
-        with open(args.markdown, "w") as f:
-            f.write(text + "\n")
+    write_markdown(args.markdown, [text])
 
 
 if __name__ == "__main__":

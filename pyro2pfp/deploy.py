@@ -145,10 +145,10 @@ def _load_module(path: str) -> Any:
 
 def _batch_library_files(info: dict[str, Any], meta: str, verify_sha256: bool) -> dict[int, str]:
     """``{batch: library path}`` of the batch-specialised executables the sidecar lists under
-    :data:`~pyro2pfp.exporting.BATCH_KEY` (none for a sidecar without it: written before they were
-    exported).  Each file must be a plain file name in the sidecar's directory (nothing outside it is
-    loaded), exist, and have the recorded sha256 -- the checks the main library gets; every failure
-    is a :class:`LoadError` naming the file."""
+    :data:`~pyro2pfp.exporting.BATCH_KEY` (none for a sidecar without that key).  Each file must be a
+    plain file name in the sidecar's directory (nothing outside it is loaded), exist, and have the
+    recorded sha256 -- the checks the main library gets; every failure is a :class:`LoadError`
+    naming the file."""
     entries = info.get(BATCH_KEY)
     if entries is None:
         return {}

@@ -15,8 +15,8 @@ def sum_of_squares_finite(a: np.ndarray) -> bool:
     """``True`` only if every value of the contiguous float array ``a`` is finite: one BLAS dot
     ``Σ a²`` (IEEE: a NaN term or sum stays NaN, ``±inf² = +inf``, and with no negative term nothing
     cancels).  ``False`` also when finite values overflow the sum (|a| ≳ 1.8e19 in float32): callers
-    then check element-wise.  ~0.7 µs on a 784-value input against ~1.5 µs for a float64 sum and
-    ~1.3 µs per ``np.isfinite(a).all()`` -- it is on every call of the compiled predictor."""
+    then check element-wise.  Cheaper than a float64 sum or ``np.isfinite(a).all()`` (no temporary
+    array) -- it is on every call of the compiled predictor."""
     flat = a.reshape(-1)
     return math.isfinite(np.dot(flat, flat))
 

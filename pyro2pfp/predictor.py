@@ -152,7 +152,7 @@ class CompiledPFP:
         state = self._state()
         args = self._args(x, x_var, state)
         main = state.tuned_mains.get(args[0].shape[0], state.main) if state.tuned_mains else state.main
-        out = main(*args)  # indexing the returned tvm_ffi Array is ~0.7 µs cheaper than unpacking it
+        out = main(*args)  # indexing the returned tvm_ffi Array is cheaper than unpacking it
         return compiled_outputs(np.from_dlpack(out[0]), np.from_dlpack(out[1]), self.head)
 
     def profile(self, x: Any, x_var: Any = None, *, repeats: int = 30, method: str = "isolated",

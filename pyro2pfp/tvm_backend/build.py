@@ -2,9 +2,9 @@
 
 ``tvm.compile`` lowers and compiles every PrimFunc of a module as *one* LLVM module on one thread,
 and the machine code is generated later, again on one thread, when the VM first looks a kernel up
-(LLVM's JIT).  Those two steps are ~85 % of a network's build (shared-factor ResNet-20: 7.1 s of
-lowering + LLVM IR + optimisation, 4.7 s of machine code, of 14 CPU-seconds).  The kernels are
-independent functions and TVM releases the GIL while LLVM works, so here they are compiled in parts
+(LLVM's JIT).  Those two steps are most of a network's build (``benchmarks/compile_time.py
+--per-op`` measures them per op).  The kernels are independent functions and TVM releases the GIL
+while LLVM works, so here they are compiled in parts
 of :data:`KERNELS_PER_PART` on a pool of threads (:class:`KernelPool`, :func:`build_jobs` threads):
 lowering, LLVM and, for a target this machine runs, the machine code.  ``build_network`` hands each
 kernel to the pool as soon as it is scheduled (scheduling is Python and holds the GIL; LLVM compiles
@@ -60,9 +60,9 @@ def mark_prim_funcs_noalias(mod: tvm.IRModule, _ctx: Any) -> tvm.IRModule:
     Work-around for TVM 0.27: the Relax pipeline adds a host PrimFunc ``shape_func`` (storage
     sizes of a symbolic batch) without the attribute, and then LLVM gets no ``noalias`` for *any*
     kernel of the module: it reloads the register accumulators and recomputes ``x²`` in every
-    iteration of the dense reduction (measured 2.5x slower, 32 us -> 80 us for the MLP's first
-    layer at batch 10).  Relax calls PrimFuncs in destination-passing style with distinct
-    buffers, so the attribute is true of all of them."""
+    iteration of the dense reduction (a dense layer runs several times slower).  Relax calls
+    PrimFuncs in destination-passing style with distinct buffers, so the attribute is true of all
+    of them."""
     missing = [gv for gv, func in mod.functions_items() if isinstance(func, tvm.tirx.PrimFunc)
                and not (func.attrs and func.attrs.get("tirx.noalias", False))]
     if not missing:
@@ -78,8 +78,8 @@ def build_context() -> tvm.transform.PassContext:
     ``tirx.disable_assert`` (unless the caller set it): no argument checks in each kernel's entry.
 
     TVM wraps every kernel in an entry function that checks each buffer argument's type, rank,
-    dtype, shape, strides, offset and device -- ~170 lines of LLVM IR per argument, a third of a
-    shared-factor ResNet-20's code (101k of 295k lines; compile 13.2 -> 10.4 CPU s without them).
+    dtype, shape, strides, offset and device -- ~170 lines of LLVM IR per argument, about a third of
+    a shared-factor ResNet's code and of its compile time.
     The kernels are called only by the Relax VM, with tensors it allocated from the shapes it
     checked: the network's own arguments are checked by the VM (``R.match_cast`` of ``main``'s
     inputs, a clear error naming the shape) and, before that, by ``CompiledPFP``

@@ -1,0 +1,78 @@
+"""The README and the documentation pages hold together: links resolve, every page is on the site,
+every included table exists, and the README's set-up command is the one CI runs.
+
+(`mkdocs build --strict` in .ci/run checks the site's own links, anchors and API references; the
+README is not part of the site, so its links are checked here.)
+"""
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+REPO = Path(__file__).parent.parent
+DOCS = REPO / "docs"
+LINK = re.compile(r"(?<!!)\[[^\]]*\]\(([^)\s]+)\)")
+SNIPPET = re.compile(r'^--8<-- "([^"]+)"', re.MULTILINE)
+
+
+def _strip_code_blocks(text: str) -> str:
+    return re.sub(r"^```.*?^```", "", text, flags=re.MULTILINE | re.DOTALL)
+
+
+def _strip_code(text: str) -> str:
+    """The text without fenced code blocks and inline code (links there are not links)."""
+    return re.sub(r"`[^`\n]*`", "", _strip_code_blocks(text))
+
+
+def _anchors(markdown: str) -> set[str]:
+    """GitHub/MkDocs-style slugs of the headings of a page."""
+    slugs = set()
+    for heading in re.findall(r"^#+\s+(.*)$", _strip_code_blocks(markdown), flags=re.MULTILINE):
+        text = re.sub(r"[`*_]", "", heading).strip().lower()
+        slugs.add(re.sub(r"\s+", "-", re.sub(r"[^\w\s-]", "", text)))
+    return slugs
+
+
+def _broken_links(page: Path) -> list[str]:
+    text = page.read_text()
+    broken = []
+    for target in LINK.findall(_strip_code(text)):
+        if re.match(r"[a-z]+:", target):  # http:, https:, mailto:
+            continue
+        path, _, anchor = target.partition("#")
+        dest = (page.parent / path).resolve() if path else page
+        if not dest.exists():
+            broken.append(f"{page.relative_to(REPO)}: {target} (no such file)")
+        elif anchor and dest.suffix == ".md" and anchor not in _anchors(dest.read_text()):
+            broken.append(f"{page.relative_to(REPO)}: {target} (no such heading)")
+    return broken
+
+
+def test_readme_and_docs_links_resolve():
+    pages = [REPO / "README.md", *sorted(DOCS.glob("*.md"))]
+    broken = [b for page in pages for b in _broken_links(page)]
+    assert not broken, "broken links:\n" + "\n".join(broken)
+
+
+def test_every_page_is_in_the_site_navigation_and_every_included_table_exists():
+    config = (REPO / "mkdocs.yml").read_text()
+    nav = set(re.findall(r"^\s+- (?:[^:\n]+: )?([\w./-]+\.md)\s*$", config, flags=re.MULTILINE))
+    pages = {p.name for p in DOCS.glob("*.md")}
+    assert pages - nav == set(), f"pages missing from mkdocs.yml's nav: {sorted(pages - nav)}"
+    assert nav - pages == set(), f"mkdocs.yml's nav names missing pages: {sorted(nav - pages)}"
+    for page in DOCS.glob("*.md"):
+        for included in SNIPPET.findall(page.read_text()):
+            assert (REPO / included.partition(":")[0]).exists(), f"{page.name} includes missing {included}"
+
+
+def test_readme_setup_is_the_one_ci_runs():
+    readme, ci = (REPO / "README.md").read_text(), (REPO / ".ci" / "run").read_text()
+    setup = re.search(r"^python3 -m venv \.venv && .*$", readme, flags=re.MULTILINE)
+    assert setup, "README: the set-up command (python3 -m venv .venv && ...) is missing"
+    assert setup.group(0) in ci.splitlines(), f".ci/run does not run the README's set-up command:\n{setup.group(0)}"
+    apt = re.search(r"apt-get install -y ([\w .+-]+)$", readme, flags=re.MULTILINE)
+    assert apt, "README: the apt-get install line is missing"
+    ci_apt = re.search(r"apt-get install -y -qq ([\w .+-]+)$", ci, flags=re.MULTILINE)
+    assert ci_apt and set(apt.group(1).split()) == set(ci_apt.group(1).split()), \
+        "README and .ci/run install different system packages"
+    assert "mkdocs build --strict" in readme and "mkdocs build --strict" in ci
