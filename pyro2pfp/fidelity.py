@@ -7,9 +7,13 @@ weight sets drawn from the guide, each run through the traced torch model; the f
 of the plan on the PFP side) and compares the logits' moments with the Monte Carlo ones.  The bounds come from the
 sample count ``n`` alone, so they say "further from sampling than ``n`` samples can explain":
 
-* variance ratio (PFP / MC, median over the logits' elements and the inputs): the MC variance of a
-  Gaussian output has a relative standard error ``√(2/(n−1))`` per element; the ratio passes when
-  ``|ln ratio| ≤ tolerance·√(2/(n−1))`` (``n = 150``, ``tolerance = 4``: within [0.63, 1.59]);
+* variance ratio (PFP / MC, median over the logits' elements and the inputs): it passes when
+  ``|ln ratio| ≤ tolerance·σ``, ``σ`` the noise of the median measured by splitting the samples into
+  groups (:func:`pyro2pfp.mc_compare.median_ratio_noise`: the elements share the weight samples, so
+  their errors are correlated and the median's noise is not known in advance), at most the
+  per-element relative standard error ``√(2/(n−1))`` of a Gaussian's sampled variance (the bound
+  when every element's error were the same; ``n = 150``, ``tolerance = 4``: [0.63, 1.59]) and at
+  least a tenth of it;
 * mean error (median over elements of ``|μ_PFP − μ_MC|`` in MC standard deviations, see
   :mod:`pyro2pfp.mc_compare`): the MC mean is off by ``sd/√n``, so it passes when the median is at most
   ``tolerance/√n`` (0.33 sd at ``n = 150``; an exact mean gives ≈ 0.67/√n).
@@ -57,15 +61,24 @@ class FidelityBounds:
 
     @property
     def ratio(self) -> tuple[float, float]:
-        """The interval of median variance ratios that sampling noise explains."""
+        """The widest interval of median variance ratios that sampling noise explains (every element's
+        error the same); :meth:`ratio_for` narrows it by the measured noise of a layer."""
         half = self.tolerance * math.sqrt(2.0 / (self.num_samples - 1))
+        return math.exp(-half), math.exp(half)
+
+    def ratio_for(self, row: LayerFidelity) -> tuple[float, float]:
+        """The interval of median variance ratios that sampling noise explains for ``row``: ``tolerance``
+        times its measured noise (``row.ratio_noise``), clamped to [1/10, 1] of :attr:`ratio`'s."""
+        widest = math.sqrt(2.0 / (self.num_samples - 1))
+        noise = row.ratio_noise if math.isfinite(row.ratio_noise) else widest
+        half = self.tolerance * min(max(noise, 0.1 * widest), widest)
         return math.exp(-half), math.exp(half)
 
     def violations(self, row: LayerFidelity) -> list[str]:
         """What of ``row`` leaves the bounds, as phrases (empty: within; NaN figures, a layer with no
         random element, are never a violation)."""
         out = []
-        lo, hi = self.ratio
+        lo, hi = self.ratio_for(row)
         if not lo <= row.ratio_median <= hi and not math.isnan(row.ratio_median):
             out.append(f"variance ratio (PFP/MC, median) {row.ratio_median:.3g} outside [{lo:.2f}, {hi:.2f}]")
         if row.mean_error > self.mean_error:

@@ -24,6 +24,7 @@ medians are what :func:`pyro2pfp.fidelity.check_fidelity` (``convert(..., check=
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import math
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -40,6 +41,7 @@ from .posterior import call_with_model_args
 from .tracing import _WRAPPER_PREFIX
 
 SD_FLOOR = 0.1  # the mean error's sd floor, as a fraction of the layer's median MC sd
+SPLITS = 10  # sample groups for the noise of the median variance ratio (:func:`median_ratio_noise`)
 
 
 @dataclass(frozen=True)
@@ -54,6 +56,8 @@ class LayerFidelity:
     ratio_p10: float
     ratio_p90: float
     mean_error_p90: float = float("nan")  # 90th percentile of the same per-element mean error
+    # the standard deviation of ln(ratio_median) that sampling noise explains, measured (split samples)
+    ratio_noise: float = float("nan")
 
 
 @dataclass
@@ -184,6 +188,25 @@ def layer_fidelity(name: str, op: str, pfp_mean: np.ndarray, pfp_var: np.ndarray
                          float(p90), float(err_p90))
 
 
+def median_ratio_noise(pfp_var: np.ndarray, group_vars: list[np.ndarray], keep: np.ndarray) -> float:
+    """The standard deviation of ``ln`` of the median variance ratio over all ``n`` samples that sampling
+    noise explains, measured: the samples were split into ``G`` groups (:data:`SPLITS`, by sample index)
+    and each group's median ratio ``PFP / MC_group`` computed over the same elements; their spread in
+    ``ln``, divided by ``√G``, is the noise of the median from all samples.  It is measured rather than
+    derived because every element is driven by the same weight samples: the elements' errors are
+    correlated, so the median's noise lies anywhere between the per-element ``√(2/(n−1))`` (fully
+    correlated) and that divided by the square root of the element count (independent)."""
+    if len(group_vars) < 2 or not keep.any():
+        return float("nan")
+    logs = []
+    for gv in group_vars:
+        ok = keep & (gv > 0)
+        if not ok.any():
+            return float("nan")
+        logs.append(float(np.log(np.median(pfp_var[ok] / gv[ok]))))
+    return float(np.std(logs, ddof=1) / np.sqrt(len(logs)))
+
+
 def compare(net: Any, model: Any, guide: Any, x: Any, *, num_samples: int, seed: int = 0, per_layer: bool = True,
             execute: Any = None) -> Diagnosis:
     """:class:`Diagnosis` of ``net`` (converted from ``model``, ``guide``) on the inputs ``x``: the work of
@@ -220,12 +243,14 @@ def _compare(net: Any, model: Any, guide: Any, x: Any, num_samples: int, seed: i
     wanted = {origins[layer.name] for layer in planned}
     out_node = origins.get(net.plan.output)
     stats = {node: _Welford() for node in wanted}
+    splits = SPLITS if num_samples >= 5 * SPLITS else 0
+    groups = {node: [_Welford() for _ in range(splits)] for node in wanted}
     probs = _Welford()
     xt = torch.as_tensor(xs, dtype=torch.float32)
     example = xt[:1]
     pyro.set_rng_seed(seed)
     with torch.no_grad(), pyro.validation_enabled(False):
-        for _ in range(num_samples):
+        for k in range(num_samples):
             for site, value in _guide_sample(guide, example).items():
                 param = by_site.get(site)
                 if param is not None:
@@ -234,6 +259,8 @@ def _compare(net: Any, model: Any, guide: Any, x: Any, num_samples: int, seed: i
             cap.run(xt)
             for node, value in cap.values.items():
                 stats[node].add(value.double().numpy())
+                if splits:
+                    groups[node][k % splits].add(value.double().numpy())
             if out_node is not None:
                 probs.add(torch.softmax(cap.values[out_node].double(), -1).numpy())
     values = (execute or execute_all)(net.plan, xs)
@@ -242,7 +269,10 @@ def _compare(net: Any, model: Any, guide: Any, x: Any, num_samples: int, seed: i
         act, st = values[layer.name], stats[origins[layer.name]]
         mc_mean, mc_var = st.mean, st.var
         mean, var = act.mean.reshape(mc_mean.shape), act.variance().reshape(mc_mean.shape)
-        rows.append(layer_fidelity(layer.name, layer.op, mean, var, mc_mean, mc_var))
+        row = layer_fidelity(layer.name, layer.op, mean, var, mc_mean, mc_var)
+        keep = mc_var > 1e-12 * (mc_mean**2 + 1e-12)
+        noise = median_ratio_noise(var, [g.var for g in groups[origins[layer.name]]], keep)
+        rows.append(dataclasses.replace(row, ratio_noise=noise))
     out = values[net.plan.output]
     agreement = float("nan")
     output: dict[str, np.ndarray] = {"pfp_mean": out.mean, "pfp_var": out.variance()}
