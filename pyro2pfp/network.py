@@ -13,6 +13,7 @@ from . import ops as ops  # the op registry: every op family registers its conve
 from ._version import __version__
 from .correlated_pools import MAX_POOL_RULES, correlate_max_pools, pool_caveats
 from .correlation import with_correlation
+from .correlation.cost import dense_head_caveat
 from .errors import ArgumentError, InputShapeError, InternalError, PFPError, PFPWarning, PosteriorError
 from .graph import LayerGraph, Repr
 from .inputs import checked_inputs
@@ -303,6 +304,9 @@ def convert(model: Any, guide: Any = None, *, input_shape: tuple[int, ...] | Non
             stage = "planning the network"
             planned_graph = append_head(layer_graph, head) if head is not None else layer_graph
             planned = with_correlation(plan(planned_graph, calibration, moment_form), correlation)
+            caveat = dense_head_caveat(planned) if correlation == "auto" and planned.factors is None else None
+            if caveat is not None:  # the shared-factor plan's cost: of this plan, before the pool rewrite
+                warnings.warn(caveat, PFPWarning, stacklevel=3)
             if planned.factors is None and max_pool == "correlated":
                 rewritten = correlate_max_pools(layer_graph)
                 if rewritten is not layer_graph:

@@ -185,6 +185,25 @@ def test_median_ratio_bound_follows_the_measured_noise():
     assert false_alarms[False] == 0 and false_alarms[True] <= 3, false_alarms
 
 
+def test_auto_mean_field_warns_where_a_dense_layer_sums_conv_positions():
+    """conv → pool → flatten → dense: ``auto`` keeps mean-field (its cost) but says that the dense layer sums
+    positions sharing a conv's weight noise, with the shared-factor plan's cost for this network; an MLP,
+    and an explicit ``correlation='mean-field'``, convert without that warning."""
+    model = TinyPoolCNN()
+    x = torch.randn(4, 1, 8, 8)
+    guide = _guide(model, x)
+    with pytest.warns(pyro2pfp.PFPWarning, match=r"'fc' sums positions of conv channels.*shared-factor' keeps it at "
+                                                  r"[0-9.]+x the multiply-adds"):
+        pyro2pfp.convert(model, guide, input_shape=(1, 8, 8))
+    for other, xs, correlation in ((TinyPoolCNN(), x, "mean-field"), (OneHiddenMLP(), torch.randn(4, 5), "auto")):
+        pyro.clear_param_store()
+        guide = _guide(other, xs)
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            pyro2pfp.convert(other, guide, input_shape=tuple(xs.shape[1:]), correlation=correlation)
+        assert not [w for w in caught if "sums positions" in str(w.message)], correlation
+
+
 def test_bad_check_arguments():
     from pyro2pfp.fidelity import check_fidelity
 

@@ -76,3 +76,32 @@ def cost_model(graph: PlannedGraph, factors: FactorPlan | None = None) -> Cost:
         if layer.name in fp.compact_at:
             extra += 2 * rows * rows * k
     return Cost(mf, extra, mf_floats, extra_floats, max(fp.width.values(), default=0))
+
+
+def dense_head_caveat(graph: PlannedGraph) -> str | None:
+    """What a user should know when ``correlation="auto"`` keeps a mean-field plan although a dense layer
+    sums the positions of conv channels (conv → … → flatten → dense, LeNet-style): a conv weight's noise
+    is shared by every position of its channel, mean-field PFP drops that correlation, and the dense
+    layer's variance (and the logits') is then under-stated by an amount that depends on the posterior's
+    width -- small for narrow posteriors (``benchmarks/fidelity.py``), about a fifth of the logit
+    variance for the trained LeNet-5 of ``examples/mnist_pfp.py`` (its ``check=`` prints the ratio).
+    None when no dense layer reads a conv's noise.  The message gives the shared-factor plan's cost for
+    this network (:func:`cost_model`), the scheme that keeps the correlation."""
+    from .factors import CorrelationError, _noisy_ancestry
+
+    noisy = _noisy_ancestry(graph)
+    dense = next((layer for layer in graph.layers if layer.op == "dense" and noisy[layer.inputs[0]]), None)
+    if dense is None:
+        return None
+    try:
+        cost = cost_model(graph, plan_factors(graph))
+        total = cost.mean_field_macs + cost.extra_macs
+        scheme = (f"correlation='shared-factor' keeps it at {total / cost.mean_field_macs:.1f}x the multiply-adds "
+                  f"({cost.mean_field_macs / 1e6:.2f} M -> {total / 1e6:.2f} M per input)")
+    except CorrelationError as exc:
+        scheme = f"correlation='shared-factor' would keep it but is not available here ({exc})"
+    return (f"{dense.layer.source}: correlation='auto' chose mean-field, but '{dense.name}' sums positions of conv "
+            "channels that share their weights' noise, which mean-field PFP takes as independent: the output "
+            "variance may be under-stated (by about a fifth for the trained LeNet-5 of examples/mnist_pfp.py). "
+            f"convert(..., check=x) measures it on your inputs; {scheme}; correlation='mean-field' accepts it "
+            "without this warning")

@@ -229,9 +229,11 @@ def needs_shared_factors(graph: PlannedGraph) -> str | None:
     conv output's noise (shared by every position of the channel, divided by the window size as
     if independent) or a residual add of two noisy branches (which share their input).
 
-    Flatten → dense after a conv (LeNet-5) is not on the list: the dense weights differ per
-    position, so the shared noise does not add coherently (measured: LeNet-5's mean-field logit
-    variance ratio 0.99, ``benchmarks/fidelity.py``)."""
+    Flatten → dense after a conv (LeNet-5) is not on the list: the dense weights differ per position,
+    so the shared noise adds only partly coherently -- negligibly for narrow posteriors, by about a
+    fifth of the logit variance for a trained LeNet-5 -- while the scheme costs several times the
+    mean-field multiply-adds there; ``convert`` warns instead
+    (:func:`~pyro2pfp.correlation.cost.dense_head_caveat`)."""
     noisy = _noisy_ancestry(graph)
     for layer in graph.layers:
         if layer.op == "avg_pool2d" and noisy[layer.inputs[0]]:
