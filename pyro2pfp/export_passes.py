@@ -7,6 +7,19 @@ from typing import Any
 import torch
 
 
+def repair_users(program: torch.export.ExportedProgram) -> None:
+    """Make every node's ``users`` list the nodes that read it.
+
+    A model that assigns sampled tensors to module attributes (``layer.weight = pyro.sample(...)``)
+    can come out of ``torch.export`` with nodes missing from their inputs' ``users`` (the reads of the
+    likelihood's normalised logits); removing a dead node then fails inside torch.fx.  The arguments
+    are the graph; ``users`` is derived from them, so it is rebuilt from them.
+    """
+    for node in program.graph_module.graph.nodes:
+        for source in node.all_input_nodes:
+            source.users.setdefault(node, None)
+
+
 def fold_identity_broadcasts(program: torch.export.ExportedProgram) -> None:
     """Replace ``broadcast_tensors(xs)[i]`` by ``xs[i]`` and ``expand(x)`` by ``x`` where they leave
     the tensor unchanged.
