@@ -429,7 +429,7 @@ def _build_wrapper(model: Any, readings: dict[str, SiteReading], weights: dict[s
         try:
             lifted = random_module.lifted_modules(model, lambda fn: call_with_model_args(fn, example))
         except Exception as exc:  # the model function's own error
-            raise TracingError(f"running the model {getattr(model, '__name__', type(model).__name__)} failed: "
+            raise TracingError(f"running the model {_user_model_name(model)} failed: "
                                f"{call_failure(model, example, exc)}") from exc
     lifted_paths = {f"lifted.m{i}.{path}": f"{name}{random_module.SEPARATOR}{path}"
                     for i, (name, module) in enumerate(lifted.items()) for path, _ in module.named_parameters()}

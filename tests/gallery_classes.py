@@ -29,7 +29,7 @@ from pyro.nn import PyroModule, PyroSample
 
 D_IN, HIDDEN, CLASSES = 8, 12, 3
 N_TRAIN, N_TEST, STEPS = 128, 16, 150
-MC_SAMPLES = 1000
+MC_SAMPLES = 600
 device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 
 
@@ -211,8 +211,7 @@ def _entry(name: str) -> dict[str, Any]:
         bnn = BayesianClassifier()
         target = bnn.model if name == "methods-model" else bnn
         return {"model": bnn.model, "guide": bnn.guide, "modules": [bnn],
-                "truth": lambda x, n: Predictive(bnn.model, guide=bnn.guide, num_samples=n,
-                                                 return_sites=("_RETURN",))(x, None)["_RETURN"],
+                "truth": lambda x, n: torch.stack([bnn.guide(None, None)(x) for _ in range(n)]),
                 "convert": lambda: pyro2pfp.convert(target, bnn.guide, input_shape=shape)}
     if name == "setattr-sequential":
         bnn = SequentialBNN()
