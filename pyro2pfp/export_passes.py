@@ -10,10 +10,12 @@ import torch
 def repair_users(program: torch.export.ExportedProgram) -> None:
     """Make every node's ``users`` list the nodes that read it.
 
-    A model that assigns sampled tensors to module attributes (``layer.weight = pyro.sample(...)``)
-    can come out of ``torch.export`` with nodes missing from their inputs' ``users`` (the reads of the
-    likelihood's normalised logits); removing a dead node then fails inside torch.fx.  The arguments
-    are the graph; ``users`` is derived from them, so it is rebuilt from them.
+    A model that assigns sampled tensors to the layers of a ``PyroModule`` container
+    (``layer.weight = pyro.sample(...)`` on a ``PyroModule[nn.Sequential]`` of ``PyroModule[nn.Linear]``)
+    comes out of ``torch.export(strict=False)`` with the nodes that read the container's output (the
+    likelihood normalising the logits) missing from that output's ``users``; removing a dead node then
+    fails inside torch.fx (``KeyError`` in ``erase_node``).  The arguments are the graph and ``users``
+    is derived from them, so it is rebuilt from them.
     """
     for node in program.graph_module.graph.nodes:
         for source in node.all_input_nodes:
