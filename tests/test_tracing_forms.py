@@ -1,8 +1,8 @@
 """The code people write in ``forward`` either traces or stops naming the user's line and the fix:
-device moves (``self.to(device)``, ``x.to(device)``, ``.cpu()``, a guarded ``.cuda()``), batch views
-(``x.size(0)``, ``x.shape[0]``, ``torch.flatten``, ``view(-1, n)``), an unguarded ``.cuda()`` on a
-machine without CUDA, the Pyro modules tutorial's ``pyro.plate("instances", len(input))``, and a module
-whose Pyro model is a method."""
+device moves (``self.to(device)``, ``x.to(device)``, ``.cpu()``) give the network of the same model
+without them (written with ``view(-1, n)``); an unguarded ``.cuda()`` on a machine without CUDA, the
+Pyro modules tutorial's ``pyro.plate("instances", len(input))`` and a module whose Pyro model is a
+method stop with the line or the call to change."""
 from __future__ import annotations
 
 import numpy as np
