@@ -7,6 +7,21 @@ from typing import Any
 import torch
 
 
+def repair_users(program: torch.export.ExportedProgram) -> None:
+    """Make every node's ``users`` list the nodes that read it.
+
+    A model that assigns sampled tensors to the layers of a ``PyroModule`` container
+    (``layer.weight = pyro.sample(...)`` on a ``PyroModule[nn.Sequential]`` of ``PyroModule[nn.Linear]``)
+    comes out of ``torch.export(strict=False)`` with the nodes that read the container's output (the
+    likelihood normalising the logits) missing from that output's ``users``; removing a dead node then
+    fails inside torch.fx (``KeyError`` in ``erase_node``).  The arguments are the graph and ``users``
+    is derived from them, so it is rebuilt from them.
+    """
+    for node in program.graph_module.graph.nodes:
+        for source in node.all_input_nodes:
+            source.users.setdefault(node, None)
+
+
 def fold_identity_broadcasts(program: torch.export.ExportedProgram) -> None:
     """Replace ``broadcast_tensors(xs)[i]`` by ``xs[i]`` and ``expand(x)`` by ``x`` where they leave
     the tensor unchanged.

@@ -66,3 +66,60 @@ def replaced_random_modules(replacements: dict[str, torch.nn.Module]) -> Iterato
 
     with _patched(replace):
         yield
+
+
+
+def lifted_submodule(model: torch.nn.Module, sites: list[str]) -> tuple[str, str] | None:
+    """``(random_module name, path of the submodule)`` when the guide's latent ``sites`` all lift the
+    parameters of one submodule of ``model`` (the model itself: path ``""``) under one name, as
+    ``pyro.random_module(name, submodule, …)`` names them (``module$$$fc1.weight``); else None."""
+    if not sites or not all(SEPARATOR in site for site in sites):
+        return None
+    names = {site.split(SEPARATOR)[0] for site in sites}
+    if len(names) != 1:
+        return None
+    lifted = {site.split(SEPARATOR, 1)[1] for site in sites}
+    for path, sub in model.named_modules():
+        if lifted <= {p for p, _ in sub.named_parameters()}:
+            return names.pop(), path
+    return None
+
+
+def lifting_model(name: str, model: torch.nn.Module, path: str) -> Any:
+    """A model function that runs ``model`` with its submodule at ``path`` lifted by
+    ``pyro.random_module(name, submodule, …)``: what a guide written for a random_module model samples,
+    when the user passes the network (or the module holding it) to ``convert``.  Further arguments
+    (the labels) are passed on where ``forward`` takes them; the priors are never sampled (the
+    posterior is read from the guide)."""
+    net = model.get_submodule(path) if path else model
+    owner_path, _, attr = path.rpartition(".")
+    owner = model.get_submodule(owner_path) if owner_path else model
+    takes = _positional_count(model)
+
+    def lifting(x: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
+        priors = {p: pyro.distributions.Normal(torch.zeros_like(v), 1.0).to_event(v.dim())
+                  for p, v in net.named_parameters()}
+        lifted = pyro.random_module(name, net, priors)()
+        if not path:
+            return lifted(x)
+        original = owner._modules[attr]
+        owner._modules[attr] = lifted
+        try:
+            return model(x, *args[:max(takes - 1, 0)])
+        finally:
+            owner._modules[attr] = original
+
+    lifting.__name__ = lifting.__qualname__ = type(model).__name__
+    return lifting
+
+
+def _positional_count(model: torch.nn.Module) -> int:
+    import inspect
+
+    try:
+        parameters = inspect.signature(model.forward).parameters.values()
+    except (TypeError, ValueError):
+        return 1
+    if any(p.kind is p.VAR_POSITIONAL for p in parameters):
+        return 1 << 10
+    return sum(p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD) for p in parameters)

@@ -17,7 +17,6 @@ from __future__ import annotations
 import copy
 import difflib
 import functools
-import numbers
 import warnings
 from dataclasses import dataclass, field
 from typing import Any
@@ -32,12 +31,21 @@ from pyro.poutine.messenger import Messenger
 from pyro.poutine.subsample_messenger import _Subsample
 
 from . import ops as _ops  # noqa: F401  (registers the converters that _check_supported_ops consults)
-from . import random_module
+from . import random_module, trace_forms
 from .converters import CONVERTERS, unsupported_message
-from .errors import InputShapeError, PosteriorError, TracingError, UnsupportedLayerError
-from .export_passes import compute_ops, fold_identity_broadcasts, tensor_ops, torch_module, used_parameters, user_line
+from .errors import PosteriorError, TracingError, UnsupportedLayerError
+from .export_passes import (
+    compute_ops,
+    fold_identity_broadcasts,
+    repair_users,
+    tensor_ops,
+    torch_module,
+    used_parameters,
+    user_line,
+)
 from .graph import GaussianParam
 from .model_args import TracedArgs
+from .model_checks import check_has_forward, checked_input_shape, modules_of_function, warn_train_mode
 from .noise import HeteroscedasticNoise, NoiseModel, NoNoiseModel, find_noise, read_head, scale_depends_on_input
 from .output_chain import check_output, network_output_of, trailing_chain_nodes
 from .posterior import ModelArgs, SiteReading, call_failure, call_with_model_args, read_posterior, unwrap_independent
@@ -131,6 +139,7 @@ def _plain_module_class(cls: type) -> type:
         "__call__": _module_call,
         "__module__": cls.__module__,
     }
+    namespace["_pfp_original"] = cls
     return type(f"Deterministic{cls.__name__}", (cls,), namespace)
 
 
@@ -250,23 +259,6 @@ def _example_input(input_shape: tuple[int, ...], batch: int = 2) -> torch.Tensor
     return torch.zeros((batch, *input_shape), dtype=torch.float32)
 
 
-def infer_input_shape(model: torch.nn.Module) -> tuple[int, ...]:
-    """The input shape fixed by the model's first layer, if that is a Linear layer."""
-    for path, module in model.named_modules():
-        if isinstance(module, torch.nn.Linear):
-            return (int(module.in_features),)
-        if isinstance(module, torch.nn.modules.conv._ConvNd):
-            kind = next(c.__name__ for c in type(module).__mro__ if c.__module__.startswith("torch.nn"))
-            raise InputShapeError(
-                f"the first layer '{path}' is a convolution ({kind}); its input size is not fixed "
-                "by its weights. Pass input_shape=(channels, height, width) to convert()."
-            )
-    raise InputShapeError(
-        "cannot infer the input shape from the model (no Linear first layer found). "
-        "Pass input_shape=(...) without the batch dimension to convert()."
-    )
-
-
 def _functional_means(readings: dict[str, SiteReading], pyro_sample_sites: set[str]) -> dict[str, torch.Tensor]:
     """Posterior means of the latent sites not held by a PyroSample attribute (zeros of the site's
     shape where the posterior has no mean: an error later, if the site turns out to be a weight)."""
@@ -324,10 +316,21 @@ def _check_batch_independent(program: torch.export.ExportedProgram, wrapper: _Wr
             "size (e.g. `if x.shape[0] > 1:`). PFP needs one network for every batch size: remove the branch.")
 
 
+def _user_model_name(model: Any) -> str:
+    """The name the user knows the model by (not the class of its deterministic copy)."""
+    original = getattr(type(model), "_pfp_original", None)
+    if isinstance(model, torch.nn.Module) and original is not None:
+        return str(original.__name__)
+    owner = getattr(model, "__self__", None)
+    name = getattr(model, "__name__", None) or type(model).__name__
+    return f"{type(owner).__name__}.{name}" if owner is not None else name
+
+
 def _export(wrapper: _Wrapper, inputs: tuple[torch.Tensor, tuple[torch.Tensor, ...]], input_shape: tuple[int, ...],
             *, dynamic: bool = True) -> torch.export.ExportedProgram:
     """Export ``wrapper`` at the example ``inputs`` (the input batch and the batched further arguments,
-    which share its batch dimension)."""
+    which share its batch dimension); device moves that change nothing are dropped
+    (:mod:`pyro2pfp.trace_forms`)."""
     x, batched = inputs
     batch = torch.export.Dim("batch", min=1, max=2**20)
     dynamic_shapes: Any = None
@@ -335,48 +338,34 @@ def _export(wrapper: _Wrapper, inputs: tuple[torch.Tensor, tuple[torch.Tensor, .
         dynamic_shapes = {"x": {0: batch}, "batched": tuple({0: batch} for _ in batched)} if batched else \
             {"x": {0: batch}}
     example = (x, batched) if batched else (x,)
+    fixed_at: list[str] = []
     try:  # each run of the model leaves the modules it assigns to as they were (pyro2pfp.preserve)
-        with pyro.validation_enabled(False), torch.no_grad(), module_changes_undone():
-            return torch.export.export(wrapper, example, dynamic_shapes=dynamic_shapes, strict=False)
+        with pyro.validation_enabled(False), torch.no_grad(), module_changes_undone(), \
+                trace_forms.device_moves_kept(), trace_forms.batch_specialisations(fixed_at):
+            for module in modules_of_function(wrapper.model):
+                module.eval()  # undone on leaving the block
+            program = torch.export.export(wrapper, example, dynamic_shapes=dynamic_shapes, strict=False)
+        repair_users(program)
+        trace_forms.fold_device_moves(program)
+        return program
     except Exception as exc:
         args = wrapper.traced_args.call(x, batched) if wrapper.traced_args is not None else (x,)
-        name = getattr(wrapper.model, "__name__", type(wrapper.model).__name__)
+        name = _user_model_name(wrapper.model)
         if padded_parameters(wrapper.model, args):
             raise TracingError(f"running the model {name} to trace it failed: "
                                f"{call_failure(wrapper.model, args, exc)}") from exc
-        if "specialized it to be a constant" in str(exc):
-            raise TracingError(
-                f"the model {name} fixes the batch size while it is traced: it turns the batch dimension into a "
-                "Python int (len(x), int(x.shape[0]), a size computed with NumPy, a plate's subsample_size, …), "
-                "typically for the likelihood's plate. Write pyro.plate('data', x.shape[0]) (a size torch can "
-                "keep symbolic, no subsampling) instead of pyro.plate('data', len(x)).") from exc
+        if "specialized it to be a constant" in str(exc) or "Constraints violated" in str(exc):
+            raise TracingError(trace_forms.specialisation_message(name, fixed_at[0] if fixed_at else None)) from exc
+        cuda = trace_forms.cuda_message(exc)
+        if cuda is not None:
+            raise TracingError(f"the model {name}: {cuda}") from exc
+        where = trace_forms.user_frame_of(exc)
         raise TracingError(
-            f"torch.export could not trace the model for input shape (batch, {', '.join(map(str, input_shape))}): "
+            f"torch.export could not trace the model {name} for input shape (batch, "
+            f"{', '.join(map(str, input_shape))}){f' at {where}' if where else ''}: "
             f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}. "
             "Check input_shape and that forward() works on a batch of that shape."
         ) from exc
-
-
-def _checked_input_shape(model: Any, input_shape: tuple[int, ...] | None) -> tuple[int, ...]:
-    if not isinstance(model, torch.nn.Module) and not callable(model):
-        raise TracingError(
-            f"convert() needs the model as a torch.nn.Module (e.g. a PyroModule) or a Pyro model function, "
-            f"got {type(model).__name__}.")
-    if input_shape is None:
-        if not isinstance(model, torch.nn.Module):
-            raise InputShapeError(f"the model {getattr(model, '__name__', model)!r} is a function: pass "
-                                  "input_shape=(...) (one input, without the batch dimension) to convert().")
-        input_shape = infer_input_shape(model)
-    if isinstance(input_shape, numbers.Integral) and not isinstance(input_shape, bool):
-        input_shape = (int(input_shape),)  # one feature dimension
-    if isinstance(input_shape, str | bytes) or not isinstance(input_shape, tuple | list | torch.Size) or not all(
-            isinstance(d, numbers.Integral) and not isinstance(d, bool) for d in input_shape):
-        raise InputShapeError(f"input_shape must be a tuple of positive ints without the batch dimension, e.g. "
-                              f"(784,) or (1, 28, 28); got {input_shape!r}")
-    shape = tuple(int(d) for d in input_shape)
-    if not shape or any(d <= 0 for d in shape):
-        raise InputShapeError(f"input_shape must be positive sizes without the batch, got {shape}")
-    return shape
 
 
 def _pyro_sample_weights(model: Any, readings: dict[str, SiteReading], guide: Any) -> dict[str, GaussianParam]:
@@ -440,7 +429,7 @@ def _build_wrapper(model: Any, readings: dict[str, SiteReading], weights: dict[s
         try:
             lifted = random_module.lifted_modules(model, lambda fn: call_with_model_args(fn, example))
         except Exception as exc:  # the model function's own error
-            raise TracingError(f"running the model {getattr(model, '__name__', type(model).__name__)} failed: "
+            raise TracingError(f"running the model {_user_model_name(model)} failed: "
                                f"{call_failure(model, example, exc)}") from exc
     lifted_paths = {f"lifted.m{i}.{path}": f"{name}{random_module.SEPARATOR}{path}"
                     for i, (name, module) in enumerate(lifted.items()) for path, _ in module.named_parameters()}
@@ -474,22 +463,6 @@ def _classify_exported_sites(wrapper: _Wrapper, lifted_paths: dict[str, str], pr
     return weights, nonweights
 
 
-_TRAIN_DIFFERS = (torch.nn.modules.dropout._DropoutNd, torch.nn.modules.batchnorm._BatchNorm)
-
-
-def _warn_train_mode(model: Any) -> None:
-    """PFP converts eval semantics (Dropout off, BatchNorm with its running statistics); say so when
-    the model is left in train mode, where these layers compute something else."""
-    if not isinstance(model, torch.nn.Module):
-        return
-    training = [path or type(model).__name__ for path, m in model.named_modules()
-                if m.training and isinstance(m, _TRAIN_DIFFERS)]
-    if training:
-        warnings.warn(f"the model is in train mode ({', '.join(training[:4])}{' …' if len(training) > 4 else ''}): "
-                      "converted with eval semantics (Dropout off, BatchNorm with its running statistics). "
-                      "Call model.eval() before convert() to make this explicit.", stacklevel=4)
-
-
 def _warn_moment_matched(params: dict[str, GaussianParam], readings: dict[str, SiteReading]) -> None:
     matched = [f"'{p.site}' ({readings[p.site].reason})" for p in params.values()
                if p.site is not None and readings[p.site].kind == "moments"]
@@ -511,14 +484,19 @@ def trace_model(model: Any, guide: Any, input_shape: tuple[int, ...] | None, *,
     """
     if example is not None and input_shape is None:
         input_shape = tuple(example[0].shape[1:])
-    input_shape = _checked_input_shape(model, input_shape)
+    check_has_forward(model)
+    input_shape = checked_input_shape(model, input_shape)
     model_name = getattr(model, "__name__", type(model).__name__)
-    _warn_train_mode(model)
+    warn_train_mode(model)
     if example is None:
         example = ModelArgs((_example_input(input_shape),))
     pyro_sample_sites = sample_sites(model) if isinstance(model, torch.nn.Module) else {}
     readings = read_posterior(model, guide, example, weight_sites=pyro_sample_sites.values(),
                               check=check_posterior)
+    lifted = random_module.lifted_submodule(model, list(readings)) \
+        if isinstance(model, torch.nn.Module) and not pyro_sample_sites else None
+    if lifted is not None:  # the net a pyro.random_module model lifts (or a module holding it) as the model
+        model = random_module.lifting_model(lifted[0], model, lifted[1])
     params = _pyro_sample_weights(model, readings, guide)
 
     wrapper, lifted_paths = _build_wrapper(model, readings, params, example)

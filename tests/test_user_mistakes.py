@@ -198,7 +198,7 @@ MISTAKES = {
     "forward branches on the batch size": (lambda: pyro2pfp.convert(*trained(MLP(returns="batch branch"))),
                                            pyro2pfp.TracingError, r"batch 1", r"remove the branch"),
     "len(x) as the plate size": (lambda: pyro2pfp.convert(*trained(MLP(returns="len plate"))),
-                                 pyro2pfp.TracingError, r"fixes the batch size",
+                                 pyro2pfp.TracingError, r"fixes the batch size .*at \S*test_user_mistakes\.py:\d+",
                                  r"pyro\.plate\('data', x\.shape\[0\]\)"),
     "guide needs the labels": (lambda: pyro2pfp.convert(functional_model, guide_reading_labels, input_shape=(D_IN,)),
                                pyro2pfp.PosteriorError, r"cll got None", r"example_args=\(x, cll\)"),
