@@ -1,6 +1,6 @@
 """Gaussian moment rules of the smooth and clipped activations (pyro2pfp.moments, issue 16).
 
-* Monte Carlo: pure sampling bounds (``tests/stats.py``: z·se from the sample, Bonferroni over all
+* Monte Carlo: pure sampling bounds (``tests/support/stats.py``: z·se from the sample, Bonferroni over all
   points) for every rule on a grid of (μ, v); the rules that are exact (clipped Gaussian, ELU,
   GELU up to its 20-point Gauss–Legendre) and the quadrature rules (sigmoid, tanh, SiLU,
   softplus, ~1e-6) must both pass, and the check must reject the probit sigmoid.
@@ -23,10 +23,10 @@ from typing import Any
 import numpy as np
 import pytest
 import scipy.special as sp
-from stats import assert_check_rejects, assert_moments_agree
 
 from pyro2pfp import moments as M
 from pyro2pfp_experiments import activation_reference as R
+from tests.support.stats import assert_check_rejects, assert_moments_agree
 
 
 class Case:

@@ -6,7 +6,6 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import tvm
-from builders import lenet_graph
 from tvm import relax
 
 from pyro2pfp.errors import ArgumentError
@@ -15,6 +14,7 @@ from pyro2pfp.plan import plan
 from pyro2pfp.tvm_backend import build as build_module
 from pyro2pfp.tvm_backend.build import KERNELS_PER_PART, KernelPool, build, build_jobs
 from pyro2pfp.tvm_backend.schedules import schedule_module
+from tests.support.builders import lenet_graph
 
 TARGET = tvm.target.Target("llvm")
 

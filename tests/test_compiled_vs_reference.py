@@ -9,12 +9,20 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from builders import (
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from pyro2pfp.graph import INPUT, LayerGraph, Repr
+from pyro2pfp.network import PFPNetwork
+from pyro2pfp.plan import plan
+from pyro2pfp.reference.arrays import conv2d_nchw
+from tests.support.builders import (
     assert_compute_layer,
     conv_layer,
     dense_layer,
     forms,
     input_var,
+    inputs,
     lenet_graph,
     mlp_graph,
     pool_layer,
@@ -22,14 +30,7 @@ from builders import (
     scales,
     var_scales,
 )
-from hypothesis import HealthCheck, given, settings
-from hypothesis import strategies as st
-from op_coverage import COMPILED, covers
-
-from pyro2pfp.graph import INPUT, LayerGraph, Repr
-from pyro2pfp.network import PFPNetwork
-from pyro2pfp.plan import plan
-from pyro2pfp.reference.arrays import conv2d_nchw
+from tests.support.op_coverage import COMPILED, covers
 
 SETTINGS = settings(max_examples=12, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 
@@ -39,12 +40,6 @@ def build(graph: LayerGraph, calibration: float = 1.0, moment_form: str = "varia
     net = PFPNetwork(graph, plan(graph, calibration, moment_form))
     return net, net.compile("llvm")
 
-
-def inputs(rng, batch: int, shape: tuple[int, ...], scale: float, var_scale: float | None):
-    x = (scale * rng.standard_normal((batch, *shape))).astype(np.float32)
-    if var_scale is None:
-        return x, None
-    return x, (var_scale * rng.uniform(0.0, 1.0, x.shape)).astype(np.float32)
 
 
 def run_both(net, exe, x, x_var):

@@ -2,7 +2,7 @@
 puts a non-decreasing activation after the pool, and all three back ends.
 
 * Clark's max of two *correlated* Gaussians is exact: checked against Monte Carlo with the derived
-  bound of ``tests/stats.py``, and the independent rule must be rejected on the same sample.
+  bound of ``tests/support/stats.py``, and the independent rule must be rejected on the same sample.
 * ``window_cov`` (the covariances of every pair of taps of a window, from the conv that feeds the pool)
   is exact for a conv with independent Gaussian weights and independent inputs: its pairs'
   covariances are checked against Monte Carlo the same way, for a deterministic and a random conv
@@ -17,11 +17,8 @@ import math
 
 import numpy as np
 import pytest
-from builders import conv_layer, dense_layer, pool_layer, relu_layer, reshape_layer
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from op_coverage import COMPILED, MONTE_CARLO, covers
-from stats import assert_check_rejects, assert_moments_agree
 
 from pyro2pfp import moments
 from pyro2pfp.correlated_pools import correlate_max_pools
@@ -30,6 +27,9 @@ from pyro2pfp.network import PFPNetwork
 from pyro2pfp.plan import plan
 from pyro2pfp.reference import execute_all
 from pyro2pfp.reference.arrays import LOWEST, padded, window_views
+from tests.support.builders import conv_layer, dense_layer, pool_layer, relu_layer, reshape_layer
+from tests.support.op_coverage import COMPILED, MONTE_CARLO, covers
+from tests.support.stats import assert_check_rejects, assert_moments_agree
 
 N_MC = 200_000
 MC = settings(max_examples=12, deadline=None, suppress_health_check=[HealthCheck.too_slow])

@@ -12,8 +12,6 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
-from builders import conv_layer, dense_layer, reshape_layer
-from stats import check_moments, z_threshold
 
 import pyro2pfp
 from pyro2pfp import ops as ops  # the op registry: every op family registers itself
@@ -31,6 +29,8 @@ from pyro2pfp.diagnose import layer_fidelity
 from pyro2pfp.graph import INPUT, GaussianParam, Layer, LayerGraph, Repr
 from pyro2pfp.plan import plan
 from pyro2pfp.reference import Activation, execute
+from tests.support.builders import conv_layer, dense_layer, reshape_layer
+from tests.support.stats import check_moments, z_threshold
 
 
 def execute_correlated(graph, x, **options):

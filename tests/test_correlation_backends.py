@@ -14,7 +14,6 @@ import numpy as np
 import pytest
 import torch
 import tvm
-from builders import conv_layer, dense_layer, reshape_layer
 
 import pyro2pfp
 from pyro2pfp.correlation import with_correlation
@@ -27,6 +26,7 @@ from pyro2pfp.tvm_backend._core import kernel_info
 from pyro2pfp.tvm_backend.ops.correlation import PARTS
 from pyro2pfp.tvm_backend.schedules import schedule_module
 from pyro2pfp.tvm_backend.sharing import share_identical_kernels
+from tests.support.builders import conv_layer, dense_layer, reshape_layer
 
 RTOL = 2e-5
 # onnxruntime's Erf/Exp (ReLU and Clark-max moments of the mean-field part) are less exact than the TVM

@@ -26,7 +26,6 @@ import numpy as np
 import pyro
 import pytest
 import torch
-from builders import mlp_graph
 
 import pyro2pfp
 from pyro2pfp import deploy
@@ -34,6 +33,7 @@ from pyro2pfp.errors import InputShapeError, PFPError
 from pyro2pfp.network import PFPNetwork
 from pyro2pfp.plan import plan
 from pyro2pfp_experiments.zoo import BayesianLeNet5, make_guide
+from tests.support.builders import mlp_graph
 
 CROSS_GCC = "aarch64-linux-gnu-gcc"
 APT_LINE = "apt-get install -y gcc-aarch64-linux-gnu g++-aarch64-linux-gnu qemu-user"

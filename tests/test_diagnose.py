@@ -102,7 +102,7 @@ def test_tyxe_bnn_alone():
     """diagnose takes what convert takes: a TyXe VariationalBNN alone, or with its own guide (which also
     holds the likelihood's scale), stands for its net and net_guide; the caller's random streams are left
     as they were."""
-    from gallery_models import D_IN, tyxe_regression
+    from tests.support.gallery_models import D_IN, tyxe_regression
 
     bnn = tyxe_regression(learned_scale=True)
     x, y = torch.randn(16, D_IN), torch.randn(16, 1)

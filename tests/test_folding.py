@@ -10,11 +10,11 @@ import pyro.distributions as dist
 import pytest
 import torch
 import torch.nn as nn
-from builders import ResidualNet
 from pyro.nn import PyroSample
 
 import pyro2pfp
 from pyro2pfp_experiments.zoo import bayesian_resnet, he_posterior
+from tests.support.builders import ResidualNet
 
 
 def residual_model(conv_bias: bool = True):

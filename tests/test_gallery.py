@@ -2,7 +2,7 @@
 against Pyro's ``Predictive`` (issue 16 item 6), and the heteroscedastic-head / TyXe-noise machinery
 they use (:mod:`pyro2pfp.noise`, item 3).
 
-Every gallery model (tests/gallery_models.py) is trained a few hundred SVI steps on seeded synthetic
+Every gallery model (tests/support/gallery_models.py) is trained a few hundred SVI steps on seeded synthetic
 data; the truth is ``MC_SAMPLES`` = 1000 draws of the trained guide (regression: ``obs``; classification:
 the logits).  Two of them go through the whole lifecycle across processes (train + save the param
 store in one process, build + load + convert in a fresh one).  Tolerances, per test input (and logit):
@@ -18,12 +18,10 @@ store in one process, build + load + convert in a fresh one).  Tolerances, per t
 """
 from __future__ import annotations
 
-import os
 import subprocess
 import sys
 import warnings
 
-import gallery_models as G
 import numpy as np
 import pyro
 import pyro.distributions as dist
@@ -39,8 +37,9 @@ from scipy import integrate
 import pyro2pfp
 import pyro2pfp.compat
 from pyro2pfp.noise import HeteroscedasticNoise, LinkStep, expected_square
+from tests.support import gallery_models as G
 
-WORKER = os.path.join(os.path.dirname(__file__), "gallery_models.py")
+WORKER = G.__file__  # also run as a script in fresh processes
 CROSS_PROCESS = ("tutorial-regression", "random-module-classifier")
 
 

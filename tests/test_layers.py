@@ -13,16 +13,16 @@ import pytest
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
-from builders import ResidualNet, pool_cases, pool_graph
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from op_coverage import COMPILED, MONTE_CARLO, covers
 from pyro.nn import PyroModule, PyroSample
 
 import pyro2pfp
 from pyro2pfp.graph import INPUT, GaussianParam, Layer, LayerGraph
 from pyro2pfp.network import PFPNetwork
 from pyro2pfp.plan import plan
+from tests.support.builders import ResidualNet, pool_cases, pool_graph
+from tests.support.op_coverage import COMPILED, MONTE_CARLO, covers
 
 SETTINGS = settings(max_examples=10, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 

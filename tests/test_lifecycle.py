@@ -1,6 +1,6 @@
 """A saved posterior converts to the trained network, in every Pyro lifecycle.
 
-Cross-process (tests/lifecycle_worker.py): one process trains with SVI, saves the param store and
+Cross-process (tests/support/lifecycle_worker.py): one process trains with SVI, saves the param store and
 records ``Predictive``'s answers on test inputs (the independent truth); a fresh process per model
 builds the model and guide, loads the store (``load(path)`` and ``set_state(torch.load(...))``, with
 and without running the guide first), converts, and runs the NumPy reference and the compiled module.
@@ -10,12 +10,10 @@ the consistency guard catches a stale posterior (these tests fail if the guard o
 """
 from __future__ import annotations
 
-import os
 import subprocess
 import sys
 from concurrent.futures import Future, ThreadPoolExecutor
 
-import lifecycle_worker as worker
 import numpy as np
 import pyro
 import pytest
@@ -26,8 +24,9 @@ from pyro.infer.autoguide import AutoDiagonalNormal, AutoLowRankMultivariateNorm
 import pyro2pfp
 import pyro2pfp.posterior as posterior_module
 from pyro2pfp.posterior.guard import check_posterior
+from tests.support import lifecycle_worker as worker
 
-WORKER = os.path.join(os.path.dirname(__file__), "lifecycle_worker.py")
+WORKER = worker.__file__  # also run as a script in fresh processes
 LIFECYCLES = ("load", "set_state", "run-guide-then-load", "run-guide-then-set_state")
 
 

@@ -4,7 +4,7 @@ For a single op with independent Gaussian inputs and (mean-field) Gaussian weigh
 formula of ``docs/math.md`` is the *exact* mean and variance of the op's output.  Each test draws
 ``N`` independent samples of the output — every draw with **new weights, new bias and new inputs**
 — and compares the sample moments with what ``pyro2pfp.reference.REFERENCES[op]`` returns, using
-the bound of ``tests/stats.py``: ``z·se`` with ``se ∝ 1/√N`` estimated from the same draws and a
+the bound of ``tests/support/stats.py``: ``z·se`` with ``se ∝ 1/√N`` estimated from the same draws and a
 Bonferroni ``z`` for a family-wise false-alarm probability of 1e-6 per hypothesis example.
 
 Compute layers (dense, conv2d) are tested in all three input forms the planner can choose:
@@ -33,9 +33,7 @@ import numpy as np
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from op_coverage import MONTE_CARLO, covers
 from scipy.special import ndtr
-from stats import EPS, assert_check_rejects, assert_moments_agree
 
 from pyro2pfp import moments
 from pyro2pfp import ops as ops  # the op registry (contracts, references) that plan and execute read
@@ -43,6 +41,8 @@ from pyro2pfp.graph import GaussianParam, Layer, LayerGraph, Repr
 from pyro2pfp.plan import PlannedLayer, has_deterministic_weights, plan
 from pyro2pfp.reference import REFERENCES, Activation, execute
 from pyro2pfp.reference.arrays import conv2d_nchw
+from tests.support.op_coverage import MONTE_CARLO, covers
+from tests.support.stats import EPS, assert_check_rejects, assert_moments_agree
 
 D, V, S = Repr.DETERMINISTIC, Repr.VARIANCE, Repr.SECOND_MOMENT
 

@@ -15,7 +15,6 @@ import warnings
 import numpy as np
 import pytest
 import tvm
-from builders import lenet_graph
 from tvm import relax
 
 from pyro2pfp.graph import INPUT, Layer, LayerGraph
@@ -24,6 +23,7 @@ from pyro2pfp.reference import execute
 from pyro2pfp.tvm_backend import emit_module
 from pyro2pfp.tvm_backend.ops.pooling import POOL_REGISTER_TILE
 from pyro2pfp.tvm_backend.schedules import schedule_module, simd_lanes
+from tests.support.builders import lenet_graph
 
 RTOL = 2e-5
 TARGETS = {
@@ -211,10 +211,9 @@ def test_overhanging_windows_fold_padded_taps(case):
     combiner uses each tap several times and TVM substitutes the tap expression into every use, so a
     bounds check per tap made LLVM spend ~4 s on a 3x3 / stride-2 / padding-1 pool (0.2 s now).  The
     shared-factor kernel (``sf_maxpool``) reads its three taps the same way."""
-    from test_correlation_backends import max_pool_graph
-
     from pyro2pfp.correlation import with_correlation
     from pyro2pfp.tvm_backend._core import kernel_info
+    from tests.test_correlation_backends import max_pool_graph
 
     in_shape, k, s, pad, ceil = case
     func = emit_module(plan(general_graph(in_shape, k, s, pad, ceil)))["pfp_max_pool2d_p"]

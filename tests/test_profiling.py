@@ -9,12 +9,12 @@ import sys
 import numpy as np
 import pytest
 import tvm
-from builders import lenet_graph, mlp_graph
 from tvm import relax, tirx
 
 from pyro2pfp.network import PFPNetwork
 from pyro2pfp.plan import plan
 from pyro2pfp.profiling import OVERHEAD_ROW, Profile, profile, split_kernel_name
+from tests.support.builders import lenet_graph, mlp_graph
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 

@@ -14,7 +14,6 @@ import time
 
 import numpy as np
 import pytest
-from builders import mlp_graph
 
 from pyro2pfp import tuning
 from pyro2pfp.errors import PFPError, RemoteError
@@ -22,6 +21,7 @@ from pyro2pfp.network import PFPNetwork
 from pyro2pfp.plan import plan
 from pyro2pfp.remote import Remote, fixed_inputs, upload, validate
 from pyro2pfp.tuning import measure
+from tests.support.builders import mlp_graph
 
 KEY = "loopback"
 START_TIMEOUT = 90.0  # python -m tvm.exec.* imports TVM: slow on a loaded 2-core machine

@@ -6,7 +6,6 @@ import os
 
 import numpy as np
 import pytest
-from builders import mlp_graph
 
 from pyro2pfp.errors import InputShapeError, NumericalError, PFPError
 from pyro2pfp.network import PFPNetwork
@@ -14,6 +13,7 @@ from pyro2pfp.plan import plan
 from pyro2pfp.tuning import api as tuning_api
 from pyro2pfp.tvm_backend import runtime
 from pyro2pfp.tvm_backend.build import mark_prim_funcs_noalias
+from tests.support.builders import mlp_graph
 
 
 def tiny_net(input_variance: bool = False) -> PFPNetwork:

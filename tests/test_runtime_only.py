@@ -9,12 +9,12 @@ import sys
 
 import numpy as np
 import pytest
-from builders import mlp_graph
 
 import pyro2pfp
 from pyro2pfp.network import PFPNetwork
 from pyro2pfp.ops.head import append_head
 from pyro2pfp.plan import plan
+from tests.support.builders import mlp_graph
 
 #: what a board does not have: importing any of them raises ModuleNotFoundError in the child process
 NOT_INSTALLED = ("torch", "pyro", "scipy")

@@ -18,7 +18,6 @@ import numpy as np
 import pytest
 import tvm
 import tvm_ffi
-from builders import lenet_graph, mlp_graph
 from tvm import relax
 
 from pyro2pfp.correlated_pools import correlate_max_pools
@@ -30,6 +29,8 @@ from pyro2pfp.reference import execute
 from pyro2pfp.registry import OPS
 from pyro2pfp.tvm_backend import emit_module, schedules
 from pyro2pfp.tvm_backend.schedules import SCHEDULES, schedule_module
+from tests.support.builders import lenet_graph, mlp_graph
+from tests.support.tir import prim_funcs
 
 BATCHES = (1, 7, 13)
 RTOL = 2e-5
@@ -167,9 +168,6 @@ EXPECT_VECTOR = {  # functions with a vectorizable body and a vector width divid
 def compile_vm(mod, target):
     return relax.VirtualMachine(tvm.compile(mod, target=target), tvm.cpu())
 
-
-def prim_funcs(mod):
-    return {gv.name_hint: mod[gv] for gv in mod.get_global_vars() if isinstance(mod[gv], tvm.tirx.PrimFunc)}
 
 
 # ------------------------------------------------------------------------------ tests

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import numpy as np
 import tvm
-from builders import conv_layer, relu_layer
 from tvm import relax
 
 from pyro2pfp.graph import INPUT, Layer, LayerGraph
@@ -13,6 +12,8 @@ from pyro2pfp.plan import plan
 from pyro2pfp.tvm_backend.build import build
 from pyro2pfp.tvm_backend.schedules import schedule_module
 from pyro2pfp.tvm_backend.sharing import share_identical_kernels
+from tests.support.builders import conv_layer, relu_layer
+from tests.support.tir import prim_funcs
 
 TARGET = tvm.target.Target("llvm")
 
@@ -33,9 +34,6 @@ def repeated_blocks() -> PFPNetwork:
     graph = LayerGraph(shape, layers, "head", input_variance=True)
     return PFPNetwork(graph, plan(graph))
 
-
-def prim_funcs(mod: tvm.IRModule) -> dict[str, tvm.tirx.PrimFunc]:
-    return {gv.name_hint: mod[gv] for gv in mod.get_global_vars() if isinstance(mod[gv], tvm.tirx.PrimFunc)}
 
 
 def test_identical_kernels_are_shared_and_give_the_same_numbers():

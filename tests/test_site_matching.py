@@ -15,9 +15,9 @@ import torch.nn as nn
 import torch.nn.functional as F
 from pyro.infer import SVI, Predictive, Trace_ELBO, autoguide
 from pyro.nn import PyroModule, PyroSample
-from test_styles import CLASSES, D_IN, HIDDEN, assert_exact_against_sampling, data, fit, likelihood, prior
 
 import pyro2pfp
+from tests.test_styles import CLASSES, D_IN, HIDDEN, assert_exact_against_sampling, data, fit, likelihood, prior
 
 
 class TutorialMLP(PyroModule):

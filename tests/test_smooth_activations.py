@@ -5,7 +5,7 @@ rule, and one-hidden-layer MLPs against Pyro's ``Predictive``.
 
 Bounds:
 
-* Activations (``test_activation_moments_match_sampling``): pure Monte Carlo bounds (``tests/stats.py``,
+* Activations (``test_activation_moments_match_sampling``): pure Monte Carlo bounds (``tests/support/stats.py``,
   Bonferroni, family-wise 1e-6).  ELU, hardtanh and GELU are exact for a Gaussian input; sigmoid, tanh,
   SiLU and softplus are quadrature rules whose error (≤ 1e-5 relative, ``benchmarks/activation_accuracy.py``)
   is far below the MC resolution of 200k draws (~5e-3 relative), so the same bound applies.
@@ -35,17 +35,17 @@ import pytest
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
-from op_coverage import COMPILED, MONTE_CARLO, covers
 from pyro.infer import Predictive, autoguide
 from pyro.nn import PyroModule, PyroParam
 from scipy.special import ndtri
-from stats import assert_moments_agree, check_moments
-from test_styles import CLASSES, D_IN, HIDDEN, data, fit, likelihood, prior
 
 import pyro2pfp
 from pyro2pfp.graph import INPUT, GaussianParam, Layer, LayerGraph
 from pyro2pfp.network import PFPNetwork
 from pyro2pfp.plan import plan
+from tests.support.op_coverage import COMPILED, MONTE_CARLO, covers
+from tests.support.stats import assert_moments_agree, check_moments
+from tests.test_styles import CLASSES, D_IN, HIDDEN, data, fit, likelihood, prior
 
 GELU_TANH_GAP = 4.8e-4  # max |GELU_tanh(x) − x·Φ(x)| (4.73e-4 at x ≈ ±2.70)
 

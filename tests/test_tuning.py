@@ -10,13 +10,13 @@ import time
 import numpy as np
 import pytest
 import tvm
-from builders import lenet_graph, mlp_graph
 from tvm import relax, tirx
 
 from pyro2pfp import _fast_inspect, tuning
 from pyro2pfp.network import PFPNetwork
 from pyro2pfp.plan import plan
 from pyro2pfp.tuning import api, choose, database, measure, search, specialize
+from tests.support.builders import lenet_graph, mlp_graph
 
 
 @pytest.fixture(autouse=True)

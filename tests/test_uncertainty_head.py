@@ -19,13 +19,10 @@ import pyro
 import pytest
 import torch
 import torch.nn as nn
-from op_coverage import COMPILED, MONTE_CARLO, covers
 from pyro.infer import autoguide
 from pyro.nn import PyroModule
 from scipy.special import softmax
 from scipy.stats import spearmanr
-from test_cli import trained  # noqa: F401  (the fixture: a trained MNIST MLP, its builder and parameters)
-from test_styles import CLASSES, D_IN, HIDDEN, data, fit, likelihood, prior
 
 import pyro2pfp
 from pyro2pfp.errors import ArgumentError
@@ -34,6 +31,9 @@ from pyro2pfp.network import PFPNetwork
 from pyro2pfp.ops.head import HeadOutput, append_head, head_numpy
 from pyro2pfp.plan import plan
 from pyro2pfp.uncertainty import uncertainty
+from tests.support.op_coverage import COMPILED, MONTE_CARLO, covers
+from tests.test_cli import trained  # noqa: F401  (the fixture: a trained MNIST MLP, its builder and parameters)
+from tests.test_styles import CLASSES, D_IN, HIDDEN, data, fit, likelihood, prior
 
 ATOL32 = 2e-6
 

@@ -19,13 +19,13 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
-from op_coverage import MONTE_CARLO, covers
 from scipy.special import ndtri
 
 import pyro2pfp
 from pyro2pfp_experiments.datasets import load_mnist
 from pyro2pfp_experiments.validation import sampling_agreement
 from pyro2pfp_experiments.zoo import BayesianLeNet5, BayesianMLP, make_guide, predictive_logits, train_svi
+from tests.support.op_coverage import MONTE_CARLO, covers
 
 
 @pytest.fixture(scope="module")

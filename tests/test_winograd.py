@@ -1,7 +1,7 @@
 """The Winograd F(2x2, 3x3) kernel of the mean-field PFP conv2d (pyro2pfp/tvm_backend/ops/winograd.py):
 its transforms, the rule that picks it, and the compiled kernel against the float64 reference.
 
-Tolerances are those of the direct kernel's tests (``builders.assert_compute_layer``: the float32
+Tolerances are those of the direct kernel's tests (``tests.support.builders.assert_compute_layer``: the float32
 bound ``2·(K + 4)·2⁻²⁴·Σ|terms|`` of a sum of K products), not widened.
 """
 from __future__ import annotations
@@ -9,7 +9,6 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import tvm
-from builders import assert_compute_layer, conv_layer, relu_layer
 
 from pyro2pfp.graph import INPUT, LayerGraph
 from pyro2pfp.network import PFPNetwork
@@ -18,6 +17,7 @@ from pyro2pfp.reference.arrays import conv2d_nchw
 from pyro2pfp.tvm_backend import _core
 from pyro2pfp.tvm_backend.ops import winograd
 from pyro2pfp.tvm_backend.ops.winograd import WINO_AT, WINO_BT, WINO_G, direct_convolutions, use_winograd
+from tests.support.builders import assert_compute_layer, conv_layer, relu_layer
 
 TARGETS = {
     "native": tvm.target.Target({"kind": "llvm", "mcpu": tvm.target.codegen.llvm_get_system_cpu(),

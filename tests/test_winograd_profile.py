@@ -3,7 +3,7 @@ filter transform of the per-input weights (``winograd.weight_transform``, in ``s
 Winograd profile kernel (``correlation.winograd_profile``) against the float64 direct formula, its
 limit cases, and shared-factor nets compiled with it against ``net.reference``.
 
-Tolerances: the float32 bound of the direct kernels' tests (``builders.assert_compute_layer``:
+Tolerances: the float32 bound of the direct kernels' tests (``tests.support.builders.assert_compute_layer``:
 ``2·(K + 4)·2⁻²⁴·Σ|terms|`` for a sum of K products), not widened; the networks use
 ``test_correlation_backends``'s ``RTOL``.
 """
@@ -15,9 +15,6 @@ import numpy as np
 import pytest
 import torch
 import tvm
-from builders import U32, conv_layer, relu_layer
-from test_correlation_backends import NATIVE, RTOL, assert_matches
-from test_winograd import winograd_funcs
 from tvm import te
 
 import pyro2pfp
@@ -28,6 +25,9 @@ from pyro2pfp.plan import plan
 from pyro2pfp.tvm_backend.ops.correlation import winograd_profile
 from pyro2pfp.tvm_backend.ops.winograd import WINO_G, direct_convolutions, weight_transform, winograd_shape
 from pyro2pfp.tvm_backend.schedules import schedule_function
+from tests.support.builders import U32, conv_layer, relu_layer
+from tests.test_correlation_backends import NATIVE, RTOL, assert_matches
+from tests.test_winograd import winograd_funcs
 
 
 def _build(inputs: list[te.Tensor], outputs: list[te.Tensor], op: str, target: tvm.target.Target = NATIVE):

@@ -100,6 +100,15 @@ var_scales = st.sampled_from([0.0, 1e-8, 1e-4, 1e-2, 1.0, 10.0])
 input_var = st.one_of(st.none(), st.sampled_from([0.0, 1e-6, 1e-2, 1.0]))
 forms = st.sampled_from(["variance", "raw"])
 
+
+def inputs(rng: np.random.Generator, batch: int, shape: tuple[int, ...], scale: float, var_scale: float | None,
+           ) -> tuple[np.ndarray, np.ndarray | None]:
+    """A float32 input batch ``scale``·N(0,1) and its variance ``var_scale``·U(0,1) (None: deterministic input)."""
+    x = (scale * rng.standard_normal((batch, *shape))).astype(np.float32)
+    if var_scale is None:
+        return x, None
+    return x, (var_scale * rng.uniform(0.0, 1.0, x.shape)).astype(np.float32)
+
 U32 = 2.0**-24
 
 
