@@ -60,6 +60,7 @@ def correlated_samples(rng, m1, s1, m2, s2, rho, n=N_MC):
     return m1 + s1 * z1, m2 + s2 * z2
 
 
+@pytest.mark.slow
 @MC
 @given(correlated_pairs())
 def test_correlated_max_of_two_matches_monte_carlo(case):
@@ -146,7 +147,7 @@ def sample_conv(rng, layer, x_mean, x_var, n):
 
 
 @covers("window_cov", kind=MONTE_CARLO)
-@pytest.mark.parametrize("case", CASES)
+@pytest.mark.parametrize("case", CASES[:1] + [pytest.param(c, marks=pytest.mark.slow) for c in CASES[1:]])
 def test_window_cov_matches_monte_carlo(case):
     rng = np.random.default_rng(7)
     graph = correlate_max_pools(small_graph(rng, case))
@@ -272,6 +273,7 @@ def wide_cnn():
     return g, x, sample_network(rng, g, x, 3000)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("pool, correlated_band, mean_error", [("pool1", (0.92, 1.08), 0.1),
                                                               ("pool2", (0.85, 1.15), 0.6)])
 def test_variance_after_max_pool_matches_sampling(wide_cnn, pool, correlated_band, mean_error):
@@ -316,6 +318,7 @@ def backend_graph(rng) -> LayerGraph:
         dense_layer(rng, "fc", "flat", flat, 4, 0.4, 0.05)], output="fc")
 
 
+@pytest.mark.slow
 @covers("window_cov", kind=COMPILED)
 @pytest.mark.parametrize("moment_form", ["variance", "raw"])
 def test_compiled_and_onnx_equal_the_reference(moment_form):

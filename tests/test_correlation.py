@@ -250,6 +250,7 @@ def small_resnet():
     return net, mean_field, xs.numpy().astype(np.float64), diag
 
 
+@pytest.mark.slow
 def test_small_resnet_logit_variances_match_sampling_only_with_shared_factors(small_resnet):
     """convert → net.reference against Pyro's guide samples through the traced model (diagnose)."""
     net, mean_field, x, diag = small_resnet
@@ -265,6 +266,7 @@ def test_small_resnet_logit_variances_match_sampling_only_with_shared_factors(sm
     assert factored.mean_error < 0.2
 
 
+@pytest.mark.slow
 def test_calibrate_keeps_the_correlation_scheme(small_resnet):
     from pyro2pfp.uncertainty import CalibrationObjective
 
@@ -274,6 +276,7 @@ def test_calibrate_keeps_the_correlation_scheme(small_resnet):
     assert not np.allclose(obj.pfp_output(1.0)[1], mean_field.reference(x)[1], rtol=0.1)
 
 
+@pytest.mark.slow
 def test_compaction_is_exact_and_bounds_the_factor_count(small_resnet):
     net, _, x, _ = small_resnet
     a = execute_correlated(net.plan, x, compact=True)
@@ -302,6 +305,7 @@ def paper_nets():
     return out
 
 
+@pytest.mark.slow
 def test_paper_nets_stay_mean_field_by_default(paper_nets):
     """MLP and LeNet-5: "auto" is mean-field (identical results); the MLP under explicit shared
     factors reduces to mean-field (every unit is its own channel with its own factors)."""
@@ -409,6 +413,7 @@ def test_unsupported_op_is_named():
         plan_factors(planned)
 
 
+@pytest.mark.slow
 def test_uncertainty_head_keeps_shared_factors(small_resnet):
     """``head="probs"`` on a ResNet: the head reads only the logits' (corrected) moments, so the default
     keeps shared factors; its outputs are the head of the shared-factor logits, in the reference and

@@ -112,6 +112,7 @@ def every_rule():
     return graph, planned, PFPNetwork(graph, planned)
 
 
+@pytest.mark.slow
 def test_max_pool_compiled_matches_the_reference():
     graph = max_pool_graph(np.random.default_rng(5))
     net = PFPNetwork(graph, with_correlation(plan(graph), "shared-factor"))
@@ -144,6 +145,7 @@ def every_rule_static_batch(every_rule):
         return net.compile("native", batch_sizes=[3]), pools
 
 
+@pytest.mark.slow
 def test_every_rule_compiled_matches_the_reference(every_rule, every_rule_static_batch):
     from pyro2pfp.tvm_backend.runtime import CompiledPFP
 
@@ -161,6 +163,7 @@ def test_every_rule_compiled_matches_the_reference(every_rule, every_rule_static
     assert not np.allclose(exe(x)[1], mean_field, rtol=0.05)
 
 
+@pytest.mark.slow
 def test_every_rule_compiled_matches_the_reference_without_hermite_factors():
     """``hermite='none'``: the ReLU kernels (mean-field moments and Stein's linear response, no new
     factor) against the reference."""
@@ -174,6 +177,7 @@ def test_every_rule_compiled_matches_the_reference_without_hermite_factors():
     assert_matches(net.compile("native")(x), net.reference(x))
 
 
+@pytest.mark.slow
 def test_every_shared_factor_primfunc_is_scheduled(every_rule):
     pool_graph = max_pool_graph(np.random.default_rng(5))
     parts = set()
@@ -194,6 +198,7 @@ def test_every_shared_factor_primfunc_is_scheduled(every_rule):
     assert {f"sf_{part}" for part in PARTS} | {"sf_conv_profile", "sf_cholesky"} <= parts
 
 
+@pytest.mark.slow
 def test_compiled_zero_variance_and_large_inputs_stay_finite():
     graph = every_rule_graph(np.random.default_rng(2))
     for layer in graph.layers:
@@ -237,7 +242,7 @@ def _onnx_run(net: PFPNetwork, x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     return mean, var
 
 
-@pytest.mark.parametrize("make", [every_rule_graph, max_pool_graph])
+@pytest.mark.parametrize("make", [pytest.param(every_rule_graph, marks=pytest.mark.slow), max_pool_graph])
 def test_onnx_export_matches_the_reference(make):
     graph = make(np.random.default_rng(7))
     net = PFPNetwork(graph, with_correlation(plan(graph), "shared-factor"))
@@ -257,6 +262,7 @@ def test_onnx_export_refuses_what_it_does_not_cover():
         PFPNetwork(graph, with_correlation(plan(graph, moment_form="raw"), "shared-factor")).to_onnx()
 
 
+@pytest.mark.slow
 def test_converted_resnet_compiles_and_exports_the_default_plan():
     """A small Bayesian ResNet converted with the default (auto → shared-factor): compiled vs reference."""
     from pyro2pfp_experiments.zoo import bayesian_resnet, he_posterior
@@ -270,6 +276,7 @@ def test_converted_resnet_compiles_and_exports_the_default_plan():
     assert_matches(_onnx_run(net, x.numpy()), net.reference(x.numpy()), ONNX_RTOL)
 
 
+@pytest.mark.slow
 def test_converted_resnet8_one_kernel_per_relu_matches_the_reference():
     """The ResNet-8 of ``benchmarks/latency.py`` (16/32/64 channels, on 16x16 inputs here) with the
     default plan (shared-factor): every ReLU is one kernel (``sf_relu``, no mean-field ``relu``
@@ -324,6 +331,7 @@ def _callees(mod: tvm.IRModule) -> dict[str, dict[str, str]]:
     return out
 
 
+@pytest.mark.slow
 def test_tuned_shared_factor_resnet_matches_the_reference(tmp_path, monkeypatch):
     """``net.compile(tune=...)`` on a converted shared-factor ResNet (compaction: the hand-written
     Cholesky kernel included): batch specialisation, the per-kernel choice (every kernel's default
@@ -386,6 +394,7 @@ def test_cholesky_compaction_keeps_the_gram_matrix_of_degenerate_loadings():
     assert (low[1, 4] == 0).all()  # the dead channel stays without loading
 
 
+@pytest.mark.slow
 def test_compiled_plan_compacts_where_the_reference_does():
     """The TVM back end runs the reference's compaction points (K bounded: ResNet-20 ≤ 320 columns
     instead of 1,488), ONNX export the plan without them (its blocks then start further right)."""
@@ -407,6 +416,7 @@ def test_compiled_plan_compacts_where_the_reference_does():
     assert compiled.max_factors == 320 and exported.max_factors > 1400
 
 
+@pytest.mark.slow
 def test_static_batch_executable_is_scheduled_and_matches_the_reference(every_rule, every_rule_static_batch):
     """``compile(batch_sizes=[3])`` re-emits the module with a static batch: every kernel (shared-
     factor ones included) must still take its default schedule (a schedule that fails soft is a
@@ -594,6 +604,7 @@ def test_shared_factor_relu_kernel_limit_cases(every_rule, name):
     assert (s_out[0, 0] == 0).all() and (s_out[2].flat[::7] == 0).all()
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", ["r0", "r1"])
 def test_shared_factor_relu_mean_field_outputs_are_the_mean_field_kernels(every_rule, name):
     """``sf_relu`` computes the layer's mean-field outputs with the mean-field kernel's expressions
@@ -609,6 +620,7 @@ def test_shared_factor_relu_mean_field_outputs_are_the_mean_field_kernels(every_
     assert np.array_equal(second.reshape(want_var.shape), want_var)
 
 
+@pytest.mark.slow
 def test_every_kernel_goes_to_the_build_threads_while_scheduling(every_rule, every_rule_static_batch):
     """``net.compile()`` hands each kernel to the build threads as soon as it is final: the scheduled
     ones, the hand-written ``sf_cholesky`` (it comes scheduled) and the last partial part (flushed

@@ -84,6 +84,7 @@ def _store_snapshot() -> dict[str, torch.Tensor]:
     return {k: v.detach().clone() for k, v in pyro.get_param_store().items()}
 
 
+@pytest.mark.slow
 def test_check_warns_at_max_pooling_and_leaves_the_user_state_alone():
     model = TinyPoolCNN()
     x = torch.randn(4, 1, 8, 8)
@@ -115,6 +116,7 @@ def test_check_warns_at_max_pooling_and_leaves_the_user_state_alone():
     assert check.bounds.violations(check.output)
 
 
+@pytest.mark.slow
 def test_check_passes_on_an_exact_network(caplog):
     model = OneHiddenMLP()
     x = torch.randn(6, 5)
@@ -150,6 +152,7 @@ def test_bounds_come_from_the_sample_count():
             assert bounds.violations(layer_fidelity("l", "", mean + 2 * bounds.mean_error * sd, var, m, v)), (n, rep)
 
 
+@pytest.mark.slow
 def test_bad_check_arguments():
     from pyro2pfp.fidelity import check_fidelity
 

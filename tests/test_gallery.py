@@ -69,6 +69,7 @@ def _check(entry: G.Entry, pfp: dict, mc: dict) -> None:
         assert epistemic_only.max() > 10.0, epistemic_only.max()
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", [n for n in G.GALLERY if n not in CROSS_PROCESS])
 def test_gallery_model_matches_predictive(name):
     entry = G.GALLERY[name]
@@ -78,6 +79,7 @@ def test_gallery_model_matches_predictive(name):
     _check(entry, pfp, mc)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", CROSS_PROCESS)
 def test_gallery_model_in_a_fresh_process(name, tmp_path):
     """Train and save in one process, load and convert in another (the deployment lifecycle)."""
@@ -115,6 +117,7 @@ class LinearHead(PyroModule):
         return mu.squeeze(-1)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("link", ["exp", "softplus"])
 def test_aleatoric_of_a_gaussian_scale_column_is_exact(link):
     """E[σ(x)²] against Monte Carlo over the guide's weights (σ computed by the model's own code):
@@ -236,6 +239,7 @@ class MultiOutput(PyroModule):
             return pyro.sample("obs", dist.Normal(out[:, :2], 0.05 + 2 * F.softplus(out[:, 2:])).to_event(1), obs=y)
 
 
+@pytest.mark.slow
 def test_multi_output_heteroscedastic_regression():
     model = MultiOutput()
     guide = AutoNormal(model, init_scale=0.05)
@@ -258,6 +262,7 @@ def test_multi_output_heteroscedastic_regression():
         np.testing.assert_allclose(compiled[key], value, rtol=1e-4, atol=1e-6 * np.abs(value).max(), err_msg=key)
 
 
+@pytest.mark.slow
 def test_tyxe_heteroskedastic_likelihood():
     """TyXe's HeteroskedasticGaussian: means then softplus scales along the last axis."""
     import tyxe

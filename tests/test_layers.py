@@ -42,6 +42,7 @@ def assert_close(out, ref, scale):
 
 # --- compiled vs reference on hand-built graphs ------------------------------------------------
 
+@pytest.mark.slow
 @SETTINGS
 @given(seed=st.integers(0, 2**31 - 1), n=st.integers(1, 40), slope=st.sampled_from([0.0, 0.01, 0.2, 0.5, 1.0]),
        x_var=st.sampled_from([None, 0.0, 1e-6, 1.0, 100.0]), form=st.sampled_from(["variance", "raw"]))
@@ -62,6 +63,7 @@ def torch_pool_shape(kind, c, h, w, kernel, stride, pad, ceil, **kw):
     return tuple(pool(x, kernel, stride, pad, ceil_mode=ceil, **kw).shape[1:])
 
 
+@pytest.mark.slow
 @SETTINGS
 @given(seed=st.integers(0, 2**31 - 1), case=pool_cases(), kind=st.sampled_from(["max", "avg"]),
        include_pad=st.booleans(), x_var=st.sampled_from([None, 0.0, 1e-4, 1.0]))
@@ -171,6 +173,7 @@ def _posterior_guide(model, shape):
     return guide, loc
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("body,first,shape", [(_Residual, "conv", (3, 9, 9)), (_Seq1d, "net.0", (2, 9))])
 def test_layers_convert_and_match_torch(body, first, shape):
     torch.manual_seed(0)

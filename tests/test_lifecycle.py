@@ -71,6 +71,7 @@ def pipelines(request, tmp_path_factory):
             future.cancel()
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("kind", list(worker.KINDS))
 def test_fresh_process_converts_the_saved_posterior(kind, pipelines):
     trained_dir, futures = pipelines
@@ -122,6 +123,7 @@ def _trained(guide_cls=AutoNormal, steps: int = 150):
     return model, guide, x[:16].numpy()
 
 
+@pytest.mark.slow
 def test_editing_the_store_after_the_guide_ran_changes_the_network():
     model, guide, x = _trained()
     before = pyro2pfp.convert(model, guide).reference(x)[0]
@@ -131,6 +133,7 @@ def test_editing_the_store_after_the_guide_ran_changes_the_network():
     np.testing.assert_allclose(after - before, np.tile([5.0, 0.0, -1.0], (len(x), 1)), atol=1e-5)
 
 
+@pytest.mark.slow
 def test_scales_edited_in_the_store_reach_the_variances():
     model, guide, x = _trained()
     store = pyro.get_param_store()
@@ -142,6 +145,7 @@ def test_scales_edited_in_the_store_reach_the_variances():
                                rtol=1e-6, atol=1e-9)
 
 
+@pytest.mark.slow
 def test_diagonal_guide_loaded_into_a_live_session():
     """AutoDiagonalNormal's ``loc`` is a plain nn.Parameter: running the guide does not refresh it."""
     model, guide, x = _trained(AutoDiagonalNormal)
@@ -155,6 +159,7 @@ def test_diagonal_guide_loaded_into_a_live_session():
     np.testing.assert_allclose(again[1], trained[1], rtol=1e-12)
 
 
+@pytest.mark.slow
 def test_module_local_params(tmp_path):
     """With module_local_params the guide's own state_dict is the posterior (no global store)."""
     with pyro.settings.context(module_local_params=True):
@@ -170,6 +175,7 @@ def test_module_local_params(tmp_path):
     assert np.abs(trained[0]).max() > 1.0
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("guide_cls", [AutoNormal, AutoDiagonalNormal])
 def test_guard_catches_a_stale_posterior(guide_cls, tmp_path, monkeypatch):
     """Without the sync, the stale (initial) guide parameters would be read: the guard must say so."""
@@ -188,6 +194,7 @@ def test_guard_catches_a_stale_posterior(guide_cls, tmp_path, monkeypatch):
     assert np.abs(net.reference(worker.data("mlp", n=8)[0].numpy())[0]).max() > 1.0
 
 
+@pytest.mark.slow
 def test_guard_rejects_wrong_scales_and_means():
     """The guard's bounds: the true posterior passes; a scale off by 20 % or a mean off by 0.2 sd fails."""
     model, guide, x = _trained()
@@ -212,6 +219,7 @@ def test_guard_rejects_wrong_scales_and_means():
         check_posterior(guide, deterministic, args)
 
 
+@pytest.mark.slow
 def test_guard_on_a_correlated_guide():
     """Low-rank guide: the whitened latent residual around the read means, and the read marginals."""
     model, guide, x = _trained(lambda m: AutoLowRankMultivariateNormal(m, rank=2, init_scale=0.01))

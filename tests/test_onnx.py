@@ -292,6 +292,7 @@ def test_affine_and_add_match_reference():
         export_and_compare(graph, x, xv, 10.0)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("form", ["variance", "raw"])
 def test_converted_torch_model_with_every_op(form, tmp_path):
     torch.manual_seed(0)

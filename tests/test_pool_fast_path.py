@@ -71,7 +71,8 @@ def check(planned, vm, args, what):
         assert err <= RTOL, f"{what} {name}: relative error {err:.2e}"
 
 
-@pytest.mark.parametrize("variance", [True, False], ids=["gaussian", "deterministic"])
+@pytest.mark.parametrize("variance", [pytest.param(True, marks=pytest.mark.slow), False],
+                         ids=["gaussian", "deterministic"])
 @pytest.mark.parametrize("target", ["native", "llvm"])
 @pytest.mark.parametrize("in_shape, k", SHAPES, ids=[f"{'x'.join(map(str, s))}-k{k}" for s, k in SHAPES])
 def test_tiling_max_pool_matches_reference(in_shape, k, target, variance):
@@ -107,6 +108,7 @@ def test_tiling_max_pool_limit_cases(form):
     check(planned, vm, [x, mixed], "some variances zero")
 
 
+@pytest.mark.slow
 def test_static_batch_specialisation_schedules_the_fast_path():
     """The module specialised to a static batch (as MetaSchedule tunes it: 1 or 3) still gets
     the fast path's default schedule, without failing soft, and computes correctly."""
@@ -230,7 +232,7 @@ def run(vm, args):
     return [t.numpy() for t in out]
 
 
-@pytest.mark.parametrize("k", [2, 3])
+@pytest.mark.parametrize("k", [2, pytest.param(3, marks=pytest.mark.slow)])
 def test_chain_limit_cases(k):
     """The chained fold (windows that tile the input) at its limits, against exact values:
 

@@ -32,7 +32,8 @@ from pyro2pfp.tuning import measure
 from tests.support.builders import lenet_graph, mlp_graph
 from tests.test_remote import _kill, free_port, spawn
 
-pytestmark = pytest.mark.skipif(os.environ.get("PYRO2PFP_SKIP_QEMU") == "1", reason="PYRO2PFP_SKIP_QEMU=1")
+pytestmark = [pytest.mark.board,
+              pytest.mark.skipif(os.environ.get("PYRO2PFP_SKIP_QEMU") == "1", reason="PYRO2PFP_SKIP_QEMU=1")]
 
 KEY = "qemu-a72"
 START_TIMEOUT = 120.0  # python -m tvm.exec.* imports TVM: slow on a loaded 2-core machine

@@ -130,6 +130,7 @@ def test_profile_method(net_exe):
     assert prof.batch == 2 and prof.total_us > 0
 
 
+@pytest.mark.slow
 def test_compile_with_tune_dispatches_by_batch(tmp_path, monkeypatch):
     """``compile(tune=...)`` builds one batch-specialised executable per batch (the search itself
     is stubbed out: the real MetaSchedule run is tested in test_tuning.py) and calls with that
@@ -145,6 +146,7 @@ def test_compile_with_tune_dispatches_by_batch(tmp_path, monkeypatch):
     assert exe.profile(np.ones((3, 12), np.float32), repeats=2).batch == 3
 
 
+@pytest.mark.slow
 def test_compile_with_batch_sizes_builds_static_executables():
     """``compile(batch_sizes=...)``: one static-shape executable per size named (the symbolic batch
     bound: the VM's main takes only that size), used for calls of that size; others run the

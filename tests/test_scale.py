@@ -68,6 +68,7 @@ class TemperatureMLP(PyroModule):
         return likelihood(self.fc2(h) / 2.0, y)  # a temperature on the logits
 
 
+@pytest.mark.slow
 def test_constant_scalings_convert_and_agree_with_predictive():
     pyro.clear_param_store()
     pyro.set_rng_seed(0)

@@ -73,10 +73,12 @@ def _hammer(exe, threads: int = 4, calls: int = 2000) -> list:
     return problems
 
 
+@pytest.mark.slow
 def test_one_compiled_predictor_shared_by_threads(compiled):
     assert _hammer(compiled[1]) == []
 
 
+@pytest.mark.slow
 def test_one_loaded_predictor_shared_by_threads(exported):
     assert _hammer(pyro2pfp.load(exported)) == []
 

@@ -3,6 +3,7 @@ PrimFunc, and the shared build computes exactly what the unshared one does."""
 from __future__ import annotations
 
 import numpy as np
+import pytest
 import tvm
 from tvm import relax
 
@@ -36,6 +37,7 @@ def repeated_blocks() -> PFPNetwork:
 
 
 
+@pytest.mark.slow
 def test_identical_kernels_are_shared_and_give_the_same_numbers():
     net = repeated_blocks()
     scheduled = schedule_module(net.mod, net.plan, TARGET)

@@ -166,6 +166,7 @@ def assert_float32_close(got: tuple, ref: tuple, x: np.ndarray, x_var: np.ndarra
     assert err_v.max() <= 1, (err_v.max(), np.unravel_index(err_v.argmax(), err_v.shape))
 
 
+@pytest.mark.slow
 @covers(*NEW_OPS, kind=COMPILED)
 @pytest.mark.parametrize("op", NEW_OPS)
 def test_compiled_and_onnx_match_the_reference(op):
@@ -238,6 +239,7 @@ def at_posterior_means(model, guide, x):
         return pyro.poutine.condition(model, data=medians)(x).double().numpy()
 
 
+@pytest.mark.slow
 def test_converters_read_the_attributes_of_real_modules():
     acts = [nn.ELU(0.5), nn.Softplus(beta=2), nn.Hardtanh(-2, 3), nn.ReLU6(), F.silu, F.relu6, torch.tanh,
             nn.GELU()]
@@ -255,6 +257,7 @@ def test_converters_read_the_attributes_of_real_modules():
     assert not var.any()
 
 
+@pytest.mark.slow
 def test_gelu_tanh_converts_with_its_attribute():
     model = Chain([nn.GELU(approximate="tanh")])
     guide, net = converted(model, calibration=0.0, input_variance=True)  # the moment path at v = 0
@@ -340,6 +343,7 @@ def fit_bernoulli(model, steps=30):
     return guide
 
 
+@pytest.mark.slow
 def test_final_sigmoid_is_stripped_and_hidden_sigmoid_kept():
     model = BernoulliNet()
     guide = fit_bernoulli(model)
@@ -409,6 +413,7 @@ def mlp_agreement(name: str) -> tuple[float, float, float, float]:
     return predictive_agreement(model, guide, net, x)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", list(MLP_ACTS))
 def test_mlp_agrees_with_predictive(name):
     mz, vz, _, _ = mlp_agreement(name)
@@ -520,6 +525,7 @@ class LNModel(PyroModule):
         return likelihood(self.fc2(F.gelu(self.ln(self.fc1(x)))), y)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("affine", ["sample", "param", "none"])
 def test_layer_norm_converts(affine):
     model = LNModel(affine)
@@ -545,6 +551,7 @@ def layer_norm_mlp_agreement() -> tuple[float, float, float, float]:
     return predictive_agreement(model, guide, pyro2pfp.convert(model, guide), data(n=16, seed=1)[0])
 
 
+@pytest.mark.slow
 def test_layer_norm_mlp_against_predictive():
     """Linear → LayerNorm (Gaussian γ, β) → GELU → Linear, 30 SVI steps: the hidden pre-activations have
     variances ~3× the spread of their means (the LayerNorm makes fc1's scale unidentifiable, so its posterior

@@ -166,6 +166,7 @@ def _pretend_tuned(static, defaults):
     return tuned
 
 
+@pytest.mark.slow
 def test_fallback_picks_faster_valid_schedule():
     """``_choose`` keeps, per kernel, the faster of tuned and default -- and never a schedule whose
     outputs differ from the unscheduled kernel's (a miscompile)."""
@@ -208,6 +209,7 @@ def test_tune_network_builds_one_executable_per_batch(tmp_path, monkeypatch):
 
 
 # ------------------------------------------------------------------------------ a real search
+@pytest.mark.slow
 def test_real_metaschedule_run_matches_reference(tmp_path):
     """A real MetaSchedule search (in-process builder and runner) on a tiny MLP, a few trials:
     the database is written, the tuned module matches the reference, a second call reuses it."""
@@ -242,6 +244,7 @@ def test_real_metaschedule_run_matches_reference(tmp_path):
 
 # at batch 3 the default max-pool schedule of this tiny net (1x1 pooled output) vectorises its
 # parallel loop and computes wrong values; the output check rejects it (and warns)
+@pytest.mark.slow
 @pytest.mark.filterwarnings("ignore:.*computes different values:RuntimeWarning")
 def test_conv_pool_kernels_get_defaults_in_a_specialised_module(tmp_path, monkeypatch):
     """Every op of LeNet keeps a working (default) schedule after batch specialisation."""

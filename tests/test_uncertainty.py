@@ -182,6 +182,7 @@ def test_auroc_known_values():
         auroc([np.nan], [1.0])
 
 
+@pytest.mark.slow
 @FAST
 @given(st.lists(st.integers(0, 5), min_size=1, max_size=30), st.lists(st.integers(0, 5), min_size=1, max_size=30))
 def test_auroc_matches_sklearn_and_pairwise_count(s_in, s_out):

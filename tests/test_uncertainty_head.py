@@ -65,7 +65,7 @@ REGIMES = {
 
 
 @covers("softmax_head", kind=MONTE_CARLO)
-@pytest.mark.parametrize("regime", list(REGIMES))
+@pytest.mark.parametrize("regime", [pytest.param(r, marks=pytest.mark.slow) if r[0] == 10 else r for r in REGIMES])
 def test_head_against_logit_sampling(regime):
     k, mean_sd, var_max = regime
     rng = np.random.default_rng(0)
@@ -97,6 +97,7 @@ def test_one_logit_is_the_two_class_softmax_of_zero_and_the_logit():
     np.testing.assert_allclose(np.stack(out[1:], 1), stats, rtol=1e-12)
 
 
+@pytest.mark.slow
 def test_zero_variance_gives_the_softmax_and_no_mutual_information():
     rng = np.random.default_rng(3)
     mean = rng.normal(0, 4, (7, 10))
@@ -244,6 +245,7 @@ def test_head_argument_errors(mlp):
         append_head(LayerGraph((4,), [Layer("r", "relu", [INPUT], (4,), "r")], "r"), "probs", points=12)
 
 
+@pytest.mark.slow
 def test_cli_convert_with_head_and_predict(trained, capsys, monkeypatch):  # noqa: F811  (the fixture)
     """``pyro2pfp convert --head probs`` to a library and to ONNX; ``pyro2pfp predict`` writes the four
     outputs, equal to the head on the in-process network's logits."""

@@ -94,6 +94,7 @@ def compile_and_run(graph: LayerGraph, x, xv, target="native"):
     return net, names, net.reference(x, xv), exe(x, xv)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("target", ["native", "llvm"])
 @pytest.mark.parametrize("c,o,h,w,batch,bias", [
     (16, 16, 8, 8, 1, "prob"), (16, 32, 6, 10, 3, "det"), (32, 16, 4, 12, 2, "none"),
@@ -114,6 +115,7 @@ def test_compiled_winograd_conv_matches_reference(target, c, o, h, w, batch, bia
     assert np.all(out[1] >= 0)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("mean_scale,var_scale,x_scale,x_var", [
     (0.1, 0.0, 1.0, 0.0),        # zero variances everywhere: the variance is exactly 0
     (1.0, 1e-12, 1e4, 1e-6),     # huge means, tiny variances
@@ -136,6 +138,7 @@ def test_winograd_limit_cases(mean_scale, var_scale, x_scale, x_var):
                          "variance")
 
 
+@pytest.mark.slow
 def test_rounding_stays_in_each_outputs_window():
     """F(2x2, 3x3) rounds each output only with the values of its own 3x3 window: the input
     column a 2x2 tile's output does not see enters only transform positions that output's
@@ -158,6 +161,7 @@ def test_rounding_stays_in_each_outputs_window():
                          "variance")
 
 
+@pytest.mark.slow
 def test_two_layer_net_and_direct_context_give_the_direct_kernel():
     """conv → ReLU → conv: both convs Winograd (the second one's input comes from the ReLU as a
     variance); under ``direct_convolutions()`` none is, and both modules agree with the reference."""
@@ -186,6 +190,7 @@ def test_two_layer_net_and_direct_context_give_the_direct_kernel():
             assert func.attrs.get("tirx.is_scheduled", False), gv.name_hint
 
 
+@pytest.mark.slow
 def test_static_batch_executables_schedule_the_winograd_kernel():
     """``compile(batch_sizes=...)`` specialises the kernels to a static batch (a batch loop of
     extent 1 at batch 1): the Winograd schedule still applies (no fallback warning) and matches

@@ -184,6 +184,7 @@ def three_conv_graph(rng: np.random.Generator) -> LayerGraph:
     return LayerGraph(input_shape=(16, 8, 8), layers=layers, output="c2")
 
 
+@pytest.mark.slow
 def test_net_with_winograd_profiles_matches_the_reference_and_the_direct_kernels():
     """Three Winograd-shaped convs under shared-factor: every ``sf_conv_profile`` is Winograd (and
     scheduled: no fallback warning); the compiled net matches ``net.reference`` like the direct
@@ -207,6 +208,7 @@ def test_net_with_winograd_profiles_matches_the_reference_and_the_direct_kernels
     assert_matches(out, out_d)
 
 
+@pytest.mark.slow
 def test_converted_resnet_with_winograd_profiles_matches_the_reference():
     """A small Bayesian ResNet (16/32 channels: its stride-1 3x3 block convs are Winograd in both
     schemes' kernels) converted with the default plan (shared-factor), static and symbolic batch."""
