@@ -120,7 +120,7 @@ def test_zero_variance_slope_is_the_derivative_exactly():
     np.testing.assert_allclose(slope, s * (1 + x * (1 - s)), rtol=1e-14, atol=1e-15)
 
 
-@pytest.mark.parametrize("name", [n if n in ("scale", "gelu", "hardtanh") else pytest.param(n, marks=pytest.mark.slow)
+@pytest.mark.parametrize("name", [n if n in ("scale", "gelu") else pytest.param(n, marks=pytest.mark.slow)
                                   for n in GENERIC])
 def test_compiled_float32_slope_matches_the_float64_rule(name):
     """The float32 TE kernel body (``stein_kernel``, on TE_OPS) against the float64 slope on the grid."""
@@ -222,6 +222,7 @@ def silu_resnet():
     return converted(nn.SiLU)
 
 
+@pytest.mark.slow
 def test_silu_resnet_auto_is_shared_factor_and_closer_to_sampling(silu_resnet):
     model, guide, net, x = silu_resnet
     assert net.plan.correlation == "shared-factor"

@@ -121,6 +121,7 @@ def test_key_depends_on_structure_target_batch_not_weights():
 
 
 # ------------------------------------------------------------------------------ reuse / fallback
+@pytest.mark.slow
 def test_database_is_keyed_reused_and_topped_up(tmp_path, monkeypatch):
     """The search itself is monkeypatched: this is about the work dir, the metadata, reuse and the
     per-kernel choice among default / tuned (an empty database: every kernel keeps its default).
@@ -198,6 +199,7 @@ def test_fallback_picks_faster_valid_schedule():
     assert choices["pfp_dense_fc2"]["rejected"] == ["tuned"]
 
 
+@pytest.mark.slow
 def test_tune_network_builds_one_executable_per_batch(tmp_path, monkeypatch):
     monkeypatch.setattr(api, "_run_search", lambda *a, **k: None)
     net = tiny_mlp()
@@ -280,6 +282,7 @@ def test_inprocess_builder_and_runner_round_trip():
     assert missing.result().error_msg is not None
 
 
+@pytest.mark.slow
 def test_fused_kernels_keep_their_default(tmp_path, monkeypatch):
     """With the ReLU fused into the first dense kernel (the default module), only the second dense
     kernel is searched; the fused one keeps its default schedule and the result is correct."""

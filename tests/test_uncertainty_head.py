@@ -187,6 +187,7 @@ def mlp():
     return model, guide
 
 
+@pytest.mark.slow
 def test_converted_mlp_with_head_end_to_end(mlp, tmp_path):
     model, guide = mlp
     x = data(16, seed=3)[0].numpy()

@@ -69,6 +69,7 @@ def test_load_mnist_defaults_shapes_dtypes_ranges():
     assert len(np.unique(y_te[:100])) == 10
 
 
+@pytest.mark.slow
 def test_load_mnist_is_deterministic_and_seeded():
     a = load_mnist(300, 200, seed=3)
     b = load_mnist(300, 200, seed=3)
