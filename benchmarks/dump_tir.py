@@ -15,8 +15,11 @@ import numpy as np
 
 def main(checkout: str, out_path: str) -> None:
     sys.path.insert(0, checkout)
-    sys.path.insert(0, checkout + "/tests")
-    import builders
+    try:
+        from tests.support import builders
+    except ImportError:  # a checkout from before the tests became a package
+        sys.path.insert(0, checkout + "/tests")
+        import builders  # type: ignore[no-redef]
     import tvm
 
     import pyro2pfp

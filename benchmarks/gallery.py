@@ -1,4 +1,4 @@
-"""Agreement of the converted gallery models (tests/gallery_models.py) with Pyro's ``Predictive``.
+"""Agreement of the converted gallery models (tests/support/gallery_models.py) with Pyro's ``Predictive``.
 
 For each model of the gallery: train it (its own style, a few hundred SVI steps, seeded), sample the
 truth (``obs`` for regression, the logits for classification) with ``--samples`` draws of the trained
@@ -21,12 +21,13 @@ import os
 import sys
 import warnings
 
-sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "tests"))
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 
-import gallery_models as G  # noqa: E402
 import pyro  # noqa: E402
 import torch  # noqa: E402
 from markdown_report import add_markdown_argument, table, write_markdown  # noqa: E402
+
+from tests.support import gallery_models as G  # noqa: E402
 
 
 def main() -> None:

@@ -18,11 +18,10 @@ import time
 
 import numpy as np
 
-sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "tests"))
-from builders import mlp_graph  # noqa: E402
-
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 from pyro2pfp.network import PFPNetwork  # noqa: E402
 from pyro2pfp.plan import plan  # noqa: E402
+from tests.support.builders import mlp_graph  # noqa: E402
 
 
 def _rss_mb() -> float:

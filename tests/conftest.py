@@ -2,12 +2,10 @@
 from __future__ import annotations
 
 import os
-import sys
 
 import pyro
 import pytest
 
-sys.path.insert(0, os.path.dirname(__file__))  # tests/builders.py, tests/stats.py
 os.environ.setdefault("TVM_NUM_THREADS", "2")
 
 

@@ -1,6 +1,6 @@
 """Gaussian moment rules of the smooth and clipped activations (pyro2pfp.moments, issue 16).
 
-* Monte Carlo: pure sampling bounds (``tests/stats.py``: z·se from the sample, Bonferroni over all
+* Monte Carlo: pure sampling bounds (``tests/support/stats.py``: z·se from the sample, Bonferroni over all
   points) for every rule on a grid of (μ, v); the rules that are exact (clipped Gaussian, ELU,
   GELU up to its 20-point Gauss–Legendre) and the quadrature rules (sigmoid, tanh, SiLU,
   softplus, ~1e-6) must both pass, and the check must reject the probit sigmoid.
@@ -23,10 +23,10 @@ from typing import Any
 import numpy as np
 import pytest
 import scipy.special as sp
-from stats import assert_check_rejects, assert_moments_agree
 
 from pyro2pfp import moments as M
 from pyro2pfp_experiments import activation_reference as R
+from tests.support.stats import assert_check_rejects, assert_moments_agree
 
 
 class Case:
@@ -110,6 +110,7 @@ QUAD_POINTS = [(-30.0, 1e-12), (-20.0, 4.0), (-8.0, 0.04), (-3.0, 0.06), (-1.28,
                (3.0, 1e3)]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", NAMES)
 def test_moments_match_quadrature_within_the_stated_bounds(name: str) -> None:
     case = CASES[name]
@@ -138,6 +139,7 @@ FAR_RATIOS = (1e-2, 0.03, 0.1, 0.3, 1.0, 10.0, 1e2)
 FAR_POINTS = [(sign * m, (r * m) ** 2) for m in FAR_MEANS for r in FAR_RATIOS for sign in (-1.0, 1.0)]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", LOGISTIC)
 def test_beyond_the_clamp_matches_quadrature(name: str) -> None:
     """Mean and variance for |μ| > 1000 (tanh: > 500) against adaptive quadrature, to within 1e-8 output sd
@@ -359,6 +361,7 @@ def tvm_build() -> Callable:
 
 # (hardtanh and elu(0.5) run the same code as relu6 and elu with other constants; they are left
 # out here to keep the TVM builds, ~1-5 s each, to one per code path)
+@pytest.mark.slow
 @pytest.mark.parametrize("name", ["sigmoid", "tanh", "silu", "softplus", "gelu", "elu", "relu6"])
 def test_float32_te_kernel_matches_float64(name: str, tvm_build: Callable) -> None:
     _compare_f32(name, *tvm_build(CASES[name].rule, _backend_grid(name)))

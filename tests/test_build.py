@@ -6,7 +6,6 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import tvm
-from builders import lenet_graph
 from tvm import relax
 
 from pyro2pfp.errors import ArgumentError
@@ -15,6 +14,7 @@ from pyro2pfp.plan import plan
 from pyro2pfp.tvm_backend import build as build_module
 from pyro2pfp.tvm_backend.build import KERNELS_PER_PART, KernelPool, build, build_jobs
 from pyro2pfp.tvm_backend.schedules import schedule_module
+from tests.support.builders import lenet_graph
 
 TARGET = tvm.target.Target("llvm")
 
@@ -49,6 +49,7 @@ def kernel_count(mod: tvm.IRModule) -> int:
     return sum(isinstance(f, tvm.tirx.PrimFunc) for f in lowered.functions.values())
 
 
+@pytest.mark.slow
 def test_parallel_build_is_tvm_compile_split_into_parts(lenet):
     net, scheduled, x = lenet
     serial, parallel = build(scheduled, TARGET, jobs=1), build(scheduled, TARGET, jobs=3)
@@ -62,6 +63,7 @@ def test_parallel_build_is_tvm_compile_split_into_parts(lenet):
         assert np.abs(g - r).max() <= 2e-5 * np.abs(r).max()
 
 
+@pytest.mark.slow
 def test_kernels_compiled_while_scheduling_are_linked_not_compiled_again(lenet):
     """``build_network``'s path: each kernel goes to the pool as soon as it is scheduled; the Relax
     pipeline leaves them unchanged, so ``build`` compiles only what it added (``shape_func``) and the
@@ -79,6 +81,7 @@ def test_kernels_compiled_while_scheduling_are_linked_not_compiled_again(lenet):
         np.testing.assert_array_equal(g, w)
 
 
+@pytest.mark.slow
 def test_kernels_compile_while_the_module_is_emitted(monkeypatch):
     """``net.compile()`` of a network whose module is not emitted yet schedules each distinct kernel as
     it is emitted and hands it to the build threads then (``KernelStream``): parts are compiling before
@@ -121,6 +124,7 @@ def test_kernels_compile_while_the_module_is_emitted(monkeypatch):
         np.testing.assert_array_equal(got, want)
 
 
+@pytest.mark.slow
 def test_a_kernel_that_changed_after_it_was_queued_is_compiled_again(lenet):
     """A part compiled early whose kernel is not the one the module links (here: the unscheduled
     version was queued) is dropped and the module's kernel compiled: the executable runs the
@@ -137,6 +141,7 @@ def test_a_kernel_that_changed_after_it_was_queued_is_compiled_again(lenet):
         np.testing.assert_array_equal(g, w)
 
 
+@pytest.mark.slow
 def test_parallel_build_exports_and_loads(lenet, tmp_path):
     _, scheduled, x = lenet
     executable = build(scheduled, TARGET, jobs=2)
@@ -149,6 +154,7 @@ def test_parallel_build_exports_and_loads(lenet, tmp_path):
         np.testing.assert_array_equal(g, w)
 
 
+@pytest.mark.slow
 def test_the_callers_pass_context_applies_on_every_thread(lenet):
     """A pass instrument of the caller's PassContext sees the TIR lowering passes that run on the
     build threads (without the context there, it would see only the Relax pipeline's)."""
@@ -187,6 +193,7 @@ def llvm_source(executable) -> str:
     return "\n".join(sources)
 
 
+@pytest.mark.slow
 def test_kernels_have_no_argument_checks_and_the_vm_still_checks_the_inputs(lenet):
     """``tirx.disable_assert``: the kernels' entry functions check no arguments (TVM's messages such as
     "expected to match", "expected non-NULL data pointer" are gone), unless the caller's PassContext

@@ -50,6 +50,7 @@ def trained(tmp_path_factory):
     return work, net, x_test
 
 
+@pytest.mark.slow
 def test_round_trip_train_save_convert_load_predict(trained, capsys, monkeypatch):
     work, net, x = trained
     # convert in a fresh process, as from the shell (the installed `pyro2pfp` runs the same main)
@@ -77,6 +78,7 @@ def test_round_trip_train_save_convert_load_predict(trained, capsys, monkeypatch
     assert np.all(var > 0)
 
 
+@pytest.mark.slow
 def test_convert_exports_static_and_tuned_batch_executables(trained, tmp_path, capsys, monkeypatch):
     """``convert --batch-sizes 3 --tune 6``: the static batch-3 and tuned batch-6 executables are
     written next to the library and listed in its sidecar; ``load``/``predict`` run them for 3 and
@@ -106,6 +108,7 @@ def test_convert_exports_static_and_tuned_batch_executables(trained, tmp_path, c
     assert "--remote measures tuning candidates on a board: give --tune" in capsys.readouterr().err
 
 
+@pytest.mark.slow
 def test_onnx_output_inspect_and_predict(trained, capsys, monkeypatch):
     work, net, x = trained
     monkeypatch.chdir(work)
@@ -128,6 +131,7 @@ def test_onnx_output_inspect_and_predict(trained, capsys, monkeypatch):
     assert out.splitlines()[-1] == net.summary().splitlines()[-1]
 
 
+@pytest.mark.slow
 def test_inspect_library_prints_metadata_and_plan(trained, capsys):
     work, _, _ = trained
     lib = work / "net.so"
@@ -147,6 +151,7 @@ def _error(argv: list[str], capsys) -> str:
     return err
 
 
+@pytest.mark.slow
 def test_clear_errors_for_bad_paths_and_inputs(trained, tmp_path, capsys):
     work, _, x = trained
     builder, params = str(work / "builder.py"), str(work / "params.pt")
@@ -179,6 +184,7 @@ def test_clear_errors_for_bad_paths_and_inputs(trained, tmp_path, capsys):
     assert info.value.code == 2 and "is not a shape" in capsys.readouterr().err
 
 
+@pytest.mark.slow
 def test_param_store_is_loaded_with_weights_only(trained, tmp_path, capsys):
     """A param store file carrying code is refused (torch.load weights_only=True)."""
     work, _, _ = trained
@@ -196,6 +202,7 @@ def test_param_store_is_loaded_with_weights_only(trained, tmp_path, capsys):
     assert not marker.exists()
 
 
+@pytest.mark.slow
 def test_store_from_another_model_is_reported(trained, tmp_path, capsys):
     work, _, _ = trained
     (tmp_path / "other.py").write_text(BUILDER.format(hidden=16).replace("BayesianMLP(784", "BayesianMLP(784")
@@ -226,6 +233,7 @@ def test_help_is_for_newcomers(capsys):
         assert result.returncode == 0 and "convert" in result.stdout
 
 
+@pytest.mark.slow
 def test_bench_never_runs_code_from_the_working_directory(trained, tmp_path, capsys, monkeypatch):
     """A benchmarks/latency.py under the current directory is not executed (it could be anyone's)."""
     work, _, _ = trained
@@ -241,6 +249,7 @@ def test_bench_never_runs_code_from_the_working_directory(trained, tmp_path, cap
     assert not marker.exists()
 
 
+@pytest.mark.slow
 def test_internal_errors_are_short_unless_debug(trained, capsys, monkeypatch):
     """A PFPError is one line (exit 1); anything else is an 'internal error' (exit 2), traceback only
     with --debug."""
@@ -292,6 +301,7 @@ LABELLED_BUILDER = textwrap.dedent("""\
     """)
 
 
+@pytest.mark.slow
 def test_example_arguments_for_models_that_need_the_labels(tmp_path, capsys):
     (tmp_path / "labelled.py").write_text(LABELLED_BUILDER)
     pyro.clear_param_store()

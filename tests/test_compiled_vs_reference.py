@@ -9,12 +9,20 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from builders import (
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from pyro2pfp.graph import INPUT, LayerGraph, Repr
+from pyro2pfp.network import PFPNetwork
+from pyro2pfp.plan import plan
+from pyro2pfp.reference.arrays import conv2d_nchw
+from tests.support.builders import (
     assert_compute_layer,
     conv_layer,
     dense_layer,
     forms,
     input_var,
+    inputs,
     lenet_graph,
     mlp_graph,
     pool_layer,
@@ -22,14 +30,7 @@ from builders import (
     scales,
     var_scales,
 )
-from hypothesis import HealthCheck, given, settings
-from hypothesis import strategies as st
-from op_coverage import COMPILED, covers
-
-from pyro2pfp.graph import INPUT, LayerGraph, Repr
-from pyro2pfp.network import PFPNetwork
-from pyro2pfp.plan import plan
-from pyro2pfp.reference.arrays import conv2d_nchw
+from tests.support.op_coverage import COMPILED, covers
 
 SETTINGS = settings(max_examples=12, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 
@@ -40,12 +41,6 @@ def build(graph: LayerGraph, calibration: float = 1.0, moment_form: str = "varia
     return net, net.compile("llvm")
 
 
-def inputs(rng, batch: int, shape: tuple[int, ...], scale: float, var_scale: float | None):
-    x = (scale * rng.standard_normal((batch, *shape))).astype(np.float32)
-    if var_scale is None:
-        return x, None
-    return x, (var_scale * rng.uniform(0.0, 1.0, x.shape)).astype(np.float32)
-
 
 def run_both(net, exe, x, x_var):
     ref = net.reference(x, x_var) if x_var is not None else net.reference(x)
@@ -54,6 +49,7 @@ def run_both(net, exe, x, x_var):
     return ref, out
 
 
+@pytest.mark.slow
 @SETTINGS
 @given(seed=st.integers(0, 2**31 - 1), batch=st.integers(1, 9), k=st.integers(1, 64),
        m=st.integers(1, 40), mean_scale=scales, var_scale=var_scales, x_scale=scales,
@@ -84,6 +80,7 @@ def conv_cases(draw):
     return c, h, w, o, kernel, stride, pad, dil, groups
 
 
+@pytest.mark.slow
 @SETTINGS
 @given(seed=st.integers(0, 2**31 - 1), batch=st.integers(1, 4), case=conv_cases(), mean_scale=scales,
        var_scale=var_scales, x_scale=scales, x_var=input_var, bias=st.sampled_from(["none", "det", "prob"]),
@@ -103,6 +100,7 @@ def test_conv2d_matches_reference(seed, batch, case, mean_scale, var_scale, x_sc
                   lambda t, wt: conv2d_nchw(t, wt, a["stride"], a["padding"], a["dilation"], a["groups"]), form)
 
 
+@pytest.mark.slow
 @SETTINGS
 @given(seed=st.integers(0, 2**31 - 1), batch=st.integers(1, 6), n=st.integers(1, 50),
        x_scale=scales, x_var=st.sampled_from([0.0, 1e-30, 1e-8, 1e-2, 1.0, 100.0]))
@@ -120,6 +118,7 @@ def test_relu_matches_reference(seed, batch, n, x_scale, x_var):
     assert np.all(np.abs(out[1] - ref[1]) <= 1e-5 * xv + 1e-37)
 
 
+@pytest.mark.slow
 @SETTINGS
 @given(seed=st.integers(0, 2**31 - 1), batch=st.integers(1, 4), c=st.integers(1, 3),
        h=st.integers(3, 9), w=st.integers(3, 9), kernel=st.integers(1, 3), stride=st.integers(1, 3),
@@ -142,7 +141,7 @@ def test_max_pool_matches_reference(seed, batch, c, h, w, kernel, stride, x_scal
 
 @covers("reshape", "convert", kind=COMPILED)
 @pytest.mark.parametrize("form", ["variance", "raw"])
-@pytest.mark.parametrize("arch", ["mlp", "mlp2", "lenet"])
+@pytest.mark.parametrize("arch", ["mlp", "mlp2", pytest.param("lenet", marks=pytest.mark.slow)])
 def test_networks_match_reference_any_batch(arch, form):
     """One compiled module (symbolic batch) serves every batch size and matches the reference.
 
@@ -161,6 +160,7 @@ def test_networks_match_reference_any_batch(arch, form):
             np.testing.assert_allclose(o, r, rtol=1e-4, atol=1e-4 * np.abs(r).max())
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("form", ["variance", "raw"])
 def test_deterministic_limit(form):
     """Zero weight variance and a deterministic input give the deterministic network: the mean is
@@ -182,6 +182,7 @@ def test_deterministic_limit(form):
     assert np.all(cv0 == 0.0) and np.all(rv0 == 0.0)
 
 
+@pytest.mark.slow
 def test_narrow_posterior_variances_are_kept_to_float32_precision():
     """SVI posteriors are narrow (σw ≈ 1e-3·|μw|): the variance plan keeps the output variance to
     float32 precision, where the raw-moment form s = μ² + v rounds most of it away."""
@@ -194,6 +195,7 @@ def test_narrow_posterior_variances_are_kept_to_float32_precision():
     np.testing.assert_allclose(cm, rm, rtol=1e-4, atol=1e-5 * np.abs(rm).max())
 
 
+@pytest.mark.slow
 def test_extreme_values_stay_finite():
     """Huge means with tiny variances, and tiny variances everywhere: finite, non-negative output."""
     rng = np.random.default_rng(11)

@@ -71,6 +71,7 @@ def test_raw_moment_plan_is_the_papers():
         pyro2pfp.convert(model, guide, moment_form="fast")
 
 
+@pytest.mark.slow
 def test_lenet_plans():
     model = BayesianLeNet5(c1=2, c2=3, f1=8, f2=6)
     x, y = mnist_like()

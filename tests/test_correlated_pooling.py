@@ -2,7 +2,7 @@
 puts a non-decreasing activation after the pool, and all three back ends.
 
 * Clark's max of two *correlated* Gaussians is exact: checked against Monte Carlo with the derived
-  bound of ``tests/stats.py``, and the independent rule must be rejected on the same sample.
+  bound of ``tests/support/stats.py``, and the independent rule must be rejected on the same sample.
 * ``window_cov`` (the covariances of every pair of taps of a window, from the conv that feeds the pool)
   is exact for a conv with independent Gaussian weights and independent inputs: its pairs'
   covariances are checked against Monte Carlo the same way, for a deterministic and a random conv
@@ -17,11 +17,8 @@ import math
 
 import numpy as np
 import pytest
-from builders import conv_layer, dense_layer, pool_layer, relu_layer, reshape_layer
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from op_coverage import COMPILED, MONTE_CARLO, covers
-from stats import assert_check_rejects, assert_moments_agree
 
 from pyro2pfp import moments
 from pyro2pfp.correlated_pools import correlate_max_pools
@@ -30,6 +27,9 @@ from pyro2pfp.network import PFPNetwork
 from pyro2pfp.plan import plan
 from pyro2pfp.reference import execute_all
 from pyro2pfp.reference.arrays import LOWEST, padded, window_views
+from tests.support.builders import conv_layer, dense_layer, pool_layer, relu_layer, reshape_layer
+from tests.support.op_coverage import COMPILED, MONTE_CARLO, covers
+from tests.support.stats import assert_check_rejects, assert_moments_agree
 
 N_MC = 200_000
 MC = settings(max_examples=12, deadline=None, suppress_health_check=[HealthCheck.too_slow])
@@ -60,6 +60,7 @@ def correlated_samples(rng, m1, s1, m2, s2, rho, n=N_MC):
     return m1 + s1 * z1, m2 + s2 * z2
 
 
+@pytest.mark.slow
 @MC
 @given(correlated_pairs())
 def test_correlated_max_of_two_matches_monte_carlo(case):
@@ -146,7 +147,7 @@ def sample_conv(rng, layer, x_mean, x_var, n):
 
 
 @covers("window_cov", kind=MONTE_CARLO)
-@pytest.mark.parametrize("case", CASES)
+@pytest.mark.parametrize("case", CASES[:1] + [pytest.param(c, marks=pytest.mark.slow) for c in CASES[1:]])
 def test_window_cov_matches_monte_carlo(case):
     rng = np.random.default_rng(7)
     graph = correlate_max_pools(small_graph(rng, case))
@@ -272,6 +273,7 @@ def wide_cnn():
     return g, x, sample_network(rng, g, x, 3000)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("pool, correlated_band, mean_error", [("pool1", (0.92, 1.08), 0.1),
                                                               ("pool2", (0.85, 1.15), 0.6)])
 def test_variance_after_max_pool_matches_sampling(wide_cnn, pool, correlated_band, mean_error):
@@ -316,6 +318,7 @@ def backend_graph(rng) -> LayerGraph:
         dense_layer(rng, "fc", "flat", flat, 4, 0.4, 0.05)], output="fc")
 
 
+@pytest.mark.slow
 @covers("window_cov", kind=COMPILED)
 @pytest.mark.parametrize("moment_form", ["variance", "raw"])
 def test_compiled_and_onnx_equal_the_reference(moment_form):

@@ -12,8 +12,6 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
-from builders import conv_layer, dense_layer, reshape_layer
-from stats import assert_moments_agree, check_moments, z_threshold
 
 import pyro2pfp
 from pyro2pfp import ops as ops  # the op registry: every op family registers itself
@@ -32,6 +30,8 @@ from pyro2pfp.ops.activation import relu_shared
 from pyro2pfp.ops.pooling import max_pool2d_shared
 from pyro2pfp.plan import plan
 from pyro2pfp.reference import Activation, execute
+from tests.support.builders import conv_layer, dense_layer, reshape_layer
+from tests.support.stats import assert_moments_agree, check_moments, z_threshold
 
 
 def execute_correlated(graph, x, **options):
@@ -256,6 +256,7 @@ def small_resnet():
     return net, mean_field, xs.numpy().astype(np.float64), diag
 
 
+@pytest.mark.slow
 def test_small_resnet_logit_variances_match_sampling_only_with_shared_factors(small_resnet):
     """convert → net.reference against Pyro's guide samples through the traced model (diagnose)."""
     net, mean_field, x, diag = small_resnet
@@ -271,6 +272,7 @@ def test_small_resnet_logit_variances_match_sampling_only_with_shared_factors(sm
     assert factored.mean_error < 0.2
 
 
+@pytest.mark.slow
 def test_calibrate_keeps_the_correlation_scheme(small_resnet):
     from pyro2pfp.uncertainty import CalibrationObjective
 
@@ -280,6 +282,7 @@ def test_calibrate_keeps_the_correlation_scheme(small_resnet):
     assert not np.allclose(obj.pfp_output(1.0)[1], mean_field.reference(x)[1], rtol=0.1)
 
 
+@pytest.mark.slow
 def test_compaction_is_exact_and_bounds_the_factor_count(small_resnet):
     net, _, x, _ = small_resnet
     a = execute_correlated(net.plan, x, compact=True)
@@ -308,6 +311,7 @@ def paper_nets():
     return out
 
 
+@pytest.mark.slow
 def test_paper_nets_stay_mean_field_by_default(paper_nets):
     """MLP and LeNet-5: "auto" is mean-field (identical results); the MLP under explicit shared
     factors reduces to mean-field (every unit is its own channel with its own factors)."""
@@ -415,6 +419,7 @@ def test_unsupported_op_is_named():
         plan_factors(planned)
 
 
+@pytest.mark.slow
 def test_uncertainty_head_keeps_shared_factors(small_resnet):
     """``head="probs"`` on a ResNet: the head reads only the logits' (corrected) moments, so the default
     keeps shared factors; its outputs are the head of the shared-factor logits, in the reference and

@@ -14,7 +14,6 @@ import numpy as np
 import pytest
 import torch
 import tvm
-from builders import conv_layer, dense_layer, reshape_layer
 
 import pyro2pfp
 from pyro2pfp.correlation import with_correlation
@@ -26,6 +25,7 @@ from pyro2pfp.tvm_backend import emit_module
 from pyro2pfp.tvm_backend.emit import kernel_info
 from pyro2pfp.tvm_backend.schedules import schedule_module
 from pyro2pfp.tvm_backend.sharing import share_identical_kernels
+from tests.support.builders import conv_layer, dense_layer, reshape_layer
 
 RTOL = 2e-5
 # onnxruntime's Erf/Exp (ReLU and Clark-max moments of the mean-field part) are less exact than the TVM
@@ -111,6 +111,7 @@ def every_rule():
     return graph, planned, PFPNetwork(graph, planned)
 
 
+@pytest.mark.slow
 def test_max_pool_compiled_matches_the_reference():
     graph = max_pool_graph(np.random.default_rng(5))
     net = PFPNetwork(graph, with_correlation(plan(graph), "shared-factor"))
@@ -143,6 +144,7 @@ def every_rule_static_batch(every_rule):
         return net.compile("native", batch_sizes=[3]), pools
 
 
+@pytest.mark.slow
 def test_every_rule_compiled_matches_the_reference(every_rule, every_rule_static_batch):
     from pyro2pfp.tvm_backend.runtime import CompiledPFP
 
@@ -160,6 +162,7 @@ def test_every_rule_compiled_matches_the_reference(every_rule, every_rule_static
     assert not np.allclose(exe(x)[1], mean_field, rtol=0.05)
 
 
+@pytest.mark.slow
 def test_every_rule_compiled_matches_the_reference_without_hermite_factors():
     """``hermite='none'``: the ReLU kernels (mean-field moments and Stein's linear response, no new
     factor) against the reference."""
@@ -173,6 +176,7 @@ def test_every_rule_compiled_matches_the_reference_without_hermite_factors():
     assert_matches(net.compile("native")(x), net.reference(x))
 
 
+@pytest.mark.slow
 def test_every_shared_factor_primfunc_is_scheduled(every_rule):
     pool_graph = max_pool_graph(np.random.default_rng(5))
     parts = set()
@@ -195,6 +199,7 @@ def test_every_shared_factor_primfunc_is_scheduled(every_rule):
     assert {op for op in SCHEDULES if op.startswith("sf_")} | {"sf_cholesky"} <= parts
 
 
+@pytest.mark.slow
 def test_compiled_zero_variance_and_large_inputs_stay_finite():
     graph = every_rule_graph(np.random.default_rng(2))
     for layer in graph.layers:
@@ -240,7 +245,7 @@ def _onnx_run(net: PFPNetwork, x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     return mean, var
 
 
-@pytest.mark.parametrize("make", [every_rule_graph, max_pool_graph])
+@pytest.mark.parametrize("make", [pytest.param(every_rule_graph, marks=pytest.mark.slow), max_pool_graph])
 def test_onnx_export_matches_the_reference(make):
     graph = make(np.random.default_rng(7))
     net = PFPNetwork(graph, with_correlation(plan(graph), "shared-factor"))
@@ -260,6 +265,7 @@ def test_onnx_export_refuses_what_it_does_not_cover():
         PFPNetwork(graph, with_correlation(plan(graph, moment_form="raw"), "shared-factor")).to_onnx()
 
 
+@pytest.mark.slow
 def test_converted_resnet_compiles_and_exports_the_default_plan():
     """A small Bayesian ResNet converted with the default (auto → shared-factor): compiled vs reference."""
     from pyro2pfp_experiments.zoo import bayesian_resnet, he_posterior
@@ -273,6 +279,7 @@ def test_converted_resnet_compiles_and_exports_the_default_plan():
     assert_matches(_onnx_run(net, x.numpy()), net.reference(x.numpy()), ONNX_RTOL)
 
 
+@pytest.mark.slow
 def test_converted_resnet8_one_kernel_per_relu_matches_the_reference():
     """The ResNet-8 of ``benchmarks/latency.py`` (16/32/64 channels, on 16x16 inputs here) with the
     default plan (shared-factor): every ReLU is one kernel (``sf_relu``, no mean-field ``relu``
@@ -327,6 +334,7 @@ def _callees(mod: tvm.IRModule) -> dict[str, dict[str, str]]:
     return out
 
 
+@pytest.mark.slow
 def test_tuned_shared_factor_resnet_matches_the_reference(tmp_path, monkeypatch):
     """``net.compile(tune=...)`` on a converted shared-factor ResNet (compaction: the hand-written
     Cholesky kernel included): batch specialisation, the per-kernel choice (every kernel's default
@@ -389,6 +397,7 @@ def test_cholesky_compaction_keeps_the_gram_matrix_of_degenerate_loadings():
     assert (low[1, 4] == 0).all()  # the dead channel stays without loading
 
 
+@pytest.mark.slow
 def test_compiled_plan_compacts_where_the_reference_does():
     """The TVM back end runs the reference's compaction points (K bounded: ResNet-20 ≤ 320 columns
     instead of 1,488), ONNX export the plan without them (its blocks then start further right)."""
@@ -410,6 +419,7 @@ def test_compiled_plan_compacts_where_the_reference_does():
     assert compiled.max_factors == 320 and exported.max_factors > 1400
 
 
+@pytest.mark.slow
 def test_static_batch_executable_is_scheduled_and_matches_the_reference(every_rule, every_rule_static_batch):
     """``compile(batch_sizes=[3])`` re-emits the module with a static batch: every kernel (shared-
     factor ones included) must still take its default schedule (a schedule that fails soft is a
@@ -598,6 +608,7 @@ def test_shared_factor_relu_kernel_limit_cases(every_rule, name):
     assert (s_out[0, 0] == 0).all() and (s_out[2].flat[::7] == 0).all()
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", ["r0", "r1"])
 def test_shared_factor_relu_mean_field_outputs_are_the_mean_field_kernels(every_rule, name):
     """``sf_relu`` computes the layer's mean-field outputs with the mean-field kernel's expressions
@@ -613,6 +624,7 @@ def test_shared_factor_relu_mean_field_outputs_are_the_mean_field_kernels(every_
     assert np.array_equal(second.reshape(want_var.shape), want_var)
 
 
+@pytest.mark.slow
 def test_every_kernel_goes_to_the_build_threads_while_scheduling(every_rule, every_rule_static_batch):
     """``net.compile()`` hands each kernel to the build threads as soon as it is final: the scheduled
     ones, the hand-written ``sf_cholesky`` (it comes scheduled) and the last partial part (flushed

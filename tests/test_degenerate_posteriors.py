@@ -105,7 +105,8 @@ def _sampled_logits(model, guide, x: torch.Tensor, n: int = 16) -> np.ndarray:
 
 GUIDES = ["AutoNormal", "AutoDiagonalNormal", "AutoLowRankMultivariateNormal", "hand-written"]
 CASES = [(g, s) for g in GUIDES for s in ("zero", "partly", "1e-30")] + [("Delta", "zero")]
-CASES += [("AutoMultivariateNormal", "partly")]  # the guard whitens the sub-vector of non-zero scales
+# the guard whitens the sub-vector of non-zero scales
+CASES += [pytest.param("AutoMultivariateNormal", "partly", marks=pytest.mark.slow)]
 
 
 @pytest.mark.filterwarnings("ignore:Auto.*MultivariateNormal models correlations")
@@ -137,6 +138,7 @@ def test_zero_and_denormal_scales_convert_deterministic_where_sampling_is(guide_
         np.testing.assert_array_equal(var == 0, spread == 0)  # deterministic exactly where sampling is
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("model_kind", ["MLP", "LeNet-5"])
 def test_collapsed_autonormal_converts_and_compiles_to_zero_variance(model_kind):
     """Every AutoNormal scale 0 (the param store's unconstrained value -inf): a deterministic network,

@@ -26,7 +26,6 @@ import numpy as np
 import pyro
 import pytest
 import torch
-from builders import mlp_graph
 
 import pyro2pfp
 from pyro2pfp import deploy
@@ -34,6 +33,7 @@ from pyro2pfp.errors import InputShapeError, PFPError
 from pyro2pfp.network import PFPNetwork
 from pyro2pfp.plan import plan
 from pyro2pfp_experiments.zoo import BayesianLeNet5, make_guide
+from tests.support.builders import mlp_graph
 
 CROSS_GCC = "aarch64-linux-gnu-gcc"
 APT_LINE = "apt-get install -y gcc-aarch64-linux-gnu g++-aarch64-linux-gnu qemu-user"
@@ -119,6 +119,7 @@ def assert_shared_factor_outputs(mean: np.ndarray, var: np.ndarray, sf_resnet) -
 # ---------------------------------------------------------------------------------------------
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("ext", [".so", ".tar"])
 def test_lenet_export_load_rerun_identical(lenet, tmp_path, ext):
     net, exe, x = lenet
@@ -200,6 +201,7 @@ def _load_in_a_new_process(tmp_path: Path, path: Path, x: np.ndarray) -> tuple[d
         return json.loads(result.stdout.strip().splitlines()[-1]), dict(out)
 
 
+@pytest.mark.slow
 def test_shared_factor_resnet_survives_export_and_load_in_a_new_process(sf_resnet, tmp_path):
     """The default plan of a ResNet (shared factors: kernels with scalar factor-width arguments, the
     hand-written Cholesky TIR) exported and loaded by ``pyro2pfp.load`` in a fresh process, as users
@@ -220,6 +222,7 @@ def test_shared_factor_resnet_survives_export_and_load_in_a_new_process(sf_resne
     assert_shared_factor_outputs(out["mean"], out["var"], sf_resnet)
 
 
+@pytest.mark.slow
 def test_batch_specialised_executable_survives_export_and_load_in_a_new_process(tmp_path):
     """``compile(batch_sizes=[3])`` → ``export_library`` writes ``mlp.batch3.so`` next to ``mlp.so``
     and lists it (name, sha256) in the sidecar; ``pyro2pfp.load`` in a fresh process gives back a
@@ -314,6 +317,7 @@ def test_batch_specialised_executable_survives_export_and_load_in_a_new_process(
     np.testing.assert_allclose(loaded(x)[0], mean, rtol=1e-5, atol=1e-6 * np.abs(mean).max())
 
 
+@pytest.mark.slow
 def test_load_errors_are_clear(lenet, tmp_path):
     _, exe, x = lenet
     with pytest.raises(FileNotFoundError, match="no such library"):
@@ -357,6 +361,7 @@ def test_targets_and_presets():
 # ---------------------------------------------------------------------------------------------
 
 
+@pytest.mark.board
 def test_aarch64_library_is_an_aarch64_elf_shared_object_with_neon(lenet, lenet_aarch64, tmp_path):
     _, _, x = lenet
     exe, path = lenet_aarch64
@@ -389,6 +394,7 @@ def test_aarch64_library_is_an_aarch64_elf_shared_object_with_neon(lenet, lenet_
             assert elf_header(tar.extractfile(member).read(64)) == (2, ET_REL, EM_AARCH64)
 
 
+@pytest.mark.board
 def test_board_preset_compiles_with_tvm_tag(tmp_path):
     require(CROSS_GCC, "gcc-aarch64-linux-gnu")
     graph = mlp_graph(np.random.default_rng(0), [16, 8, 4])
@@ -398,6 +404,7 @@ def test_board_preset_compiles_with_tvm_tag(tmp_path):
     assert elf_header((tmp_path / "mlp_rpi4.so").read_bytes()[:64]) == (2, ET_DYN, EM_AARCH64)
 
 
+@pytest.mark.board
 def test_missing_cross_compiler_message(lenet_aarch64, tmp_path, monkeypatch):
     exe, _ = lenet_aarch64
     monkeypatch.setenv("PYRO2PFP_CROSS_CC", "no-such-aarch64-gcc")
@@ -537,6 +544,7 @@ def qemu(tmp_path_factory):
     return run
 
 
+@pytest.mark.board
 def test_aarch64_library_runs_under_qemu_and_matches_x86(lenet, lenet_aarch64, qemu):
     _, exe_x86, x = lenet
     _, path = lenet_aarch64
@@ -567,6 +575,7 @@ print(json.dumps({"machine": platform.machine(), "specialised": exe.vm_for_batch
 """
 
 
+@pytest.mark.board
 def test_pyro2pfp_load_in_an_aarch64_python_matches_x86(lenet, lenet_aarch64, tmp_path):
     """The board's Python route: ``pyro2pfp.load`` + predict in an AArch64 CPython under qemu-user
     (Cortex-A72) that has only NumPy and the TVM runtime wheels (manylinux aarch64) installed -- no
@@ -598,6 +607,7 @@ def test_pyro2pfp_load_in_an_aarch64_python_matches_x86(lenet, lenet_aarch64, tm
             np.testing.assert_allclose(out["var" + suffix], var, rtol=1e-4, atol=1e-5 * np.abs(var).max())
 
 
+@pytest.mark.board
 def test_shared_factor_resnet_for_aarch64_runs_under_qemu(sf_resnet, qemu, tmp_path):
     """The shared-factor plan cross-compiled for AArch64 (NEON: 4 lanes where the factor axis is
     padded to 16 columns; the float64 Cholesky TIR) runs under qemu and gives the float64 reference's

@@ -20,6 +20,7 @@ def resnet_case():
     return model, guide, x
 
 
+@pytest.mark.slow
 def test_per_layer_rows_locate_the_global_pooling_failure(resnet_case, tmp_path):
     model, guide, x = resnet_case
     d = pyro2pfp.diagnose(model, guide, x, num_samples=120, correlation="mean-field")
@@ -52,6 +53,7 @@ def test_bad_arguments(resnet_case):
         pyro2pfp.diagnose(model, guide, x[0], num_samples=10, input_shape=(3, 8, 8))
 
 
+@pytest.mark.slow
 def test_mc_moments_match_numpy_on_the_logits(resnet_case):
     """The output-only mode gives the same MC logit moments as per-layer mode with the same seed."""
     model, guide, x = resnet_case
@@ -61,6 +63,7 @@ def test_mc_moments_match_numpy_on_the_logits(resnet_case):
     np.testing.assert_allclose(a.output["mc_var"], b.output["mc_var"], rtol=1e-10)
 
 
+@pytest.mark.slow
 def test_cli_diagnose(tmp_path, capsys):
     from pyro2pfp.cli import main
 
@@ -98,11 +101,12 @@ def test_saturated_units_do_not_dominate_the_mean_error():
     assert 0.7 < row.ratio_median < 1.4, row
 
 
+@pytest.mark.slow
 def test_tyxe_bnn_alone():
     """diagnose takes what convert takes: a TyXe VariationalBNN alone, or with its own guide (which also
     holds the likelihood's scale), stands for its net and net_guide; the caller's random streams are left
     as they were."""
-    from gallery_models import D_IN, tyxe_regression
+    from tests.support.gallery_models import D_IN, tyxe_regression
 
     bnn = tyxe_regression(learned_scale=True)
     x, y = torch.randn(16, D_IN), torch.randn(16, 1)

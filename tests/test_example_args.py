@@ -5,6 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pyro
 import pyro.distributions as dist
+import pytest
 import torch
 
 import pyro2pfp
@@ -29,6 +30,7 @@ def guide(X, cll, *, scale=0.1):
     pyro.sample("b", dist.Normal(B_LOC, scale * torch.ones(CLASSES)).to_event(1))
 
 
+@pytest.mark.slow
 def test_model_and_guide_that_read_the_labels():
     net = pyro2pfp.convert(classifier, guide, example_args=(X, Y), calibration=0.0)
     assert net.input_shape == (D_IN,)

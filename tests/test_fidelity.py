@@ -84,6 +84,7 @@ def _store_snapshot() -> dict[str, torch.Tensor]:
     return {k: v.detach().clone() for k, v in pyro.get_param_store().items()}
 
 
+@pytest.mark.slow
 def test_check_warns_at_max_pooling_and_leaves_the_user_state_alone():
     model = TinyPoolCNN()
     x = torch.randn(4, 1, 8, 8)
@@ -115,6 +116,7 @@ def test_check_warns_at_max_pooling_and_leaves_the_user_state_alone():
     assert check.bounds.violations(check.output)
 
 
+@pytest.mark.slow
 def test_check_passes_on_an_exact_network(caplog):
     model = OneHiddenMLP()
     x = torch.randn(6, 5)
@@ -185,6 +187,7 @@ def test_median_ratio_bound_follows_the_measured_noise():
     assert false_alarms[False] == 0 and false_alarms[True] <= 3, false_alarms
 
 
+@pytest.mark.slow
 def test_auto_mean_field_warns_where_a_dense_layer_sums_conv_positions():
     """conv → pool → flatten → dense: ``auto`` keeps mean-field (its cost) but says that the dense layer sums
     positions sharing a conv's weight noise, with the shared-factor plan's cost for this network; an MLP,
@@ -204,6 +207,7 @@ def test_auto_mean_field_warns_where_a_dense_layer_sums_conv_positions():
         assert not [w for w in caught if "sums positions" in str(w.message)], correlation
 
 
+@pytest.mark.slow
 def test_bad_check_arguments():
     from pyro2pfp.fidelity import check_fidelity
 
@@ -223,7 +227,7 @@ def test_cli_convert_check(tmp_path, capsys):
     from pyro2pfp.cli import main
 
     (tmp_path / "builder.py").write_text(
-        "import torch\nfrom test_fidelity import OneHiddenMLP, _guide\n"
+        "import torch\nfrom tests.test_fidelity import OneHiddenMLP, _guide\n"
         "def build():\n    m = OneHiddenMLP()\n    return m, _guide(m, torch.randn(2, 5))\n")
     np.save(tmp_path / "x.npy", np.random.default_rng(0).standard_normal((4, 5)).astype(np.float32))
     out = tmp_path / "net.onnx"

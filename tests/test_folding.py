@@ -10,11 +10,11 @@ import pyro.distributions as dist
 import pytest
 import torch
 import torch.nn as nn
-from builders import ResidualNet
 from pyro.nn import PyroSample
 
 import pyro2pfp
 from pyro2pfp_experiments.zoo import bayesian_resnet, he_posterior
+from tests.support.builders import ResidualNet
 
 
 def residual_model(conv_bias: bool = True):
@@ -50,6 +50,7 @@ def rel_diff(a, b):
     return np.max(np.abs(a - b) / np.maximum(np.abs(b), 1e-300))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("form", ["variance", "raw"])
 @pytest.mark.parametrize("conv_bias", [True, False])
 def test_folded_equals_unfolded_in_the_reference(form, conv_bias):
@@ -73,6 +74,7 @@ def test_folded_equals_unfolded_in_the_reference(form, conv_bias):
     np.testing.assert_allclose(var, fv, rtol=1e-3, atol=1e-4 * np.abs(fv).max())
 
 
+@pytest.mark.slow
 def test_resnet_batch_norms_all_fold_and_agree():
     model = bayesian_resnet(blocks=1, widths=(8, 16))
     x = torch.randn(3, 3, 16, 16, generator=torch.Generator().manual_seed(0))

@@ -2,7 +2,7 @@
 against Pyro's ``Predictive`` (issue 16 item 6), and the heteroscedastic-head / TyXe-noise machinery
 they use (:mod:`pyro2pfp.noise`, item 3).
 
-Every gallery model (tests/gallery_models.py) is trained a few hundred SVI steps on seeded synthetic
+Every gallery model (tests/support/gallery_models.py) is trained a few hundred SVI steps on seeded synthetic
 data; the truth is ``MC_SAMPLES`` = 1000 draws of the trained guide (regression: ``obs``; classification:
 the logits).  Two of them go through the whole lifecycle across processes (train + save the param
 store in one process, build + load + convert in a fresh one).  Tolerances, per test input (and logit):
@@ -18,12 +18,10 @@ store in one process, build + load + convert in a fresh one).  Tolerances, per t
 """
 from __future__ import annotations
 
-import os
 import subprocess
 import sys
 import warnings
 
-import gallery_models as G
 import numpy as np
 import pyro
 import pyro.distributions as dist
@@ -39,8 +37,9 @@ from scipy import integrate
 import pyro2pfp
 import pyro2pfp.compat
 from pyro2pfp.noise import HeteroscedasticNoise, LinkStep, expected_square
+from tests.support import gallery_models as G
 
-WORKER = os.path.join(os.path.dirname(__file__), "gallery_models.py")
+WORKER = G.__file__  # also run as a script in fresh processes
 CROSS_PROCESS = ("tutorial-regression", "random-module-classifier")
 
 
@@ -70,6 +69,7 @@ def _check(entry: G.Entry, pfp: dict, mc: dict) -> None:
         assert epistemic_only.max() > 10.0, epistemic_only.max()
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", [n for n in G.GALLERY if n not in CROSS_PROCESS])
 def test_gallery_model_matches_predictive(name):
     entry = G.GALLERY[name]
@@ -79,6 +79,7 @@ def test_gallery_model_matches_predictive(name):
     _check(entry, pfp, mc)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", CROSS_PROCESS)
 def test_gallery_model_in_a_fresh_process(name, tmp_path):
     """Train and save in one process, load and convert in another (the deployment lifecycle)."""
@@ -116,6 +117,7 @@ class LinearHead(PyroModule):
         return mu.squeeze(-1)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("link", ["exp", "softplus"])
 def test_aleatoric_of_a_gaussian_scale_column_is_exact(link):
     """E[σ(x)²] against Monte Carlo over the guide's weights (σ computed by the model's own code):
@@ -237,6 +239,7 @@ class MultiOutput(PyroModule):
             return pyro.sample("obs", dist.Normal(out[:, :2], 0.05 + 2 * F.softplus(out[:, 2:])).to_event(1), obs=y)
 
 
+@pytest.mark.slow
 def test_multi_output_heteroscedastic_regression():
     model = MultiOutput()
     guide = AutoNormal(model, init_scale=0.05)
@@ -259,6 +262,7 @@ def test_multi_output_heteroscedastic_regression():
         np.testing.assert_allclose(compiled[key], value, rtol=1e-4, atol=1e-6 * np.abs(value).max(), err_msg=key)
 
 
+@pytest.mark.slow
 def test_tyxe_heteroskedastic_likelihood():
     """TyXe's HeteroskedasticGaussian: means then softplus scales along the last axis."""
     import tyxe

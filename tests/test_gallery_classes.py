@@ -1,5 +1,5 @@
 """Models written the way their authors write them, one per class of code that used to stop
-``convert`` (tests/gallery_classes.py): device moves and views in ``forward``, the Pyro modules
+``convert`` (tests/support/gallery_classes.py): device moves and views in ``forward``, the Pyro modules
 tutorial's ``Linear``, ``pyro.random_module`` as course notebooks write it (``convert(model, guide)``,
 ``convert(net, guide)``, methods of a PyroModule: ``convert(bnn.model, bnn.guide)``, ``convert(bnn,
 bnn.guide)``), samples assigned to the layers of a ``PyroModule[nn.Sequential]`` with Dropout.
@@ -11,15 +11,17 @@ standard errors, the median variance ratio in [0.85, 1.18]; and the user's modul
 """
 from __future__ import annotations
 
-import os
 import subprocess
 import sys
 
-import gallery_classes as gallery
 import numpy as np
 import pytest
 
-WORKER = os.path.join(os.path.dirname(__file__), "gallery_classes.py")
+from tests.support import gallery_classes as gallery
+
+pytestmark = pytest.mark.slow  # trains, converts or starts processes
+
+WORKER = gallery.__file__  # run as a script in fresh processes
 
 
 @pytest.fixture(scope="module")

@@ -13,16 +13,15 @@ import pytest
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
-from builders import ResidualNet, pool_cases, pool_graph
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from op_coverage import COMPILED, MONTE_CARLO, covers
-from pyro.nn import PyroModule, PyroSample
 
 import pyro2pfp
 from pyro2pfp.graph import INPUT, GaussianParam, Layer, LayerGraph
 from pyro2pfp.network import PFPNetwork
 from pyro2pfp.plan import plan
+from tests.support.builders import BayesianFirstLayer, ResidualNet, pool_cases, pool_graph
+from tests.support.op_coverage import COMPILED, MONTE_CARLO, covers
 
 SETTINGS = settings(max_examples=10, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 
@@ -42,6 +41,7 @@ def assert_close(out, ref, scale):
 
 # --- compiled vs reference on hand-built graphs ------------------------------------------------
 
+@pytest.mark.slow
 @SETTINGS
 @given(seed=st.integers(0, 2**31 - 1), n=st.integers(1, 40), slope=st.sampled_from([0.0, 0.01, 0.2, 0.5, 1.0]),
        x_var=st.sampled_from([None, 0.0, 1e-6, 1.0, 100.0]), form=st.sampled_from(["variance", "raw"]))
@@ -62,6 +62,7 @@ def torch_pool_shape(kind, c, h, w, kernel, stride, pad, ceil, **kw):
     return tuple(pool(x, kernel, stride, pad, ceil_mode=ceil, **kw).shape[1:])
 
 
+@pytest.mark.slow
 @SETTINGS
 @given(seed=st.integers(0, 2**31 - 1), case=pool_cases(), kind=st.sampled_from(["max", "avg"]),
        include_pad=st.booleans(), x_var=st.sampled_from([None, 0.0, 1e-4, 1.0]))
@@ -122,19 +123,6 @@ def test_leaky_relu_moments_match_sampling():
 
 # --- torch models through convert(): mean at calibration 0 == deterministic torch forward --------
 
-class _Det(PyroModule):
-    """Wraps a torch body so that its first layer's weight is a PyroSample (a Bayesian model)."""
-
-    def __init__(self, body: nn.Module, first: str):
-        super().__init__()
-        pyro.nn.module.to_pyro_module_(body)
-        self.body = body
-        layer = body.get_submodule(first)
-        layer.weight = PyroSample(dist.Normal(0.0, 1.0).expand(layer.weight.shape).to_event(layer.weight.dim()))
-        self.first = first
-
-    def forward(self, x, y=None):
-        return self.body(x)
 
 
 class _Residual(ResidualNet):
@@ -171,6 +159,7 @@ def _posterior_guide(model, shape):
     return guide, loc
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("body,first,shape", [(_Residual, "conv", (3, 9, 9)), (_Seq1d, "net.0", (2, 9))])
 def test_layers_convert_and_match_torch(body, first, shape):
     torch.manual_seed(0)
@@ -182,7 +171,7 @@ def test_layers_convert_and_match_torch(body, first, shape):
             m.weight.data.uniform_(0.5, 1.5)
     torch_body.eval()
     reference_body = copy.deepcopy(torch_body)
-    model = _Det(torch_body, first).eval()
+    model = BayesianFirstLayer(torch_body, first).eval()
     guide, loc = _posterior_guide(model, shape)
     x = torch.randn(3, *shape)
     with warnings.catch_warnings(record=True) as caught:
@@ -226,7 +215,7 @@ def test_unsupported_padding_and_softmax_inside_are_clear_errors():
 
     for body, first, shape, pattern in [(Bad, "c", (1, 5, 5), r"c \(aten.pad\): .*'reflect'.*only as zeros"),
                                         (Mid, "a", (4,), r"softmax inside")]:
-        model = _Det(body(), first)
+        model = BayesianFirstLayer(body(), first)
         guide, _ = _posterior_guide(model, shape)
         with pytest.raises(pyro2pfp.UnsupportedLayerError, match=pattern):
             pyro2pfp.convert(model, guide, input_shape=shape)

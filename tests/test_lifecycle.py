@@ -1,6 +1,6 @@
 """A saved posterior converts to the trained network, in every Pyro lifecycle.
 
-Cross-process (tests/lifecycle_worker.py): one process trains with SVI, saves the param store and
+Cross-process (tests/support/lifecycle_worker.py): one process trains with SVI, saves the param store and
 records ``Predictive``'s answers on test inputs (the independent truth); a fresh process per model
 builds the model and guide, loads the store (``load(path)`` and ``set_state(torch.load(...))``, with
 and without running the guide first), converts, and runs the NumPy reference and the compiled module.
@@ -10,12 +10,10 @@ the consistency guard catches a stale posterior (these tests fail if the guard o
 """
 from __future__ import annotations
 
-import os
 import subprocess
 import sys
 from concurrent.futures import Future, ThreadPoolExecutor
 
-import lifecycle_worker as worker
 import numpy as np
 import pyro
 import pytest
@@ -26,8 +24,9 @@ from pyro.infer.autoguide import AutoDiagonalNormal, AutoLowRankMultivariateNorm
 import pyro2pfp
 import pyro2pfp.posterior as posterior_module
 from pyro2pfp.posterior.guard import check_posterior
+from tests.support import lifecycle_worker as worker
 
-WORKER = os.path.join(os.path.dirname(__file__), "lifecycle_worker.py")
+WORKER = worker.__file__  # also run as a script in fresh processes
 LIFECYCLES = ("load", "set_state", "run-guide-then-load", "run-guide-then-set_state")
 
 
@@ -72,6 +71,7 @@ def pipelines(request, tmp_path_factory):
             future.cancel()
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("kind", list(worker.KINDS))
 def test_fresh_process_converts_the_saved_posterior(kind, pipelines):
     trained_dir, futures = pipelines
@@ -123,6 +123,7 @@ def _trained(guide_cls=AutoNormal, steps: int = 150):
     return model, guide, x[:16].numpy()
 
 
+@pytest.mark.slow
 def test_editing_the_store_after_the_guide_ran_changes_the_network():
     model, guide, x = _trained()
     before = pyro2pfp.convert(model, guide).reference(x)[0]
@@ -132,6 +133,7 @@ def test_editing_the_store_after_the_guide_ran_changes_the_network():
     np.testing.assert_allclose(after - before, np.tile([5.0, 0.0, -1.0], (len(x), 1)), atol=1e-5)
 
 
+@pytest.mark.slow
 def test_scales_edited_in_the_store_reach_the_variances():
     model, guide, x = _trained()
     store = pyro.get_param_store()
@@ -143,6 +145,7 @@ def test_scales_edited_in_the_store_reach_the_variances():
                                rtol=1e-6, atol=1e-9)
 
 
+@pytest.mark.slow
 def test_diagonal_guide_loaded_into_a_live_session():
     """AutoDiagonalNormal's ``loc`` is a plain nn.Parameter: running the guide does not refresh it."""
     model, guide, x = _trained(AutoDiagonalNormal)
@@ -156,6 +159,7 @@ def test_diagonal_guide_loaded_into_a_live_session():
     np.testing.assert_allclose(again[1], trained[1], rtol=1e-12)
 
 
+@pytest.mark.slow
 def test_module_local_params(tmp_path):
     """With module_local_params the guide's own state_dict is the posterior (no global store)."""
     with pyro.settings.context(module_local_params=True):
@@ -171,6 +175,7 @@ def test_module_local_params(tmp_path):
     assert np.abs(trained[0]).max() > 1.0
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("guide_cls", [AutoNormal, AutoDiagonalNormal])
 def test_guard_catches_a_stale_posterior(guide_cls, tmp_path, monkeypatch):
     """Without the sync, the stale (initial) guide parameters would be read: the guard must say so."""
@@ -189,6 +194,7 @@ def test_guard_catches_a_stale_posterior(guide_cls, tmp_path, monkeypatch):
     assert np.abs(net.reference(worker.data("mlp", n=8)[0].numpy())[0]).max() > 1.0
 
 
+@pytest.mark.slow
 def test_guard_rejects_wrong_scales_and_means():
     """The guard's bounds: the true posterior passes; a scale off by 20 % or a mean off by 0.2 sd fails."""
     model, guide, x = _trained()
@@ -213,6 +219,7 @@ def test_guard_rejects_wrong_scales_and_means():
         check_posterior(guide, deterministic, args)
 
 
+@pytest.mark.slow
 def test_guard_on_a_correlated_guide():
     """Low-rank guide: the whitened latent residual around the read means, and the read marginals."""
     model, guide, x = _trained(lambda m: AutoLowRankMultivariateNormal(m, rank=2, init_scale=0.01))

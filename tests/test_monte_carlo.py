@@ -4,7 +4,7 @@ For a single op with independent Gaussian inputs and (mean-field) Gaussian weigh
 formula of ``docs/math.md`` is the *exact* mean and variance of the op's output.  Each test draws
 ``N`` independent samples of the output — every draw with **new weights, new bias and new inputs**
 — and compares the sample moments with what ``pyro2pfp.reference.REFERENCES[op]`` returns, using
-the bound of ``tests/stats.py``: ``z·se`` with ``se ∝ 1/√N`` estimated from the same draws and a
+the bound of ``tests/support/stats.py``: ``z·se`` with ``se ∝ 1/√N`` estimated from the same draws and a
 Bonferroni ``z`` for a family-wise false-alarm probability of 1e-6 per hypothesis example.
 
 Compute layers (dense, conv2d) are tested in all three input forms the planner can choose:
@@ -33,9 +33,7 @@ import numpy as np
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from op_coverage import MONTE_CARLO, covers
 from scipy.special import ndtr
-from stats import EPS, assert_check_rejects, assert_moments_agree
 
 from pyro2pfp import moments
 from pyro2pfp import ops as ops  # the op registry (contracts, references) that plan and execute read
@@ -43,6 +41,8 @@ from pyro2pfp.graph import GaussianParam, Layer, LayerGraph, Repr
 from pyro2pfp.plan import PlannedLayer, has_deterministic_weights, plan
 from pyro2pfp.reference import REFERENCES, Activation, execute
 from pyro2pfp.reference.arrays import conv2d_nchw
+from tests.support.op_coverage import MONTE_CARLO, covers
+from tests.support.stats import EPS, assert_check_rejects, assert_moments_agree
 
 D, V, S = Repr.DETERMINISTIC, Repr.VARIANCE, Repr.SECOND_MOMENT
 
@@ -313,6 +313,7 @@ def dense_samples(case, n=N_MC):
                     case["w_mean"], rc * case["w_std"], case["b_mean"], b_std)
 
 
+@pytest.mark.slow
 @covers("dense", kind=MONTE_CARLO)
 @MC_SETTINGS
 @given(dense_cases())
@@ -416,6 +417,7 @@ def conv_samples(case, n=N_MC):
                    case["w_mean"], rc * case["w_std"], case["b_mean"], b_std, case["attrs"])
 
 
+@pytest.mark.slow
 @covers("conv2d", kind=MONTE_CARLO)
 @MC_SETTINGS
 @given(conv_cases())
@@ -474,7 +476,7 @@ def _conv_wrong(name):
     raise KeyError(name)
 
 
-@pytest.mark.parametrize("form", ["raw", "variance"])
+@pytest.mark.parametrize("form", [pytest.param("raw", marks=pytest.mark.slow), "variance"])
 def test_conv2d_check_accepts_the_library_on_the_fixed_case(form):
     mean, var = conv_reference({**fixed_conv_case(), "form": form})
     assert_moments_agree(fixed_conv_samples(), mean, var)
@@ -520,6 +522,7 @@ def relu_cases(draw):
     return alpha * std, std, draw(seeds)
 
 
+@pytest.mark.slow
 @covers("relu", kind=MONTE_CARLO)
 @MC_SETTINGS
 @given(relu_cases())
@@ -642,6 +645,7 @@ def max_cases(draw):
     return m1, s1, m2, s2, draw(st.booleans()), draw(seeds)
 
 
+@pytest.mark.slow
 @covers("max_pool2d", kind=MONTE_CARLO)
 @MC_SETTINGS
 @given(max_cases())
@@ -789,6 +793,7 @@ def test_relu_zero_variance_is_the_deterministic_relu(mus):
     assert out.repr is D and np.array_equal(out.mean[0], np.maximum(mean, 0))
 
 
+@pytest.mark.slow
 @FAST_SETTINGS
 @given(st.lists(st.tuples(realistic, realistic), min_size=1, max_size=8))
 def test_max_zero_variance_is_the_plain_max(pairs):
@@ -878,6 +883,7 @@ def test_max_of_huge_means_with_tiny_variance():
     np.testing.assert_allclose(v, [1e-6, 1e-6], rtol=1e-12)
 
 
+@pytest.mark.slow
 @FAST_SETTINGS
 @given(st.floats(6, 15), st.booleans(), st.floats(-12, 2), st.floats(-12, 2), st.floats(-10, 10))
 def test_max_huge_means_tiny_variances_against_exact(log_c, neg, log_v1, log_v2, alpha):
@@ -893,6 +899,7 @@ def test_max_huge_means_tiny_variances_against_exact(log_c, neg, log_v1, log_v2,
     assert abs(v[0] - float(ev)) <= 1e-10 * float(ev) + 1e-300, (v[0], float(ev))
 
 
+@pytest.mark.slow
 @FAST_SETTINGS
 @given(st.floats(6, 15), st.booleans(), st.floats(-12, 2),
        st.floats(-8, 8).filter(lambda a: abs(a) >= 0.05))
@@ -913,6 +920,7 @@ def test_relu_huge_mean_tiny_variance_examples():
     np.testing.assert_allclose(v, [1e-6, 0.0, 1e-12], rtol=1e-14)
 
 
+@pytest.mark.slow
 @FAST_SETTINGS
 @given(st.lists(st.floats(6, 15), min_size=1, max_size=6), st.floats(-12, 0), seeds)
 def test_dense_deterministic_input_huge_values(log_x, log_vw, seed):
@@ -949,6 +957,7 @@ huge_dense = (st.lists(st.floats(6, 15), min_size=1, max_size=6), st.floats(-12,
               st.floats(-12, 0), seeds)
 
 
+@pytest.mark.slow
 @FAST_SETTINGS
 @given(*huge_dense)
 def test_dense_variance_form_huge_means_tiny_variances_exact(log_x, log_vx, log_vw, seed):
@@ -960,6 +969,7 @@ def test_dense_variance_form_huge_means_tiny_variances_exact(log_x, log_vx, log_
     np.testing.assert_allclose(var[0], exact, rtol=4 * (k + 4) * EPS)
 
 
+@pytest.mark.slow
 @FAST_SETTINGS
 @given(*huge_dense)
 def test_dense_raw_moment_form_huge_means_within_its_rounding_bound(log_x, log_vx, log_vw, seed):
@@ -977,6 +987,7 @@ extreme_mean = st.floats(-1e300, 1e300, allow_nan=False, allow_infinity=False)
 extreme_var = st.just(0.0) | st.floats(1e-300, 1e300) | st.floats(0, 1e300)
 
 
+@pytest.mark.slow
 @settings(max_examples=300, deadline=None)
 @given(st.lists(st.tuples(extreme_mean, extreme_var, extreme_mean, extreme_var), min_size=1, max_size=8))
 def test_no_nan_or_inf_for_extreme_inputs(rows):

@@ -1,6 +1,6 @@
 """ONNX export (pyro2pfp.onnx_export) run with onnxruntime against the float64 NumPy reference.
 
-Graphs are built by hand (tests/builders.py) and planned with both moment forms; the exported
+Graphs are built by hand (tests/support/builders.py) and planned with both moment forms; the exported
 model must pass ``onnx.checker`` (full check), use standard operators only, have a dynamic batch
 dimension, and reproduce ``pyro2pfp.reference.execute`` to float32 accuracy.
 """
@@ -13,24 +13,6 @@ import pyro
 import pyro.distributions as dist
 import pytest
 import torch
-from builders import (
-    U32,
-    ResidualNet,
-    assert_compute_layer,
-    conv_layer,
-    dense_layer,
-    forms,
-    input_var,
-    lenet_graph,
-    mlp_graph,
-    pool_cases,
-    pool_graph,
-    pool_layer,
-    relu_layer,
-    reshape_layer,
-    scales,
-    var_scales,
-)
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from pyro.nn import PyroSample
@@ -43,6 +25,25 @@ from pyro2pfp.onnx_export import onnx_ops_used, to_onnx
 from pyro2pfp.plan import plan
 from pyro2pfp.reference import execute
 from pyro2pfp.reference.arrays import conv2d_nchw
+from tests.support.builders import (
+    U32,
+    ResidualNet,
+    assert_compute_layer,
+    conv_layer,
+    dense_layer,
+    forms,
+    input_var,
+    inputs,
+    lenet_graph,
+    mlp_graph,
+    pool_cases,
+    pool_graph,
+    pool_layer,
+    relu_layer,
+    reshape_layer,
+    scales,
+    var_scales,
+)
 
 STANDARD_OPS = {"MatMul", "Conv", "Mul", "Add", "Sub", "Div", "Neg", "Erf", "Exp", "Sqrt", "Max", "Min",
                 "Greater", "Less", "Where", "Slice", "Pad", "MaxPool", "AveragePool", "Relu", "Reshape", "Shape",
@@ -60,12 +61,6 @@ def run(model, x, x_var=None):
     assert mean.dtype == np.float32 and var.dtype == np.float32
     return mean, var
 
-
-def inputs(rng, batch, shape, scale, var_scale):
-    x = (scale * rng.standard_normal((batch, *shape))).astype(np.float32)
-    if var_scale is None:
-        return x, None
-    return x, (var_scale * rng.uniform(0.0, 1.0, x.shape)).astype(np.float32)
 
 
 def check_structure(model: onnx.ModelProto, graph, batch_dim: str = "batch") -> None:
@@ -297,6 +292,7 @@ def test_affine_and_add_match_reference():
         export_and_compare(graph, x, xv, 10.0)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("form", ["variance", "raw"])
 def test_converted_torch_model_with_every_op(form, tmp_path):
     torch.manual_seed(0)

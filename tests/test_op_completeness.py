@@ -12,13 +12,12 @@ import dataclasses
 import importlib
 from pathlib import Path
 
-from op_coverage import COMPILED, COVERAGE, MONTE_CARLO
-
 from pyro2pfp import ops as ops  # the op registry: every op family registers itself
 from pyro2pfp.converters import PRODUCES
 from pyro2pfp.onnx_export import EXPORTERS
 from pyro2pfp.reference import REFERENCES
 from pyro2pfp.registry import OPS, SHARED_EXPORTERS, SHARED_KERNELS, SHARED_REFERENCES, OpDef
+from tests.support.op_coverage import COMPILED, COVERAGE, MONTE_CARLO
 
 # every test module: their @covers decorators fill COVERAGE (pytest has imported them already when it
 # collects the whole suite; a new test file needs no registration here)
@@ -30,7 +29,7 @@ def missing_parts() -> list[str]:
     from pyro2pfp.tvm_backend import KERNELS, SCHEDULES
 
     for name in TEST_MODULES:
-        importlib.import_module(name)
+        importlib.import_module(f"tests.{name}")
     missing = []
     for name, op in sorted(OPS.items()):
         parts = {

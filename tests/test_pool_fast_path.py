@@ -15,7 +15,6 @@ import warnings
 import numpy as np
 import pytest
 import tvm
-from builders import lenet_graph
 from tvm import relax
 
 from pyro2pfp.graph import INPUT, Layer, LayerGraph
@@ -24,6 +23,7 @@ from pyro2pfp.reference import execute
 from pyro2pfp.tvm_backend import emit_module
 from pyro2pfp.tvm_backend.ops.pooling import POOL_REGISTER_TILE
 from pyro2pfp.tvm_backend.schedules import schedule_module, simd_lanes
+from tests.support.builders import lenet_graph
 
 RTOL = 2e-5
 TARGETS = {
@@ -71,7 +71,8 @@ def check(planned, vm, args, what):
         assert err <= RTOL, f"{what} {name}: relative error {err:.2e}"
 
 
-@pytest.mark.parametrize("variance", [True, False], ids=["gaussian", "deterministic"])
+@pytest.mark.parametrize("variance", [pytest.param(True, marks=pytest.mark.slow), False],
+                         ids=["gaussian", "deterministic"])
 @pytest.mark.parametrize("target", ["native", "llvm"])
 @pytest.mark.parametrize("in_shape, k", SHAPES, ids=[f"{'x'.join(map(str, s))}-k{k}" for s, k in SHAPES])
 def test_tiling_max_pool_matches_reference(in_shape, k, target, variance):
@@ -107,6 +108,7 @@ def test_tiling_max_pool_limit_cases(form):
     check(planned, vm, [x, mixed], "some variances zero")
 
 
+@pytest.mark.slow
 def test_static_batch_specialisation_schedules_the_fast_path():
     """The module specialised to a static batch (as MetaSchedule tunes it: 1 or 3) still gets
     the fast path's default schedule, without failing soft, and computes correctly."""
@@ -211,10 +213,9 @@ def test_overhanging_windows_fold_padded_taps(case):
     combiner uses each tap several times and TVM substitutes the tap expression into every use, so a
     bounds check per tap made LLVM spend ~4 s on a 3x3 / stride-2 / padding-1 pool (0.2 s now).  The
     shared-factor kernel (``sf_maxpool``) reads its three taps the same way."""
-    from test_correlation_backends import max_pool_graph
-
     from pyro2pfp.correlation import with_correlation
     from pyro2pfp.tvm_backend.emit import kernel_info
+    from tests.test_correlation_backends import max_pool_graph
 
     in_shape, k, s, pad, ceil = case
     func = emit_module(plan(general_graph(in_shape, k, s, pad, ceil)))["pfp_max_pool2d_p"]
@@ -231,7 +232,7 @@ def run(vm, args):
     return [t.numpy() for t in out]
 
 
-@pytest.mark.parametrize("k", [2, 3])
+@pytest.mark.parametrize("k", [2, pytest.param(3, marks=pytest.mark.slow)])
 def test_chain_limit_cases(k):
     """The chained fold (windows that tile the input) at its limits, against exact values:
 

@@ -23,8 +23,6 @@ import pytest
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
-from pyro.nn import PyroModule, PyroSample
-from stats import assert_check_rejects, assert_moments_agree
 
 import pyro2pfp
 from pyro2pfp.graph import GaussianParam
@@ -32,21 +30,8 @@ from pyro2pfp.onnx_export import to_onnx
 from pyro2pfp.ops.compute import _symmetric_padding
 from pyro2pfp.ops.pooling import adaptive_window
 from pyro2pfp.reference.arrays import conv2d_nchw
-
-
-class _Bayes(PyroModule):
-    """A torch body whose first layer's weight is a PyroSample (the rest deterministic)."""
-
-    def __init__(self, body: nn.Module, first: str):
-        super().__init__()
-        pyro.nn.module.to_pyro_module_(body)
-        self.body = body
-        layer = body.get_submodule(first)
-        layer.weight = PyroSample(dist.Normal(0.0, 1.0).expand(layer.weight.shape).to_event(layer.weight.dim()))
-        self.first = first
-
-    def forward(self, x, y=None):
-        return self.body(x)
+from tests.support.builders import BayesianFirstLayer
+from tests.support.stats import assert_check_rejects, assert_moments_agree
 
 
 def _guide(site: str, shape: torch.Size, seed: int, scale: float = 0.1):
@@ -127,7 +112,7 @@ def _converted(body_cls, first, shape, seed=0, calibration=0.0, correlation="mea
             m.weight.data.uniform_(0.5, 1.5)
     body.eval()
     reference = copy.deepcopy(body)
-    model = _Bayes(body, first).eval()
+    model = BayesianFirstLayer(body, first).eval()
     guide, loc, _ = _guide(f"body.{first}.weight", reference.get_submodule(first).weight.shape, seed)
     net = pyro2pfp.convert(model, guide, input_shape=shape, calibration=calibration, correlation=correlation)
     with torch.no_grad():
@@ -154,6 +139,7 @@ def test_1d_forms_match_torch_and_run_as_2d_layers(forms_1d):
     assert ops.count("affine") == 1, ops  # bn1 folded into c1; bn2 (after the add) lifted to 2-D
 
 
+@pytest.mark.slow
 def test_1d_forms_onnx_equals_the_reference():
     net, _ = _converted(Forms1d, "c1", (2, 23), calibration=1.0)
     x = np.random.default_rng(2).normal(size=(3, 2, 23))
@@ -236,6 +222,7 @@ class Block1d(nn.Module):
         return self.pool(self.bn(self.conv(x))).flatten(1)
 
 
+@pytest.mark.slow
 def test_bayesian_1d_block_matches_sampling_of_the_guide_compiled_too():
     torch.manual_seed(5)
     body = Block1d()
@@ -243,7 +230,7 @@ def test_bayesian_1d_block_matches_sampling_of_the_guide_compiled_too():
     body.bn.running_var.uniform_(0.5, 2.0)
     body.eval()
     torch_body = copy.deepcopy(body)
-    model = _Bayes(body, "conv").eval()
+    model = BayesianFirstLayer(body, "conv").eval()
     guide, loc, sd = _guide("body.conv.weight", torch_body.conv.weight.shape, 6, scale=0.4)
     net = pyro2pfp.convert(model, guide, input_shape=(2, 8), correlation="mean-field")
     assert any(layer.op == "window_cov" for layer in net.plan.layers)  # the correlated max-pool rule
@@ -316,7 +303,7 @@ class _Conv3d(nn.Module):
     (_Conv3d, (1, 5, 5, 5), r"conv.*3-D \(volumetric\) convolution and pooling are not supported"),
 ])
 def test_forms_that_are_not_supported_say_why_and_what_to_do(body, shape, pattern):
-    model = _Bayes(body(), "conv")
+    model = BayesianFirstLayer(body(), "conv")
     guide, _, _ = _guide("body.conv.weight", model.body.conv.weight.shape, 0)
     with pytest.raises(pyro2pfp.UnsupportedLayerError, match=pattern):
         pyro2pfp.convert(model, guide, input_shape=shape)

@@ -9,12 +9,12 @@ import sys
 import numpy as np
 import pytest
 import tvm
-from builders import lenet_graph, mlp_graph
 from tvm import relax, tirx
 
 from pyro2pfp.network import PFPNetwork
 from pyro2pfp.plan import plan
 from pyro2pfp.profiling import OVERHEAD_ROW, Profile, profile, split_kernel_name
+from tests.support.builders import lenet_graph, mlp_graph
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -48,6 +48,7 @@ def test_split_kernel_name():
     assert split_kernel_name("pfp_sf_relu_relu_10") == ("sf_relu", "relu_10")
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("method", ["isolated", "in_vm"])
 def test_one_row_per_kernel_and_rows_sum_to_total(lenet_exe, method):
     net, exe = lenet_exe
@@ -87,6 +88,7 @@ def test_profile_accepts_vm_and_executable_and_checks_method():
         profile(ex, [x], method="bogus")
 
 
+@pytest.mark.slow
 def test_latency_benchmark_quick_runs(tmp_path):
     env = dict(os.environ, PYRO2PFP_CACHE=str(tmp_path), TVM_NUM_THREADS="2")
     # --budget 0.02: seconds of timing per measurement (quick: 0.3, ~10 s of this run); no timing is

@@ -14,7 +14,6 @@ import time
 
 import numpy as np
 import pytest
-from builders import mlp_graph
 
 from pyro2pfp import tuning
 from pyro2pfp.errors import PFPError, RemoteError
@@ -22,6 +21,7 @@ from pyro2pfp.network import PFPNetwork
 from pyro2pfp.plan import plan
 from pyro2pfp.remote import Remote, fixed_inputs, upload, validate
 from pyro2pfp.tuning import measure
+from tests.support.builders import mlp_graph
 
 KEY = "loopback"
 START_TIMEOUT = 90.0  # python -m tvm.exec.* imports TVM: slow on a loaded 2-core machine
@@ -101,6 +101,7 @@ def test_remote_spec_parsing():
             Remote.parse(bad)
 
 
+@pytest.mark.board
 def test_run_bench_validate_on_the_boards_agree_with_local(boards, net_and_exe):
     net, exe = net_and_exe
     x = fixed_inputs(net.input_shape, 10, seed=3)
@@ -116,6 +117,7 @@ def test_run_bench_validate_on_the_boards_agree_with_local(boards, net_and_exe):
     assert report.max_abs_error_mean < 1e-4 * np.abs(ref[0]).max()
 
 
+@pytest.mark.board
 def test_tuning_measures_on_the_boards(boards, net_and_exe, tmp_path, monkeypatch):
     net, exe = net_and_exe
     monkeypatch.setitem(measure.KERNEL_TIMING, "repeat", 2)
@@ -144,6 +146,7 @@ def test_tuning_measures_on_the_boards(boards, net_and_exe, tmp_path, monkeypatc
     assert again.reused and again.work_dir == result.work_dir
 
 
+@pytest.mark.board
 def test_wrong_key_is_refused_at_once(boards, net_and_exe):
     net, exe = net_and_exe
     wrong = Remote(boards.host, boards.port, "no-such-board", connect_timeout=5)
@@ -155,6 +158,7 @@ def test_wrong_key_is_refused_at_once(boards, net_and_exe):
     assert time.monotonic() - t0 < 30
 
 
+@pytest.mark.board
 def test_dead_server_and_silent_peer_give_bounded_errors(net_and_exe):
     _net, exe = net_and_exe
     dead = Remote("127.0.0.1", free_port(), None, connect_timeout=5)  # nothing listens there
@@ -186,6 +190,7 @@ BUILDER = textwrap.dedent("""\
     """)
 
 
+@pytest.mark.board
 def test_cli_bench_and_validate_remote(boards, tmp_path, capsys):
     from pyro2pfp.cli import main
 
@@ -202,6 +207,7 @@ def test_cli_bench_and_validate_remote(boards, tmp_path, capsys):
     assert "no server with key 'nope'" in capsys.readouterr().err
 
 
+@pytest.mark.board
 def test_a_finished_prediction_releases_its_session(boards, net_and_exe):
     """No reference cycle keeps the VM (and so the RPC session, and the board) after use: a board
     that serves one session at a time (a direct rpc_server, the emulated board) is free again at once."""
@@ -220,6 +226,7 @@ def test_a_finished_prediction_releases_its_session(boards, net_and_exe):
         gc.enable()
 
 
+@pytest.mark.board
 def test_board_outputs_are_checked_and_unpacked_as_here(boards):
     """On a board, a network with the uncertainty head returns a HeadOutput and non-finite outputs
     raise NumericalError -- as ``exe(x)`` here; ``validate`` compares the head's quantities with the

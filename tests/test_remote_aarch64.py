@@ -22,8 +22,6 @@ import time
 
 import numpy as np
 import pytest
-from builders import lenet_graph, mlp_graph
-from test_remote import _kill, free_port, spawn
 
 from pyro2pfp import tuning
 from pyro2pfp.errors import InputShapeError, PFPError, RemoteError
@@ -31,8 +29,11 @@ from pyro2pfp.network import PFPNetwork
 from pyro2pfp.plan import plan
 from pyro2pfp.remote import Remote, fixed_inputs, upload, validate
 from pyro2pfp.tuning import measure
+from tests.support.builders import lenet_graph, mlp_graph
+from tests.test_remote import _kill, free_port, spawn
 
-pytestmark = pytest.mark.skipif(os.environ.get("PYRO2PFP_SKIP_QEMU") == "1", reason="PYRO2PFP_SKIP_QEMU=1")
+pytestmark = [pytest.mark.board,
+              pytest.mark.skipif(os.environ.get("PYRO2PFP_SKIP_QEMU") == "1", reason="PYRO2PFP_SKIP_QEMU=1")]
 
 KEY = "qemu-a72"
 START_TIMEOUT = 120.0  # python -m tvm.exec.* imports TVM: slow on a loaded 2-core machine

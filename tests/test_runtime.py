@@ -6,7 +6,6 @@ import os
 
 import numpy as np
 import pytest
-from builders import mlp_graph
 
 from pyro2pfp.errors import InputShapeError, NumericalError, PFPError
 from pyro2pfp.network import PFPNetwork
@@ -14,6 +13,7 @@ from pyro2pfp.plan import plan
 from pyro2pfp.tuning import api as tuning_api
 from pyro2pfp.tvm_backend import runtime
 from pyro2pfp.tvm_backend.build import mark_prim_funcs_noalias
+from tests.support.builders import mlp_graph
 
 
 def tiny_net(input_variance: bool = False) -> PFPNetwork:
@@ -130,6 +130,7 @@ def test_profile_method(net_exe):
     assert prof.batch == 2 and prof.total_us > 0
 
 
+@pytest.mark.slow
 def test_compile_with_tune_dispatches_by_batch(tmp_path, monkeypatch):
     """``compile(tune=...)`` builds one batch-specialised executable per batch (the search itself
     is stubbed out: the real MetaSchedule run is tested in test_tuning.py) and calls with that
@@ -145,6 +146,7 @@ def test_compile_with_tune_dispatches_by_batch(tmp_path, monkeypatch):
     assert exe.profile(np.ones((3, 12), np.float32), repeats=2).batch == 3
 
 
+@pytest.mark.slow
 def test_compile_with_batch_sizes_builds_static_executables():
     """``compile(batch_sizes=...)``: one static-shape executable per size named (the symbolic batch
     bound: the VM's main takes only that size), used for calls of that size; others run the

@@ -9,12 +9,12 @@ import sys
 
 import numpy as np
 import pytest
-from builders import mlp_graph
 
 import pyro2pfp
 from pyro2pfp.network import PFPNetwork
 from pyro2pfp.ops.head import append_head
 from pyro2pfp.plan import plan
+from tests.support.builders import mlp_graph
 
 #: what a board does not have: importing any of them raises ModuleNotFoundError in the child process
 NOT_INSTALLED = ("torch", "pyro", "scipy")
@@ -85,6 +85,7 @@ def exported(tmp_path_factory):
     return tmp, x
 
 
+@pytest.mark.slow
 def test_a_board_without_torch_pyro_or_scipy_loads_predicts_and_checks(exported):
     """In a process where torch, Pyro and SciPy cannot be imported: ``pyro2pfp.load`` (with the
     batch-specialised executable the sidecar lists), calls, the input checks, ``uncertainty()``, a
@@ -122,6 +123,7 @@ def test_a_board_without_torch_pyro_or_scipy_loads_predicts_and_checks(exported)
         np.testing.assert_allclose(out["onnx_var"], var, rtol=1e-4, atol=1e-7)
 
 
+@pytest.mark.slow
 def test_importing_the_package_imports_no_converter():
     """``import pyro2pfp`` (and the CLI) imports neither torch, Pyro, SciPy nor TVM; ``pyro2pfp.convert``
     and the op registry come when first used, and ``pyro2pfp.diagnose`` is the function, as before."""

@@ -9,15 +9,15 @@ import pyro
 import pytest
 import torch
 import torch.nn as nn
-from op_coverage import COMPILED, MONTE_CARLO, covers
 from pyro.infer import autoguide
 from pyro.nn import PyroModule
-from test_styles import CLASSES, D_IN, HIDDEN, assert_exact_against_sampling, fit, likelihood, prior
 
 import pyro2pfp
 from pyro2pfp.graph import INPUT, Layer, LayerGraph
 from pyro2pfp.network import PFPNetwork
 from pyro2pfp.plan import plan
+from tests.support.op_coverage import COMPILED, MONTE_CARLO, covers
+from tests.test_styles import CLASSES, D_IN, HIDDEN, assert_exact_against_sampling, fit, likelihood, prior
 
 
 def scale_net(factor: float, n: int = 7, input_variance: bool = True) -> PFPNetwork:
@@ -68,6 +68,7 @@ class TemperatureMLP(PyroModule):
         return likelihood(self.fc2(h) / 2.0, y)  # a temperature on the logits
 
 
+@pytest.mark.slow
 def test_constant_scalings_convert_and_agree_with_predictive():
     pyro.clear_param_store()
     pyro.set_rng_seed(0)

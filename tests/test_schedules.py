@@ -18,7 +18,6 @@ import numpy as np
 import pytest
 import tvm
 import tvm_ffi
-from builders import lenet_graph, mlp_graph
 from tvm import relax
 
 from pyro2pfp.correlated_pools import correlate_max_pools
@@ -30,6 +29,8 @@ from pyro2pfp.reference import execute
 from pyro2pfp.registry import OPS
 from pyro2pfp.tvm_backend import emit_module, schedules
 from pyro2pfp.tvm_backend.schedules import SCHEDULES, schedule_module
+from tests.support.builders import lenet_graph, mlp_graph
+from tests.support.tir import prim_funcs
 
 BATCHES = (1, 7, 13)
 RTOL = 2e-5
@@ -168,11 +169,9 @@ def compile_vm(mod, target):
     return relax.VirtualMachine(tvm.compile(mod, target=target), tvm.cpu())
 
 
-def prim_funcs(mod):
-    return {gv.name_hint: mod[gv] for gv in mod.get_global_vars() if isinstance(mod[gv], tvm.tirx.PrimFunc)}
-
 
 # ------------------------------------------------------------------------------ tests
+@pytest.mark.slow
 @pytest.mark.parametrize("target, form", [("native", "variance"), ("native", "raw"), ("llvm", "variance")])
 @pytest.mark.parametrize("case", list(GRAPHS))
 def test_scheduled_matches_reference(case, target, form):
@@ -199,6 +198,7 @@ def test_scheduled_matches_reference(case, target, form):
             assert err <= RTOL, f"{case} {target} batch {batch} {what}: relative error {err:.2e}"
 
 
+@pytest.mark.slow
 def test_every_primfunc_is_scheduled():
     """Each PFP PrimFunc is rewritten: marked scheduled, has a parallel loop, and the ones whose
     body TVM can vectorise have a vector loop."""
@@ -272,6 +272,7 @@ def test_simd_lanes():
     assert schedules.simd_lanes(tvm.target.Target({"kind": "llvm", "mcpu": "skylake-avx512"})) == 16
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("form", ["variance", "raw"])
 def test_fused_relu_dense_matches_unfused_and_reference(form):
     """A ReLU after a dense layer is computed in the dense kernel's epilogue (one kernel fewer);
@@ -302,6 +303,7 @@ def test_fused_relu_dense_matches_unfused_and_reference(form):
             np.testing.assert_allclose(got.numpy(), unfused.numpy(), rtol=0, atol=2e-6 * scale)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("form", ["variance", "raw"])
 def test_fused_relu_after_residual_add(form):
     """A residual block's last ReLU is computed in the ``add`` kernel (``pfp_add_sum_out``, no
@@ -334,6 +336,7 @@ def test_fused_relu_after_residual_add(form):
         np.testing.assert_allclose(got.numpy(), unfused.numpy(), rtol=0, atol=2e-6 * scale)
 
 
+@pytest.mark.slow
 def test_elementwise_kernel_on_a_flat_view_where_that_widens_the_vector():
     """LeNet's relu2 (16×10×10): the last two axes give 4 lanes (100 = 4·25), one flat axis 16
     (1600 = 64·25): the kernel runs on a (batch, 1600) view with a 16-lane vector (AVX-512 target),
@@ -358,6 +361,7 @@ def test_elementwise_kernel_on_a_flat_view_where_that_widens_the_vector():
         np.testing.assert_allclose(got, want, rtol=0, atol=2e-5 * np.abs(want).max())
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("builder", [lenet_graph, mlp_graph])
 def test_small_static_kernels_run_serially(builder, monkeypatch):
     """In a static-batch module the kernels under ``SERIAL_WORK`` operations and ``SERIAL_BYTES`` bytes of
@@ -410,6 +414,7 @@ def parallel_loop_works(func) -> list[float]:
     return works
 
 
+@pytest.mark.slow
 def test_small_parallel_loops_of_static_kernels_run_serially(monkeypatch):
     """In the static-batch kernels that stay parallel, the parallel loops doing less than
     ``NEST_SERIAL_WORK`` operations (measured on the scheduled kernel) are made serial and only those:

@@ -11,7 +11,6 @@ import pyro.distributions as dist
 import pytest
 import torch
 import torch.nn as nn
-from builders import mlp_graph
 from pyro.infer.autoguide import AutoNormal
 from pyro.nn import PyroModule, PyroSample
 
@@ -27,6 +26,7 @@ from pyro2pfp.errors import (
 )
 from pyro2pfp.network import PFPNetwork
 from pyro2pfp.plan import plan
+from tests.support.builders import mlp_graph
 
 D_IN = 20
 
@@ -73,10 +73,12 @@ def _hammer(exe, threads: int = 4, calls: int = 2000) -> list:
     return problems
 
 
+@pytest.mark.slow
 def test_one_compiled_predictor_shared_by_threads(compiled):
     assert _hammer(compiled[1]) == []
 
 
+@pytest.mark.slow
 def test_one_loaded_predictor_shared_by_threads(exported):
     assert _hammer(pyro2pfp.load(exported)) == []
 

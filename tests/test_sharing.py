@@ -3,8 +3,8 @@ PrimFunc, and the shared build computes exactly what the unshared one does."""
 from __future__ import annotations
 
 import numpy as np
+import pytest
 import tvm
-from builders import conv_layer, relu_layer
 from tvm import relax
 
 from pyro2pfp.graph import INPUT, Layer, LayerGraph
@@ -13,6 +13,8 @@ from pyro2pfp.plan import plan
 from pyro2pfp.tvm_backend.build import build
 from pyro2pfp.tvm_backend.schedules import schedule_module
 from pyro2pfp.tvm_backend.sharing import share_identical_kernels
+from tests.support.builders import conv_layer, relu_layer
+from tests.support.tir import prim_funcs
 
 TARGET = tvm.target.Target("llvm")
 
@@ -34,10 +36,8 @@ def repeated_blocks() -> PFPNetwork:
     return PFPNetwork(graph, plan(graph))
 
 
-def prim_funcs(mod: tvm.IRModule) -> dict[str, tvm.tirx.PrimFunc]:
-    return {gv.name_hint: mod[gv] for gv in mod.get_global_vars() if isinstance(mod[gv], tvm.tirx.PrimFunc)}
 
-
+@pytest.mark.slow
 def test_identical_kernels_are_shared_and_give_the_same_numbers():
     net = repeated_blocks()
     scheduled = schedule_module(net.mod, net.plan, TARGET)

@@ -15,9 +15,9 @@ import torch.nn as nn
 import torch.nn.functional as F
 from pyro.infer import SVI, Predictive, Trace_ELBO, autoguide
 from pyro.nn import PyroModule, PyroSample
-from test_styles import CLASSES, D_IN, HIDDEN, assert_exact_against_sampling, data, fit, likelihood, prior
 
 import pyro2pfp
+from tests.test_styles import CLASSES, D_IN, HIDDEN, assert_exact_against_sampling, data, fit, likelihood, prior
 
 
 class TutorialMLP(PyroModule):
@@ -43,6 +43,7 @@ def handwritten_guide(x_data, y_data):
         pyro.sample(site, dist.Normal(loc, scale).to_event(len(shape)))
 
 
+@pytest.mark.slow
 def test_guide_with_the_models_signature():
     model = TutorialMLP()
     fit(model, handwritten_guide, steps=40)
@@ -89,6 +90,7 @@ def random_module_model_and_guide():
     return model, guide
 
 
+@pytest.mark.slow
 def test_random_module_model_and_handwritten_guide():
     model, guide = random_module_model_and_guide()
     x, y = data()
@@ -111,6 +113,7 @@ class FunctionalMLP(PyroModule):
         return likelihood(F.linear(F.relu(F.linear(x, w1, b1)), w2), y)
 
 
+@pytest.mark.slow
 def test_weights_sampled_in_forward():
     model = FunctionalMLP()
     guide = autoguide.AutoNormal(model, init_scale=0.05)
@@ -154,6 +157,7 @@ def _fit_regression(model, guide, steps=60):
         svi.step(x, y)
 
 
+@pytest.mark.slow
 def test_learned_noise_scale_is_a_nonweight_site():
     model = Regression()
     guide = autoguide.AutoNormal(model, init_scale=0.05)
@@ -163,6 +167,7 @@ def test_learned_noise_scale_is_a_nonweight_site():
     assert_exact_against_sampling(model, guide, net)
 
 
+@pytest.mark.slow
 def test_guide_list_with_a_delta_noise_scale():
     """AutoNormal on the weights + AutoDelta on sigma: each part read through its own API."""
     model = Regression()
@@ -182,6 +187,7 @@ def test_guide_list_with_a_delta_noise_scale():
         pyro2pfp.convert(model, weights_as_delta)
 
 
+@pytest.mark.slow
 def test_positive_bias_is_moment_matched():
     """A LogNormal-prior bias under AutoNormal: exp of a Normal, converted by its exact moments;
     the linear output's mean and variance stay exact, so sampling agrees."""
@@ -210,6 +216,7 @@ class LogisticRegression(PyroModule):
         return likelihood(self.fc(x), y)
 
 
+@pytest.mark.slow
 def test_laplace_guide_points_to_its_gaussian():
     model = LogisticRegression()
     guide = autoguide.AutoLaplaceApproximation(model)
@@ -226,6 +233,7 @@ def test_laplace_guide_points_to_its_gaussian():
     np.testing.assert_allclose(np.sort(read), np.sort(flat_var), rtol=1e-6)
 
 
+@pytest.mark.slow
 def test_model_returning_its_observation():
     """A regression model that returns the sampled ``obs``: the network is the mean that feeds it."""
 
@@ -277,6 +285,7 @@ def _predictive_obs(model, guide, x, num_samples=2000):
     return samples.double().numpy()
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("noise", ["uniform", "halfnormal", "log_sigma", "pyro_param", "delta"])
 def test_regression_predictive_variance(noise):
     """Predictive mean and variance of ``obs`` (law of total variance: PFP's epistemic variance plus
@@ -337,6 +346,7 @@ def test_classifier_has_no_regression_noise():
         net.regression(*net.reference(data(4)[0].numpy()))
 
 
+@pytest.mark.slow
 def test_regression_tutorial_with_squeeze():
     """Pyro's Bayesian regression tutorial style: ``.squeeze(-1)`` on the output, a ``sigma`` site with a
     Uniform prior, an observation per row (no event dimension)."""

@@ -5,7 +5,7 @@ rule, and one-hidden-layer MLPs against Pyro's ``Predictive``.
 
 Bounds:
 
-* Activations (``test_activation_moments_match_sampling``): pure Monte Carlo bounds (``tests/stats.py``,
+* Activations (``test_activation_moments_match_sampling``): pure Monte Carlo bounds (``tests/support/stats.py``,
   Bonferroni, family-wise 1e-6).  ELU, hardtanh and GELU are exact for a Gaussian input; sigmoid, tanh,
   SiLU and softplus are quadrature rules whose error (≤ 1e-5 relative, ``benchmarks/activation_accuracy.py``)
   is far below the MC resolution of 200k draws (~5e-3 relative), so the same bound applies.
@@ -35,17 +35,17 @@ import pytest
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
-from op_coverage import COMPILED, MONTE_CARLO, covers
 from pyro.infer import Predictive, autoguide
 from pyro.nn import PyroModule, PyroParam
 from scipy.special import ndtri
-from stats import assert_moments_agree, check_moments
-from test_styles import CLASSES, D_IN, HIDDEN, data, fit, likelihood, prior
 
 import pyro2pfp
 from pyro2pfp.graph import INPUT, GaussianParam, Layer, LayerGraph
 from pyro2pfp.network import PFPNetwork
 from pyro2pfp.plan import plan
+from tests.support.op_coverage import COMPILED, MONTE_CARLO, covers
+from tests.support.stats import assert_moments_agree, check_moments
+from tests.test_styles import CLASSES, D_IN, HIDDEN, data, fit, likelihood, prior
 
 GELU_TANH_GAP = 4.8e-4  # max |GELU_tanh(x) − x·Φ(x)| (4.73e-4 at x ≈ ±2.70)
 
@@ -166,6 +166,7 @@ def assert_float32_close(got: tuple, ref: tuple, x: np.ndarray, x_var: np.ndarra
     assert err_v.max() <= 1, (err_v.max(), np.unravel_index(err_v.argmax(), err_v.shape))
 
 
+@pytest.mark.slow
 @covers(*NEW_OPS, kind=COMPILED)
 @pytest.mark.parametrize("op", NEW_OPS)
 def test_compiled_and_onnx_match_the_reference(op):
@@ -238,6 +239,7 @@ def at_posterior_means(model, guide, x):
         return pyro.poutine.condition(model, data=medians)(x).double().numpy()
 
 
+@pytest.mark.slow
 def test_converters_read_the_attributes_of_real_modules():
     acts = [nn.ELU(0.5), nn.Softplus(beta=2), nn.Hardtanh(-2, 3), nn.ReLU6(), F.silu, F.relu6, torch.tanh,
             nn.GELU()]
@@ -255,6 +257,7 @@ def test_converters_read_the_attributes_of_real_modules():
     assert not var.any()
 
 
+@pytest.mark.slow
 def test_gelu_tanh_converts_with_its_attribute():
     model = Chain([nn.GELU(approximate="tanh")])
     guide, net = converted(model, calibration=0.0, input_variance=True)  # the moment path at v = 0
@@ -340,6 +343,7 @@ def fit_bernoulli(model, steps=30):
     return guide
 
 
+@pytest.mark.slow
 def test_final_sigmoid_is_stripped_and_hidden_sigmoid_kept():
     model = BernoulliNet()
     guide = fit_bernoulli(model)
@@ -409,6 +413,7 @@ def mlp_agreement(name: str) -> tuple[float, float, float, float]:
     return predictive_agreement(model, guide, net, x)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", list(MLP_ACTS))
 def test_mlp_agrees_with_predictive(name):
     mz, vz, _, _ = mlp_agreement(name)
@@ -520,6 +525,7 @@ class LNModel(PyroModule):
         return likelihood(self.fc2(F.gelu(self.ln(self.fc1(x)))), y)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("affine", ["sample", "param", "none"])
 def test_layer_norm_converts(affine):
     model = LNModel(affine)
@@ -545,6 +551,7 @@ def layer_norm_mlp_agreement() -> tuple[float, float, float, float]:
     return predictive_agreement(model, guide, pyro2pfp.convert(model, guide), data(n=16, seed=1)[0])
 
 
+@pytest.mark.slow
 def test_layer_norm_mlp_against_predictive():
     """Linear → LayerNorm (Gaussian γ, β) → GELU → Linear, 30 SVI steps: the hidden pre-activations have
     variances ~3× the spread of their means (the LayerNorm makes fc1's scale unidentifiable, so its posterior

@@ -92,7 +92,7 @@ def test_every_activation_has_a_torch_truth():
     assert sorted(GENERIC) == sorted(TORCH), "add the torch function of the new activation to TORCH"
 
 
-@pytest.mark.parametrize("name", GENERIC)
+@pytest.mark.parametrize("name", [pytest.param(n, marks=pytest.mark.slow) if n == "tanh" else n for n in GENERIC])
 def test_dual_slope_is_the_expected_derivative(name):
     """float64: the slope of the rule's mean against E[f'(a)] (the rule's approximation error only,
     measured ≤ 3e-6 absolute on this grid), and against a central difference of the rule's mean
@@ -120,7 +120,8 @@ def test_zero_variance_slope_is_the_derivative_exactly():
     np.testing.assert_allclose(slope, s * (1 + x * (1 - s)), rtol=1e-14, atol=1e-15)
 
 
-@pytest.mark.parametrize("name", GENERIC)
+@pytest.mark.parametrize("name", [n if n in ("scale", "gelu") else pytest.param(n, marks=pytest.mark.slow)
+                                  for n in GENERIC])
 def test_compiled_float32_slope_matches_the_float64_rule(name):
     """The float32 TE kernel body (``stein_kernel``, on TE_OPS) against the float64 slope on the grid."""
     import tvm
@@ -221,6 +222,7 @@ def silu_resnet():
     return converted(nn.SiLU)
 
 
+@pytest.mark.slow
 def test_silu_resnet_auto_is_shared_factor_and_closer_to_sampling(silu_resnet):
     model, guide, net, x = silu_resnet
     assert net.plan.correlation == "shared-factor"
@@ -236,9 +238,10 @@ def test_silu_resnet_auto_is_shared_factor_and_closer_to_sampling(silu_resnet):
     assert abs(np.log(factored.ratio_median)) < abs(np.log(plain.ratio_median)), (factored, plain)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("act", [nn.SiLU, nn.GELU])
 def test_resnet_compiled_and_onnx_match_the_reference(act, silu_resnet):
-    from test_correlation_backends import ONNX_RTOL, _onnx_run, assert_matches
+    from tests.test_correlation_backends import ONNX_RTOL, _onnx_run, assert_matches
 
     _, _, net, x = silu_resnet if act is nn.SiLU else converted(act)
     xs = x.numpy()

@@ -78,6 +78,7 @@ class MLP(PyroModule):
         return likelihood(self.fc2(F.relu(self.fc1(x))), y)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("guide_cls", [autoguide.AutoNormal, autoguide.AutoDiagonalNormal])
 def test_diagonal_autoguides_are_exact(guide_cls):
     model = MLP()
@@ -88,6 +89,7 @@ def test_diagonal_autoguides_are_exact(guide_cls):
     assert_exact_against_sampling(model, guide, net)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("guide_cls", [autoguide.AutoLowRankMultivariateNormal, autoguide.AutoMultivariateNormal])
 def test_correlated_autoguides_use_marginals_and_warn(guide_cls):
     model = MLP()
@@ -113,6 +115,7 @@ def test_correlated_autoguides_use_marginals_and_warn(guide_cls):
     assert flat.size == marginal.size
 
 
+@pytest.mark.slow
 def test_hand_written_softplus_guide_is_exact():
     model = MLP()
 
@@ -171,6 +174,7 @@ class ModuleListMLP(PyroModule):
         return likelihood(x, y)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("build,first", [(_sequential_model, "net.0"), (ModuleListMLP, "layers.0")])
 def test_sequential_and_modulelist_models(build, first):
     model = build()
@@ -198,6 +202,7 @@ class PartlyBayesian(PyroModule):
         return likelihood(self.head(F.relu(self.fc2(F.relu(self.fc1(x))))), y)
 
 
+@pytest.mark.slow
 def test_partially_bayesian_network():
     model = PartlyBayesian()
     guide = autoguide.AutoNormal(model, init_scale=0.1)
@@ -222,6 +227,7 @@ def test_partially_bayesian_network():
     assert agreement.argmax_agreement >= 0.85 and agreement.mean_rel_error < 0.05, agreement
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("bias", ["none", "det", "prob"])
 def test_bias_configurations(bias):
     model = MLP(bias=bias)
@@ -234,6 +240,7 @@ def test_bias_configurations(bias):
     assert_exact_against_sampling(model, guide, net, num_samples=600)
 
 
+@pytest.mark.slow
 def test_input_variance_network():
     model = MLP()
     guide = autoguide.AutoNormal(model, init_scale=0.1)
@@ -254,6 +261,7 @@ def test_input_variance_network():
         net.reference(x)
 
 
+@pytest.mark.slow
 def test_tyxe_variational_bnn():
     import tyxe  # installed by the set-up command (pip install --no-deps tyxe==0.0.2)
     pyro2pfp.compat.patch_pyro_for_tyxe()
@@ -295,6 +303,7 @@ class FunctionalBNN(PyroModule):
         return likelihood(logits, y)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("second_bias", ["none", "prob"])
 def test_matmul_layers_with_bias_sites(second_bias):
     pyro.clear_param_store()
@@ -336,6 +345,7 @@ def structured_guide(model, conditional: str, dependencies=None):
     return autoguide.AutoStructured(model, conditionals=conditionals, **kwargs)
 
 
+@pytest.mark.slow
 def test_autostructured_without_dependencies_is_exact():
     pyro.clear_param_store()
     pyro.set_rng_seed(0)
@@ -350,6 +360,7 @@ def test_autostructured_without_dependencies_is_exact():
     assert_exact_against_sampling(model, guide, net)
 
 
+@pytest.mark.slow
 def test_autostructured_mvn_uses_the_marginals_and_warns():
     pyro.clear_param_store()
     pyro.set_rng_seed(0)

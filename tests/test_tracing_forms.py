@@ -18,6 +18,8 @@ from pyro.nn import PyroModule, PyroSample
 
 import pyro2pfp
 
+pytestmark = pytest.mark.slow  # trains, converts or starts processes
+
 device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 FORMS = ("view", "self.to", "x.to", "cpu")  # x.size(0), x.shape[0], torch.flatten and a guarded .cuda() traced before
 

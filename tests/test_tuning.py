@@ -10,13 +10,13 @@ import time
 import numpy as np
 import pytest
 import tvm
-from builders import lenet_graph, mlp_graph
 from tvm import relax, tirx
 
 from pyro2pfp import _fast_inspect, tuning
 from pyro2pfp.network import PFPNetwork
 from pyro2pfp.plan import plan
 from pyro2pfp.tuning import api, choose, database, measure, search, specialize
+from tests.support.builders import lenet_graph, mlp_graph
 
 
 @pytest.fixture(autouse=True)
@@ -121,6 +121,7 @@ def test_key_depends_on_structure_target_batch_not_weights():
 
 
 # ------------------------------------------------------------------------------ reuse / fallback
+@pytest.mark.slow
 def test_database_is_keyed_reused_and_topped_up(tmp_path, monkeypatch):
     """The search itself is monkeypatched: this is about the work dir, the metadata, reuse and the
     per-kernel choice among default / tuned (an empty database: every kernel keeps its default).
@@ -166,6 +167,7 @@ def _pretend_tuned(static, defaults):
     return tuned
 
 
+@pytest.mark.slow
 def test_fallback_picks_faster_valid_schedule():
     """``_choose`` keeps, per kernel, the faster of tuned and default -- and never a schedule whose
     outputs differ from the unscheduled kernel's (a miscompile)."""
@@ -197,6 +199,7 @@ def test_fallback_picks_faster_valid_schedule():
     assert choices["pfp_dense_fc2"]["rejected"] == ["tuned"]
 
 
+@pytest.mark.slow
 def test_tune_network_builds_one_executable_per_batch(tmp_path, monkeypatch):
     monkeypatch.setattr(api, "_run_search", lambda *a, **k: None)
     net = tiny_mlp()
@@ -208,6 +211,7 @@ def test_tune_network_builds_one_executable_per_batch(tmp_path, monkeypatch):
 
 
 # ------------------------------------------------------------------------------ a real search
+@pytest.mark.slow
 def test_real_metaschedule_run_matches_reference(tmp_path):
     """A real MetaSchedule search (in-process builder and runner) on a tiny MLP, a few trials:
     the database is written, the tuned module matches the reference, a second call reuses it."""
@@ -242,6 +246,7 @@ def test_real_metaschedule_run_matches_reference(tmp_path):
 
 # at batch 3 the default max-pool schedule of this tiny net (1x1 pooled output) vectorises its
 # parallel loop and computes wrong values; the output check rejects it (and warns)
+@pytest.mark.slow
 @pytest.mark.filterwarnings("ignore:.*computes different values:RuntimeWarning")
 def test_conv_pool_kernels_get_defaults_in_a_specialised_module(tmp_path, monkeypatch):
     """Every op of LeNet keeps a working (default) schedule after batch specialisation."""
@@ -277,6 +282,7 @@ def test_inprocess_builder_and_runner_round_trip():
     assert missing.result().error_msg is not None
 
 
+@pytest.mark.slow
 def test_fused_kernels_keep_their_default(tmp_path, monkeypatch):
     """With the ReLU fused into the first dense kernel (the default module), only the second dense
     kernel is searched; the fused one keeps its default schedule and the result is correct."""

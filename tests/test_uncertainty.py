@@ -182,6 +182,7 @@ def test_auroc_known_values():
         auroc([np.nan], [1.0])
 
 
+@pytest.mark.slow
 @FAST
 @given(st.lists(st.integers(0, 5), min_size=1, max_size=30), st.lists(st.integers(0, 5), min_size=1, max_size=30))
 def test_auroc_matches_sklearn_and_pairwise_count(s_in, s_out):
@@ -234,6 +235,7 @@ def test_predictive_uncertainty_is_the_same_code_path():
         np.testing.assert_array_equal(u[key], ref[key])
 
 
+@pytest.mark.slow
 def test_pfp_and_predictive_agree_for_gaussian_logits():
     """A linear BNN's logits are exactly Gaussian, so PFP logit sampling and Predictive estimate the
     same metrics (up to Monte Carlo error)."""
@@ -281,6 +283,7 @@ def test_calibrate_recovers_the_factor_exactly_with_common_draws():
         assert c == pytest.approx(c_true, rel=2e-3), objective
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("c_true", [0.2, 1.0, 4.0])
 def test_calibrate_recovers_a_known_factor_from_predictive(c_true):
     """The BNN to match is the linear BNN with every posterior variance multiplied by c_true
@@ -300,6 +303,7 @@ def test_calibrate_recovers_a_known_factor_from_predictive(c_true):
                          seed=2) == pytest.approx(1.0, rel=0.15)
 
 
+@pytest.mark.slow
 def test_calibrate_nll_recovers_the_data_generating_factor():
     """Labels drawn from the predictive distribution of the BNN whose variances are × c_true: the
     NLL (a proper scoring rule) of PFP's predictive is smallest near c_true."""

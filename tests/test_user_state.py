@@ -221,7 +221,7 @@ STYLES = {
 }
 
 
-@pytest.mark.parametrize("style", list(STYLES))
+@pytest.mark.parametrize("style", [pytest.param(s, marks=pytest.mark.slow) if "LowRank" in s else s for s in STYLES])
 def test_convert_leaves_everything_as_it_found_it(style, tmp_path):
     pyro.clear_param_store()
     model, guide, owned = STYLES[style](tmp_path)

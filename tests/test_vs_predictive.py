@@ -19,13 +19,13 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
-from op_coverage import MONTE_CARLO, covers
 from scipy.special import ndtri
 
 import pyro2pfp
 from pyro2pfp_experiments.datasets import load_mnist
 from pyro2pfp_experiments.validation import sampling_agreement
 from pyro2pfp_experiments.zoo import BayesianLeNet5, BayesianMLP, make_guide, predictive_logits, train_svi
+from tests.support.op_coverage import MONTE_CARLO, covers
 
 
 @pytest.fixture(scope="module")
@@ -57,6 +57,7 @@ def z_limit(n_outputs: int) -> float:
     return float(ndtri(1 - 1e-4 / (2 * 2 * n_outputs)))
 
 
+@pytest.mark.slow
 def test_one_hidden_layer_mlp_moments_are_exact(mlp_and_samples):
     model, guide, x, mc = mlp_and_samples
     net = pyro2pfp.convert(model, guide)
@@ -67,6 +68,7 @@ def test_one_hidden_layer_mlp_moments_are_exact(mlp_and_samples):
     assert agreement.argmax_agreement >= 0.95, agreement
 
 
+@pytest.mark.slow
 def test_wrong_calibration_is_detected_by_the_same_check(mlp_and_samples):
     """The check above is sharp: shrinking the variances by a third must fail it."""
     model, guide, x, mc = mlp_and_samples
@@ -74,6 +76,7 @@ def test_wrong_calibration_is_detected_by_the_same_check(mlp_and_samples):
     assert sampling_agreement(mean, var, mc).var_z > z_limit(mean.size)
 
 
+@pytest.mark.slow
 @covers("reshape", kind=MONTE_CARLO)
 @pytest.mark.parametrize("arch", ["mlp2", "lenet"])
 def test_deeper_networks_agree_with_sampling(arch, digits):

@@ -1,7 +1,7 @@
 """The Winograd F(2x2, 3x3) kernel of the mean-field PFP conv2d (pyro2pfp/tvm_backend/ops/winograd.py):
 its transforms, the rule that picks it, and the compiled kernel against the float64 reference.
 
-Tolerances are those of the direct kernel's tests (``builders.assert_compute_layer``: the float32
+Tolerances are those of the direct kernel's tests (``tests.support.builders.assert_compute_layer``: the float32
 bound ``2·(K + 4)·2⁻²⁴·Σ|terms|`` of a sum of K products), not widened.
 """
 from __future__ import annotations
@@ -9,7 +9,6 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import tvm
-from builders import assert_compute_layer, conv_layer, relu_layer
 
 from pyro2pfp.graph import INPUT, LayerGraph
 from pyro2pfp.network import PFPNetwork
@@ -18,6 +17,7 @@ from pyro2pfp.reference.arrays import conv2d_nchw
 from pyro2pfp.tvm_backend import emit
 from pyro2pfp.tvm_backend.ops import winograd
 from pyro2pfp.tvm_backend.ops.winograd import WINO_AT, WINO_BT, WINO_G, direct_convolutions, use_winograd
+from tests.support.builders import assert_compute_layer, conv_layer, relu_layer
 
 TARGETS = {
     "native": tvm.target.Target({"kind": "llvm", "mcpu": tvm.target.codegen.llvm_get_system_cpu(),
@@ -94,6 +94,7 @@ def compile_and_run(graph: LayerGraph, x, xv, target="native"):
     return net, names, net.reference(x, xv), exe(x, xv)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("target", ["native", "llvm"])
 @pytest.mark.parametrize("c,o,h,w,batch,bias", [
     (16, 16, 8, 8, 1, "prob"), (16, 32, 6, 10, 3, "det"), (32, 16, 4, 12, 2, "none"),
@@ -114,6 +115,7 @@ def test_compiled_winograd_conv_matches_reference(target, c, o, h, w, batch, bia
     assert np.all(out[1] >= 0)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("mean_scale,var_scale,x_scale,x_var", [
     (0.1, 0.0, 1.0, 0.0),        # zero variances everywhere: the variance is exactly 0
     (1.0, 1e-12, 1e4, 1e-6),     # huge means, tiny variances
@@ -136,6 +138,7 @@ def test_winograd_limit_cases(mean_scale, var_scale, x_scale, x_var):
                          "variance")
 
 
+@pytest.mark.slow
 def test_rounding_stays_in_each_outputs_window():
     """F(2x2, 3x3) rounds each output only with the values of its own 3x3 window: the input
     column a 2x2 tile's output does not see enters only transform positions that output's
@@ -158,6 +161,7 @@ def test_rounding_stays_in_each_outputs_window():
                          "variance")
 
 
+@pytest.mark.slow
 def test_two_layer_net_and_direct_context_give_the_direct_kernel():
     """conv → ReLU → conv: both convs Winograd (the second one's input comes from the ReLU as a
     variance); under ``direct_convolutions()`` none is, and both modules agree with the reference."""
@@ -186,6 +190,7 @@ def test_two_layer_net_and_direct_context_give_the_direct_kernel():
             assert func.attrs.get("tirx.is_scheduled", False), gv.name_hint
 
 
+@pytest.mark.slow
 def test_static_batch_executables_schedule_the_winograd_kernel():
     """``compile(batch_sizes=...)`` specialises the kernels to a static batch (a batch loop of
     extent 1 at batch 1): the Winograd schedule still applies (no fallback warning) and matches

@@ -3,7 +3,7 @@ filter transform of the per-input weights (``winograd.weight_transform``, in ``s
 Winograd profile kernel (``compute_shared.winograd_profile``) against the float64 direct formula, its
 limit cases, and shared-factor nets compiled with it against ``net.reference``.
 
-Tolerances: the float32 bound of the direct kernels' tests (``builders.assert_compute_layer``:
+Tolerances: the float32 bound of the direct kernels' tests (``tests.support.builders.assert_compute_layer``:
 ``2·(K + 4)·2⁻²⁴·Σ|terms|`` for a sum of K products), not widened; the networks use
 ``test_correlation_backends``'s ``RTOL``.
 """
@@ -15,9 +15,6 @@ import numpy as np
 import pytest
 import torch
 import tvm
-from builders import U32, conv_layer, relu_layer
-from test_correlation_backends import NATIVE, RTOL, assert_matches
-from test_winograd import winograd_funcs
 from tvm import te
 
 import pyro2pfp
@@ -28,6 +25,9 @@ from pyro2pfp.plan import plan
 from pyro2pfp.tvm_backend.ops.compute_shared import winograd_profile
 from pyro2pfp.tvm_backend.ops.winograd import WINO_G, direct_convolutions, weight_transform, winograd_shape
 from pyro2pfp.tvm_backend.schedules import schedule_function
+from tests.support.builders import U32, conv_layer, relu_layer
+from tests.test_correlation_backends import NATIVE, RTOL, assert_matches
+from tests.test_winograd import winograd_funcs
 
 
 def _build(inputs: list[te.Tensor], outputs: list[te.Tensor], op: str, target: tvm.target.Target = NATIVE):
@@ -184,6 +184,7 @@ def three_conv_graph(rng: np.random.Generator) -> LayerGraph:
     return LayerGraph(input_shape=(16, 8, 8), layers=layers, output="c2")
 
 
+@pytest.mark.slow
 def test_net_with_winograd_profiles_matches_the_reference_and_the_direct_kernels():
     """Three Winograd-shaped convs under shared-factor: every ``sf_conv_profile`` is Winograd (and
     scheduled: no fallback warning); the compiled net matches ``net.reference`` like the direct
@@ -207,6 +208,7 @@ def test_net_with_winograd_profiles_matches_the_reference_and_the_direct_kernels
     assert_matches(out, out_d)
 
 
+@pytest.mark.slow
 def test_converted_resnet_with_winograd_profiles_matches_the_reference():
     """A small Bayesian ResNet (16/32 channels: its stride-1 3x3 block convs are Winograd in both
     schemes' kernels) converted with the default plan (shared-factor), static and symbolic batch."""

@@ -53,6 +53,7 @@ def _latent_sites(trace) -> list[str]:
 # --------------------------------------------------------------------------- datasets
 
 
+@pytest.mark.slow
 def test_load_mnist_defaults_shapes_dtypes_ranges():
     x_tr, y_tr, x_te, y_te = load_mnist()
     assert x_tr.shape == (4000, 1, 28, 28) and x_te.shape == (1000, 1, 28, 28)
@@ -68,6 +69,7 @@ def test_load_mnist_defaults_shapes_dtypes_ranges():
     assert len(np.unique(y_te[:100])) == 10
 
 
+@pytest.mark.slow
 def test_load_mnist_is_deterministic_and_seeded():
     a = load_mnist(300, 200, seed=3)
     b = load_mnist(300, 200, seed=3)
@@ -95,6 +97,7 @@ def test_load_mnist_sizes_and_errors():
 # --------------------------------------------------------------------------- models
 
 
+@pytest.mark.slow
 def test_mlp_forward_logits_and_sites():
     x = torch.rand(5, 1, 28, 28)
     y = torch.randint(0, 10, (5,))
@@ -234,6 +237,7 @@ def _expected_loss(model, guide, x, y, kl_weight):
     return float(nll), float(kl)
 
 
+@pytest.mark.slow
 def test_train_svi_loss_uses_annealed_kl_and_full_data_likelihood():
     """With lr = 0 nothing moves, so each epoch's loss must equal N-scaled NLL + A(e) * KL."""
     x_tr, y_tr, _, _ = load_mnist(200, 0, seed=1)
@@ -251,6 +255,7 @@ def test_train_svi_loss_uses_annealed_kl_and_full_data_likelihood():
     assert (nll_after, kl_after) == pytest.approx((nll, kl), rel=1e-6)
 
 
+@pytest.mark.slow
 def test_train_svi_progress_and_inputs(capsys):
     x_tr, y_tr, _, _ = load_mnist(60, 0)
     model = BayesianMLP(hidden=(4,))
@@ -277,6 +282,7 @@ def test_train_svi_progress_and_inputs(capsys):
         train_svi(model, guide, x_tr, y_tr, epochs=0)
 
 
+@pytest.mark.slow
 def test_train_svi_is_reproducible():
     x_tr, y_tr, _, _ = load_mnist(100, 0)
     results = []
@@ -299,6 +305,7 @@ def _annealed_objective(model, guide, x, y, kl_weight, num_particles=4):
         return elbo.loss(handler(model), handler(guide), x, y)
 
 
+@pytest.mark.slow
 def test_training_mlp_learns_mnist():
     x_tr, y_tr, x_te, y_te = load_mnist(1000, 500, seed=0)
     x, y = torch.from_numpy(x_tr), torch.from_numpy(y_tr)
@@ -323,6 +330,7 @@ def test_training_mlp_learns_mnist():
     assert acc > 0.75, acc  # chance is 0.1
 
 
+@pytest.mark.slow
 def test_training_reduces_likelihood_loss_without_kl():
     """With kl_max = 0 the reported loss is the (full-data) NLL alone and must fall."""
     x_tr, y_tr, _, _ = load_mnist(1000, 0, seed=2)

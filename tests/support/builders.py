@@ -3,10 +3,13 @@ the float32 error bound of compute layers, and a torch model that uses every PFP
 from __future__ import annotations
 
 import numpy as np
+import pyro
+import pyro.distributions as dist
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
 from hypothesis import strategies as st
+from pyro.nn import PyroModule, PyroSample
 
 from pyro2pfp.graph import INPUT, GaussianParam, Layer, LayerGraph
 
@@ -100,6 +103,15 @@ var_scales = st.sampled_from([0.0, 1e-8, 1e-4, 1e-2, 1.0, 10.0])
 input_var = st.one_of(st.none(), st.sampled_from([0.0, 1e-6, 1e-2, 1.0]))
 forms = st.sampled_from(["variance", "raw"])
 
+
+def inputs(rng: np.random.Generator, batch: int, shape: tuple[int, ...], scale: float, var_scale: float | None,
+           ) -> tuple[np.ndarray, np.ndarray | None]:
+    """A float32 input batch ``scale``·N(0,1) and its variance ``var_scale``·U(0,1) (None: deterministic input)."""
+    x = (scale * rng.standard_normal((batch, *shape))).astype(np.float32)
+    if var_scale is None:
+        return x, None
+    return x, (var_scale * rng.uniform(0.0, 1.0, x.shape)).astype(np.float32)
+
 U32 = 2.0**-24
 
 
@@ -179,3 +191,19 @@ def pool_graph(kind: str, case: tuple, include_pad: bool, input_variance: bool, 
     op = "max_pool2d" if kind == "max" else "avg_pool2d"
     layer = Layer("pool", op, [INPUT], out_shape, "t", attrs)
     return LayerGraph((channels, h, w), [layer], "pool", input_variance=input_variance), torch_pool
+
+
+class BayesianFirstLayer(PyroModule):
+    """A torch ``body`` whose layer ``first`` gets a ``PyroSample`` weight (standard normal prior); the
+    rest stays deterministic: one Bayesian layer in front of any torch stack, for converter tests."""
+
+    def __init__(self, body: nn.Module, first: str):
+        super().__init__()
+        pyro.nn.module.to_pyro_module_(body)
+        self.body = body
+        layer = body.get_submodule(first)
+        layer.weight = PyroSample(dist.Normal(0.0, 1.0).expand(layer.weight.shape).to_event(layer.weight.dim()))
+        self.first = first
+
+    def forward(self, x, y=None):
+        return self.body(x)

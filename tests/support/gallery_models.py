@@ -8,8 +8,8 @@ returns, as that tutorial predicts).  Used by tests/test_gallery.py and benchmar
 worker for the cross-process lifecycle (train + save the param store in one process, load + convert in
 another)::
 
-    python tests/gallery_models.py train NAME DIR     # SVI, save the store + the truth
-    python tests/gallery_models.py convert NAME DIR   # fresh process: build, load, convert, save PFP's answer
+    python tests/support/gallery_models.py train NAME DIR     # SVI, save the store + the truth
+    python tests/support/gallery_models.py convert NAME DIR   # fresh process: build, load, convert, save PFP's answer
 """
 from __future__ import annotations
 
