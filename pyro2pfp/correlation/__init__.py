@@ -26,11 +26,9 @@ Cost (per input; :func:`~pyro2pfp.correlation.cost.cost_model`, ``benchmarks/fid
 Per conv layer: one convolution with ``2C`` input channels and per-input weights for the profile (``[s_in,
 μ_in]``, weights ``[W·⟨g_in[c], g[o]⟩ + coef·V·m̄s_k, coef·V·m̄μ_k]``: the propagated profile and the weight-
 noise regression profile, whose ``s_in`` terms share one weight) and ``O·C·(K_in + K_out)`` for the loadings
-(mean-field: 3 convolutions; deterministic: 1). ResNet-8: 37.2 M mean-field multiply-adds + 32.5 M (×1.87),
-ResNet-20: 122.3 M + 105.9 M (×1.87; ×1.53 with ``injection='rescaled'``; ×2.19 without compaction, the ONNX
-export) -- 5.6× the deterministic net's 12.5 M / 40.8 M (``benchmarks/latency.py`` prints these per net);
-memory ``+ C·P + C·K`` floats per edge (ResNet-20 +85 % over all edges, K ≤ 320 with compaction, 1482
-without). NumPy float64 batch 1: ResNet-20 41 ms → 91 ms, ResNet-8 14 → 33 ms.
+(mean-field: 3 convolutions; deterministic: 1); memory ``+ C·P + C·K`` floats per edge.  The figures per
+net (multiply-adds against mean-field and the deterministic net, with and without compaction):
+``benchmarks/fidelity.py --cost`` and ``benchmarks/latency.py``.
 
 Back ends
 ---------

@@ -34,11 +34,9 @@ Stages of the one TE function (block names, scheduled by :func:`schedule_winogra
 * ``wino_out_m``, ``wino_out_v`` -- ``Y[n, y, x, o] = (Aᵀ M A)`` of the tile holding ``(y, x)``;
 * ``epilogue`` -- bias, variance clamp, representation conversion, back to NCHW.
 
-Measured (``benchmarks/conv_throughput.py``, batch 10, one thread, AVX-512): 16->16 32x32
-1.26 -> 0.69 ms, 32->32 16x16 1.05 -> 0.44 ms, 64->64 8x8 0.95 -> 0.40 ms; at batch 1 0.14 ->
-0.085, 0.12 -> 0.061, 0.11 -> 0.058 ms.  About half of the Winograd kernel's time is the GEMM; the
-rest is mostly the NCHW <-> NHWC transposes (pad, epilogue), which TVM emits as per-lane
-gathers.  Compile time: about 0.3 s per distinct Winograd kernel, against 0.1 s direct.
+Its speed against the direct kernel: ``benchmarks/conv_throughput.py`` (about half of the Winograd
+kernel's time is the GEMM; the rest is mostly the NCHW <-> NHWC transposes of pad and epilogue,
+which TVM emits as per-lane gathers).
 
 **Shared-factor profile convolution** (``sf_conv_profile`` of ``compute_shared.py``, on the layers of
 :func:`winograd_shape`): ``s = clip(Σ_c conv(A_c, s_in) + conv(M_c, μ) + shift, ±sd)`` with weights
@@ -53,11 +51,8 @@ terms, ``wino_out_s``; the caller's ``epilogue`` adds the shift and clips.  Same
 the batch, so every chunk of tiles reads its own input's ``U`` (``16·C·O`` floats per term).  The
 profile is signed and not clamped (only the ±sd clip of the epilogue); the per-output rounding
 property above holds as well (it depends on ``Bᵀ`` and ``Aᵀ`` only), so a zero profile with zero
-mean weights gives exactly 0 (tests/test_winograd_profile.py).  Measured on ResNet-20
-(``benchmarks/kernel_profile.py --net resnet20 --batch 10 --threads 1 --static --kernels``, AVX-512,
-best of 3-4 runs), per ``sf_conv_profile`` call: 16->16 32x32 0.89 -> 0.39 ms, 32->32 16x16 0.77 ->
-0.26 ms, 64->64 8x8 0.66 -> 0.23 ms; all profile rows 13.5 -> 5.8 ms of 37.1 -> 30.9 ms (batch 1:
-1.36 -> 0.54 ms of 4.1 -> 3.0 ms).
+mean weights gives exactly 0 (tests/test_winograd_profile.py).  Its speed per call:
+``benchmarks/kernel_profile.py --net resnet20 --kernels``.
 """
 from __future__ import annotations
 
