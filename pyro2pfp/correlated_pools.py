@@ -19,8 +19,7 @@ layer graph lets the pool fold Clark's *correlated* max instead (:mod:`pyro2pfp.
 Applied where the pool's input is a conv with ``groups = 1`` and no dilation (directly or through
 such an activation that feeds only the pool); every other max pool keeps the independent fold.
 ``convert(..., max_pool="independent")`` skips the rewrite (the paper's rule).  Shared-factor plans
-are not rewritten: their max-pool rule folds the correlated max with the scheme's own covariances
-(:func:`pyro2pfp.moments.shared_max_step`).
+keep the independent fold (their factor rules do not know ``window_cov``).
 """
 from __future__ import annotations
 
