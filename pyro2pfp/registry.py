@@ -185,12 +185,11 @@ EXTRA_TABLE_ROWS = (
 
 
 SHARED_REFERENCES: dict[str, Callable[..., Any]] = {}
-"""``{op: rule(layer, inputs, shared, fp, var) -> (shared part, var[, mean])}``: the float64 shared-factor
+"""``{op: rule(layer, inputs, shared, fp, var) -> (shared part, var)}``: the float64 shared-factor
 rules (:func:`pyro2pfp.correlation.execute.execute_shared_all` runs them after each layer's
 reference; ``inputs``: the inputs' mean-field activations, ``shared``: their
 :class:`~pyro2pfp.correlation.shared.Shared` parts (None: none), ``var``: the layer's output
-variance, returned corrected where the rule corrects it; a rule that corrects the mean too, max
-pooling, returns it third)."""
+variance, returned corrected where the rule corrects it)."""
 SHARED_EXPORTERS: dict[str, Callable[..., Any]] = {}
 """``{op: rule(step, ctx, layer, inputs, shared, out) -> (shared part, out)}``: the ONNX export of the
 rules (``step``: the :class:`~pyro2pfp.correlation.onnx_step.OnnxSharedStep` and its helpers)."""

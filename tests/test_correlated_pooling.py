@@ -354,34 +354,3 @@ def test_caveats_name_the_pools_the_rule_does_not_cover():
         pool_layer("pool", "relu2", conv2.out_shape, 2, 2)])
     notes = pool_caveats(correlate_max_pools(vgg))
     assert len(notes) == 1 and "another conv's output (conv1)" in notes[0]
-
-
-# --------------------------------------------------------------------------------------------
-# Shared-factor plans: the closure's covariances in the max-pool fold
-# --------------------------------------------------------------------------------------------
-
-def test_shared_factor_max_pool_is_exact_where_the_closure_is():
-    """A conv whose only noise is its bias (a deterministic input, exact weights): every tap of a channel is
-    ``μ_p + ε_c``, so ``s_p = sd(ε_c)`` and the closure ``Cov(a_p, a_q) = s_p·s_q`` is exact; the max of the
-    window is ``max_p μ_p + ε_c``.  The shared-factor max pool's moments agree with sampling; the
-    independent fold (the mean-field pool's moments) is rejected on the same sample."""
-    from pyro2pfp.correlation.factors import with_correlation
-    from pyro2pfp.graph import GaussianParam
-
-    rng = np.random.default_rng(3)
-    conv = conv_layer(rng, "conv", INPUT, (2, 6, 6), 3, 3, 1, 1, 1, 1, 0.5, 0.2)
-    w = conv.params["weight"]
-    conv.params["weight"] = GaussianParam(w.mean, np.zeros_like(w.var))
-    conv.params["bias"] = GaussianParam(conv.params["bias"].mean, np.array([0.5, 2.0, 0.05]))
-    pool = pool_layer("pool", "conv", conv.out_shape, 2, 2)
-    graph = LayerGraph(input_shape=(2, 6, 6), layers=[conv, pool], output="pool")
-    planned = with_correlation(plan(graph), "shared-factor")
-    assert planned.factors is not None
-    x = rng.normal(size=(1, 2, 6, 6))
-    out = execute_all(planned, x)["pool"]
-    independent = execute_all(plan(graph), x)["pool"]
-    a = sample_conv(rng, graph.layer("conv"), x, None, 50_000)
-    taps = list(window_views(a, pool.attrs["kernel"], pool.attrs["stride"], pool.out_shape[1:]))
-    samples = np.max(np.stack(taps), axis=0)
-    assert_moments_agree(samples, out.mean[0], out.variance()[0])
-    assert_check_rejects(samples, independent.mean[0], independent.variance()[0])

@@ -48,10 +48,7 @@ def execute_shared_all(graph: PlannedGraph, x: np.ndarray, factors: FactorPlan |
                 rule = SHARED_REFERENCES.get(op)
                 if rule is None:  # plan_factors rejects such plans
                     raise PFPError(f"{layer.layer.source}: op '{op}' has no shared-factor rule")
-                result = rule(layer, ins, shs, fp, var)
-                sh, var = result[0], result[1]
-                if len(result) == 3:  # a rule that corrects the mean too (max pooling)
-                    mean = result[2]
+                sh, var = rule(layer, ins, shs, fp, var)
             if sh is not None:
                 sd = np.sqrt(np.maximum(var, 0.0)).reshape(sh.s.shape)
                 sh = Shared(np.clip(sh.s, -sd, sd), sh.g)

@@ -61,7 +61,7 @@ from .logistic import (
     tanh_exact,
     tanh_moments,
 )
-from .maximum import correlated_max_moments, correlated_window_max, max_moments, shared_max_step, window_pairs
+from .maximum import correlated_max_moments, correlated_window_max, max_moments, window_pairs
 from .normal import ALPHA_MAX, INV_SQRT2, gaussian_terms
 from .ops import NUMPY, _abs, _horner, erfcx_rational
 from .relu import leaky_relu_moments, relu_moments, second_to_variance, variance_to_second
@@ -71,7 +71,7 @@ __all__ = [
     "elu_moments", "erfcx_rational", "gaussian_terms", "gelu_exact", "gelu_moments", "hardtanh_exact",
     "hardtanh_moments", "leaky_relu_moments", "max_moments", "relu6_moments", "relu_moments",
     "second_to_variance", "sigmoid_exact", "sigmoid_moments", "silu_exact", "silu_moments", "softplus_exact",
-    "shared_max_step", "softplus_moments", "tanh_exact", "tanh_moments", "variance_to_second", "window_pairs",
+    "softplus_moments", "tanh_exact", "tanh_moments", "variance_to_second", "window_pairs",
     # used by the back ends and the tests
     "_A_CLAMP", "_FAR_SIGMOID", "_FAR_SILU", "_FAR_SOFTPLUS", "_FAR_TERMS", "_abs", "_bvn_equal_excess",
     "_far_corrections", "_horner",

@@ -68,20 +68,3 @@ def correlated_window_max(taps: list[tuple[Any, Any]], cov: dict[tuple[int, int]
         mean, var, cdf, cdf_neg = correlated_max_moments(mean, var, m2, v2, carried.pop(t), ops)
         carried = {j: c * cdf + cov[(t, j)] * cdf_neg for j, c in carried.items()}
     return mean, var
-
-
-def shared_max_step(a: tuple[Any, Any, Any], b: tuple[Any, Any, Any], ops: Any = NUMPY) -> tuple[Any, Any, Any]:
-    """One step of the shared-factor max-pool fold: ``(μ, v, s)`` of ``max(A, B)`` from those of ``A``
-    and ``B``, ``s = Cov(·, η)`` the profile on the channel's normal ``η``.
-
-    The shared-factor scheme's closure (``docs/math.md``, "The shared-factor scheme") gives the two taps'
-    covariance ``Cov(A, B) ≈ s_A·s_B`` (both taps are one channel's, ``⟨g, g⟩ = 1``), clamped to
-    ``±√(v_A v_B)``; Clark's correlated max (:func:`correlated_max_moments`) then gives ``(μ, v)`` and
-    the weights of ``Cov(max(A, B), η) = Φ(α)·s_A + Φ(−α)·s_B`` (exact for jointly Gaussian ``A, B, η``).
-    Folded over a window, the running maximum's covariance with the next tap is again ``s_M·s_B`` (the
-    closure applied to the maximum), so one ``(μ, v, s)`` triple is all the fold carries.  ``s ≡ 0``
-    gives the independent fold of :func:`max_moments`."""
-    bound = ops.sqrt(a[1] * b[1])
-    cov = ops.minimum(ops.maximum(a[2] * b[2], -bound), bound)
-    mean, var, cdf, cdf_neg = correlated_max_moments(a[0], a[1], b[0], b[1], cov, ops)
-    return mean, var, cdf * a[2] + cdf_neg * b[2]

@@ -24,6 +24,7 @@ from __future__ import annotations
 from typing import Any
 
 import numpy as np
+from scipy.special import ndtr
 
 from .. import moments
 from ..converters import register
@@ -381,13 +382,11 @@ def avg_pool2d_shared(layer: PlannedLayer, inputs: list[Activation], shared: lis
 
 @shared_reference("max_pool2d")
 def max_pool2d_shared(layer: PlannedLayer, inputs: list[Activation], shared: list[Shared | None], fp: FactorPlan,
-                      var: np.ndarray) -> tuple[Shared | None, np.ndarray] | tuple[Shared, np.ndarray, np.ndarray]:
-    """The max pooling rule: Clark's *correlated* max folded over the window with the taps' covariances
-    from the scheme's closure, ``Cov(a_p, a_q) ≈ s_p·s_q`` (:func:`pyro2pfp.moments.shared_max_step`): the
-    pooled ``(μ, v)`` and ``s`` by the linear response of the pairwise maximum, ``Cov(max(A, B), η) =
-    Φ(α)·s_A + Φ(−α)·s_B``.  Returns ``(shared part, output variance, output mean)``: the correlated fold
-    replaces the mean-field pool's moments, whose independent taps over-state the mean of the max and
-    under-state its variance where a window shares its channel's noise."""
+                      var: np.ndarray) -> tuple[Shared | None, np.ndarray]:
+    """The max pooling rule: Clark's fold for ``(μ, v)``; ``s`` by the linear response of the pairwise
+    maximum, ``Cov(max(A, B), η) = Φ(α)·Cov(A, η) + Φ(−α)·Cov(B, η)`` (exact for jointly Gaussian ``A,
+    B, η``; ``α`` from the mean-field ``θ = √(v_A + v_B)``, i.e. ignoring ``Cov(A, B)``).  The
+    variance is not corrected."""
     x, sh = inputs[0], shared[0]
     if sh is None:
         return None, var
@@ -397,11 +396,14 @@ def max_pool2d_shared(layer: PlannedLayer, inputs: list[Activation], shared: lis
     ms = window_views(padded(x.mean, a, out_hw, LOWEST), a["kernel"], a["stride"], out_hw)
     vs = window_views(padded(x.variance(), a, out_hw, 0.0), a["kernel"], a["stride"], out_hw)
     ss = window_views(padded(s_in, a, out_hw, 0.0), a["kernel"], a["stride"], out_hw)
-    acc = (next(ms), next(vs), next(ss))
-    for tap in zip(ms, vs, ss):
-        acc = moments.shared_max_step(acc, tap)
-    mean, v, s = acc
-    return Shared(s, sh.g), v, mean
+    mean, v, s = next(ms), next(vs), next(ss)
+    for m2, v2, s2 in zip(ms, vs, ss):
+        theta = np.sqrt(v + v2)
+        cdf = np.where(theta > 0, ndtr(np.clip((mean - m2) / np.where(theta > 0, theta, 1.0), -40, 40)),
+                       (mean >= m2).astype(np.float64))
+        s = cdf * s + (1.0 - cdf) * s2
+        mean, v = moments.max_moments(mean, v, m2, v2)
+    return Shared(s, sh.g), var
 
 
 @shared_exporter("avg_pool2d")
@@ -434,10 +436,15 @@ def max_pool2d_shared_onnx(step: OnnxSharedStep, ctx: OnnxContext, layer: Planne
     a = layer.layer.attrs
     in_shape, out_hw = step.ctx.shapes[layer.inputs[0]], layer.layer.out_shape[1:]
     args = (in_shape, tuple(a["kernel"]), a["stride"], a["padding"], [1, 1], out_hw)
-    assert x.second is not None and x.repr is Repr.VARIANCE and out.repr is Repr.VARIANCE
+    assert x.second is not None
     ms, vs, ss = step.taps(x.mean, *args, fill=LOWEST32), step.taps(x.second, *args), step.taps(sh.s, *args)
-    acc = (ms[0], vs[0], ss[0])
-    for tap in zip(ms[1:], vs[1:], ss[1:]):
-        acc = moments.shared_max_step(acc, tap, step.ctx.ops)
-    mean, var, s = acc
-    return OnnxShared(step.clip(s, var), sh.g, sh.k), OnnxActivation(mean, var, out.repr)
+    mean, var, s = ms[0], vs[0], ss[0]
+    ops = step.ctx.ops
+    for m2, v2, s2 in zip(ms[1:], vs[1:], ss[1:]):
+        theta = (var + v2).unary("Sqrt")
+        alpha = step.safe_div(mean - m2, theta).nary("Max", step.c(-40.0)).nary("Min", step.c(40.0))
+        cdf = step.where(theta > 0.0, ops.normal_cdfs(alpha)[0],
+                         step.where(mean.nary("GreaterOrEqual", m2), 1.0, 0.0))
+        s = cdf * s + (step.c(1.0) - cdf) * s2
+        mean, var = moments.max_moments(mean, var, m2, v2, ops)
+    return OnnxShared(step.clip(s, step.var(out)), sh.g, sh.k), out

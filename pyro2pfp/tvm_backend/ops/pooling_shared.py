@@ -10,7 +10,6 @@ import numpy as np
 from tvm import te, tirx
 
 from ... import moments
-from ...graph import Repr
 from ...ops.pooling import average_attrs
 from ...plan import PlannedLayer
 from ...reference.arrays import average_divisor
@@ -26,13 +25,18 @@ _LOWEST = float(np.finfo(np.float32).min)
 
 
 def _max_step(a: Any, b: Any, ops: Any) -> list[Any]:
-    """One step of the max-pool fold: :func:`pyro2pfp.moments.shared_max_step` (Clark's correlated max with
-    the closure's ``Cov(A, B) = s_A·s_B``, and the profile's linear response)."""
-    return list(moments.shared_max_step((a[0], a[1], a[2]), (b[0], b[1], b[2]), ops))
+    """One step of the max-pool fold with the profile: Clark's ``(μ, v)`` of ``max(A, B)`` and
+    ``Cov(max(A, B), η) = Φ(α)·s_A + Φ(−α)·s_B``, ``α = (μ_A − μ_B)/√(v_A + v_B)``."""
+    theta = ops.sqrt(a[1] + b[1])
+    alpha = te.min(te.max((a[0] - b[0]) / te.max(theta, f32(1e-30)), f32(-40.0)), f32(40.0))
+    cdf = tirx.Select(theta > f32(0.0), ops.normal_cdfs(alpha)[0],
+                      tirx.Select(a[0] >= b[0], f32(1.0), f32(0.0)))
+    mean, var = moments.max_moments(a[0], a[1], b[0], b[1], ops)
+    return [mean, var, cdf * a[2] + (f32(1.0) - cdf) * b[2]]
 
 
 # The fold as a sequential TE reduction in row-major window order (as tvm_backend/ops/pooling.py; one
-# expression would blow up in LLVM); identity (−FLT_MAX, 0, 0) is exact: Φ(α) = 0 and Cov = 0 there.
+# expression would blow up in LLVM); identity (−FLT_MAX, 0, 0) is exact: Φ(α) = 0 there.
 shared_max = te.comm_reducer(
     lambda a, b: tuple(te_shared(lambda ops: _max_step(a, b, ops))),
     lambda t0, t1, t2: (tirx.const(_LOWEST, t0), tirx.const(0.0, t1), tirx.const(0.0, t2)),
@@ -83,26 +87,23 @@ def avg_pool2d_shared_kernel(step: SharedStep, ctx: EmitContext, layer: PlannedL
 def max_pool2d_shared_kernel(step: SharedStep, ctx: EmitContext, layer: PlannedLayer, inputs: list[RelaxActivation],
                              shared: list[SharedRelax | None], out: RelaxActivation
                              ) -> tuple[SharedRelax | None, RelaxActivation]:
-    """:func:`pyro2pfp.ops.pooling.max_pool2d_shared` as one kernel ``sf_maxpool``: Clark's correlated fold
-    with the profile's linear response, a sequential TE reduction (:data:`shared_max`), giving the pooled
-    mean, variance and profile (the mean-field pool's moments are replaced)."""
+    """:func:`pyro2pfp.ops.pooling.max_pool2d_shared` as one kernel ``sf_maxpool``: Clark's fold with the
+    profile's linear response, a sequential TE reduction (:data:`shared_max`)."""
     x, sh = inputs[0], shared[0]
-    assert sh is not None and x.repr is Repr.VARIANCE and out.repr is Repr.VARIANCE
+    assert sh is not None
     win = Windows(layer, ctx.shapes[layer.inputs[0]])
     out_hw = layer.layer.out_shape[1:]
 
-    def fn(m: te.Tensor, v: te.Tensor, s: te.Tensor) -> list[te.Tensor]:
+    def fn(m: te.Tensor, v: te.Tensor, s: te.Tensor, var: te.Tensor) -> te.Tensor:
         i, j = win.axes()
         taps = win.padded([m, v, s], [_LOWEST, 0.0, 0.0])  # plain loads in the combiner (see Windows.padded)
         shape = (m.shape[0], m.shape[1], *out_hw)
         acc = te.compute(shape, lambda b, c, y, x_: shared_max(
             tuple(win.load_padded(t, b, c, y, x_, i, j) for t in taps), axis=[i, j]), name="fold")
-        mean = te.compute(shape, lambda *t: acc[0][t], name="mean")
-        var = te.compute(shape, lambda *t: acc[1][t], name="var")
-        return [mean, var, te.compute(shape, lambda *t: clip(acc[2][t], acc[1][t]), name="s")]
+        return te.compute(shape, lambda b, c, y, x_: clip(acc[2][b, c, y, x_], var[b, c, y, x_]), name="s")
 
-    mean, var, s = emit_part(ctx, fn, [x.mean, x.second, sh.s], layer, "maxpool")
-    return SharedRelax(s, sh.g, sh.k), RelaxActivation(mean, var, out.repr)
+    s = emit_part(ctx, fn, [x.mean, x.second, sh.s, out.second], layer, "maxpool")[0]
+    return SharedRelax(s, sh.g, sh.k), out
 
 
 schedule("sf_avgpool", "sf_maxpool")(schedule_shared)
