@@ -80,7 +80,7 @@ VAR_CLAMP = 1e30
 
 SOFTMAX_HEAD = register_op(OpDef(
     HEAD_OP, modules="(appended by `convert(..., head=\"probs\")`: class probabilities and uncertainty)",
-    moments="fixed quadrature: 2·max(32, 2K) antithetic Sobol' points, moment-matched",
+    moments="fixed quadrature: 2n antithetic Sobol' points, n = max(32, 2^⌈log₂ 2K⌉), moment-matched",
     assumptions="independent logits (mean field); a fixed quadrature of E[softmax] and E[entropy]",
     contract=Contract(Repr.VARIANCE, Repr.VARIANCE, keeps_deterministic=False), internal=True,
     factor_spec=FactorSpec(terminal=True)))
