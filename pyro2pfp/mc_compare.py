@@ -170,10 +170,15 @@ def model_and_guide(model: Any, guide: Any) -> tuple[Any, Any]:
     return model, guide
 
 
+def random_elements(mc_mean: np.ndarray, mc_var: np.ndarray) -> np.ndarray:
+    """The elements whose sampled variance is not zero up to rounding (the ones a ratio is taken of)."""
+    return mc_var > 1e-12 * (mc_mean**2 + 1e-12)
+
+
 def layer_fidelity(name: str, op: str, pfp_mean: np.ndarray, pfp_var: np.ndarray, mc_mean: np.ndarray,
                    mc_var: np.ndarray) -> LayerFidelity:
     """The :class:`LayerFidelity` of one layer from PFP and MC moments of the same shape."""
-    keep = mc_var > 1e-12 * (mc_mean**2 + 1e-12)
+    keep = random_elements(mc_mean, mc_var)
     if not keep.any():
         nan = float("nan")
         return LayerFidelity(name, op, tuple(pfp_mean.shape[1:]), nan, nan, nan, nan, nan)
@@ -258,9 +263,10 @@ def _compare(net: Any, model: Any, guide: Any, x: Any, num_samples: int, seed: i
             cap = _Capture(gm, wanted)
             cap.run(xt)
             for node, value in cap.values.items():
-                stats[node].add(value.double().numpy())
+                array = value.double().numpy()
+                stats[node].add(array)
                 if splits:
-                    groups[node][k % splits].add(value.double().numpy())
+                    groups[node][k % splits].add(array)
             if out_node is not None:
                 probs.add(torch.softmax(cap.values[out_node].double(), -1).numpy())
     values = (execute or execute_all)(net.plan, xs)
@@ -270,8 +276,7 @@ def _compare(net: Any, model: Any, guide: Any, x: Any, num_samples: int, seed: i
         mc_mean, mc_var = st.mean, st.var
         mean, var = act.mean.reshape(mc_mean.shape), act.variance().reshape(mc_mean.shape)
         row = layer_fidelity(layer.name, layer.op, mean, var, mc_mean, mc_var)
-        keep = mc_var > 1e-12 * (mc_mean**2 + 1e-12)
-        noise = median_ratio_noise(var, [g.var for g in groups[origins[layer.name]]], keep)
+        noise = median_ratio_noise(var, [g.var for g in groups[origins[layer.name]]], random_elements(mc_mean, mc_var))
         rows.append(dataclasses.replace(row, ratio_noise=noise))
     out = values[net.plan.output]
     agreement = float("nan")
