@@ -11,13 +11,14 @@ from . import correlation as correlation  # registers the shared-factor executor
 from . import folding
 from . import ops as ops  # the op registry: every op family registers its converter, reference, ONNX export
 from ._version import __version__
-from .correlated_pools import MAX_POOL_RULES, correlate_max_pools, pool_caveats
+from .correlated_pools import correlate_max_pools, pool_caveats
 from .correlation import with_correlation
 from .correlation.cost import dense_head_caveat
 from .errors import ArgumentError, InputShapeError, InternalError, PFPError, PFPWarning, PosteriorError
 from .graph import LayerGraph, Repr
 from .inputs import checked_inputs
 from .model_args import user_model_args
+from .options import Correlation, Head, MaxPool, MomentForm, checked
 from .plan import PlannedGraph, plan
 from .reference import execute
 from .tracing import trace_model
@@ -180,10 +181,10 @@ class PFPNetwork:
 
 
 def convert(model: Any, guide: Any = None, *, input_shape: tuple[int, ...] | None = None,
-            calibration: float = 1.0, moment_form: str = "variance",
+            calibration: float = 1.0, moment_form: MomentForm | str = MomentForm.VARIANCE,
             input_variance: bool = False, check_posterior: bool = True,
-            fold_batch_norm: bool = True, correlation: str = "auto", head: str | None = None,
-            max_pool: str = "correlated", check: Any = None,
+            fold_batch_norm: bool = True, correlation: Correlation | str = Correlation.AUTO,
+            head: Head | str | None = None, max_pool: MaxPool | str = MaxPool.CORRELATED, check: Any = None,
             example_args: tuple | None = None, example_kwargs: dict[str, Any] | None = None) -> PFPNetwork:
     """Convert a Pyro BNN (``model``, trained ``guide``) into a PFP network.
 
@@ -194,6 +195,13 @@ def convert(model: Any, guide: Any = None, *, input_shape: tuple[int, ...] | Non
 
     ``input_shape`` is the shape of one input without the batch dimension; it may be omitted when
     the first layer is a Linear layer.
+
+    The string options ``moment_form``, ``correlation``, ``max_pool`` and ``head`` take a member of
+    their Enum in :mod:`pyro2pfp.options` (:class:`~pyro2pfp.options.MomentForm`,
+    :class:`~pyro2pfp.options.Correlation`, :class:`~pyro2pfp.options.MaxPool`,
+    :class:`~pyro2pfp.options.Head`) or its string, e.g. ``correlation=pyro2pfp.Correlation.MEAN_FIELD``
+    or ``correlation="mean-field"``; any other value raises an :class:`~pyro2pfp.errors.ArgumentError`
+    that lists the allowed ones.
 
     ``moment_form="variance"`` (default) carries variances on every edge (cancellation-free in
     float32); ``"raw"`` is the paper's plan (compute layers take raw second moments, ``E[w²]``
@@ -265,7 +273,9 @@ def convert(model: Any, guide: Any = None, *, input_shape: tuple[int, ...] | Non
     with preserved(model, guide):  # the user's objects, the param store, the random state: as found
         stage = "checking the arguments"
         try:
-            check_head(head)
+            head = check_head(head)
+            moment_form, correlation = checked(MomentForm, moment_form), checked(Correlation, correlation)
+            max_pool = checked(MaxPool, max_pool)
             if not isinstance(input_variance, bool | np.bool_):
                 raise ArgumentError(f"input_variance must be True or False, got {input_variance!r}")
             tyxe_bnn = None
@@ -299,8 +309,6 @@ def convert(model: Any, guide: Any = None, *, input_shape: tuple[int, ...] | Non
             if head is not None and isinstance(noise, NoiseModel | HeteroscedasticNoise):
                 raise ArgumentError(f"head={head!r} is for classifiers (logits); this model has a Normal likelihood "
                                     "(regression): use net.regression(mean, var) instead")
-            if max_pool not in MAX_POOL_RULES:
-                raise ArgumentError(f"max_pool must be one of {MAX_POOL_RULES}, got {max_pool!r}")
             stage = "planning the network"
             planned_graph = append_head(layer_graph, head) if head is not None else layer_graph
             planned = with_correlation(plan(planned_graph, calibration, moment_form), correlation)

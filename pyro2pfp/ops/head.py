@@ -64,6 +64,7 @@ import numpy as np
 from ..errors import ArgumentError
 from ..graph import Layer, LayerGraph, Repr
 from ..onnx_export import OnnxActivation, Sym, exporter
+from ..options import Head, checked, checked_or_none, values
 from ..outputs import OUTPUT_NAMES, STATS
 from ..outputs import HeadOutput as HeadOutput  # the head's outputs, defined beside the predictor (NumPy only)
 from ..outputs import head_output as head_output
@@ -72,7 +73,7 @@ from ..reference import Activation, reference
 from ..registry import Contract, FactorSpec, OpDef, register_op, shared_exporter, shared_reference
 
 HEAD_OP = "softmax_head"
-HEADS = ("probs",)
+HEADS = values(Head)
 """The values of ``convert(..., head=...)`` (``None``: the network outputs the logits' (mean, var))."""
 VAR_CLAMP = 1e30
 """Logit variances are clamped here (σ = 1e15: effectively infinite against any logit) so that
@@ -99,24 +100,23 @@ def softmax_head_shared(*args: Any) -> tuple[None, Any]:
 
 
 def check_head(head: Any) -> str | None:
-    """``head`` validated: None or one of :data:`HEADS`."""
-    if head is None or head in HEADS:
-        return head
-    raise ArgumentError(f"head must be None (the logits' mean and variance) or one of {HEADS}, got {head!r}")
+    """``head`` validated, as a plain string: None or one of :data:`HEADS` (a :class:`~pyro2pfp.options.Head`
+    member or its string)."""
+    return checked_or_none(Head, head, "the logits' mean and variance")
 
 
 SEED = 0
 """The seed of the Sobol' scrambling (the points are drawn once, when the head is appended)."""
 
 
-def append_head(graph: LayerGraph, head: str, *, points: int | None = None, seed: int = SEED) -> LayerGraph:
+def append_head(graph: LayerGraph, head: Head | str, *, points: int | None = None, seed: int = SEED) -> LayerGraph:
     """A copy of ``graph`` with the ``softmax_head`` layer after its output (the logits).
 
     The output must be one row of logits per input, ``(K,)``.  The layer's ``offsets`` attribute holds
     the quadrature points (:func:`sigma_offsets` of ``points`` and ``seed``): ``S + 1`` rows of ``K``,
     ``S = 2·max(32, 2^⌈log₂ 2K⌉)``, so the cost per input grows as ``4K²`` exponentials beyond
     K = 16 (K = 1000: 4·10⁶ -- meant for tens of classes, not thousands)."""
-    check_head(head)
+    head = checked(Head, head)
     shape = graph.shape_of(graph.output)
     if len(shape) != 1:
         raise ArgumentError(f"head={head!r} needs a network whose output is a vector of logits (batch, classes); "
