@@ -164,7 +164,7 @@ class PFPNetwork:
         """Write the network as an ONNX model (standard operators; inputs ``x`` [, ``x_var``],
         outputs ``mean``, ``var``; dynamic batch), checked with ``onnx.checker``; returns the
         ``onnx.ModelProto``."""
-        from .onnx_export import to_onnx
+        from .onnx_builder import to_onnx
 
         return to_onnx(self, path, opset=opset)
 

@@ -33,7 +33,7 @@ from ..correlation.onnx_step import OnnxShared, OnnxSharedStep
 from ..correlation.shared import Shared, normalised, safe_div
 from ..correlation.stein import stein_slope
 from ..graph import Layer, Repr
-from ..onnx_export import OnnxActivation, OnnxContext
+from ..onnx_builder import OnnxActivation, OnnxContext
 from ..plan import PlannedLayer
 from ..reference import Activation
 from ..registry import (

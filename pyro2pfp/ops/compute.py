@@ -32,7 +32,7 @@ from ..correlation.onnx_step import OnnxShared, OnnxSharedStep
 from ..correlation.shared import Shared, normalised, safe_div, spatial_mean
 from ..graph import GaussianParam, Layer, Repr
 from ..onedim import as_2d
-from ..onnx_export import OnnxActivation, OnnxContext, Sym
+from ..onnx_builder import OnnxActivation, OnnxContext, Sym
 from ..plan import PlannedLayer
 from ..reference import Activation
 from ..reference.arrays import conv2d_nchw

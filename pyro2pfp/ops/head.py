@@ -63,7 +63,7 @@ import numpy as np
 
 from ..errors import ArgumentError
 from ..graph import Layer, LayerGraph, Repr
-from ..onnx_export import OnnxActivation, Sym, exporter
+from ..onnx_builder import OnnxActivation, Sym, exporter
 from ..options import Head, checked, checked_or_none, values
 from ..outputs import OUTPUT_NAMES, STATS
 from ..outputs import HeadOutput as HeadOutput  # the head's outputs, defined beside the predictor (NumPy only)

@@ -34,7 +34,7 @@ from ..correlation.shared import Shared
 from ..errors import UnsupportedLayerError
 from ..graph import Layer, Repr
 from ..onedim import as_2d, out_shape
-from ..onnx_export import LOWEST32, OnnxActivation, OnnxContext, Sym, exporter
+from ..onnx_builder import LOWEST32, OnnxActivation, OnnxContext, Sym, exporter
 from ..plan import PlannedLayer
 from ..reference import Activation, emit_output, reference
 from ..reference.arrays import LOWEST, average_divisor, padded, window_views

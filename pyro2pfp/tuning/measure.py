@@ -48,7 +48,7 @@ def _cross_linker(target: tvm.target.Target) -> str | None:
     """The cross compiler that links kernels built for ``target`` here (``aarch64-linux-gnu-gcc``
     for an AArch64 board tuned from an x86 machine; ``$PYRO2PFP_CROSS_CC`` overrides), ``None`` for
     this machine's architecture.  Missing: a :class:`~pyro2pfp.errors.PFPError` with the apt line."""
-    from ..exporting import cross_compiler
+    from ..library_files import cross_compiler
     from ..targets import host_arch, target_arch
 
     arch = target_arch(target)
