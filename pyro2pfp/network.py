@@ -124,8 +124,8 @@ class PFPNetwork:
         to tune for another CPU architecture (candidates built here, measured on the board).
         ``batch_sizes``: e.g. ``batch_sizes=[1]`` -- also build a static-shape executable (default
         schedules) for each batch size named; calls with that batch size run it (fewer VM
-        instructions per call: 5–13 % faster at batch 1, ~0 at batch 10 on the benchmark nets;
-        ``benchmarks/latency.py --static``).  Costs one more build per size.  Works for cross
+        instructions per call, which matters at small batches, where the call's overhead is a larger share;
+        ``benchmarks/latency.py --static`` compares them).  Costs one more build per size.  Works for cross
         targets too (the executables are exported with the library).
         """
         from .compile import compile_network
@@ -240,7 +240,7 @@ def convert(model: Any, guide: Any = None, *, input_shape: tuple[int, ...] | Non
     two branches of a residual add (one pass, no sampling; a :class:`~pyro2pfp.errors.ArgumentError`
     naming the layer if an op has no rule); ``"auto"`` (default): shared-factor when the network
     averages positions of a conv output or adds residual branches (where mean-field under-states the
-    logit variance several-fold, e.g. ResNet-20 0.17 of the Monte Carlo variance), mean-field
+    logit variance several-fold: the ResNet rows of ``docs/fidelity.md``), mean-field
     otherwise (MLPs, LeNet-5), and mean-field with a warning when an op has no shared-factor rule.
     ``net.plan.correlation`` tells which was chosen.
 
@@ -264,8 +264,7 @@ def convert(model: Any, guide: Any = None, *, input_shape: tuple[int, ...] | Non
     a :class:`~pyro2pfp.errors.FidelityWarning` naming the first layer that parts from sampling is issued
     when they differ by more than the sample count explains; ``net.fidelity`` holds the figures
     (:mod:`pyro2pfp.fidelity`).  Costs 150 guide samples and forward passes of the batch through the torch
-    model (16 digits: ~1.3 s of CPU for an MLP 784-100-10, ~2.3 s for a LeNet-5); the message says how
-    long it took.
+    model, so keep the batch small (a few dozen inputs); the message says how long it took.
     """
     from .ops.head import append_head, check_head
     from .preserve import preserved

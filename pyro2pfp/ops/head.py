@@ -18,12 +18,12 @@ reference, the TVM kernel and the ONNX export use the same points):
   transform do (moment matching: Glasserman, *Monte Carlo Methods in Financial Engineering*, 2003,
   sec. 4.5); every point moves every logit by about one standard deviation, as a logit sample does.
 
-(Measured and not kept, ``benchmarks/uncertainty_head.py`` and the module's tests: the 2K axis-aligned
-sigma points of the unscented transform, ``ε = ±√K·e_k`` (Julier & Uhlmann 1997, κ = 0), move one
-logit by ``√K`` standard deviations; on the MNIST MLP they had 4x the probability error at the 99th
-percentile and shifted the OOD AUROC of the mutual information by 0.016.  Random rotations of them
-(Genz & Monahan's stochastic spherical-radial rules, 1998) varied more with the seed than these
-points.)  So the head is ``S`` deterministic, moment-matched "samples" of the logits, and every
+Why not the 2K axis-aligned sigma points of the unscented transform, ``ε = ±√K·e_k`` (Julier &
+Uhlmann 1997, κ = 0): each moves one logit by ``√K`` standard deviations, far from where logit samples
+lie, which makes the probabilities' tail errors larger and moves the OOD ranking by the mutual
+information; and random rotations of them (Genz & Monahan's stochastic spherical-radial rules, 1998)
+depend on the seed more than these points do (``benchmarks/uncertainty_head.py`` compares them).  So
+the head is ``S`` deterministic, moment-matched "samples" of the logits, and every
 quantity is computed from them as :func:`pyro2pfp.uncertainty` computes it from logit samples::
 
     z_j      = μ + √v ⊙ ε_j,  p_j = softmax(z_j)       j = 0 … S  (ε_0 = 0: the centre, weight 0)
@@ -43,8 +43,9 @@ offset table.  The points depend on scipy's Sobol' generator only when the head 
 Why not the probit or Laplace-bridge formula for the probabilities: the mutual information is a
 small difference of two entropies, and it ranks inputs like logit sampling only when ``p̄`` and
 ``E[H]`` come from the *same* approximation of the logit distribution (probit ``softmax(μ_k/√(1 +
-π v_k/8))`` for ``p̄`` with a quadrature for ``E[H]`` lost 0.06 AUROC on the MNIST MLP); and the
-quadrature's ``p̄`` is also closer to sampling than either (the benchmark prints all three).
+π v_k/8))`` for ``p̄`` beside a quadrature for ``E[H]`` mixes two approximations, and their errors
+do not cancel in the difference); and the quadrature's ``p̄`` is also closer to sampling than either
+(``benchmarks/uncertainty_head.py`` prints all three; ``docs/uncertainty.md`` holds its table).
 
 **One logit** (a Bernoulli/sigmoid output, ``K = 1``): the logit ``z`` is treated as the pair
 ``(0, z)`` of a two-class softmax (``σ(z) = softmax(0, z)₁``); ``probs`` is ``P(y = 1)`` (shape
