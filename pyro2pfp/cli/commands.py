@@ -50,7 +50,7 @@ def convert_from_args(args: argparse.Namespace):
 
 def cmd_convert(args: argparse.Namespace) -> int:
     from .. import deploy
-    from ..onnx_export import to_onnx
+    from ..onnx_builder import to_onnx
 
     ext = _check_output_path(args.output, (".so", ".tar", ".onnx"), "the output file")
     tune = None
@@ -141,7 +141,7 @@ def cmd_inspect(args: argparse.Namespace) -> int:
     if ext == ".onnx":
         import onnx
 
-        from ..onnx_export import onnx_ops_used
+        from ..onnx_builder import onnx_ops_used
 
         if not os.path.isfile(target):
             raise CLIError(f"'{target}' not found")
@@ -234,7 +234,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
     import tempfile
 
     from .. import deploy
-    from ..onnx_export import to_onnx
+    from ..onnx_builder import to_onnx
     from ..sampling import predictive_logits
 
     model, guide, net = convert_from_args(args)

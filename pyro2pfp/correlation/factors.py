@@ -18,12 +18,13 @@ import numpy as np
 
 from ..errors import ArgumentError
 from ..graph import INPUT, Repr
+from ..options import Correlation, Hermite, Injection, checked, values
 from ..plan import PlannedGraph, PlannedLayer, is_compute_layer
 from ..registry import OPS, SHARED_EXPORTERS, SHARED_REFERENCES
 
-CORRELATIONS = ("auto", "shared-factor", "mean-field")
-HERMITE_MODES = ("factor", "none")
-INJECTIONS = ("regression", "rescaled")
+CORRELATIONS = values(Correlation)
+HERMITE_MODES = values(Hermite)
+INJECTIONS = values(Injection)
 #: compact an edge's ``g`` when its factor count reaches this multiple of its rows (cost 2·C²·K)
 COMPACT_RATIO = 4
 
@@ -75,15 +76,12 @@ def is_terminal(op: str) -> bool:
     return op in OPS and OPS[op].factor_spec.terminal
 
 
-def plan_factors(graph: PlannedGraph, hermite: str = "factor", compact: bool = True,
-                 injection: str = "regression") -> FactorPlan:
+def plan_factors(graph: PlannedGraph, hermite: Hermite | str = Hermite.FACTOR, compact: bool = True,
+                 injection: Injection | str = Injection.REGRESSION) -> FactorPlan:
     """Allocate the factor blocks and compaction points of ``graph`` (static: no input needed).
 
     Raises :class:`CorrelationError` naming the first layer the scheme has no rule for."""
-    if hermite not in HERMITE_MODES:
-        raise ArgumentError(f"hermite must be one of {HERMITE_MODES}, got {hermite!r}")
-    if injection not in INJECTIONS:
-        raise ArgumentError(f"injection must be one of {INJECTIONS}, got {injection!r}")
+    hermite, injection = checked(Hermite, hermite), checked(Injection, injection)
     if graph.input_repr is not Repr.DETERMINISTIC:
         raise CorrelationError("correlation='shared-factor' needs a deterministic network input "
                                "(input_variance=True is mean-field only)")
@@ -243,15 +241,14 @@ def needs_shared_factors(graph: PlannedGraph) -> str | None:
     return None
 
 
-def choose(graph: PlannedGraph, correlation: str) -> FactorPlan | None:
+def choose(graph: PlannedGraph, correlation: Correlation | str) -> FactorPlan | None:
     """The factor plan for ``correlation`` (None: mean-field).
 
     ``"shared-factor"``: the scheme, or :class:`CorrelationError` naming the layer it has no rule
     for; ``"mean-field"``: None; ``"auto"``: the scheme when :func:`needs_shared_factors` finds a
     reason, else mean-field -- and mean-field with a warning when the scheme has no rule for a layer,
     or one that only the NumPy reference implements (none today: the plan must compile and export)."""
-    if correlation not in CORRELATIONS:
-        raise ArgumentError(f"correlation must be one of {CORRELATIONS}, got {correlation!r}")
+    correlation = checked(Correlation, correlation)
     if correlation == "mean-field":
         return None
     if correlation == "shared-factor":
@@ -272,7 +269,7 @@ def choose(graph: PlannedGraph, correlation: str) -> FactorPlan | None:
         return None
 
 
-def with_correlation(graph: PlannedGraph, correlation: str) -> PlannedGraph:
+def with_correlation(graph: PlannedGraph, correlation: Correlation | str) -> PlannedGraph:
     """``graph`` (a plan of :func:`pyro2pfp.plan.plan`) with the factor plan :func:`choose` gives for
     ``correlation`` stored in ``graph.factors`` (None: mean-field); returns ``graph``."""
     graph.factors = choose(graph, correlation)

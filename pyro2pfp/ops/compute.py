@@ -32,7 +32,7 @@ from ..correlation.onnx_step import OnnxShared, OnnxSharedStep
 from ..correlation.shared import Shared, normalised, safe_div, spatial_mean
 from ..graph import GaussianParam, Layer, Repr
 from ..onedim import as_2d
-from ..onnx_export import OnnxActivation, OnnxContext, Sym
+from ..onnx_builder import OnnxActivation, OnnxContext, Sym
 from ..plan import PlannedLayer
 from ..reference import Activation
 from ..reference.arrays import conv2d_nchw
@@ -303,8 +303,9 @@ def conv2d_shared(layer: PlannedLayer, inputs: list[Activation], shared: list[Sh
     (Σ_{c,k} V[o, c, k]·(m̄μ_k·μ_in[c, p+k] + m̄s_k·s_in[c, p+k]) + v_bias)`` — the exact covariance of
     ``out[o, p]`` with ``η'_o`` given the closure (``injection='regression'``).
     ``injection='rescaled'`` replaces the second sum by the mean-field weight-variance term's square
-    root rescaled to the same spatial mean (no extra convolution; measured ResNet-20 median 0.92
-    instead of 0.97).  ``m̄ s = ‖ℓ‖`` by construction.  The variance is not corrected."""
+    root rescaled to the same spatial mean (no extra convolution, a coarser profile: it under-states
+    the shared variance more; ``benchmarks/fidelity.py --variants`` compares both with sampling).
+    ``m̄ s = ‖ℓ‖`` by construction.  The variance is not corrected."""
     x, sh = inputs[0], shared[0]
     t, a = layer.tensors, layer.layer.attrs
     injection = fp.injection

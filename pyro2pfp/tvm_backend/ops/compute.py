@@ -165,8 +165,7 @@ def computed_width(out_channels: int, out_w: int) -> int:
     vectors.  Only where the output channels do not fill a vector themselves (else the schedule
     vectorises them) and the extra columns are at most :data:`CONV_WIDE_WASTE` of the row.  The emitted
     module is target-independent, so a 4-lane target (NEON) computes the extra columns for nothing.
-    Measured (``benchmarks/kernel_profile.py --net lenet --batch 10 --static --kernels``, 2 threads,
-    AVX-512): see ``README.md`` "Performance"."""
+    ``benchmarks/kernel_profile.py --net lenet --batch 10 --static --kernels`` times the kernels."""
     lanes = CONV_WIDE_LANES
     wide = -(-out_w // lanes) * lanes
     if out_w % lanes == 0 or pow2_divisor(out_channels, lanes) >= lanes or wide - out_w > CONV_WIDE_WASTE * out_w:
@@ -237,8 +236,8 @@ def schedule_dense(sch: s_tir.Schedule, layer: Any, target: tvm.target.Target) -
     ``ki`` unrolled).  Order ``jo | ko, batch, km, ki, jm, jv``: a chunk of ``km*ki`` weight rows
     of the tile (2 x 32 x 64 floats: 16 KiB) stays in L1 while every example of the batch
     accumulates over it, instead of the whole weight matrix streaming from L2 once per example
-    (the weights are not reused across examples otherwise: measured 2-2.5x faster at batch 10 and
-    100 for 784x100, the same at batch 1).  The accumulators are a ``(batch, tile)`` buffer
+    (the weights are not reused across examples otherwise; at batch 1 there is nothing to reuse and
+    the order costs nothing).  The accumulators are a ``(batch, tile)`` buffer
     (re-read once per chunk); the epilogue writes each column tile after its reduction.
     """
     lanes = simd_lanes(target)
@@ -292,8 +291,8 @@ def schedule_conv2d(sch: s_tir.Schedule, layer: Any, target: tvm.target.Target) 
     output row needs, in a small thread-private buffer, instead of a padded copy of the whole
     batch) and the epilogue writes the tile from the accumulators.
 
-    Tile sizes, measured on LeNet's conv2 (AVX-512, one thread, batch 1): 2 columns x 16 channels
-    14.7 us, 5 columns 15-20 us, 10 columns 300 us (register spills); unscheduled 300 us.
+    Tile sizes: a tile of 2 columns x one vector of channels keeps its accumulators in registers;
+    wider tiles (10 columns of 16 channels) spill them and lose the whole gain of the schedule.
     """
     if has_block(sch, "wino_gemm"):
         schedule_winograd(sch, target)

@@ -1,6 +1,6 @@
 """Winograd F(2x2, 3x3) kernels of the mean-field PFP conv2d (3x3, stride 1, padding 1), chosen by
-:func:`use_winograd` for the layers where it measured faster than the direct kernel of
-``compute.conv2d`` (see ``benchmarks/conv_throughput.py``), and of the shared-factor profile
+:func:`use_winograd` for the layers where it is faster than the direct kernel of
+``compute.conv2d`` (``benchmarks/conv_throughput.py`` compares them), and of the shared-factor profile
 convolution of the same layers (``compute_shared.py``, see the end of this docstring).
 
 The PFP conv with a variance input computes three convolutions of the same input window
@@ -83,7 +83,8 @@ WINO_AT = np.array([[1, 1, 1, 0], [0, 1, -1, -1]], dtype=np.float64)
 MIN_CHANNELS = 16
 """Winograd only with at least this many input and output channels: the transforms cost
 ``O((C + O)·α²)`` per tile against the GEMM's ``O(C·O·α²)``, so its advantage shrinks with the
-channel count; 16 is the smallest measured (1.8x faster than direct at 16->16 32x32, batch 10)."""
+channel count; 16 channels is the smallest count at which it still beats the direct kernel
+(``benchmarks/conv_throughput.py``)."""
 
 
 _enabled = [True]
@@ -152,7 +153,7 @@ def _row_terms(mat: np.ndarray, row: Any) -> list[tuple[Any, Any]]:
     TIR expressions: the k-th nonzero of each row, chosen by a scalar ``Select`` chain over ``row``
     (rows with fewer nonzeros get coefficient 0).  Evaluated once per row in the loop, they let
     the transform loop stay rolled (one generic body instead of one unrolled copy per position,
-    which cost LLVM ~1 s per kernel) at the price of a broadcast multiply per term."""
+    which would make LLVM's compile of each kernel much slower) at the price of a broadcast multiply per term."""
     nonzero = [[(j, float(mat[i, j])) for j in range(mat.shape[1]) if mat[i, j] != 0] for i in range(mat.shape[0])]
     width = max(len(r) for r in nonzero)
     terms = []
