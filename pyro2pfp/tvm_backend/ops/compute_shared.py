@@ -215,50 +215,56 @@ def conv2d_shared_kernel(step: SharedStep, ctx: EmitContext, layer: PlannedLayer
         convolution, their transforms ``G·A·Gᵀ``, ``G·M·Gᵀ`` (B, 4, 4, C, O) -- and ``coef·v_bias``
         (B, O).  ``W``, ``V`` come as (C, KH, KW, O), ``β`` as (B, C, O) and ``coef`` (B, O) from
         ``sf_conv_load``: every read unit-stride in ``o``, the vectorised axis, and none depends
-        on ``K``."""
+        on ``K``.  ``injection='rescaled'``: ``W·β`` alone, from ``(β, W)``."""
         it = iter(ts)
-        mb = next(it) if not rescaled else None
-        sb = next(it) if has_s and not rescaled else None
-        bt = next(it) if has_s else None
-        coef, wmt, wvt, bvt = (next(it) for _ in range(4))
-        batch = coef.shape[0]
+        if rescaled:  # the propagated weights W·β alone
+            mb, sb, bt, wmt = None, None, next(it), next(it)
+            coef = wvt = bvt = None
+        else:
+            mb = next(it)
+            sb, bt = (next(it), next(it)) if has_s else (None, None)
+            coef, wmt, wvt, bvt = (next(it) for _ in range(4))
+        batch = ts[0].shape[0]
         wshape = (batch, c, kh, kw, o)
         outs = []
         if bt is not None:
             def on_s(b: Any, ch: Any, i: Any, j: Any, oo: Any) -> Any:
                 value = wmt[ch, i, j, oo] * bt[b, ch, oo]
-                if sb is not None and offset is not None:
+                if sb is not None and offset is not None and coef is not None and wvt is not None:
                     value = value + coef[b, oo] * wvt[ch, i, j, oo] * sb[b, ch, i, j]
                 return value
 
             outs.append(te.compute(wshape, on_s, name="w_s"))
-        if mb is not None and offset is not None:
+        if mb is not None and coef is not None and wvt is not None and offset is not None:
             outs.append(te.compute(wshape, lambda b, ch, i, j, oo: coef[b, oo] * wvt[ch, i, j, oo]
                                    * mb[b, ch, i, j], name="w_mu"))
         if wino:  # their Winograd transforms G·w·Gᵀ (B, 4, 4, C, O) instead
             outs = [weight_transform(wt, f"wino_w{n}") for n, wt in enumerate(outs)]
-        if not rescaled:
+        if coef is not None and bvt is not None:
             outs.append(te.compute((batch, o), lambda b, oo: coef[b, oo] * bvt[oo]
                                    if offset is not None else f32(0.0), name="shift"))
         return outs
 
-    w_args = [t_ for t_ in (mbar, sbar, beta) if t_ is not None]
-    w_outs = emit_part(ctx, weights, w_args + [coef_t, *w_cons, bias_var], layer, "conv_weights")
+    if rescaled:
+        w_args = [beta, w_cons[0]]
+    else:
+        w_args = [t_ for t_ in (mbar, sbar, beta) if t_ is not None] + [coef_t, *w_cons, bias_var]
+    w_outs = emit_part(ctx, weights, w_args, layer, "conv_weights")
 
     def profile(*ts: te.Tensor) -> list[te.Tensor]:
         """``s[b, o] = Σ_{c,i,j} A·tap(s_in) + M·tap(μ) + shift``, clipped: a convolution with
         per-input weights, in the layout of the mean-field conv kernel (its schedule)."""
         it = iter(ts)
         srcs = [(next(it), next(it)) for _ in range(n_terms)]  # (input, weights)
-        shift, var = next(it), next(it)
-        if rescaled:  # shift: coef (B, O), times the rescaled root of the weight-noise term
+        per_channel, var = next(it), next(it)  # the shift (B, O), or for 'rescaled' the root's scale
+        if rescaled:
             noise = next(it)
 
             def added(b: Any, oo: Any, y: Any, x_: Any) -> Any:
-                return shift[b, oo] * rescaled_root(noise, b, oo, y, x_)
+                return per_channel[b, oo] * rescaled_root(noise, b, oo, y, x_)
         else:
             def added(b: Any, oo: Any, y: Any, x_: Any) -> Any:
-                return shift[b, oo]
+                return per_channel[b, oo]
         if wino:
             return [winograd_profile(srcs, added, var)]
         padded = [(_pad(src, [py, px]), wt) for src, wt in srcs]
