@@ -336,7 +336,9 @@ def schedule_conv2d(sch: s_tir.Schedule, layer: Any, target: tvm.target.Target) 
     lanes = simd_lanes(target)
     budget = register_budget(lanes)
     blk = sch.get_sblock("conv2d")
-    n_acc = len(sch.get(blk).writes)  # 2 sums (mean, variance), 3 with the weight-noise term
+    # accumulators per output: 2 (mean, variance; the shared-factor profile's single sum keeps that
+    # tile), 3 with the weight-noise term
+    n_acc = max(2, len(sch.get(blk).writes))
     pads = list(sch.get_producers(blk))
     b, o, i, j, rc, rp, rq = sch.get_loops(blk)
     n_o, ow = static_extent(sch, o), static_extent(sch, j)
