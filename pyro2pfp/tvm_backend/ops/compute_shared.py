@@ -65,7 +65,11 @@ def winograd_profile(pairs: list[tuple[te.Tensor, te.Tensor]], added: Any, var: 
     ``s[b, o, y, x] = clip(Σ_k conv3x3(x_k, w_k)[b, o, y, x] + added(b, o, y, x), ±√var[b, o, y, x])``
     for ``pairs = [(x_k (B, C, H, W), U_k (B, 4, 4, C, O))]`` (``U_k = G·w_k·Gᵀ`` per input, emitted by
     ``sf_conv_weights``; :func:`~.winograd.winograd_correlation`) and ``added`` the injection's
-    elementwise term (the shift, or the rescaled root), NCHW out; block ``epilogue``."""
+    elementwise term -- a function of the output index (the rescaled root), or a (B, O) shift
+    tensor --, NCHW out; block ``epilogue``."""
+    if isinstance(added, te.Tensor):
+        shift = added
+        added = lambda b, o, i, j: shift[b, o]  # noqa: E731
     y = winograd_correlation(pairs)
     return te.compute(var.shape, lambda b, o, i, j: clip(y[b, i, j, o] + added(b, o, i, j), var[b, o, i, j]),
                       name="epilogue")
