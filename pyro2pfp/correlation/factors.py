@@ -156,9 +156,10 @@ def fixed_k_plan(graph: PlannedGraph, what: str, ops: Collection[str] | None = N
     shared-factor ``graph``: ``graph.factors``' variants with a static ``K`` per edge.
     ``compaction``: keep the reference's compaction points (``compact_at``; the back end then
     replaces ``g`` by a ``C × C`` factor of ``g·gᵀ`` there, e.g. its Cholesky factor -- exact, only
-    ``g·gᵀ`` is used downstream), else none (``K`` grows with depth).  :class:`ArgumentError` for
-    what they do not implement: the raw-moment plan, ``injection='rescaled'``, ops outside ``ops``
-    (the back end's table of rules, :func:`in_backends`; naming the layer).
+    ``g·gᵀ`` is used downstream), else none (``K`` grows with depth).  Both injections are kept
+    (``'regression'``, ``'rescaled'``).  :class:`ArgumentError` for what they do not implement: the
+    raw-moment plan, ops outside ``ops`` (the back end's table of rules, :func:`in_backends`; naming
+    the layer).
     Every ``K`` is rounded up to a multiple of
     :data:`FACTOR_ALIGN` (zero columns) so the kernels' factor axis is whole SIMD vectors; a
     compacted edge carries ``aligned(rows)`` columns (:func:`aligned`)."""
@@ -166,9 +167,6 @@ def fixed_k_plan(graph: PlannedGraph, what: str, ops: Collection[str] | None = N
     if graph.moment_form != "variance":
         raise ArgumentError(f"{what} of correlation='shared-factor' needs moment_form='variance', not "
                             f"{graph.moment_form!r}")
-    if fp.injection != "regression":
-        raise ArgumentError(f"{what} of correlation='shared-factor' supports injection='regression' only, not "
-                            f"{fp.injection!r}")
     for layer in graph.layers:
         if not in_backends(layer.op, ops):
             implemented = ", ".join(sorted(SHARED_EXPORTERS if ops is None else ops))

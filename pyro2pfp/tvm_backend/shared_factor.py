@@ -38,7 +38,14 @@ so less compile time.  Their per-row loadings are expressions, not buffers
 allocation per row, and a lane-wise clamp of a symbolic index is a gather.  A static-batch build binds
 the scalars per call site (:func:`~pyro2pfp.tuning.specialize.bind_scalar_arguments`), so its kernels
 are the constant-``K`` ones, scheduled and tuned as before.  Not compiled (an ``ArgumentError`` naming
-the layer): the raw-moment plan and ``injection='rescaled'``.
+the layer): the raw-moment plan.
+
+**``injection='rescaled'``**: a noisy conv layer's mean-field kernel also returns its weight-noise term
+``Σ V·E[x²] + v_bias`` (:meth:`SharedStep.needs_weight_noise`, ``ops/compute.py``: the variance's two
+sums kept apart, the same multiply-adds), and its rule scales that term's root to the injection's
+spatial mean instead of convolving the input mean with the regression weights: ``sf_conv_load``
+computes the scale, ``sf_conv_profile`` adds ``scale·√term`` in its epilogue -- a layer without a
+shared input has no weights or profile kernel at all (its load kernel writes the profile).
 """
 from __future__ import annotations
 
@@ -266,6 +273,12 @@ class SharedStep(FixedKStep):
         rule = SHARED_KERNELS.get(layer.op)
         return (getattr(rule, "fuses_mean_field", False) and layer.out_repr is not Repr.DETERMINISTIC
                 and self.shared[layer.inputs[0]] is not None)
+
+    def needs_weight_noise(self, layer: PlannedLayer) -> bool:
+        """Whether ``layer``'s rule reads its mean-field kernel's weight-noise term
+        (``RelaxActivation.weight_noise``): a noisy conv layer of an ``injection='rescaled'`` plan,
+        whose rule rescales that term's root instead of computing the regression profile."""
+        return self.fp.injection == "rescaled" and layer.op == "conv2d" and layer.name in self.fp.offsets
 
     # ------------------------------------------------------------------ helpers
     def natural(self, ctx: EmitContext, name: str) -> bool:

@@ -68,7 +68,7 @@ from tvm import s_tir, te, tirx
 
 from ...graph import Repr
 from ...plan import PlannedLayer
-from ..emit import EmitContext, RelaxActivation, pair_sum
+from ..emit import EmitContext, RelaxActivation, pair_sum, triple_sum
 from ..fast_math import F32
 from ..schedules import divisor_at_most, pow2_divisor, register_budget, simd_lanes, static_extent, vectorize_inner
 
@@ -233,11 +233,15 @@ def output_transform(s: te.Tensor, name: str) -> te.Tensor:
     return te.compute((batch, n_h * TILE, n_w * TILE, out_c), f, name=name)
 
 
-def winograd_conv(ctx: EmitContext, layer: PlannedLayer, x: RelaxActivation, epilogue_stage: Any) -> list:
+def winograd_conv(ctx: EmitContext, layer: PlannedLayer, x: RelaxActivation, epilogue_stage: Any,
+                  weight_noise: bool = False) -> list:
     """Emit the Winograd PFP conv of ``layer`` (see the module docstring); returns its output
     tensors (mean, second) for ``activation_out``.  ``epilogue_stage``: the direct conv kernel's
     epilogue (``compute._epilogue_stage``: bias, variance clamp, representation), passed in so this
-    module does not import ``compute`` (which imports it)."""
+    module does not import ``compute`` (which imports it).  ``weight_noise``: the two variance
+    products accumulate into two sums (a three-sum GEMM, the same multiply-adds, and a third output
+    transform ``wino_out_n``), and the weight-noise term ``conv(vw, μx² + vx) + vb`` is a third
+    output (``compute``'s module docstring)."""
     t = layer.tensors
     out_c, out_h, out_w = layer.layer.out_shape
     w_mean, w_var = t["weight_mean"], t["weight_var"]
@@ -255,12 +259,15 @@ def winograd_conv(ctx: EmitContext, layer: PlannedLayer, x: RelaxActivation, epi
 
         def gemm(n, th, e, u, tw, o):
             dm, dv, ds = (p[n, th, e, u, tw, rc] for p in d)
+            if weight_noise:  # (mean, Σ μw²·vx, Σ vw·(μx² + vx)) apart
+                return triple_sum((dm * um[e, u, rc, o], dv * um2[e, u, rc, o], ds * uv[e, u, rc, o]), axis=rc)
             return pair_sum((dm * um[e, u, rc, o], ds * uv[e, u, rc, o] + dv * um2[e, u, rc, o]), axis=rc)
 
         acc = te.compute((*d[0].shape[:5], out_c), gemm, name="wino_gemm")
-        y = [output_transform(s, f"wino_out_{k}") for s, k in zip(acc, "mv")]
+        y = [output_transform(s, f"wino_out_{k}") for s, k in zip(acc, "mvn")]
         return epilogue_stage(y[0], y[1], list(bias), 1, layer, shape=(batch, out_c, out_h, out_w),
-                               activation=ctx.activation, index=lambda n, o, i, j: (n, i, j, o))
+                              activation=ctx.activation, index=lambda n, o, i, j: (n, i, j, o),
+                              acc_noise=y[2] if weight_noise else None)
 
     return ctx.emit_te(fn, x.tensors() + weights + bias_args, layer)
 
