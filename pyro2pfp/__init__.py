@@ -38,7 +38,7 @@ from .errors import (
     UnsupportedLayerError,
 )
 from .graph import Repr
-from .options import Correlation, Head, Hermite, Injection, MaxPool, MomentForm
+from .options import Correlation, Head, Hermite, Injection, MaxPool, MomentForm, SharedFactor
 from .uncertainty import auroc, calibrate, predictive_uncertainty, uncertainty, uncertainty_from_logit_samples
 
 if TYPE_CHECKING:
@@ -106,5 +106,5 @@ __all__ = ["convert", "load", "PFPNetwork", "Repr", "PFPError", "UnsupportedLaye
            "InputShapeError", "TracingError", "NumericalError", "LoadError", "LibraryNotFoundError",
            "ArgumentError", "RemoteError", "TuningError", "InternalError", "uncertainty",
            "uncertainty_from_logit_samples", "predictive_uncertainty", "auroc", "calibrate", "set_num_threads",
-           "diagnose", "Diagnosis", "PFPWarning", "FidelityWarning", "Correlation", "MomentForm", "MaxPool", "Head",
-           "Hermite", "Injection"]
+           "diagnose", "Diagnosis", "PFPWarning", "FidelityWarning", "Correlation", "SharedFactor", "MomentForm",
+           "MaxPool", "Head", "Hermite", "Injection"]

@@ -18,7 +18,7 @@ from .errors import ArgumentError, InputShapeError, InternalError, PFPError, PFP
 from .graph import LayerGraph, Repr
 from .inputs import checked_inputs
 from .model_args import user_model_args
-from .options import Correlation, Head, MaxPool, MomentForm, checked
+from .options import Correlation, Head, MaxPool, MomentForm, SharedFactor, checked, correlation_choice
 from .plan import PlannedGraph, plan
 from .reference import execute
 from .tracing import trace_model
@@ -183,7 +183,7 @@ class PFPNetwork:
 def convert(model: Any, guide: Any = None, *, input_shape: tuple[int, ...] | None = None,
             calibration: float = 1.0, moment_form: MomentForm | str = MomentForm.VARIANCE,
             input_variance: bool = False, check_posterior: bool = True,
-            fold_batch_norm: bool = True, correlation: Correlation | str = Correlation.AUTO,
+            fold_batch_norm: bool = True, correlation: Correlation | SharedFactor | str = Correlation.AUTO,
             head: Head | str | None = None, max_pool: MaxPool | str = MaxPool.CORRELATED, check: Any = None,
             example_args: tuple | None = None, example_kwargs: dict[str, Any] | None = None) -> PFPNetwork:
     """Convert a Pyro BNN (``model``, trained ``guide``) into a PFP network.
@@ -242,7 +242,9 @@ def convert(model: Any, guide: Any = None, *, input_shape: tuple[int, ...] | Non
     averages positions of a conv output or adds residual branches (where mean-field under-states the
     logit variance several-fold: the ResNet rows of ``docs/fidelity.md``), mean-field
     otherwise (MLPs, LeNet-5), and mean-field with a warning when an op has no shared-factor rule.
-    ``net.plan.correlation`` tells which was chosen.
+    ``net.plan.correlation`` tells which was chosen.  ``correlation=pyro2pfp.SharedFactor(hermite=...,
+    injection=...)`` is the shared-factor scheme with its cheaper variants (:class:`~pyro2pfp.options.Hermite`,
+    :class:`~pyro2pfp.options.Injection`; ``docs/options.md`` compares them).
 
     ``max_pool``: the rule of max pooling under mean-field PFP.  ``"correlated"`` (default): where a
     conv feeds the pool (directly or through a non-decreasing activation, which is then applied after
@@ -273,7 +275,8 @@ def convert(model: Any, guide: Any = None, *, input_shape: tuple[int, ...] | Non
         stage = "checking the arguments"
         try:
             head = check_head(head)
-            moment_form, correlation = checked(MomentForm, moment_form), checked(Correlation, correlation)
+            moment_form = checked(MomentForm, moment_form)
+            correlation, factor_options = correlation_choice(correlation)
             max_pool = checked(MaxPool, max_pool)
             if not isinstance(input_variance, bool | np.bool_):
                 raise ArgumentError(f"input_variance must be True or False, got {input_variance!r}")
@@ -310,7 +313,7 @@ def convert(model: Any, guide: Any = None, *, input_shape: tuple[int, ...] | Non
                                     "(regression): use net.regression(mean, var) instead")
             stage = "planning the network"
             planned_graph = append_head(layer_graph, head) if head is not None else layer_graph
-            planned = with_correlation(plan(planned_graph, calibration, moment_form), correlation)
+            planned = with_correlation(plan(planned_graph, calibration, moment_form), correlation, **factor_options)
             caveat = dense_head_caveat(planned) if correlation == "auto" and planned.factors is None else None
             if caveat is not None:  # the shared-factor plan's cost: of this plan, before the pool rewrite
                 warnings.warn(caveat, PFPWarning, stacklevel=3)

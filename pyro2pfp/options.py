@@ -10,6 +10,7 @@ what to pass instead.  The options are explained with their trade-offs in ``docs
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
 from enum import Enum, StrEnum
 from typing import Any
 
@@ -88,7 +89,7 @@ class Hermite(StrEnum):
 
     NONE = "none"
     """Only the linear response: fewer factor columns and less arithmetic, at some loss of the shared
-    variance after each ReLU; a cheaper variant for the NumPy reference
+    variance after each ReLU; a cheaper variant, compiled and exported like the default
     (``benchmarks/fidelity.py --variants`` compares it with sampling)."""
 
 
@@ -99,12 +100,46 @@ class Injection(StrEnum):
     REGRESSION = "regression"
     """The profile of the layer's new factor is the exact covariance of each output position with it
     (given the closure): one more convolution, of the weight variances with the input's mean and
-    shared profile.  The default and the only variant the compiled and ONNX back ends implement."""
+    shared profile.  The default."""
 
     RESCALED = "rescaled"
     """The mean-field weight-variance term's square root, rescaled to the same spatial mean: no extra
-    convolution, a coarser profile.  A cheaper variant for the NumPy reference
-    (``benchmarks/fidelity.py --variants`` compares it with sampling)."""
+    convolution (the compiled conv kernel hands the term it computes anyway to the factor rule), a
+    coarser profile and so a somewhat lower shared variance on deep nets
+    (``benchmarks/fidelity.py --injections rescaled`` compares it with sampling)."""
+
+
+@dataclass(frozen=True)
+class SharedFactor:
+    """``correlation="shared-factor"`` with the factor plan's variants spelled out:
+    ``convert(model, guide, correlation=pyro2pfp.SharedFactor(injection="rescaled"))``.
+
+    ``SharedFactor()`` is the same as ``correlation="shared-factor"``.  The fields take a member of
+    :class:`Hermite` / :class:`Injection` or its string, checked on construction (an
+    :class:`~pyro2pfp.errors.ArgumentError` names the field and the allowed values)."""
+
+    hermite: Hermite | str = Hermite.FACTOR
+    """Whether each ReLU adds a factor block for its second Hermite term (:class:`Hermite`)."""
+
+    injection: Injection | str = Injection.REGRESSION
+    """How a compute layer's weight noise enters its shared profile (:class:`Injection`)."""
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "hermite", checked(Hermite, self.hermite))
+        object.__setattr__(self, "injection", checked(Injection, self.injection))
+
+    def factor_options(self) -> dict[str, str]:
+        """The keywords of :func:`pyro2pfp.correlation.plan_factors` this choice stands for."""
+        return {"hermite": str(self.hermite), "injection": str(self.injection)}
+
+
+def correlation_choice(value: Any) -> tuple[str, dict[str, str]]:
+    """``(scheme, factor options)`` of a ``correlation=`` argument: a :class:`SharedFactor` gives
+    ``("shared-factor", its options)``, a :class:`Correlation` member or string gives ``(its string,
+    {})``; anything else raises the :func:`checked` error."""
+    if isinstance(value, SharedFactor):
+        return Correlation.SHARED_FACTOR.value, value.factor_options()
+    return checked(Correlation, value), {}
 
 
 def values(option: type[Enum]) -> tuple[str, ...]:

@@ -43,7 +43,8 @@ def test_the_cli_accepts_exactly_the_enums_values():
     parser = build_parser()
     base = ["convert", "builder.py", "-o", "net.so"]
     for flag, option, dest in (("--correlation", Correlation, "correlation"),
-                               ("--moment-form", MomentForm, "moment_form"), ("--head", Head, "head")):
+                               ("--moment-form", MomentForm, "moment_form"), ("--head", Head, "head"),
+                               ("--hermite", Hermite, "hermite"), ("--injection", Injection, "injection")):
         for value in values(option):
             assert getattr(parser.parse_args([*base, flag, value]), dest) == value
         with pytest.raises(SystemExit):
@@ -92,3 +93,38 @@ def test_the_shared_factor_variants_take_members_and_refuse_other_values(lenet):
         expected = re.escape(f"{keyword} must be one of {values(option)}, got 'full'")
         with pytest.raises(pyro2pfp.ArgumentError, match=expected):
             plan_factors(planned, **{keyword: "full"})
+
+
+def test_shared_factor_spells_out_the_scheme_and_its_variants(lenet):
+    """``correlation=SharedFactor(...)`` is the shared-factor scheme with the factor plan's variants: the
+    default instance gives the network ``"shared-factor"`` gives; ``injection="rescaled"`` /
+    ``hermite="none"`` give the plan ``plan_factors`` makes with them, and a different output variance."""
+    import dataclasses
+
+    from pyro2pfp import SharedFactor
+    from pyro2pfp.network import PFPNetwork
+
+    model, guide, x = lenet
+    base = pyro2pfp.convert(model, guide, input_shape=SHAPE, correlation="shared-factor")
+    same = pyro2pfp.convert(model, guide, input_shape=SHAPE, correlation=SharedFactor())
+    assert same.plan.factors == base.plan.factors
+    np.testing.assert_array_equal(same.reference(x)[1], base.reference(x)[1])
+    variants: list[dict] = [{"injection": Injection.RESCALED}, {"hermite": "none"},
+                            {"hermite": "none", "injection": "rescaled"}]
+    for options in variants:
+        net = pyro2pfp.convert(model, guide, input_shape=SHAPE, correlation=SharedFactor(**options))
+        assert net.plan.correlation == "shared-factor"
+        planned = dataclasses.replace(base.plan, factors=plan_factors(base.plan, **options))
+        by_hand = PFPNetwork(base.layer_graph, planned)
+        assert net.plan.factors == by_hand.plan.factors
+        np.testing.assert_allclose(net.reference(x)[1], by_hand.reference(x)[1], rtol=1e-12)
+        assert not np.allclose(net.reference(x)[1], base.reference(x)[1], rtol=1e-6)
+
+
+def test_shared_factor_refuses_unknown_variants():
+    from pyro2pfp import SharedFactor
+
+    with pytest.raises(pyro2pfp.ArgumentError, match=r"injection must be one of \('regression', 'rescaled'\)"):
+        SharedFactor(injection="regresion")
+    with pytest.raises(pyro2pfp.ArgumentError, match=r"hermite must be one of \('factor', 'none'\)"):
+        SharedFactor(hermite=True)

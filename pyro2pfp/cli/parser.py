@@ -9,7 +9,7 @@ from typing import Any
 import numpy as np
 
 from ..loading import DEFAULT_FUNCTION
-from ..options import Correlation, Head, MomentForm, values
+from ..options import Correlation, Head, Hermite, Injection, MomentForm, values
 from .commands import cmd_bench, cmd_convert, cmd_diagnose, cmd_inspect, cmd_predict, cmd_validate
 
 MAIN_DESCRIPTION = """\
@@ -120,6 +120,12 @@ def _add_conversion_options(p: argparse.ArgumentParser, builder_help: str = BUIL
                    help="treatment of noise shared across positions/branches: 'auto' (default: shared-factor "
                         "for nets with average pooling of conv outputs or residual adds), 'shared-factor' or "
                         "'mean-field' (the paper)")
+    p.add_argument("--hermite", choices=values(Hermite), default=None,
+                   help="shared-factor variant (with --correlation shared-factor): 'factor' (default) or 'none' "
+                        "(no second-Hermite factor per ReLU: cheaper)")
+    p.add_argument("--injection", choices=values(Injection), default=None,
+                   help="shared-factor variant (with --correlation shared-factor): 'regression' (default) or "
+                        "'rescaled' (no regression convolution per conv layer: cheaper)")
 
 
 def _add_remote_options(p: argparse.ArgumentParser, required: bool) -> None:

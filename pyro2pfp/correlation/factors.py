@@ -239,8 +239,9 @@ def needs_shared_factors(graph: PlannedGraph) -> str | None:
     return None
 
 
-def choose(graph: PlannedGraph, correlation: Correlation | str) -> FactorPlan | None:
-    """The factor plan for ``correlation`` (None: mean-field).
+def choose(graph: PlannedGraph, correlation: Correlation | str, **factor_options: str) -> FactorPlan | None:
+    """The factor plan for ``correlation`` (None: mean-field); ``factor_options`` (``hermite``,
+    ``injection``) are passed to :func:`plan_factors` when the scheme is used.
 
     ``"shared-factor"``: the scheme, or :class:`CorrelationError` naming the layer it has no rule
     for; ``"mean-field"``: None; ``"auto"``: the scheme when :func:`needs_shared_factors` finds a
@@ -250,12 +251,12 @@ def choose(graph: PlannedGraph, correlation: Correlation | str) -> FactorPlan | 
     if correlation == "mean-field":
         return None
     if correlation == "shared-factor":
-        return plan_factors(graph)
+        return plan_factors(graph, **factor_options)  # type: ignore[arg-type]
     reason = needs_shared_factors(graph)
     if reason is None:
         return None
     try:
-        fp = plan_factors(graph)
+        fp = plan_factors(graph, **factor_options)  # type: ignore[arg-type]
         reference_only = next((layer for layer in graph.layers if not in_backends(layer.op)), None)
         if reference_only is not None:
             raise CorrelationError(f"{reference_only.layer.source}: op '{reference_only.op}' has a shared-factor rule "
@@ -267,8 +268,8 @@ def choose(graph: PlannedGraph, correlation: Correlation | str) -> FactorPlan | 
         return None
 
 
-def with_correlation(graph: PlannedGraph, correlation: Correlation | str) -> PlannedGraph:
+def with_correlation(graph: PlannedGraph, correlation: Correlation | str, **factor_options: str) -> PlannedGraph:
     """``graph`` (a plan of :func:`pyro2pfp.plan.plan`) with the factor plan :func:`choose` gives for
-    ``correlation`` stored in ``graph.factors`` (None: mean-field); returns ``graph``."""
-    graph.factors = choose(graph, correlation)
+    ``correlation`` (and ``factor_options``) stored in ``graph.factors`` (None: mean-field); returns ``graph``."""
+    graph.factors = choose(graph, correlation, **factor_options)
     return graph
