@@ -78,6 +78,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--correlation", default="auto", choices=("auto", "shared-factor", "mean-field"),
                     help="convert(..., correlation=) of the PFP network (default: auto; 'mean-field' gives the "
                          "independent-activation plan of the ResNets)")
+    ap.add_argument("--injection", default=None, choices=("regression", "rescaled"),
+                    help="with --correlation shared-factor: the factor plan's injection rule "
+                         "(convert(..., correlation=pyro2pfp.SharedFactor(injection=...)))")
     ap.add_argument("--max-pool", default="correlated", choices=("correlated", "independent"),
                     help="convert(..., max_pool=) of the PFP network (default: correlated)")
     ap.add_argument("--markdown", metavar="PATH",
@@ -296,7 +299,9 @@ def run_net(name: str, args, tgt, x_all: np.ndarray, y_all: np.ndarray, log) -> 
     det.eval()
 
     t0 = time.perf_counter()
-    net = pyro2pfp.convert(model, guide, input_shape=input_shape, correlation=args.correlation,
+    correlation = (pyro2pfp.SharedFactor(injection=args.injection) if args.injection is not None
+                   else args.correlation)
+    net = pyro2pfp.convert(model, guide, input_shape=input_shape, correlation=correlation,
                            max_pool=args.max_pool)
     t1 = time.perf_counter()
     exe = net.compile(tgt)
