@@ -10,7 +10,7 @@ OpDef's assumptions):
   are the mean-path statistics (what the deterministic network computes at the posterior mean); for
   input variances comparable to the spread of the means -- typical of Bayesian layers before a
   LayerNorm, whose weight scale the normalisation makes unidentifiable -- the mean-path ``s²`` is far too
-  small (the output variance was 4-27× too large on the MLP of ``tests/test_smooth_activations.py``);
+  small (the output variance was 4-27× too large on the MLP of ``tests/ops/activations/test_smooth_activations.py``);
 * the variance is that of LayerNorm **linearised** at the input means (the delta method), whose
   Jacobian includes the statistics' own dependence on the input, ``∂z_j/∂x_k = r·(δ_jk − (1 + z_j·z_k)/D)``;
   for independent inputs of variance ``v``:
@@ -21,7 +21,7 @@ OpDef's assumptions):
 * the affine part with independent (possibly Gaussian) ``γ``, ``β`` is exact:
   ``E y = μγ·z + μβ``, ``Var y = μγ²·Var z + vγ·(z² + Var z) + vβ``.
 
-Measured against Monte Carlo (``python tests/test_smooth_activations.py``; μ ~ N(0, 1) per feature,
+Measured against Monte Carlo (``python tests/ops/activations/test_smooth_activations.py``; μ ~ N(0, 1) per feature,
 v from 0.001 to 1e6): D = 16: mean within 0.05 output sd, variance ratio 0.89-1.06; D = 64: 0.02 sd,
 0.95-1.03.  Poor for few normalised features (D ≤ 4: the variance is off by up to 2-10×; D = 2 is a sign
 function), where ``s²`` itself fluctuates by O(1).
