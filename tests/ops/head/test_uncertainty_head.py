@@ -31,7 +31,6 @@ from pyro2pfp.network import PFPNetwork
 from pyro2pfp.ops.head import HeadOutput, append_head, head_numpy
 from pyro2pfp.plan import plan
 from pyro2pfp.uncertainty import uncertainty
-from tests.deploy.test_cli import trained  # noqa: F401  (the fixture: a trained MNIST MLP, its builder and parameters)
 from tests.support.op_coverage import COMPILED, MONTE_CARLO, covers
 from tests.user_code.test_styles import CLASSES, D_IN, HIDDEN, data, fit, likelihood, prior
 
@@ -247,12 +246,12 @@ def test_head_argument_errors(mlp):
 
 
 @pytest.mark.slow
-def test_cli_convert_with_head_and_predict(trained, capsys, monkeypatch):  # noqa: F811  (the fixture)
+def test_cli_convert_with_head_and_predict(trained, capsys, monkeypatch):
     """``pyro2pfp convert --head probs`` to a library and to ONNX; ``pyro2pfp predict`` writes the four
     outputs, equal to the head on the in-process network's logits."""
     from pyro2pfp.cli import main
 
-    work, net, x = trained  # tests/deploy/test_cli.py: a briefly trained MNIST MLP, its builder and parameters
+    work, net, x = trained  # tests/conftest.py: a briefly trained MNIST MLP, its builder and parameters
     monkeypatch.chdir(work)
     expected = head_numpy(*net.reference(x))
     for out in ("head.so", "head.onnx"):
