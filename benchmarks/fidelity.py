@@ -13,14 +13,16 @@ p10–p90 in [0.6, 1.6], argmax ≥ 99 %, mean error ≤ 0.1 sd).
 
     PYTHONPATH=. python benchmarks/fidelity.py [--samples 300] [--inputs 32] [--nets mlp,lenet,resnet8,resnet20]
                                               [--schemes mean-field,shared-factor] [--latency] [--cost]
-                                              [--variants] [--markdown docs/generated/fidelity.md]
+                                              [--variants] [--injections regression,rescaled]
+                                              [--markdown docs/generated/fidelity.md]
 
 ``--variants``: also the shared-factor rule variants that cost less arithmetic (the fidelity side of a
 speed trade): ``hermite='none'`` (no second-Hermite factor per ReLU channel: fewer factor columns),
 ``injection='rescaled'`` (no profile convolution on the input mean) and both, each with the
 multiply-adds of its fixed-K plan (what the compiled module computes, :func:`cost_model`) against
-mean-field's.  Only the NumPy reference runs them (the compiled and ONNX back ends implement
-``injection='regression'`` only).
+mean-field's.  ``--injections``: only the injection variants named (``sf[rescaled]``; ``regression``
+is the ``shared-factor`` row).  The compiled and ONNX back ends run every variant too; the rows here
+come from the NumPy reference.
 """
 from __future__ import annotations
 
@@ -84,13 +86,26 @@ def variant_nets(model, guide, shape: tuple[int, ...]) -> dict[str, PFPNetwork]:
             for label, options in VARIANTS.items()}
 
 
+def injection_nets(model, guide, shape: tuple[int, ...], injections: list[str]) -> dict[str, PFPNetwork]:
+    """``{"sf[<injection>]": net}``: the shared-factor net of ``model`` with each injection rule of
+    ``injections`` (``plan_factors(injection=...)``); empty if the net has no shared-factor plan."""
+    base = pyro2pfp.convert(model, guide, input_shape=shape, correlation="auto")
+    if base.plan.factors is None:
+        return {}
+    return {f"sf[{injection}]": PFPNetwork(base.layer_graph, dataclasses.replace(
+        base.plan, factors=plan_factors(base.plan, injection=injection))) for injection in injections}
+
+
 def macs_summary(net: PFPNetwork) -> str:
-    """The multiply-adds per input of ``net``'s shared-factor plan as the compiled module would run it
-    (compaction where the reference compacts, ``K`` in whole SIMD vectors) relative to mean-field PFP's."""
+    """The multiply-adds per input of ``net``'s shared-factor plan as the compiled module runs it
+    (compaction where the reference compacts, ``K`` in whole SIMD vectors) relative to mean-field PFP's,
+    and both counts."""
     fp = net.plan.factors
     cost = cost_model(net.plan, with_aligned_widths(plan_factors(net.plan, fp.hermite, compact=True,
                                                                   injection=fp.injection)))
-    return f"x{(cost.mean_field_macs + cost.extra_macs) / cost.mean_field_macs:.2f} of mean-field's"
+    total = cost.mean_field_macs + cost.extra_macs
+    return (f"x{total / cost.mean_field_macs:.2f} of mean-field's "
+            f"({total / 1e6:.1f} M of {cost.mean_field_macs / 1e6:.1f} M)")
 
 
 def main() -> None:
@@ -108,9 +123,14 @@ def main() -> None:
     ap.add_argument("--variants", action="store_true",
                     help="also the cheaper shared-factor rule variants (hermite='none', injection='rescaled', both) "
                          "with their multiply-adds")
+    ap.add_argument("--injections", default="regression",
+                    help="shared-factor injection rules compared (regression, rescaled): each but regression (the "
+                         "shared-factor row) adds a row sf[<injection>]; with their multiply-adds")
     ap.add_argument("--seed", type=int, default=0)
     add_markdown_argument(ap)
     args = ap.parse_args()
+    injections = [i for i in args.injections.split(",") if i != "regression"]
+    with_macs = args.variants or bool(injections)
     print(f"{args.samples} MC samples, {args.inputs} inputs")
     head = f"{'net':<9} {'scheme':<16} {'var ratio med':>13} {'p10':>6} {'p90':>6} {'argmax %':>9} {'mean err/sd':>11}"
     rows, verdicts = [head, "-" * len(head)], []
@@ -125,6 +145,8 @@ def main() -> None:
                 for scheme in args.schemes.split(",")}
         if args.variants:
             nets.update(variant_nets(model, guide, shape))
+        if injections:
+            nets.update(injection_nets(model, guide, shape, injections))
         d = pyro2pfp.diagnose(model, guide, x, num_samples=args.samples, net=next(iter(nets.values())),
                               seed=args.seed, per_layer=False)
         for scheme, net in nets.items():
@@ -143,13 +165,13 @@ def main() -> None:
                     fixed = cost_model(net.plan, plan_factors(net.plan, compact=False))
                     line += (f"\n{'':23}reference (QR compaction): {cost_model(net.plan).summary()}"
                              f"\n{'':23}compiled / ONNX (fixed K): {fixed.summary()}")
-            if scheme in VARIANTS or (args.variants and scheme == "shared-factor"):
+            if scheme in VARIANTS or (with_macs and scheme == "shared-factor"):
                 line += f"   multiply-adds {macs_summary(net)}"
             rows.append(line)
             print(line, flush=True)
             md_rows.append([name, label, f"{r.ratio_median:.3f} ({r.ratio_p10:.2f}–{r.ratio_p90:.2f})",
                             f"{100 * agree:.1f} %", f"{r.mean_error:.3f}"]
-                           + ([macs_summary(net)] if args.variants else []))
+                           + ([macs_summary(net) if net.plan.factors is not None else ""] if with_macs else []))
             ok = {"median in [0.8, 1.25]": 0.8 <= r.ratio_median <= 1.25,
                   "p10-p90 in [0.6, 1.6]": r.ratio_p10 >= 0.6 and r.ratio_p90 <= 1.6,
                   "argmax >= 99 %": agree >= 0.99, "mean err <= 0.1 sd": r.mean_error <= 0.1}
@@ -157,7 +179,7 @@ def main() -> None:
     print("\n".join(rows))
     print("\n".join(verdicts))
     columns = ["net", "scheme", "logit variance ratio PFP/MC: median (p10–p90)", "argmax agreement",
-               "mean error / MC sd"] + (["multiply-adds"] if args.variants else [])
+               "mean error / MC sd"] + (["multiply-adds"] if with_macs else [])
     write_markdown(args.markdown, [
         table(columns, md_rows),
         f"{args.samples} Monte Carlo samples of the guide, {args.inputs} standard-normal inputs; untrained "

@@ -116,7 +116,8 @@ def trained(name: str, epochs: int, store: str):
 
 
 def linear_macs(net: pyro2pfp.PFPNetwork) -> int:
-    """Multiply-adds of the linear maps per input: compute layers (mean + variance sums) and window_cov."""
+    """Multiply-adds of the linear maps per input: compute layers (mean + variance sums), window_cov, and for a
+    shared-factor plan the factor work on top (``pyro2pfp.correlation.cost_model``)."""
     total = 0
     for p in net.plan.layers:
         t = p.tensors
@@ -127,6 +128,10 @@ def linear_macs(net: pyro2pfp.PFPNetwork) -> int:
         elif p.op == "window_cov":
             out = int(np.prod(p.layer.out_shape))
             total += t["weight_mean"][0].size * out * (1 if p.in_reprs[0].name == "DETERMINISTIC" else 2)
+    if net.plan.factors is not None:
+        from pyro2pfp.correlation import cost_model
+
+        total += cost_model(net.plan, net.plan.factors).extra_macs
     return total
 
 

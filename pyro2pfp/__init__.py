@@ -8,9 +8,9 @@
 
 Importing the package is cheap: the converter (``convert``, ``PFPNetwork``, ``diagnose``, which need
 torch and Pyro) is imported when first used, and with it the op registry (``pyro2pfp.ops``).
-:func:`load` (an exported library, or an ONNX model run with onnxruntime), the uncertainty metrics and
-the errors need only NumPy (and the TVM runtime to run a library), so a board runs exported networks
-without torch, Pyro or the TVM compiler installed.
+:func:`load` (an exported library, or an ONNX model run with onnxruntime), the uncertainty metrics,
+the errors and the option Enums (:mod:`pyro2pfp.options`) need only NumPy (and the TVM runtime to run
+a library), so a board runs exported networks without torch, Pyro or the TVM compiler installed.
 """
 from __future__ import annotations
 
@@ -38,6 +38,7 @@ from .errors import (
     UnsupportedLayerError,
 )
 from .graph import Repr
+from .options import Correlation, Head, Hermite, Injection, MaxPool, MomentForm, SharedFactor
 from .uncertainty import auroc, calibrate, predictive_uncertainty, uncertainty, uncertainty_from_logit_samples
 
 if TYPE_CHECKING:
@@ -105,4 +106,5 @@ __all__ = ["convert", "load", "PFPNetwork", "Repr", "PFPError", "UnsupportedLaye
            "InputShapeError", "TracingError", "NumericalError", "LoadError", "LibraryNotFoundError",
            "ArgumentError", "RemoteError", "TuningError", "InternalError", "uncertainty",
            "uncertainty_from_logit_samples", "predictive_uncertainty", "auroc", "calibrate", "set_num_threads",
-           "diagnose", "Diagnosis", "PFPWarning", "FidelityWarning"]
+           "diagnose", "Diagnosis", "PFPWarning", "FidelityWarning", "Correlation", "SharedFactor", "MomentForm",
+           "MaxPool", "Head", "Hermite", "Injection"]

@@ -2,7 +2,7 @@
 
 ``import tvm.s_tir.tensor_intrin`` parses ~500 TVMScript intrinsics, and every ``@T.prim_func``
 calls ``inspect.stack()``, which is pathologically slow inside an import (``inspect.getmodule``
-scans ``sys.modules`` for every ``<frozen importlib>`` frame): ~130 s instead of ~3-15 s.
+scans ``sys.modules`` for every ``<frozen importlib>`` frame): minutes instead of seconds.
 MetaSchedule imports that module in every ``TuneContext`` and in every ``LocalBuilder`` worker
 process, so an unpatched tuning run either takes many minutes or has every build killed by the
 builder's timeout (``LocalBuilder: Timeout, killed after 30.0 seconds``).

@@ -24,9 +24,10 @@ keep the independent fold (their factor rules do not know ``window_cov``).
 from __future__ import annotations
 
 from .graph import INPUT, Layer, LayerGraph
+from .options import MaxPool, values
 from .registry import OPS
 
-MAX_POOL_RULES = ("correlated", "independent")
+MAX_POOL_RULES = values(MaxPool)
 
 
 def _non_decreasing(layer: Layer) -> bool:

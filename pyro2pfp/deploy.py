@@ -30,7 +30,7 @@ from typing import Any
 
 from .compile import compile_network
 from .errors import ArgumentError, LibraryNotFoundError, LoadError
-from .exporting import (
+from .library_files import (
     BATCH_KEY,
     FORMAT,
     SIDECAR_SUFFIX,
@@ -145,7 +145,7 @@ def _load_module(path: str) -> Any:
 
 def _batch_library_files(info: dict[str, Any], meta: str, verify_sha256: bool) -> dict[int, str]:
     """``{batch: library path}`` of the batch-specialised executables the sidecar lists under
-    :data:`~pyro2pfp.exporting.BATCH_KEY` (none for a sidecar without that key).  Each file must be a
+    :data:`~pyro2pfp.library_files.BATCH_KEY` (none for a sidecar without that key).  Each file must be a
     plain file name in the sidecar's directory (nothing outside it is loaded), exist, and have the
     recorded sha256 -- the checks the main library gets; every failure is a :class:`LoadError`
     naming the file."""

@@ -15,13 +15,14 @@ import pyro.util
 
 from .errors import PFPError
 from .mc_compare import SD_FLOOR, Diagnosis, LayerFidelity, compare, layer_fidelity, model_and_guide, restored_rng
+from .options import Correlation, SharedFactor
 
 __all__ = ["SD_FLOOR", "Diagnosis", "LayerFidelity", "compare", "diagnose", "layer_fidelity", "model_and_guide"]
 
 
 def diagnose(model: Any, guide: Any, x: Any, *, num_samples: int = 300, input_shape: tuple[int, ...] | None = None,
              calibration: float = 1.0, net: Any = None, seed: int = 0, per_layer: bool = True,
-             execute: Any = None, correlation: str = "auto") -> Diagnosis:
+             execute: Any = None, correlation: Correlation | SharedFactor | str = Correlation.AUTO) -> Diagnosis:
     """Compare every planned layer's PFP moments with Monte Carlo over the guide's samples.
 
     ``model``, ``guide``: as for :func:`pyro2pfp.convert` (a TyXe ``VariationalBNN`` may be passed

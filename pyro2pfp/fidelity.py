@@ -24,8 +24,7 @@ elements and the same ``n`` weight samples drive them all.  When the logits fail
 bounds (where the approximation breaks), with its figures and how long the check took.
 
 Cost: ``n`` guide samples and ``n`` torch forward passes of the whole batch, plus one more trace of
-the model: at ``n = 150`` on 16 MNIST digits, 1.3 s of CPU time for an MLP 784-100-10 and 2.3 s for a
-LeNet-5 (one thread); the message and ``FidelityCheck.seconds`` give the time taken.  It is off by
+the model; the message and ``FidelityCheck.seconds`` give the time taken.  It is off by
 default and runs once, in ``convert``; keep the batch small (8–32 inputs).  Model, guide, param store
 and random number generators are left as they were.
 """

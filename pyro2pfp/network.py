@@ -11,13 +11,14 @@ from . import correlation as correlation  # registers the shared-factor executor
 from . import folding
 from . import ops as ops  # the op registry: every op family registers its converter, reference, ONNX export
 from ._version import __version__
-from .correlated_pools import MAX_POOL_RULES, correlate_max_pools, pool_caveats
+from .correlated_pools import correlate_max_pools, pool_caveats
 from .correlation import with_correlation
 from .correlation.cost import dense_head_caveat
 from .errors import ArgumentError, InputShapeError, InternalError, PFPError, PFPWarning, PosteriorError
 from .graph import LayerGraph, Repr
 from .inputs import checked_inputs
 from .model_args import user_model_args
+from .options import Correlation, Head, MaxPool, MomentForm, SharedFactor, checked, correlation_choice
 from .plan import PlannedGraph, plan
 from .reference import execute
 from .tracing import trace_model
@@ -123,8 +124,8 @@ class PFPNetwork:
         to tune for another CPU architecture (candidates built here, measured on the board).
         ``batch_sizes``: e.g. ``batch_sizes=[1]`` -- also build a static-shape executable (default
         schedules) for each batch size named; calls with that batch size run it (fewer VM
-        instructions per call: 5–13 % faster at batch 1, ~0 at batch 10 on the benchmark nets;
-        ``benchmarks/latency.py --static``).  Costs one more build per size.  Works for cross
+        instructions per call, which matters at small batches, where the call's overhead is a larger share;
+        ``benchmarks/latency.py --static`` compares them).  Costs one more build per size.  Works for cross
         targets too (the executables are exported with the library).
         """
         from .compile import compile_network
@@ -163,7 +164,7 @@ class PFPNetwork:
         """Write the network as an ONNX model (standard operators; inputs ``x`` [, ``x_var``],
         outputs ``mean``, ``var``; dynamic batch), checked with ``onnx.checker``; returns the
         ``onnx.ModelProto``."""
-        from .onnx_export import to_onnx
+        from .onnx_builder import to_onnx
 
         return to_onnx(self, path, opset=opset)
 
@@ -180,10 +181,10 @@ class PFPNetwork:
 
 
 def convert(model: Any, guide: Any = None, *, input_shape: tuple[int, ...] | None = None,
-            calibration: float = 1.0, moment_form: str = "variance",
+            calibration: float = 1.0, moment_form: MomentForm | str = MomentForm.VARIANCE,
             input_variance: bool = False, check_posterior: bool = True,
-            fold_batch_norm: bool = True, correlation: str = "auto", head: str | None = None,
-            max_pool: str = "correlated", check: Any = None,
+            fold_batch_norm: bool = True, correlation: Correlation | SharedFactor | str = Correlation.AUTO,
+            head: Head | str | None = None, max_pool: MaxPool | str = MaxPool.CORRELATED, check: Any = None,
             example_args: tuple | None = None, example_kwargs: dict[str, Any] | None = None) -> PFPNetwork:
     """Convert a Pyro BNN (``model``, trained ``guide``) into a PFP network.
 
@@ -194,6 +195,13 @@ def convert(model: Any, guide: Any = None, *, input_shape: tuple[int, ...] | Non
 
     ``input_shape`` is the shape of one input without the batch dimension; it may be omitted when
     the first layer is a Linear layer.
+
+    The string options ``moment_form``, ``correlation``, ``max_pool`` and ``head`` take a member of
+    their Enum in :mod:`pyro2pfp.options` (:class:`~pyro2pfp.options.MomentForm`,
+    :class:`~pyro2pfp.options.Correlation`, :class:`~pyro2pfp.options.MaxPool`,
+    :class:`~pyro2pfp.options.Head`) or its string, e.g. ``correlation=pyro2pfp.Correlation.MEAN_FIELD``
+    or ``correlation="mean-field"``; any other value raises an :class:`~pyro2pfp.errors.ArgumentError`
+    that lists the allowed ones.
 
     ``moment_form="variance"`` (default) carries variances on every edge (cancellation-free in
     float32); ``"raw"`` is the paper's plan (compute layers take raw second moments, ``E[w²]``
@@ -232,9 +240,11 @@ def convert(model: Any, guide: Any = None, *, input_shape: tuple[int, ...] | Non
     two branches of a residual add (one pass, no sampling; a :class:`~pyro2pfp.errors.ArgumentError`
     naming the layer if an op has no rule); ``"auto"`` (default): shared-factor when the network
     averages positions of a conv output or adds residual branches (where mean-field under-states the
-    logit variance several-fold, e.g. ResNet-20 0.17 of the Monte Carlo variance), mean-field
+    logit variance several-fold: the ResNet rows of ``docs/fidelity.md``), mean-field
     otherwise (MLPs, LeNet-5), and mean-field with a warning when an op has no shared-factor rule.
-    ``net.plan.correlation`` tells which was chosen.
+    ``net.plan.correlation`` tells which was chosen.  ``correlation=pyro2pfp.SharedFactor(hermite=...,
+    injection=...)`` is the shared-factor scheme with its cheaper variants (:class:`~pyro2pfp.options.Hermite`,
+    :class:`~pyro2pfp.options.Injection`; ``docs/options.md`` compares them).
 
     ``max_pool``: the rule of max pooling under mean-field PFP.  ``"correlated"`` (default): where a
     conv feeds the pool (directly or through a non-decreasing activation, which is then applied after
@@ -256,8 +266,7 @@ def convert(model: Any, guide: Any = None, *, input_shape: tuple[int, ...] | Non
     a :class:`~pyro2pfp.errors.FidelityWarning` naming the first layer that parts from sampling is issued
     when they differ by more than the sample count explains; ``net.fidelity`` holds the figures
     (:mod:`pyro2pfp.fidelity`).  Costs 150 guide samples and forward passes of the batch through the torch
-    model (16 digits: ~1.3 s of CPU for an MLP 784-100-10, ~2.3 s for a LeNet-5); the message says how
-    long it took.
+    model, so keep the batch small (a few dozen inputs); the message says how long it took.
     """
     from .ops.head import append_head, check_head
     from .preserve import preserved
@@ -265,7 +274,10 @@ def convert(model: Any, guide: Any = None, *, input_shape: tuple[int, ...] | Non
     with preserved(model, guide):  # the user's objects, the param store, the random state: as found
         stage = "checking the arguments"
         try:
-            check_head(head)
+            head = check_head(head)
+            moment_form = checked(MomentForm, moment_form)
+            correlation, factor_options = correlation_choice(correlation)
+            max_pool = checked(MaxPool, max_pool)
             if not isinstance(input_variance, bool | np.bool_):
                 raise ArgumentError(f"input_variance must be True or False, got {input_variance!r}")
             tyxe_bnn = None
@@ -299,11 +311,9 @@ def convert(model: Any, guide: Any = None, *, input_shape: tuple[int, ...] | Non
             if head is not None and isinstance(noise, NoiseModel | HeteroscedasticNoise):
                 raise ArgumentError(f"head={head!r} is for classifiers (logits); this model has a Normal likelihood "
                                     "(regression): use net.regression(mean, var) instead")
-            if max_pool not in MAX_POOL_RULES:
-                raise ArgumentError(f"max_pool must be one of {MAX_POOL_RULES}, got {max_pool!r}")
             stage = "planning the network"
             planned_graph = append_head(layer_graph, head) if head is not None else layer_graph
-            planned = with_correlation(plan(planned_graph, calibration, moment_form), correlation)
+            planned = with_correlation(plan(planned_graph, calibration, moment_form), correlation, **factor_options)
             caveat = dense_head_caveat(planned) if correlation == "auto" and planned.factors is None else None
             if caveat is not None:  # the shared-factor plan's cost: of this plan, before the pool rewrite
                 warnings.warn(caveat, PFPWarning, stacklevel=3)

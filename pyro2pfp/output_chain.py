@@ -31,7 +31,7 @@ import torch.fx
 from pyro.distributions.torch_distribution import ExpandedDistribution, MaskedDistribution
 
 from .errors import TracingError
-from .export_passes import user_line
+from .trace_passes import user_line
 
 _RESHAPES = {"view", "reshape", "_unsafe_view", "squeeze", "unsqueeze", "flatten", "clone", "contiguous",
              "alias", "detach", "expand"}

@@ -46,6 +46,7 @@ import numpy as np
 
 from .errors import PFPError
 from .graph import INPUT, Layer, LayerGraph, Repr
+from .options import MomentForm, checked, values
 from .registry import COMPUTE_INPUT, OPS
 
 D, V, S = Repr.DETERMINISTIC, Repr.VARIANCE, Repr.SECOND_MOMENT
@@ -79,7 +80,7 @@ class OpSpec:
     keeps_deterministic: bool  # deterministic inputs give a deterministic output (no parameters)
 
 
-MOMENT_FORMS = ("variance", "raw")
+MOMENT_FORMS = values(MomentForm)
 
 
 def op_specs(moment_form: str = "variance") -> dict[str, OpSpec]:
@@ -226,7 +227,8 @@ def _stored_tensors(layer: Layer, input_repr: Repr, calibration: float) -> dict[
     return tensors
 
 
-def plan(graph: LayerGraph, calibration: float = 1.0, moment_form: str = "variance") -> PlannedGraph:
+def plan(graph: LayerGraph, calibration: float = 1.0,
+         moment_form: MomentForm | str = MomentForm.VARIANCE) -> PlannedGraph:
     """Assign representations, insert conversions and compute the stored weights (a mean-field plan:
     :func:`pyro2pfp.correlation.with_correlation` adds the factor plan of shared-factor PFP)."""
     if isinstance(calibration, bool) or not isinstance(calibration, numbers.Real):
@@ -234,8 +236,7 @@ def plan(graph: LayerGraph, calibration: float = 1.0, moment_form: str = "varian
                        f"got {calibration!r} of type {type(calibration).__name__}")
     if not np.isfinite(calibration) or calibration < 0:
         raise PFPError(f"calibration must be a finite non-negative factor, got {calibration}")
-    if moment_form not in MOMENT_FORMS:
-        raise PFPError(f"moment_form must be one of {MOMENT_FORMS}, got {moment_form!r}")
+    moment_form = checked(MomentForm, moment_form)
     specs = op_specs(moment_form)
     for layer in graph.layers:
         if layer.op not in specs:

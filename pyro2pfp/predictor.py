@@ -228,6 +228,6 @@ class CompiledPFP:
         sha256; ``load`` loads them back, so calls of those sizes run them there as well.  Cross
         targets: ``.so`` uses the cross compiler (``cc``, default ``aarch64-linux-gnu-gcc`` for
         AArch64), ``.tar`` needs no toolchain.  Returns ``path``."""
-        from .exporting import export_library
+        from .library_files import export_library
 
         return export_library(self, path, cc=cc, metadata=metadata)

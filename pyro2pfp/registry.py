@@ -12,7 +12,7 @@ table              decorator                                             module
 =================  ====================================================  =================================
 converters         ``converters.register("aten.x.default", produces=)``  :mod:`pyro2pfp.converters`
 references         ``reference.reference(op)``                           :mod:`pyro2pfp.reference`
-ONNX exporters     ``onnx_export.exporter(op)``                          :mod:`pyro2pfp.onnx_export`
+ONNX exporters     ``onnx_builder.exporter(op)``                          :mod:`pyro2pfp.onnx_builder`
 TVM kernels        ``tvm_backend.kernel(op)``                            :mod:`pyro2pfp.tvm_backend`
 CPU schedules      ``tvm_backend.schedule(op)``                          :mod:`pyro2pfp.tvm_backend.schedules`
 =================  ====================================================  =================================

@@ -267,7 +267,7 @@ def upload(exe: Any, remote: Any, batches: Any = None) -> RemotePredictor:
     target), upload the library to a board and load it there.  ``batches``: the batch-specialised
     executables of ``exe.tuned`` to upload as well (default: all of them; sizes without one are
     ignored); calls with those batch sizes run them."""
-    from .exporting import batch_library_path, export_library
+    from .library_files import batch_library_path, export_library
 
     remote = as_remote(remote)
     have = {int(b) for b in (getattr(exe, "tuned", None) or {})}

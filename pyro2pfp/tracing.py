@@ -34,15 +34,6 @@ from . import ops as _ops  # noqa: F401  (registers the converters that _check_s
 from . import random_module, trace_forms
 from .converters import CONVERTERS, unsupported_message
 from .errors import PosteriorError, TracingError, UnsupportedLayerError
-from .export_passes import (
-    compute_ops,
-    fold_identity_broadcasts,
-    repair_users,
-    tensor_ops,
-    torch_module,
-    used_parameters,
-    user_line,
-)
 from .graph import GaussianParam
 from .model_args import TracedArgs
 from .model_checks import check_has_forward, checked_input_shape, modules_of_function, warn_train_mode
@@ -52,6 +43,15 @@ from .posterior import ModelArgs, SiteReading, call_failure, call_with_model_arg
 from .posterior.readers import padded_parameters
 from .preserve import module_changes_undone
 from .site_matching import check_all_matched, guide_name, require_weight_posterior
+from .trace_passes import (
+    compute_ops,
+    fold_identity_broadcasts,
+    repair_users,
+    tensor_ops,
+    torch_module,
+    used_parameters,
+    user_line,
+)
 
 _WRAPPER_PREFIX = "model."
 

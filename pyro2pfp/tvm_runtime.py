@@ -14,7 +14,7 @@ If ``tvm`` is already imported its libraries are loaded and are used as they are
 ``tvm_ffi`` imports torch if it can, for its optional torch interoperability; pyro2pfp hands the
 runtime NumPy arrays only, so when torch is not imported yet it is hidden from that one import (torch
 stays importable afterwards): on a machine with torch installed, loading a library then costs no
-torch import (~3 s, ~200 MB).  A ``.tar`` library (object files) is linked with the system compiler
+torch import (seconds and hundreds of MB).  A ``.tar`` library (object files) is linked with the system compiler
 through ``tvm``'s own ``load_module``, which imports ``tvm``.
 
 Threads: TVM's CPU thread pool is process-wide and sized when it first starts.  TVM sizes it to half

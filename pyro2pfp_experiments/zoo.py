@@ -348,7 +348,7 @@ def train_svi(
 
 
 # --------------------------------------------------------------------------------------------
-# ResNet-style Bayesian nets, written the TyXe way (issue 12)
+# ResNet-style Bayesian nets, written the TyXe way
 # --------------------------------------------------------------------------------------------
 class _BasicBlock(nn.Module):
     """conv3x3 → BN → ReLU → conv3x3 → BN, plus the shortcut (identity, or 1×1 conv → BN when the
@@ -430,7 +430,7 @@ def he_init_loc(site: dict[str, Any], rng: np.random.Generator | None = None) ->
 
 def he_posterior(model: Callable[..., Any], x: torch.Tensor, scale: float = 0.02,
                      seed: int = 0) -> AutoNormal:
-    """An untrained ``AutoNormal`` posterior as in issue 12: means at He scale
+    """An untrained ``AutoNormal`` posterior for the fidelity benchmarks: means at He scale
     (:func:`he_init_loc`), every posterior standard deviation ``scale``; initialised by one call
     on ``x`` (clears the param store).  Works for any model of this module.
 

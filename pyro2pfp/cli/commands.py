@@ -35,9 +35,16 @@ def convert_from_args(args: argparse.Namespace):
         options["check"] = load_array(args.check, "check input")
     if getattr(args, "example", None):
         options["example_args"], options["example_kwargs"] = load_example(args.example)
+    correlation: Any = args.correlation
+    variants = {k: v for k in ("hermite", "injection") if (v := getattr(args, k, None)) is not None}
+    if variants:
+        if correlation != "shared-factor":
+            raise CLIError(f"--{' --'.join(variants)} choose a variant of the shared-factor scheme: add "
+                           "--correlation shared-factor")
+        correlation = pyro2pfp.SharedFactor(**variants)
     try:
         net = pyro2pfp.convert(model, guide, input_shape=args.input_shape, calibration=args.calibration,
-                               moment_form=args.moment_form, correlation=args.correlation, **options)
+                               moment_form=args.moment_form, correlation=correlation, **options)
     except PFPError as exc:
         if args.params is None and "never been run" in str(exc):
             raise CLIError(f"{exc} Pass the trained parameters with --params params.pt.") from None
@@ -50,7 +57,7 @@ def convert_from_args(args: argparse.Namespace):
 
 def cmd_convert(args: argparse.Namespace) -> int:
     from .. import deploy
-    from ..onnx_export import to_onnx
+    from ..onnx_builder import to_onnx
 
     ext = _check_output_path(args.output, (".so", ".tar", ".onnx"), "the output file")
     tune = None
@@ -141,7 +148,7 @@ def cmd_inspect(args: argparse.Namespace) -> int:
     if ext == ".onnx":
         import onnx
 
-        from ..onnx_export import onnx_ops_used
+        from ..onnx_builder import onnx_ops_used
 
         if not os.path.isfile(target):
             raise CLIError(f"'{target}' not found")
@@ -234,7 +241,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
     import tempfile
 
     from .. import deploy
-    from ..onnx_export import to_onnx
+    from ..onnx_builder import to_onnx
     from ..sampling import predictive_logits
 
     model, guide, net = convert_from_args(args)

@@ -9,6 +9,7 @@ from typing import Any
 import numpy as np
 
 from ..loading import DEFAULT_FUNCTION
+from ..options import Correlation, Head, Hermite, Injection, MomentForm, values
 from .commands import cmd_bench, cmd_convert, cmd_diagnose, cmd_inspect, cmd_predict, cmd_validate
 
 MAIN_DESCRIPTION = """\
@@ -107,7 +108,7 @@ def _add_conversion_options(p: argparse.ArgumentParser, builder_help: str = BUIL
                         "first layer is a convolution; a Linear first layer gives it)")
     p.add_argument("--calibration", "-c", type=non_negative_float, default=1.0, metavar="FACTOR",
                    help="multiply every posterior weight variance by FACTOR (default 1.0)")
-    p.add_argument("--moment-form", choices=("variance", "raw"), default="variance",
+    p.add_argument("--moment-form", choices=values(MomentForm), default=MomentForm.VARIANCE.value,
                    help="'variance' (default, accurate in float32) or 'raw' (the paper's raw-moment plan)")
     p.add_argument("--input-variance", action="store_true",
                    help="the network also takes the variance of its input (sensor noise): inputs x, x_var")
@@ -115,10 +116,16 @@ def _add_conversion_options(p: argparse.ArgumentParser, builder_help: str = BUIL
                    help="arguments of one call of the model and guide, for models/guides that need more than "
                         "the input (e.g. model(x, y) reading y.size(0)): np.savez(EXAMPLE.npz, x, y) with a few "
                         "real inputs first (named arrays are keyword arguments); the labels never enter the net")
-    p.add_argument("--correlation", choices=("auto", "shared-factor", "mean-field"), default="auto",
+    p.add_argument("--correlation", choices=values(Correlation), default=Correlation.AUTO.value,
                    help="treatment of noise shared across positions/branches: 'auto' (default: shared-factor "
                         "for nets with average pooling of conv outputs or residual adds), 'shared-factor' or "
                         "'mean-field' (the paper)")
+    p.add_argument("--hermite", choices=values(Hermite), default=None,
+                   help="shared-factor variant (with --correlation shared-factor): 'factor' (default) or 'none' "
+                        "(no second-Hermite factor per ReLU: cheaper)")
+    p.add_argument("--injection", choices=values(Injection), default=None,
+                   help="shared-factor variant (with --correlation shared-factor): 'regression' (default) or "
+                        "'rescaled' (no regression convolution per conv layer: cheaper)")
 
 
 def _add_remote_options(p: argparse.ArgumentParser, required: bool) -> None:
@@ -159,7 +166,7 @@ def build_parser() -> argparse.ArgumentParser:
         example:
           pyro2pfp convert builder.py:build --params params.pt --input-shape 1,28,28 -o net.so"""))
     _add_conversion_options(p)
-    p.add_argument("--head", choices=("probs",), default=None,
+    p.add_argument("--head", choices=values(Head), default=None,
                    help="append the uncertainty head (pyro2pfp.ops.head): outputs class probabilities and the "
                         "predictive entropy, expected entropy and mutual information instead of the logits' "
                         "mean and variance")

@@ -37,9 +37,10 @@ def cost_model(graph: PlannedGraph, factors: FactorPlan | None = None) -> Cost:
     them (``sf_conv_profile``): one with per-input weights on the input's profile ``s_in`` if the input has a
     shared part (the propagated term ``W·β`` and the regression term ``coef·V·m̄s`` on the same input merged
     into one weight) and, for ``injection='regression'``, one on the input mean (``coef·V·m̄μ``;
-    ``'rescaled'`` reuses the mean-field weight-variance term instead); ``O·C·(K_in + K_out)`` for the
-    loadings; per dense layer two products of its size and ``O·C·K``; per ReLU/add ``~3·C·K``; per compaction
-    ``2·C²·K``.
+    ``'rescaled'`` reuses the mean-field weight-variance term instead: its root's spatial mean and the
+    scaled root, ``2·O·P``); ``O·C·(K_in + K_out)`` for the loadings and ``2·|W|`` for the per-input
+    weights (``|W|``, the propagated term's alone, for ``'rescaled'``); per dense layer two products of
+    its size and ``O·C·K``; per ReLU/add ``~3·C·K``; per compaction ``2·C²·K``.
     ``factors``: default ``graph.factors``, else :func:`plan_factors` of ``graph``."""
     fp = factors if factors is not None else graph.factors if graph.factors is not None else plan_factors(graph)
     injection = fp.injection
@@ -65,8 +66,11 @@ def cost_model(graph: PlannedGraph, factors: FactorPlan | None = None) -> Cost:
                 continue
             c_in = wm.shape[1] if layer.op == "conv2d" else fp.rows.get(ins[0], 1)
             if layer.op == "conv2d":
-                regression = layer.name in fp.offsets and injection == "regression"
-                extra += (macs if k_in else 0) + (macs if regression else 0) + o * c_in * (k_in + k) + 2 * size
+                noisy = layer.name in fp.offsets
+                if injection == "regression" or not noisy:
+                    extra += (macs if k_in else 0) + (macs if noisy else 0) + o * c_in * (k_in + k) + 2 * size
+                else:  # rescaled: the propagated term's weights only, the root's mean and the scaled root
+                    extra += (macs + size if k_in else 0) + o * c_in * (k_in + k) + 2 * n_out
             else:
                 extra += (2 * macs + o * c_in * k_in if k_in else 0) + o * k
         else:

@@ -18,12 +18,13 @@ import numpy as np
 
 from ..errors import ArgumentError
 from ..graph import INPUT, Repr
+from ..options import Correlation, Hermite, Injection, checked, values
 from ..plan import PlannedGraph, PlannedLayer, is_compute_layer
 from ..registry import OPS, SHARED_EXPORTERS, SHARED_REFERENCES
 
-CORRELATIONS = ("auto", "shared-factor", "mean-field")
-HERMITE_MODES = ("factor", "none")
-INJECTIONS = ("regression", "rescaled")
+CORRELATIONS = values(Correlation)
+HERMITE_MODES = values(Hermite)
+INJECTIONS = values(Injection)
 #: compact an edge's ``g`` when its factor count reaches this multiple of its rows (cost 2·C²·K)
 COMPACT_RATIO = 4
 
@@ -75,15 +76,12 @@ def is_terminal(op: str) -> bool:
     return op in OPS and OPS[op].factor_spec.terminal
 
 
-def plan_factors(graph: PlannedGraph, hermite: str = "factor", compact: bool = True,
-                 injection: str = "regression") -> FactorPlan:
+def plan_factors(graph: PlannedGraph, hermite: Hermite | str = Hermite.FACTOR, compact: bool = True,
+                 injection: Injection | str = Injection.REGRESSION) -> FactorPlan:
     """Allocate the factor blocks and compaction points of ``graph`` (static: no input needed).
 
     Raises :class:`CorrelationError` naming the first layer the scheme has no rule for."""
-    if hermite not in HERMITE_MODES:
-        raise ArgumentError(f"hermite must be one of {HERMITE_MODES}, got {hermite!r}")
-    if injection not in INJECTIONS:
-        raise ArgumentError(f"injection must be one of {INJECTIONS}, got {injection!r}")
+    hermite, injection = checked(Hermite, hermite), checked(Injection, injection)
     if graph.input_repr is not Repr.DETERMINISTIC:
         raise CorrelationError("correlation='shared-factor' needs a deterministic network input "
                                "(input_variance=True is mean-field only)")
@@ -158,9 +156,10 @@ def fixed_k_plan(graph: PlannedGraph, what: str, ops: Collection[str] | None = N
     shared-factor ``graph``: ``graph.factors``' variants with a static ``K`` per edge.
     ``compaction``: keep the reference's compaction points (``compact_at``; the back end then
     replaces ``g`` by a ``C × C`` factor of ``g·gᵀ`` there, e.g. its Cholesky factor -- exact, only
-    ``g·gᵀ`` is used downstream), else none (``K`` grows with depth).  :class:`ArgumentError` for
-    what they do not implement: the raw-moment plan, ``injection='rescaled'``, ops outside ``ops``
-    (the back end's table of rules, :func:`in_backends`; naming the layer).
+    ``g·gᵀ`` is used downstream), else none (``K`` grows with depth).  Both injections are kept
+    (``'regression'``, ``'rescaled'``).  :class:`ArgumentError` for what they do not implement: the
+    raw-moment plan, ops outside ``ops`` (the back end's table of rules, :func:`in_backends`; naming
+    the layer).
     Every ``K`` is rounded up to a multiple of
     :data:`FACTOR_ALIGN` (zero columns) so the kernels' factor axis is whole SIMD vectors; a
     compacted edge carries ``aligned(rows)`` columns (:func:`aligned`)."""
@@ -168,9 +167,6 @@ def fixed_k_plan(graph: PlannedGraph, what: str, ops: Collection[str] | None = N
     if graph.moment_form != "variance":
         raise ArgumentError(f"{what} of correlation='shared-factor' needs moment_form='variance', not "
                             f"{graph.moment_form!r}")
-    if fp.injection != "regression":
-        raise ArgumentError(f"{what} of correlation='shared-factor' supports injection='regression' only, not "
-                            f"{fp.injection!r}")
     for layer in graph.layers:
         if not in_backends(layer.op, ops):
             implemented = ", ".join(sorted(SHARED_EXPORTERS if ops is None else ops))
@@ -243,24 +239,24 @@ def needs_shared_factors(graph: PlannedGraph) -> str | None:
     return None
 
 
-def choose(graph: PlannedGraph, correlation: str) -> FactorPlan | None:
-    """The factor plan for ``correlation`` (None: mean-field).
+def choose(graph: PlannedGraph, correlation: Correlation | str, **factor_options: str) -> FactorPlan | None:
+    """The factor plan for ``correlation`` (None: mean-field); ``factor_options`` (``hermite``,
+    ``injection``) are passed to :func:`plan_factors` when the scheme is used.
 
     ``"shared-factor"``: the scheme, or :class:`CorrelationError` naming the layer it has no rule
     for; ``"mean-field"``: None; ``"auto"``: the scheme when :func:`needs_shared_factors` finds a
     reason, else mean-field -- and mean-field with a warning when the scheme has no rule for a layer,
     or one that only the NumPy reference implements (none today: the plan must compile and export)."""
-    if correlation not in CORRELATIONS:
-        raise ArgumentError(f"correlation must be one of {CORRELATIONS}, got {correlation!r}")
+    correlation = checked(Correlation, correlation)
     if correlation == "mean-field":
         return None
     if correlation == "shared-factor":
-        return plan_factors(graph)
+        return plan_factors(graph, **factor_options)  # type: ignore[arg-type]
     reason = needs_shared_factors(graph)
     if reason is None:
         return None
     try:
-        fp = plan_factors(graph)
+        fp = plan_factors(graph, **factor_options)  # type: ignore[arg-type]
         reference_only = next((layer for layer in graph.layers if not in_backends(layer.op)), None)
         if reference_only is not None:
             raise CorrelationError(f"{reference_only.layer.source}: op '{reference_only.op}' has a shared-factor rule "
@@ -272,8 +268,8 @@ def choose(graph: PlannedGraph, correlation: str) -> FactorPlan | None:
         return None
 
 
-def with_correlation(graph: PlannedGraph, correlation: str) -> PlannedGraph:
+def with_correlation(graph: PlannedGraph, correlation: Correlation | str, **factor_options: str) -> PlannedGraph:
     """``graph`` (a plan of :func:`pyro2pfp.plan.plan`) with the factor plan :func:`choose` gives for
-    ``correlation`` stored in ``graph.factors`` (None: mean-field); returns ``graph``."""
-    graph.factors = choose(graph, correlation)
+    ``correlation`` (and ``factor_options``) stored in ``graph.factors`` (None: mean-field); returns ``graph``."""
+    graph.factors = choose(graph, correlation, **factor_options)
     return graph

@@ -1,5 +1,5 @@
 """ONNX export of shared-factor PFP: the step that emits, after each layer's mean-field export
-(``onnx_export.SCHEME_STEPS``), the ONNX form of the layer's rule
+(``onnx_builder.SCHEME_STEPS``), the ONNX form of the layer's rule
 (:data:`~pyro2pfp.registry.SHARED_EXPORTERS`, registered with each op in ``ops/<family>.py``), and
 the helpers those rules are written with.
 
@@ -20,7 +20,7 @@ from typing import Any
 import numpy as np
 
 from ..graph import Repr
-from ..onnx_export import SCHEME_STEPS, OnnxActivation, OnnxContext, Sym
+from ..onnx_builder import SCHEME_STEPS, OnnxActivation, OnnxContext, Sym
 from ..plan import PlannedGraph
 from ..registry import SHARED_EXPORTERS
 from .backend import FixedKStep

@@ -4,10 +4,10 @@ the noise that is shared by all positions and, across channels, by the same upst
 Why
 ---
 Mean-field PFP (``docs/math.md``) keeps per element ``(μ, v)`` and treats all elements as
-independent.  Its per-position variances match sampling even in a ResNet-20 (``pyro2pfp.diagnose``:
-every layer's median PFP/MC variance ratio 0.95–1.08), but a conv weight is shared by all
-positions and every channel mixes all upstream channels, so *sums* over positions (global average
-pooling, flatten → dense) lose most of the variance (ResNet-20 logit variance ratio 0.17).  The
+independent.  Its per-position variances match sampling even in a deep residual net (every layer's
+variance ratio in ``pyro2pfp.diagnose`` stays near 1), but a conv weight is shared by all positions
+and every channel mixes all upstream channels, so *sums* over positions (global average pooling,
+flatten → dense) lose most of the variance (the ResNet rows of ``docs/fidelity.md``).  The
 scheme keeps the mean-field ``(μ, v)`` and carries beside them the covariance of every activation
 with a few normals per channel, used where positions and channels are summed.  Prediction stays a
 single forward pass without sampling; nothing is fitted to Monte Carlo.

@@ -42,8 +42,8 @@ differentiated by its mathematical derivative in the back end's arithmetic:
   difference cancels; in the float32 back ends the rational form they evaluate
   (:func:`~pyro2pfp.moments.erfcx_rational`) is itself differentiated (no cancellation for large x);
 * polynomials (``moments._horner`` calls ``ops.horner``): ``p'(x)·x'``, both by Horner's scheme on
-  ``x``'s value (the product rule at each step would write the accumulator out again: a softplus
-  slope kernel's TE script 2.0 MB → 0.28 MB, its compile ~18 → ~4.7 s);
+  ``x``'s value (the product rule at each step would write the accumulator out again, so the TE
+  expression, and with it the compile time, would grow several-fold);
 * ``const``: derivative 0 (stored as ``None``: no work); ``bind`` (``te_shared``) names both parts.
 
 A function of ``ops`` not listed raises :class:`UnsupportedDualOp` naming it.  Where a rule names a

@@ -2,7 +2,7 @@
 
 A shared formula ``fn(bk, layer, inputs) -> activation`` is written against a *back end* ``bk``:
 :data:`pyro2pfp.reference.NUMPY_BACKEND` (float64 arrays) or the exporter's
-:class:`pyro2pfp.onnx_export.OnnxContext` (ONNX symbols).  Both offer the same members:
+:class:`pyro2pfp.onnx_builder.OnnxContext` (ONNX symbols).  Both offer the same members:
 
 * ``bk.ops`` -- the :mod:`pyro2pfp.moments` namespace (``where``, ``normal_cdfs``, ``exp``, ``sqrt``,
   ``maximum``, ``minimum``, ``const``; Python operators work on its values);
@@ -20,7 +20,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
-from ..onnx_export import exporter
+from ..onnx_builder import exporter
 from ..reference import NUMPY_BACKEND, reference
 
 Formula = Callable[[Any, Any, list[Any]], Any]

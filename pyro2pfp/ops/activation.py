@@ -33,7 +33,7 @@ from ..correlation.onnx_step import OnnxShared, OnnxSharedStep
 from ..correlation.shared import Shared, normalised, safe_div
 from ..correlation.stein import stein_slope
 from ..graph import Layer, Repr
-from ..onnx_export import OnnxActivation, OnnxContext
+from ..onnx_builder import OnnxActivation, OnnxContext
 from ..plan import PlannedLayer
 from ..reference import Activation
 from ..registry import (
@@ -144,9 +144,10 @@ def relu_shared(layer: PlannedLayer, inputs: list[Activation], shared: list[Shar
     λ(1 − Φ(α)))·s_p``.  Second Hermite (Mehler) term: ``h = Cov(f(a_p), (η² − 1)/√2) = (1 −
     λ)·φ(α)/σ·s_p²/√2``, exact for a Gaussian ``a``; ``(η² − 1)/√2`` is uncorrelated with every ``ζ``,
     so it is a new factor of the channel (its correlation ``ρ²`` with other channels' Hermite terms is
-    dropped; measured negligible, ``|ρ| ≈ 0.07``).  ``ℓ = m̄(lin)·g ⊕ m̄(h)·e_c``, ``s = (m̄(lin)·lin +
-    m̄(h)·h)/‖ℓ‖``.  ``hermite='none'`` keeps ``lin`` only (measured ResNet-20 median 0.89 instead of
-    0.97).  The variance is not corrected."""
+    dropped: it is small next to the terms kept).  ``ℓ = m̄(lin)·g ⊕ m̄(h)·e_c``, ``s = (m̄(lin)·lin +
+    m̄(h)·h)/‖ℓ‖``.  ``hermite='none'`` keeps ``lin`` only (fewer factor columns, less of the
+    shared variance after each ReLU; ``benchmarks/fidelity.py --variants`` compares both with
+    sampling).  The variance is not corrected."""
     x, sh = inputs[0], shared[0]
     if sh is None:
         return None, var

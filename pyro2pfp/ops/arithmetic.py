@@ -22,7 +22,7 @@ from ..correlation.factors import FactorPlan
 from ..correlation.onnx_step import OnnxShared, OnnxSharedStep
 from ..correlation.shared import Shared, expand, normalised, spatial_mean
 from ..graph import GaussianParam, Layer, Repr
-from ..onnx_export import OnnxActivation, OnnxContext
+from ..onnx_builder import OnnxActivation, OnnxContext
 from ..plan import PlannedLayer, is_compute_layer
 from ..reference import Activation
 from ..registry import OpDef, register_op, shared_exporter, shared_reference

@@ -32,7 +32,7 @@ from ..correlation.onnx_step import OnnxShared, OnnxSharedStep
 from ..correlation.shared import Shared, normalised, safe_div, spatial_mean
 from ..graph import GaussianParam, Layer, Repr
 from ..onedim import as_2d
-from ..onnx_export import OnnxActivation, OnnxContext, Sym
+from ..onnx_builder import OnnxActivation, OnnxContext, Sym
 from ..plan import PlannedLayer
 from ..reference import Activation
 from ..reference.arrays import conv2d_nchw
@@ -303,8 +303,9 @@ def conv2d_shared(layer: PlannedLayer, inputs: list[Activation], shared: list[Sh
     (Σ_{c,k} V[o, c, k]·(m̄μ_k·μ_in[c, p+k] + m̄s_k·s_in[c, p+k]) + v_bias)`` — the exact covariance of
     ``out[o, p]`` with ``η'_o`` given the closure (``injection='regression'``).
     ``injection='rescaled'`` replaces the second sum by the mean-field weight-variance term's square
-    root rescaled to the same spatial mean (no extra convolution; measured ResNet-20 median 0.92
-    instead of 0.97).  ``m̄ s = ‖ℓ‖`` by construction.  The variance is not corrected."""
+    root rescaled to the same spatial mean (no extra convolution, a coarser profile: it under-states
+    the shared variance more; ``benchmarks/fidelity.py --variants`` compares both with sampling).
+    ``m̄ s = ‖ℓ‖`` by construction.  The variance is not corrected."""
     x, sh = inputs[0], shared[0]
     t, a = layer.tensors, layer.layer.attrs
     injection = fp.injection
@@ -395,7 +396,10 @@ def conv2d_shared_onnx(step: OnnxSharedStep, ctx: OnnxContext, layer: PlannedLay
                        ) -> tuple[OnnxShared | None, OnnxActivation]:
     """:func:`conv2d_shared` in ONNX: the kernel taps as strided Slices, the pooled views as ReduceSums
     and the per-input weights of the profile as Einsums over the taps (``Σ_k tap_k(s)·W_k·β``), not a
-    grouped Conv (whose group count cannot follow a dynamic batch)."""
+    grouped Conv (whose group count cannot follow a dynamic batch).  ``injection='rescaled'``: the
+    weight-noise term ``Σ V·E[x²] + v_bias`` is one Conv of its own (the mean-field export has summed
+    it into the variance; the compiled kernels reuse it), its root rescaled, instead of the
+    regression Einsums."""
     x, sh = inputs[0], shared[0]
     cf = ComputeFactors.of(layer, step.fp)
     offset, k, wm, wv = cf.offset, cf.k, cf.weight_mean, cf.weight_var
@@ -430,7 +434,17 @@ def conv2d_shared_onnx(step: OnnxSharedStep, ctx: OnnxContext, layer: PlannedLay
                            step.b.ints([2], "axes"))
         beta = step.einsum("bcf,bof->boc", sh.g, g_in_cols)
         terms += [step.einsum("bchw,boc->bohw", tp, beta * w) for tp, w in zip(s_taps, w_k)]
-    if offset is not None and wbar is not None:
+    if offset is not None and wbar is not None and step.fp.injection == "rescaled":
+        # the weight-noise term Σ V·E[x²] + v_bias as its own Conv (the mean-field export sums it into
+        # the variance before this rule runs), its root rescaled to the spatial mean w̄
+        noise = ctx.conv2d(ctx.second_moment(x), wv, a, "weight_var_noise")
+        if "bias_var" in t:
+            noise = noise + step.view_as(step.t(t["bias_var"], "bias_var"), o, 1, 1)
+        root = noise.nary("Max", step.c(0.0)).unary("Sqrt")
+        root_mean = step.rsum(root, [2, 3]) * step.c(positions)  # (B, O, 1, 1)
+        own = step.view_as(step.einsum("bof,of->bo", g, step.onehot(o, k, offset)), o, 1, 1)
+        terms.append(own * step.safe_div(step.view_as(wbar, o, 1, 1), root_mean) * root)
+    elif offset is not None and wbar is not None:
         coef = step.safe_div(step.einsum("bof,of->bo", g, step.onehot(o, k, offset)), wbar)
         reg = [step.einsum("bchw,bc,oc->bohw", tp, mb, step.t(v, "v")) for tp, mb, v in zip(mu_taps, mbar, v_k)]
         reg += [step.einsum("bchw,bc,oc->bohw", tp, sb, step.t(v, "v")) for tp, sb, v in zip(s_taps, sbar, v_k)]

@@ -18,12 +18,12 @@ reference, the TVM kernel and the ONNX export use the same points):
   transform do (moment matching: Glasserman, *Monte Carlo Methods in Financial Engineering*, 2003,
   sec. 4.5); every point moves every logit by about one standard deviation, as a logit sample does.
 
-(Measured and not kept, ``benchmarks/uncertainty_head.py`` and the module's tests: the 2K axis-aligned
-sigma points of the unscented transform, ``ε = ±√K·e_k`` (Julier & Uhlmann 1997, κ = 0), move one
-logit by ``√K`` standard deviations; on the MNIST MLP they had 4x the probability error at the 99th
-percentile and shifted the OOD AUROC of the mutual information by 0.016.  Random rotations of them
-(Genz & Monahan's stochastic spherical-radial rules, 1998) varied more with the seed than these
-points.)  So the head is ``S`` deterministic, moment-matched "samples" of the logits, and every
+Why not the 2K axis-aligned sigma points of the unscented transform, ``ε = ±√K·e_k`` (Julier &
+Uhlmann 1997, κ = 0): each moves one logit by ``√K`` standard deviations, far from where logit samples
+lie, which makes the probabilities' tail errors larger and moves the OOD ranking by the mutual
+information; and random rotations of them (Genz & Monahan's stochastic spherical-radial rules, 1998)
+depend on the seed more than these points do (``benchmarks/uncertainty_head.py`` compares them).  So
+the head is ``S`` deterministic, moment-matched "samples" of the logits, and every
 quantity is computed from them as :func:`pyro2pfp.uncertainty` computes it from logit samples::
 
     z_j      = μ + √v ⊙ ε_j,  p_j = softmax(z_j)       j = 0 … S  (ε_0 = 0: the centre, weight 0)
@@ -43,8 +43,9 @@ offset table.  The points depend on scipy's Sobol' generator only when the head 
 Why not the probit or Laplace-bridge formula for the probabilities: the mutual information is a
 small difference of two entropies, and it ranks inputs like logit sampling only when ``p̄`` and
 ``E[H]`` come from the *same* approximation of the logit distribution (probit ``softmax(μ_k/√(1 +
-π v_k/8))`` for ``p̄`` with a quadrature for ``E[H]`` lost 0.06 AUROC on the MNIST MLP); and the
-quadrature's ``p̄`` is also closer to sampling than either (the benchmark prints all three).
+π v_k/8))`` for ``p̄`` beside a quadrature for ``E[H]`` mixes two approximations, and their errors
+do not cancel in the difference); and the quadrature's ``p̄`` is also closer to sampling than either
+(``benchmarks/uncertainty_head.py`` prints all three; ``docs/uncertainty.md`` holds its table).
 
 **One logit** (a Bernoulli/sigmoid output, ``K = 1``): the logit ``z`` is treated as the pair
 ``(0, z)`` of a two-class softmax (``σ(z) = softmax(0, z)₁``); ``probs`` is ``P(y = 1)`` (shape
@@ -63,7 +64,8 @@ import numpy as np
 
 from ..errors import ArgumentError
 from ..graph import Layer, LayerGraph, Repr
-from ..onnx_export import OnnxActivation, Sym, exporter
+from ..onnx_builder import OnnxActivation, Sym, exporter
+from ..options import Head, checked, checked_or_none, values
 from ..outputs import OUTPUT_NAMES, STATS
 from ..outputs import HeadOutput as HeadOutput  # the head's outputs, defined beside the predictor (NumPy only)
 from ..outputs import head_output as head_output
@@ -72,7 +74,7 @@ from ..reference import Activation, reference
 from ..registry import Contract, FactorSpec, OpDef, register_op, shared_exporter, shared_reference
 
 HEAD_OP = "softmax_head"
-HEADS = ("probs",)
+HEADS = values(Head)
 """The values of ``convert(..., head=...)`` (``None``: the network outputs the logits' (mean, var))."""
 VAR_CLAMP = 1e30
 """Logit variances are clamped here (σ = 1e15: effectively infinite against any logit) so that
@@ -99,24 +101,23 @@ def softmax_head_shared(*args: Any) -> tuple[None, Any]:
 
 
 def check_head(head: Any) -> str | None:
-    """``head`` validated: None or one of :data:`HEADS`."""
-    if head is None or head in HEADS:
-        return head
-    raise ArgumentError(f"head must be None (the logits' mean and variance) or one of {HEADS}, got {head!r}")
+    """``head`` validated, as a plain string: None or one of :data:`HEADS` (a :class:`~pyro2pfp.options.Head`
+    member or its string)."""
+    return checked_or_none(Head, head, "the logits' mean and variance")
 
 
 SEED = 0
 """The seed of the Sobol' scrambling (the points are drawn once, when the head is appended)."""
 
 
-def append_head(graph: LayerGraph, head: str, *, points: int | None = None, seed: int = SEED) -> LayerGraph:
+def append_head(graph: LayerGraph, head: Head | str, *, points: int | None = None, seed: int = SEED) -> LayerGraph:
     """A copy of ``graph`` with the ``softmax_head`` layer after its output (the logits).
 
     The output must be one row of logits per input, ``(K,)``.  The layer's ``offsets`` attribute holds
     the quadrature points (:func:`sigma_offsets` of ``points`` and ``seed``): ``S + 1`` rows of ``K``,
     ``S = 2·max(32, 2^⌈log₂ 2K⌉)``, so the cost per input grows as ``4K²`` exponentials beyond
     K = 16 (K = 1000: 4·10⁶ -- meant for tens of classes, not thousands)."""
-    check_head(head)
+    head = checked(Head, head)
     shape = graph.shape_of(graph.output)
     if len(shape) != 1:
         raise ArgumentError(f"head={head!r} needs a network whose output is a vector of logits (batch, classes); "

@@ -34,7 +34,7 @@ from ..correlation.shared import Shared
 from ..errors import UnsupportedLayerError
 from ..graph import Layer, Repr
 from ..onedim import as_2d, out_shape
-from ..onnx_export import LOWEST32, OnnxActivation, OnnxContext, Sym, exporter
+from ..onnx_builder import LOWEST32, OnnxActivation, OnnxContext, Sym, exporter
 from ..plan import PlannedLayer
 from ..reference import Activation, emit_output, reference
 from ..reference.arrays import LOWEST, average_divisor, padded, window_views
@@ -366,7 +366,7 @@ def avg_pool2d_shared(layer: PlannedLayer, inputs: list[Activation], shared: lis
     ``s`` (exact); ``v = Σ(v − s²)/n² + s_out²`` (the shared part summed coherently, the remainder as
     independent: an approximation -- directly after a conv with a deterministic input the remainder
     sums to zero and this over-states the pooled variance; after ReLUs it stands in for what the
-    closure misses; measured better than dropping it).  Returns ``(shared part, output variance)``."""
+    closure misses, which dropping it would lose).  Returns ``(shared part, output variance)``."""
     x, sh = inputs[0], shared[0]
     if sh is None:
         return None, var

@@ -20,7 +20,7 @@ from ..correlation.factors import FactorPlan
 from ..correlation.onnx_step import OnnxShared, OnnxSharedStep
 from ..correlation.shared import Shared
 from ..graph import Layer
-from ..onnx_export import OnnxActivation, OnnxContext
+from ..onnx_builder import OnnxActivation, OnnxContext
 from ..plan import PlannedLayer
 from ..reference import Activation
 from ..registry import Contract, OpDef, register_op, shared_exporter, shared_reference

@@ -33,7 +33,7 @@ import numpy as np
 
 from .. import moments
 from ..graph import Repr
-from ..onnx_export import OnnxActivation, OnnxContext, Sym, exporter
+from ..onnx_builder import OnnxActivation, OnnxContext, Sym, exporter
 from ..plan import PlannedLayer
 from ..reference import Activation, reference
 from ..reference.arrays import conv2d_nchw, padded, window_views

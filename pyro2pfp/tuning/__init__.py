@@ -41,10 +41,10 @@ The traps of MetaSchedule in TVM 0.27 are handled here rather than on one machin
 * **tvm-ffi 0.1.15.x segfaults** in ``tvm.ir.save_json`` (MetaSchedule's mutators and JSON
   database): :func:`.environment.check_environment` raises a clear error instead of crashing; the
   project pins ``apache-tvm-ffi==0.1.14.post1``.
-* **130 s import in every builder worker** (``tvm.s_tir.tensor_intrin`` under a slow
+* **A minutes-long import in every builder worker** (``tvm.s_tir.tensor_intrin`` under a slow
   ``inspect.stack``) and a new set of workers per round in MetaSchedule's ``LocalBuilder``: the
   default :class:`.measure.PooledBuilder` starts its worker processes once per run, with
-  :func:`pyro2pfp._fast_inspect.worker_init` (the ``inspect.stack`` patch, then the import: ~3 s),
+  :func:`pyro2pfp._fast_inspect.worker_init` (the ``inspect.stack`` patch, then the import: seconds),
   builds candidates in parallel and kills a build that hangs (LLVM can take many minutes on a huge
   unrolled candidate); :class:`.measure.InProcessRunner` times the built libraries in this
   process.  The in-process ``TuneContext`` import is patched too (scoped: ``inspect.stack`` is

@@ -115,7 +115,7 @@ def tune(mod: tvm.IRModule, target: Any, *, batch: int, trials: int = DEFAULT_TR
         any_batch = _any_batch_defaults(mod, plan, tgt, set(funcs))
         tuned_now = False
         if trials > done:
-            _fast_inspect.preimport_tensor_intrin()  # TuneContext imports it: ~3 s instead of ~130 s
+            _fast_inspect.preimport_tensor_intrin()  # TuneContext imports it: seconds instead of minutes
             # kernels worth searching: by their time with the default schedule (naive if none)
             run = _BatchRunner(list(defaults.values()), tgt, remote)
             try:

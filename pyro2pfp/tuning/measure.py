@@ -36,8 +36,8 @@ _ARTIFACTS_LOCK = threading.Lock()
 
 
 def _build_prim_module(mod: tvm.IRModule, target: tvm.target.Target) -> Any:
-    """MetaSchedule's ``default_build`` without its ``import tvm.s_tir.tensor_intrin`` (up to
-    130 s under a slow ``inspect.stack``; not needed for these kernels)."""
+    """MetaSchedule's ``default_build`` without its ``import tvm.s_tir.tensor_intrin`` (minutes
+    under a slow ``inspect.stack``; not needed for these kernels)."""
     from tvm.s_tir.transform import RemoveWeightLayoutRewriteBlock
 
     mod = RemoveWeightLayoutRewriteBlock(skip_tensor_rewrite=True)(mod)
@@ -48,7 +48,7 @@ def _cross_linker(target: tvm.target.Target) -> str | None:
     """The cross compiler that links kernels built for ``target`` here (``aarch64-linux-gnu-gcc``
     for an AArch64 board tuned from an x86 machine; ``$PYRO2PFP_CROSS_CC`` overrides), ``None`` for
     this machine's architecture.  Missing: a :class:`~pyro2pfp.errors.PFPError` with the apt line."""
-    from ..exporting import cross_compiler
+    from ..library_files import cross_compiler
     from ..targets import host_arch, target_arch
 
     arch = target_arch(target)
@@ -59,8 +59,8 @@ def _cross_linker(target: tvm.target.Target) -> str | None:
 class InProcessBuilder(PyBuilder):
     """MetaSchedule builder that compiles candidates in the calling process.
 
-    No worker process is started, so there is no per-batch ``import tvm`` (4-8 s) and no
-    ``tvm.s_tir.tensor_intrin`` import (up to 130 s) per worker.  The built module stays in
+    No worker process is started, so there is no per-batch ``import tvm`` (seconds) and no
+    ``tvm.s_tir.tensor_intrin`` import (minutes unpatched) per worker.  The built module stays in
     memory under a made-up artifact path that :class:`InProcessRunner` consumes.
     """
 
@@ -84,9 +84,9 @@ class PooledBuilder(PyBuilder):
     """MetaSchedule builder with a *persistent* pool of worker processes and a per-build timeout.
 
     MetaSchedule's ``LocalBuilder`` starts new workers for every batch of candidates, and each
-    pays ``import tvm`` (4-8 s) plus ``import tvm.s_tir.tensor_intrin`` (up to 130 s unpatched).
+    pays ``import tvm`` (seconds) plus ``import tvm.s_tir.tensor_intrin`` (minutes unpatched).
     Here the workers start once per tuning run (initializer :func:`pyro2pfp._fast_inspect.worker_init`:
-    ~3 s patched) and build candidates in parallel; a candidate whose compilation hangs (LLVM on a
+    seconds, patched) and build candidates in parallel; a candidate whose compilation hangs (LLVM on a
     huge unrolled loop nest can take many minutes) is killed after ``timeout_sec`` and reported as a
     failed build.  The shared library is loaded and timed by :class:`InProcessRunner`.
     """

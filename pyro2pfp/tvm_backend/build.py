@@ -34,7 +34,8 @@ from ..targets import is_cross_target, make_target
 from ..tvm_runtime import available_cpus
 
 #: kernels compiled per LLVM module at most: several modules per thread, so that a slow kernel
-#: does not hold one thread while the others idle (a module costs ~3 ms of fixed LLVM set-up)
+#: does not hold one thread while the others idle, but not one per kernel (each module has a fixed
+#: LLVM set-up cost)
 KERNELS_PER_PART = 4
 
 
@@ -221,8 +222,8 @@ def build(mod: tvm.IRModule, target: Any, relax_pipeline: Any = "default", jobs:
 
 class KernelStream:
     """Schedules each kernel as the module is emitted and hands it to a :class:`KernelPool`, so LLVM
-    starts on the first kernels while the later ones are still being emitted (emitting a shared-factor
-    ResNet-20 takes ~1.2 s, during which the build threads would otherwise wait).
+    starts on the first kernels while the later ones are still being emitted (emitting a large
+    shared-factor network takes long enough that the build threads would otherwise sit idle).
 
     ``add(name, func)`` is :func:`~pyro2pfp.tvm_backend.emit.emit_module`'s ``on_kernel``: a kernel
     structurally equal to an earlier one (up to its layer name) is skipped -- it will share that one's

@@ -28,6 +28,12 @@ pair_sum = te.comm_reducer(
     lambda t0, t1: (tirx.const(0, t0), tirx.const(0, t1)),
     name="pair_sum",
 )
+# ... and over triples (the conv's mean, variance and weight-noise sums: ops/compute.py)
+triple_sum = te.comm_reducer(
+    lambda a, b: (a[0] + b[0], a[1] + b[1], a[2] + b[2]),
+    lambda t0, t1, t2: (tirx.const(0, t0), tirx.const(0, t1), tirx.const(0, t2)),
+    name="triple_sum",
+)
 
 
 @dataclass
@@ -37,6 +43,10 @@ class RelaxActivation:
     mean: relax.Expr
     second: relax.Expr | None
     repr: Repr
+    #: a conv2d layer's weight-noise term ``Σ V·E[x²] + v_bias`` (B, *out shape; not clamped), the part
+    #: of the mean-field variance that the weight and bias variances contribute -- set only where the
+    #: emitter asked for it (:attr:`EmitContext.weight_noise`), for the shared-factor rule to reuse
+    weight_noise: relax.Expr | None = None
 
     def tensors(self) -> list[relax.Expr]:
         return [self.mean] if self.second is None else [self.mean, self.second]
@@ -52,6 +62,8 @@ class EmitContext:
     activation: PlannedLayer | None = None  # a ReLU fused into the compute kernel being emitted
     # called with (name, PrimFunc) of each kernel as soon as it is emitted (build_network's KernelStream)
     on_kernel: Callable[[str, tirx.PrimFunc], None] | None = None
+    # the compute kernel being emitted also returns its weight-noise term (RelaxActivation.weight_noise)
+    weight_noise: bool = False
 
     def const(self, array: np.ndarray) -> relax.Constant:
         return relax.const(np.ascontiguousarray(array, dtype=np.float32))
@@ -150,6 +162,11 @@ class SchemeStep(Protocol):
         :func:`emit_module` emits no mean-field kernel for it and passes ``out=None``)."""
         ...
 
+    def needs_weight_noise(self, layer: PlannedLayer) -> bool:
+        """Whether the step reads ``layer``'s weight-noise term (:attr:`RelaxActivation.weight_noise`):
+        :func:`emit_module` then asks the layer's mean-field kernel for it (:attr:`EmitContext.weight_noise`)."""
+        ...
+
     def __call__(self, ctx: EmitContext, layer: PlannedLayer, inputs: list[RelaxActivation],
                  out: RelaxActivation | None) -> RelaxActivation:
         ...
@@ -206,8 +223,13 @@ def emit_module(graph: PlannedGraph, *, fuse: bool = True,
                 if fn is None:
                     raise PFPError(f"{layer.layer.source}: no TVM kernel for PFP op '{layer.op}'")
                 ctx.activation = fused.get(layer.name)
+                ctx.weight_noise = step is not None and step.needs_weight_noise(layer)
                 values[layer.name] = fn(ctx, layer, inputs)
-                ctx.activation = None
+                if ctx.weight_noise and values[layer.name].weight_noise is None:
+                    raise PFPError(f"{layer.layer.source}: the TVM kernel of op '{layer.op}' does not return the "
+                                   "weight-noise term the shared-factor rule reads (injection='rescaled'); "
+                                   "use injection='regression'")
+                ctx.activation, ctx.weight_noise = None, False
                 if step is not None:
                     values[layer.name] = step(ctx, layer, inputs, values[layer.name])
             result = values[graph.output]

@@ -28,17 +28,24 @@ points, ``K`` rounded up to whole SIMD vectors with zero columns).  Where the re
 by ``Rᵀ`` of its QR factorisation, the kernels compute the Gram matrix ``g·gᵀ`` (``sf_gram``) and its
 Cholesky factor ``L`` (``sf_cholesky``, :func:`cholesky_factor`, hand-written TIR in float64) -- the
 same ``g·gᵀ``, which is all that is used downstream, so the results are the reference's up to float32
-rounding and ``K`` stays bounded (ResNet-20: ≤ 320 columns instead of 1,488 without compaction).
+rounding and ``K`` stays bounded by a few times the channel count instead of growing with depth.
 
 **Kernels generic in K**: ``sf_conv_load``, ``sf_relu`` and ``sf_add`` take the factor widths (in units
 of ``FACTOR_ALIGN``) and the layer's factor offset as scalar arguments (:func:`emit_width_generic`),
-so layers that differ only in them share one kernel (:mod:`.sharing`): ResNet-20 63 → 51 distinct
-PrimFuncs, ~1.5 of ~12 CPU s of compile.  Their per-row loadings are expressions, not buffers
+so layers that differ only in them share one kernel (:mod:`.sharing`): fewer distinct PrimFuncs,
+so less compile time.  Their per-row loadings are expressions, not buffers
 (:func:`widened_column`, ``normalised`` of a function): a row buffer of symbolic size is a workspace
 allocation per row, and a lane-wise clamp of a symbolic index is a gather.  A static-batch build binds
 the scalars per call site (:func:`~pyro2pfp.tuning.specialize.bind_scalar_arguments`), so its kernels
 are the constant-``K`` ones, scheduled and tuned as before.  Not compiled (an ``ArgumentError`` naming
-the layer): the raw-moment plan and ``injection='rescaled'``.
+the layer): the raw-moment plan.
+
+**``injection='rescaled'``**: a noisy conv layer's mean-field kernel also returns its weight-noise term
+``Σ V·E[x²] + v_bias`` (:meth:`SharedStep.needs_weight_noise`, ``ops/compute.py``: the variance's two
+sums kept apart, the same multiply-adds), and its rule scales that term's root to the injection's
+spatial mean instead of convolving the input mean with the regression weights: ``sf_conv_load``
+computes the scale, ``sf_conv_profile`` adds ``scale·√term`` in its epilogue -- a layer without a
+shared input has no weights or profile kernel at all (its load kernel writes the profile).
 """
 from __future__ import annotations
 
@@ -267,6 +274,12 @@ class SharedStep(FixedKStep):
         return (getattr(rule, "fuses_mean_field", False) and layer.out_repr is not Repr.DETERMINISTIC
                 and self.shared[layer.inputs[0]] is not None)
 
+    def needs_weight_noise(self, layer: PlannedLayer) -> bool:
+        """Whether ``layer``'s rule reads its mean-field kernel's weight-noise term
+        (``RelaxActivation.weight_noise``): a noisy conv layer of an ``injection='rescaled'`` plan,
+        whose rule rescales that term's root instead of computing the regression profile."""
+        return self.fp.injection == "rescaled" and layer.op == "conv2d" and layer.name in self.fp.offsets
+
     # ------------------------------------------------------------------ helpers
     def natural(self, ctx: EmitContext, name: str) -> bool:
         """Whether the rows of edge ``name`` are its first axis (every edge but a flattened one)."""
@@ -330,8 +343,9 @@ def cholesky_factor(rows: int, width: int) -> tirx.PrimFunc:
 @functools.cache
 def _cholesky_template() -> tirx.PrimFunc:
     """:func:`cholesky_factor` with symbolic ``R`` and ``width``, parsed once per process: parsing
-    TVMScript costs ~0.1-0.2 s (the decorator's ``inspect.stack()`` reads the source of every frame
-    of the caller's stack), specialising ~1 ms; a ResNet-20 compacts 9 times with 3 distinct shapes."""
+    TVMScript is slow (the decorator's ``inspect.stack()`` reads the source of every frame of the
+    caller's stack) and specialising is cheap, while a deep residual net compacts at every block
+    boundary with only a few distinct shapes."""
     from tvm.script import tirx as T
 
     tol = CHOLESKY_PIVOT_TOL

@@ -46,9 +46,9 @@ of ``μ`` and ``s_in``, ``A = W·m̄s`` and ``g_in`` widened (a row per input ch
 its loading, normalisation, variance and profile (a row per output).  ``sf_conv_load``'s loading and
 normalisation (:func:`normalised`) are not merged: per row they are one chain of dependent
 reductions (``max |ℓ|``, then ``Σ (ℓ/p)²``, each ending in a sum of 16 lanes), which a loop over the
-rows of each stage overlaps and one loop over rows does not -- measured, each kernel alone at batch
-10: ``layers.6.shortcut.0`` (K = 320) 117 -> 134 us merged (118 us with tiles of 4 rows, whose
-unrolled copies then cost as much code as the separate loops)."""
+rows of each stage overlaps and one loop over rows does not (merged, the kernel is slower; tiles of
+rows would win the overlap back only with unrolled copies that cost as much code as the separate
+loops)."""
 
 VECTOR_ROW_BLOCKS = ("wsum", "amap")
 """Blocks ``out[.., o] = Σ_{c,i,j} x[.., c, i, j]·W[c, i, j, o]`` whose last (output-channel) axis is
@@ -215,9 +215,8 @@ def _tiled_product(sch: s_tir.Schedule, block: Any, lanes: int) -> None:
     unrolled; the parallel loop runs over (batch x row tiles x column tiles), so batch 1 has
     ``O/om · N/(jm·vec)`` tasks.  Per ``r``: ``jm`` vector loads of ``y``, ``om`` broadcasts of
     ``x``, ``om·jm`` FMAs -- instead of a load and a store of the accumulator per FMA when a whole
-    row of ``n`` is the accumulator.  ResNet-20's ``sf_gram`` of add_6 (64 rows x 320 factors),
-    each kernel timed alone, one thread: 322 -> 146 us at batch 10, 31 -> 13 us at batch 1 (~40
-    GFMA/s, compute-bound)."""
+    row of ``n`` is the accumulator, which makes these products compute-bound instead of bound by the
+    accumulator's memory traffic."""
     b, o, n, r = sch.get_loops(block)
     n_ext, o_ext = extent(sch, n), static_extent(sch, o)  # n: a factor axis may be symbolic (k16 * 16)
     vec = vector_width(sch, n, lanes) if vectorizable(sch, [block]) else 1
@@ -247,8 +246,8 @@ def _vector_reduction(sch: s_tir.Schedule, block: Any, loops: list[Any], lanes: 
     the SIMD width), ``rfactor`` over ``r_i`` so the partial sums are a vector (``r_i`` vectorised,
     ``r_o`` serial), then the ``vec`` partial sums added per row under the same parallel loop.  A
     serial float32 sum is one dependent add per element (the adder's latency, ~4 cycles); this is
-    ``vec`` independent ones per vector (measured 143 → 5 µs for a (10, 16, 1024) row mean, one
-    thread).  Changes the summation order only.  False (nothing done) for any other block.
+    ``vec`` independent ones per vector, so a long row sum runs at the adder's throughput instead.
+    Changes the summation order only.  False (nothing done) for any other block.
 
     ``merge``: the loop is neither parallelised nor the partial sums' init split off; the loop and
     the partial-sum block are added to ``merge``, which does both after merging its loop nests."""
@@ -285,7 +284,7 @@ def _vector_reduction(sch: s_tir.Schedule, block: Any, loops: list[Any], lanes: 
     sch.reverse_compute_at(block, fused)
     # the sum of the partial sums: lanes innermost, so each output sums one contiguous vector (with
     # the lanes outer, LLVM turns the loop over several outputs, e.g. the 3 x 3 of a pooled view,
-    # into gathers: more code, and ResNet-20's layers.0 sf_conv_load 36 -> 26 us at batch 10)
+    # into gathers: more code and a slower kernel)
     loops = sch.get_loops(block)
     inner = loops[len(loops) - _depth(sch, block, fused) + 1:]  # (lane, spatial...)
     if len(inner) > 1:

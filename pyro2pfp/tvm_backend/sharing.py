@@ -3,7 +3,8 @@
 A ResNet repeats its blocks: ResNet-20's 21 conv2d, 19 ReLU and 9 add kernels are only 8, 3 and 3
 distinct functions once their ``pfp.layer`` attribute (the name, for profiles) is set aside (the
 weights are arguments, not part of the kernel).  LLVM compiles each PrimFunc of the module, so
-the copies cost build time -- 2.0 of ResNet-20's 3.4 CPU-seconds of ``tvm.compile``.
+unshared copies would take most of a ResNet's ``tvm.compile`` time (``docs/performance.md``, "Compile
+time").
 :func:`share_identical_kernels` keeps the first of each group of structurally equal PrimFuncs and
 points every ``call_tir`` of the others at it.  Results are unchanged (the same code runs on the
 same arguments).  A shared kernel keeps the name of its first layer: a profile row

@@ -136,6 +136,8 @@ def test_clear_errors_for_bad_paths_and_inputs(trained, tmp_path, capsys):
     assert "must end in" in _error(["convert", builder, "-p", params, "-o", str(tmp_path / "net.pt")], capsys)
     assert "does not exist" in _error(["convert", builder, "-p", params, "-o", "/no/such/dir/n.so"], capsys)
     assert "unknown target" in _error(["convert", builder, "-p", params, "-o", out, "-t", "foo"], capsys)
+    assert "add --correlation shared-factor" in _error(["convert", builder, "-p", params, "-o", out,
+                                                         "--injection", "rescaled"], capsys)
     np.save(tmp_path / "junk.npy", np.zeros(3))
     assert "not a file written by pyro.get_param_store().save()" in _error(
         ["convert", builder, "-p", str(tmp_path / "junk.npy"), "-o", out], capsys)

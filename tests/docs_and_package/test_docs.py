@@ -76,3 +76,15 @@ def test_readme_setup_is_the_one_ci_runs():
     assert ci_apt and set(apt.group(1).split()) == set(ci_apt.group(1).split()), \
         "README and .ci/run install different system packages"
     assert "mkdocs build --strict" in readme and "mkdocs build --strict" in ci
+
+
+def test_readme_docs_and_package_cite_no_issue_numbers_or_dates():
+    """Issue numbers belong in the tracker and history in git: neither the README, the hand-written docs
+    pages nor the package's code, docstrings and comments name an issue or a date (the generated pages
+    in docs/generated/ are stamped with the date of their run, which is what they are)."""
+    issue, date = re.compile(r"\bissues? #?\d+", re.IGNORECASE), re.compile(r"\b20\d\d-\d\d-\d\d\b")
+    files = [REPO / "README.md", *(p for p in DOCS.rglob("*.md") if "generated" not in p.parts),
+             *(REPO / "pyro2pfp").rglob("*.py")]
+    found = [f"{path.relative_to(REPO)}:{n}: {line.strip()}" for path in files
+             for n, line in enumerate(path.read_text().splitlines(), 1) if issue.search(line) or date.search(line)]
+    assert not found, "\n".join(found)

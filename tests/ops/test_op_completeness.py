@@ -14,7 +14,7 @@ from pathlib import Path
 
 from pyro2pfp import ops as ops  # the op registry: every op family registers itself
 from pyro2pfp.converters import PRODUCES
-from pyro2pfp.onnx_export import EXPORTERS
+from pyro2pfp.onnx_builder import EXPORTERS
 from pyro2pfp.reference import REFERENCES
 from pyro2pfp.registry import OPS, SHARED_EXPORTERS, SHARED_KERNELS, SHARED_REFERENCES, OpDef
 from tests.support.op_coverage import COMPILED, COVERAGE, MONTE_CARLO

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from pyro2pfp import onnx_export
+from pyro2pfp import onnx_builder
 from pyro2pfp import ops as ops  # the op registry: every op family registers itself
 from pyro2pfp.converters import CONVERTERS
 from pyro2pfp.plan import op_specs
@@ -30,7 +30,7 @@ def test_no_unregistered_implementations():
     for form in ("variance", "raw"):
         assert set(op_specs(form)) == names, "the planner's contracts and the registry know different ops"
     for what, impl in [("reference", REFERENCES), ("kernel", emit.KERNELS),
-                       ("ONNX exporter", onnx_export.EXPORTERS)]:
+                       ("ONNX exporter", onnx_builder.EXPORTERS)]:
         assert set(impl) <= names, f"{what} for unregistered ops: {sorted(set(impl) - names)}"
     claimed = {t for op in OPS.values() for t in op.torch_ops} | set(PASS_THROUGH_TORCH_OPS)
     assert set(CONVERTERS) <= claimed, f"converters for unregistered torch ops: {sorted(set(CONVERTERS) - claimed)}"

@@ -1,1 +1,1 @@
-"""convert's stages: tracing, posterior reading, planning, folding; correlation and back ends in sub-folders."""
+"""convert's options and stages: tracing, posterior reading, planning, folding; correlation and back ends in sub-folders."""

@@ -15,6 +15,12 @@ leave most of an AVX-512 register idle), and the epilogue reads only the ``M`` r
 The 3x3 stride-1 convs of a variance input with >= 16 channels (the ResNet block convs) use the
 Winograd F(2x2, 3x3) kernel of ``winograd.py`` instead (:func:`~.winograd.use_winograd`; same op,
 same schedule entry point).
+
+Asked for it (``ctx.weight_noise``: the shared-factor rule of ``injection='rescaled'`` reads it), the
+conv kernel also returns its weight-noise term ``Σ vw·E[x²] + vb`` (``RelaxActivation.weight_noise``):
+with a variance input its reduction keeps the two variance sums ``Σ vw·(μx² + vx)`` and ``Σ μw²·vx``
+apart (a three-sum reduction, the same multiply-adds) and the epilogue writes the first ``+ vb`` as a
+third output; with a deterministic input the term is the variance output itself (``Σ vw·x² + vb``).
 """
 from __future__ import annotations
 
@@ -25,9 +31,10 @@ import numpy as np
 import tvm
 from tvm import s_tir, te, tirx
 
+from ...errors import PFPError
 from ...graph import Repr
 from ...plan import PlannedLayer
-from ..emit import EmitContext, RelaxActivation, activation_out, epilogue_fused, kernel, pair_sum
+from ..emit import EmitContext, RelaxActivation, activation_out, epilogue_fused, kernel, pair_sum, triple_sum
 from ..fast_math import F32
 from ..schedules import (
     divisor_at_most,
@@ -89,20 +96,29 @@ def _weights_and_bias(ctx: EmitContext, layer: PlannedLayer, axes: tuple[int, ..
 def _epilogue_stage(acc_mean: te.Tensor, acc_var: te.Tensor, bias: list[te.Tensor], channel_axis: int,
                     layer: PlannedLayer, shape: tuple | None = None,
                     activation: PlannedLayer | None = None,
-                    index: Callable[..., tuple] | None = None) -> list[te.Tensor]:
+                    index: Callable[..., tuple] | None = None,
+                    acc_noise: te.Tensor | None = None) -> list[te.Tensor]:
     """Bias, variance clamp and representation conversion of the accumulated sums; ``shape``
     (default: the accumulators') may cut off padding columns.  With a fused ``activation`` (a
     ReLU layer, see ``fusion.fused_activations``) the ReLU's output moments are emitted instead,
     in its representation.  ``index`` maps an output index to the accumulators' (default: the
-    same; the Winograd conv's accumulators are NHWC)."""
+    same; the Winograd conv's accumulators are NHWC).  ``acc_noise``: the weight-noise sum
+    ``Σ vw·(μx² + vx)`` kept apart from ``acc_var`` (then ``Σ μw²·vx``): the variance is their sum,
+    and ``acc_noise + vb`` is a third output (the module docstring)."""
     def f(*idx):
         at = idx if index is None else index(*idx)
         mean, var = acc_mean[at], acc_var[at]
+        noise = None
+        if acc_noise is not None:
+            noise = acc_noise[at]
+            var = noise + var
         if bias:
             mean = mean + bias[0][idx[channel_axis]]
         if len(bias) > 1:
             var = var + bias[1][idx[channel_axis]]
-        return epilogue_fused(mean, te.max(var, tirx.const(0.0, F32)), layer, activation)
+            noise = noise + bias[1][idx[channel_axis]] if noise is not None else None
+        outs = epilogue_fused(mean, te.max(var, tirx.const(0.0, F32)), layer, activation)
+        return outs if noise is None else [*outs, noise]
 
     return te.compute(acc_mean.shape if shape is None else shape, f, name="epilogue")
 
@@ -165,8 +181,7 @@ def computed_width(out_channels: int, out_w: int) -> int:
     vectors.  Only where the output channels do not fill a vector themselves (else the schedule
     vectorises them) and the extra columns are at most :data:`CONV_WIDE_WASTE` of the row.  The emitted
     module is target-independent, so a 4-lane target (NEON) computes the extra columns for nothing.
-    Measured (``benchmarks/kernel_profile.py --net lenet --batch 10 --static --kernels``, 2 threads,
-    AVX-512): see ``README.md`` "Performance"."""
+    ``benchmarks/kernel_profile.py --net lenet --batch 10 --static --kernels`` times the kernels."""
     lanes = CONV_WIDE_LANES
     wide = -(-out_w // lanes) * lanes
     if out_w % lanes == 0 or pow2_divisor(out_channels, lanes) >= lanes or wide - out_w > CONV_WIDE_WASTE * out_w:
@@ -181,8 +196,15 @@ def conv2d(ctx: EmitContext, layer: PlannedLayer, inputs: list[RelaxActivation])
     deterministic = x.repr is Repr.DETERMINISTIC
     n_x = len(x.tensors())
     out_c, out_h, out_w = layer.layer.out_shape
+    # the weight-noise term as a third output (module docstring); a deterministic input's is the variance
+    split = ctx.weight_noise and x.repr is Repr.VARIANCE and "weight_var" in layer.tensors
+    if ctx.weight_noise and not split and x.repr is not Repr.DETERMINISTIC:
+        raise PFPError(f"{layer.layer.source}: the weight-noise term of conv2d '{layer.name}' needs a variance or "
+                       f"deterministic input and stored weight variances (input: {x.repr.name.lower()}); "
+                       "plan with moment_form='variance'")
     if use_winograd(layer, x.repr):
-        return activation_out(winograd_conv(ctx, layer, x, _epilogue_stage), ctx.activation or layer)
+        outs = winograd_conv(ctx, layer, x, _epilogue_stage, split)
+        return _with_noise(activation_out(outs, ctx.activation or layer), ctx.weight_noise, outs)
 
     def fn(*tensors: te.Tensor) -> list[te.Tensor]:
         w_mean, w_second = tensors[n_x:n_x + 2]
@@ -203,16 +225,28 @@ def conv2d(ctx: EmitContext, layer: PlannedLayer, inputs: list[RelaxActivation])
             c = (o // o_per_group) * c_per_group + rc if a["groups"] > 1 else rc
             pos = (b, c, i * sh + rp * dh, j * sw + rq * dw)
             xs = None if x_second is None else x_second[pos]
-            return pair_sum(_terms(x_mean[pos], xs, w_mean[rc, rp, rq, o], w_second[rc, rp, rq, o], x.repr),
-                            axis=[rc, rp, rq])
+            wm, wv = w_mean[rc, rp, rq, o], w_second[rc, rp, rq, o]
+            if split:  # (mean, Σ μw²·vx, weight noise Σ vw·(μx² + vx))
+                xm = x_mean[pos]
+                return triple_sum((xm * wm, wm * wm * xs, wv * (xm * xm + xs)), axis=[rc, rp, rq])
+            return pair_sum(_terms(x_mean[pos], xs, wm, wv, x.repr), axis=[rc, rp, rq])
 
         batch = tensors[0].shape[0]
         acc = te.compute((batch, out_c, out_h, wide), body, name="conv2d")
         return _epilogue_stage(acc[0], acc[1], bias, 1, layer, shape=(batch, out_c, out_h, out_w),
-                               activation=ctx.activation)
+                               activation=ctx.activation, acc_noise=acc[2] if split else None)
 
     outs = ctx.emit_te(fn, x.tensors() + _weights_and_bias(ctx, layer, (1, 2, 3, 0)), layer)  # (C, KH, KW, O)
-    return activation_out(outs, ctx.activation or layer)
+    return _with_noise(activation_out(outs, ctx.activation or layer), ctx.weight_noise, outs)
+
+
+def _with_noise(out: RelaxActivation, wanted: bool, outs: list[Any] | None = None) -> RelaxActivation:
+    """``out`` with its weight-noise term (``wanted``): the kernel's third output, or -- for a
+    deterministic input, whose kernel has two -- the variance itself."""
+    if not wanted:
+        return out
+    noise = outs[2] if outs is not None and len(outs) > 2 else out.second
+    return RelaxActivation(out.mean, out.second, out.repr, weight_noise=noise)
 
 
 # ------------------------------------------------------------------------------------ dense
@@ -237,8 +271,8 @@ def schedule_dense(sch: s_tir.Schedule, layer: Any, target: tvm.target.Target) -
     ``ki`` unrolled).  Order ``jo | ko, batch, km, ki, jm, jv``: a chunk of ``km*ki`` weight rows
     of the tile (2 x 32 x 64 floats: 16 KiB) stays in L1 while every example of the batch
     accumulates over it, instead of the whole weight matrix streaming from L2 once per example
-    (the weights are not reused across examples otherwise: measured 2-2.5x faster at batch 10 and
-    100 for 784x100, the same at batch 1).  The accumulators are a ``(batch, tile)`` buffer
+    (the weights are not reused across examples otherwise; at batch 1 there is nothing to reuse and
+    the order costs nothing).  The accumulators are a ``(batch, tile)`` buffer
     (re-read once per chunk); the epilogue writes each column tile after its reduction.
     """
     lanes = simd_lanes(target)
@@ -292,8 +326,8 @@ def schedule_conv2d(sch: s_tir.Schedule, layer: Any, target: tvm.target.Target) 
     output row needs, in a small thread-private buffer, instead of a padded copy of the whole
     batch) and the epilogue writes the tile from the accumulators.
 
-    Tile sizes, measured on LeNet's conv2 (AVX-512, one thread, batch 1): 2 columns x 16 channels
-    14.7 us, 5 columns 15-20 us, 10 columns 300 us (register spills); unscheduled 300 us.
+    Tile sizes: a tile of 2 columns x one vector of channels keeps its accumulators in registers;
+    wider tiles (10 columns of 16 channels) spill them and lose the whole gain of the schedule.
     """
     if has_block(sch, "wino_gemm"):
         schedule_winograd(sch, target)
@@ -301,6 +335,9 @@ def schedule_conv2d(sch: s_tir.Schedule, layer: Any, target: tvm.target.Target) 
     lanes = simd_lanes(target)
     budget = register_budget(lanes)
     blk = sch.get_sblock("conv2d")
+    # accumulators per output: 2 (mean, variance; the shared-factor profile's single sum keeps that
+    # tile), 3 with the weight-noise term
+    n_acc = max(2, len(sch.get(blk).writes))
     pads = list(sch.get_producers(blk))
     b, o, i, j, rc, rp, rq = sch.get_loops(blk)
     n_o, ow = static_extent(sch, o), static_extent(sch, j)
@@ -317,7 +354,7 @@ def schedule_conv2d(sch: s_tir.Schedule, layer: Any, target: tvm.target.Target) 
         vector = ov
     else:
         jm = divisor_at_most(ow // vec_j, 4)
-        ot = divisor_at_most(n_o, max(1, budget // (2 * jm)))
+        ot = divisor_at_most(n_o, max(1, budget // (n_acc * jm)))
         oo, oi = sch.split(o, [None, ot])
         jo, jmm, jv = sch.split(j, [None, jm, vec_j])
         sch.reorder(b, oo, i, jo, rc, rp, rq, oi, jmm, jv)

@@ -18,6 +18,14 @@ are as long as the mean-field kernels.
   (input transforms of ``s_in`` and ``μ``, one batched GEMM per input and transform position summing
   both terms, output transform, ``+ shift``, clip; scheduled by :func:`~.winograd.schedule_winograd`).
   Off under :func:`~.winograd.direct_convolutions`;
+* conv2d with ``injection='rescaled'`` (a noisy layer): the mean-field conv kernel returns its
+  weight-noise term ``Σ V·E[x²] + v_bias`` (``compute.py``), and the regression terms are replaced by
+  that term's root rescaled to the injection's spatial mean: ``sf_conv_load`` computes the scale
+  ``g[o, offset + o]·w̄/mean_p √term`` (block ``root_mean``, a row sum) and no longer outputs the
+  pooled views; ``sf_conv_weights`` builds the propagated weights ``W·β`` alone (no ``coef·V·m̄s``, no
+  ``w_mu``, no shift), and ``sf_conv_profile`` convolves ``s_in`` only and adds ``scale·√term`` in its
+  epilogue.  Without a shared input there is nothing to convolve: ``sf_conv_load`` writes the clipped
+  profile ``scale·√term`` itself (block ``s_out``) and the layer has no weights or profile kernel;
 * dense: ``sf_dense_load`` (the loading, ``g``, the corrected variance and the clipped profile).
 """
 from __future__ import annotations
@@ -28,6 +36,7 @@ import numpy as np
 from tvm import te, tirx
 
 from ...correlation.factors import ComputeFactors
+from ...errors import PFPError
 from ...plan import PlannedLayer
 from ...registry import shared_kernel
 from ..emit import EmitContext, RelaxActivation
@@ -51,13 +60,18 @@ from .compute import _pad, schedule_conv2d
 from .winograd import weight_transform, winograd_correlation, winograd_shape
 
 
-def winograd_profile(pairs: list[tuple[te.Tensor, te.Tensor]], shift: te.Tensor, var: te.Tensor) -> te.Tensor:
+def winograd_profile(pairs: list[tuple[te.Tensor, te.Tensor]], added: Any, var: te.Tensor) -> te.Tensor:
     """The profile convolution of a :func:`~.winograd.winograd_shape` layer by Winograd F(2x2, 3x3):
-    ``s[b, o, y, x] = clip(Σ_k conv3x3(x_k, w_k)[b, o, y, x] + shift[b, o], ±√var[b, o, y, x])`` for
-    ``pairs = [(x_k (B, C, H, W), U_k (B, 4, 4, C, O))]`` (``U_k = G·w_k·Gᵀ`` per input, emitted by
-    ``sf_conv_weights``; :func:`~.winograd.winograd_correlation`), NCHW out; block ``epilogue``."""
+    ``s[b, o, y, x] = clip(Σ_k conv3x3(x_k, w_k)[b, o, y, x] + added(b, o, y, x), ±√var[b, o, y, x])``
+    for ``pairs = [(x_k (B, C, H, W), U_k (B, 4, 4, C, O))]`` (``U_k = G·w_k·Gᵀ`` per input, emitted by
+    ``sf_conv_weights``; :func:`~.winograd.winograd_correlation`) and ``added`` the injection's
+    elementwise term -- a function of the output index (the rescaled root), or a (B, O) shift
+    tensor --, NCHW out; block ``epilogue``."""
+    if isinstance(added, te.Tensor):
+        shift = added
+        added = lambda b, o, i, j: shift[b, o]  # noqa: E731
     y = winograd_correlation(pairs)
-    return te.compute(var.shape, lambda b, o, i, j: clip(y[b, i, j, o] + shift[b, o], var[b, o, i, j]),
+    return te.compute(var.shape, lambda b, o, i, j: clip(y[b, i, j, o] + added(b, o, i, j), var[b, o, i, j]),
                       name="epilogue")
 
 
@@ -77,6 +91,9 @@ def conv2d_shared_kernel(step: SharedStep, ctx: EmitContext, layer: PlannedLayer
     oh, ow = layer.layer.out_shape[1:]
     has_s = sh is not None
     wino = winograd_shape(layer)  # the profile convolution by Winograd F(2x2, 3x3) (winograd.py)
+    # injection='rescaled': the mean-field kernel's weight-noise term, rescaled, instead of the
+    # regression terms (module docstring)
+    rescaled = offset is not None and step.fp.injection == "rescaled"
     bias_var = ctx.const(t["bias_var"] if "bias_var" in t else np.zeros(o))
 
     # the output columns ``ox*sx + j*dx - px`` of kernel column ``j`` that fall inside the
@@ -121,6 +138,8 @@ def conv2d_shared_kernel(step: SharedStep, ctx: EmitContext, layer: PlannedLayer
         mu = next(it)
         s_in, g_in = (next(it), next(it)) if has_s else (None, None)
         cw, wmt, wvt, bvt = (next(it) for _ in range(4))
+        noise = next(it) if rescaled else None  # the mean-field kernel's weight-noise term
+        out_var = next(it) if rescaled and not has_s else None
         batch = mu.shape[0]
         mb = pooled(mu, 0, cw)
         sb = pooled(s_in, 1, cw) if s_in is not None else None
@@ -135,9 +154,18 @@ def conv2d_shared_kernel(step: SharedStep, ctx: EmitContext, layer: PlannedLayer
         wbar = te.compute((batch, o), lambda b, oo: te.sqrt(te.max(wsum[b, oo] + bvt[oo], f32(0.0))), name="wbar")
 
         def coefficient(g: te.Tensor) -> te.Tensor:
-            """``coef[b, o] = g[b, o, offset + o]/w̄[b, o]`` (0 where ``w̄ = 0`` or without an injection)."""
+            """``coef[b, o] = g[b, o, offset + o]/w̄[b, o]`` (0 where ``w̄ = 0`` or without an injection);
+            ``injection='rescaled'``: ``g[b, o, offset + o]·w̄[b, o]/mean_p √noise[b, o, p]``, the
+            factor of the rescaled root (0 where the mean root is 0)."""
             if offset is None:
                 return te.compute((batch, o), lambda b, oo: f32(0.0), name="coef")
+            if noise is not None:
+                y, xx = te.reduce_axis((0, oh), name="ry"), te.reduce_axis((0, ow), name="rx")
+                inv = f32(1.0 / (oh * ow))
+                rmean = te.compute((batch, o), lambda b, oo: te.sum(
+                    te.sqrt(te.max(noise[b, oo, y, xx], f32(0.0))) * inv, axis=[y, xx]), name="root_mean")
+                return te.compute((batch, o), lambda b, oo: g[b, oo, oo + off] * safe_div(wbar[b, oo], rmean[b, oo]),
+                                  name="coef")
             return te.compute((batch, o), lambda b, oo: safe_div(g[b, oo, oo + off], wbar[b, oo]),
                               name="coef")
 
@@ -145,7 +173,11 @@ def conv2d_shared_kernel(step: SharedStep, ctx: EmitContext, layer: PlannedLayer
             loading = te.compute((batch, o, k), lambda b, oo, f: tirx.Select(
                 f == oo + off, wbar[b, oo], f32(0.0)), name="loading")
             g = normalised(loading)[0]
-            return [mb, g, coefficient(g)]
+            coef = coefficient(g)
+            if noise is not None and out_var is not None:  # the profile is the rescaled root alone
+                return [g, te.compute(noise.shape, lambda b, oo, y, xx: clip(
+                    coef[b, oo] * rescaled_root(noise, b, oo, y, xx), out_var[b, oo, y, xx]), name="s_out")]
+            return [mb, g, coef]
         i2, j2 = te.reduce_axis((0, kh), name="i2"), te.reduce_axis((0, kw), name="j2")
         amap = te.compute((batch, c, o), lambda b, ch, oo: te.sum(wmt[ch, i2, j2, oo] * sb[b, ch, i2, j2],
                                                                    axis=[i2, j2]), name="amap")
@@ -157,13 +189,26 @@ def conv2d_shared_kernel(step: SharedStep, ctx: EmitContext, layer: PlannedLayer
             f == oo + off, wbar[b, oo], f32(0.0)), name="loading")
         g = normalised(loading)[0]
         # βᵀ[b, c, o] = ⟨g_in[c], g[o]⟩ (B, C, O): unit-stride in o, as the weights kernel reads it
-        return [mb, sb, g, coefficient(g), row_products(g, g_in, g_in.shape[2])]
+        beta = row_products(g, g_in, g_in.shape[2])
+        if noise is not None:  # the weights kernel reads neither pooled view
+            return [g, coefficient(g), beta]
+        return [mb, sb, g, coefficient(g), beta]
 
     w_cons = [ctx.const(np.transpose(t_, (1, 2, 3, 0))) for t_ in (wm, wv)]  # (C, KH, KW, O), both kernels
     args = [x.mean] + ([sh.s, sh.g] if sh is not None else []) + [ctx.const(col_weights), *w_cons, bias_var]
+    if rescaled:
+        if out.weight_noise is None:
+            raise PFPError(f"{layer.layer.source}: the shared-factor rule of conv2d '{layer.name}' "
+                           "(injection='rescaled') needs the mean-field kernel's weight-noise term, which it "
+                           "did not return; use injection='regression'")
+        args += [out.weight_noise] + ([out.second] if sh is None else [])
     outs = emit_width_generic(ctx, load, args, layer, "conv_load", g_args={2: sh.k} if sh is not None else {},
                                k=k, offset=offset or 0)
-    if sh is not None:
+    if rescaled and sh is None:  # no convolution: the profile is the rescaled root (load kernel)
+        return SharedRelax(outs[1], outs[0], k), out
+    if rescaled:
+        (g, coef_t, beta), mbar, sbar = outs, None, None
+    elif sh is not None:
         mbar, sbar, g, coef_t, beta = outs
     else:
         (mbar, g, coef_t), sbar, beta = outs, None, None
@@ -174,42 +219,58 @@ def conv2d_shared_kernel(step: SharedStep, ctx: EmitContext, layer: PlannedLayer
         convolution, their transforms ``G·A·Gᵀ``, ``G·M·Gᵀ`` (B, 4, 4, C, O) -- and ``coef·v_bias``
         (B, O).  ``W``, ``V`` come as (C, KH, KW, O), ``β`` as (B, C, O) and ``coef`` (B, O) from
         ``sf_conv_load``: every read unit-stride in ``o``, the vectorised axis, and none depends
-        on ``K``."""
+        on ``K``.  ``injection='rescaled'``: ``W·β`` alone, from ``(β, W)``."""
         it = iter(ts)
-        mb = next(it)
-        sb, bt = (next(it), next(it)) if has_s else (None, None)
-        coef, wmt, wvt, bvt = (next(it) for _ in range(4))
-        batch = mb.shape[0]
+        if rescaled:  # the propagated weights W·β alone
+            mb, sb, bt, wmt = None, None, next(it), next(it)
+            coef = wvt = bvt = None
+        else:
+            mb = next(it)
+            sb, bt = (next(it), next(it)) if has_s else (None, None)
+            coef, wmt, wvt, bvt = (next(it) for _ in range(4))
+        batch = ts[0].shape[0]
         wshape = (batch, c, kh, kw, o)
         outs = []
-        if sb is not None and bt is not None:
+        if bt is not None:
             def on_s(b: Any, ch: Any, i: Any, j: Any, oo: Any) -> Any:
                 value = wmt[ch, i, j, oo] * bt[b, ch, oo]
-                if offset is not None:
+                if sb is not None and offset is not None and coef is not None and wvt is not None:
                     value = value + coef[b, oo] * wvt[ch, i, j, oo] * sb[b, ch, i, j]
                 return value
 
             outs.append(te.compute(wshape, on_s, name="w_s"))
-        if offset is not None:
+        if mb is not None and coef is not None and wvt is not None and offset is not None:
             outs.append(te.compute(wshape, lambda b, ch, i, j, oo: coef[b, oo] * wvt[ch, i, j, oo]
                                    * mb[b, ch, i, j], name="w_mu"))
         if wino:  # their Winograd transforms G·w·Gᵀ (B, 4, 4, C, O) instead
             outs = [weight_transform(wt, f"wino_w{n}") for n, wt in enumerate(outs)]
-        outs.append(te.compute((batch, o), lambda b, oo: coef[b, oo] * bvt[oo]
-                               if offset is not None else f32(0.0), name="shift"))
+        if coef is not None and bvt is not None:
+            outs.append(te.compute((batch, o), lambda b, oo: coef[b, oo] * bvt[oo]
+                                   if offset is not None else f32(0.0), name="shift"))
         return outs
 
-    w_args = [mbar] + ([sbar, beta] if sbar is not None and beta is not None else [])
-    w_outs = emit_part(ctx, weights, w_args + [coef_t, *w_cons, bias_var], layer, "conv_weights")
+    if rescaled:
+        w_args = [beta, w_cons[0]]
+    else:
+        w_args = [t_ for t_ in (mbar, sbar, beta) if t_ is not None] + [coef_t, *w_cons, bias_var]
+    w_outs = emit_part(ctx, weights, w_args, layer, "conv_weights")
 
     def profile(*ts: te.Tensor) -> list[te.Tensor]:
         """``s[b, o] = Σ_{c,i,j} A·tap(s_in) + M·tap(μ) + shift``, clipped: a convolution with
         per-input weights, in the layout of the mean-field conv kernel (its schedule)."""
         it = iter(ts)
         srcs = [(next(it), next(it)) for _ in range(n_terms)]  # (input, weights)
-        shift, var = next(it), next(it)
+        per_channel, var = next(it), next(it)  # the shift (B, O), or for 'rescaled' the root's scale
+        if rescaled:
+            noise = next(it)
+
+            def added(b: Any, oo: Any, y: Any, x_: Any) -> Any:
+                return per_channel[b, oo] * rescaled_root(noise, b, oo, y, x_)
+        else:
+            def added(b: Any, oo: Any, y: Any, x_: Any) -> Any:
+                return per_channel[b, oo]
         if wino:
-            return [winograd_profile(srcs, shift, var)]
+            return [winograd_profile(srcs, added, var)]
         padded = [(_pad(src, [py, px]), wt) for src, wt in srcs]
         rc, rp, rq = (te.reduce_axis((0, n), name=name) for n, name in ((c, "rc"), (kh, "rp"), (kw, "rq")))
 
@@ -221,14 +282,25 @@ def conv2d_shared_kernel(step: SharedStep, ctx: EmitContext, layer: PlannedLayer
             return te.sum(total, axis=[rc, rp, rq])
 
         acc = te.compute((srcs[0][0].shape[0], o, oh, ow), body, name="conv2d")
-        return te.compute(acc.shape, lambda b, oo, y, x_: clip(acc[b, oo, y, x_] + shift[b, oo],
+        return te.compute(acc.shape, lambda b, oo, y, x_: clip(acc[b, oo, y, x_] + added(b, oo, y, x_),
                                                                  var[b, oo, y, x_]), name="epilogue")
 
-    terms = ([sh.s] if sh is not None else []) + ([x.mean] if offset is not None else [])
+    assert sh is not None or not rescaled
+    terms = ([sh.s] if sh is not None else []) + ([x.mean] if offset is not None and not rescaled else [])
     n_terms = len(terms)
-    args = [t for pair in zip(terms, w_outs[:n_terms]) for t in pair] + [w_outs[-1], out.second]
+    args = [t for pair in zip(terms, w_outs[:n_terms]) for t in pair]
+    if rescaled:
+        args += [coef_t, out.second, out.weight_noise]
+    else:
+        args += [w_outs[-1], out.second]
     s = emit_part(ctx, profile, args, layer, "conv_profile")[0]
     return SharedRelax(s, g, k), out
+
+
+def rescaled_root(noise: te.Tensor, b: Any, o: Any, y: Any, x: Any) -> Any:
+    """``√max(noise, 0)`` at ``(b, o, y, x)``: the root of the mean-field weight-noise term that
+    ``injection='rescaled'`` scales to the injection's spatial mean."""
+    return te.sqrt(te.max(noise[b, o, y, x], f32(0.0)))
 
 
 @shared_kernel('dense')

@@ -94,8 +94,8 @@ class Windows:
         themselves when no window overhangs (then there is no padding).  Read with
         :meth:`load_padded`.  A Clark fold (a TE reduction whose combiner uses each tap several
         times) must read its taps this way, not through :meth:`load`: TVM substitutes the tap
-        expression into every use, and the bounds check in each copy made LLVM spend ~4 s on a
-        3x3 / stride-2 / padding-1 pool (0.2 s with plain loads)."""
+        expression into every use, and the bounds check in each copy multiplies LLVM's compile time
+        of an overhanging pool (a 3x3 / stride-2 / padding-1 pool, say) many times over."""
         if not self.overhangs:
             return list(tensors)
         rows = (self.out_shape[1] - 1) * self.stride[0] + self.kernel[0]
@@ -126,8 +126,8 @@ DEINTERLEAVE = "deinterleave"
 FLAT_PAD = 64
 """The flattened output axis of the non-overlapping Gaussian max pool is padded to a multiple of
 this: :data:`POOL_REGISTER_TILE` whole vectors of the widest fp32 SIMD vector (AVX-512, 16 lanes),
-so the fold always runs on whole register tiles (LeNet pool1: 1176 outputs -> 1216, 3 % more work;
-padded to 16, 74 vectors allowed a tile of only 2)."""
+so the fold always runs on whole register tiles (a few per cent more work on a LeNet-sized pool;
+padding to one vector only would leave vector counts that allow a tile of only 2)."""
 
 
 def _gaussian_max_pool_deinterleaved(win: Windows, layer: PlannedLayer, m: te.Tensor, v: te.Tensor
@@ -263,8 +263,8 @@ def max_pool2d(ctx: EmitContext, layer: PlannedLayer, inputs: list[RelaxActivati
         return activation_out(ctx.emit_te(lambda m, v, cov: _correlated_max_pool(win, layer, m, v, cov),
                                           x.tensors() + [inputs[1].mean], layer), layer)
 
-    # windows that tile the input: deinterleaved (LeNet pool2, 16 channels: vectors of channels
-    # with strided taps measured 34 us at batch 10 (one thread), deinterleaved 23 us)
+    # windows that tile the input: deinterleaved (contiguous taps, also where vectors of channels
+    # with strided taps would be possible)
     if win.tiles_exactly():
         return activation_out(ctx.emit_te(lambda m, v: _gaussian_max_pool_deinterleaved(win, layer, m, v),
                                           x.tensors(), layer), layer)
@@ -317,16 +317,14 @@ def avg_pool2d(ctx: EmitContext, layer: PlannedLayer, inputs: list[RelaxActivati
 POOL_REGISTER_TILE = 4
 """Deinterleaved pool: SIMD vectors of (mean, variance) pairs folded side by side, as one vector of
 ``4 × lanes`` (LLVM splits it into independent chains that hide each other's latency: a Clark
-step is a ~100-flop dependency chain).  LeNet pool1 at batch 10, one thread, kernel alone: 2
-vectors 70 us, 4 vectors 53 us, 8 vectors 52 us; 4 vectors written as an unrolled loop of
-vectors 57 us and LLVM needed 1.2 s per pool instead of 0.35 s."""
+step is a ~100-flop dependency chain).  Four chains hide the latency; more gain nothing, and
+writing them as an unrolled loop of vectors instead of one wide vector is slower to run and
+several times slower for LLVM to compile."""
 GAUSSIAN_WINDOW_ROLLED = True
 """Clark's max pool keeps its window loops as loops (a plain max unrolls them).  The fold over the
 window is a dependency chain of ~100-flop Clark steps, so unrolling it buys no parallelism, only
-code: LLVM spent 1.35 s of LeNet-5's 1.9 s build on the two unrolled pools (0.84 s for pool1's
-2x2 window x 2-vector register tile).  Rolled, LeNet-5's single-thread batch-1/10 latency was the
-same within noise (66 vs 66 us, 413 vs 417 us: ``exe(x)`` minimum of 400 calls, one thread) and
-the build ~30 % shorter (``benchmarks/latency.py`` prints compile times)."""
+code: unrolled, the pools take most of LLVM's time in a LeNet-5 build.  Rolled, the latency is the
+same within timing noise and the build is shorter (``benchmarks/latency.py`` prints compile times)."""
 
 
 @schedule("max_pool2d")
@@ -344,8 +342,8 @@ def schedule_max_pool2d(sch: s_tir.Schedule, layer: Any, target: tvm.target.Targ
     * **deinterleaved windows** (kernel == stride, no padding/overhang, Gaussian input: LeNet
       pool1 and pool2): the kernel copies the input into a window-tap-major, flattened layout
       first (``deinterleave`` blocks) and folds with a chain of stages, see
-      :func:`_schedule_deinterleaved_pool` (pool1: 109 -> 46 us at batch 10; pool2, 16
-      channels, had vectors of channels with strided taps: 34 -> 23 us at batch 10, one thread);
+      :func:`_schedule_deinterleaved_pool` (contiguous taps: faster than either of the layouts
+      below for these pools);
     * **channels** (16 channels, rows of 5): parallel over (b, channel tile, i), serial ``j``;
       taps are strided loads (stride H·W), the epilogue writes the tile (a rectangle) from the
       stack;

@@ -1,6 +1,6 @@
 """Winograd F(2x2, 3x3) kernels of the mean-field PFP conv2d (3x3, stride 1, padding 1), chosen by
-:func:`use_winograd` for the layers where it measured faster than the direct kernel of
-``compute.conv2d`` (see ``benchmarks/conv_throughput.py``), and of the shared-factor profile
+:func:`use_winograd` for the layers where it is faster than the direct kernel of
+``compute.conv2d`` (``benchmarks/conv_throughput.py`` compares them), and of the shared-factor profile
 convolution of the same layers (``compute_shared.py``, see the end of this docstring).
 
 The PFP conv with a variance input computes three convolutions of the same input window
@@ -68,7 +68,7 @@ from tvm import s_tir, te, tirx
 
 from ...graph import Repr
 from ...plan import PlannedLayer
-from ..emit import EmitContext, RelaxActivation, pair_sum
+from ..emit import EmitContext, RelaxActivation, pair_sum, triple_sum
 from ..fast_math import F32
 from ..schedules import divisor_at_most, pow2_divisor, register_budget, simd_lanes, static_extent, vectorize_inner
 
@@ -83,7 +83,8 @@ WINO_AT = np.array([[1, 1, 1, 0], [0, 1, -1, -1]], dtype=np.float64)
 MIN_CHANNELS = 16
 """Winograd only with at least this many input and output channels: the transforms cost
 ``O((C + O)·α²)`` per tile against the GEMM's ``O(C·O·α²)``, so its advantage shrinks with the
-channel count; 16 is the smallest measured (1.8x faster than direct at 16->16 32x32, batch 10)."""
+channel count; 16 channels is the smallest count at which it still beats the direct kernel
+(``benchmarks/conv_throughput.py``)."""
 
 
 _enabled = [True]
@@ -152,7 +153,7 @@ def _row_terms(mat: np.ndarray, row: Any) -> list[tuple[Any, Any]]:
     TIR expressions: the k-th nonzero of each row, chosen by a scalar ``Select`` chain over ``row``
     (rows with fewer nonzeros get coefficient 0).  Evaluated once per row in the loop, they let
     the transform loop stay rolled (one generic body instead of one unrolled copy per position,
-    which cost LLVM ~1 s per kernel) at the price of a broadcast multiply per term."""
+    which would make LLVM's compile of each kernel much slower) at the price of a broadcast multiply per term."""
     nonzero = [[(j, float(mat[i, j])) for j in range(mat.shape[1]) if mat[i, j] != 0] for i in range(mat.shape[0])]
     width = max(len(r) for r in nonzero)
     terms = []
@@ -232,11 +233,15 @@ def output_transform(s: te.Tensor, name: str) -> te.Tensor:
     return te.compute((batch, n_h * TILE, n_w * TILE, out_c), f, name=name)
 
 
-def winograd_conv(ctx: EmitContext, layer: PlannedLayer, x: RelaxActivation, epilogue_stage: Any) -> list:
+def winograd_conv(ctx: EmitContext, layer: PlannedLayer, x: RelaxActivation, epilogue_stage: Any,
+                  weight_noise: bool = False) -> list:
     """Emit the Winograd PFP conv of ``layer`` (see the module docstring); returns its output
     tensors (mean, second) for ``activation_out``.  ``epilogue_stage``: the direct conv kernel's
     epilogue (``compute._epilogue_stage``: bias, variance clamp, representation), passed in so this
-    module does not import ``compute`` (which imports it)."""
+    module does not import ``compute`` (which imports it).  ``weight_noise``: the two variance
+    products accumulate into two sums (a three-sum GEMM, the same multiply-adds, and a third output
+    transform ``wino_out_n``), and the weight-noise term ``conv(vw, μx² + vx) + vb`` is a third
+    output (``compute``'s module docstring)."""
     t = layer.tensors
     out_c, out_h, out_w = layer.layer.out_shape
     w_mean, w_var = t["weight_mean"], t["weight_var"]
@@ -254,12 +259,15 @@ def winograd_conv(ctx: EmitContext, layer: PlannedLayer, x: RelaxActivation, epi
 
         def gemm(n, th, e, u, tw, o):
             dm, dv, ds = (p[n, th, e, u, tw, rc] for p in d)
+            if weight_noise:  # (mean, Σ μw²·vx, Σ vw·(μx² + vx)) apart
+                return triple_sum((dm * um[e, u, rc, o], dv * um2[e, u, rc, o], ds * uv[e, u, rc, o]), axis=rc)
             return pair_sum((dm * um[e, u, rc, o], ds * uv[e, u, rc, o] + dv * um2[e, u, rc, o]), axis=rc)
 
         acc = te.compute((*d[0].shape[:5], out_c), gemm, name="wino_gemm")
-        y = [output_transform(s, f"wino_out_{k}") for s, k in zip(acc, "mv")]
+        y = [output_transform(s, f"wino_out_{k}") for s, k in zip(acc, "mvn")]
         return epilogue_stage(y[0], y[1], list(bias), 1, layer, shape=(batch, out_c, out_h, out_w),
-                               activation=ctx.activation, index=lambda n, o, i, j: (n, i, j, o))
+                              activation=ctx.activation, index=lambda n, o, i, j: (n, i, j, o),
+                              acc_noise=y[2] if weight_noise else None)
 
     return ctx.emit_te(fn, x.tensors() + weights + bias_args, layer)
 

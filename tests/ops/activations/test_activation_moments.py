@@ -372,7 +372,7 @@ def test_onnx_symbols_match_float64(name: str) -> None:
     ort = pytest.importorskip("onnxruntime")
     from onnx import TensorProto, helper
 
-    from pyro2pfp.onnx_export import Sym, _Builder, _onnx_ops
+    from pyro2pfp.onnx_builder import Sym, _Builder, _onnx_ops
 
     b = _Builder()
     mean, var = Sym(b, "m"), Sym(b, "v")

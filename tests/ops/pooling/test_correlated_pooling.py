@@ -6,7 +6,10 @@ puts a non-decreasing activation after the pool, and all three back ends.
 * ``window_cov`` (the covariances of every pair of taps of a window, from the conv that feeds the pool)
   is exact for a conv with independent Gaussian weights and independent inputs: its pairs'
   covariances are checked against Monte Carlo the same way, for a deterministic and a random conv
-  input, overlapping / padded / ceil-mode windows and a strided conv.
+  input, overlapping / padded / ceil-mode windows and a strided conv.  And to 1e-10 against the
+  covariance summed term by term from its definition (independently of the package's shifted-kernel
+  form), for 3×3 and 5×5 kernels with padding 0 and 1 and 2×2/2 and 3×3/2/1 pools; the pooled
+  moments of those windows against sampling within the sampling bound plus the fold's stated allowance.
 * A conv → ReLU → max pool stack with a wide posterior: after the pool the variance ratio to sampling
   is within a stated band with the correlated rule, and the independent rule fails the same band.
 * Compiled (TVM) and ONNX outputs equal the float64 reference to float32 rounding.
@@ -29,7 +32,7 @@ from pyro2pfp.reference import execute_all
 from pyro2pfp.reference.arrays import LOWEST, padded, window_views
 from tests.support.builders import conv_layer, dense_layer, pool_layer, relu_layer, reshape_layer
 from tests.support.op_coverage import COMPILED, MONTE_CARLO, covers
-from tests.support.stats import assert_check_rejects, assert_moments_agree
+from tests.support.stats import assert_check_rejects, assert_moments_agree, z_threshold
 
 N_MC = 200_000
 MC = settings(max_examples=12, deadline=None, suppress_health_check=[HealthCheck.too_slow])
@@ -354,3 +357,136 @@ def test_caveats_name_the_pools_the_rule_does_not_cover():
         pool_layer("pool", "relu2", conv2.out_shape, 2, 2)])
     notes = pool_caveats(correlate_max_pools(vgg))
     assert len(notes) == 1 and "another conv's output (conv1)" in notes[0]
+
+
+# --------------------------------------------------------------------------------------------
+# window_cov against the covariance computed from its definition (exact, float64)
+# --------------------------------------------------------------------------------------------
+
+EXACT_CASES = [  # (conv kernel, conv padding, pool (kernel, stride, padding)): conv stride 1, random input
+    (k, p, pool) for k in (3, 5) for p in (0, 1) for pool in ((2, 2, 0), (3, 2, 1))]
+
+
+def exact_graph(rng, kernel, padding, pool, image=8):
+    return small_graph(rng, ((2, 2, kernel, 1, padding), (*pool, False), image, True))
+
+
+def exact_input(rng) -> tuple[np.ndarray, np.ndarray]:
+    """A batch of one ``(2, 8, 8)`` independent-Gaussian input (mean, variance) with positive means, as
+    after a ReLU: neighbouring conv outputs then share much of their weight noise, the case the
+    in-window covariances are for."""
+    return rng.uniform(0.5, 1.5, (1, 2, 8, 8)), rng.uniform(0.05, 0.5, (1, 2, 8, 8))
+
+
+def covariance_by_definition(conv: Layer, x_mean: np.ndarray, x_var: np.ndarray, o: int,
+                             p: tuple[int, int], q: tuple[int, int]) -> float:
+    """``Cov(a[o, p], a[o, q])`` of ``a = conv(x; W, b)`` summed term by term from the definition:
+    ``a[o, p] = Σ_k W_k·X[p, k] + b`` over the kernel taps ``k = (c, r, s)`` (``X`` zero outside the
+    image), and for every pair of terms ``Cov(W_k X_pk, W_l X_ql) = E[W_k W_l]·E[X_pk X_ql] −
+    E[W_k]E[W_l]E[X_pk]E[X_ql]``, with ``E[W_k W_l] = μ_k μ_l + [k = l]·v_k`` and ``E[X X'] = μ μ' +
+    [same element inside the image]·v`` (weights, bias and input elements all independent)."""
+    w, b, pad = conv.params["weight"], conv.params["bias"], conv.attrs["padding"][0]
+    c_in, kh, kw = w.shape[1:]
+    h, wd = x_mean.shape[1:]
+
+    def terms(pos):
+        cs, rs, ss = np.meshgrid(np.arange(c_in), np.arange(kh), np.arange(kw), indexing="ij")
+        rows, cols = pos[0] + rs.ravel() - pad, pos[1] + ss.ravel() - pad
+        inside = (rows >= 0) & (rows < h) & (cols >= 0) & (cols < wd)
+        flat = np.where(inside, (cs.ravel() * h + np.clip(rows, 0, h - 1)) * wd + np.clip(cols, 0, wd - 1), -1)
+        mean = np.where(inside, x_mean.ravel()[np.maximum(flat, 0)], 0.0)
+        return flat, mean
+
+    fp, mp = terms(p)
+    fq, mq = terms(q)
+    wm, wv = w.mean[o].ravel(), w.var[o].ravel()
+    e_ww = np.outer(wm, wm) + np.diag(wv)
+    same = (fp[:, None] == fq[None, :]) & (fp[:, None] >= 0)
+    e_xx = np.outer(mp, mq) + np.where(same, x_var.ravel()[np.maximum(fp, 0)][:, None], 0.0)
+    return float(np.sum(e_ww * e_xx - np.outer(wm, wm) * np.outer(mp, mq)) + b.var[o])
+
+
+@pytest.mark.parametrize("kernel, padding, pool", EXACT_CASES)
+def test_window_cov_equals_the_covariance_by_definition(kernel, padding, pool):
+    rng = np.random.default_rng(kernel * 10 + padding)
+    graph = correlate_max_pools(exact_graph(rng, kernel, padding, pool))
+    planned = plan(graph)
+    x, x_var = exact_input(rng)
+    values = execute_all(planned, x, x_var)
+    cov, conv_var = values["pool_window_cov"].mean[0], values["conv"].variance()[0]
+    conv = graph.layer("conv")
+    (pk, ps, pp), (oh, ow) = pool, planned.layer("pool").layer.out_shape[1:]
+    conv_hw = conv.out_shape[1:]
+    taps = [(r, c) for r in range(pk) for c in range(pk)]
+    scale = float(np.max(conv_var))
+    for o in range(conv.out_shape[0]):
+        for i in range(oh):
+            for j in range(ow):
+                pos = [(i * ps - pp + r, j * ps - pp + c) for r, c in taps]
+                inside = [0 <= a < conv_hw[0] and 0 <= b < conv_hw[1] for a, b in pos]
+                for k, (t, u) in enumerate(moments.window_pairs(len(taps))):
+                    want = covariance_by_definition(conv, x[0], x_var[0], o, pos[t], pos[u]) \
+                        if inside[t] and inside[u] else 0.0
+                    assert abs(cov[o, k, i, j] - want) <= 1e-10 * scale, (o, k, i, j, cov[o, k, i, j], want)
+    # the diagonal (the conv's own variance) from the same definition
+    for o, a, b in [(0, 0, 0), (1, conv_hw[0] - 1, conv_hw[1] // 2), (1, conv_hw[0] // 2, conv_hw[1] // 2)]:
+        want = covariance_by_definition(conv, x[0], x_var[0], o, (a, b), (a, b))
+        assert abs(conv_var[o, a, b] - want) <= 1e-10 * scale
+
+
+#: Clark's fold treats the running maximum of a window as Gaussian (exact for two taps only), and a conv
+#: of a random input is not Gaussian: beyond the sampling bound, the pooled moments may miss Monte Carlo by
+#: this much (mean: in units of the MC sd; variance: relative).  On these windows the correlated fold
+#: stays within it and the independent fold (covariances dropped) does not.
+FOLD_ALLOWANCE = {"mean": 0.03, "var": 0.15}
+
+
+def pooled_draws(rng, conv: Layer, x_mean: np.ndarray, x_var: np.ndarray, pool, n: int, chunk: int = 2000):
+    """``n`` draws of ``max_pool(conv(x))`` (new weights, bias and input every draw), ``(n, C, OH, OW)``:
+    per chunk, each draw's weights times its input's patches, then the max over the pool's windows."""
+    w, b, pad = conv.params["weight"], conv.params["bias"], conv.attrs["padding"][0]
+    (o, c, k, _), (pk, ps, pp) = w.shape, pool
+    out = []
+    for start in range(0, n, chunk):
+        m = min(chunk, n - start)
+        ws = w.mean.reshape(o, -1) + np.sqrt(w.var).reshape(o, -1) * rng.standard_normal((m, o, c * k * k))
+        bs = b.mean + np.sqrt(b.var) * rng.standard_normal((m, o))
+        xs = x_mean + np.sqrt(x_var) * rng.standard_normal((m, *x_mean.shape))
+        xs = np.pad(xs, ((0, 0), (0, 0), (pad, pad), (pad, pad)))
+        patches = np.lib.stride_tricks.sliding_window_view(xs, (k, k), axis=(2, 3))  # (m, c, oh, ow, k, k)
+        oh, ow = patches.shape[2:4]
+        cols = patches.transpose(0, 1, 4, 5, 2, 3).reshape(m, c * k * k, oh * ow)
+        a = (np.matmul(ws, cols) + bs[:, :, None]).reshape(m, o, oh, ow)
+        a = np.pad(a, ((0, 0), (0, 0), (pp, pp), (pp, pp)), constant_values=-np.inf)
+        taps = np.lib.stride_tricks.sliding_window_view(a, (pk, pk), axis=(2, 3))[:, :, ::ps, ::ps]
+        out.append(taps.max(axis=(-2, -1)))
+    return np.concatenate(out)
+
+
+def fold_errors(draws: np.ndarray, mean: np.ndarray, var: np.ndarray) -> tuple[float, float]:
+    """The largest mean and variance errors against the draws, each as a fraction of its bound: the
+    sampling bound (``z``·standard error, Bonferroni ``z`` of ``tests/support/stats.py``) plus
+    :data:`FOLD_ALLOWANCE`; ≤ 1 is within."""
+    n = draws.shape[0]
+    mc_mean = draws.mean(axis=0)
+    dev2 = (draws - mc_mean) ** 2
+    mc_var = dev2.mean(axis=0)
+    z = z_threshold(2 * mean.size)
+    mean_bound = z * np.sqrt(mc_var / n) + FOLD_ALLOWANCE["mean"] * np.sqrt(mc_var)
+    var_bound = z * dev2.std(axis=0) / np.sqrt(n) + FOLD_ALLOWANCE["var"] * mc_var
+    return float(np.max(np.abs(mean - mc_mean) / mean_bound)), float(np.max(np.abs(var - mc_var) / var_bound))
+
+
+@pytest.mark.parametrize("kernel, padding, pool", EXACT_CASES)
+def test_pooled_moments_with_exact_covariances_match_sampling(kernel, padding, pool):
+    """The pooled moments of the conv of an independent-Gaussian input (its window covariances exact,
+    :func:`test_window_cov_equals_the_covariance_by_definition`) against sampling, within the sampling
+    bound plus the fold's allowance; the independent fold on the same draws is outside it."""
+    rng = np.random.default_rng(kernel * 10 + padding)
+    graph = exact_graph(rng, kernel, padding, pool)
+    x, x_var = exact_input(rng)
+    draws = pooled_draws(np.random.default_rng(1), graph.layer("conv"), x[0], x_var[0], pool, 20_000)
+    correlated = execute_all(plan(correlate_max_pools(graph)), x, x_var)["pool"]
+    independent = execute_all(plan(graph), x, x_var)["pool"]
+    assert max(fold_errors(draws, correlated.mean[0], correlated.variance()[0])) <= 1.0
+    assert max(fold_errors(draws, independent.mean[0], independent.variance()[0])) > 1.0

@@ -26,7 +26,7 @@ import torch.nn.functional as F
 
 import pyro2pfp
 from pyro2pfp.graph import GaussianParam
-from pyro2pfp.onnx_export import to_onnx
+from pyro2pfp.onnx_builder import to_onnx
 from pyro2pfp.ops.compute import _symmetric_padding
 from pyro2pfp.ops.pooling import adaptive_window
 from pyro2pfp.reference.arrays import conv2d_nchw

@@ -1,4 +1,4 @@
-"""ONNX export (pyro2pfp.onnx_export) run with onnxruntime against the float64 NumPy reference.
+"""ONNX export (pyro2pfp.onnx_builder) run with onnxruntime against the float64 NumPy reference.
 
 Graphs are built by hand (tests/support/builders.py) and planned with both moment forms; the exported
 model must pass ``onnx.checker`` (full check), use standard operators only, have a dynamic batch
@@ -21,7 +21,7 @@ import pyro2pfp
 from pyro2pfp.errors import UnsupportedLayerError
 from pyro2pfp.graph import INPUT, GaussianParam, Layer, LayerGraph
 from pyro2pfp.network import PFPNetwork
-from pyro2pfp.onnx_export import onnx_ops_used, to_onnx
+from pyro2pfp.onnx_builder import onnx_ops_used, to_onnx
 from pyro2pfp.plan import plan
 from pyro2pfp.reference import execute
 from pyro2pfp.reference.arrays import conv2d_nchw

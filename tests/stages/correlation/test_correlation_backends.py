@@ -215,7 +215,6 @@ def test_compiled_zero_variance_and_large_inputs_stay_finite():
 
 
 def test_plans_the_compiled_path_does_not_cover_are_refused(monkeypatch):
-    from pyro2pfp.correlation import plan_factors
     from pyro2pfp.registry import SHARED_EXPORTERS, SHARED_KERNELS
 
     rng = np.random.default_rng(4)
@@ -223,10 +222,6 @@ def test_plans_the_compiled_path_does_not_cover_are_refused(monkeypatch):
     graph = LayerGraph(input_shape=(1, 4, 4), layers=[conv], output="conv")
     with pytest.raises(pyro2pfp.ArgumentError, match="moment_form='variance'"):
         emit_module(with_correlation(plan(graph, moment_form="raw"), "shared-factor"))
-    planned = plan(graph)
-    planned.factors = plan_factors(planned, injection="rescaled")
-    with pytest.raises(pyro2pfp.ArgumentError, match="injection='regression'"):
-        emit_module(planned)
     monkeypatch.delitem(SHARED_KERNELS, "conv2d")  # as for an op added without a kernel
     with pytest.raises(pyro2pfp.ArgumentError, match="conv \\(test\\): the TVM back end has no .*'conv2d'"):
         emit_module(with_correlation(plan(graph), "shared-factor"))

@@ -1,4 +1,5 @@
-"""Export a compiled predictor: the library (TVM's ``export_library``) and its JSON sidecar.
+"""The files of a compiled predictor: its library (TVM's ``export_library``) and the JSON sidecar
+beside it, written here and read back by :func:`pyro2pfp.deploy.load`.
 
 ``export_library(exe, path)`` writes ``path`` (``.so``: a shared library; ``.tar``: the object files,
 linked by ``load`` on the machine that loads it), one more library per batch-specialised executable

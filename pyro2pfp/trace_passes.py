@@ -1,4 +1,6 @@
-"""Small passes over a ``torch.export`` program, run by the tracing stage."""
+"""Passes over the traced ``torch.export`` program and queries of it, run by the tracing stage
+(:mod:`pyro2pfp.tracing`): repairing ``users`` lists, folding identity broadcasts, the parameters and
+tensor ops the output depends on, and the user's module and source line of a node."""
 from __future__ import annotations
 
 import operator

@@ -1,4 +1,4 @@
-"""Export a planned PFP network as an ONNX model of standard operators.
+"""Build the ONNX model of a planned PFP network, in standard operators (``net.to_onnx`` writes it).
 
 The ONNX graph computes exactly what the NumPy reference (:mod:`pyro2pfp.reference`) computes, in
 float32: every planned layer is emitted from its ``in_reprs`` / ``out_repr`` and its stored
@@ -406,7 +406,7 @@ def to_onnx(net: Any, path: str | os.PathLike | None = None, *, opset: int = DEF
     domain, ``opset`` ≥ 17).  The model is validated with ``onnx.checker`` before it is written.
     Returns the ``onnx.ModelProto`` (and writes it to ``path`` if given).
 
-    >>> pyro2pfp.onnx_export.to_onnx(net, "net.onnx")
+    >>> pyro2pfp.onnx_builder.to_onnx(net, "net.onnx")
     >>> sess = onnxruntime.InferenceSession("net.onnx"); mean, var = sess.run(None, {"x": x})
     """
     import onnx
