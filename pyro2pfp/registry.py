@@ -25,7 +25,7 @@ in ``tvm_backend/ops/<family>.py``, beside the op's mean-field parts.
 Elementwise activations need less: an :class:`ActivationRule` (the exact activation and its
 Gaussian moments, written against an ``ops`` namespace, see :mod:`pyro2pfp.moments`) in the OpDef
 gives the reference, the ONNX export and (through ``tvm_backend/ops/activation.py``) the TE kernel
-and its schedule.  ``tests/test_op_completeness.py`` names anything an op still lacks.  Modelled on
+and its schedule.  ``tests/ops/test_op_completeness.py`` names anything an op still lacks.  Modelled on
 onnx2torch's ``node_converters/registry.py`` (decorator registration, duplicates rejected).
 
 Importing this module imports neither TVM nor ONNX nor the op families (``pyro2pfp.ops`` loads
@@ -144,7 +144,7 @@ class OpDef:
     ``example_attrs``: the attrs of a representative layer of an op that has any (e.g. a LeakyReLU
     slope), so generic tests can build one layer of every registered activation;
     ``factor_spec``: the op's part of the shared-factor plan; ``no_shared_rule``: why the op has no
-    shared-factor rule (empty: it has one in every back end, which ``tests/test_op_completeness.py``
+    shared-factor rule (empty: it has one in every back end, which ``tests/ops/test_op_completeness.py``
     checks; a plan with factors is refused for a network with such an op, ``correlation='auto'``
     falls back to mean-field).
     """

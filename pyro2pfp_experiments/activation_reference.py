@@ -6,7 +6,7 @@ and into unit pieces (each to a relative tolerance of 1e-13).  The variance is i
 the deterministic value ``f(μ)`` with a *difference function* ``f(x) − f(μ)`` written without
 cancellation (e.g. ``σ(x) − σ(μ) = σ(x)·σ(−μ)·(1 − e^{μ−x})``), then centred on the mean in a
 second pass, so tiny variances (``v = 1e-12``) and far tails (``σ(−30)``) keep their relative
-accuracy.  Used by ``tests/test_activation_moments.py`` and ``benchmarks/activation_accuracy.py``.
+accuracy.  Used by ``tests/ops/activations/test_activation_moments.py`` and ``benchmarks/activation_accuracy.py``.
 """
 from __future__ import annotations
 

@@ -14,7 +14,7 @@ each accepted session is served by a child process.  TVM's child runs ``rpc.Serv
 here the child runs ``qemu-aarch64`` on a ~40-line C++ program (:data:`SESSION_SOURCE`) built
 with ``aarch64-linux-gnu-g++`` against the AArch64 ``libtvm_runtime.so`` / ``libtvm_ffi.so`` /
 ``libtvm_runtime_extra.so`` of the installed TVM version (fetched once from the manylinux aarch64
-wheels with ``pip download``, as ``tests/test_deploy.py`` does).  That program registers the server
+wheels with ``pip download``, as ``tests/deploy/test_deploy.py`` does).  That program registers the server
 environment (``tvm.rpc.server.workpath`` / ``load_module``) and runs the runtime's ``rpc.ServerLoop``
 on the inherited socket: uploads, module loading, tensors, the Relax VM and ``time_evaluator`` all run
 in the AArch64 runtime.
@@ -131,7 +131,7 @@ def _versions() -> tuple[str, str]:
 
 def runtime_dir() -> Path:
     """Where the AArch64 runtime is cached: ``$PYRO2PFP_AARCH64_RUNTIME`` or
-    ``~/.cache/pyro2pfp/aarch64-tvm-<tvm>-ffi-<ffi>`` (the directory ``tests/test_deploy.py`` uses)."""
+    ``~/.cache/pyro2pfp/aarch64-tvm-<tvm>-ffi-<ffi>`` (the directory ``tests/deploy/test_deploy.py`` uses)."""
     tvm_version, ffi_version = _versions()
     env = os.environ.get("PYRO2PFP_AARCH64_RUNTIME")
     return Path(env) if env else Path.home() / ".cache" / "pyro2pfp" / f"aarch64-tvm-{tvm_version}-ffi-{ffi_version}"

@@ -145,7 +145,7 @@ def in_backends(op: str, ops: Collection[str] | None = None) -> bool:
     """The float32 back ends implement ``op``'s shared-factor rule: ``op`` is in ``ops`` (a back end's
     table of rules), by default in :data:`~pyro2pfp.registry.SHARED_EXPORTERS` -- the compiled back
     end's table (``SHARED_KERNELS``, filled when TVM is imported) covers the same ops
-    (``tests/test_op_completeness.py``), so the choice of ``auto`` does not depend on whether TVM is
+    (``tests/ops/test_op_completeness.py``), so the choice of ``auto`` does not depend on whether TVM is
     loaded."""
     return op in (SHARED_EXPORTERS if ops is None else ops)
 

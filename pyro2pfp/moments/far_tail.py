@@ -32,7 +32,7 @@ function, ``∫_0^∞ y^n σ(−y) dy = n!·η(n+1)``, ``∫_0^∞ y^n σ'(y) dy
   ``Q_j = 2·(j+1)!·η(j+3) + 2·L_j`` (j even; ``Q_0 = 2ζ(3)``), ``2·(j+1)!·η(j+3)`` (j odd), with
   ``L_j = ∫_0^∞ y^j·log²(1 + e^{−y}) dy`` (mpmath, 30 digits; ``L_0 = ζ(3)/4``).
 
-(``tests/test_activation_moments.py`` checks each ``G_j`` against quadrature of its definition.)
+(``tests/ops/activations/test_activation_moments.py`` checks each ``G_j`` against quadrature of its definition.)
 Truncated after ``j = _FAR_TERMS = 6``, the error is that of the next terms, ``c·O(|k|⁷ + |k|⁵/v)`` (the
 limit moments themselves are exact): means within 2e-13 output sd and variances within 5e-8 relative
 of quadrature for ``|μ| ≥ 1000`` and any σ.  For ``|k| ≥ 1`` (the series' radius: ``e^{kx}`` against

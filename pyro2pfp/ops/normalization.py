@@ -21,7 +21,7 @@ OpDef's assumptions):
 * the affine part with independent (possibly Gaussian) ``γ``, ``β`` is exact:
   ``E y = μγ·z + μβ``, ``Var y = μγ²·Var z + vγ·(z² + Var z) + vβ``.
 
-``tests/test_smooth_activations.py`` checks the rule against Monte Carlo (μ ~ N(0, 1) per feature,
+``tests/ops/activations/test_smooth_activations.py`` checks the rule against Monte Carlo (μ ~ N(0, 1) per feature,
 v/spread² from 0.01 to 1e6, D = 16 and 64): mean within 0.1 output sd, variance ratio within [0.85, 1.1].
 It is poor for few normalised features (D ≤ 4; D = 2 is a sign function), where ``s²`` itself
 fluctuates by O(1), and the test shows that too.

@@ -1,10 +1,11 @@
 """Models written the way their authors write them, one per class of code that used to stop
 ``convert`` — device moves and views in ``forward``, ``pyro.random_module`` in the course-notebook
 forms, samples assigned to module attributes — trained here, checked across processes by
-tests/test_gallery_classes.py::
+tests/user_code/test_gallery_classes.py::
 
-    python tests/gallery_classes.py train DIR     # SVI per model, save each param store + Predictive's answer
-    python tests/gallery_classes.py convert DIR   # fresh process: build, load each store, convert, save PFP's answer
+    python tests/support/gallery_classes.py train DIR    # SVI per model, save each param store + Predictive's answer
+    python tests/support/gallery_classes.py convert DIR  # fresh process: build, load each store, convert, save PFP's
+                                                         # answer
 
 All are one-hidden-layer networks with mean-field posteriors and deterministic inputs: PFP's logit
 moments are exact, so only the Monte Carlo error of the truth remains.

@@ -4,7 +4,7 @@ Each entry builds its model and guide in the author's style (not with pyro2pfp's
 hundred SVI steps on small seeded synthetic data, and gives the truth the converted network is compared
 with: samples of the predictive ``obs`` (regression) or of the logits (classification) from Pyro's
 ``Predictive`` on the trained guide (for the ``pyro.random_module`` net: the lifted modules its guide
-returns, as that tutorial predicts).  Used by tests/test_gallery.py and benchmarks/gallery.py, and as a
+returns, as that tutorial predicts).  Used by tests/user_code/test_gallery.py and benchmarks/gallery.py, and as a
 worker for the cross-process lifecycle (train + save the param store in one process, load + convert in
 another)::
 

@@ -1,4 +1,4 @@
-"""The deployment lifecycle as users live it, one step per process (run by tests/test_lifecycle.py).
+"""The deployment lifecycle as users live it, one step per process (run by tests/user_code/test_lifecycle.py).
 
     python lifecycle_worker.py train KIND DIR     # SVI, save the param store + Predictive's answers
     python lifecycle_worker.py convert KIND DIR   # fresh process: build, load, convert, compare

@@ -1,6 +1,6 @@
 """Which tests check which PFP op: ``@covers("relu", kind=MONTE_CARLO)`` on a test function.
 
-The completeness test (tests/test_op_completeness.py) imports the test modules and requires, for
+The completeness test (tests/ops/test_op_completeness.py) imports the test modules and requires, for
 every op the planner knows, a Monte Carlo test (the moments against sampling) and a compiled-vs-
 reference test (the TVM kernel against the float64 NumPy reference).
 """

@@ -21,7 +21,7 @@ two output transforms.
 Numerics: with these F(2, 3) matrices every rounding of an output involves only the values of its
 own 3x3 window (the tile column/row an output does not see enters only transform positions its
 ``Aᵀ`` row weights by an exact 0), so the float32 bound of the direct kernel holds per output and
-an output whose window has zero variance gets exactly 0 (tests/test_winograd.py).  The transformed
+an output whose window has zero variance gets exactly 0 (tests/ops/compute/test_winograd.py).  The transformed
 ``μw²`` and ``vw`` filters have negative entries, so a variance that is ~0 could round slightly
 negative; the epilogue clamps it at 0 like the direct kernel's.
 
@@ -51,7 +51,7 @@ terms, ``wino_out_s``; the caller's ``epilogue`` adds the shift and clips.  Same
 the batch, so every chunk of tiles reads its own input's ``U`` (``16·C·O`` floats per term).  The
 profile is signed and not clamped (only the ±sd clip of the epilogue); the per-output rounding
 property above holds as well (it depends on ``Bᵀ`` and ``Aᵀ`` only), so a zero profile with zero
-mean weights gives exactly 0 (tests/test_winograd_profile.py).  Its speed per call:
+mean weights gives exactly 0 (tests/ops/compute/test_winograd_profile.py).  Its speed per call:
 ``benchmarks/kernel_profile.py --net resnet20 --kernels``.
 """
 from __future__ import annotations

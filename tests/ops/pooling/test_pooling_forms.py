@@ -6,7 +6,7 @@ the conv (zero taps, ``ops/compute.py``), adaptive pools with the windows of a r
   the posterior mean, for nets that use every form, in the reference, the compiled module and ONNX.
 * A Bayesian 1-D conv → BatchNorm1d → MaxPool1d(2) on a deterministic input: every moment is exact
   (Clark's max of two jointly Gaussian conv outputs with their covariance), checked against draws of the
-  guide with the bound of ``tests/stats.py``; the same net compiled equals the reference.
+  guide with the bound of ``tests/support/stats.py``; the same net compiled equals the reference.
 * Forms that are not a regular pool, or padding that cannot be folded, and 3-D layers: errors naming
   the layer, the sizes and the remedy.
 """

@@ -17,7 +17,7 @@ from pyro2pfp.graph import INPUT, Layer, LayerGraph
 from pyro2pfp.network import PFPNetwork
 from pyro2pfp.plan import plan
 from tests.support.op_coverage import COMPILED, MONTE_CARLO, covers
-from tests.test_styles import CLASSES, D_IN, HIDDEN, assert_exact_against_sampling, fit, likelihood, prior
+from tests.user_code.test_styles import CLASSES, D_IN, HIDDEN, assert_exact_against_sampling, fit, likelihood, prior
 
 
 def scale_net(factor: float, n: int = 7, input_variance: bool = True) -> PFPNetwork:

@@ -27,7 +27,7 @@ def _import_graph() -> dict[str, set[str]]:
     import ast
     from pathlib import Path
 
-    root = Path(__file__).resolve().parents[1] / "pyro2pfp"
+    root = Path(__file__).resolve().parents[2] / "pyro2pfp"
     modules = {}
     for path in root.rglob("*.py"):
         parts = path.relative_to(root.parent).with_suffix("").parts

@@ -9,7 +9,7 @@ from __future__ import annotations
 import re
 from pathlib import Path
 
-REPO = Path(__file__).parent.parent
+REPO = Path(__file__).resolve().parents[2]
 DOCS = REPO / "docs"
 LINK = re.compile(r"(?<!!)\[[^\]]*\]\(([^)\s]+)\)")
 SNIPPET = re.compile(r'^--8<-- "([^"]+)"', re.MULTILINE)

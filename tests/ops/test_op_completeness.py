@@ -19,9 +19,12 @@ from pyro2pfp.reference import REFERENCES
 from pyro2pfp.registry import OPS, SHARED_EXPORTERS, SHARED_KERNELS, SHARED_REFERENCES, OpDef
 from tests.support.op_coverage import COMPILED, COVERAGE, MONTE_CARLO
 
-# every test module: their @covers decorators fill COVERAGE (pytest has imported them already when it
-# collects the whole suite; a new test file needs no registration here)
-TEST_MODULES = tuple(sorted(p.stem for p in Path(__file__).parent.glob("test_*.py") if p.stem != Path(__file__).stem))
+# every test module, in every folder of tests/: their @covers decorators fill COVERAGE (pytest has
+# imported them already when it collects the whole suite; a new test file needs no registration here)
+TESTS = Path(__file__).resolve().parents[1]
+TEST_MODULES = tuple(sorted(
+    ".".join(p.relative_to(TESTS.parent).with_suffix("").parts)
+    for p in TESTS.rglob("test_*.py") if p.resolve() != Path(__file__).resolve()))
 TEST_KINDS = {"monte_carlo": MONTE_CARLO, "compiled": COMPILED}
 
 
@@ -29,7 +32,7 @@ def missing_parts() -> list[str]:
     from pyro2pfp.tvm_backend import KERNELS, SCHEDULES
 
     for name in TEST_MODULES:
-        importlib.import_module(f"tests.{name}")
+        importlib.import_module(name)
     missing = []
     for name, op in sorted(OPS.items()):
         parts = {

@@ -29,6 +29,21 @@ def lenet():
     return net, schedule_module(net.mod, net.plan, TARGET), x
 
 
+@pytest.fixture(scope="module")
+def tvm_compiled_outputs(lenet) -> list[np.ndarray]:
+    """The scheduled LeNet built by ``tvm.compile`` in one piece, run on the fixture's input: what the
+    pool-based builds must reproduce bitwise (built once for the tests that compare with it)."""
+    _, scheduled, x = lenet
+    return run(tvm.compile(scheduled, target=TARGET), x)
+
+
+@pytest.fixture(scope="module")
+def parallel_build(lenet):
+    """The scheduled LeNet built on 2 threads with the default PassContext (read-only in the tests)."""
+    _, scheduled, _ = lenet
+    return build(scheduled, TARGET, jobs=2)
+
+
 def llvm_modules(executable) -> int:
     """LLVM modules linked into an executable (the library and everything it imports)."""
     stack, count = list(executable.mod.imports), 0
@@ -64,7 +79,7 @@ def test_parallel_build_is_tvm_compile_split_into_parts(lenet):
 
 
 @pytest.mark.slow
-def test_kernels_compiled_while_scheduling_are_linked_not_compiled_again(lenet):
+def test_kernels_compiled_while_scheduling_are_linked_not_compiled_again(lenet, tvm_compiled_outputs):
     """``build_network``'s path: each kernel goes to the pool as soon as it is scheduled; the Relax
     pipeline leaves them unchanged, so ``build`` compiles only what it added (``shape_func``) and the
     last partial part."""
@@ -77,7 +92,7 @@ def test_kernels_compiled_while_scheduling_are_linked_not_compiled_again(lenet):
     assert len(early) >= KERNELS_PER_PART and set(early) <= set(names)
     assert not set(early) & set(pool.compiled_late)  # compiled once, while scheduling
     assert "shape_func" in pool.compiled_late
-    for g, w in zip(run(executable, x), run(tvm.compile(scheduled, target=TARGET), x)):
+    for g, w in zip(run(executable, x), tvm_compiled_outputs):
         np.testing.assert_array_equal(g, w)
 
 
@@ -125,7 +140,7 @@ def test_kernels_compile_while_the_module_is_emitted(monkeypatch):
 
 
 @pytest.mark.slow
-def test_a_kernel_that_changed_after_it_was_queued_is_compiled_again(lenet):
+def test_a_kernel_that_changed_after_it_was_queued_is_compiled_again(lenet, tvm_compiled_outputs):
     """A part compiled early whose kernel is not the one the module links (here: the unscheduled
     version was queued) is dropped and the module's kernel compiled: the executable runs the
     module's code, never a stale one."""
@@ -137,14 +152,14 @@ def test_a_kernel_that_changed_after_it_was_queued_is_compiled_again(lenet):
     executable = build(scheduled, TARGET, kernels=pool)
     queued = {name for part, _ in pool.parts for name in part}
     assert queued and queued - {"shape_func"} <= set(pool.compiled_late)
-    for g, w in zip(run(executable, x), run(tvm.compile(scheduled, target=TARGET), x)):
+    for g, w in zip(run(executable, x), tvm_compiled_outputs):
         np.testing.assert_array_equal(g, w)
 
 
 @pytest.mark.slow
-def test_parallel_build_exports_and_loads(lenet, tmp_path):
-    _, scheduled, x = lenet
-    executable = build(scheduled, TARGET, jobs=2)
+def test_parallel_build_exports_and_loads(lenet, parallel_build, tmp_path):
+    _, _, x = lenet
+    executable = parallel_build
     path = tmp_path / "lenet.so"
     executable.export_library(str(path))
     loaded = tvm.runtime.load_module(str(path))
@@ -194,7 +209,7 @@ def llvm_source(executable) -> str:
 
 
 @pytest.mark.slow
-def test_kernels_have_no_argument_checks_and_the_vm_still_checks_the_inputs(lenet):
+def test_kernels_have_no_argument_checks_and_the_vm_still_checks_the_inputs(lenet, parallel_build):
     """``tirx.disable_assert``: the kernels' entry functions check no arguments (TVM's messages such as
     "expected to match", "expected non-NULL data pointer" are gone), unless the caller's PassContext
     says otherwise; inputs of the wrong shape, rank or batch are still refused, by the VM, naming the
@@ -202,7 +217,7 @@ def test_kernels_have_no_argument_checks_and_the_vm_still_checks_the_inputs(lene
     import re
 
     _, scheduled, x = lenet
-    executable = build(scheduled, TARGET, jobs=2)
+    executable = parallel_build
     assert not re.search("expected (to match|non-NULL)", llvm_source(executable))
     with tvm.transform.PassContext(config={"tirx.disable_assert": False}):
         checked = build(scheduled, TARGET, jobs=2)

@@ -19,7 +19,7 @@ Bounds:
   moments exact (tanh/sigmoid to 1e-6), so PFP's logit mean and variance are exact and must agree with
   ``Predictive`` within MC error (z bound, family-wise 1e-4, as ``test_styles``).
 
-``python tests/test_smooth_activations.py`` prints the agreement numbers and compile times quoted in the
+``python tests/ops/activations/test_smooth_activations.py`` prints the agreement numbers and compile times quoted in the
 report (the same code as the tests).
 """
 from __future__ import annotations
@@ -45,7 +45,7 @@ from pyro2pfp.network import PFPNetwork
 from pyro2pfp.plan import plan
 from tests.support.op_coverage import COMPILED, MONTE_CARLO, covers
 from tests.support.stats import assert_moments_agree, check_moments
-from tests.test_styles import CLASSES, D_IN, HIDDEN, data, fit, likelihood, prior
+from tests.user_code.test_styles import CLASSES, D_IN, HIDDEN, data, fit, likelihood, prior
 
 GELU_TANH_GAP = 4.8e-4  # max |GELU_tanh(x) − x·Φ(x)| (4.73e-4 at x ≈ ±2.70)
 
@@ -562,7 +562,7 @@ def test_layer_norm_mlp_against_predictive():
 
 
 # ------------------------------------------------------------------------------------ report
-def report() -> None:  # pragma: no cover - run by hand: python tests/test_smooth_activations.py
+def report() -> None:  # pragma: no cover - run by hand: python tests/ops/activations/test_smooth_activations.py
     print("per op, Monte Carlo (200k draws) on the grid of input_grid(): max |Δmean|/MC se, max |Δvar|/MC se, "
           "variance ratio")
     for case, (op, attrs, fn) in ACTIVATIONS.items():

@@ -215,7 +215,7 @@ def test_overhanging_windows_fold_padded_taps(case):
     shared-factor kernel (``sf_maxpool``) reads its three taps the same way."""
     from pyro2pfp.correlation import with_correlation
     from pyro2pfp.tvm_backend.emit import kernel_info
-    from tests.test_correlation_backends import max_pool_graph
+    from tests.stages.correlation.test_correlation_backends import max_pool_graph
 
     in_shape, k, s, pad, ceil = case
     func = emit_module(plan(general_graph(in_shape, k, s, pad, ceil)))["pfp_max_pool2d_p"]

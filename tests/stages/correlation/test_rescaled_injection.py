@@ -1,6 +1,6 @@
 """Shared-factor PFP with ``injection='rescaled'`` compiled (TVM) and exported (ONNX) against the float64
 NumPy reference (``ops/compute.py`` ``conv2d_shared``), with the tolerances of
-tests/test_correlation_backends.py: per output, ``|got − ref| ≤ RTOL·max|ref|``.
+tests/stages/correlation/test_correlation_backends.py: per output, ``|got − ref| ≤ RTOL·max|ref|``.
 
 The compiled rule reuses the mean-field conv kernel's weight-noise term (a third output of that kernel
 with a variance input; the variance itself with a deterministic one) instead of the regression
@@ -25,7 +25,7 @@ from pyro2pfp.tvm_backend.emit import kernel_table
 from tests.support.builders import conv_layer, dense_layer, relu_layer, reshape_layer
 
 RTOL = 2e-5
-ONNX_RTOL = 1e-4  # onnxruntime's Erf/Exp in the ReLU moments (tests/test_onnx.py)
+ONNX_RTOL = 1e-4  # onnxruntime's Erf/Exp in the ReLU moments (tests/stages/backends/test_onnx.py)
 
 
 def assert_matches(got: tuple[np.ndarray, np.ndarray], want: tuple[np.ndarray, np.ndarray], rtol: float) -> None:

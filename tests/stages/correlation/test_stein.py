@@ -241,7 +241,7 @@ def test_silu_resnet_auto_is_shared_factor_and_closer_to_sampling(silu_resnet):
 @pytest.mark.slow
 @pytest.mark.parametrize("act", [nn.SiLU, nn.GELU])
 def test_resnet_compiled_and_onnx_match_the_reference(act, silu_resnet):
-    from tests.test_correlation_backends import ONNX_RTOL, _onnx_run, assert_matches
+    from tests.stages.correlation.test_correlation_backends import ONNX_RTOL, _onnx_run, assert_matches
 
     _, _, net, x = silu_resnet if act is nn.SiLU else converted(act)
     xs = x.numpy()

@@ -4,7 +4,7 @@
 The compiled path compacts ``g`` where the reference does (a Cholesky factor of g·gᵀ instead of
 the reference's QR: exact, only g·gᵀ matters), ONNX export skips compaction (K grows; exact too), so
 both agree with the reference up to float32 rounding: per output, ``|tvm − ref| ≤ RTOL·max|ref|`` as in
-tests/test_schedules.py (a sum of K float32 terms is exact to about ``K·2⁻²⁴·Σ|terms|``).
+tests/stages/backends/test_schedules.py (a sum of K float32 terms is exact to about ``K·2⁻²⁴·Σ|terms|``).
 """
 from __future__ import annotations
 
@@ -29,7 +29,7 @@ from tests.support.builders import conv_layer, dense_layer, reshape_layer
 
 RTOL = 2e-5
 # onnxruntime's Erf/Exp (ReLU and Clark-max moments of the mean-field part) are less exact than the TVM
-# kernels': the tolerance tests/test_onnx.py uses for the mean-field export
+# kernels': the tolerance tests/stages/backends/test_onnx.py uses for the mean-field export
 ONNX_RTOL = 1e-4
 NATIVE = tvm.target.Target({"kind": "llvm", "mcpu": tvm.target.codegen.llvm_get_system_cpu(), "num-cores": 2})
 
@@ -335,7 +335,7 @@ def test_tuned_shared_factor_resnet_matches_the_reference(tmp_path, monkeypatch)
     Cholesky kernel included): batch specialisation, the per-kernel choice (every kernel's default
     schedule timed and checked against its unscheduled version at the static batch), the build -- the
     tuned executable gives the reference's results at its batch and the any-batch one at another.
-    (No search here: ``trials=0``; tests/test_tuning.py runs a real one.  With a search, the ResNet-8
+    (No search here: ``trials=0``; tests/deploy/test_tuning.py runs a real one.  With a search, the ResNet-8
     of ``benchmarks/latency.py`` tuned for batch 2 with 16 trials matched the reference to 3e-7.)"""
     from pyro2pfp.tuning import measure
     from pyro2pfp_experiments.zoo import bayesian_resnet, he_posterior

@@ -7,7 +7,7 @@ board, as on a real Pi.  An x86 library is refused by the board (it really is AA
 past its timeout is ended (its AArch64 process too) and the board serves on; a board whose starting
 process is killed stops by itself.
 
-Needs what ``tests/test_deploy.py``'s qemu test needs: ``apt-get install -y gcc-aarch64-linux-gnu
+Needs what ``tests/deploy/test_deploy.py``'s qemu test needs: ``apt-get install -y gcc-aarch64-linux-gnu
 g++-aarch64-linux-gnu qemu-user`` and the AArch64 TVM runtime (fetched once with ``pip download``
 into ``~/.cache/pyro2pfp/``); ``PYRO2PFP_SKIP_QEMU=1`` skips this module (e.g. offline).  Every wait
 is bounded; the tracker and the board (with any session it serves) are killed at the end.
@@ -29,8 +29,8 @@ from pyro2pfp.network import PFPNetwork
 from pyro2pfp.plan import plan
 from pyro2pfp.remote import Remote, fixed_inputs, upload, validate
 from pyro2pfp.tuning import measure
+from tests.deploy.test_remote import _kill, free_port, spawn
 from tests.support.builders import lenet_graph, mlp_graph
-from tests.test_remote import _kill, free_port, spawn
 
 pytestmark = [pytest.mark.board,
               pytest.mark.skipif(os.environ.get("PYRO2PFP_SKIP_QEMU") == "1", reason="PYRO2PFP_SKIP_QEMU=1")]

@@ -12,6 +12,7 @@ of values of order 1, summed over 2K + 1 points).
 """
 from __future__ import annotations
 
+import functools
 import json
 
 import numpy as np
@@ -30,10 +31,10 @@ from pyro2pfp.graph import INPUT, Layer, LayerGraph
 from pyro2pfp.network import PFPNetwork
 from pyro2pfp.ops.head import HeadOutput, append_head, head_numpy
 from pyro2pfp.plan import plan
+from pyro2pfp.predictor import CompiledPFP
 from pyro2pfp.uncertainty import uncertainty
 from tests.support.op_coverage import COMPILED, MONTE_CARLO, covers
-from tests.test_cli import trained  # noqa: F401  (the fixture: a trained MNIST MLP, its builder and parameters)
-from tests.test_styles import CLASSES, D_IN, HIDDEN, data, fit, likelihood, prior
+from tests.user_code.test_styles import CLASSES, D_IN, HIDDEN, data, fit, likelihood, prior
 
 ATOL32 = 2e-6
 
@@ -43,6 +44,14 @@ def head_net(k: int, input_variance: bool = True) -> PFPNetwork:
     graph = LayerGraph((k,), [Layer("logits", "scale", [INPUT], (k,), "logits", {"factor": 1.0})], "logits",
                        input_variance=input_variance)
     return PFPNetwork(graph, plan(append_head(graph, "probs")))
+
+
+@functools.cache
+def compiled_head(k: int, input_variance: bool = True) -> tuple[PFPNetwork, CompiledPFP]:
+    """``head_net(k)`` and its compiled module, built once per ``(k, input_variance)``: the head alone has no
+    weights, so the tests that run it on different logits share one build."""
+    net = head_net(k, input_variance)
+    return net, net.compile()
 
 
 def sampled(mean: np.ndarray, var: np.ndarray, n: int = 20_000) -> dict[str, np.ndarray]:
@@ -102,17 +111,17 @@ def test_zero_variance_gives_the_softmax_and_no_mutual_information():
     rng = np.random.default_rng(3)
     mean = rng.normal(0, 4, (7, 10))
     var = np.zeros_like(mean)
-    net = head_net(10)
+    net, exe = compiled_head(10)
     ref = net.reference(mean, var)
     np.testing.assert_allclose(ref.probs, softmax(mean, -1), rtol=1e-12)
     assert np.all(ref.mutual_information == 0.0)
     np.testing.assert_allclose(ref.predictive_entropy, ref.expected_entropy, rtol=1e-12)
-    got = net.compile()(mean.astype(np.float32), var.astype(np.float32))
+    got = exe(mean.astype(np.float32), var.astype(np.float32))
     np.testing.assert_allclose(got.probs, softmax(mean.astype(np.float32).astype(np.float64), -1), atol=ATOL32)
     assert np.all(got.mutual_information == 0.0)  # exact in float32 too: deviations from the centre
     # a deterministic network (no input variance, deterministic logits): the same
-    det = head_net(10, input_variance=False)
-    out = det.compile()(mean.astype(np.float32))
+    _, det = compiled_head(10, input_variance=False)
+    out = det(mean.astype(np.float32))
     assert np.all(out.mutual_information == 0.0)
     np.testing.assert_allclose(out.probs, ref.probs, atol=ATOL32)
 
@@ -129,8 +138,8 @@ def test_limits_stay_finite(case):
         var[:] = np.finfo(np.float32).max
     else:
         mean[:, 0], var[:, 1] = 1e30, 1e30
-    net = head_net(10)
-    for out in (net.reference(mean, var), net.compile()(mean.astype(np.float32), var.astype(np.float32))):
+    net, exe = compiled_head(10)
+    for out in (net.reference(mean, var), exe(mean.astype(np.float32), var.astype(np.float32))):
         for value in out:
             assert np.all(np.isfinite(value)), case
         np.testing.assert_allclose(out.probs.sum(1), 1.0, atol=1e-5)
@@ -146,12 +155,12 @@ def test_limits_stay_finite(case):
 @pytest.mark.parametrize("batch", [1, 7])
 def test_compiled_and_onnx_match_the_reference(k, batch):
     ort = pytest.importorskip("onnxruntime")  # ONNX only; the compiled comparison below always runs
-    net = head_net(k)
+    net, exe = compiled_head(k)
     rng = np.random.default_rng(5)
     mean = rng.normal(0, 3, (batch, k)).astype(np.float32)
     var = rng.uniform(0, 3, (batch, k)).astype(np.float32)
     ref = net.reference(mean, var)
-    got = net.compile()(mean, var)
+    got = exe(mean, var)
     assert isinstance(got, HeadOutput) and got.probs.dtype == np.float32
     for a, b in zip(got, ref, strict=True):
         assert a.shape == b.shape
@@ -247,12 +256,12 @@ def test_head_argument_errors(mlp):
 
 
 @pytest.mark.slow
-def test_cli_convert_with_head_and_predict(trained, capsys, monkeypatch):  # noqa: F811  (the fixture)
+def test_cli_convert_with_head_and_predict(trained, capsys, monkeypatch):
     """``pyro2pfp convert --head probs`` to a library and to ONNX; ``pyro2pfp predict`` writes the four
     outputs, equal to the head on the in-process network's logits."""
     from pyro2pfp.cli import main
 
-    work, net, x = trained  # tests/test_cli.py: a briefly trained MNIST MLP, its builder and parameters
+    work, net, x = trained  # tests/conftest.py: a briefly trained MNIST MLP, its builder and parameters
     monkeypatch.chdir(work)
     expected = head_numpy(*net.reference(x))
     for out in ("head.so", "head.onnx"):

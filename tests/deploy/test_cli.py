@@ -13,41 +13,14 @@ import pytest
 import torch
 
 import pyro2pfp
-from pyro2pfp.cli import build_parser, load_builder, main
-from pyro2pfp_experiments.datasets import load_mnist
-from pyro2pfp_experiments.zoo import train_svi
-
-BUILDER = textwrap.dedent("""\
-    from pyro2pfp_experiments.zoo import BayesianMLP, make_guide
-
-    HIDDEN = {hidden}
-
-    def build():
-        model = BayesianMLP(784, (HIDDEN,), 10)
-        return model, make_guide(model, init_scale=0.02)
-    """)
+from pyro2pfp.cli import build_parser, main
+from tests.support.cli_mlp import BUILDER
 
 
 def cli(*args: str, cwd: Path) -> subprocess.CompletedProcess:
     """Run ``python -m pyro2pfp ARGS`` (what the installed ``pyro2pfp`` command runs)."""
     return subprocess.run([sys.executable, "-m", "pyro2pfp", *args], cwd=cwd, capture_output=True,
                           text=True, timeout=300)
-
-
-@pytest.fixture(scope="module")
-def trained(tmp_path_factory):
-    """A builder file, a briefly trained MLP saved with pyro.get_param_store().save(), test digits."""
-    work = tmp_path_factory.mktemp("cli")
-    (work / "builder.py").write_text(BUILDER.format(hidden=16))
-    pyro.clear_param_store()
-    model, guide = load_builder(str(work / "builder.py") + ":build")()
-    x_train, y_train, x_test, _ = load_mnist(n_train=300, n_test=6, seed=0)
-    train_svi(model, guide, x_train, y_train, epochs=1, batch_size=100, lr=1e-2)
-    pyro.get_param_store().save(str(work / "params.pt"))
-    np.save(work / "digits.npy", x_test)
-    net = pyro2pfp.convert(model, guide, input_shape=(1, 28, 28))  # the in-process result
-    pyro.clear_param_store()
-    return work, net, x_test
 
 
 @pytest.mark.slow

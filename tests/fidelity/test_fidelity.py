@@ -227,7 +227,7 @@ def test_cli_convert_check(tmp_path, capsys):
     from pyro2pfp.cli import main
 
     (tmp_path / "builder.py").write_text(
-        "import torch\nfrom tests.test_fidelity import OneHiddenMLP, _guide\n"
+        "import torch\nfrom tests.fidelity.test_fidelity import OneHiddenMLP, _guide\n"
         "def build():\n    m = OneHiddenMLP()\n    return m, _guide(m, torch.randn(2, 5))\n")
     np.save(tmp_path / "x.npy", np.random.default_rng(0).standard_normal((4, 5)).astype(np.float32))
     out = tmp_path / "net.onnx"

@@ -486,7 +486,7 @@ int main(int argc, char** argv) {
 def aarch64_tvm_runtime() -> Path:
     """A directory with the AArch64 libtvm_runtime.so and libtvm_ffi.so of the installed versions
     (:func:`pyro2pfp_experiments.emulated_board.aarch64_runtime`: the cache the emulated RPC board
-    of tests/test_remote_aarch64.py uses too)."""
+    of tests/deploy/test_remote_aarch64.py uses too)."""
     from pyro2pfp_experiments.emulated_board import EmulatedBoardError, aarch64_runtime
 
     try:

@@ -79,7 +79,7 @@ def check_structure(model: onnx.ModelProto, graph, batch_dim: str = "batch") -> 
 
 
 # ---------------------------------------------------------------------------------------------
-# Compute layers: within the float32 summation bound (as tests/test_compiled_vs_reference.py)
+# Compute layers: within the float32 summation bound (as tests/stages/backends/test_compiled_vs_reference.py)
 # ---------------------------------------------------------------------------------------------
 
 @SETTINGS

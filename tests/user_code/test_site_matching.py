@@ -2,7 +2,7 @@
 model does with it (weight, non-weight such as a noise scale), never ignored silently.
 
 Checked against ``Predictive`` on the same (model, guide) where the network is one hidden layer
-(PFP exact up to Monte Carlo error, see tests/test_styles.py).
+(PFP exact up to Monte Carlo error, see tests/user_code/test_styles.py).
 """
 from __future__ import annotations
 
@@ -17,7 +17,16 @@ from pyro.infer import SVI, Predictive, Trace_ELBO, autoguide
 from pyro.nn import PyroModule, PyroSample
 
 import pyro2pfp
-from tests.test_styles import CLASSES, D_IN, HIDDEN, assert_exact_against_sampling, data, fit, likelihood, prior
+from tests.user_code.test_styles import (
+    CLASSES,
+    D_IN,
+    HIDDEN,
+    assert_exact_against_sampling,
+    data,
+    fit,
+    likelihood,
+    prior,
+)
 
 
 class TutorialMLP(PyroModule):

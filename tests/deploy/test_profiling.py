@@ -16,7 +16,7 @@ from pyro2pfp.plan import plan
 from pyro2pfp.profiling import OVERHEAD_ROW, Profile, profile, split_kernel_name
 from tests.support.builders import lenet_graph, mlp_graph
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
 def small_lenet() -> PFPNetwork:

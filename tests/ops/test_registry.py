@@ -1,7 +1,7 @@
 """The op registry (pyro2pfp.ops) against every stage's implementation registry.
 
 (The per-op completeness check -- converter, reference, kernel, schedule, ONNX export, tests --
-is tests/test_op_completeness.py.)
+is tests/ops/test_op_completeness.py.)
 """
 from __future__ import annotations
 
@@ -19,7 +19,7 @@ from pyro2pfp.reference._core import REFERENCES
 from pyro2pfp.registry import OPS, PASS_THROUGH_TORCH_OPS, OpDef, OpRegistryError, register_op, render_layer_table
 from pyro2pfp.tvm_backend import emit
 
-TESTS = Path(__file__).parent
+TESTS = Path(__file__).resolve().parents[1]  # tests/
 REPO = TESTS.parent
 
 

@@ -1,0 +1,1 @@
+"""The documentation holds together, the package's import graph, the experiment zoo."""

@@ -1,0 +1,1 @@
+"""Whole networks against sampling: Predictive, check=, diagnose, and the uncertainty metrics."""

@@ -1,0 +1,1 @@
+"""The uncertainty head (pyro2pfp/ops/head.py)."""

@@ -1,0 +1,1 @@
+"""Back ends against the float64 reference: TVM kernels, schedules, builds, sharing, fast math; ONNX export."""
