@@ -2,7 +2,7 @@
 and (with qemu-user and the AArch64 TVM runtime) running the AArch64 library against x86.
 
 Set-up needed for the AArch64 tests (Debian/Ubuntu; CI installs them):
-    apt-get install -y gcc-aarch64-linux-gnu g++-aarch64-linux-gnu qemu-user
+    apt-get install -y gcc-aarch64-linux-gnu g++-aarch64-linux-gnu qemu-user debootstrap
 The qemu test also needs the AArch64 TVM runtime: the two libraries ``libtvm_runtime.so`` and
 ``libtvm_ffi.so`` of the manylinux aarch64 wheels of the installed apache-tvm / apache-tvm-ffi
 versions.  It looks in ``$PYRO2PFP_AARCH64_RUNTIME`` or ``~/.cache/pyro2pfp/``, and otherwise
@@ -36,7 +36,7 @@ from pyro2pfp_experiments.zoo import BayesianLeNet5, make_guide
 from tests.support.builders import mlp_graph
 
 CROSS_GCC = "aarch64-linux-gnu-gcc"
-APT_LINE = "apt-get install -y gcc-aarch64-linux-gnu g++-aarch64-linux-gnu qemu-user"
+APT_LINE = "apt-get install -y gcc-aarch64-linux-gnu g++-aarch64-linux-gnu qemu-user debootstrap"
 EM_AARCH64, ET_REL, ET_DYN = 183, 1, 3
 
 
