@@ -242,7 +242,12 @@ def work_line(net) -> str:
     det = sum(int(np.prod(p.layer.out_shape[1:])) * int(p.tensors["weight_mean"].size)
               if p.op == "conv2d" else int(p.tensors["weight_mean"].size)
               for p in net.plan.layers if p.op in ("conv2d", "dense"))
-    cost = cost_model(net.plan, net.plan.factors or plan_factors(net.plan))
+    from pyro2pfp.correlation.factors import CorrelationError
+
+    try:
+        cost = cost_model(net.plan, net.plan.factors or plan_factors(net.plan))
+    except CorrelationError:  # a mean-field plan with ops of its own (correlated max pools' window_cov)
+        return f"multiply-adds per input: deterministic {det / 1e6:.1f} M (plan: {net.plan.correlation})"
     sf = cost.mean_field_macs + cost.extra_macs
     return (f"multiply-adds per input: deterministic {det / 1e6:.1f} M, mean-field PFP "
             f"{cost.mean_field_macs / 1e6:.1f} M ({cost.mean_field_macs / det:.1f}x), shared-factor PFP "
