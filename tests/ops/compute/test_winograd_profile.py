@@ -26,7 +26,8 @@ from pyro2pfp.tvm_backend.ops.compute_shared import winograd_profile
 from pyro2pfp.tvm_backend.ops.winograd import WINO_G, direct_convolutions, weight_transform, winograd_shape
 from pyro2pfp.tvm_backend.schedules import schedule_function
 from tests.ops.compute.test_winograd import winograd_funcs
-from tests.stages.correlation.test_correlation_backends import NATIVE, RTOL, assert_matches
+from tests.stages.correlation.test_correlation_backends import NATIVE
+from tests.support.backends import RTOL, assert_matches
 from tests.support.builders import U32, conv_layer, relu_layer
 
 

@@ -25,21 +25,10 @@ from pyro2pfp.tvm_backend import emit_module
 from pyro2pfp.tvm_backend.emit import kernel_info
 from pyro2pfp.tvm_backend.schedules import schedule_module
 from pyro2pfp.tvm_backend.sharing import share_identical_kernels
+from tests.support.backends import ONNX_RTOL, RTOL, assert_matches, onnx_run
 from tests.support.builders import conv_layer, dense_layer, reshape_layer
 
-RTOL = 2e-5
-# onnxruntime's Erf/Exp (ReLU and Clark-max moments of the mean-field part) are less exact than the TVM
-# kernels': the tolerance tests/stages/backends/test_onnx.py uses for the mean-field export
-ONNX_RTOL = 1e-4
 NATIVE = tvm.target.Target({"kind": "llvm", "mcpu": tvm.target.codegen.llvm_get_system_cpu(), "num-cores": 2})
-
-
-def assert_matches(compiled: tuple[np.ndarray, np.ndarray], reference: tuple[np.ndarray, np.ndarray],
-                   rtol: float = RTOL) -> None:
-    for got, want, what in zip(compiled, reference, ("mean", "var")):
-        scale = np.abs(want).max()
-        err = np.abs(got - want).max()
-        assert err <= rtol * scale, f"{what}: max error {err:.3g} > {rtol} x {scale:.3g}"
 
 
 def _relu(name: str, inp: str, shape: tuple[int, ...], slope: float | None = None) -> Layer:
@@ -230,16 +219,6 @@ def test_plans_the_compiled_path_does_not_cover_are_refused(monkeypatch):
         PFPNetwork(graph, with_correlation(plan(graph), "shared-factor")).to_onnx()
 
 
-def _onnx_run(net: PFPNetwork, x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    import onnxruntime as ort
-
-    opts = ort.SessionOptions()
-    opts.log_severity_level = 3
-    sess = ort.InferenceSession(net.to_onnx().SerializeToString(), opts, providers=["CPUExecutionProvider"])
-    mean, var = sess.run(None, {"x": x})
-    return mean, var
-
-
 @pytest.mark.parametrize("make", [pytest.param(every_rule_graph, marks=pytest.mark.slow), max_pool_graph])
 def test_onnx_export_matches_the_reference(make):
     graph = make(np.random.default_rng(7))
@@ -249,7 +228,7 @@ def test_onnx_export_matches_the_reference(make):
     rng = np.random.default_rng(8)
     for batch in (1, 4):
         x = rng.standard_normal((batch, *graph.input_shape)).astype(np.float32)
-        assert_matches(_onnx_run(net, x), net.reference(x), ONNX_RTOL)
+        assert_matches(onnx_run(net, x), net.reference(x), ONNX_RTOL)
 
 
 def test_onnx_export_refuses_what_it_does_not_cover():
@@ -271,7 +250,7 @@ def test_converted_resnet_compiles_and_exports_the_default_plan():
     net = pyro2pfp.convert(model, he_posterior(model, x, scale=0.03, seed=0), input_shape=(3, 8, 8))
     assert net.plan.correlation == "shared-factor" and net.plan.factors.compact_at
     assert_matches(net.compile("native")(x.numpy()), net.reference(x.numpy()))
-    assert_matches(_onnx_run(net, x.numpy()), net.reference(x.numpy()), ONNX_RTOL)
+    assert_matches(onnx_run(net, x.numpy()), net.reference(x.numpy()), ONNX_RTOL)
 
 
 @pytest.mark.slow

@@ -22,26 +22,8 @@ from pyro2pfp.network import PFPNetwork
 from pyro2pfp.plan import PlannedGraph, plan
 from pyro2pfp.tvm_backend import emit_module
 from pyro2pfp.tvm_backend.emit import kernel_table
+from tests.support.backends import ONNX_RTOL, RTOL, assert_matches, onnx_run
 from tests.support.builders import conv_layer, dense_layer, relu_layer, reshape_layer
-
-RTOL = 2e-5
-ONNX_RTOL = 1e-4  # onnxruntime's Erf/Exp in the ReLU moments (tests/stages/backends/test_onnx.py)
-
-
-def assert_matches(got: tuple[np.ndarray, np.ndarray], want: tuple[np.ndarray, np.ndarray], rtol: float) -> None:
-    for g, w, what in zip(got, want, ("mean", "var")):
-        scale, err = np.abs(w).max(), np.abs(g - w).max()
-        assert err <= rtol * scale, f"{what}: max error {err:.3g} > {rtol} x {scale:.3g}"
-
-
-def onnx_run(net: PFPNetwork, x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    import onnxruntime as ort
-
-    opts = ort.SessionOptions()
-    opts.log_severity_level = 3
-    sess = ort.InferenceSession(net.to_onnx().SerializeToString(), opts, providers=["CPUExecutionProvider"])
-    mean, var = sess.run(None, {"x": x})
-    return mean, var
 
 
 def with_injection(planned: PlannedGraph, injection: str) -> PlannedGraph:

@@ -241,10 +241,10 @@ def test_silu_resnet_auto_is_shared_factor_and_closer_to_sampling(silu_resnet):
 @pytest.mark.slow
 @pytest.mark.parametrize("act", [nn.SiLU, nn.GELU])
 def test_resnet_compiled_and_onnx_match_the_reference(act, silu_resnet):
-    from tests.stages.correlation.test_correlation_backends import ONNX_RTOL, _onnx_run, assert_matches
+    from tests.support.backends import ONNX_RTOL, assert_matches, onnx_run
 
     _, _, net, x = silu_resnet if act is nn.SiLU else converted(act)
     xs = x.numpy()
     ref = net.reference(xs.astype(np.float64))
     assert_matches(net.compile("native")(xs), ref)
-    assert_matches(_onnx_run(net, xs), ref, rtol=ONNX_RTOL)
+    assert_matches(onnx_run(net, xs), ref, rtol=ONNX_RTOL)
