@@ -63,11 +63,9 @@ def test_one_row_per_kernel_and_rows_sum_to_total(lenet_exe, method):
     assert sum(r.us for r in prof.rows) == pytest.approx(prof.total_us, rel=1e-9)
     assert sum(r.share for r in prof.rows) == pytest.approx(1.0, rel=1e-9)
     assert all(r.us > 0 and r.calls == 1 for r in prof.kernels)
-    kernel_sum = sum(r.us for r in prof.kernels)
-    if method == "in_vm":  # timed in place, the kernels are part of the call (the rest is the overhead row)
-        assert 0 < kernel_sum < prof.total_us
-    # (isolated: kernels timed alone and the call timed separately; how they compare is a timing,
-    # which depends on the machine's load -- benchmarks/latency.py prints it, no test asserts it)
+    # how the kernels' sum compares with the call's time is a timing (medians of separate repeats, so
+    # even in place their sum can exceed the call's median on a loaded machine): benchmarks/latency.py
+    # prints it, no test asserts it
     ops = prof.by_op()
     assert {"conv2d", "relu", "max_pool2d", "dense"} <= set(ops)
     assert sum(ops.values()) == pytest.approx(prof.total_us, rel=1e-9)
