@@ -239,9 +239,10 @@ def needs_shared_factors(graph: PlannedGraph) -> str | None:
     return None
 
 
-def choose(graph: PlannedGraph, correlation: Correlation | str, **factor_options: str) -> FactorPlan | None:
-    """The factor plan for ``correlation`` (None: mean-field); ``factor_options`` (``hermite``,
-    ``injection``) are passed to :func:`plan_factors` when the scheme is used.
+def choose(graph: PlannedGraph, correlation: Correlation | str, hermite: Hermite | str = Hermite.FACTOR,
+           injection: Injection | str = Injection.REGRESSION) -> FactorPlan | None:
+    """The factor plan for ``correlation`` (None: mean-field); ``hermite`` and ``injection`` are the
+    variants :func:`plan_factors` uses when the scheme is chosen.
 
     ``"shared-factor"``: the scheme, or :class:`CorrelationError` naming the layer it has no rule
     for; ``"mean-field"``: None; ``"auto"``: the scheme when :func:`needs_shared_factors` finds a
@@ -251,12 +252,12 @@ def choose(graph: PlannedGraph, correlation: Correlation | str, **factor_options
     if correlation == "mean-field":
         return None
     if correlation == "shared-factor":
-        return plan_factors(graph, **factor_options)  # type: ignore[arg-type]
+        return plan_factors(graph, hermite, injection=injection)
     reason = needs_shared_factors(graph)
     if reason is None:
         return None
     try:
-        fp = plan_factors(graph, **factor_options)  # type: ignore[arg-type]
+        fp = plan_factors(graph, hermite, injection=injection)
         reference_only = next((layer for layer in graph.layers if not in_backends(layer.op)), None)
         if reference_only is not None:
             raise CorrelationError(f"{reference_only.layer.source}: op '{reference_only.op}' has a shared-factor rule "
@@ -268,8 +269,9 @@ def choose(graph: PlannedGraph, correlation: Correlation | str, **factor_options
         return None
 
 
-def with_correlation(graph: PlannedGraph, correlation: Correlation | str, **factor_options: str) -> PlannedGraph:
+def with_correlation(graph: PlannedGraph, correlation: Correlation | str, hermite: Hermite | str = Hermite.FACTOR,
+                     injection: Injection | str = Injection.REGRESSION) -> PlannedGraph:
     """``graph`` (a plan of :func:`pyro2pfp.plan.plan`) with the factor plan :func:`choose` gives for
-    ``correlation`` (and ``factor_options``) stored in ``graph.factors`` (None: mean-field); returns ``graph``."""
-    graph.factors = choose(graph, correlation, **factor_options)
+    ``correlation`` (and the variants) stored in ``graph.factors`` (None: mean-field); returns ``graph``."""
+    graph.factors = choose(graph, correlation, hermite, injection)
     return graph
