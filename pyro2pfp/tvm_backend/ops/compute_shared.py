@@ -36,7 +36,6 @@ import numpy as np
 from tvm import te, tirx
 
 from ...correlation.factors import ComputeFactors
-from ...errors import PFPError
 from ...plan import PlannedLayer
 from ...registry import shared_kernel
 from ..emit import EmitContext, RelaxActivation
@@ -163,7 +162,7 @@ def conv2d_shared_kernel(step: SharedStep, ctx: EmitContext, layer: PlannedLayer
                 y, xx = te.reduce_axis((0, oh), name="ry"), te.reduce_axis((0, ow), name="rx")
                 inv = f32(1.0 / (oh * ow))
                 rmean = te.compute((batch, o), lambda b, oo: te.sum(
-                    te.sqrt(te.max(noise[b, oo, y, xx], f32(0.0))) * inv, axis=[y, xx]), name="root_mean")
+                    rescaled_root(noise, b, oo, y, xx) * inv, axis=[y, xx]), name="root_mean")
                 return te.compute((batch, o), lambda b, oo: g[b, oo, oo + off] * safe_div(wbar[b, oo], rmean[b, oo]),
                                   name="coef")
             return te.compute((batch, o), lambda b, oo: safe_div(g[b, oo, oo + off], wbar[b, oo]),
@@ -197,10 +196,7 @@ def conv2d_shared_kernel(step: SharedStep, ctx: EmitContext, layer: PlannedLayer
     w_cons = [ctx.const(np.transpose(t_, (1, 2, 3, 0))) for t_ in (wm, wv)]  # (C, KH, KW, O), both kernels
     args = [x.mean] + ([sh.s, sh.g] if sh is not None else []) + [ctx.const(col_weights), *w_cons, bias_var]
     if rescaled:
-        if out.weight_noise is None:
-            raise PFPError(f"{layer.layer.source}: the shared-factor rule of conv2d '{layer.name}' "
-                           "(injection='rescaled') needs the mean-field kernel's weight-noise term, which it "
-                           "did not return; use injection='regression'")
+        assert out.weight_noise is not None  # emit_module refuses a kernel that did not return it
         args += [out.weight_noise] + ([out.second] if sh is None else [])
     outs = emit_width_generic(ctx, load, args, layer, "conv_load", g_args={2: sh.k} if sh is not None else {},
                                k=k, offset=offset or 0)
