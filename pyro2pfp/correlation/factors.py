@@ -13,6 +13,7 @@ import dataclasses
 import warnings
 from collections.abc import Collection
 from dataclasses import dataclass, field
+from typing import ClassVar
 
 import numpy as np
 
@@ -52,6 +53,8 @@ class FactorPlan:
     compact_at: frozenset[str] = frozenset()
     hermite: str = "factor"
     injection: str = "regression"
+    #: the executor's key (``reference.SCHEME_EXECUTORS``), beside the compact factor plan's
+    scheme: ClassVar[str] = "shared-factor"
 
     @property
     def max_factors(self) -> int:
