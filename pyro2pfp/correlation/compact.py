@@ -220,6 +220,14 @@ def plan_compact(graph: PlannedGraph, directions: int = 1) -> CompactPlan:
     return CompactPlan(dirs, frozenset(residual), frozenset(terminal))
 
 
+def with_compact(graph: PlannedGraph, correlation: str) -> PlannedGraph:
+    """``graph`` with the compact factor plan in ``graph.factors`` when ``correlation`` asks for it (after
+    the max pools were correlated: the plan reads the rewritten graph); returns ``graph``."""
+    if correlation == "compact-factor":
+        graph.factors = plan_compact(graph)
+    return graph
+
+
 Rule = Callable[..., tuple[Loadings | None, np.ndarray, np.ndarray]]
 
 
@@ -283,4 +291,56 @@ def bias_var(layer: PlannedLayer) -> np.ndarray | None:
 
 
 SCHEME_EXECUTORS[CompactPlan.scheme] = execute_compact_all
-__all__: list[Any] = ["CompactPlan", "Loadings", "execute_compact_all", "plan_compact"]
+
+
+def compact_macs(graph: PlannedGraph, plan: CompactPlan | None = None) -> int:
+    """The multiply-adds per input the compact factor plan adds to the mean-field plan's (static: follows
+    the column counts edge by edge as :func:`execute_compact_all` does).  Per layer: a conv's own directions
+    ``R·O·P·C·k²`` (one convolution of the input mean per direction); a global column through a conv
+    ``O·P·C·k²``, a block column (one input channel) ``O·P·k²``; through a dense layer ``J·I`` per global
+    column and ``J·P`` per block column (its channel's ``P`` elements); the input residual as factors
+    ``J·I``; through pools ``k²·E`` per column; through activations, affine maps and the variance
+    corrections ``E`` per column."""
+    cp = graph.factors if plan is None else plan
+    assert isinstance(cp, CompactPlan)
+    glob: dict[str, int] = {}
+    block: dict[str, tuple[int, int]] = {}  # edge -> (channels, block columns per channel)
+    total = 0
+    for layer in graph.layers:
+        name, op = layer.name, layer.op
+        out_shape = layer.layer.out_shape
+        elements = int(np.prod(out_shape))
+        gin = sum(glob.get(n, 0) for n in layer.inputs)
+        bin_ = block.get(layer.inputs[0], (0, 0)) if layer.inputs else (0, 0)
+        g, b = gin, bin_
+        if op == "conv2d":
+            wm = layer.tensors["weight_mean"]
+            o, c, kh, kw = wm.shape
+            positions = elements // o
+            total += gin * o * positions * c * kh * kw + bin_[0] * bin_[1] * o * positions * kh * kw
+            g, b = gin + bin_[0] * bin_[1], (0, 0)
+            r = cp.directions.get(name, 0)
+            if r:
+                total += r * o * positions * c * kh * kw + o * c * kh * kw * r * r
+                b = (o, r + 1)
+        elif op == "dense":
+            j, i = layer.tensors["weight_mean"].shape
+            total += j * i * gin + (j * i * bin_[1] if bin_[1] else 0) + j * i
+            g, b = gin + bin_[0] * bin_[1], (0, 0)
+            if name in cp.residual:
+                total += j * i
+                g += i
+        elif op in ("max_pool2d", "avg_pool2d"):
+            kernel = layer.layer.attrs["kernel"]
+            total += kernel[0] * kernel[1] * elements * (gin + bin_[1])
+        elif op == "window_cov":
+            g, b = 0, (0, 0)
+        else:
+            total += elements * (gin + bin_[1])
+        if name in cp.terminal:
+            g, b = 0, (0, 0)
+        glob[name], block[name] = g, b
+    return total
+
+
+__all__: list[Any] = ["CompactPlan", "Loadings", "compact_macs", "execute_compact_all", "plan_compact", "with_compact"]

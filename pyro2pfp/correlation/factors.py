@@ -252,7 +252,7 @@ def choose(graph: PlannedGraph, correlation: Correlation | str, hermite: Hermite
     reason, else mean-field -- and mean-field with a warning when the scheme has no rule for a layer,
     or one that only the NumPy reference implements (none today: the plan must compile and export)."""
     correlation = checked(Correlation, correlation)
-    if correlation == "mean-field":
+    if correlation in ("mean-field", "compact-factor"):  # compact: planned after the pool rewrite (with_compact)
         return None
     if correlation == "shared-factor":
         return plan_factors(graph, hermite, injection=injection)
