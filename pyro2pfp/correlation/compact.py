@@ -61,6 +61,9 @@ _TO_HEAD = ("max_pool2d", "avg_pool2d", "affine", "reshape", "add")
 #: a dense layer turns its input's residual into factors only if these cost at most this many multiply-adds
 #: per input in the layers after it (the columns times the dense layers that carry them)
 RESIDUAL_BUDGET = 2_000_000
+#: the plan's multiply-adds may be at most this multiple of the mean-field plan's (with its correlated pools):
+#: :func:`plan_compact` keeps the last convs' weight directions only within it
+COST_BUDGET = 1.3
 
 
 @dataclass(frozen=True)
@@ -75,6 +78,8 @@ class CompactPlan:
     directions: dict[str, int] = field(default_factory=dict)
     residual: frozenset[str] = frozenset()
     terminal: frozenset[str] = frozenset()
+    #: why the plan left something out (the cost model's verdict), for the printout
+    note: str = ""
     scheme: ClassVar[str] = "compact-factor"
 
     @property
@@ -92,7 +97,8 @@ class CompactPlan:
         if self.residual:
             parts.append("one factor per input element of " + ", ".join(sorted(self.residual))
                          + ": an input's noise is shared by every unit of the dense layer that reads it")
-        return "; ".join(parts) or "no factors (nothing in this net sums correlated elements)"
+        return "; ".join(parts + ([self.note] if self.note else [])) or \
+            "no factors (nothing in this net sums correlated elements)"
 
 
 @dataclass
@@ -173,12 +179,40 @@ def _dense_source(graph: PlannedGraph, name: str) -> bool:
     return False
 
 
-def plan_compact(graph: PlannedGraph, directions: int = 1) -> CompactPlan:
+def plan_compact(graph: PlannedGraph, directions: int | None = None) -> CompactPlan:
     """The compact factor plan of ``graph`` (module docstring): the last convs create ``directions`` block
-    factors per channel; dense layers reading another dense layer's output, with a dense layer after
-    them, turn their input residual into factors while that costs at most :data:`RESIDUAL_BUDGET`
-    multiply-adds per input.  :class:`CorrelationError` names a layer the loadings reach whose op has no
-    rule."""
+    factors per channel (None: one if the plan's multiply-adds then stay within :data:`COST_BUDGET` times
+    the mean-field plan's, else none -- the cost model of :func:`compact_macs`); dense layers reading another
+    dense layer's output, with a dense layer after them, turn their input residual into factors while that
+    costs at most :data:`RESIDUAL_BUDGET` multiply-adds per input.  :class:`CorrelationError` names a layer
+    the loadings reach whose op has no rule."""
+    if directions is None:
+        base = mean_field_macs(graph)
+        with_one = _plan(graph, 1)
+        ratio = (base + compact_macs(graph, with_one)) / max(base, 1)
+        if ratio <= COST_BUDGET or not with_one.directions:
+            return with_one
+        without = _plan(graph, 0)
+        note = (f"no conv weight directions ({', '.join(with_one.directions)}: one per channel would cost "
+                f"x{ratio:.2f} the mean-field multiply-adds, over the budget x{COST_BUDGET})")
+        return CompactPlan(without.directions, without.residual, without.terminal, note)
+    return _plan(graph, directions)
+
+
+def mean_field_macs(graph: PlannedGraph) -> int:
+    """The multiply-adds per input of the linear maps of a mean-field plan: a dense/conv layer 3 products
+    of its size (2 for a deterministic input), a ``window_cov`` layer 2 (1)."""
+    total = 0
+    for layer in graph.layers:
+        if layer.op not in ("dense", "conv2d", "window_cov"):
+            continue
+        det = layer.in_reprs[0] is Repr.DETERMINISTIC
+        size = int(layer.tensors["weight_mean"][0].size) * int(np.prod(layer.layer.out_shape))
+        total += size * ((2 if det else 3) if layer.op != "window_cov" else (1 if det else 2))
+    return total
+
+
+def _plan(graph: PlannedGraph, directions: int) -> CompactPlan:
     if graph.input_repr is not Repr.DETERMINISTIC:
         raise CorrelationError("the compact factor plan needs a deterministic network input "
                                "(input_variance=True is mean-field only)")

@@ -125,7 +125,7 @@ def test_lenet_logit_variances_come_closer_to_sampling_than_mean_field():
             p = layer.params["weight"]
             layer.params["weight"] = GaussianParam(p.mean + 0.2, p.var, site=p.site)
     planned = plan(correlate_max_pools(graph))
-    cp = plan_compact(planned)
+    cp = plan_compact(planned, directions=1)
     assert cp.directions == {"conv2": 1} and cp.residual == frozenset({"fc2"})
     assert "fc2" in cp.describe() and "conv2" in cp.describe()
     x = rng.uniform(0, 1, (4, 1, 16, 16))
@@ -170,3 +170,30 @@ def test_zero_variance_gives_mean_field_and_no_nan():
     planned.factors = plan_compact(planned)
     big = execute(planned, 1e150 * x)
     assert all(np.all(np.isfinite(t)) for t in big)
+
+
+def test_convert_plans_it_after_the_pool_rewrite_and_says_what_it_carries():
+    """The user path: a PyroModule LeNet-5 with an AutoNormal guide, ``convert(correlation="compact-factor")``:
+    correlated pools, conv2's directions or the cost model's reason for leaving them out, fc2's input
+    residual; ``net.reference`` runs it and compiling refuses it by name."""
+    import pyro
+
+    import pyro2pfp
+    from pyro2pfp_experiments.zoo import BayesianLeNet5, make_guide
+
+    pyro.clear_param_store()
+    torch.manual_seed(0)
+    model = BayesianLeNet5(c1=3, c2=4, f1=12, f2=10)
+    guide = make_guide(model, init_scale=0.05)
+    guide(torch.zeros(1, 1, 28, 28), torch.zeros(1, dtype=torch.long))  # a guide that has run, as after training
+    net = pyro2pfp.convert(model, guide, input_shape=(1, 28, 28), correlation="compact-factor")
+    cp = net.plan.factors
+    assert net.plan.correlation == "compact-factor" and cp.residual == frozenset({"fc2"})
+    assert any(p.op == "window_cov" for p in net.plan.layers)
+    assert cp.directions == {"conv2": 1} or "over the budget" in cp.note
+    assert "fc2" in net.summary().splitlines()[-1]
+    x = np.random.default_rng(0).uniform(0, 1, (2, 1, 28, 28))
+    mean, var = net.reference(x)
+    assert np.all(np.isfinite(mean)) and np.all(var > 0)
+    with pytest.raises(ArgumentError, match="compact-factor"):
+        net.compile("native")
