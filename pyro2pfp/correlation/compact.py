@@ -29,10 +29,11 @@ Which layer creates which factors (:func:`plan_compact`, plain data: :class:`Com
   every unit that reads it).  The last dense layer needs none: its output's variance is exact from
   ``Σ W²·r`` and its input loadings.
 * **The last convs before the head** (a noisy conv whose output reaches a dense layer through pools,
-  activations, affine maps and reshapes only): their weight noise as ``R`` block factors per output
-  channel plus the bias factor (exact).  The weight directions are the range finder of the channel's
-  weight-noise covariance over positions with the uniform test vector (and linear ramps for ``R > 1``):
-  the conv rule's docstring (``ops/compute.py``) derives them.
+  activations, affine maps, adds and reshapes only): their weight and bias noise as ``R`` block factors
+  per output channel, while the plan's multiply-adds stay within :data:`COST_BUDGET` times the
+  mean-field plan's.  The directions are the range finder of the channel's noise covariance over
+  positions with the uniform test vector (exact for the channel's spatial sum, bias included) and
+  linear ramps for ``R > 1``: ``conv_block_factors`` in ``ops/compute.py`` derives them.
 
 The rules live with their ops (``@compact_reference(op)`` in ``ops/<family>.py``; every activation
 with an :class:`~pyro2pfp.registry.ActivationRule` takes the generic Stein rule here).  A dense layer's
@@ -70,8 +71,8 @@ COST_BUDGET = 1.3
 class CompactPlan:
     """The compact factor plan (static: fixed before any input; :func:`plan_compact`).
 
-    ``directions[conv]``: the weight directions per output channel a conv creates as block factors
-    (its bias factor comes on top where the bias has a variance); ``residual[dense]``: the dense layers
+    ``directions[conv]``: the factors per output channel a conv creates for its weight and bias noise
+    (block columns); ``residual[dense]``: the dense layers
     whose input residual becomes one global factor per input element; ``terminal``: layers whose
     output's loadings nothing reads (variance corrected, loadings dropped)."""
 
@@ -91,8 +92,7 @@ class CompactPlan:
         """One line for the plan printout: which factors the plan carries and why."""
         parts = []
         if self.directions:
-            parts.append("block factors of " + ", ".join(f"{n} ({r} weight direction{'s' * (r > 1)} + bias per "
-                                                         "channel)" for n, r in self.directions.items())
+            parts.append("block factors of " + ", ".join(f"{n} ({r} per channel)" for n, r in self.directions.items())
                          + ": the last convs' weight noise, shared by the positions the dense head sums")
         if self.residual:
             parts.append("one factor per input element of " + ", ".join(sorted(self.residual))
@@ -333,8 +333,10 @@ def compact_macs(graph: PlannedGraph, plan: CompactPlan | None = None) -> int:
     ``R·O·P·C·k²`` (one convolution of the input mean per direction); a global column through a conv
     ``O·P·C·k²``, a block column (one input channel) ``O·P·k²``; through a dense layer ``J·I`` per global
     column and ``J·P`` per block column (its channel's ``P`` elements); the input residual as factors
-    ``J·I``; through pools ``k²·E`` per column; through activations, affine maps and the variance
-    corrections ``E`` per column."""
+    ``J·I``; through pools ``k²·E`` per column; through activations, affine maps and ``‖L‖²`` ``E`` per
+    column.  The coherent-sum correction ``v += ‖W·L‖² − W²·‖L‖²`` costs no product of the layer's size of
+    its own: a kernel evaluates the mean-field term ``W²·v`` on the residual ``r = v − ‖L‖²`` instead of
+    ``v`` (the same count) and adds ``‖W·L‖²`` (``J`` per column)."""
     cp = graph.factors if plan is None else plan
     assert isinstance(cp, CompactPlan)
     glob: dict[str, int] = {}
@@ -355,11 +357,11 @@ def compact_macs(graph: PlannedGraph, plan: CompactPlan | None = None) -> int:
             g, b = gin + bin_[0] * bin_[1], (0, 0)
             r = cp.directions.get(name, 0)
             if r:
-                total += r * o * positions * c * kh * kw + o * c * kh * kw * r * r
-                b = (o, r + 1)
+                total += r * o * positions * (c * kh * kw + 1) + o * (c * kh * kw + 1) * r * r
+                b = (o, r)
         elif op == "dense":
             j, i = layer.tensors["weight_mean"].shape
-            total += j * i * gin + (j * i * bin_[1] if bin_[1] else 0) + j * i
+            total += j * i * gin + j * i * bin_[1] + j * (gin + bin_[0] * bin_[1])
             g, b = gin + bin_[0] * bin_[1], (0, 0)
             if name in cp.residual:
                 total += j * i

@@ -502,36 +502,35 @@ def _test_vectors(out_hw: tuple[int, ...], count: int) -> np.ndarray:
 
 
 def conv_block_factors(layer: PlannedLayer, mean_in: np.ndarray, directions: int) -> np.ndarray:
-    """``(B, O, P, R + 1)``: the conv's own weight noise as ``R = directions`` factors per output channel, then
-    its bias factor (zero loading without a bias variance).
+    """``(B, O, P, R)``: the conv's own weight and bias noise as ``R = directions`` factors per output channel.
 
-    Channel ``o``'s weight noise at the input mean is ``n[o, p] = Σ_j A_o[p, j]·ξ_j + √v_b·ξ_b`` with
+    Channel ``o``'s weight and bias noise at the input mean is ``n[o, p] = Σ_j A_o[p, j]·ξ_j`` with
     ``A_o[p, j] = √V[o, j]·μ_j(p)`` (``j`` over input channels and kernel offsets, ``μ_j(p)`` the input
-    mean under tap ``j`` at output position ``p``, ``ξ`` independent standard normals).  Its covariance
-    over positions is ``A_o·A_oᵀ + v_b·11ᵀ``.  For orthonormal directions ``e_1 … e_R`` in ``ξ``-space the
-    factors ``ζ_r = e_rᵀξ`` are independent standard normals with loadings ``L[o, p, r] = (A_o·e_r)[p]``;
-    what they leave, ``A_o(I − E·Eᵀ)A_oᵀ``, is kept as each element's independent residual.  The
-    directions are the randomized range finder of ``A_oᵀ`` (Halko, Martinsson & Tropp 2011, "Finding
-    structure with randomness", SIAM Review 53(2), Alg. 4.1) with deterministic test vectors ``Ω`` over
-    the positions -- the uniform vector (the direction that moves the channel's spatial sum most, the
-    one a dense layer reading all positions with similar weights sees) and the two linear ramps:
-    ``E = orth(A_oᵀ·Ω)``, ``A_oᵀ·Ω = √V ⊙ (pooled input views)``.  The bias factor is exact
-    (``L = √v_b`` at every position).  Cost: one convolution of the input mean with per-input weights
-    per direction."""
+    mean under tap ``j`` at output position ``p``, ``ξ`` independent standard normals) and the bias as one
+    more tap whose input is 1 at every position (``√v_b``).  Its covariance over positions is
+    ``A_o·A_oᵀ``.  For orthonormal directions ``e_1 … e_R`` in ``ξ``-space the factors ``ζ_r = e_rᵀξ`` are
+    independent standard normals with loadings ``L[o, p, r] = (A_o·e_r)[p]``; what they leave,
+    ``A_o(I − E·Eᵀ)A_oᵀ``, is positive semi-definite and kept as each element's independent residual.
+    The directions are the range finder of ``A_oᵀ`` (Halko, Martinsson & Tropp 2011, "Finding structure
+    with randomness", SIAM Review 53(2), Alg. 4.1) with deterministic test vectors ``Ω`` over the
+    positions, ``E = orth(A_oᵀ·Ω)``, ``A_oᵀ·Ω = √V ⊙ (input views pooled with Ω)``: first the uniform
+    vector, whose direction keeps the variance of the channel's spatial sum -- bias included -- exactly
+    (``1ᵀ·L·Lᵀ·1 = 1ᵀ·A_o·A_oᵀ·1``: the noise a dense layer reading all positions with similar weights
+    sees), then the linear ramps along rows and columns.  Cost: one convolution of the input mean with
+    per-input weights per direction."""
     wm, wv = layer.tensors["weight_mean"], weight_var(layer.tensors)
     o, c, kh, kw = wm.shape
     b = mean_in.shape[0]
     out_hw = tuple(layer.layer.out_shape[1:])
-    views = np.stack([v.reshape(b, c, -1) for v in _conv_views(mean_in, layer, (kh, kw))], axis=2)  # (B, C, k, P)
-    omega = _test_vectors(out_hw, directions)                                       # (P, R)
-    pooled = np.einsum("bckp,pr->bckr", views, omega).reshape(b, 1, c * kh * kw, directions)
-    root = np.sqrt(wv.reshape(1, o, c * kh * kw, 1))
-    q, _ = np.linalg.qr(root * pooled)                                                # (B, O, D, R) orthonormal
-    loads = np.einsum("bdp,bodr->bopr", views.reshape(b, c * kh * kw, -1), root * q)
+    views = np.concatenate([np.stack([v.reshape(b, c, -1) for v in _conv_views(mean_in, layer, (kh, kw))],
+                                     axis=2).reshape(b, c * kh * kw, -1),
+                            np.ones((b, 1, int(np.prod(out_hw))))], axis=1)            # (B, D + 1, P)
     bias = layer.tensors.get("bias_var")
-    tail = np.broadcast_to(np.sqrt(bias)[None, :, None, None] if bias is not None else np.zeros((1, o, 1, 1)),
-                           (b, o, loads.shape[2], 1))
-    return np.concatenate([loads, tail], axis=3)
+    root = np.sqrt(np.concatenate([wv.reshape(o, -1), (bias if bias is not None else np.zeros(o))[:, None]],
+                                  axis=1))[None, :, :, None]                            # (1, O, D + 1, 1)
+    pooled = (views @ _test_vectors(out_hw, directions))[:, None]                      # (B, 1, D + 1, R)
+    q, _ = np.linalg.qr(root * pooled)                                                  # orthonormal columns
+    return np.einsum("bdp,bodr->bopr", views, root * q)
 
 
 @compact_reference("conv2d")

@@ -62,8 +62,8 @@ def _spatial_sum_net(rng: np.random.Generator, bias: str) -> LayerGraph:
 
 @pytest.mark.parametrize("bias", ["prob", "none"])
 def test_the_uniform_weight_direction_keeps_each_channel_sum_exactly(bias):
-    """One weight direction per channel (the range finder's uniform test vector) and the bias factor: the
-    factors carry the variance of a channel's spatial sum exactly (closed form), ``L·Lᵀ`` never exceeds the
+    """One factor per channel (the range finder's uniform test vector, the bias a tap of input 1): it
+    carries the variance of a channel's spatial sum exactly (closed form), ``L·Lᵀ`` never exceeds the
     channel's covariance over positions (the loadings are a projection of its weight noise), and the dense
     layer summing the positions adds the residual's diagonal as independent (what the rule states)."""
     rng = np.random.default_rng(1)
@@ -76,7 +76,8 @@ def test_the_uniform_weight_direction_keeps_each_channel_sum_exactly(bias):
     patches = F.unfold(torch.as_tensor(x), 3, padding=1).numpy()  # (B, C·k·k, P)
     vb = conv.tensors["bias_var"] if "bias_var" in conv.tensors else np.zeros(3)
     cov = np.einsum("od,bdp,bdq->bopq", wv, patches, patches) + vb[None, :, None, None]
-    loads = conv_block_factors(conv, x, 1)  # (B, O, P, 2)
+    loads = conv_block_factors(conv, x, 1)  # (B, O, P, 1)
+    assert loads.shape == (2, 3, 36, 1)
     low = np.einsum("bopr,boqr->bopq", loads, loads)
     assert np.linalg.eigvalsh(cov - low).min() > -1e-9 * np.abs(cov).max()
     ones = np.ones(36)
