@@ -57,8 +57,6 @@ from ..registry import COMPACT_REFERENCES, OPS
 from .factors import CorrelationError, is_noisy
 from .stein import stein_slope
 
-#: the ops a conv's output may pass on its way to a dense layer for the conv to create block factors
-_TO_HEAD = ("max_pool2d", "avg_pool2d", "affine", "reshape", "add")
 #: a dense layer turns its input's residual into factors only if these cost at most this many multiply-adds
 #: per input in the layers after it (the columns times the dense layers that carry them)
 RESIDUAL_BUDGET = 2_000_000
@@ -152,8 +150,14 @@ def stein(layer: PlannedLayer, x: Activation, ld: Loadings) -> Loadings:
     return ld.scaled(flat(slope))
 
 
+def _passes_on(op: str) -> bool:
+    """``op`` carries loadings on without creating or summing factors of its own: an op with a compact rule
+    that is not a compute layer (pools, affine maps, adds, reshapes), or an activation."""
+    return (op in COMPACT_REFERENCES and not is_compute_layer(op)) or (op in OPS and OPS[op].activation is not None)
+
+
 def _feeds_head(graph: PlannedGraph, name: str, users: dict[str, list[PlannedLayer]]) -> bool:
-    """A dense layer is reached from ``name`` through ops of :data:`_TO_HEAD` and activations only."""
+    """A dense layer is reached from ``name`` through ops that pass loadings on (:func:`_passes_on`) only."""
     todo, seen = [name], set()
     while todo:
         for user in users.get(todo.pop(), []):
@@ -162,7 +166,7 @@ def _feeds_head(graph: PlannedGraph, name: str, users: dict[str, list[PlannedLay
             seen.add(user.name)
             if user.op == "dense":
                 return True
-            if user.op in _TO_HEAD or (user.op in OPS and OPS[user.op].activation is not None):
+            if _passes_on(user.op):
                 todo.append(user.name)
     return False
 
@@ -366,7 +370,7 @@ def compact_macs(graph: PlannedGraph, plan: CompactPlan | None = None) -> int:
             if name in cp.residual:
                 total += j * i
                 g += i
-        elif op in ("max_pool2d", "avg_pool2d"):
+        elif "kernel" in layer.layer.attrs:  # a pooling window
             kernel = layer.layer.attrs["kernel"]
             total += kernel[0] * kernel[1] * elements * (gin + bin_[1])
         elif op == "window_cov":
