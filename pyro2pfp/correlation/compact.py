@@ -172,12 +172,13 @@ def _feeds_head(graph: PlannedGraph, name: str, users: dict[str, list[PlannedLay
 
 
 def _dense_source(graph: PlannedGraph, name: str) -> bool:
-    """``name`` is a dense layer's output, possibly through elementwise ops and reshapes."""
+    """``name`` is a dense layer's output, possibly through elementwise ops, LayerNorms and reshapes."""
     while name != INPUT:
         layer = graph.layer(name)
         if layer.op == "dense":
             return True
-        if not (layer.op in ("reshape", "affine") or (layer.op in OPS and OPS[layer.op].activation is not None)):
+        if not (layer.op in ("reshape", "affine", "layer_norm")
+                or (layer.op in OPS and OPS[layer.op].activation is not None)):
             return False
         name = layer.inputs[0]
     return False

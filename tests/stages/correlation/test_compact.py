@@ -198,3 +198,45 @@ def test_convert_plans_it_after_the_pool_rewrite_and_says_what_it_carries():
     assert np.all(np.isfinite(mean)) and np.all(var > 0)
     with pytest.raises(ArgumentError, match="compact-factor"):
         net.compile("native")
+
+
+def test_layer_norm_carries_the_loadings_through_its_jacobian():
+    """fc1 → relu → fc2 → LayerNorm → fc3 → fc4: fc3's input residual and fc2's become factors and pass the
+    LayerNorm by its linearisation; the logits' variance against 20,000 samples: the compact plan within
+    15 % in the median and closer than mean-field."""
+    from pyro2pfp.graph import Layer
+
+    rng = np.random.default_rng(7)
+    d = 12
+    ln = Layer(name="ln", op="layer_norm", inputs=["fc2"], out_shape=(d,), source="ln (test)",
+               attrs={"dims": 1, "eps": 1e-5},
+               params={"weight": GaussianParam(rng.uniform(0.5, 1.5, d), np.zeros(d)),
+                       "bias": GaussianParam(0.1 * rng.standard_normal(d), np.zeros(d))})
+    layers = [dense_layer(rng, "fc1", INPUT, 6, 16, 0.6, 0.05), Layer(name="relu1", op="relu", inputs=["fc1"],
+                                                                      out_shape=(16,), source="relu1 (test)"),
+              dense_layer(rng, "fc2", "relu1", 16, d, 0.5, 0.05), ln, dense_layer(rng, "fc3", "ln", d, 8, 0.5, 0.02),
+              dense_layer(rng, "fc4", "fc3", 8, 3, 0.5, 0.02)]
+    for layer in layers:  # a shared positive part: the units' correlations matter to the sums
+        if layer.op == "dense":
+            p = layer.params["weight"]
+            layer.params["weight"] = GaussianParam(p.mean + 0.3, p.var, site=p.site)
+    graph = plan(LayerGraph(input_shape=(6,), layers=layers, output="fc4"))
+    cp = plan_compact(graph)
+    assert cp.residual == frozenset({"fc2", "fc3"})
+    x = rng.standard_normal((3, 6))
+    n = 20000
+    h = torch.as_tensor(np.broadcast_to(x, (n, 3, 6)).copy())
+    for layer in layers:
+        if layer.op == "dense":
+            w, b = (torch.as_tensor(_draw(layer.params[k], n, rng)) for k in ("weight", "bias"))
+            h = torch.einsum("nbi,nji->nbj", h, w) + b[:, None]
+        elif layer.op == "relu":
+            h = torch.relu(h)
+        else:
+            gamma, beta = (torch.as_tensor(ln.params[k].mean) for k in ("weight", "bias"))
+            h = F.layer_norm(h, (d,), gamma, beta)
+    mc = h.numpy().var(axis=0, ddof=1)
+    mean_field = np.median(execute(graph, x)[1] / mc)
+    graph.factors = cp
+    compact = np.median(execute(graph, x)[1] / mc)
+    assert abs(np.log(compact)) < abs(np.log(mean_field)) and 0.85 <= compact <= 1.15, (mean_field, compact)
