@@ -21,6 +21,12 @@ across elements, as in mean-field.  Two kinds of columns (:class:`Loadings`):
 * **block** ``(B, C, P, R)``: factor ``(c, r)`` loads only channel ``c``'s ``P`` positions (stored as
   such, no zeros): a conv's own weight noise, per output channel.
 
+Columns are keyed by the layer (or any other source) that created them (:class:`Loadings`), so that
+edges carrying the same factors add them where branches meet.  Factors shared by several layers -- the
+low-rank part of a guide, ``W = M + U·z`` with one ``z`` for the whole net -- fit as global columns under
+one key that every compute layer adds to (its loading ``U``'s part times the layer's input mean) and the
+rules above carry like any other.
+
 Which layer creates which factors (:func:`plan_compact`, plain data: :class:`CompactPlan`)
 ------------------------------------------------------------------------------------------
 * **A dense layer whose input is another dense layer's output** (through elementwise ops) and whose
