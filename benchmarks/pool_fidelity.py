@@ -25,7 +25,7 @@ batch-10 latency (median of repeated calls) and the multiply-adds of the linear 
 against independent.
 
     PYTHONPATH=. python benchmarks/pool_fidelity.py [--nets lenet,wide-cnn] [--samples 1000] [--inputs 64]
-                                                   [--epochs 10] [--latency] [--store-dir DIR]
+                                                   [--epochs 10] [--latency] [--store-dir DIR] [--rules R1,R2]
                                                    [--markdown docs/generated/pool-fidelity.md]
 """
 from __future__ import annotations
@@ -166,6 +166,7 @@ def main() -> None:
     ap.add_argument("--inputs", type=int, default=64)
     ap.add_argument("--epochs", type=int, default=10, help="LeNet-5's epochs (the main job's)")
     ap.add_argument("--latency", action="store_true")
+    ap.add_argument("--rules", default=",".join(RULES), help="the plans compared (default: all)")
     ap.add_argument("--store-dir", help="keep the trained param stores here (<net>.pt) and reuse them when present")
     add_markdown_argument(ap)
     args = ap.parse_args()
@@ -178,7 +179,7 @@ def main() -> None:
             out += [f"### {name}", "", "| rule | layer | op | mean err / sd | var ratio median | p10 | p90 | targets |",
                     "|---|---|---|---|---|---|---|---|"]
             nets = {}
-            for rule, options in RULES.items():
+            for rule, options in ((r, RULES[r]) for r in args.rules.split(",")):
                 net = pyro2pfp.convert(model, guide, input_shape=(1, 28, 28), **options)
                 nets[rule] = net
                 d = pyro2pfp.diagnose(model, guide, x, num_samples=args.samples, net=net)
@@ -211,7 +212,7 @@ def main() -> None:
                 else:
                     lat[rule] = [latency_us(net, x_test[:b]) for b in (1, 10)]
                     out.append(f"| {rule} | {macs[rule]:,} | {lat[rule][0]:.0f} | {lat[rule][1]:.0f} |")
-            for rule in ("shared-factor", "compact-factor"):
+            for rule in [r for r in ("shared-factor", "compact-factor") if r in macs and "correlated" in macs]:
                 within = macs[rule] <= 1.3 * macs["correlated"]
                 ok = "" if rule == "shared-factor" else f" (target ≤ 1.3x: {verdict(within)})"
                 out.append(f"\n{rule} / correlated (the mean-field default) multiply-adds: "
