@@ -10,8 +10,6 @@ layer before each head, a softplus scale column, ReLU + pooling before the CNN's
 argmax agrees on ≥ 95 % of the inputs.  In-process: which column is the mean and which the scale."""
 from __future__ import annotations
 
-import subprocess
-import sys
 import warnings
 
 import numpy as np
@@ -71,11 +69,5 @@ def _check(entry: G.Entry, pfp: dict, mc: dict) -> dict:
 @pytest.mark.parametrize("name", list(B.BRANCHES))
 def test_a_net_of_joined_branches_in_a_fresh_process(name, tmp_path):
     """Train and save in one process, load and convert in another, compare with Predictive."""
-    for step in ("train", "convert"):
-        result = subprocess.run([sys.executable, WORKER, step, name, str(tmp_path)], capture_output=True,
-                                text=True, timeout=900)
-        assert result.returncode == 0, f"worker {step} {name} failed:\n{result.stderr[-3000:]}"
-    truth = dict(np.load(tmp_path / f"{name}-truth.npz"))
-    pfp = dict(np.load(tmp_path / f"{name}-pfp.npz"))
+    pfp, truth = G.cross_process(WORKER, name, tmp_path)
     _check(B.BRANCHES[name], pfp, truth)
-
