@@ -116,13 +116,16 @@ def test_concat_moments_match_sampling():
 
 def _mixed_graph(rng: np.random.Generator) -> LayerGraph:
     """A random, a deterministic and a random input joined along the channels, that joined with itself
-    along the width, flattened and joined with a dense layer of it (1-D)."""
+    along the width, flattened and joined with a dense layer of it and with the input joined with itself
+    along the height (deterministic: 64 elements of variance 0) (1-D)."""
     conv = conv_layer(rng, "conv", INPUT, (2, 4, 4), 3, 3, 1, 1, 1, 1, 0.5, 0.05)
     layers = [conv, Layer("relu", "relu", ["conv"], (3, 4, 4), "relu (test)"),
               Layer("cat", "concat", ["relu", INPUT, "conv"], (8, 4, 4), "cat (test)", {"axis": 0}),
               Layer("wide", "concat", ["cat", "cat"], (8, 4, 8), "wide (test)", {"axis": -1 % 3}),
               reshape_layer("flat", "wide", (256,)), dense_layer(rng, "fc", "flat", 256, 5, 0.1, 0.01),
-              Layer("out", "concat", ["flat", "fc"], (261,), "out (test)", {"axis": 0})]
+              Layer("tall", "concat", [INPUT, INPUT], (2, 8, 4), "tall (test)", {"axis": 1}),
+              reshape_layer("tall_flat", "tall", (64,)),
+              Layer("out", "concat", ["flat", "fc", "tall_flat"], (325,), "out (test)", {"axis": 0})]
     return LayerGraph((2, 4, 4), layers, "out")
 
 
@@ -148,6 +151,9 @@ def test_concat_compiled_and_onnx_match_the_reference():
         np.testing.assert_array_equal(wide_v[:, 3:5, :, half], 0.0)
         np.testing.assert_allclose(wide_m[:, 5:, :, half], cm, rtol=1e-12)
         np.testing.assert_allclose(wide_v[:, 5:, :, half], cv, rtol=1e-12)
+    assert net.plan.layer("tall").out_repr.name == "DETERMINISTIC"
+    np.testing.assert_array_equal(mean[:, 261:].reshape(3, 2, 8, 4), np.concatenate([x, x], axis=2))
+    np.testing.assert_array_equal(var[:, 261:], 0.0)
 
 
 @pytest.mark.slow
@@ -223,6 +229,57 @@ def test_a_split_convolution_concatenated_compiles_as_the_whole_convolution():
     whole, split = _split_nets("shared-factor")
     x = np.random.default_rng(5).standard_normal((2, 2, 6, 6)).astype(np.float32)
     assert_matches(split.compile()(x), whole.reference(x))
+
+
+def _dense_block_graph(rng: np.random.Generator, joined: bool) -> LayerGraph:
+    """DenseNet-style: conv (noisy) → ReLU ``r``; ``joined``: ``concat(x, r)`` → 1×1 conv with deterministic
+    weights ``[Wx | Wr]``; else the same as ``conv_x(x) + conv_r(r)`` (``add``); then 2×2 average pooling,
+    flatten, dense."""
+    c0 = conv_layer(rng, "c0", INPUT, (2, 4, 4), 3, 3, 1, 1, 1, 1, 0.5, 0.03)
+    mix = conv_layer(rng, "mix", "cat", (5, 4, 4), 4, 1, 1, 0, 1, 1, 0.6, 0.0, bias="det")
+    tail = [Layer("pool", "avg_pool2d", ["mix"], (4, 2, 2), "pool (test)",
+                  {"kernel": [2, 2], "stride": [2, 2], "padding": [0, 0], "ceil_mode": False,
+                   "count_include_pad": True, "divisor": None}),
+            reshape_layer("flat", "pool", (16,)), dense_layer(rng, "fc", "flat", 16, 3, 0.4, 0.01)]
+    head = [c0, Layer("r", "relu", ["c0"], (3, 4, 4), "r (test)")]
+    if joined:
+        return LayerGraph((2, 4, 4), [*head, Layer("cat", "concat", [INPUT, "r"], (5, 4, 4), "cat (test)",
+                                                   {"axis": 0}), mix, *tail], "fc")
+    w, b = mix.params["weight"], mix.params["bias"]
+    conv_x = Layer("mix_x", "conv2d", [INPUT], (4, 4, 4), "mix_x (test)", dict(mix.attrs),
+                   {"weight": GaussianParam(w.mean[:, :2], w.var[:, :2])})
+    conv_r = Layer("mix_r", "conv2d", ["r"], (4, 4, 4), "mix_r (test)", dict(mix.attrs),
+                   {"weight": GaussianParam(w.mean[:, 2:], w.var[:, 2:]), "bias": b})
+    return LayerGraph((2, 4, 4), [*head, conv_x, conv_r,
+                                  Layer("mix", "add", ["mix_x", "mix_r"], (4, 4, 4), "mix (test)"), *tail], "fc")
+
+
+@pytest.mark.parametrize("correlation", ["mean-field", "shared-factor"])
+def test_a_deterministic_branch_joins_without_a_shared_part(correlation):
+    """``concat(x, r)`` then a deterministic 1×1 conv is ``conv_x(x) + conv_r(r)`` exactly (the input's
+    rows carry ``s = 0``, ``g = 0``; the add of a deterministic branch keeps the other's shared part): the
+    same output to rounding; the ONNX export (its zero parts) agrees with the reference."""
+    nets = []
+    for joined in (True, False):
+        graph = _dense_block_graph(np.random.default_rng(8), joined)
+        nets.append(PFPNetwork(graph, with_correlation(plan(graph), correlation)))
+    x = np.random.default_rng(9).standard_normal((3, 2, 4, 4))
+    want = nets[1].reference(x)
+    for g, w in zip(nets[0].reference(x), want, strict=True):
+        np.testing.assert_allclose(g, w, rtol=1e-10, atol=1e-14)
+    assert_matches(onnx_run(nets[0], x.astype(np.float32)), want, ONNX_RTOL)
+    if correlation == "shared-factor":  # the shared parts matter here
+        mean_field = PFPNetwork(nets[0].layer_graph, plan(nets[0].layer_graph)).reference(x)[1]
+        assert not np.allclose(want[1], mean_field, rtol=1e-3)
+
+
+@pytest.mark.slow
+def test_a_deterministic_branch_joins_without_a_shared_part_compiled():
+    """The compiled ``sf_concat`` with the input's zero rows gives the reference's output."""
+    graph = _dense_block_graph(np.random.default_rng(8), True)
+    net = PFPNetwork(graph, with_correlation(plan(graph), "shared-factor"))
+    x = np.random.default_rng(10).standard_normal((2, 2, 4, 4)).astype(np.float32)
+    assert_matches(net.compile()(x), net.reference(x))
 
 
 def test_shared_factors_refuse_a_concatenation_they_cannot_represent():
