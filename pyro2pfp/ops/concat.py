@@ -55,7 +55,8 @@ CONCAT = register_op(OpDef(
     modules="`torch.cat` / `concat` / `concatenate` / `hstack` of branches (any axis but the batch's), "
             "`torch.stack` (a new axis)",
     modules_short=("torch.cat/stack of branches",), moments="exact",
-    assumptions="—", factor_spec=FactorSpec(refuse=row_axis_only, joins_rows=True)))
+    assumptions="— (shared factors: along the channel/unit axis only; `auto` falls back to mean-field otherwise)",
+    factor_spec=FactorSpec(refuse=row_axis_only, joins_rows=True)))
 
 
 # ------------------------------------------------------------------------------------ reference + ONNX
