@@ -23,7 +23,7 @@ from pyro2pfp.graph import INPUT, GaussianParam, Layer, LayerGraph
 from pyro2pfp.network import PFPNetwork
 from pyro2pfp.plan import plan
 from tests.support.backends import ONNX_RTOL, assert_matches, onnx_run
-from tests.support.builders import conv_layer, dense_layer, reshape_layer
+from tests.support.builders import conv_layer, dense_block_graph, dense_layer, reshape_layer
 from tests.support.op_coverage import COMPILED, MONTE_CARLO, covers
 from tests.support.stats import assert_check_rejects, assert_moments_agree
 
@@ -231,29 +231,6 @@ def test_a_split_convolution_concatenated_compiles_as_the_whole_convolution():
     assert_matches(split.compile()(x), whole.reference(x))
 
 
-def _dense_block_graph(rng: np.random.Generator, joined: bool) -> LayerGraph:
-    """DenseNet-style: conv (noisy) → ReLU ``r``; ``joined``: ``concat(x, r)`` → 1×1 conv with deterministic
-    weights ``[Wx | Wr]``; else the same as ``conv_x(x) + conv_r(r)`` (``add``); then 2×2 average pooling,
-    flatten, dense."""
-    c0 = conv_layer(rng, "c0", INPUT, (2, 4, 4), 3, 3, 1, 1, 1, 1, 0.5, 0.03)
-    mix = conv_layer(rng, "mix", "cat", (5, 4, 4), 4, 1, 1, 0, 1, 1, 0.6, 0.0, bias="det")
-    tail = [Layer("pool", "avg_pool2d", ["mix"], (4, 2, 2), "pool (test)",
-                  {"kernel": [2, 2], "stride": [2, 2], "padding": [0, 0], "ceil_mode": False,
-                   "count_include_pad": True, "divisor": None}),
-            reshape_layer("flat", "pool", (16,)), dense_layer(rng, "fc", "flat", 16, 3, 0.4, 0.01)]
-    head = [c0, Layer("r", "relu", ["c0"], (3, 4, 4), "r (test)")]
-    if joined:
-        return LayerGraph((2, 4, 4), [*head, Layer("cat", "concat", [INPUT, "r"], (5, 4, 4), "cat (test)",
-                                                   {"axis": 0}), mix, *tail], "fc")
-    w, b = mix.params["weight"], mix.params["bias"]
-    conv_x = Layer("mix_x", "conv2d", [INPUT], (4, 4, 4), "mix_x (test)", dict(mix.attrs),
-                   {"weight": GaussianParam(w.mean[:, :2], w.var[:, :2])})
-    conv_r = Layer("mix_r", "conv2d", ["r"], (4, 4, 4), "mix_r (test)", dict(mix.attrs),
-                   {"weight": GaussianParam(w.mean[:, 2:], w.var[:, 2:]), "bias": b})
-    return LayerGraph((2, 4, 4), [*head, conv_x, conv_r,
-                                  Layer("mix", "add", ["mix_x", "mix_r"], (4, 4, 4), "mix (test)"), *tail], "fc")
-
-
 @pytest.mark.parametrize("correlation", ["mean-field", "shared-factor"])
 def test_a_deterministic_branch_joins_without_a_shared_part(correlation):
     """``concat(x, r)`` then a deterministic 1×1 conv is ``conv_x(x) + conv_r(r)`` exactly (the input's
@@ -261,7 +238,7 @@ def test_a_deterministic_branch_joins_without_a_shared_part(correlation):
     same output to rounding; the ONNX export (its zero parts) agrees with the reference."""
     nets = []
     for joined in (True, False):
-        graph = _dense_block_graph(np.random.default_rng(8), joined)
+        graph = dense_block_graph(np.random.default_rng(8), joined)
         nets.append(PFPNetwork(graph, with_correlation(plan(graph), correlation)))
     x = np.random.default_rng(9).standard_normal((3, 2, 4, 4))
     want = nets[1].reference(x)
@@ -276,7 +253,7 @@ def test_a_deterministic_branch_joins_without_a_shared_part(correlation):
 @pytest.mark.slow
 def test_a_deterministic_branch_joins_without_a_shared_part_compiled():
     """The compiled ``sf_concat`` with the input's zero rows gives the reference's output."""
-    graph = _dense_block_graph(np.random.default_rng(8), True)
+    graph = dense_block_graph(np.random.default_rng(8), True)
     net = PFPNetwork(graph, with_correlation(plan(graph), "shared-factor"))
     x = np.random.default_rng(10).standard_normal((2, 2, 4, 4)).astype(np.float32)
     assert_matches(net.compile()(x), net.reference(x))
