@@ -13,6 +13,7 @@ import dataclasses
 import warnings
 from collections.abc import Collection
 from dataclasses import dataclass, field
+from typing import ClassVar
 
 import numpy as np
 
@@ -52,6 +53,8 @@ class FactorPlan:
     compact_at: frozenset[str] = frozenset()
     hermite: str = "factor"
     injection: str = "regression"
+    #: the executor's key (``reference.SCHEME_EXECUTORS``), beside the compact factor plan's
+    scheme: ClassVar[str] = "shared-factor"
 
     @property
     def max_factors(self) -> int:
@@ -254,7 +257,7 @@ def choose(graph: PlannedGraph, correlation: Correlation | str, hermite: Hermite
     reason, else mean-field -- and mean-field with a warning when the scheme has no rule for a layer,
     or one that only the NumPy reference implements (none today: the plan must compile and export)."""
     correlation = checked(Correlation, correlation)
-    if correlation == "mean-field":
+    if correlation in ("mean-field", "compact-factor"):  # compact: planned after the pool rewrite (with_compact)
         return None
     if correlation == "shared-factor":
         return plan_factors(graph, hermite, injection=injection)
