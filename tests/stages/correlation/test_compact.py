@@ -17,7 +17,7 @@ from pyro2pfp.correlated_pools import correlate_max_pools
 from pyro2pfp.correlation import CompactPlan, Loadings, execute_compact_all, plan_compact
 from pyro2pfp.errors import ArgumentError
 from pyro2pfp.graph import INPUT, GaussianParam, LayerGraph
-from pyro2pfp.ops.compute import conv_block_factors
+from pyro2pfp.ops.compute_compact import conv_block_factors
 from pyro2pfp.plan import plan
 from pyro2pfp.reference import execute, execute_all
 from tests.support.builders import conv_layer, dense_layer, lenet_graph, reshape_layer
