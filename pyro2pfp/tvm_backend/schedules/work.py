@@ -68,3 +68,30 @@ def _blocks_work(sch: s_tir.Schedule, blocks: Any) -> float | None:
         walk(sch.get(block).body, tally)
         total += iterations * max(count, 1)
     return total
+
+
+def kernel_multiplies(func: tirx.PrimFunc) -> float | None:
+    """Multiplications of a static-shape kernel as defined (before it is scheduled): over its blocks,
+    the iterations times the ``Mul`` nodes of the block (a let-bound value counted once); ``None``
+    when a loop extent is symbolic.  What a profile calls a kernel's multiply-adds where no op-level
+    count applies (:func:`pyro2pfp.profiling.kernel_multiply_adds`)."""
+    sch = s_tir.Schedule(func)
+    total = 0.0
+    count = 0
+
+    def tally(node: Any) -> None:
+        nonlocal count
+        if isinstance(node, tirx.Mul):
+            count += 1
+
+    for block in sch.get_child_blocks(sch.get_sblock("root")):
+        iterations = 1.0
+        for loop in sch.get_loops(block):
+            ext = extent(sch, loop)
+            if ext is None:
+                return None
+            iterations *= ext
+        count = 0
+        walk(sch.get(block).body, tally)
+        total += iterations * count
+    return total
