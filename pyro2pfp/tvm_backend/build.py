@@ -16,7 +16,13 @@ parts into one executable: the first part's library imports the others, the VM f
 of them, ``export_library`` links every part's object file.  The code is the same as
 ``tvm.compile``'s (outputs bitwise equal).
 
-``PYRO2PFP_BUILD_JOBS`` (an integer >= 1) sets the number of threads; 1 builds with ``tvm.compile``.
+``PYRO2PFP_BUILD_JOBS`` (an integer >= 1) sets the number of threads; 1 builds with ``tvm.compile``
+unless the kernel cache is on.
+
+Compiled parts are cached on disk (:mod:`~pyro2pfp.tvm_backend.kernel_cache`): a part whose kernels,
+target and TVM were compiled before is loaded instead of compiled, and a new one is written there.
+The parts are then object files, linked into one shared library when the executable's VM is first
+made (``Executable.jit``).
 """
 from __future__ import annotations
 
@@ -32,11 +38,16 @@ from tvm.relax import vm_build
 from ..errors import ArgumentError
 from ..targets import is_cross_target, make_target
 from ..tvm_runtime import available_cpus
+from .kernel_cache import open_cache
 
 #: kernels compiled per LLVM module at most: several modules per thread, so that a slow kernel
 #: does not hold one thread while the others idle, but not one per kernel (each module has a fixed
 #: LLVM set-up cost)
 KERNELS_PER_PART = 4
+#: ... with the kernel cache on: one, so that a kernel is found in the cache whatever it was compiled
+#: with before (another network, another order); the fixed cost of a module written as an object file
+#: is ~2-20 ms of CPU (LeNet-5's 11 kernels: one module against one per kernel)
+KERNELS_PER_CACHED_PART = 1
 
 
 def build_jobs() -> int:
@@ -94,13 +105,16 @@ def build_context() -> tvm.transform.PassContext:
 
 
 def parallel(target: Any, jobs: int | None = None) -> bool:
-    """Whether :func:`build` compiles the kernels of a module for ``target`` on several threads:
-    ``jobs`` (default :func:`build_jobs`) > 1 and an LLVM CPU target that is not a wasm system library
-    (those ``tvm.compile`` links specially)."""
+    """Whether :func:`build` compiles the kernels of a module for ``target`` in parts with a
+    :class:`KernelPool`: an LLVM CPU target that is not a wasm system library (those ``tvm.compile``
+    links specially), and either ``jobs`` (default :func:`build_jobs`) > 1 or the kernel cache on
+    (:func:`~.kernel_cache.open_cache`) for a target this machine runs."""
     tgt = make_target(target)
     host = tgt if tgt.host is None else tgt.host
+    if tgt.kind.name != "llvm" or "wasm" in str(host.attrs.get("mtriple", "")):
+        return False
     jobs = build_jobs() if jobs is None else jobs
-    return jobs > 1 and tgt.kind.name == "llvm" and "wasm" not in str(host.attrs.get("mtriple", ""))
+    return jobs > 1 or (not is_cross_target(tgt) and open_cache(tgt) is not None)
 
 
 class KernelPool:
@@ -114,6 +128,9 @@ class KernelPool:
         self.target = make_target(target)
         self.jit = not is_cross_target(self.target)
         self.context = build_context()
+        # a caller watching the passes (instruments) sees them run: no cache then
+        self.cache = open_cache(self.target) if self.jit and not self.context.instruments else None
+        self.per_part = KERNELS_PER_CACHED_PART if self.cache is not None else KERNELS_PER_PART
         jobs = build_jobs() if jobs is None else jobs
         self.pool = concurrent.futures.ThreadPoolExecutor(max_workers=jobs, thread_name_prefix="pyro2pfp-build")
         self.queued: list[tuple[str, tvm.tirx.PrimFunc]] = []
@@ -134,7 +151,7 @@ class KernelPool:
         if attrs is None or not attrs.get("tirx.noalias", False):
             func = func.with_attr("tirx.noalias", True)  # as mark_prim_funcs_noalias will
         self.queued.append((name, func))
-        if len(self.queued) >= KERNELS_PER_PART:
+        if len(self.queued) >= self.per_part:
             self.flush()
 
     def flush(self) -> None:
@@ -154,8 +171,23 @@ class KernelPool:
         self.pool.shutdown(wait=True, cancel_futures=True)
 
     def _compile(self, part: dict[str, tvm.tirx.PrimFunc], attrs: Any) -> Any:
+        key = symbols = None
+        # not the Relax VM's host functions (``shape_func``): TVM emits their statements in an order
+        # that changes from run to run, so they would never hit; they are small
+        host = any(func.attrs is not None and func.attrs.get("tirx.is_host_func", False) for func in part.values())
+        if self.cache is not None and not host:
+            symbols = [str(func.attrs.get("global_symbol", name)) for name, func in part.items()]
+            ctx = self.context
+            key = self.cache.key(part, attrs, {**dict(ctx.config), "opt_level": ctx.opt_level,
+                                               "required_pass": list(ctx.required_pass),
+                                               "disabled_pass": list(ctx.disabled_pass)})
+            cached = self.cache.load(key, symbols)
+            if cached is not None:
+                return cached
         with self.context:
             lib = tvm.tirx.build(tvm.IRModule(part, attrs=attrs), target=self.target)
+        if self.cache is not None and key is not None and symbols is not None:
+            return self.cache.store(key, lib, symbols)  # the object file: machine code made here
         if self.jit:
             name, func = next(iter(part.items()))
             lib.get_function(str(func.attrs.get("global_symbol", name)))  # machine code of the whole part
@@ -175,8 +207,8 @@ class KernelPool:
                 covered.update(part)
         rest = [(name, func) for name, func in final.items() if name not in covered]
         self.compiled_late = [name for name, _ in rest]
-        for i in range(0, len(rest), KERNELS_PER_PART):
-            libs.append(self._submit(rest[i:i + KERNELS_PER_PART], tir_mod.attrs))
+        for i in range(0, len(rest), self.per_part):
+            libs.append(self._submit(rest[i:i + self.per_part], tir_mod.attrs))
         try:
             return [future.result() for future in libs]
         finally:
