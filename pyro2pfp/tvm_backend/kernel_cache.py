@@ -61,6 +61,25 @@ def cache_root() -> Path | None:
     return Path(root).expanduser() / "kernels"
 
 
+_fingerprint: list[str] = []
+
+
+def source_fingerprint() -> str:
+    """A hash of the TVM back end's source (every module of ``pyro2pfp/tvm_backend``: kernels,
+    default schedules, build) and the package version: the key of a kernel looked up before it is
+    scheduled (the schedules read only the PrimFunc and the target), so a change of that code misses."""
+    if not _fingerprint:
+        from .. import __version__
+
+        root = Path(__file__).resolve().parent
+        h = hashlib.sha256(str(__version__).encode())
+        for path in sorted(root.rglob("*.py")):
+            h.update(str(path.relative_to(root)).encode())
+            h.update(path.read_bytes())
+        _fingerprint.append(h.hexdigest())
+    return _fingerprint[0]
+
+
 def _digest(*parts: Any) -> str:
     h = hashlib.sha256()
     for part in parts:
@@ -79,13 +98,14 @@ class KernelCache:
         self.hits = 0
         self.misses = 0
 
-    def key(self, part: dict[str, Any], attrs: Any, config: dict[str, Any]) -> str:
-        """The key of a part (``{symbol: scheduled PrimFunc}``, compiled as one module with ``attrs``
-        under a ``PassContext`` with ``config``)."""
+    def key(self, part: dict[str, Any], attrs: Any, config: dict[str, Any], schedule: str = "") -> str:
+        """The key of a part (``{symbol: PrimFunc}``, compiled as one module with ``attrs`` under a
+        ``PassContext`` with ``config``).  ``schedule``: for a part of PrimFuncs *before* their default
+        schedule, the fingerprint of the code that schedules them (:func:`source_fingerprint`)."""
         kernels = [(name, tvm_ffi.structural_hash(func, map_free_vars=True)) for name, func in part.items()]
         attrs_hash = tvm_ffi.structural_hash(attrs, map_free_vars=True) if attrs is not None else 0
         return _digest(FORMAT, tvm.__version__, getattr(tvm_ffi, "__version__", ""), str(self.target),
-                       sorted((k, str(v)) for k, v in config.items()), attrs_hash, kernels)
+                       sorted((k, str(v)) for k, v in config.items()), attrs_hash, kernels, schedule)
 
     def path(self, key: str) -> Path:
         return self.dir / f"{key}.o"

@@ -18,6 +18,7 @@ from pyro2pfp.plan import plan
 from pyro2pfp.tvm_backend import kernel_cache
 from pyro2pfp.tvm_backend.build import KernelPool
 from pyro2pfp.tvm_backend.runtime import build_network
+from pyro2pfp.tvm_backend.schedules import driver
 from tests.support.builders import lenet_graph
 
 TARGET = tvm.target.Target("llvm")
@@ -68,8 +69,13 @@ def test_a_second_compile_of_the_architecture_loads_every_kernel(cache_dir, monk
     assert len(stored) == cache.misses  # one object file per kernel
     other = small_lenet(1)  # other weights: the same kernels
     misses = cache.misses
+    scheduled: list[str] = []
+    schedule_function = driver.schedule_function
+    monkeypatch.setattr(driver, "schedule_function",
+                        lambda func, op, *args: (scheduled.append(op), schedule_function(func, op, *args))[1])
     got = run(other, x)
     assert cache.misses == misses and cache.hits == misses
+    assert scheduled == []  # found before scheduling: nothing scheduled, nothing compiled
     assert entries(cache_dir) == stored
     monkeypatch.setenv("PYRO2PFP_KERNEL_CACHE", "off")
     for g, w in zip(got, run(other, x)):
