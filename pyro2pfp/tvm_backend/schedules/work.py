@@ -72,7 +72,8 @@ def _blocks_work(sch: s_tir.Schedule, blocks: Any) -> float | None:
 
 def kernel_multiplies(func: tirx.PrimFunc) -> float | None:
     """Multiplications of a static-shape kernel as defined (before it is scheduled): over its blocks,
-    the iterations times the ``Mul`` nodes of the block (a let-bound value counted once); ``None``
+    the iterations times the floating-point ``Mul`` nodes of the block (a let-bound value counted once;
+    index arithmetic not counted); ``None``
     when a loop extent is symbolic.  What a profile calls a kernel's multiply-adds where no op-level
     count applies (:func:`pyro2pfp.profiling.kernel_multiply_adds`)."""
     sch = s_tir.Schedule(func)
@@ -81,7 +82,7 @@ def kernel_multiplies(func: tirx.PrimFunc) -> float | None:
 
     def tally(node: Any) -> None:
         nonlocal count
-        if isinstance(node, tirx.Mul):
+        if isinstance(node, tirx.Mul) and "float" in str(node.ty):  # not index arithmetic
             count += 1
 
     for block in sch.get_child_blocks(sch.get_sblock("root")):
