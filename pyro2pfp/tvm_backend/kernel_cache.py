@@ -69,7 +69,7 @@ def source_fingerprint() -> str:
     default schedules, build) and the package version: the key of a kernel looked up before it is
     scheduled (the schedules read only the PrimFunc and the target), so a change of that code misses."""
     if not _fingerprint:
-        from .. import __version__
+        from .._version import __version__
 
         root = Path(__file__).resolve().parent
         h = hashlib.sha256(str(__version__).encode())
