@@ -125,13 +125,13 @@ def plan_factors(graph: PlannedGraph, hermite: Hermite | str = Hermite.FACTOR, c
         shape = layer.layer.out_shape
         if op == "reshape" and has_in:
             src = ins[0]
-            if len(shape) != 1 and shape[0] != rows[src]:
+            if len(shape) > 1 and shape[0] != rows[src]:
                 raise CorrelationError(f"{layer.layer.source}: shared-factor PFP supports reshapes that keep the "
                                        f"channel axis or flatten it, not {graph.shape_of(src)} -> {shape}")
             rows[name] = rows[src]
-            group[name] = int(np.prod(shape)) // max(rows[src], 1) if len(shape) == 1 else group[src]
+            group[name] = int(np.prod(shape)) // max(rows[src], 1) if len(shape) <= 1 else group[src]
         else:
-            rows[name], group[name] = shape[0], 1
+            rows[name], group[name] = (shape[0] if shape else 1), 1
         if (is_noisy(layer) and own_blocks) or (spec.hermite_block and has_in and hermite == "factor"):
             offsets[name] = k
             k += shape[0]
@@ -274,7 +274,9 @@ def choose(graph: PlannedGraph, correlation: Correlation | str, hermite: Hermite
     """The factor plan for ``correlation`` (None: mean-field); ``hermite`` and ``injection`` are the
     variants :func:`plan_factors` uses when the scheme is chosen.
 
-    ``"shared-factor"``: the scheme (with a correlated guide's global factors, :mod:`.guide`), or
+    ``"shared-factor"``: the scheme (with a correlated guide's global factors, :mod:`.guide`; for a network
+    :func:`needs_shared_factors` finds no reason in, the guide's factors alone: measured better and far
+    cheaper on MLPs than adding every layer's own blocks, ``benchmarks/correlated_guides.py``), or
     :class:`CorrelationError` naming the layer it has no rule for; ``"mean-field"``: None (a correlated
     guide's correlations dropped, with a warning); ``"auto"``: the scheme when :func:`needs_shared_factors`
     finds a reason, else, for a correlated guide, its global factors alone (the weights' independent
@@ -287,9 +289,11 @@ def choose(graph: PlannedGraph, correlation: Correlation | str, hermite: Hermite
             warnings.warn(f"correlation='mean-field': the guide's correlations between weights are dropped "
                           f"({_guide_text(graph)}); only the marginal variances are used", stacklevel=4)
         return None
-    if correlation == "shared-factor":
-        return plan_factors(graph, hermite, injection=injection, guide=guide)
     reason = needs_shared_factors(graph)
+    if correlation == "shared-factor":
+        if guide and reason is None:  # the guide's factors; the weights' independent noise stays mean-field
+            return plan_factors(graph, Hermite.NONE, injection=injection, guide=guide, own_blocks=False)
+        return plan_factors(graph, hermite, injection=injection, guide=guide)
     if guide and not GUIDE_IN_BACKENDS:  # auto plans compile and export
         warnings.warn(f"correlation='auto': the guide's correlations between weights ({_guide_text(graph)}) are "
                       "dropped, only the marginal variances are used: the compiled and ONNX back ends do not carry "

@@ -94,14 +94,16 @@ def top_directions(factor: np.ndarray, k: int, seed: int = 0) -> tuple[np.ndarra
 
 
 def kept_share(factor: np.ndarray, kept: np.ndarray) -> float:
-    """The share of ``Σ = A·Aᵀ``'s off-diagonal mass that ``F_k·F_kᵀ`` reproduces:
-    ``⟨offdiag(F_k F_kᵀ), offdiag(Σ)⟩ / ‖offdiag(Σ)‖²`` (1: nothing dropped), computed from the
-    factors without forming ``Σ`` (``‖A Aᵀ‖_F² = ‖AᵀA‖_F²``)."""
+    """The share of ``Σ = A·Aᵀ``'s covariance between different coordinates that ``F_k·F_kᵀ`` reproduces:
+    ``1 − ‖offdiag(Σ − F_k F_kᵀ)‖² / ‖offdiag(Σ)‖²`` in ``[0, 1]`` (1: nothing dropped), from the factors
+    without forming ``Σ`` (``‖A Aᵀ‖_F = ‖AᵀA‖_F``)."""
     diag_full = (factor**2).sum(1)
     diag_kept = (kept**2).sum(1)
-    full_sq = float(np.sum((factor.T @ factor) ** 2) - np.sum(diag_full**2))
-    cross = float(np.sum((kept.T @ factor) ** 2) - np.sum(diag_kept * diag_full))
-    return 1.0 if full_sq <= 0 else max(0.0, min(1.0, cross / full_sq))
+    full_sq = float(np.sum((factor.T @ factor) ** 2))
+    residual_sq = full_sq - 2 * float(np.sum((kept.T @ factor) ** 2)) + float(np.sum((kept.T @ kept) ** 2))
+    off_full = full_sq - float(np.sum(diag_full**2))
+    off_residual = residual_sq - float(np.sum((diag_full - diag_kept) ** 2))
+    return 1.0 if off_full <= 0 else max(0.0, min(1.0, 1.0 - off_residual / off_full))
 
 
 def _stein_scale(loc: np.ndarray, scale: np.ndarray, transform: Any) -> np.ndarray:
@@ -133,11 +135,13 @@ def _latent_factor(guide: Any) -> tuple[np.ndarray, str] | None:
     return None
 
 
-def read_guide_factors(guide: Any, readings: dict[str, Any], max_factors: int = MAX_GUIDE_FACTORS
+def read_guide_factors(guide: Any, readings: dict[str, Any], max_factors: int | None = None
                        ) -> GuideFactors | None:
     """The global factors of a correlated ``guide`` (see the module docstring), in the value space of every
     site of ``readings`` (:class:`~pyro2pfp.posterior.readers.SiteReading`, with their ``latent``); None
-    for a guide whose posterior has no correlations between weights."""
+    for a guide whose posterior has no correlations between weights.  ``max_factors``: default
+    :data:`MAX_GUIDE_FACTORS`."""
+    max_factors = MAX_GUIDE_FACTORS if max_factors is None else max_factors
     if isinstance(guide, autoguide.AutoStructured):
         return _structured_factors(guide, readings, max_factors)
     found = _latent_factor(guide)

@@ -102,7 +102,7 @@ def test_lowrank_loadings_are_the_guides_factor_and_the_summary_says_so():
     w = next(layer for layer in net.plan.layers if layer.op == "dense").tensors["weight_factors"]
     loadings = w.reshape(-1, w.shape[-1])
     # the same column space and the same F·Fᵀ on the weight block
-    np.testing.assert_allclose(loadings @ loadings.T, factor[:15] @ factor[:15].T, rtol=1e-9, atol=1e-12)
+    np.testing.assert_allclose(loadings @ loadings.T, factor[:15] @ factor[:15].T, rtol=1e-5, atol=1e-7)  # float32
     assert "2 global factors" in net.summary()
 
 
