@@ -58,6 +58,19 @@ class LayerFidelity:
     mean_error_p90: float = float("nan")  # 90th percentile of the same per-element mean error
     # the standard deviation of ln(ratio_median) that sampling noise explains, measured (split samples)
     ratio_noise: float = float("nan")
+    # every sample gave the same output (no weight noise reaches the layer): the figures above are NaN,
+    # these say how the PFP layer compares -- the largest |μ_pfp − μ_mc| and the largest PFP variance
+    deterministic: bool = False
+    deterministic_mean_error: float = float("nan")
+    deterministic_pfp_var: float = float("nan")
+
+    def describe_deterministic(self) -> str:
+        """The table's text for a layer every sample computes the same: ``deterministic (as sampled)``,
+        the largest mean difference and, if PFP gives this layer a variance, how large."""
+        text = f"deterministic (as sampled): max |PFP − MC| mean {self.deterministic_mean_error:.3g}"
+        if self.deterministic_pfp_var > 0:
+            text += f"; PFP variance up to {self.deterministic_pfp_var:.3g}, sampling gives 0"
+        return text
 
 
 @dataclass
@@ -70,6 +83,9 @@ class Diagnosis:
     num_inputs: int
     argmax_agreement: float  # PFP mean-logit argmax == argmax of the MC mean class probabilities
     output: dict[str, np.ndarray] = field(default_factory=dict)  # pfp_mean/var, mc_mean/var (logits)
+    #: like with like: the argmax of PFP's mean class probabilities (its logits' Gaussian sampled through the
+    #: softmax, :func:`sampled_head_probs`) == that of the MC mean probabilities
+    argmax_agreement_probs: float = float("nan")
 
     def table(self) -> str:
         """The per-layer figures as a fixed-width text table."""
@@ -77,11 +93,15 @@ class Diagnosis:
                 f"{'p10':>7} {'p90':>7}")
         lines = [head, "-" * len(head)]
         for r in self.layers:
+            if r.deterministic:
+                lines.append(f"{r.name:<24} {r.op:<11} {str(r.shape):<14} {r.describe_deterministic()}")
+                continue
             lines.append(f"{r.name:<24} {r.op:<11} {str(r.shape):<14} {r.mean_error:11.3f} {r.mean_error_p90:7.3f} "
                          f"{r.ratio_median:13.3f} {r.ratio_p10:7.3f} {r.ratio_p90:7.3f}")
         n = self.num_samples
-        lines.append(f"{n} MC samples, {self.num_inputs} inputs; argmax agreement "
-                     f"{100 * self.argmax_agreement:.1f} %; MC noise floor: mean err median ≈ "
+        lines.append(f"{n} MC samples, {self.num_inputs} inputs; argmax agreement with the MC mean probabilities: "
+                     f"PFP's mean probabilities (sampled head) {100 * self.argmax_agreement_probs:.1f} %, "
+                     f"PFP's mean logits {100 * self.argmax_agreement:.1f} %; MC noise floor: mean err median ≈ "
                      f"{0.67 / math.sqrt(n):.3f}, ratio sd ≈ {math.sqrt(2 / (n - 1)):.3f}")
         lines.append("mean err: median and p90 over elements of |PFP − MC| / MC sd, the sd floored at a tenth of "
                      "the layer's median sd (saturated units)")
@@ -113,6 +133,10 @@ class Diagnosis:
 
 
 class _Capture(torch.fx.Interpreter):
+    """Runs the traced program and records the value of every ``wanted`` node *as that node produced
+    it*: a copy, since a later in-place op (``out += identity``, ``h += x``, ``relu_``) writes into the
+    same tensor (or a view of it), and the layer's recorded output must not be what that op made of it."""
+
     def __init__(self, gm: torch.fx.GraphModule, wanted: set[str]) -> None:
         super().__init__(gm)
         self.wanted = wanted
@@ -121,7 +145,7 @@ class _Capture(torch.fx.Interpreter):
     def run_node(self, n: torch.fx.Node) -> Any:
         out = super().run_node(n)
         if n.name in self.wanted:
-            self.values[n.name] = out
+            self.values[n.name] = out.clone() if isinstance(out, torch.Tensor) else out
         return out
 
 
@@ -170,6 +194,17 @@ def model_and_guide(model: Any, guide: Any) -> tuple[Any, Any]:
     return model, guide
 
 
+def sampled_head_probs(mean: np.ndarray, var: np.ndarray, num_samples: int = 1000, seed: int = 0) -> np.ndarray:
+    """PFP's mean class probabilities: the logits' Gaussian ``N(mean, var)`` (independent classes) sampled
+    ``num_samples`` times through the softmax (as :func:`pyro2pfp.uncertainty.uncertainty` does) -- what is
+    compared with the sampled network's mean probabilities, like with like."""
+    z = np.random.default_rng(seed).standard_normal((num_samples, *mean.shape))
+    logits = mean[None] + np.sqrt(np.maximum(var, 0.0))[None] * z
+    logits -= logits.max(axis=-1, keepdims=True)
+    p = np.exp(logits)
+    return (p / p.sum(axis=-1, keepdims=True)).mean(axis=0)
+
+
 def random_elements(mc_mean: np.ndarray, mc_var: np.ndarray) -> np.ndarray:
     """The elements whose sampled variance is not zero up to rounding (the ones a ratio is taken of)."""
     return mc_var > 1e-12 * (mc_mean**2 + 1e-12)
@@ -181,7 +216,9 @@ def layer_fidelity(name: str, op: str, pfp_mean: np.ndarray, pfp_var: np.ndarray
     keep = random_elements(mc_mean, mc_var)
     if not keep.any():
         nan = float("nan")
-        return LayerFidelity(name, op, tuple(pfp_mean.shape[1:]), nan, nan, nan, nan, nan)
+        return LayerFidelity(name, op, tuple(pfp_mean.shape[1:]), nan, nan, nan, nan, nan, deterministic=True,
+                             deterministic_mean_error=float(np.max(np.abs(pfp_mean - mc_mean), initial=0.0)),
+                             deterministic_pfp_var=float(np.max(pfp_var, initial=0.0)))
     sd = np.sqrt(mc_var[keep])
     # A saturated unit's sampled sd is ~0: measure its mean error against a tenth of the layer's median sd.
     floor = SD_FLOOR * float(np.median(sd))
@@ -281,7 +318,10 @@ def _compare(net: Any, model: Any, guide: Any, x: Any, num_samples: int, seed: i
     out = values[net.plan.output]
     agreement = float("nan")
     output: dict[str, np.ndarray] = {"pfp_mean": out.mean, "pfp_var": out.variance()}
+    agreement_probs = float("nan")
     if out_node is not None:
         agreement = float(np.mean(out.mean.argmax(-1) == probs.mean.argmax(-1)))
-        output.update(mc_mean=stats[out_node].mean, mc_var=stats[out_node].var, mc_prob=probs.mean)
-    return Diagnosis(rows, num_samples, len(xs), agreement, output)
+        pfp_prob = sampled_head_probs(out.mean, out.variance())
+        agreement_probs = float(np.mean(pfp_prob.argmax(-1) == probs.mean.argmax(-1)))
+        output.update(mc_mean=stats[out_node].mean, mc_var=stats[out_node].var, mc_prob=probs.mean, pfp_prob=pfp_prob)
+    return Diagnosis(rows, num_samples, len(xs), agreement, output, agreement_probs)

@@ -137,16 +137,17 @@ class PlannedGraph:
     output: str
     calibration: float
     moment_form: str = "variance"
-    # Shared-factor PFP: a pyro2pfp.correlation.FactorPlan (set by pyro2pfp.correlation.with_correlation),
-    # None for mean-field PFP.  (Typed Any: the correlation package builds on this module.)
+    # A factor plan: pyro2pfp.correlation.FactorPlan (shared-factor PFP, set by
+    # pyro2pfp.correlation.with_correlation) or pyro2pfp.correlation.compact.CompactPlan; None for mean-field
+    # PFP.  Each has a ``scheme`` (its executor's key).  (Typed Any: the correlation package builds on this module.)
     factors: Any = None
     # A correlated guide's global factors (their loadings: the compute layers' weight_factors/bias_factors).
     guide_factors: GuideFactorInfo | None = None
 
     @property
     def correlation(self) -> str:
-        """``"shared-factor"`` or ``"mean-field"``: the scheme this plan is executed with."""
-        return "mean-field" if self.factors is None else "shared-factor"
+        """``"shared-factor"``, ``"compact-factor"`` or ``"mean-field"``: the scheme this plan is executed with."""
+        return "mean-field" if self.factors is None else str(self.factors.scheme)
 
     def repr_of(self, name: str) -> Repr:
         if name == INPUT:
@@ -169,7 +170,12 @@ class PlannedGraph:
         for p in self.layers:
             notes = []
             if is_compute_layer(p.op):
-                w = "weight variances" if "weight_var" in p.tensors else "E[w²] precomputed"
+                t = p.tensors
+                weight_var = t["weight_var"] if "weight_var" in t else t["weight_second_moment"] - t["weight_mean"] ** 2
+                if not np.any(weight_var):  # buffers, plain parameters, a collapsed posterior
+                    w = "deterministic weights"
+                else:
+                    w = "weight variances" if "weight_var" in p.tensors else "E[w²] precomputed"
                 w += {D: "", V: ", variance-input form", S: ", raw-moment form"}[p.in_reprs[0]]
                 b = ("no bias" if "bias_mean" not in p.tensors
                      else "probabilistic bias" if "bias_var" in p.tensors else "deterministic bias")
@@ -191,6 +197,8 @@ class PlannedGraph:
                      f"moment form '{self.moment_form}'")
         if self.factors is None:
             lines.append("correlation: mean-field (every element independent)")
+        elif self.factors.scheme != "shared-factor":
+            lines.append(f"correlation: {self.factors.scheme}: {self.factors.describe()}")
         else:
             lines.append(f"correlation: shared-factor (up to {self.factors.max_factors} factors per edge, "
                          f"{len(self.factors.offsets)} layers create factors, "

@@ -118,7 +118,7 @@ def guide_macs(layer: PlannedLayer, fp: FactorPlan, k_in: int, macs: int, size: 
     them) and the mean-field part removed from the variance (``|W|``); conv2d -- the pooled injection
     and the per-input filter ``G = Σ_f g·F_f`` (``2·|W|·k``), the profile ``conv(μ, G)`` (one
     convolution) and the mean shift (one convolution and ``|W|·k``)."""
-    wf = layer.tensors.get("weight_factors") if fp.guide else None
+    wf = layer.tensors.get("weight_factors") if getattr(fp, "guide", 0) else None
     if wf is None:
         return 0
     guide = int(wf.shape[-1])

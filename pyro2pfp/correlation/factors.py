@@ -13,6 +13,7 @@ import dataclasses
 import warnings
 from collections.abc import Collection
 from dataclasses import dataclass, field
+from typing import ClassVar
 
 import numpy as np
 
@@ -58,6 +59,8 @@ class FactorPlan:
     guide: int = 0
     #: whether every noisy compute layer creates its own block (False: their independent noise stays mean-field)
     own_blocks: bool = True
+    #: the executor's key (``reference.SCHEME_EXECUTORS``), beside the compact factor plan's
+    scheme: ClassVar[str] = "shared-factor"
 
     @property
     def max_factors(self) -> int:
@@ -122,6 +125,11 @@ def plan_factors(graph: PlannedGraph, hermite: Hermite | str = Hermite.FACTOR, c
             raise CorrelationError(f"{layer.layer.source}: op '{op}' has a shared-factor rule only as the "
                                    "network's output")
         has_in = any(width[n] > 0 for n in ins) and not spec.terminal
+        flat = [n for n in ins if spec.joins_rows and width[n] > 0 and rows[n] != graph.shape_of(n)[0]]
+        if flat:
+            raise CorrelationError(f"{layer.layer.source}: shared-factor PFP joins rows of unflattened edges only, "
+                                   f"not the flattened {flat[0]} {graph.shape_of(flat[0])} (rows of "
+                                   f"{group[flat[0]]} positions); concatenate before flattening")
         shape = layer.layer.out_shape
         if op == "reshape" and has_in:
             src = ins[0]
@@ -284,9 +292,9 @@ def choose(graph: PlannedGraph, correlation: Correlation | str, hermite: Hermite
     rule for a layer, or one that only the NumPy reference implements (the plan must compile and export)."""
     correlation = checked(Correlation, correlation)
     guide = guide_count(graph)
-    if correlation == "mean-field":
+    if correlation in ("mean-field", "compact-factor"):  # compact: planned after the pool rewrite (with_compact)
         if guide:
-            warnings.warn(f"correlation='mean-field': the guide's correlations between weights are dropped "
+            warnings.warn(f"correlation={str(correlation)!r}: the guide's correlations between weights are dropped "
                           f"({_guide_text(graph)}); only the marginal variances are used", stacklevel=4)
         return None
     reason = needs_shared_factors(graph)

@@ -42,6 +42,7 @@ from ..registry import (
     Contract,
     FactorSpec,
     OpDef,
+    compact_reference,
     register_op,
     shared_exporter,
     shared_reference,
@@ -509,3 +510,120 @@ def dense_shared_onnx(step: OnnxSharedStep, ctx: OnnxContext, layer: PlannedLaye
     g, norm = step.normalise(loading)
     s_out = step.clip(step.view_as(norm, o), var)
     return OnnxShared(s_out, g, k), OnnxActivation(out.mean, var, out.repr)
+
+
+# ------------------------------------------------------------------------------------ compact factor rules
+def _test_vectors(out_hw: tuple[int, ...], count: int) -> np.ndarray:
+    """``(P, count)``: the range finder's test vectors over a conv's output positions -- the uniform vector,
+    then the linear ramps along rows and columns (:func:`conv2d_compact`)."""
+    grids = np.meshgrid(*[np.linspace(-1.0, 1.0, n) if n > 1 else np.zeros(1) for n in out_hw], indexing="ij")
+    vectors = [np.ones(int(np.prod(out_hw)))] + [g.ravel() for g in grids]
+    if count > len(vectors):
+        raise ValueError(f"at most {len(vectors)} weight directions per channel, not {count}")
+    return np.stack(vectors[:count], axis=1)
+
+
+def conv_block_factors(layer: PlannedLayer, mean_in: np.ndarray, directions: int) -> np.ndarray:
+    """``(B, O, P, R)``: the conv's own weight and bias noise as ``R = directions`` factors per output channel.
+
+    Channel ``o``'s weight and bias noise at the input mean is ``n[o, p] = Σ_j A_o[p, j]·ξ_j`` with
+    ``A_o[p, j] = √V[o, j]·μ_j(p)`` (``j`` over input channels and kernel offsets, ``μ_j(p)`` the input
+    mean under tap ``j`` at output position ``p``, ``ξ`` independent standard normals) and the bias as one
+    more tap whose input is 1 at every position (``√v_b``).  Its covariance over positions is
+    ``A_o·A_oᵀ``.  For orthonormal directions ``e_1 … e_R`` in ``ξ``-space the factors ``ζ_r = e_rᵀξ`` are
+    independent standard normals with loadings ``L[o, p, r] = (A_o·e_r)[p]``; what they leave,
+    ``A_o(I − E·Eᵀ)A_oᵀ``, is positive semi-definite and kept as each element's independent residual.
+    The directions are the range finder of ``A_oᵀ`` (Halko, Martinsson & Tropp 2011, "Finding structure
+    with randomness", SIAM Review 53(2), Alg. 4.1) with deterministic test vectors ``Ω`` over the
+    positions, ``E = orth(A_oᵀ·Ω)``, ``A_oᵀ·Ω = √V ⊙ (input views pooled with Ω)``: first the uniform
+    vector, whose direction keeps the variance of the channel's spatial sum -- bias included -- exactly
+    (``1ᵀ·L·Lᵀ·1 = 1ᵀ·A_o·A_oᵀ·1``: the noise a dense layer reading all positions with similar weights
+    sees), then the linear ramps along rows and columns.  Cost: one convolution of the input mean with
+    per-input weights per direction."""
+    wm, wv = layer.tensors["weight_mean"], weight_var(layer.tensors)
+    o, c, kh, kw = wm.shape
+    b = mean_in.shape[0]
+    out_hw = tuple(layer.layer.out_shape[1:])
+    views = np.concatenate([np.stack([v.reshape(b, c, -1) for v in _conv_views(mean_in, layer, (kh, kw))],
+                                     axis=2).reshape(b, c * kh * kw, -1),
+                            np.ones((b, 1, int(np.prod(out_hw))))], axis=1)            # (B, D + 1, P)
+    bias = layer.tensors.get("bias_var")
+    root = np.sqrt(np.concatenate([wv.reshape(o, -1), (bias if bias is not None else np.zeros(o))[:, None]],
+                                  axis=1))[None, :, :, None]                            # (1, O, D + 1, 1)
+    pooled = (views @ _test_vectors(out_hw, directions))[:, None]                      # (B, 1, D + 1, R)
+    q, _ = np.linalg.qr(root * pooled)                                                  # orthonormal columns
+    return np.einsum("bdp,bodr->bopr", views, root * q)
+
+
+@compact_reference("conv2d")
+def conv2d_compact(layer: PlannedLayer, inputs: list[Activation], loads: list[Any], plan: Any,
+                   mean: np.ndarray, var: np.ndarray) -> tuple[Any, np.ndarray, np.ndarray]:
+    """The conv2d rule of the compact factor plan (:mod:`pyro2pfp.correlation.compact`).
+
+    The input's loadings pass through the mean weights (exact for a linear map): a global column is
+    convolved with ``W``; a block column of input channel ``c`` with ``W[:, c]`` (it then loads every
+    output channel: a global column).  The output variance takes their coherent sum in place of the
+    mean-field one: ``v += ‖L_out‖² − conv(‖L_in‖², W²)``.  A conv of the plan's ``directions`` adds its
+    own weight noise as block factors (:func:`conv_block_factors`).  The mean is not changed."""
+    from ..correlation.compact import Loadings
+
+    x, ld = inputs[0], loads[0]
+    a = layer.layer.attrs
+    wm = layer.tensors["weight_mean"]
+    o = wm.shape[0]
+    b = mean.shape[0]
+    in_shape = x.mean.shape
+    out = Loadings()
+
+    def through(t: np.ndarray, w: np.ndarray) -> np.ndarray:  # (B, C, H, W, k) -> (B, O·P_out, k)
+        k = t.shape[-1]
+        moved = np.moveaxis(t, -1, 1).reshape(b * k, *t.shape[1:-1])
+        res = conv2d_nchw(moved, w, a["stride"], a["padding"], a["dilation"], 1)
+        return np.moveaxis(res.reshape(b, k, o, -1), 1, -1).reshape(b, -1, k)
+
+    if ld is not None:
+        for key, g in ld.glob.items():
+            out.glob[key] = through(g.reshape(*in_shape, -1), wm)
+        for key, blk in ld.block.items():
+            c, r = blk.shape[1], blk.shape[3]
+            cols = [through(blk[:, ch].reshape(b, 1, *in_shape[2:], r), wm[:, ch:ch + 1]) for ch in range(c)]
+            out.glob[key] = np.concatenate(cols, axis=2)
+        explained_in = ld.squared(b, int(np.prod(in_shape[1:]))).reshape(in_shape)
+        var = var + out.squared(b, int(np.prod(var.shape[1:]))).reshape(var.shape) \
+            - conv2d_nchw(explained_in, wm**2, a["stride"], a["padding"], a["dilation"], 1)
+        var = np.maximum(var, 0.0)
+    if layer.name in plan.directions:
+        out.block[layer.name] = conv_block_factors(layer, x.mean, plan.directions[layer.name])
+    return (None if out.empty() else out), mean, var
+
+
+@compact_reference("dense")
+def dense_compact(layer: PlannedLayer, inputs: list[Activation], loads: list[Any], plan: Any,
+                  mean: np.ndarray, var: np.ndarray) -> tuple[Any, np.ndarray, np.ndarray]:
+    """The dense rule of the compact factor plan (:mod:`pyro2pfp.correlation.compact`).
+
+    Output loadings ``ℓ = W·L`` (a block column of channel ``c`` through the weights of its ``P``
+    elements only, then global); variance ``v_out = v_mf + ‖ℓ‖² − W²·‖L‖²`` (the inputs' shared noise
+    summed coherently in place of independently: exact for the linear map).  A dense layer of the plan's
+    ``residual`` makes its input's residual ``r = v − ‖L‖²`` one factor per input element,
+    ``ℓ[j, i] = W[j, i]·√r_i``: exact, since an input element's independent noise is shared by every unit
+    that reads it (mean-field keeps only its diagonal, ``W²·r``, which this leaves unchanged)."""
+    from ..correlation.compact import Loadings, flat
+
+    x, ld = inputs[0], loads[0]
+    wm = layer.tensors["weight_mean"]
+    b, j = mean.shape[0], wm.shape[0]
+    out = Loadings()
+    explained = np.zeros((b, wm.shape[1]))
+    if ld is not None:
+        for key, g in ld.glob.items():
+            out.glob[key] = np.einsum("ji,bik->bjk", wm, g)
+        for key, blk in ld.block.items():
+            c, p, r = blk.shape[1:]
+            out.glob[key] = np.einsum("jcp,bcpr->bjcr", wm.reshape(j, c, p), blk).reshape(b, j, c * r)
+        explained = ld.squared(b, wm.shape[1])
+        var = np.maximum(var + out.squared(b, j) - explained @ (wm**2).T, 0.0)
+    if layer.name in plan.residual:
+        resid = np.maximum(flat(x.variance()) - explained, 0.0)
+        out.glob[layer.name] = wm[None] * np.sqrt(resid)[:, None, :]
+    return (None if out.empty() else out), mean, var
