@@ -166,11 +166,12 @@ def assert_float32_close(got: tuple, ref: tuple, x: np.ndarray, x_var: np.ndarra
     assert err_v.max() <= 1, (err_v.max(), np.unravel_index(err_v.argmax(), err_v.shape))
 
 
-@pytest.mark.slow
 @covers(*NEW_OPS, kind=COMPILED)
 @pytest.mark.parametrize("op", NEW_OPS)
 def test_compiled_and_onnx_match_the_reference(op):
-    """One compile per op: Gaussian inputs incl. zero/tiny variances and huge means (moment path)."""
+    """One compile per op: Gaussian inputs incl. zero/tiny variances and huge means (moment path).  In
+    the fast loop: the build of each op's moment kernel is the cost (about 1-10 s of CPU each; their
+    quadrature rules make large kernels), and nothing cheaper checks what the kernel computes."""
     attrs = {"softplus": {"beta": 2.0}, "elu": {"alpha": 0.5}, "hardtanh": {"lo": -2.0, "hi": 3.0},
              "gelu": {"approximate": "none"}}.get(op, {})
     rng = np.random.default_rng(3)

@@ -343,6 +343,25 @@ def test_compiled_and_onnx_equal_the_reference(moment_form):
             np.testing.assert_allclose(o, r, rtol=2e-4, atol=2e-5 * np.abs(r).max())
 
 
+@covers("window_cov", kind=COMPILED)
+@pytest.mark.parametrize("case", [CASES[3], CASES[2]], ids=["3x3-2-pad1", "strided-conv-ceil"])
+def test_window_cov_small_network_compiled_matches_reference(case):
+    """One small correlated pool per window form in the fast loop (the back-end test above is slow): a
+    random-input conv → an overlapping, padded 3×3/2/1 max pool (36 pairs of taps per window), and a
+    strided conv → a 2×2 ceil-mode pool; the compiled pool's moments equal the reference's, which
+    read the in-window covariances."""
+    rng = np.random.default_rng(12)
+    g = correlate_max_pools(small_graph(rng, case))
+    assert [layer.op for layer in g.layers] == ["conv2d", "window_cov", "max_pool2d"]
+    net = PFPNetwork(g, plan(g))
+    cin, image = case[0][0], case[2]
+    x = rng.normal(size=(2, cin, image, image)).astype(np.float32)
+    x_var = rng.uniform(0.1, 1.0, x.shape).astype(np.float32)
+    ref = net.reference(x, x_var)
+    for r, o in zip(ref, net.compile("llvm")(x, x_var)):
+        np.testing.assert_allclose(o, r, rtol=2e-4, atol=2e-5 * np.abs(r).max())
+
+
 def test_caveats_name_the_pools_the_rule_does_not_cover():
     from pyro2pfp.correlated_pools import pool_caveats
 
