@@ -79,7 +79,7 @@ def apply(copy: Path, b: Breakage) -> str:
 def pytest(copy: Path, env: dict[str, str], paths: list[str], log: Path) -> tuple[int, str | None]:
     """Run the fast loop on ``paths`` in the copy, stopping at the first failure: (exit status, the
     first failed test's id)."""
-    cmd = [sys.executable, "-m", "pytest", "-x", "-q", "-m", FAST, "-p", "no:cacheprovider", "-p", "no:xdist",
+    cmd = [sys.executable, "-m", "pytest", "-x", "-q", "-m", FAST, "-p", "no:cacheprovider",
            "--ignore=tests/breakage", "--durations=0", "--durations-min=1000000", *paths]
     with log.open("w") as f:
         try:

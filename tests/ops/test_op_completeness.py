@@ -29,11 +29,17 @@ TEST_MODULES = tuple(sorted(
 TEST_KINDS = {"monte_carlo": MONTE_CARLO, "compiled": COMPILED}
 
 
+def import_test_modules() -> None:
+    """Import every test module: their ``@covers`` fill COVERAGE (also where pytest collected only some,
+    as on one xdist worker)."""
+    for name in TEST_MODULES:
+        importlib.import_module(name)
+
+
 def missing_parts() -> list[str]:
     from pyro2pfp.tvm_backend import KERNELS, SCHEDULES
 
-    for name in TEST_MODULES:
-        importlib.import_module(name)
+    import_test_modules()
     missing = []
     for name, op in sorted(OPS.items()):
         parts = {
@@ -69,6 +75,7 @@ def test_a_compiled_check_only_in_slow_tests_is_reported(monkeypatch):
     the fast one the op needs."""
     from tests.support import op_coverage
 
+    import_test_modules()
     slow_only = [fn for fn in op_coverage.COVERING["dense", COMPILED] if not op_coverage.runs_in_fast_loop(fn)]
     assert slow_only, "dense keeps its slow hypothesis sweep"
     monkeypatch.setitem(op_coverage.COVERING, ("dense", COMPILED), slow_only)
