@@ -49,7 +49,10 @@ def environment(copy: Path, scratch: Path) -> dict[str, str]:
     env = dict(os.environ)
     env["PYTHONPATH"] = os.pathsep.join([str(copy), *filter(None, [os.environ.get("PYTHONPATH")])])
     env["PYTHONDONTWRITEBYTECODE"] = "1"  # the broken and restored files are compiled afresh
-    env["PYRO2PFP_CACHE"] = str(scratch / "cache")  # tuned schedules and compiled kernels: none from the checkout
+    # tuned schedules and compiled kernels: none from the checkout's runs (the kernel cache is keyed on the
+    # kernel as emitted and the back end's source, so the breakages share one without reading stale code)
+    env["PYRO2PFP_CACHE"] = str(scratch / "cache")
+    env["PYRO2PFP_KERNEL_CACHE"] = str(scratch / "kernel-cache")
     env["XDG_CACHE_HOME"] = str(scratch / "xdg-cache")
     env.pop("PYTEST_ADDOPTS", None)
     return env
