@@ -24,6 +24,7 @@ from pyro2pfp.tvm_backend import emit_module
 from pyro2pfp.tvm_backend.ops.pooling import POOL_REGISTER_TILE
 from pyro2pfp.tvm_backend.schedules import schedule_module, simd_lanes
 from tests.support.builders import lenet_graph
+from tests.support.op_coverage import COMPILED, covers
 
 RTOL = 2e-5
 TARGETS = {
@@ -178,6 +179,7 @@ def general_graph(in_shape, k, s, pad, ceil, variance: bool = True) -> LayerGrap
     return LayerGraph(in_shape, [layer], "p", input_variance=variance)
 
 
+@covers("max_pool2d", kind=COMPILED)
 @pytest.mark.parametrize("case", GENERAL, ids=["pad", "overhang", "overlap"])
 def test_general_max_pool_matches_reference(case):
     """Windows with padding, overhang or overlap take the reduction path (no deinterleaving copy) and
