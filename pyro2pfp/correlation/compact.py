@@ -228,6 +228,29 @@ def with_compact(graph: PlannedGraph, correlation: str) -> PlannedGraph:
     return graph
 
 
+def auto_compact(graph: PlannedGraph) -> tuple[CompactPlan | None, str]:
+    """What ``correlation="auto"`` does for a network whose dense layers sum the positions of conv channels that
+    share their weights' noise (conv → pool → flatten → dense; mean-field drops that correlation and the
+    shared-factor plan carries hundreds of dense factors through the head): the compact factor plan
+    (:func:`plan_compact`) when it carries factors and its multiply-adds stay within :data:`COST_BUDGET` times
+    the mean-field plan's (:func:`compact_macs`), with the reason in its ``note`` (the plan printout); else
+    ``(None, why not)``."""
+    try:
+        cp = plan_compact(graph)
+    except CorrelationError as exc:
+        return None, f"the compact factor plan has no rule for a layer here ({exc})"
+    if not cp.directions and not cp.residual:
+        return None, "the compact factor plan would carry no factors here" + (f" ({cp.note})" if cp.note else "")
+    base = mean_field_macs(graph)
+    ratio = (base + compact_macs(graph, cp)) / max(base, 1)
+    if ratio > COST_BUDGET:
+        return None, (f"the compact factor plan would cost x{ratio:.2f} the mean-field multiply-adds, over the "
+                      f"budget x{COST_BUDGET}")
+    why = (f"chosen by correlation='auto': dense layers sum positions of conv channels that share their weights' "
+           f"noise; x{ratio:.2f} the mean-field multiply-adds (budget x{COST_BUDGET})")
+    return dataclasses.replace(cp, note="; ".join(n for n in (cp.note, why) if n)), why
+
+
 def execute_compact_all(graph: PlannedGraph, x: np.ndarray, plan: CompactPlan | None = None, *,
                         keep: dict[str, Loadings | None] | None = None) -> dict[str, Activation]:
     """Run ``graph`` in float64 with the compact factor plan; every layer's activation by name.
@@ -330,4 +353,4 @@ def compact_macs(graph: PlannedGraph, plan: CompactPlan | None = None) -> int:
     return total
 
 
-__all__: list[Any] = ["CompactPlan", "Loadings", "compact_macs", "execute_compact_all", "plan_compact", "with_compact"]
+__all__: list[Any] = ["CompactPlan", "Loadings", "auto_compact", "compact_macs", "execute_compact_all", "plan_compact", "with_compact"]

@@ -156,9 +156,11 @@ def elements_of(layer: PlannedLayer) -> int:
 
 def full(bk: Any, value: Any, like: Any) -> Any:
     """``value`` as a tensor of ``like``'s shape (a scalar constant broadcast; a tensor as it is)."""
-    symbolic = hasattr(value, "nary")
-    scalar = getattr(value, "value", None) is not None if symbolic else np.ndim(value) == 0
-    return value + bk.zeros_like(like) if scalar else value
+    if isinstance(value, (int, float, np.number)) or (isinstance(value, np.ndarray) and value.ndim == 0):
+        return bk.ops.const(float(value)) + bk.zeros_like(like)
+    if getattr(value, "value", None) is not None:  # a folded ONNX scalar constant
+        return value + bk.zeros_like(like)
+    return value
 
 
 def stein(bk: Any, layer: PlannedLayer, x: Any, ld: Loadings) -> Loadings:

@@ -170,7 +170,7 @@ def dense_compact(bk: Any, layer: PlannedLayer, inputs: list[Any], loads: list[A
     out = Loadings()
     explained = None
     if ld is not None:
-        w = bk.tensor(wm, "weight_mean")
+        w = bk.tensor(wm, "weight_mean") if ld.glob else None
         for key, g in ld.glob.items():
             out.glob[key], out.glob_width[key] = bk.einsum("ji,bik->bjk", w, g), ld.glob_width[key]
         for key, blk in ld.block.items():
