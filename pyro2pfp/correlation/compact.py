@@ -353,4 +353,5 @@ def compact_macs(graph: PlannedGraph, plan: CompactPlan | None = None) -> int:
     return total
 
 
-__all__: list[Any] = ["CompactPlan", "Loadings", "auto_compact", "compact_macs", "execute_compact_all", "plan_compact", "with_compact"]
+__all__: list[Any] = ["CompactPlan", "Loadings", "auto_compact", "compact_macs", "execute_compact_all", "plan_compact",
+                        "with_compact"]
