@@ -23,6 +23,7 @@ from ._version import __version__ as __version__
 from .deploy import load
 from .errors import (
     ArgumentError,
+    FidelityError,
     FidelityWarning,
     InputShapeError,
     InternalError,
@@ -106,5 +107,5 @@ __all__ = ["convert", "load", "PFPNetwork", "Repr", "PFPError", "UnsupportedLaye
            "InputShapeError", "TracingError", "NumericalError", "LoadError", "LibraryNotFoundError",
            "ArgumentError", "RemoteError", "TuningError", "InternalError", "uncertainty",
            "uncertainty_from_logit_samples", "predictive_uncertainty", "auroc", "calibrate", "set_num_threads",
-           "diagnose", "Diagnosis", "PFPWarning", "FidelityWarning", "Correlation", "SharedFactor", "MomentForm",
-           "MaxPool", "Head", "Hermite", "Injection"]
+           "diagnose", "Diagnosis", "PFPWarning", "FidelityError", "FidelityWarning", "Correlation", "SharedFactor",
+           "MomentForm", "MaxPool", "Head", "Hermite", "Injection"]

@@ -53,6 +53,13 @@ class RemoteError(PFPError, RuntimeError):
     asked for, or did not answer within the session timeout."""
 
 
+class FidelityError(PFPError):
+    """The converted network is grossly unlike what the trained model computes: its parameters differ from
+    the param store's, or its output moments are further from sampling the guide than the spot check's
+    sample count can explain (``convert(..., check=False)`` skips the spot check; the message names the first
+    layer that departs and the figures)."""
+
+
 class PFPWarning(UserWarning):
     """Base class of the warnings pyro2pfp issues about a converted network (filter them with
     ``warnings.simplefilter(..., pyro2pfp.PFPWarning)``)."""

@@ -45,6 +45,10 @@ class GaussianParam:
     mean: np.ndarray
     var: np.ndarray
     site: str | None = None  # the Pyro sample site it came from; None for a deterministic parameter
+    # A deterministic parameter the param store holds: its name there (the values are the store's) and
+    # whether the user's module object held other values (a module that is stale in a fresh process).
+    store: str | None = None
+    stale: bool = False
 
     def __post_init__(self) -> None:
         if self.mean.shape != self.var.shape:

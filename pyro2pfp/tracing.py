@@ -27,8 +27,6 @@ import torch
 import torch.fx
 from pyro.nn import PyroModule
 from pyro.nn.module import _make_name
-from pyro.poutine.messenger import Messenger
-from pyro.poutine.subsample_messenger import _Subsample
 
 from . import ops as _ops  # noqa: F401  (registers the converters that _check_supported_ops consults)
 from . import random_module, trace_forms
@@ -37,11 +35,13 @@ from .errors import PosteriorError, TracingError, UnsupportedLayerError
 from .graph import GaussianParam
 from .model_args import TracedArgs
 from .model_checks import check_has_forward, checked_input_shape, modules_of_function, warn_train_mode
+from .model_output import LikelihoodSites, network_output
 from .noise import HeteroscedasticNoise, NoiseModel, NoNoiseModel, find_noise, read_head, scale_depends_on_input
-from .output_chain import check_output, network_output_of, trailing_chain_nodes
+from .output_chain import check_output, trailing_chain_nodes
 from .posterior import ModelArgs, SiteReading, call_failure, call_with_model_args, read_posterior, unwrap_independent
 from .posterior.readers import padded_parameters
-from .preserve import module_changes_undone
+from .posterior.registrations import registered_parameters, take_store_values
+from .preserve import module_changes_undone, reachable_modules
 from .site_matching import check_all_matched, guide_name, require_weight_posterior
 from .trace_passes import (
     compute_ops,
@@ -52,6 +52,7 @@ from .trace_passes import (
     used_parameters,
     user_line,
 )
+from .tracing_guard import check_against_model, check_store_values, store_names
 
 _WRAPPER_PREFIX = "model."
 
@@ -81,39 +82,6 @@ class TracedModel:
         """Whether the network's output is the mean (and scale) of a Normal likelihood (a regression),
         so that e.g. a final sigmoid is the mean's activation, not Bernoulli probabilities."""
         return self.tyxe_gaussian_likelihood or isinstance(self.noise, NoiseModel | HeteroscedasticNoise)
-
-
-def _likelihood_mean(fn: Any) -> torch.Tensor:
-    """What a model that returns its likelihood's sample is taken to return: the ``loc`` (the
-    network output) of a Normal-like likelihood, else a placeholder."""
-    loc = getattr(unwrap_independent(fn), "loc", None)
-    return loc if isinstance(loc, torch.Tensor) else torch.zeros(())
-
-
-class _ModelSites(Messenger):
-    """While the deterministic copy is exported: a latent sample site the guide has a posterior for
-    returns the wrapper's parameter holding its posterior mean (so the graph names it, and whether
-    it flows into the output shows); every other non-plate ``pyro.sample`` (the likelihood) is a
-    no-op returning its observed value or the mean that feeds it."""
-
-    def __init__(self, wrapper: _Wrapper) -> None:
-        super().__init__()
-        self.wrapper = wrapper
-
-    def _pyro_sample(self, msg: dict) -> None:
-        if isinstance(msg["fn"], _Subsample):  # plates must keep working
-            return
-        key = self.wrapper.site_keys.get(msg["name"])
-        if key is not None and not msg["is_observed"]:
-            self.wrapper.seen_sites.add(msg["name"])
-            msg["value"] = self.wrapper.functional[key]
-        else:
-            self.wrapper.likelihoods.append((msg["name"], msg["fn"]))
-            if msg["value"] is None:
-                msg["value"] = _likelihood_mean(msg["fn"])
-                self.wrapper.placeholders.append(id(msg["value"]))
-        msg["done"] = True
-        msg["stop"] = True
 
 
 def _module_call(self: torch.nn.Module, *args: Any, **kwargs: Any) -> Any:
@@ -222,9 +190,6 @@ class _Wrapper(torch.nn.Module):
         self.seen_sites: set[str] = set()
         self.lifted = torch.nn.ModuleDict()  # deterministic copies of pyro.random_module nets
         self.lifted_names: list[str] = []
-        # The non-latent sample sites of the last run (the likelihood): [(name, distribution)].
-        self.likelihoods: list[tuple[str, Any]] = []
-        self.placeholders: list[int] = []  # ids of the values the likelihood sites returned (no observation)
         # Heteroscedastic head: also return the Normal likelihood's loc and scale, so the graph shows
         # where they are read from (pyro2pfp.noise.read_head).
         self.probe_head = False
@@ -232,20 +197,23 @@ class _Wrapper(torch.nn.Module):
         self.head_site: set[str] = set()
         self.traced_args: TracedArgs | None = None  # the model's further arguments (convert's example_args)
 
+    def _latent(self, msg: dict) -> torch.Tensor | None:
+        """A latent site the guide has a posterior for returns the parameter holding its posterior mean (so
+        the graph names it, and whether it flows into the output shows)."""
+        key = self.site_keys.get(msg["name"])
+        if key is None:
+            return None
+        self.seen_sites.add(msg["name"])
+        return self.functional[key]
+
     def forward(self, x: torch.Tensor, batched: tuple = ()) -> Any:
-        self.likelihoods, self.placeholders = [], []
         args = self.traced_args.call(x, batched) if self.traced_args is not None else (x,)
-        with _ModelSites(self):
-            out = call_with_model_args(self.model, args)
-        if out is None or id(out) in self.placeholders:
-            # The model returns nothing (or its likelihood's sample): the network output is what the
-            # likelihood is built from (Categorical(logits=...), Bernoulli(probs=...), Normal(loc, ...)).
-            built_from = [t for t in (network_output_of(fn) for _, fn in self.likelihoods) if t is not None]
-            if len(built_from) == 1:
-                out = built_from[0]
+        sites = LikelihoodSites(self._latent)
+        with sites:
+            out = network_output(call_with_model_args(self.model, args), sites)
         if not self.probe_head:
             return out
-        normals = [(name, unwrap_independent(fn)) for name, fn in self.likelihoods]
+        normals = [(name, unwrap_independent(fn)) for name, fn in sites.likelihoods]
         normals = [(name, fn) for name, fn in normals if isinstance(fn, torch.distributions.Normal)]
         if len(normals) != 1:
             raise TracingError(f"the likelihood's scale depends on the input, but the model has {len(normals)} "
@@ -414,23 +382,28 @@ def _split_pyro_samples(program: torch.export.ExportedProgram, pyro_sample_sites
     return unused
 
 
+def _random_module_nets(model: Any, example: ModelArgs) -> dict[str, torch.nn.Module]:
+    """``{name: net}`` of the ``pyro.random_module(name, net, ...)`` calls of a model function."""
+    if isinstance(model, torch.nn.Module):
+        return {}
+    try:
+        return random_module.lifted_modules(model, lambda fn: call_with_model_args(fn, example))
+    except Exception as exc:  # the model function's own error
+        raise TracingError(f"running the model {_user_model_name(model)} failed: "
+                           f"{call_failure(model, example, exc)}") from exc
+
+
 def _build_wrapper(model: Any, readings: dict[str, SiteReading], weights: dict[str, GaussianParam],
-                   example: ModelArgs) -> tuple[_Wrapper, dict[str, str]]:
+                   lifted: dict[str, torch.nn.Module]) -> tuple[_Wrapper, dict[str, str]]:
     """The module to export: the deterministic copy (posterior means), a parameter per site sampled in
-    ``forward``, a deterministic copy per ``pyro.random_module`` net.  Also ``{parameter path: site}``
-    of the random modules' parameters."""
+    ``forward``, a deterministic copy per ``pyro.random_module`` net (``lifted``).  Also ``{parameter path:
+    site}`` of the random modules' parameters."""
     pyro_sample_sites = {p.site for p in weights.values() if p.site is not None}
     if isinstance(model, torch.nn.Module):
         det = _deterministic_copy(model, {path: torch.as_tensor(p.mean, dtype=torch.float32)
                                           for path, p in weights.items()})
-        lifted: dict[str, torch.nn.Module] = {}
     else:
         det = model
-        try:
-            lifted = random_module.lifted_modules(model, lambda fn: call_with_model_args(fn, example))
-        except Exception as exc:  # the model function's own error
-            raise TracingError(f"running the model {_user_model_name(model)} failed: "
-                               f"{call_failure(model, example, exc)}") from exc
     lifted_paths = {f"lifted.m{i}.{path}": f"{name}{random_module.SEPARATOR}{path}"
                     for i, (name, module) in enumerate(lifted.items()) for path, _ in module.named_parameters()}
     lifted_means = {site: torch.as_tensor(readings[site].mean, dtype=torch.float32)
@@ -488,6 +461,8 @@ def trace_model(model: Any, guide: Any, input_shape: tuple[int, ...] | None, *,
     input_shape = checked_input_shape(model, input_shape)
     model_name = getattr(model, "__name__", type(model).__name__)
     warn_train_mode(model)
+    for module in reachable_modules(model, guide):  # every run below in eval mode (convert restores the modes):
+        module.eval()  # converted semantics, and running statistics that no run of the model updates
     if example is None:
         example = ModelArgs((_example_input(input_shape),))
     pyro_sample_sites = sample_sites(model) if isinstance(model, torch.nn.Module) else {}
@@ -498,8 +473,13 @@ def trace_model(model: Any, guide: Any, input_shape: tuple[int, ...] | None, *,
     if lifted is not None:  # the net a pyro.random_module model lifts (or a module holding it) as the model
         model = random_module.lifting_model(lifted[0], model, lifted[1])
     params = _pyro_sample_weights(model, readings, guide)
+    nets = _random_module_nets(model, example)
+    # The param store holds the deterministic parameters too: the user's modules take its values (restored
+    # by convert), so the deterministic copy, the lifted nets and a model function's modules compute with them.
+    registrations = registered_parameters(model, guide, example, reachable_modules(model, guide), nets, readings)
+    take_store_values(registrations)
 
-    wrapper, lifted_paths = _build_wrapper(model, readings, params, example)
+    wrapper, lifted_paths = _build_wrapper(model, readings, params, nets)
     wrapper.traced_args = TracedArgs(example)
     wrapper.probe_head = scale_depends_on_input(model, guide, input_shape, wrapper.traced_args.at)
     with random_module.replaced_random_modules(
@@ -511,6 +491,14 @@ def trace_model(model: Any, guide: Any, input_shape: tuple[int, ...] | None, *,
             check_output(program, model, extra_names)
             _check_supported_ops(program, model_name)
         _check_batch_independent(program, wrapper, input_shape)
+    x = wrapper.traced_args.inputs(2)[0] if example.given else \
+        torch.randn((2, *input_shape), generator=torch.Generator().manual_seed(0))
+    means = {**{site: wrapper.functional[key].detach() for site, key in wrapper.site_keys.items()},
+             **{p.site: torch.as_tensor(p.mean, dtype=torch.float32) for p in params.values() if p.site is not None},
+             **{site: torch.as_tensor(readings[site].mean, dtype=torch.float32) for site in lifted_paths.values()
+                if site in readings and readings[site].mean is not None}}
+    check_against_model(program, model, wrapper.traced_args.at(x), wrapper.traced_args.inputs_at(x), means,
+                        _user_model_name(model))
     head = _end_at_head(program, next(iter(wrapper.head_site))) if wrapper.probe_head else None
     if head is not None:
         check_output(program, model, extra_names)
@@ -531,11 +519,17 @@ def trace_model(model: Any, guide: Any, input_shape: tuple[int, ...] | None, *,
         params[path] = GaussianParam(reading.mean, reading.var, site=site)
     _warn_moment_matched(params, readings)
 
+    traced_paths = [name.removeprefix(_WRAPPER_PREFIX) for name, _ in program.named_parameters()]
+    in_store = store_names(model, registrations, nets, traced_paths)
     for name, param in program.named_parameters():
         path = name.removeprefix(_WRAPPER_PREFIX)
         if path not in params and not path.startswith("functional."):
             arr = param.detach().to(torch.float64).numpy().copy()
-            params[path] = GaussianParam(arr, np.zeros_like(arr))
+            reg = in_store.get(path)
+            params[path] = GaussianParam(arr, np.zeros_like(arr), store=reg.name if reg else None,
+                                         stale=bool(reg and reg.stale))
+    check_store_values({path: params[path].mean for path in in_store if path in params and params[path].site is None},
+                       in_store)
     for name, buffer in program.named_buffers():
         path = name.removeprefix(_WRAPPER_PREFIX)
         arr = buffer.detach().to(torch.float64).numpy().copy()
