@@ -327,11 +327,17 @@ def convert(model: Any, guide: Any = None, *, input_shape: tuple[int, ...] | Non
                     warnings.warn(f"{note}. Measure it with convert(..., check=x) or pyro2pfp.diagnose.",
                                   PFPWarning, stacklevel=3)
             net = PFPNetwork(layer_graph, planned, nonweight_sites=traced.nonweight_sites, noise=noise)
-            if check is not None:
+            if check is None or check is True:
+                from .fidelity import spot_check
+
+                stage = "checking the network against samples of the guide (the spot check)"
+                if not net.input_variance:
+                    net.fidelity = spot_check(net, model, guide, traced=traced, args=example)
+            elif check is not False:
                 from .fidelity import check_fidelity
 
                 stage = "checking the network against sampling"
-                net.fidelity = check_fidelity(net, model, guide, check)
+                net.fidelity = check_fidelity(net, model, guide, check, traced=traced, args=example)
             return net
         except (PFPError, Warning):  # a Warning: the user's warnings filter made one an error
             raise

@@ -17,6 +17,7 @@ from __future__ import annotations
 import copy
 import difflib
 import functools
+import re
 import warnings
 from dataclasses import dataclass, field
 from typing import Any
@@ -34,23 +35,26 @@ from .converters import CONVERTERS, unsupported_message
 from .errors import PosteriorError, TracingError, UnsupportedLayerError
 from .graph import GaussianParam
 from .model_args import TracedArgs
-from .model_checks import check_has_forward, checked_input_shape, modules_of_function, warn_train_mode
+from .model_checks import check_has_forward, checked_input_shape, first_linear, modules_of_function, warn_train_mode
 from .model_output import LikelihoodSites, network_output
 from .noise import HeteroscedasticNoise, NoiseModel, NoNoiseModel, find_noise, read_head, scale_depends_on_input
 from .output_chain import check_output, trailing_chain_nodes
+from .param_expressions import input_dependent
 from .posterior import ModelArgs, SiteReading, call_failure, call_with_model_args, read_posterior, unwrap_independent
 from .posterior.readers import padded_parameters
-from .posterior.registrations import registered_parameters, take_store_values
+from .posterior.registrations import Registration, module_tensors, registered_parameters, take_store_values
 from .preserve import module_changes_undone, reachable_modules
 from .site_matching import check_all_matched, guide_name, require_weight_posterior
 from .trace_passes import (
     compute_ops,
     fold_identity_broadcasts,
+    fold_output_broadcast,
     repair_users,
     tensor_ops,
     torch_module,
     used_parameters,
     user_line,
+    user_source,
 )
 from .tracing_guard import check_against_model, check_store_values, store_names
 
@@ -77,6 +81,11 @@ class TracedModel:
     tyxe_gaussian_likelihood: bool = False
     # The graph's inputs after the network input (batched example arguments), named for messages.
     extra_inputs: list[str] = field(default_factory=list)
+    # How the program calls the model: its inputs for another input batch (TracedArgs.inputs_at).
+    traced_args: TracedArgs | None = None
+    # The program's floating-point tensor constants (a model function's modules' parameters and buffers), by
+    # constant name, deterministic (with the param store's name where the store holds them).
+    constants: dict[str, GaussianParam] = field(default_factory=dict)
 
     def regression(self) -> bool:
         """Whether the network's output is the mean (and scale) of a Normal likelihood (a regression),
@@ -239,14 +248,15 @@ def _check_supported_ops(program: torch.export.ExportedProgram, model_name: str)
     converter, naming the built-in torch module it is computed in (``attn`` (nn.MultiheadAttention)),
     before anything else compares or converts the graph."""
     chain = trailing_chain_nodes(program)  # a final normalisation: stripped later (pyro2pfp.output_chain)
+    reached = input_dependent(program.graph, set(program.graph_signature.user_inputs))
     for node in tensor_ops(program):
         target = str(node.target)
-        if target in CONVERTERS or target.startswith("aten.sym_") or node in chain:
-            continue
+        if target in CONVERTERS or target.startswith("aten.sym_") or node in chain or node not in reached:
+            continue  # (not reached from the input: a weight computed from parameters, param_expressions)
         op = target.removesuffix(".default")
         module = torch_module(node, _WRAPPER_PREFIX)
         if module is None:
-            raise UnsupportedLayerError(unsupported_message(f"{model_name or 'model'}.forward ({op})"))
+            raise UnsupportedLayerError(unsupported_message(f"{model_name} ({op}) at {user_source(node)}"))
         path, cls = module
         raise UnsupportedLayerError(unsupported_message(f"`{path}` ({cls})", f": {path} ({op}) has no PFP rule"))
 
@@ -292,6 +302,12 @@ def _user_model_name(model: Any) -> str:
     owner = getattr(model, "__self__", None)
     name = getattr(model, "__name__", None) or type(model).__name__
     return f"{type(owner).__name__}.{name}" if owner is not None else name
+
+
+def _forward_name(model: Any) -> str:
+    """How messages name the code that computes the network: ``Net.forward``, ``model()``, ``Bnn.model()``."""
+    name = _user_model_name(model)
+    return f"{name}.forward" if isinstance(model, torch.nn.Module) else f"{name}()"
 
 
 def _export(wrapper: _Wrapper, inputs: tuple[torch.Tensor, tuple[torch.Tensor, ...]], input_shape: tuple[int, ...],
@@ -458,7 +474,20 @@ def trace_model(model: Any, guide: Any, input_shape: tuple[int, ...] | None, *,
     if example is not None and input_shape is None:
         input_shape = tuple(example[0].shape[1:])
     check_has_forward(model)
+    inferred = first_linear(model) if input_shape is None else None
     input_shape = checked_input_shape(model, input_shape)
+    try:
+        return _trace(model, guide, input_shape, check_posterior, example)
+    except (PosteriorError, TracingError) as exc:  # a shape error where the input shape was guessed: say so
+        if inferred is None or not re.search(r"shape|size|mat1|dimension", str(exc)):
+            raise
+        raise type(exc)(f"{exc} (input_shape was taken as {input_shape} from the first Linear layer '{inferred}': "
+                        "pass input_shape=(...) if the model's input has another shape)").with_traceback(
+            exc.__traceback__) from exc.__cause__
+
+
+def _trace(model: Any, guide: Any, input_shape: tuple[int, ...], check_posterior: bool,
+           example: ModelArgs | None) -> TracedModel:
     model_name = getattr(model, "__name__", type(model).__name__)
     warn_train_mode(model)
     for module in reachable_modules(model, guide):  # every run below in eval mode (convert restores the modes):
@@ -466,17 +495,19 @@ def trace_model(model: Any, guide: Any, input_shape: tuple[int, ...] | None, *,
     if example is None:
         example = ModelArgs((_example_input(input_shape),))
     pyro_sample_sites = sample_sites(model) if isinstance(model, torch.nn.Module) else {}
+    originals = module_tensors(reachable_modules(model, guide))  # before reading syncs them with the store
     readings = read_posterior(model, guide, example, weight_sites=pyro_sample_sites.values(),
                               check=check_posterior)
     lifted = random_module.lifted_submodule(model, list(readings)) \
         if isinstance(model, torch.nn.Module) and not pyro_sample_sites else None
     if lifted is not None:  # the net a pyro.random_module model lifts (or a module holding it) as the model
-        model = random_module.lifting_model(lifted[0], model, lifted[1])
+        model = random_module.lifting_model(lifted[0], model, lifted[1], lifted[2])
     params = _pyro_sample_weights(model, readings, guide)
     nets = _random_module_nets(model, example)
     # The param store holds the deterministic parameters too: the user's modules take its values (restored
     # by convert), so the deterministic copy, the lifted nets and a model function's modules compute with them.
-    registrations = registered_parameters(model, guide, example, reachable_modules(model, guide), nets, readings)
+    registrations = registered_parameters(model, guide, example, reachable_modules(model, guide), nets, readings,
+                                          originals)
     take_store_values(registrations)
 
     wrapper, lifted_paths = _build_wrapper(model, readings, params, nets)
@@ -486,10 +517,11 @@ def trace_model(model: Any, guide: Any, input_shape: tuple[int, ...] | None, *,
             {name: wrapper.lifted[f"m{i}"] for i, name in enumerate(wrapper.lifted_names)}):
         program = _export(wrapper, wrapper.traced_args.inputs(2), input_shape)
         fold_identity_broadcasts(program)
+        fold_output_broadcast(program)
         extra_names = list(wrapper.traced_args.batched_names)
         if not wrapper.probe_head:  # else the program ends at the network output once the head is read
             check_output(program, model, extra_names)
-            _check_supported_ops(program, model_name)
+            _check_supported_ops(program, _forward_name(model))
         _check_batch_independent(program, wrapper, input_shape)
     x = wrapper.traced_args.inputs(2)[0] if example.given else \
         torch.randn((2, *input_shape), generator=torch.Generator().manual_seed(0))
@@ -502,7 +534,7 @@ def trace_model(model: Any, guide: Any, input_shape: tuple[int, ...] | None, *,
     head = _end_at_head(program, next(iter(wrapper.head_site))) if wrapper.probe_head else None
     if head is not None:
         check_output(program, model, extra_names)
-        _check_supported_ops(program, model_name)
+        _check_supported_ops(program, _forward_name(model))
 
     exported_weights, nonweights = _classify_exported_sites(wrapper, lifted_paths, program, readings, guide)
     unused_samples = _split_pyro_samples(program, pyro_sample_sites, params, readings, guide)
@@ -530,16 +562,32 @@ def trace_model(model: Any, guide: Any, input_shape: tuple[int, ...] | None, *,
                                          stale=bool(reg and reg.stale))
     check_store_values({path: params[path].mean for path in in_store if path in params and params[path].site is None},
                        in_store)
+    constants = _constants(program, registrations)
     for name, buffer in program.named_buffers():
         path = name.removeprefix(_WRAPPER_PREFIX)
         arr = buffer.detach().to(torch.float64).numpy().copy()
         params[path] = GaussianParam(arr, np.zeros_like(arr))
     return TracedModel(program=program, params=params, input_shape=input_shape,
-                       extra_inputs=list(wrapper.traced_args.batched_names),
+                       extra_inputs=list(wrapper.traced_args.batched_names), traced_args=wrapper.traced_args,
+                       constants=constants,
                        model_name=model_name,
                        nonweight_sites={site: readings[site] for site in sorted(nonweights)},
                        noise=head if head is not None else find_noise(model, readings, nonweights, input_shape,
                                                                         wrapper.traced_args.at))
+
+
+def _constants(program: torch.export.ExportedProgram, registrations: list[Registration]) -> dict[str, GaussianParam]:
+    """The program's floating-point tensor constants as deterministic parameters; a constant that is a param
+    store tensor (a model function's module holds the store's tensors while it is traced) names its entry."""
+    by_storage = {reg.tensor.untyped_storage().data_ptr(): reg for reg in registrations if reg.tensor.numel()}
+    out = {}
+    for name, value in program.constants.items():
+        if isinstance(value, torch.Tensor) and value.is_floating_point():
+            mean = value.detach().to(torch.float64).numpy().copy()
+            reg = by_storage.get(value.untyped_storage().data_ptr()) if value.numel() else None
+            out[name] = GaussianParam(mean, np.zeros_like(mean), store=reg.name if reg else None,
+                                      stale=bool(reg and reg.stale))
+    return out
 
 
 def _end_at_head(program: torch.export.ExportedProgram, site: str) -> HeteroscedasticNoise:

@@ -79,14 +79,23 @@ def param_sites(fn: Callable[..., Any], args: tuple, replay: Any = None) -> list
             for site in trace.nodes.values() if site["type"] == "param"]
 
 
+def module_tensors(modules: Iterable[torch.nn.Module]) -> dict[tuple[int, str], torch.Tensor]:
+    """``{(id(module), attribute): parameter}`` of ``modules`` as they are now (before anything makes them the
+    store's tensors): what :func:`registered_parameters` compares the store with to tell a stale module."""
+    return {(id(m), attr): p for m in modules for attr, p in m._parameters.items() if p is not None}
+
+
 def registered_parameters(model: Any, guide: Any, args: tuple, modules: Iterable[torch.nn.Module],
-                          random_modules: dict[str, torch.nn.Module],
-                          lifted_sites: Iterable[str]) -> list[Registration]:
+                          random_modules: dict[str, torch.nn.Module], lifted_sites: Iterable[str],
+                          originals: dict[tuple[int, str], torch.Tensor] | None = None) -> list[Registration]:
     """The parameters of ``modules`` (the user's, reachable from the model and guide) that the param store
     holds, found by running the guide and the model once (module docstring), and the parameters of the
-    ``pyro.random_module`` nets ``random_modules`` (``{name: net}``) that are not the ``lifted_sites``."""
+    ``pyro.random_module`` nets ``random_modules`` (``{name: net}``) that are not the ``lifted_sites``.
+    ``originals``: the modules' tensors as the user left them (:func:`module_tensors`; default: as they are)."""
     store = pyro.get_param_store()
+    modules = list(modules)
     owners = _owners(modules)
+    originals = originals or {}
     found: dict[tuple[int, str], Registration] = {}
 
     def add(name: str, module: torch.nn.Module, attr: str) -> None:
@@ -99,8 +108,9 @@ def registered_parameters(model: Any, guide: Any, args: tuple, modules: Iterable
                     f"the param store holds '{name}' with shape {tuple(store[name].shape)}, but the module "
                     f"{type(module).__name__}'s parameter {attr} it belongs to has shape {tuple(param.shape)}: was "
                     "the store saved from a model of other sizes?")
-            found[key] = Registration(name, module, attr, stale=param is not store[name]
-                                      and _differs(param, store[name]))
+            original = originals.get(key, param)
+            found[key] = Registration(name, module, attr, stale=original is not store[name]
+                                      and _differs(original, store[name]))
 
     sites: list[tuple[str, Any]] = []
     try:
