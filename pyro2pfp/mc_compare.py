@@ -197,6 +197,23 @@ def weight_samples(guide: Any, args: tuple, shapes: dict[str, tuple[int, ...]], 
                 if all(site in d for d in draws)}
 
 
+def _input_chunks(traced: Any, xt: torch.Tensor) -> list[tuple[torch.Tensor, tuple]]:
+    """The traced program's inputs for the input batch ``xt``: one batch, or -- for a program traced at a fixed
+    batch size (``traced.static_batch``) -- consecutive batches of that size, the last one padded by repeating
+    its first row (the caller keeps the first ``len(xt)`` rows of the outputs)."""
+    at = traced.traced_args.inputs_at if getattr(traced, "traced_args", None) is not None else (lambda x: (x, ()))
+    size = getattr(traced, "static_batch", None)
+    if size is None:
+        return [at(xt)]
+    chunks = []
+    for i in range(0, len(xt), size):
+        part = xt[i:i + size]
+        if len(part) < size:
+            part = torch.cat([part, part[:1].expand(size - len(part), *part.shape[1:])])
+        chunks.append(at(part))
+    return chunks
+
+
 def _output_samples(gm: torch.fx.GraphModule, out_node: str, by_site: dict[str, torch.Tensor],
                     draws: dict[str, torch.Tensor], inputs: tuple) -> torch.Tensor | None:
     """The node ``out_node`` of ``gm`` for every weight sample in ``draws``, vectorised over the samples
@@ -344,7 +361,7 @@ def _compare(net: Any, model: Any, guide: Any, x: Any, num_samples: int, seed: i
                for path, p in traced.params.items() if p.site is not None}
     means = {site: param.detach().clone() for site, param in by_site.items()}  # restored at the end
     scale = math.sqrt(calibration)
-    inputs = traced.traced_args.inputs_at(xt) if getattr(traced, "traced_args", None) is not None else (xt, ())
+    chunks = _input_chunks(traced, xt)
     origins = net.layer_graph.origins
     planned = [layer for layer in net.plan.layers if layer.name in origins
                and (per_layer or layer.name == net.plan.output)]
@@ -359,7 +376,10 @@ def _compare(net: Any, model: Any, guide: Any, x: Any, num_samples: int, seed: i
         draws = weight_samples(guide, args, {site: tuple(p.shape) for site, p in by_site.items()}, num_samples)
         if scale != 1.0:  # the posterior with its variances times calibration
             draws = {site: means[site] + scale * (value - means[site]) for site, value in draws.items()}
-        fast = _output_samples(gm, out_node, by_site, draws, inputs) if not per_layer and out_node else None
+        fast = None
+        if not per_layer and out_node:
+            parts = [_output_samples(gm, out_node, by_site, draws, inputs) for inputs in chunks]
+            fast = None if any(p is None for p in parts) else torch.cat(parts, 1)[:, :len(xs)]  # type: ignore[misc]
         for k in range(num_samples):
             if fast is not None:
                 values = {out_node: fast[k]}
@@ -367,9 +387,12 @@ def _compare(net: Any, model: Any, guide: Any, x: Any, num_samples: int, seed: i
                 for site, param in by_site.items():
                     if site in draws:
                         param.data.copy_(draws[site][k])
-                cap = _Capture(gm, wanted)
-                cap.run(inputs[0], *inputs[1])
-                values = cap.values
+                captured = []
+                for inputs in chunks:
+                    cap = _Capture(gm, wanted)
+                    cap.run(inputs[0], *inputs[1])
+                    captured.append(cap.values)
+                values = {node: torch.cat([c[node] for c in captured])[:len(xs)] for node in captured[0]}
             for node, value in values.items():
                 array = value.double().numpy()
                 stats[node].add(array)

@@ -86,6 +86,9 @@ class TracedModel:
     # The program's floating-point tensor constants (a model function's modules' parameters and buffers), by
     # constant name, deterministic (with the param store's name where the store holds them).
     constants: dict[str, GaussianParam] = field(default_factory=dict)
+    # A model that fixes the batch size while traced (len(x) for its plate) is traced at this fixed batch size;
+    # the network is proven the same at every batch size, but the program runs at this one only. None: any.
+    static_batch: int | None = None
 
     def regression(self) -> bool:
         """Whether the network's output is the mean (and scale) of a Normal likelihood (a regression),
@@ -304,6 +307,37 @@ def _user_model_name(model: Any) -> str:
     return f"{type(owner).__name__}.{name}" if owner is not None else name
 
 
+class _BatchFixed(TracingError):
+    """The model fixed the batch size while it was traced with a symbolic one (see :func:`_static_program`)."""
+
+    def __init__(self, name: str, where: str | None) -> None:
+        super().__init__(trace_forms.specialisation_message(name, where))
+        self.name, self.where = name, where
+
+
+STATIC_BATCHES = (2, 3)  # the fixed batch sizes a model that fixes its batch size is traced at
+
+
+def _static_program(wrapper: _Wrapper, input_shape: tuple[int, ...],
+                    fixed: _BatchFixed) -> torch.export.ExportedProgram:
+    """The program of a model that fixes its batch size while traced (``len(x)`` for its plate): traced at the
+    two batch sizes :data:`STATIC_BATCHES`, it is the network for every batch size if the network is the same
+    in both (:func:`pyro2pfp.trace_forms.batch_reaches_network`); else the message names where the fixed size
+    reaches it."""
+    assert wrapper.traced_args is not None
+    programs = []
+    for batch in STATIC_BATCHES:
+        program = _export(wrapper, wrapper.traced_args.inputs(batch), input_shape, dynamic=False)
+        fold_identity_broadcasts(program)
+        programs.append(program)
+    why = trace_forms.batch_reaches_network(
+        programs[0], programs[1], STATIC_BATCHES,
+        lambda p: input_dependent(p.graph, set(p.graph_signature.user_inputs)))
+    if why is not None:
+        raise TracingError(trace_forms.specialisation_message(fixed.name, fixed.where, why)) from fixed
+    return programs[0]
+
+
 def _forward_name(model: Any) -> str:
     """How messages name the code that computes the network: ``Net.forward``, ``model()``, ``Bnn.model()``."""
     name = _user_model_name(model)
@@ -339,7 +373,7 @@ def _export(wrapper: _Wrapper, inputs: tuple[torch.Tensor, tuple[torch.Tensor, .
             raise TracingError(f"running the model {name} to trace it failed: "
                                f"{call_failure(wrapper.model, args, exc)}") from exc
         if "specialized it to be a constant" in str(exc) or "Constraints violated" in str(exc):
-            raise TracingError(trace_forms.specialisation_message(name, fixed_at[0] if fixed_at else None)) from exc
+            raise _BatchFixed(name, fixed_at[0] if fixed_at else None) from exc
         cuda = trace_forms.cuda_message(exc)
         if cuda is not None:
             raise TracingError(f"the model {name}: {cuda}") from exc
@@ -479,7 +513,8 @@ def trace_model(model: Any, guide: Any, input_shape: tuple[int, ...] | None, *,
     try:
         return _trace(model, guide, input_shape, check_posterior, example)
     except (PosteriorError, TracingError) as exc:  # a shape error where the input shape was guessed: say so
-        if inferred is None or not re.search(r"shape|size|mat1|dimension", str(exc)):
+        if inferred is None or not re.search(r"mat1 and mat2|cannot be multiplied|size mismatch|must match the size|"
+                                             r"is invalid for input of size|expected input", str(exc)):
             raise
         raise type(exc)(f"{exc} (input_shape was taken as {input_shape} from the first Linear layer '{inferred}': "
                         "pass input_shape=(...) if the model's input has another shape)").with_traceback(
@@ -515,7 +550,11 @@ def _trace(model: Any, guide: Any, input_shape: tuple[int, ...], check_posterior
     wrapper.probe_head = scale_depends_on_input(model, guide, input_shape, wrapper.traced_args.at)
     with random_module.replaced_random_modules(
             {name: wrapper.lifted[f"m{i}"] for i, name in enumerate(wrapper.lifted_names)}):
-        program = _export(wrapper, wrapper.traced_args.inputs(2), input_shape)
+        static_batch = None
+        try:
+            program = _export(wrapper, wrapper.traced_args.inputs(2), input_shape)
+        except _BatchFixed as fixed:  # e.g. pyro.plate("data", len(x)): the network may not depend on it
+            program, static_batch = _static_program(wrapper, input_shape, fixed), STATIC_BATCHES[0]
         fold_identity_broadcasts(program)
         fold_output_broadcast(program)
         extra_names = list(wrapper.traced_args.batched_names)
@@ -569,7 +608,7 @@ def _trace(model: Any, guide: Any, input_shape: tuple[int, ...], check_posterior
         params[path] = GaussianParam(arr, np.zeros_like(arr))
     return TracedModel(program=program, params=params, input_shape=input_shape,
                        extra_inputs=list(wrapper.traced_args.batched_names), traced_args=wrapper.traced_args,
-                       constants=constants,
+                       constants=constants, static_batch=static_batch,
                        model_name=model_name,
                        nonweight_sites={site: readings[site] for site in sorted(nonweights)},
                        noise=head if head is not None else find_noise(model, readings, nonweights, input_shape,

@@ -118,7 +118,8 @@ class ConversionContext:
         if not isinstance(val, torch.Tensor) or val.dim() == 0:
             raise UnsupportedLayerError(f"{arg.name}: expected a batched tensor, got {val!r}")
         dims = list(val.shape)
-        if isinstance(dims[0], int) or not isinstance(dims[0], torch.SymInt):
+        static = self.traced.static_batch  # a model that fixed its batch size: traced at that size
+        if not isinstance(dims[0], torch.SymInt) and (static is None or dims[0] != static):
             raise UnsupportedLayerError(
                 f"{self.source(arg) if arg.op == 'call_function' else arg.name}: the batch dimension "
                 f"is not the first axis of shape {tuple(dims)}; PFP layers keep the batch first."
