@@ -40,7 +40,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from .errors import ArgumentError, FidelityError, FidelityWarning
+from .errors import ArgumentError, FidelityError, FidelityWarning, PFPError, PosteriorError, brief
 from .mc_compare import Diagnosis, LayerFidelity, compare, random_elements, store_mismatches
 
 DEFAULT_SAMPLES = 150
@@ -247,8 +247,18 @@ def spot_check(net: Any, model: Any, guide: Any, *, traced: Any = None, args: An
     check_store_values(net)
     xs = _spot_inputs(net, args)
     samples: list[np.ndarray] = []
-    d = compare(net, model, guide, xs, num_samples=num_samples, seed=seed, per_layer=False, traced=traced,
-                args=args, samples=samples, calibration=net.plan.calibration)
+    try:
+        d = compare(net, model, guide, xs, num_samples=num_samples, seed=seed, per_layer=False, traced=traced,
+                    args=args, samples=samples, calibration=net.plan.calibration)
+    except torch.linalg.LinAlgError:  # a correlated guide whose covariance is singular (scales of 0): no samples
+        log.info("spot check skipped: the guide's covariance is singular, so it cannot be sampled (its parameters "
+                 "were checked against the param store)")
+        return SpotCheck(True, float("nan"), float("nan"), (0.0, float("inf")), 0, len(xs), time.perf_counter() - t0)
+    except PFPError:
+        raise
+    except Exception as exc:  # the guide or model cannot be run as the check runs them
+        raise PosteriorError(f"the spot check could not sample the guide on the model's example arguments "
+                             f"({brief(exc)}); convert(..., check=False) skips it") from exc
     n = len(samples)
     mc = np.stack(samples) if samples else np.zeros((0,))
     pfp_mean, pfp_var = d.output["pfp_mean"], d.output["pfp_var"]

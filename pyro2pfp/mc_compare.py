@@ -191,6 +191,8 @@ def weight_samples(guide: Any, args: tuple, shapes: dict[str, tuple[int, ...]], 
                 raise ValueError(site)  # copies of one sample (not a draw per plate entry)
             out[site] = value
         return out
+    except torch.linalg.LinAlgError:
+        raise  # a singular covariance: the guide cannot be sampled at all
     except Exception:  # noqa: BLE001  not vectorisable: one run per sample
         draws = [_guide_sample(guide, args) for _ in range(n)]
         return {site: torch.stack([d[site].reshape(shape) for d in draws]) for site, shape in shapes.items()

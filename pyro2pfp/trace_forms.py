@@ -19,6 +19,7 @@
 from __future__ import annotations
 
 import contextlib
+import inspect
 import linecache
 import sys
 import sysconfig
@@ -64,6 +65,25 @@ def _user_frame_here() -> str | None:
             return _describe(frame.f_code.co_filename, frame.f_lineno, frame.f_code.co_name)
         frame = frame.f_back
     return None
+
+
+# ------------------------------------------------------------------------------------ source lines
+def named_forward(model: Any) -> Any:
+    """``model`` itself, or -- for a model function or method (``model(x, y)``, ``bnn.model``) -- the same
+    function under the code name ``forward``.
+
+    torch.export records, for every node, the stack frames of ``forward`` functions only (besides its own), so
+    the lines of a model function or a ``model()`` method would be missing from the messages that name the
+    user's line (:func:`pyro2pfp.trace_passes.user_source`); the copy runs the same code."""
+    fn = getattr(model, "__func__", model)
+    if not isinstance(fn, types.FunctionType) or fn.__code__.co_name == "forward":
+        return model
+    code = fn.__code__.replace(co_name="forward")
+    copy = types.FunctionType(code, fn.__globals__, fn.__name__, fn.__defaults__, fn.__closure__)
+    copy.__kwdefaults__, copy.__dict__ = fn.__kwdefaults__, dict(fn.__dict__)
+    copy.__signature__ = inspect.signature(fn)  # type: ignore[attr-defined]
+    owner = getattr(model, "__self__", None)
+    return types.MethodType(copy, owner) if owner is not None else copy
 
 
 # ------------------------------------------------------------------------------------ device moves

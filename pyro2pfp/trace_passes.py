@@ -148,7 +148,7 @@ def torch_module(node: torch.fx.Node, wrapper_prefix: str = "model.") -> tuple[s
 
 
 def user_source(node: torch.fx.Node) -> str:
-    """``file:line in function (`source text`)`` of the innermost frame of the model's code (not torch's,
+    """``file:line (`source text`)`` of the innermost frame of the model's code (not torch's,
     Pyro's or pyro2pfp's) in ``node``'s recorded stack trace, or "a line of the model that torch did not
     record"."""
     import linecache
@@ -159,9 +159,9 @@ def user_source(node: torch.fx.Node) -> str:
     user = [f for f in frames if not any(part in f[0] for part in ("/torch/", "/pyro/", "/pyro2pfp/", "<"))]
     if not user:
         return "a line of the model that torch did not record"
-    file, line, function = user[-1]
+    file, line, _ = user[-1]  # (a model function is traced under the name forward: trace_forms.named_forward)
     code = linecache.getline(file, int(line)).strip()
-    return f"{file}:{line} in {function}" + (f" (`{code}`)" if code else "")
+    return f"{file}:{line}" + (f" (`{code}`)" if code else "")
 
 
 def user_line(node: torch.fx.Node) -> str:

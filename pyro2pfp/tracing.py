@@ -72,6 +72,7 @@ class TracedModel:
     params: dict[str, GaussianParam]
     input_shape: tuple[int, ...]
     model_name: str = ""
+    forward_name: str = ""  # how messages name the code computing the network: Net.forward, model(), Bnn.model()
     # Latent sites the model samples that do not flow into the output (e.g. a noise scale).
     nonweight_sites: dict[str, SiteReading] = field(default_factory=dict)
     # The regression likelihood's noise (pyro2pfp.noise), or why there is none.
@@ -195,6 +196,7 @@ class _Wrapper(torch.nn.Module):
             self.model = model
         else:
             self.__dict__["model"] = model  # a model function (pyro.random_module style)
+        self.__dict__["traced"] = trace_forms.named_forward(model)  # what forward() calls (the model itself)
         self.site_keys = {site: f"site{i}" for i, site in enumerate(functional_means)}
         self.functional = torch.nn.ParameterDict(
             {self.site_keys[site]: torch.nn.Parameter(mean, requires_grad=False)
@@ -222,7 +224,7 @@ class _Wrapper(torch.nn.Module):
         args = self.traced_args.call(x, batched) if self.traced_args is not None else (x,)
         sites = LikelihoodSites(self._latent)
         with sites:
-            out = network_output(call_with_model_args(self.model, args), sites)
+            out = network_output(call_with_model_args(self.traced, args), sites)
         if not self.probe_head:
             return out
         normals = [(name, unwrap_independent(fn)) for name, fn in sites.likelihoods]
@@ -562,6 +564,11 @@ def _trace(model: Any, guide: Any, input_shape: tuple[int, ...], check_posterior
             check_output(program, model, extra_names)
             _check_supported_ops(program, _forward_name(model))
         _check_batch_independent(program, wrapper, input_shape)
+    traced_paths = [name.removeprefix(_WRAPPER_PREFIX) for name, _ in program.named_parameters()]
+    in_store = store_names(model, registrations, nets, traced_paths)
+    check_store_values({name.removeprefix(_WRAPPER_PREFIX): p.detach().to(torch.float64).numpy()
+                        for name, p in program.named_parameters()
+                        if name.removeprefix(_WRAPPER_PREFIX) in in_store}, in_store)
     x = wrapper.traced_args.inputs(2)[0] if example.given else \
         torch.randn((2, *input_shape), generator=torch.Generator().manual_seed(0))
     means = {**{site: wrapper.functional[key].detach() for site, key in wrapper.site_keys.items()},
@@ -590,8 +597,6 @@ def _trace(model: Any, guide: Any, input_shape: tuple[int, ...], check_posterior
         params[path] = GaussianParam(reading.mean, reading.var, site=site)
     _warn_moment_matched(params, readings)
 
-    traced_paths = [name.removeprefix(_WRAPPER_PREFIX) for name, _ in program.named_parameters()]
-    in_store = store_names(model, registrations, nets, traced_paths)
     for name, param in program.named_parameters():
         path = name.removeprefix(_WRAPPER_PREFIX)
         if path not in params and not path.startswith("functional."):
@@ -599,8 +604,6 @@ def _trace(model: Any, guide: Any, input_shape: tuple[int, ...], check_posterior
             reg = in_store.get(path)
             params[path] = GaussianParam(arr, np.zeros_like(arr), store=reg.name if reg else None,
                                          stale=bool(reg and reg.stale))
-    check_store_values({path: params[path].mean for path in in_store if path in params and params[path].site is None},
-                       in_store)
     constants = _constants(program, registrations)
     for name, buffer in program.named_buffers():
         path = name.removeprefix(_WRAPPER_PREFIX)
@@ -609,7 +612,7 @@ def _trace(model: Any, guide: Any, input_shape: tuple[int, ...], check_posterior
     return TracedModel(program=program, params=params, input_shape=input_shape,
                        extra_inputs=list(wrapper.traced_args.batched_names), traced_args=wrapper.traced_args,
                        constants=constants, static_batch=static_batch,
-                       model_name=model_name,
+                       model_name=model_name, forward_name=_forward_name(model),
                        nonweight_sites={site: readings[site] for site in sorted(nonweights)},
                        noise=head if head is not None else find_noise(model, readings, nonweights, input_shape,
                                                                         wrapper.traced_args.at))

@@ -19,6 +19,7 @@ output depends on something besides its parameters, sample sites and input.
 """
 from __future__ import annotations
 
+import re
 from typing import Any
 
 import numpy as np
@@ -83,8 +84,9 @@ def check_store_values(values: dict[str, np.ndarray], names: dict[str, Registrat
             continue
         if value.shape != stored.shape or not np.array_equal(value, stored):
             diff = float(np.max(np.abs(value - stored))) if value.shape == stored.shape else float("nan")
+            shown = re.sub(r"^lifted\.m\d+\.", "", path)  # a random_module net's copy: the net's own path
             raise FidelityError(
-                f"the traced network's parameter {path} differs from the param store's '{reg.name}' "
+                f"the traced network's parameter {shown} differs from the param store's '{reg.name}' "
                 f"(max |difference| {diff:.3g}): the network would compute with other weights than the trained "
                 "model. This is a bug in pyro2pfp's reading of the parameters; please report it with the model's "
                 "code.")

@@ -69,7 +69,8 @@ class ConversionContext:
         """Module path and torch op of a node, for summaries and errors: ``fc1 (aten.linear)``."""
         op = str(node.target).removesuffix(".default")
         path = _module_path(node)
-        return f"{path} ({op})" if path else f"{self.traced.model_name or 'model'}.forward ({op})"
+        where = self.traced.forward_name or f"{self.traced.model_name or 'model'}.forward"
+        return f"{path} ({op})" if path else f"{where} ({op})"
 
     def module_path(self, node: torch.fx.Node) -> str:
         return _module_path(node)
@@ -223,7 +224,10 @@ def build_layer_graph(traced: TracedModel) -> LayerGraph:
                 f"report it with the model's code (pyro2pfp {__version__}); the original exception is "
                 "chained") from exc
         if isinstance(out, Alias):
-            ctx._names[node] = ctx.activation(out.node, node)
+            name = ctx.activation(out.node, node)
+            ctx._names[node] = name
+            if ctx.origins.get(name) == getattr(out.node, "name", None):
+                ctx.origins[name] = node.name  # the layer's value is now this node's (a bias add folded into it)
         else:
             layers = out if isinstance(out, list) else [out]
             ctx.layers.extend(layers)
