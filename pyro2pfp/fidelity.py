@@ -174,6 +174,7 @@ SPOT_SAMPLES = 64  # guide samples of the spot check every convert runs
 SPOT_INPUTS = 2  # inputs it compares on
 SPOT_MEAN_SE = 6.0  # a gross mean error: the median over the logits beyond this many MC standard errors
 SPOT_RATIO_SD = 4.0  # a gross variance ratio: the median beyond this many sd of a sampled variance's log
+SPOT_DETERMINISTIC = 1e-3  # a deterministic layer departs: its output off by this fraction of its size (float32)
 
 
 @dataclass(frozen=True)
@@ -235,7 +236,8 @@ def spot_check(net: Any, model: Any, guide: Any, *, traced: Any = None, args: An
       (``κ``: the logits' median kurtosis, at least a Gaussian's 3).  At 64 samples of Gaussian logits that
       is [0.49, 2.0]: a mean-field ResNet at 0.28 of the sampled variance fails, a network within its
       approximation's usual error does not.  On failure the per-layer comparison names the first layer past
-      the same bounds.
+      the same bounds (a layer that sampling finds deterministic: its output off by more than float32 explains,
+      1e-3 of its size).
 
     Sampling follows the plan's calibration (each weight's deviation from its mean scaled by
     ``√calibration``).  ``traced``, ``args``: the traced model and the model arguments ``convert`` used (else
@@ -276,8 +278,8 @@ def spot_check(net: Any, model: Any, guide: Any, *, traced: Any = None, args: An
         sigma = math.sqrt((max(float(np.median(kurtosis)), 3.0) - 1.0) / n)
     else:  # a deterministic output: the means must agree as float32 computations do
         scale = float(np.max(np.abs(mc_mean))) + 1e-30 if mc_mean.size else 1.0
-        mean_se = 0.0 if finite and float(np.max(np.abs(pfp_mean - mc_mean), initial=0.0)) <= 1e-4 * scale \
-            else float("inf")
+        mean_se = 0.0 if finite and float(np.max(np.abs(pfp_mean - mc_mean), initial=0.0)) <= SPOT_DETERMINISTIC * \
+            scale else float("inf")
         ratio, sigma = 1.0, math.sqrt(2.0 / n)
     bounds = (math.exp(-SPOT_RATIO_SD * sigma), math.exp(SPOT_RATIO_SD * sigma))
     result = SpotCheck(not _gross(mean_se, ratio, bounds), mean_se, ratio, bounds, n, len(xs),
@@ -287,13 +289,16 @@ def spot_check(net: Any, model: Any, guide: Any, *, traced: Any = None, args: An
         return result
     per_layer = compare(net, model, guide, xs, num_samples=num_samples, seed=seed, traced=traced, args=args,
                         calibration=net.plan.calibration)
-    first = next((r for r in per_layer.layers
-                  if _gross(r.mean_error * math.sqrt(n), r.ratio_median, bounds) and not math.isnan(r.ratio_median)),
-                 None)
+    first = next((r for r in per_layer.layers if r.deterministic_error > SPOT_DETERMINISTIC or (
+        _gross(r.mean_error * math.sqrt(n), r.ratio_median, bounds) and not math.isnan(r.ratio_median))), None)
     result = SpotCheck(False, mean_se, ratio, bounds, n, len(xs), time.perf_counter() - t0, first)
-    where = (f" The first layer past these bounds is '{first.name}' ({first.op}: median mean error "
-             f"{first.mean_error * math.sqrt(n):.3g} MC standard errors, variance ratio {first.ratio_median:.3g})."
-             if first is not None else "")
+    where = ""
+    if first is not None and first.deterministic_error > SPOT_DETERMINISTIC:
+        where = (f" The first layer past these bounds is '{first.name}' ({first.op}: where sampling is deterministic "
+                 f"its output differs by {first.deterministic_error:.3g} of its size).")
+    elif first is not None:
+        where = (f" The first layer past these bounds is '{first.name}' ({first.op}: median mean error "
+                 f"{first.mean_error * math.sqrt(n):.3g} MC standard errors, variance ratio {first.ratio_median:.3g}).")
     remedy = ("convert(..., correlation='shared-factor') (this network is mean-field: every activation taken as "
               "independent), " if net.plan.correlation == "mean-field" else "")
     raise FidelityError(

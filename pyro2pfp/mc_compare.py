@@ -59,6 +59,8 @@ class LayerFidelity:
     mean_error_p90: float = float("nan")  # 90th percentile of the same per-element mean error
     # the standard deviation of ln(ratio_median) that sampling noise explains, measured (split samples)
     ratio_noise: float = float("nan")
+    # where sampling gives no variance (deterministic so far): max |μ_pfp − μ_mc| over the largest |μ_mc|
+    deterministic_error: float = float("nan")
 
 
 @dataclass
@@ -285,9 +287,12 @@ def layer_fidelity(name: str, op: str, pfp_mean: np.ndarray, pfp_var: np.ndarray
                    mc_var: np.ndarray) -> LayerFidelity:
     """The :class:`LayerFidelity` of one layer from PFP and MC moments of the same shape."""
     keep = random_elements(mc_mean, mc_var)
+    fixed = ~keep
+    det = float(np.max(np.abs(pfp_mean[fixed] - mc_mean[fixed])) / (np.max(np.abs(mc_mean[fixed])) + 1e-30)) \
+        if fixed.any() else float("nan")
     if not keep.any():
         nan = float("nan")
-        return LayerFidelity(name, op, tuple(pfp_mean.shape[1:]), nan, nan, nan, nan, nan)
+        return LayerFidelity(name, op, tuple(pfp_mean.shape[1:]), nan, nan, nan, nan, nan, deterministic_error=det)
     sd = np.sqrt(mc_var[keep])
     # A saturated unit's sampled sd is ~0: measure its mean error against a tenth of the layer's median sd.
     floor = SD_FLOOR * float(np.median(sd))
@@ -296,7 +301,7 @@ def layer_fidelity(name: str, op: str, pfp_mean: np.ndarray, pfp_var: np.ndarray
     ratio = pfp_var[keep] / mc_var[keep]
     p10, med, p90 = np.percentile(ratio, [10, 50, 90])
     return LayerFidelity(name, op, tuple(pfp_mean.shape[1:]), float(err_med), float(med), float(p10),
-                         float(p90), float(err_p90))
+                         float(p90), float(err_p90), deterministic_error=det)
 
 
 def median_ratio_noise(pfp_var: np.ndarray, group_vars: list[np.ndarray], keep: np.ndarray) -> float:
