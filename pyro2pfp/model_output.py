@@ -35,13 +35,14 @@ class LikelihoodSites(Messenger):
     ``latent(msg)``: a value for a latent site (or None: the site is treated as a likelihood).  Sites
     another handler has already decided (``done``, e.g. replayed from a guide trace) are left alone;
     plates keep working.  ``likelihoods``: ``[(name, distribution)]`` of the sites made inert;
-    ``placeholders``: the ids of the values they returned where nothing was observed."""
+    ``placeholders``: the values they returned where nothing was observed (held, so that no other tensor
+    takes the ``id`` of one that was freed)."""
 
     def __init__(self, latent: Callable[[dict], torch.Tensor | None] | None = None) -> None:
         super().__init__()
         self.latent = latent
         self.likelihoods: list[tuple[str, Any]] = []
-        self.placeholders: list[int] = []
+        self.placeholders: list[torch.Tensor] = []
 
     def _pyro_sample(self, msg: dict) -> None:
         if isinstance(msg["fn"], _Subsample) or msg.get("done"):
@@ -53,7 +54,7 @@ class LikelihoodSites(Messenger):
             self.likelihoods.append((msg["name"], msg["fn"]))
             if msg["value"] is None:
                 msg["value"] = likelihood_mean(msg["fn"])
-                self.placeholders.append(id(msg["value"]))
+                self.placeholders.append(msg["value"])
         msg["done"] = True
         msg["stop"] = True
 
@@ -61,7 +62,7 @@ class LikelihoodSites(Messenger):
 def network_output(out: Any, sites: LikelihoodSites) -> Any:
     """The run's network output: ``out`` (what the model returned), or the tensor its one likelihood is
     built from when the model returns nothing or the likelihood's (placeholder) sample."""
-    if out is None or id(out) in sites.placeholders:
+    if out is None or any(out is p for p in sites.placeholders):
         built_from = [t for t in (network_output_of(fn) for _, fn in sites.likelihoods) if t is not None]
         if len(built_from) == 1:
             return built_from[0]

@@ -38,10 +38,11 @@ _SCALINGS = {"mul", "div"}
 
 
 def input_dependent(graph: torch.fx.Graph, inputs: set[str]) -> set[torch.fx.Node]:
-    """The nodes a path from the placeholders named ``inputs`` (the user's inputs) reaches."""
+    """The nodes a path of tensors from the placeholders named ``inputs`` (the user's inputs) reaches."""
     reached: set[torch.fx.Node] = set()
-    for node in graph.nodes:
-        if (node.op == "placeholder" and node.name in inputs) or any(a in reached for a in node.all_input_nodes):
+    for node in graph.nodes:  # through tensors only: b.expand(x.shape[0], -1) reads the input's size, not values
+        if (node.op == "placeholder" and node.name in inputs) or any(
+                a in reached and not isinstance(a.meta.get("val"), torch.SymInt | int) for a in node.all_input_nodes):
             reached.add(node)
     return reached
 

@@ -26,6 +26,7 @@ import numpy as np
 import pyro
 import torch
 import torch.fx
+from pyro.infer.autoguide import AutoGuide
 from pyro.nn import PyroModule
 from pyro.nn.module import _make_name
 
@@ -161,15 +162,20 @@ def _pyro_param_value(module: PyroModule, attr: str) -> torch.Tensor:
 
 def _deterministic_copy(model: torch.nn.Module, means: dict[str, torch.Tensor]) -> torch.nn.Module:
     """Copy of ``model`` with every sample site replaced by an ``nn.Parameter`` (its mean)."""
+    # Not copied: guides the model holds (model.guide = AutoNormal(model): not part of the network; their traces
+    # hold tensors of the graph that computed them, which cannot be copied) and tensors computed with gradients.
+    memo: dict[int, Any] = {id(m): torch.nn.Module() for m in model.modules() if isinstance(m, AutoGuide)}
+    memo.update({id(t): t.detach() for m in model.modules() for t in vars(m).values()
+                 if isinstance(t, torch.Tensor) and not t.is_leaf})
     try:
-        det = copy.deepcopy(model)
+        det = copy.deepcopy(model, memo)
     except Exception as exc:
         raise TracingError(f"the model {type(model).__name__} cannot be copied ({type(exc).__name__}: {exc}): PFP "
                            "traces a copy of it that holds the posterior means. Make the model deep-copyable "
                            "(no open files, locks or generators among its attributes).") from exc
     originals = dict(model.named_modules())
     for path, module in det.named_modules():
-        if not isinstance(module, PyroModule):
+        if not isinstance(module, PyroModule) or path not in originals:
             continue
         original = originals[path]
         samples = list(module._pyro_samples)
