@@ -59,7 +59,22 @@ class LayerFidelity:
     mean_error_p90: float = float("nan")  # 90th percentile of the same per-element mean error
     # the standard deviation of ln(ratio_median) that sampling noise explains, measured (split samples)
     ratio_noise: float = float("nan")
-    # where sampling gives no variance (deterministic so far): max |μ_pfp − μ_mc| over the largest |μ_mc|
+    # every sample gave the same output (no weight noise reaches the layer): the figures above are NaN,
+    # these say how the PFP layer compares -- the largest |μ_pfp − μ_mc| and the largest PFP variance
+    deterministic: bool = False
+    deterministic_mean_error: float = float("nan")
+    deterministic_pfp_var: float = float("nan")
+
+    def describe_deterministic(self) -> str:
+        """The table's text for a layer every sample computes the same: ``deterministic (as sampled)``,
+        the largest mean difference and, if PFP gives this layer a variance, how large."""
+        text = f"deterministic (as sampled): max |PFP − MC| mean {self.deterministic_mean_error:.3g}"
+        if self.deterministic_pfp_var > 0:
+            text += f"; PFP variance up to {self.deterministic_pfp_var:.3g}, sampling gives 0"
+        return text
+
+    # over the elements sampling gives no variance (deterministic so far): max |μ_pfp − μ_mc| over the
+    # largest |μ_mc| (the spot check names a deterministic layer whose output departs by this)
     deterministic_error: float = float("nan")
 
 
@@ -73,6 +88,9 @@ class Diagnosis:
     num_inputs: int
     argmax_agreement: float  # PFP mean-logit argmax == argmax of the MC mean class probabilities
     output: dict[str, np.ndarray] = field(default_factory=dict)  # pfp_mean/var, mc_mean/var (logits)
+    #: like with like: the argmax of PFP's mean class probabilities (its logits' Gaussian sampled through the
+    #: softmax, :func:`sampled_head_probs`) == that of the MC mean probabilities
+    argmax_agreement_probs: float = float("nan")
     # Deterministic parameters of the network that differ from the param store's (store_mismatches).
     mismatches: list[str] = field(default_factory=list)
 
@@ -82,11 +100,15 @@ class Diagnosis:
                 f"{'p10':>7} {'p90':>7}")
         lines = [f"NOTE: {m}" for m in self.mismatches] + [head, "-" * len(head)]
         for r in self.layers:
+            if r.deterministic:
+                lines.append(f"{r.name:<24} {r.op:<11} {str(r.shape):<14} {r.describe_deterministic()}")
+                continue
             lines.append(f"{r.name:<24} {r.op:<11} {str(r.shape):<14} {r.mean_error:11.3f} {r.mean_error_p90:7.3f} "
                          f"{r.ratio_median:13.3f} {r.ratio_p10:7.3f} {r.ratio_p90:7.3f}")
         n = self.num_samples
-        lines.append(f"{n} MC samples, {self.num_inputs} inputs; argmax agreement "
-                     f"{100 * self.argmax_agreement:.1f} %; MC noise floor: mean err median ≈ "
+        lines.append(f"{n} MC samples, {self.num_inputs} inputs; argmax agreement with the MC mean probabilities: "
+                     f"PFP's mean probabilities (sampled head) {100 * self.argmax_agreement_probs:.1f} %, "
+                     f"PFP's mean logits {100 * self.argmax_agreement:.1f} %; MC noise floor: mean err median ≈ "
                      f"{0.67 / math.sqrt(n):.3f}, ratio sd ≈ {math.sqrt(2 / (n - 1)):.3f}")
         lines.append("mean err: median and p90 over elements of |PFP − MC| / MC sd, the sd floored at a tenth of "
                      "the layer's median sd (saturated units)")
@@ -118,6 +140,10 @@ class Diagnosis:
 
 
 class _Capture(torch.fx.Interpreter):
+    """Runs the traced program and records the value of every ``wanted`` node *as that node produced
+    it*: a copy, since a later in-place op (``out += identity``, ``h += x``, ``relu_``) writes into the
+    same tensor (or a view of it), and the layer's recorded output must not be what that op made of it."""
+
     def __init__(self, gm: torch.fx.GraphModule, wanted: set[str]) -> None:
         super().__init__(gm)
         self.wanted = wanted
@@ -126,7 +152,7 @@ class _Capture(torch.fx.Interpreter):
     def run_node(self, n: torch.fx.Node) -> Any:
         out = super().run_node(n)
         if n.name in self.wanted:
-            self.values[n.name] = out
+            self.values[n.name] = out.clone() if isinstance(out, torch.Tensor) else out
         return out
 
 
@@ -174,7 +200,7 @@ def weight_samples(guide: Any, args: tuple, shapes: dict[str, tuple[int, ...]], 
     times instead."""
     try:
         first = pyro.poutine.trace(lambda: call_with_model_args(guide, args)).get_trace()
-        nodes = [s for s in first.nodes.values() if s["type"] == "sample"]
+        nodes: list[Any] = [s for s in first.nodes.values() if s["type"] == "sample"]
         nesting = max([len(s["fn"].batch_shape) for s in nodes] +
                       [-f.dim for s in nodes for f in s["cond_indep_stack"] if f.dim is not None] + [0])
         with pyro.plate("_pyro2pfp_samples", n, dim=-(nesting + 1)):
@@ -188,8 +214,8 @@ def weight_samples(guide: Any, args: tuple, shapes: dict[str, tuple[int, ...]], 
             if value.numel() != n * math.prod(shape):
                 raise ValueError(site)
             value = value.reshape(n, *shape)
-            if n > 1 and bool(torch.all(value == value[:1])) and not bool(torch.all(first.nodes[site]["value"] ==
-                                                                                   value[0])):
+            if n > 1 and torch.equal(value, value[:1].expand_as(value)) and \
+                    not torch.equal(torch.as_tensor(first.nodes[site]["value"]).reshape(shape), value[0]):
                 raise ValueError(site)  # copies of one sample (not a draw per plate entry)
             out[site] = value
         return out
@@ -278,6 +304,17 @@ def model_and_guide(model: Any, guide: Any) -> tuple[Any, Any]:
     return model, guide
 
 
+def sampled_head_probs(mean: np.ndarray, var: np.ndarray, num_samples: int = 1000, seed: int = 0) -> np.ndarray:
+    """PFP's mean class probabilities: the logits' Gaussian ``N(mean, var)`` (independent classes) sampled
+    ``num_samples`` times through the softmax (as :func:`pyro2pfp.uncertainty.uncertainty` does) -- what is
+    compared with the sampled network's mean probabilities, like with like."""
+    z = np.random.default_rng(seed).standard_normal((num_samples, *mean.shape))
+    logits = mean[None] + np.sqrt(np.maximum(var, 0.0))[None] * z
+    logits -= logits.max(axis=-1, keepdims=True)
+    p = np.exp(logits)
+    return (p / p.sum(axis=-1, keepdims=True)).mean(axis=0)
+
+
 def random_elements(mc_mean: np.ndarray, mc_var: np.ndarray) -> np.ndarray:
     """The elements whose sampled variance is not zero up to rounding (the ones a ratio is taken of)."""
     return mc_var > 1e-12 * (mc_mean**2 + 1e-12)
@@ -292,7 +329,9 @@ def layer_fidelity(name: str, op: str, pfp_mean: np.ndarray, pfp_var: np.ndarray
         if fixed.any() else float("nan")
     if not keep.any():
         nan = float("nan")
-        return LayerFidelity(name, op, tuple(pfp_mean.shape[1:]), nan, nan, nan, nan, nan, deterministic_error=det)
+        return LayerFidelity(name, op, tuple(pfp_mean.shape[1:]), nan, nan, nan, nan, nan, deterministic=True,
+                             deterministic_mean_error=float(np.max(np.abs(pfp_mean - mc_mean), initial=0.0)),
+                             deterministic_pfp_var=float(np.max(pfp_var, initial=0.0)), deterministic_error=det)
     sd = np.sqrt(mc_var[keep])
     # A saturated unit's sampled sd is ~0: measure its mean error against a tenth of the layer's median sd.
     floor = SD_FLOOR * float(np.median(sd))
@@ -386,10 +425,12 @@ def _compare(net: Any, model: Any, guide: Any, x: Any, num_samples: int, seed: i
         fast = None
         if not per_layer and out_node:
             parts = [_output_samples(gm, out_node, by_site, draws, inputs) for inputs in chunks]
-            fast = None if any(p is None for p in parts) else torch.cat(parts, 1)[:, :len(xs)]  # type: ignore[misc]
+            done = [p for p in parts if p is not None]
+            fast = torch.cat(done, 1)[:, :len(xs)] if len(done) == len(parts) else None
         for k in range(num_samples):
+            sampled: dict[Any, torch.Tensor]
             if fast is not None:
-                values = {out_node: fast[k]}
+                sampled = {out_node: fast[k]}
             else:
                 for site, param in by_site.items():
                     if site in draws:
@@ -399,16 +440,16 @@ def _compare(net: Any, model: Any, guide: Any, x: Any, num_samples: int, seed: i
                     cap = _Capture(gm, wanted)
                     cap.run(inputs[0], *inputs[1])
                     captured.append(cap.values)
-                values = {node: torch.cat([c[node] for c in captured])[:len(xs)] for node in captured[0]}
-            for node, value in values.items():
+                sampled = {node: torch.cat([c[node] for c in captured])[:len(xs)] for node in captured[0]}
+            for node, value in sampled.items():
                 array = value.double().numpy()
                 stats[node].add(array)
                 if splits:
                     groups[node][k % splits].add(array)
             if out_node is not None:
-                probs.add(torch.softmax(values[out_node].double(), -1).numpy())
+                probs.add(torch.softmax(sampled[out_node].double(), -1).numpy())
                 if samples is not None:
-                    samples.append(values[out_node].double().numpy().copy())
+                    samples.append(sampled[out_node].double().numpy().copy())
     for site, param in by_site.items():
         param.data.copy_(means[site])
     values = (execute or execute_all)(net.plan, xs)
@@ -423,7 +464,10 @@ def _compare(net: Any, model: Any, guide: Any, x: Any, num_samples: int, seed: i
     out = values[net.plan.output]
     agreement = float("nan")
     output: dict[str, np.ndarray] = {"pfp_mean": out.mean, "pfp_var": out.variance()}
+    agreement_probs = float("nan")
     if out_node is not None:
         agreement = float(np.mean(out.mean.argmax(-1) == probs.mean.argmax(-1)))
-        output.update(mc_mean=stats[out_node].mean, mc_var=stats[out_node].var, mc_prob=probs.mean)
-    return Diagnosis(rows, num_samples, len(xs), agreement, output, mismatches)
+        pfp_prob = sampled_head_probs(out.mean, out.variance())
+        agreement_probs = float(np.mean(pfp_prob.argmax(-1) == probs.mean.argmax(-1)))
+        output.update(mc_mean=stats[out_node].mean, mc_var=stats[out_node].var, mc_prob=probs.mean, pfp_prob=pfp_prob)
+    return Diagnosis(rows, num_samples, len(xs), agreement, output, agreement_probs, mismatches)

@@ -53,8 +53,9 @@ class LikelihoodSites(Messenger):
         else:
             self.likelihoods.append((msg["name"], msg["fn"]))
             if msg["value"] is None:
-                msg["value"] = likelihood_mean(msg["fn"])
-                self.placeholders.append(msg["value"])
+                placeholder = likelihood_mean(msg["fn"])
+                msg["value"] = placeholder
+                self.placeholders.append(placeholder)
         msg["done"] = True
         msg["stop"] = True
 

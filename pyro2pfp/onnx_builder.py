@@ -16,7 +16,7 @@ Graph interface::
 
 ``batch`` is a symbolic dimension (dynamic batch).  Operators used: MatMul, Conv, Mul, Add, Sub,
 Div, Neg, Erf, Exp, Sqrt, Max, Min, Greater, Less, Where, Slice, Pad, MaxPool, AveragePool, Relu,
-Reshape, Shape, ConstantOfShape, Identity — nothing custom, default domain, opset 17 or newer.
+Reshape, Concat, Shape, ConstantOfShape, Identity — nothing custom, default domain, opset 17 or newer.
 
 ``Φ(α), Φ(−α)`` are ``½ ± ½·Erf(α/√2)`` (one Erf), as in the TVM kernels.  Max pooling folds
 Clark's max over strided ``Slice`` views of each window offset in row-major order (the reference's
@@ -35,7 +35,7 @@ from typing import Any
 import numpy as np
 
 from . import moments
-from .errors import PFPError, UnsupportedLayerError
+from .errors import ArgumentError, PFPError, UnsupportedLayerError
 from .graph import INPUT, Repr
 from .plan import PlannedGraph, PlannedLayer
 from .registry import add_to
@@ -295,6 +295,18 @@ class OnnxContext:
         """``t`` reshaped to ``(batch, *shape)``."""
         return t.nary("Reshape", self.b.ints([-1, *shape], "shape"))
 
+    @staticmethod
+    def concat(ts: list[Sym], axis: int) -> Sym:
+        """``ts`` joined along per-sample axis ``axis`` (the batch axis kept first)."""
+        return ts[0] if len(ts) == 1 else ts[0].nary("Concat", *ts[1:], axis=axis + 1)
+
+    def zeros_like(self, t: Sym) -> Sym:
+        """Exact zeros of ``t``'s (dynamic) shape (not ``0·t``, which is NaN where ``t`` is infinite)."""
+        from onnx import TensorProto, helper
+
+        zero = helper.make_tensor("zero", TensorProto.FLOAT, [1], [0.0])
+        return Sym(self.b, self.b.node("ConstantOfShape", [self.b.node("Shape", [t.name])], value=zero))
+
 
 Exporter = Callable[[OnnxContext, PlannedLayer, list[OnnxActivation]], OnnxActivation]
 EXPORTERS: dict[str, Exporter] = {}
@@ -354,7 +366,10 @@ def build_model(net: Any, *, opset: int = DEFAULT_OPSET, graph_name: str | None 
         values = {INPUT: OnnxActivation(Sym(b, "x"), Sym(b, "x_var"), V)}
 
     # shared-factor PFP: its rules after each layer's export (pyro2pfp/correlation/onnx_step.py)
-    step = SCHEME_STEPS["shared-factor"](graph, ctx) if graph.factors is not None else None
+    if graph.factors is not None and graph.factors.scheme not in SCHEME_STEPS:
+        raise ArgumentError(f"ONNX export has no rules for correlation={graph.factors.scheme!r} yet; "
+                            "net.reference runs it, or convert with correlation='shared-factor' or 'mean-field'")
+    step = SCHEME_STEPS[graph.factors.scheme](graph, ctx) if graph.factors is not None else None
     for layer in graph.layers:
         b.scope = layer.name
         layer_inputs = [values[name] for name in layer.inputs]

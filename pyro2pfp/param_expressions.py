@@ -98,7 +98,8 @@ class ParamExpressions:
                 return a
             args = torch.fx.node.map_aggregate(node.args, arg)
             kwargs = {k: v for k, v in torch.fx.node.map_aggregate(node.kwargs, arg).items() if k != "dtype"}
-            return np.asarray(node.target(*args, **kwargs).detach().numpy(), dtype=np.float64).copy()
+            target: Any = node.target
+            return np.asarray(target(*args, **kwargs).detach().numpy(), dtype=np.float64).copy()
 
         if not random:
             mean = run("mean")
@@ -120,7 +121,7 @@ class ParamExpressions:
             "layer uses the sample site itself.")
 
     def _expand(self, node: torch.fx.Node, source: GaussianParam, site: str) -> GaussianParam:
-        sizes = list(node.args[1])
+        sizes: list[Any] = list(node.args[1])  # type: ignore[arg-type]
         shape = list(source.shape)
         extra = len(sizes) - len(shape)
         own = [s if not isinstance(s, int) or s != -1 else shape[i] for i, s in enumerate(sizes[extra:])]

@@ -120,11 +120,14 @@ class FactorSpec:
     ``(μ, v)``: its shared part is dropped (exact: nothing after it sums anything);
     ``hermite_block``: with a shared input (and ``hermite='factor'``) the op creates a factor block
     of its channels (ReLU's second Hermite term); ``refuse(layer)``: why the rule cannot run this
-    layer (None: it can), e.g. a grouped convolution."""
+    layer (None: it can), e.g. a grouped convolution; ``joins_rows``: the op stacks its inputs' rows
+    (a concatenation along the channel axis), so every input with a shared part must have its rows as
+    its first axis (not a flattened conv output, whose rows are groups of positions)."""
 
     terminal: bool = False
     hermite_block: bool = False
     refuse: Callable[[Any], str | None] | None = None
+    joins_rows: bool = False
 
 
 @dataclass(frozen=True)
@@ -196,7 +199,13 @@ rules (``step``: the :class:`~pyro2pfp.correlation.onnx_step.OnnxSharedStep` and
 SHARED_KERNELS: dict[str, Callable[..., Any]] = {}
 """``{op: rule(step, ctx, layer, inputs, shared, out) -> (shared part, out)}``: the TE kernels of the
 rules (``step``: the ``tvm_backend.shared_factor.SharedStep``; filled when ``tvm_backend`` is imported)."""
+COMPACT_REFERENCES: dict[str, Callable[..., Any]] = {}
+"""``{op: rule(layer, inputs, loadings, plan, mean, var) -> (loadings, mean, var)}``: the float64 rules of
+the compact factor plan (:mod:`pyro2pfp.correlation.compact`: explicit loadings, global and per-channel
+block columns; :func:`~pyro2pfp.correlation.compact.execute_compact_all` runs them after each layer's
+reference; an activation without a rule here takes the generic Stein rule)."""
 shared_reference = add_to(SHARED_REFERENCES, "shared-factor rule of op")
+compact_reference = add_to(COMPACT_REFERENCES, "compact factor rule of op")
 shared_exporter = add_to(SHARED_EXPORTERS, "shared-factor ONNX export of op")
 shared_kernel = add_to(SHARED_KERNELS, "shared-factor TVM kernel of op")
 

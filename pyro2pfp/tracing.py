@@ -34,14 +34,22 @@ from . import ops as _ops  # noqa: F401  (registers the converters that _check_s
 from . import random_module, trace_forms
 from .converters import CONVERTERS, unsupported_message
 from .errors import PosteriorError, TracingError, UnsupportedLayerError
-from .graph import GaussianParam
+from .graph import GaussianParam, GuideFactorInfo
 from .model_args import TracedArgs
 from .model_checks import check_has_forward, checked_input_shape, first_linear, modules_of_function, warn_train_mode
 from .model_output import LikelihoodSites, network_output
 from .noise import HeteroscedasticNoise, NoiseModel, NoNoiseModel, find_noise, read_head, scale_depends_on_input
 from .output_chain import check_output, trailing_chain_nodes
 from .param_expressions import input_dependent
-from .posterior import ModelArgs, SiteReading, call_failure, call_with_model_args, read_posterior, unwrap_independent
+from .posterior import (
+    ModelArgs,
+    SiteReading,
+    call_failure,
+    call_with_model_args,
+    guide_factors,
+    read_posterior,
+    unwrap_independent,
+)
 from .posterior.readers import padded_parameters
 from .posterior.registrations import Registration, module_tensors, registered_parameters, take_store_values
 from .preserve import module_changes_undone, reachable_modules
@@ -91,6 +99,8 @@ class TracedModel:
     # A model that fixes the batch size while traced (len(x) for its plate) is traced at this fixed batch size;
     # the network is proven the same at every batch size, but the program runs at this one only. None: any.
     static_batch: int | None = None
+    # A correlated guide's global factors (their loadings are in params[...].factors).
+    guide_factors: GuideFactorInfo | None = None
 
     def regression(self) -> bool:
         """Whether the network's output is the mean (and scale) of a Normal likelihood (a regression),
@@ -230,7 +240,8 @@ class _Wrapper(torch.nn.Module):
         args = self.traced_args.call(x, batched) if self.traced_args is not None else (x,)
         sites = LikelihoodSites(self._latent)
         with sites:
-            out = network_output(call_with_model_args(self.traced, args), sites)
+            traced: Any = self.__dict__["traced"]
+            out = network_output(call_with_model_args(traced, args), sites)
         if not self.probe_head:
             return out
         normals = [(name, unwrap_independent(fn)) for name, fn in sites.likelihoods]
@@ -421,7 +432,7 @@ def _pyro_sample_weights(model: Any, readings: dict[str, SiteReading], guide: An
                                  f"the model's prior (parameter {path}) has shape {expected}. Was the guide (or the "
                                  "param store it was loaded from) trained for a model of other sizes? Give the "
                                  "guide's site the prior's shape, or convert the model it was trained for.")
-        params[path] = GaussianParam(reading.mean, reading.var, site=site)
+        params[path] = GaussianParam(reading.mean, reading.var, site=site, factors=reading.factors)
     return params
 
 
@@ -541,6 +552,7 @@ def _trace(model: Any, guide: Any, input_shape: tuple[int, ...], check_posterior
     originals = module_tensors(reachable_modules(model, guide))  # before reading syncs them with the store
     readings = read_posterior(model, guide, example, weight_sites=pyro_sample_sites.values(),
                               check=check_posterior)
+    factors = guide_factors(guide, readings)
     lifted = random_module.lifted_submodule(model, list(readings)) \
         if isinstance(model, torch.nn.Module) and not pyro_sample_sites else None
     if lifted is not None:  # the net a pyro.random_module model lifts (or a module holding it) as the model
@@ -600,7 +612,7 @@ def _trace(model: Any, guide: Any, input_shape: tuple[int, ...], check_posterior
     for path, site in exported_weights.items():
         reading = readings[site]
         assert reading.mean is not None and reading.var is not None
-        params[path] = GaussianParam(reading.mean, reading.var, site=site)
+        params[path] = GaussianParam(reading.mean, reading.var, site=site, factors=reading.factors)
     _warn_moment_matched(params, readings)
 
     for name, param in program.named_parameters():
@@ -620,6 +632,7 @@ def _trace(model: Any, guide: Any, input_shape: tuple[int, ...], check_posterior
                        constants=constants, static_batch=static_batch,
                        model_name=model_name, forward_name=_forward_name(model),
                        nonweight_sites={site: readings[site] for site in sorted(nonweights)},
+                       guide_factors=None if factors is None else factors.info(),
                        noise=head if head is not None else find_noise(model, readings, nonweights, input_shape,
                                                                         wrapper.traced_args.at))
 

@@ -75,7 +75,7 @@ def param_sites(fn: Callable[..., Any], args: tuple, replay: Any = None) -> list
     run = poutine.replay(fn, trace=replay) if replay is not None else fn
     with torch.no_grad(), poutine.block(), pyro.validation_enabled(False), LikelihoodSites():
         trace = poutine.trace(lambda: call_with_model_args(run, args)).get_trace()
-    return [(site["name"], site["args"][1] if len(site["args"]) > 1 else None)
+    return [(str(site["name"]), site["args"][1] if len(site["args"]) > 1 else None)
             for site in trace.nodes.values() if site["type"] == "param"]
 
 
@@ -116,7 +116,7 @@ def registered_parameters(model: Any, guide: Any, args: tuple, modules: Iterable
     try:
         with torch.no_grad(), poutine.block(), pyro.validation_enabled(False):
             guide_trace = poutine.trace(lambda: call_with_model_args(guide, args)).get_trace()
-        sites += [(site["name"], site["args"][1] if len(site["args"]) > 1 else None)
+        sites += [(str(site["name"]), site["args"][1] if len(site["args"]) > 1 else None)
                   for site in guide_trace.nodes.values() if site["type"] == "param"]
         sites += param_sites(model, args, replay=guide_trace)
     except Exception:  # noqa: S110  the model or guide fails on these arguments: tracing it names why
@@ -140,4 +140,5 @@ def take_store_values(registrations: Iterable[Registration]) -> None:
     ``pyro.module(name, net, update_module_params=True)`` does); the caller restores the modules."""
     store = pyro.get_param_store()
     for reg in registrations:
-        reg.module._parameters[reg.attr] = store[reg.name]
+        parameters: dict[str, Any] = reg.module._parameters
+        parameters[reg.attr] = store[reg.name]
