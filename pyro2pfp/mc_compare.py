@@ -191,19 +191,27 @@ def _guide_sample(guide: Any, args: tuple) -> dict[str, torch.Tensor]:
             if site["type"] == "sample"}
 
 
+VMAP_CHUNK = 64  # weight samples per vectorised forward pass
+SAMPLE_DIM = 10  # the samples' plate: left of every batch dimension a guide's sites have (weights have none)
+
+
+def _has_variance(fn: Any) -> bool:
+    """Whether a site's distribution spreads (a Normal's scale above 0; True when it cannot tell)."""
+    try:
+        return bool(torch.as_tensor(fn.variance).max() > 0)
+    except Exception:  # noqa: BLE001  no closed-form variance
+        return True
+
+
 def weight_samples(guide: Any, args: tuple, shapes: dict[str, tuple[int, ...]], n: int) -> dict[str, torch.Tensor]:
     """``n`` samples of the guide's sites ``shapes`` (``{site: shape}``), as ``{site: (n, *shape) tensor}``.
 
     Drawn in one run of the guide inside a ``pyro.plate`` of size ``n`` left of every batch dimension its
-    sites have (as ``Predictive(parallel=True)`` does); a guide that does not vectorise that way -- it fails, a
-    site comes out with another number of entries, or a random site with ``n`` identical copies -- is run ``n``
-    times instead."""
+    sites may have (at dimension -:data:`SAMPLE_DIM`, as ``Predictive(parallel=True)`` puts its plate left of
+    the model's); a guide that does not vectorise that way -- it fails, a site comes out with another number
+    of entries, or a site with a variance comes out as ``n`` identical copies -- is run ``n`` times instead."""
     try:
-        first = pyro.poutine.trace(lambda: call_with_model_args(guide, args)).get_trace()
-        nodes: list[Any] = [s for s in first.nodes.values() if s["type"] == "sample"]
-        nesting = max([len(s["fn"].batch_shape) for s in nodes] +
-                      [-f.dim for s in nodes for f in s["cond_indep_stack"] if f.dim is not None] + [0])
-        with pyro.plate("_pyro2pfp_samples", n, dim=-(nesting + 1)):
+        with pyro.plate("_pyro2pfp_samples", n, dim=-SAMPLE_DIM):
             trace = pyro.poutine.trace(lambda: call_with_model_args(guide, args)).get_trace()
         out = {}
         for site, shape in shapes.items():
@@ -214,8 +222,7 @@ def weight_samples(guide: Any, args: tuple, shapes: dict[str, tuple[int, ...]], 
             if value.numel() != n * math.prod(shape):
                 raise ValueError(site)
             value = value.reshape(n, *shape)
-            if n > 1 and torch.equal(value, value[:1].expand_as(value)) and \
-                    not torch.equal(torch.as_tensor(first.nodes[site]["value"]).reshape(shape), value[0]):
+            if n > 1 and torch.equal(value, value[:1].expand_as(value)) and _has_variance(node["fn"]):
                 raise ValueError(site)  # copies of one sample (not a draw per plate entry)
             out[site] = value
         return out
@@ -268,7 +275,7 @@ def _output_samples(gm: torch.fx.GraphModule, out_node: str, by_site: dict[str, 
         batched = torch.func.vmap(run)
         stacked = [draws[site] for site in keys]
         n = stacked[0].shape[0] if stacked else 0
-        chunks = [batched(*[t[i:i + 16] for t in stacked]) for i in range(0, n, 16)]
+        chunks = [batched(*[t[i:i + VMAP_CHUNK] for t in stacked]) for i in range(0, n, VMAP_CHUNK)]
         return torch.cat(chunks) if chunks else None
     except Exception:  # noqa: BLE001  an op without a batching rule: run per sample
         return None
@@ -441,15 +448,17 @@ def _compare(net: Any, model: Any, guide: Any, x: Any, num_samples: int, seed: i
                     cap.run(inputs[0], *inputs[1])
                     captured.append(cap.values)
                 sampled = {node: torch.cat([c[node] for c in captured])[:len(xs)] for node in captured[0]}
-            for node, value in sampled.items():
-                array = value.double().numpy()
+            arrays = {node: value.double().numpy() for node, value in sampled.items()}
+            for node, array in arrays.items():
                 stats[node].add(array)
                 if splits:
                     groups[node][k % splits].add(array)
             if out_node is not None:
-                probs.add(torch.softmax(sampled[out_node].double(), -1).numpy())
+                logits = arrays[out_node]
+                e = np.exp(logits - logits.max(-1, keepdims=True))  # softmax in NumPy: tiny arrays, no threads
+                probs.add(e / e.sum(-1, keepdims=True))
                 if samples is not None:
-                    samples.append(sampled[out_node].double().numpy().copy())
+                    samples.append(logits.copy())
     for site, param in by_site.items():
         param.data.copy_(means[site])
     values = (execute or execute_all)(net.plan, xs)
