@@ -191,6 +191,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="after converting, compare the output moments with 150 samples of the guide on these "
                         "inputs (a few, e.g. 16; ~150 forward passes of them) and warn, naming the first layer "
                         "that parts from sampling, when they differ beyond the sampling noise (convert(check=x))")
+    p.add_argument("--no-check", action="store_true",
+                   help="skip the spot check every conversion ends with (64 guide samples on two inputs; a gross "
+                        "difference from the network is an error naming the first layer that departs; "
+                        "convert(check=False))")
     p.set_defaults(func=cmd_convert)
 
     p = sub.add_parser("inspect", formatter_class=formatter, help="print the layer plan of a model or file",

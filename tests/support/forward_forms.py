@@ -41,15 +41,9 @@ from pyro.infer.autoguide import AutoDiagonalNormal, AutoNormal
 from pyro.nn import PyroModule, PyroSample
 from pyro.nn.module import to_pyro_module_
 
-D_IN, HIDDEN, CLASSES = 8, 16, 3
-N_TRAIN, N_TEST, STEPS = 128, 16, 200
-MC_SAMPLES = 600
-
-
-def data(n: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
-    g = torch.Generator().manual_seed(seed)
-    x = torch.randn(n, D_IN, generator=g)
-    return x, (x[:, 0] > 0).long() + (x[:, 1] > 0.5).long()
+if __name__ == "__main__":  # run as a worker script: the repository root on the path, for tests.support
+    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
+from tests.support.store_forms import CLASSES, D_IN, HIDDEN, MC_SAMPLES, N_TEST, N_TRAIN, STEPS, data  # noqa: E402
 
 
 # -------------------------------------------------------------------- pyro.module + to_pyro_module_ + exp

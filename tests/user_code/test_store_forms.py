@@ -12,13 +12,11 @@ found them.
 """
 from __future__ import annotations
 
-import subprocess
-import sys
-
 import numpy as np
 import pytest
 
 from tests.support import store_forms as forms
+from tests.support.cross_process import assert_matches_sampling, train_then_convert
 
 pytestmark = pytest.mark.slow  # trains, and converts in fresh processes
 
@@ -30,25 +28,14 @@ STALE = {"rm-notebook": "module$$$fc1.weight", "rm-notebook-net": "module$$$fc1.
 
 @pytest.fixture(scope="module")
 def converted(tmp_path_factory):
-    out = tmp_path_factory.mktemp("store_forms")
-    for step in ("train", "convert"):
-        result = subprocess.run([sys.executable, forms.__file__, step, str(out)], capture_output=True, text=True,
-                                timeout=1200)
-        assert result.returncode == 0, f"{step} failed:\n{result.stderr[-3000:]}"
-    return out
+    return train_then_convert(forms.__file__, tmp_path_factory.mktemp("store_forms"))
 
 
 @pytest.mark.parametrize("name", forms.ENTRIES)
 def test_converts_with_the_stores_values_in_a_fresh_process(name, converted):
     truth = np.load(converted / f"{forms.TRAINED_AS.get(name, name)}-truth.npz")
     pfp = np.load(converted / f"{name}-pfp.npz")
-    se = np.sqrt(truth["var"] / forms.MC_SAMPLES)
-    assert np.median(np.abs(truth["mean"]) / se) > 20  # trained: far from the initial logits
-    z = np.abs(pfp["mean"] - truth["mean"]) / se
-    assert z.max() <= 4.5 and np.median(z) <= 1.5, (z.max(), np.median(z))
-    ratio = np.median(pfp["var"] / truth["var"])
-    assert 0.85 <= ratio <= 1.18, ratio
-    assert bool(pfp["unchanged"]), "convert changed the user's modules"
+    assert_matches_sampling(truth, pfp, forms.MC_SAMPLES)
     summary = str(pfp["summary"])
     assert len(pfp["stale"]) > 0 and STALE[name] in summary and "module object holds other values" in summary, \
         summary
