@@ -243,3 +243,10 @@ def test_cli_convert_check(tmp_path, capsys):
                  "-o", str(out)]) == 0
     assert "fidelity check passed: 150 guide samples on 4 inputs" in capsys.readouterr().out
     assert out.exists()
+    builder = str(tmp_path / "builder.py") + ":build"
+    assert main(["convert", builder, "-o", str(out)]) == 0  # the spot check every conversion ends with
+    assert "spot check, 64 guide samples on 2 inputs" in capsys.readouterr().out
+    assert main(["convert", builder, "--no-check", "-o", str(out)]) == 0
+    assert "spot check" not in capsys.readouterr().out
+    assert main(["convert", builder, "--no-check", "--check", str(tmp_path / "x.npy"), "-o", str(out)]) == 1
+    assert "--check X.npy and --no-check: give one" in capsys.readouterr().err
