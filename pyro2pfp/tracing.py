@@ -15,7 +15,6 @@ each one is looked up by the site the parameter came from (recorded while buildi
 from __future__ import annotations
 
 import copy
-import difflib
 import functools
 import re
 import warnings
@@ -30,16 +29,14 @@ from pyro.infer.autoguide import AutoGuide
 from pyro.nn import PyroModule
 from pyro.nn.module import _make_name
 
-from . import ops as _ops  # noqa: F401  (registers the converters that _check_supported_ops consults)
 from . import random_module, trace_forms
-from .converters import CONVERTERS, unsupported_message
 from .errors import PosteriorError, TracingError, UnsupportedLayerError
 from .graph import GaussianParam, GuideFactorInfo
 from .model_args import TracedArgs
 from .model_checks import check_has_forward, checked_input_shape, first_linear, modules_of_function, warn_train_mode
 from .model_output import LikelihoodSites, network_output
 from .noise import HeteroscedasticNoise, NoiseModel, NoNoiseModel, find_noise, read_head, scale_depends_on_input
-from .output_chain import check_output, trailing_chain_nodes
+from .output_chain import check_output
 from .param_expressions import input_dependent
 from .posterior import (
     ModelArgs,
@@ -53,17 +50,13 @@ from .posterior import (
 from .posterior.readers import padded_parameters
 from .posterior.registrations import Registration, module_tensors, registered_parameters, take_store_values
 from .preserve import module_changes_undone, reachable_modules
+from .program_checks import check_batch_independent, check_supported_ops
 from .site_matching import check_all_matched, guide_name, require_weight_posterior
 from .trace_passes import (
-    compute_ops,
     fold_identity_broadcasts,
     fold_output_broadcast,
     repair_users,
-    tensor_ops,
-    torch_module,
     used_parameters,
-    user_line,
-    user_source,
 )
 from .tracing_guard import check_against_model, check_store_values, store_names
 
@@ -263,57 +256,6 @@ def _functional_means(readings: dict[str, SiteReading], pyro_sample_sites: set[s
     shape where the posterior has no mean: an error later, if the site turns out to be a weight)."""
     return {site: torch.as_tensor(r.mean, dtype=torch.float32) if r.mean is not None else torch.zeros(r.shape)
             for site, r in readings.items() if site not in pyro_sample_sites}
-
-
-def _check_supported_ops(program: torch.export.ExportedProgram, model_name: str) -> None:
-    """Raise :class:`UnsupportedLayerError` for the first op the output depends on that has no PFP
-    converter, naming the built-in torch module it is computed in (``attn`` (nn.MultiheadAttention)),
-    before anything else compares or converts the graph."""
-    chain = trailing_chain_nodes(program)  # a final normalisation: stripped later (pyro2pfp.output_chain)
-    reached = input_dependent(program.graph, set(program.graph_signature.user_inputs))
-    for node in tensor_ops(program):
-        target = str(node.target)
-        if target in CONVERTERS or target.startswith("aten.sym_") or node in chain or node not in reached:
-            continue  # (not reached from the input: a weight computed from parameters, param_expressions)
-        op = target.removesuffix(".default")
-        module = torch_module(node, _WRAPPER_PREFIX)
-        if module is None:
-            raise UnsupportedLayerError(unsupported_message(f"{model_name} ({op}) at {user_source(node)}"))
-        path, cls = module
-        raise UnsupportedLayerError(unsupported_message(f"`{path}` ({cls})", f": {path} ({op}) has no PFP rule"))
-
-
-def _check_batch_independent(program: torch.export.ExportedProgram, wrapper: _Wrapper,
-                             input_shape: tuple[int, ...]) -> None:
-    """Raise :class:`TracingError` if ``forward`` computes something else at batch 1.
-
-    The program is traced with a symbolic batch, which torch assumes to be ≥ 2 (sizes 0 and 1 are
-    specialised), so ``if x.shape[0] > 1:`` is baked in without a guard.  A second trace at batch 1
-    must run the same computing ops in the same order, or the converted network would be wrong there.
-    Compared are the tensor ops the output depends on (arithmetic on the symbolic batch size exists
-    at batch ≥ 2 only); a difference inside a built-in torch module is torch lowering the same
-    module differently at batch 1, not a branch in the model, and is passed over.
-    """
-    assert wrapper.traced_args is not None
-    single = _export(wrapper, wrapper.traced_args.inputs(1), input_shape, dynamic=False)
-    fold_identity_broadcasts(single)
-    ops, ops1 = compute_ops(program), compute_ops(single)
-    keys, keys1 = ([(str(n.target), str(torch_module(n))) for n in nodes] for nodes in (ops, ops1))
-    matcher = difflib.SequenceMatcher(a=keys, b=keys1, autojunk=False)
-    for tag, i1, i2, j1, j2 in matcher.get_opcodes():
-        if tag == "equal":
-            continue
-        differing = [n for n in [*ops[i1:i2], *ops1[j1:j2]] if torch_module(n) is None]
-        if not differing:
-            continue
-        a = ops[i1] if i1 < i2 else None
-        b = ops1[j1] if j1 < j2 else None
-        where = user_line(differing[0])
-        first, second = (n.target if n is not None else "nothing" for n in (a, b))
-        raise TracingError(
-            f"the model computes differently at batch 1 than at batch ≥ 2 ({first} vs {second} at {where}): "
-            "forward() branches on the batch "
-            "size (e.g. `if x.shape[0] > 1:`). PFP needs one network for every batch size: remove the branch.")
 
 
 def _user_model_name(model: Any) -> str:
@@ -580,8 +522,10 @@ def _trace(model: Any, guide: Any, input_shape: tuple[int, ...], check_posterior
         extra_names = list(wrapper.traced_args.batched_names)
         if not wrapper.probe_head:  # else the program ends at the network output once the head is read
             check_output(program, model, extra_names)
-            _check_supported_ops(program, _forward_name(model))
-        _check_batch_independent(program, wrapper, input_shape)
+            check_supported_ops(program, _forward_name(model), _WRAPPER_PREFIX)
+        single = _export(wrapper, wrapper.traced_args.inputs(1), input_shape, dynamic=False)
+        fold_identity_broadcasts(single)
+        check_batch_independent(program, single)
     traced_paths = [name.removeprefix(_WRAPPER_PREFIX) for name, _ in program.named_parameters()]
     in_store = store_names(model, registrations, nets, traced_paths)
     check_store_values({name.removeprefix(_WRAPPER_PREFIX): p.detach().to(torch.float64).numpy()
@@ -598,7 +542,7 @@ def _trace(model: Any, guide: Any, input_shape: tuple[int, ...], check_posterior
     head = _end_at_head(program, next(iter(wrapper.head_site))) if wrapper.probe_head else None
     if head is not None:
         check_output(program, model, extra_names)
-        _check_supported_ops(program, _forward_name(model))
+        check_supported_ops(program, _forward_name(model), _WRAPPER_PREFIX)
 
     exported_weights, nonweights = _classify_exported_sites(wrapper, lifted_paths, program, readings, guide)
     unused_samples = _split_pyro_samples(program, pyro_sample_sites, params, readings, guide)
