@@ -78,13 +78,13 @@ def _read_chunk(batch: dict[str, np.ndarray], shards: list[Shard]) -> dict[str, 
 
 def _progress_printer(total: int, interactive: bool) -> Callable[[int, int, bool], None]:
     start = time.perf_counter()
-    last = [start]
+    last = [start, -1.0]  # time and row count of the last line
 
     def show(done: int, shards_done: int, final: bool = False) -> None:
         now = time.perf_counter()
-        if not final and now - last[0] < (2.0 if interactive else 5.0):
+        if (not final and now - last[0] < (2.0 if interactive else 5.0)) or done == last[1]:
             return
-        last[0] = now
+        last[0], last[1] = now, done
         rate = done / max(now - start, 1e-9)
         print(f"scored {done:,}/{total:,} rows, {shards_done} shard(s) written, {rate:,.0f} rows/s",
               file=sys.stderr, flush=True)
@@ -96,7 +96,8 @@ def score_files(models: Sequence[str | os.PathLike | ModelFiles], inputs: Sequen
                 workers: int | None = None, cpus_per_worker: float | None = None, batch_size: int = 256,
                 rows_per_block: int | None = None, column: str | None = None, metrics: bool = False,
                 num_samples: int = 100, seed: int = 0, ray_address: str | None = None,
-                progress: bool = True, scorer: type[Scorer] = Scorer) -> ScoreReport:
+                progress: bool = True, scorer: type[Scorer] = Scorer,
+                scorer_kwargs: dict[str, Any] | None = None) -> ScoreReport:
     """Score every row of ``inputs`` (files or directories of ``.npy``/``.npz``/Parquet shards) with the
     first of ``models`` each worker can run, writing ``output_dir/<shard>.parquet`` per shard: the
     shard's ``row`` index, its passed-through id columns, ``mean``, ``var`` and, with ``metrics``, the
@@ -106,14 +107,15 @@ def score_files(models: Sequence[str | os.PathLike | ModelFiles], inputs: Sequen
     process is connected to, else a local one with this machine's CPUs (shut down at the end).
     ``workers``: scoring actors (default one per CPU of the cluster); ``cpus_per_worker``: logical CPUs
     each (default :func:`actor_cpus`); ``batch_size``: rows per call of the network;
-    ``rows_per_block``: rows per read task and object-store block (default ``16 * batch_size``).
-    ``scorer``: the actor class (a subclass of :class:`~pyro2pfp.scoring.Scorer`).
+    ``rows_per_block``: rows per read task and object-store block (default ``16 * batch_size``, fewer if
+    that gives a worker less than two blocks).
+    ``scorer``: the actor class (a subclass of :class:`~pyro2pfp.scoring.Scorer`), ``scorer_kwargs``:
+    more of its keyword arguments.
     """
     import ray
 
     if batch_size < 1:
         raise PFPError(f"batch_size must be >= 1, got {batch_size}")
-    rows_per_block = rows_per_block or 16 * batch_size
     os.makedirs(output_dir, exist_ok=True)
     report = ScoreReport()
     shards, outputs = _plan(expand_inputs(inputs), output_dir, column, report)
@@ -132,13 +134,17 @@ def score_files(models: Sequence[str | os.PathLike | ModelFiles], inputs: Sequen
     try:
         ctx = ray.data.DataContext.get_current()
         ctx.execution_options.preserve_order = True
+        ctx.raise_original_map_exception = True  # a worker's PFPError reaches the driver as it was raised
         ctx.enable_progress_bars = bool(progress) and sys.stderr.isatty()
         nodes = [n["Resources"].get("CPU", 0.0) for n in ray.nodes() if n.get("Alive")]
         report.workers = workers or max(1, int(sum(nodes)))
         report.cpus_per_worker = cpus_per_worker or actor_cpus(nodes)
-        kwargs = dict(metrics=metrics, num_samples=num_samples, seed=seed, id_columns=[SHARD, ROW],
-                      num_threads=max(1, int(report.cpus_per_worker + 0.5)))
+        kwargs = {"metrics": metrics, "num_samples": num_samples, "seed": seed, "id_columns": [SHARD, ROW],
+                  "num_threads": max(1, int(report.cpus_per_worker + 0.5)), **(scorer_kwargs or {})}
         pending = [i for i, s in enumerate(shards) if s.path not in report.failed]
+        if rows_per_block is None:  # 16 batches, or fewer so that every worker gets two blocks
+            per_worker = -(-sum(shards[i].rows for i in pending) // (2 * report.workers * batch_size))
+            rows_per_block = batch_size * max(1, min(16, per_worker))
         t0 = time.perf_counter()
         while pending:
             try:
@@ -148,6 +154,9 @@ def score_files(models: Sequence[str | os.PathLike | ModelFiles], inputs: Sequen
             except Exception as exc:  # noqa: BLE001 -- Ray wraps the workers' errors
                 path, message = _failed_shard(exc, shards)
                 if path is None or path not in {shards[i].path for i in pending}:
+                    original = _original(exc, PFPError)
+                    if original is not None and original is not exc:
+                        raise original from None  # a worker's error about no one shard (the models, ...)
                     raise
                 report.failed[path] = message
                 pending = [i for i in pending if shards[i].path not in report.failed
@@ -233,11 +242,11 @@ def _run(ray: Any, shards: list[Shard], outputs: list[str], pending: list[int], 
                             "for them. Please report it")
 
 
-def _failed_shard(exc: BaseException, shards: list[Shard]) -> tuple[str | None, str]:
-    """The input shard an error of the pipeline is about and the message for it, or ``(None, "")``.
-    Ray wraps a worker's exception (``RayTaskError``, whose ``cause`` is the original, and Ray Data's
-    ``UserCodeException`` raised from it): the original is looked for along the chain."""
+def _chain(exc: BaseException) -> list[BaseException]:
+    """``exc`` and the exceptions it wraps, the originals first where Ray wrapped one: a
+    ``RayTaskError``'s ``cause`` (its own text holds the remote traceback), ``__cause__``, ``__context__``."""
     seen: set[int] = set()
+    out: list[BaseException] = []
     todo: list[BaseException | None] = [exc]
     while todo:
         e = todo.pop()
@@ -245,9 +254,24 @@ def _failed_shard(exc: BaseException, shards: list[Shard]) -> tuple[str | None, 
             continue
         seen.add(id(e))
         cause = getattr(e, "cause", None)
-        if isinstance(cause, BaseException):  # a RayTaskError: its str() holds the remote traceback
+        if isinstance(cause, BaseException):
             todo.append(cause)
             continue
+        out.append(e)
+        todo.extend([e.__context__, e.__cause__])
+    return out
+
+
+def _original(exc: BaseException, kind: type[BaseException]) -> BaseException | None:
+    """The first exception of type ``kind`` in :func:`_chain`, or ``None``."""
+    return next((e for e in _chain(exc) if isinstance(e, kind)), None)
+
+
+def _failed_shard(exc: BaseException, shards: list[Shard]) -> tuple[str | None, str]:
+    """The input shard an error of the pipeline is about and the message for it, or ``(None, "")``: a
+    :class:`~pyro2pfp.shards.ShardError`, or a scorer's error naming rows of a shard (the shard of its
+    first non-finite row when a batch spans two)."""
+    for e in _chain(exc):
         if isinstance(e, ShardError):
             return e.shard, str(e)
         rows = getattr(e, "rows", None)
@@ -255,5 +279,4 @@ def _failed_shard(exc: BaseException, shards: list[Shard]) -> tuple[str | None, 
             first_bad = getattr(e, "first_bad", None) or {}
             path = shards[int(first_bad.get(SHARD, rows[SHARD][0]))].path
             return path, f"{path}: {e}"
-        todo.extend([e.__cause__, e.__context__])
     return None, ""
