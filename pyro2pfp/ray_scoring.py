@@ -128,7 +128,8 @@ def score_files(models: Sequence[str | os.PathLike | ModelFiles], inputs: Sequen
     if not ray.is_initialized():
         from .tvm_runtime import available_cpus
 
-        kwargs: dict[str, Any] = {"address": ray_address} if ray_address else {"num_cpus": len(available_cpus())}
+        kwargs: dict[str, Any] = ({"address": ray_address} if ray_address
+                                  else {"address": "local", "num_cpus": len(available_cpus())})
         ray.init(include_dashboard=False, configure_logging=True, logging_level=logging.WARNING, **kwargs)
         started = True
     try:

@@ -9,8 +9,10 @@ from .files import CLIError
 
 
 def cmd_score(args: argparse.Namespace) -> int:
+    from ..ray_scoring import score_files
+
     try:
-        from ..ray_scoring import score_files
+        import ray  # noqa: F401 -- score_files imports it when it runs; say here what is missing
     except ModuleNotFoundError as exc:
         if exc.name is None or exc.name.partition(".")[0] != "ray":
             raise
