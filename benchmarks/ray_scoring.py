@@ -120,6 +120,7 @@ def main() -> None:
     from pyro2pfp.tvm_runtime import available_cpus
 
     cpus = len(available_cpus())
+    load_before = os.getloadavg()[0]
     tmp = tempfile.mkdtemp(prefix="ray_scoring_")
     path = export_lenet(tmp, args.target)
     x = digits(args.rows)
@@ -174,6 +175,11 @@ def main() -> None:
                f"2 workers / 1 worker (marginal rows/s): **{two / one:.2f}x**; Ray's overhead at 1 worker against "
                f"the 1-thread loop: **{overhead:+.0%}** ({per_row:+.1f} µs per row); 1 worker's wall rate against "
                f"the loop: {loop[1] / ray_rates[1][0] - 1:+.0%} (worker start-up included).")
+    load = max(load_before, os.getloadavg()[0])
+    if load > 0.5 * cpus:  # other processes took CPU time from the runs
+        summary += (f" **The machine was loaded** (load average up to {load:.1f} on {cpus} CPUs): other processes "
+                    "took CPU time from the runs, so these figures do not measure the scorer; rerun on a quiet "
+                    "machine.")
     sizing_rows = [[name, workers, f"{per:g}", f"{rate:,.0f}"] for name, (rate, workers, per) in sizing.items()]
     lines += [summary, "`pyro2pfp score` (.npy shards → Parquet, reading, writing and the order check included):",
               table(["actor sizing", "workers", "CPUs per worker", "rows/s"], sizing_rows)]
