@@ -4,6 +4,8 @@ from __future__ import annotations
 import subprocess
 import sys
 
+import pytest
+
 
 def _modules_after(code: str) -> set[str]:
     out = subprocess.run([sys.executable, "-c", f"{code}\nimport sys; print(' '.join(sys.modules))"],
@@ -113,6 +115,16 @@ print("ok")
 """
 
 
+def test_the_package_pickles_by_reference():
+    """A user's class that refers to the module-level package ships to a Ray worker (cloudpickle)."""
+    import cloudpickle
+
+    import pyro2pfp
+
+    assert type(pyro2pfp) is type(sys) and cloudpickle.loads(cloudpickle.dumps(pyro2pfp)) is pyro2pfp
+
+
+@pytest.mark.slow
 def test_the_package_and_its_objects_pickle_after_any_submodule_is_imported():
     """``import pyro2pfp`` is a plain module: it pickles by reference with cloudpickle (a user's class
     that refers to it ships to a Ray worker), as do its functions, classes, options and errors with the
