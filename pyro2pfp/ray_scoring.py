@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import logging
 import os
+import re
 import sys
 import time
 from collections.abc import Callable, Sequence
@@ -35,6 +36,7 @@ from typing import Any
 
 import numpy as np
 
+from . import errors
 from .errors import InternalError, PFPError
 from .scoring import ModelFiles, Scorer
 from .shards import ROW, Shard, ShardError, expand_inputs, output_path, plan_chunks, plan_shard, read_rows, write_scored
@@ -120,6 +122,12 @@ def score_files(models: Sequence[str | os.PathLike | ModelFiles], inputs: Sequen
     report = ScoreReport()
     shards, outputs = _plan(expand_inputs(inputs), output_dir, column, report)
     bundles = [m if isinstance(m, ModelFiles) else ModelFiles.read(m) for m in models]
+    if not bundles:
+        raise PFPError("score_files: no model given")
+    if bundles[0].metadata().get("input_variance"):
+        raise PFPError(f"{bundles[0].name} takes an input variance besides its inputs; pyro2pfp score reads the "
+                       "inputs only: run pyro2pfp.scoring.Scorer in your own Ray Data pipeline, with an 'x_var' "
+                       "column")
     input_shape = bundles[0].input_shape()
     for shard in shards:
         if input_shape is not None and (why := shard.mismatch(input_shape)):
@@ -155,7 +163,7 @@ def score_files(models: Sequence[str | os.PathLike | ModelFiles], inputs: Sequen
             except Exception as exc:  # noqa: BLE001 -- Ray wraps the workers' errors
                 path, message = _failed_shard(exc, shards)
                 if path is None or path not in {shards[i].path for i in pending}:
-                    original = _original(exc, PFPError)
+                    original = _original(exc, PFPError) or _quoted_error(exc)
                     if original is not None and original is not exc:
                         raise original from None  # a worker's error about no one shard (the models, ...)
                     raise
@@ -266,6 +274,23 @@ def _chain(exc: BaseException) -> list[BaseException]:
 def _original(exc: BaseException, kind: type[BaseException]) -> BaseException | None:
     """The first exception of type ``kind`` in :func:`_chain`, or ``None``."""
     return next((e for e in _chain(exc) if isinstance(e, kind)), None)
+
+
+_QUOTED = re.compile(r"pyro2pfp\.errors\.(\w+): (.+)")
+
+
+def _quoted_error(exc: BaseException) -> PFPError | None:
+    """The last pyro2pfp error quoted in the text of ``exc``'s chain: Ray passes an exception raised in
+    an actor's ``__init__`` (a worker that can run none of the models) on as text only
+    (``ActorDiedError``)."""
+    for e in _chain(exc):
+        found = _QUOTED.findall(str(e))
+        if found:
+            name, message = found[-1]
+            kind = getattr(errors, name, None)
+            kind = kind if isinstance(kind, type) and issubclass(kind, PFPError) else PFPError
+            return kind(message.strip())
+    return None
 
 
 def _failed_shard(exc: BaseException, shards: list[Shard]) -> tuple[str | None, str]:

@@ -97,13 +97,18 @@ class ModelFiles:
                 files[name] = f.read()
         return cls(names[0], files)
 
-    def input_shape(self) -> tuple[int, ...] | None:
-        """The input shape its library's sidecar states (``None`` for an ONNX model or without one)."""
+    def metadata(self) -> dict[str, Any]:
+        """Its library's sidecar (input shape, input variance, target; ``{}`` for an ONNX model or without one)."""
         sidecar = self.files.get(self.name + ".json")
         try:
-            shape = json.loads(sidecar)["input_shape"] if sidecar else None
-        except (ValueError, KeyError, TypeError):
-            return None
+            info = json.loads(sidecar) if sidecar else {}
+        except ValueError:
+            return {}
+        return info if isinstance(info, dict) else {}
+
+    def input_shape(self) -> tuple[int, ...] | None:
+        """The input shape its library's sidecar states (``None`` for an ONNX model or without one)."""
+        shape = self.metadata().get("input_shape")
         return tuple(int(d) for d in shape) if isinstance(shape, list) else None
 
     def write(self, directory: str) -> str:

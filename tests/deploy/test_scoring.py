@@ -19,7 +19,7 @@ import pyro2pfp
 from pyro2pfp.network import PFPNetwork
 from pyro2pfp.ops.head import append_head
 from pyro2pfp.plan import plan
-from pyro2pfp.ray_scoring import _failed_shard, actor_cpus
+from pyro2pfp.ray_scoring import _failed_shard, _quoted_error, actor_cpus
 from pyro2pfp.scoring import METRICS, ModelFiles, Scorer, load_for_this_worker
 from pyro2pfp.shards import ShardError, expand_inputs, output_path, plan_chunks, plan_shard, read_rows, write_scored
 from tests.support.builders import mlp_graph
@@ -238,3 +238,10 @@ def test_a_workers_error_is_traced_to_its_shard():
     unreadable = Wrapped(ShardError("s0.npy", "cannot be read"))
     assert _failed_shard(unreadable, shards) == ("s0.npy", "s0.npy: cannot be read")
     assert _failed_shard(RuntimeError("anything else"), shards) == (None, "")
+    # an actor's __init__ failing reaches the driver as text only (Ray's ActorDiedError)
+    died = RuntimeError("The actor died because of an error raised in its creation task, ray::MapWorker ... File "
+                        "\"scoring.py\", line 202\npyro2pfp.errors.LoadError: worker vm (x86_64) can run none of the "
+                        "models: arm.so: compiled for aarch64")
+    quoted = _quoted_error(died)
+    assert isinstance(quoted, pyro2pfp.LoadError) and str(quoted).startswith("worker vm (x86_64) can run none")
+    assert _quoted_error(RuntimeError("no pyro2pfp error here")) is None

@@ -2,12 +2,15 @@
 its end): 20,000 rows through two workers give the rows, order and values of one ``exe(x)`` call in this
 process, and no worker imports torch, Pyro, SciPy or TVM's compiler; a worker killed in the middle
 still yields every row exactly once; ``pyro2pfp score`` reports a corrupt shard and a shard with a NaN
-by name, writes the others, and skips them when run again.
+by name, writes the others, and skips them when run again, the workers taking the library of their
+architecture.
 
 Every run is bounded (:func:`within`); under pytest-xdist the tests share one worker (``xdist_group``)."""
 from __future__ import annotations
 
+import json
 import os
+import shutil
 import threading
 from collections.abc import Callable
 from typing import Any
@@ -135,6 +138,10 @@ def test_a_worker_killed_in_the_middle_still_yields_every_row_once(local_ray, ne
 
 def test_the_command_reports_bad_shards_by_name_finishes_the_others_and_resumes(local_ray, network, tmp_path,
                                                                                capsys):
+    """``pyro2pfp score`` on a directory of .npy/.npz/Parquet shards: a truncated file, rows of another
+    shape and a NaN are reported by name (exit status 1), the other shards are written with their ids
+    and the values of ``exe(x)``, and a second run scores only the shard whose output was removed.  The
+    workers take the second library given: the first is for another architecture."""
     path, x = network
     inputs = tmp_path / "in"
     inputs.mkdir()
@@ -148,8 +155,13 @@ def test_the_command_reports_bad_shards_by_name_finishes_the_others_and_resumes(
     nan[2345, 7] = np.nan
     np.save(inputs / "nan.npy", nan)
     np.save(inputs / "wide.npy", x[:10, :32])
+    # the first model is for AArch64 nodes: every worker here passes it over for the x86 one (--library)
+    shutil.copy(path, tmp_path / "arm.so")
+    info = json.loads(path.with_name(path.name + ".json").read_text())
+    (tmp_path / "arm.so.json").write_text(json.dumps({**info, "library": "arm.so", "target_arch": "aarch64"}))
     out = tmp_path / "out"
-    argv = ["score", str(path), str(inputs), "-o", str(out), "--metrics", "--batch-size", "256"]
+    argv = ["score", str(tmp_path / "arm.so"), str(inputs), "-o", str(out), "--library", str(path), "--metrics",
+            "--batch-size", "256"]
     assert within(LIMIT, lambda: main(argv)) == 1
     err = capsys.readouterr().err
     assert f"failed: {inputs / 'corrupt.npy'}: cannot be read" in err
