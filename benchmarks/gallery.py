@@ -1,4 +1,5 @@
-"""Agreement of the converted gallery models (tests/support/gallery_models.py) with Pyro's ``Predictive``.
+"""Agreement of the converted gallery models (tests/support/gallery_models.py, and the nets of joined
+branches of tests/support/branch_models.py) with Pyro's ``Predictive``.
 
 For each model of the gallery: train it (its own style, a few hundred SVI steps, seeded), sample the
 truth (``obs`` for regression, the logits for classification) with ``--samples`` draws of the trained
@@ -27,7 +28,10 @@ import pyro  # noqa: E402
 import torch  # noqa: E402
 from markdown_report import add_markdown_argument, table, write_markdown  # noqa: E402
 
+from tests.support import branch_models as B  # noqa: E402
 from tests.support import gallery_models as G  # noqa: E402
+
+GALLERY = {**G.GALLERY, **B.BRANCHES}
 
 
 def main() -> None:
@@ -37,14 +41,14 @@ def main() -> None:
     add_markdown_argument(parser)
     args = parser.parse_args()
     rows = []
-    names = [n for n in args.only.split(",") if n] or list(G.GALLERY)
+    names = [n for n in args.only.split(",") if n] or list(GALLERY)
     torch.set_num_threads(1)
     print(f"{'model':26} {'exact':>5} {'mean err/sd med':>15} {'max':>6} {'var ratio med':>13} {'min':>6} "
           f"{'max':>6} {'var err/se max':>14} {'argmax':>6}")
     for name in names:
         pyro.clear_param_store()
         pyro.set_rng_seed(0)
-        entry = G.GALLERY[name]
+        entry = GALLERY[name]
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
             pfp, mc = G.run_in_process(entry, args.samples)

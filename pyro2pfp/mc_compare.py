@@ -58,6 +58,19 @@ class LayerFidelity:
     mean_error_p90: float = float("nan")  # 90th percentile of the same per-element mean error
     # the standard deviation of ln(ratio_median) that sampling noise explains, measured (split samples)
     ratio_noise: float = float("nan")
+    # every sample gave the same output (no weight noise reaches the layer): the figures above are NaN,
+    # these say how the PFP layer compares -- the largest |μ_pfp − μ_mc| and the largest PFP variance
+    deterministic: bool = False
+    deterministic_mean_error: float = float("nan")
+    deterministic_pfp_var: float = float("nan")
+
+    def describe_deterministic(self) -> str:
+        """The table's text for a layer every sample computes the same: ``deterministic (as sampled)``,
+        the largest mean difference and, if PFP gives this layer a variance, how large."""
+        text = f"deterministic (as sampled): max |PFP − MC| mean {self.deterministic_mean_error:.3g}"
+        if self.deterministic_pfp_var > 0:
+            text += f"; PFP variance up to {self.deterministic_pfp_var:.3g}, sampling gives 0"
+        return text
 
 
 @dataclass
@@ -77,6 +90,9 @@ class Diagnosis:
                 f"{'p10':>7} {'p90':>7}")
         lines = [head, "-" * len(head)]
         for r in self.layers:
+            if r.deterministic:
+                lines.append(f"{r.name:<24} {r.op:<11} {str(r.shape):<14} {r.describe_deterministic()}")
+                continue
             lines.append(f"{r.name:<24} {r.op:<11} {str(r.shape):<14} {r.mean_error:11.3f} {r.mean_error_p90:7.3f} "
                          f"{r.ratio_median:13.3f} {r.ratio_p10:7.3f} {r.ratio_p90:7.3f}")
         n = self.num_samples
@@ -113,6 +129,10 @@ class Diagnosis:
 
 
 class _Capture(torch.fx.Interpreter):
+    """Runs the traced program and records the value of every ``wanted`` node *as that node produced
+    it*: a copy, since a later in-place op (``out += identity``, ``h += x``, ``relu_``) writes into the
+    same tensor (or a view of it), and the layer's recorded output must not be what that op made of it."""
+
     def __init__(self, gm: torch.fx.GraphModule, wanted: set[str]) -> None:
         super().__init__(gm)
         self.wanted = wanted
@@ -121,7 +141,7 @@ class _Capture(torch.fx.Interpreter):
     def run_node(self, n: torch.fx.Node) -> Any:
         out = super().run_node(n)
         if n.name in self.wanted:
-            self.values[n.name] = out
+            self.values[n.name] = out.clone() if isinstance(out, torch.Tensor) else out
         return out
 
 
@@ -181,7 +201,9 @@ def layer_fidelity(name: str, op: str, pfp_mean: np.ndarray, pfp_var: np.ndarray
     keep = random_elements(mc_mean, mc_var)
     if not keep.any():
         nan = float("nan")
-        return LayerFidelity(name, op, tuple(pfp_mean.shape[1:]), nan, nan, nan, nan, nan)
+        return LayerFidelity(name, op, tuple(pfp_mean.shape[1:]), nan, nan, nan, nan, nan, deterministic=True,
+                             deterministic_mean_error=float(np.max(np.abs(pfp_mean - mc_mean), initial=0.0)),
+                             deterministic_pfp_var=float(np.max(pfp_var, initial=0.0)))
     sd = np.sqrt(mc_var[keep])
     # A saturated unit's sampled sd is ~0: measure its mean error against a tenth of the layer's median sd.
     floor = SD_FLOOR * float(np.median(sd))

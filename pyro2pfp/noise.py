@@ -423,8 +423,9 @@ def read_head(graph: Any, loc: Any, scale: Any, likelihood_site: str) -> tuple[A
     scale_src, scale_chain = _chain(scale, allow_links=True)
     if mean_src is not scale_src:
         raise ValueError(f"the likelihood's loc comes from {_where(mean_src)} and its scale from {_where(scale_src)} "
-                         "(two output heads — give the network one output layer with both columns, e.g. "
-                         "nn.Linear(hidden, 2) — or an operation other than indexing and an elementwise link "
+                         "(two output heads — join them, torch.cat([mean, scale], -1), and read the columns of "
+                         "that, or give the network one output layer with both columns, e.g. nn.Linear(hidden, 2) "
+                         "— or an operation other than indexing and an elementwise link "
                          f"({', '.join(sorted(k.removeprefix('aten.').split('.')[0] for k in _LINKS))}) "
                          "between them)")
     mean_index = _evaluate_index(mean_src, mean_chain)

@@ -16,7 +16,7 @@ Graph interface::
 
 ``batch`` is a symbolic dimension (dynamic batch).  Operators used: MatMul, Conv, Mul, Add, Sub,
 Div, Neg, Erf, Exp, Sqrt, Max, Min, Greater, Less, Where, Slice, Pad, MaxPool, AveragePool, Relu,
-Reshape, Shape, ConstantOfShape, Identity — nothing custom, default domain, opset 17 or newer.
+Reshape, Concat, Shape, ConstantOfShape, Identity — nothing custom, default domain, opset 17 or newer.
 
 ``Φ(α), Φ(−α)`` are ``½ ± ½·Erf(α/√2)`` (one Erf), as in the TVM kernels.  Max pooling folds
 Clark's max over strided ``Slice`` views of each window offset in row-major order (the reference's
@@ -294,6 +294,18 @@ class OnnxContext:
     def reshape(self, t: Sym, shape: tuple[int, ...]) -> Sym:
         """``t`` reshaped to ``(batch, *shape)``."""
         return t.nary("Reshape", self.b.ints([-1, *shape], "shape"))
+
+    @staticmethod
+    def concat(ts: list[Sym], axis: int) -> Sym:
+        """``ts`` joined along per-sample axis ``axis`` (the batch axis kept first)."""
+        return ts[0] if len(ts) == 1 else ts[0].nary("Concat", *ts[1:], axis=axis + 1)
+
+    def zeros_like(self, t: Sym) -> Sym:
+        """Exact zeros of ``t``'s (dynamic) shape (not ``0·t``, which is NaN where ``t`` is infinite)."""
+        from onnx import TensorProto, helper
+
+        zero = helper.make_tensor("zero", TensorProto.FLOAT, [1], [0.0])
+        return Sym(self.b, self.b.node("ConstantOfShape", [self.b.node("Shape", [t.name])], value=zero))
 
 
 Exporter = Callable[[OnnxContext, PlannedLayer, list[OnnxActivation]], OnnxActivation]

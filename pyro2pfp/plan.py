@@ -167,7 +167,12 @@ class PlannedGraph:
         for p in self.layers:
             notes = []
             if is_compute_layer(p.op):
-                w = "weight variances" if "weight_var" in p.tensors else "E[w²] precomputed"
+                t = p.tensors
+                weight_var = t["weight_var"] if "weight_var" in t else t["weight_second_moment"] - t["weight_mean"] ** 2
+                if not np.any(weight_var):  # buffers, plain parameters, a collapsed posterior
+                    w = "deterministic weights"
+                else:
+                    w = "weight variances" if "weight_var" in p.tensors else "E[w²] precomputed"
                 w += {D: "", V: ", variance-input form", S: ", raw-moment form"}[p.in_reprs[0]]
                 b = ("no bias" if "bias_mean" not in p.tensors
                      else "probabilistic bias" if "bias_var" in p.tensors else "deterministic bias")

@@ -120,11 +120,14 @@ class FactorSpec:
     ``(μ, v)``: its shared part is dropped (exact: nothing after it sums anything);
     ``hermite_block``: with a shared input (and ``hermite='factor'``) the op creates a factor block
     of its channels (ReLU's second Hermite term); ``refuse(layer)``: why the rule cannot run this
-    layer (None: it can), e.g. a grouped convolution."""
+    layer (None: it can), e.g. a grouped convolution; ``joins_rows``: the op stacks its inputs' rows
+    (a concatenation along the channel axis), so every input with a shared part must have its rows as
+    its first axis (not a flattened conv output, whose rows are groups of positions)."""
 
     terminal: bool = False
     hermite_block: bool = False
     refuse: Callable[[Any], str | None] | None = None
+    joins_rows: bool = False
 
 
 @dataclass(frozen=True)

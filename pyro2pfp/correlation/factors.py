@@ -111,6 +111,11 @@ def plan_factors(graph: PlannedGraph, hermite: Hermite | str = Hermite.FACTOR, c
             raise CorrelationError(f"{layer.layer.source}: op '{op}' has a shared-factor rule only as the "
                                    "network's output")
         has_in = any(width[n] > 0 for n in ins) and not spec.terminal
+        flat = [n for n in ins if spec.joins_rows and width[n] > 0 and rows[n] != graph.shape_of(n)[0]]
+        if flat:
+            raise CorrelationError(f"{layer.layer.source}: shared-factor PFP joins rows of unflattened edges only, "
+                                   f"not the flattened {flat[0]} {graph.shape_of(flat[0])} (rows of "
+                                   f"{group[flat[0]]} positions); concatenate before flattening")
         shape = layer.layer.out_shape
         if op == "reshape" and has_in:
             src = ins[0]

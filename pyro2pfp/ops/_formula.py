@@ -11,7 +11,8 @@ A shared formula ``fn(bk, layer, inputs) -> activation`` is written against a *b
 * ``bk.emit(mean, var, layer)`` -- the output in the representation the plan asks for;
   ``bk.deterministic(mean)`` -- an exact output;
 * ``bk.tensor(array, hint)`` -- a constant; ``bk.dense(x, w, hint)`` (``x @ w.T``),
-  ``bk.conv2d(x, w, attrs, hint)``, ``bk.reshape(t, shape)`` -- the linear maps.
+  ``bk.conv2d(x, w, attrs, hint)``, ``bk.reshape(t, shape)`` -- the linear maps;
+  ``bk.concat(ts, axis)`` (along a per-sample axis), ``bk.zeros_like(t)``.
 
 :func:`formula` registers such a function as both the reference and the ONNX exporter of its ops.
 """

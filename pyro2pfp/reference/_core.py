@@ -90,6 +90,15 @@ class NumpyBackend:
         """``t`` reshaped to ``(batch, *shape)``."""
         return t.reshape((t.shape[0], *shape))
 
+    @staticmethod
+    def concat(ts: list[np.ndarray], axis: int) -> np.ndarray:
+        """``ts`` joined along per-sample axis ``axis`` (the batch axis kept first)."""
+        return np.concatenate(ts, axis=axis + 1)
+
+    @staticmethod
+    def zeros_like(t: np.ndarray) -> np.ndarray:
+        return np.zeros_like(t)
+
 
 NUMPY_BACKEND = NumpyBackend()
 

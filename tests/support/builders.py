@@ -207,3 +207,26 @@ class BayesianFirstLayer(PyroModule):
 
     def forward(self, x, y=None):
         return self.body(x)
+
+
+def dense_block_graph(rng: np.random.Generator, joined: bool) -> LayerGraph:
+    """DenseNet-style: conv (noisy) → ReLU ``r``; ``joined``: ``concat(x, r)`` → 1×1 conv with deterministic
+    weights ``[Wx | Wr]``; else the same as ``conv_x(x) + conv_r(r)`` (``add``); then 2×2 average pooling,
+    flatten, dense."""
+    c0 = conv_layer(rng, "c0", INPUT, (2, 4, 4), 3, 3, 1, 1, 1, 1, 0.5, 0.03)
+    mix = conv_layer(rng, "mix", "cat", (5, 4, 4), 4, 1, 1, 0, 1, 1, 0.6, 0.0, bias="det")
+    tail = [Layer("pool", "avg_pool2d", ["mix"], (4, 2, 2), "pool (test)",
+                  {"kernel": [2, 2], "stride": [2, 2], "padding": [0, 0], "ceil_mode": False,
+                   "count_include_pad": True, "divisor": None}),
+            reshape_layer("flat", "pool", (16,)), dense_layer(rng, "fc", "flat", 16, 3, 0.4, 0.01)]
+    head = [c0, Layer("r", "relu", ["c0"], (3, 4, 4), "r (test)")]
+    if joined:
+        return LayerGraph((2, 4, 4), [*head, Layer("cat", "concat", [INPUT, "r"], (5, 4, 4), "cat (test)",
+                                                   {"axis": 0}), mix, *tail], "fc")
+    w, b = mix.params["weight"], mix.params["bias"]
+    conv_x = Layer("mix_x", "conv2d", [INPUT], (4, 4, 4), "mix_x (test)", dict(mix.attrs),
+                   {"weight": GaussianParam(w.mean[:, :2], w.var[:, :2])})
+    conv_r = Layer("mix_r", "conv2d", ["r"], (4, 4, 4), "mix_r (test)", dict(mix.attrs),
+                   {"weight": GaussianParam(w.mean[:, 2:], w.var[:, 2:]), "bias": b})
+    return LayerGraph((2, 4, 4), [*head, conv_x, conv_r,
+                                  Layer("mix", "add", ["mix_x", "mix_r"], (4, 4, 4), "mix (test)"), *tail], "fc")

@@ -478,6 +478,19 @@ def run_in_process(entry: Entry, num_samples: int = MC_SAMPLES) -> tuple[dict[st
 
 
 # --------------------------------------------------------------------------- cross-process worker
+def cross_process(worker: str, name: str, out_dir: Any, timeout: float = 900) -> tuple[dict, dict]:
+    """Run ``worker`` (a script with this module's ``train`` / ``convert`` steps) on entry ``name``: train
+    and save in one fresh process, load and convert in another; ``(PFP's answer, the truth)``."""
+    import subprocess
+
+    for step in ("train", "convert"):
+        result = subprocess.run([sys.executable, worker, step, name, str(out_dir)], capture_output=True, text=True,
+                                timeout=timeout)
+        assert result.returncode == 0, f"worker {step} {name} failed:\n{result.stderr[-3000:]}"
+    return (dict(np.load(os.path.join(out_dir, f"{name}-pfp.npz"))),
+            dict(np.load(os.path.join(out_dir, f"{name}-truth.npz"))))
+
+
 def worker_train(name: str, out_dir: str) -> None:
     entry = GALLERY[name]
     built = entry.build()

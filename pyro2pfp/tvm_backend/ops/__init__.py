@@ -8,6 +8,7 @@ from . import (  # noqa: F401  (registers the kernels)
     arithmetic,
     compute,
     compute_shared,
+    concat,
     head,
     normalization,
     pooling,

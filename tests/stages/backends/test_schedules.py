@@ -145,6 +145,14 @@ def case_graphs() -> dict[str, LayerGraph]:
     for classes in (10, 1):
         g[f"softmax_head_{classes}"] = append_head(
             LayerGraph((6,), [dense(rng, "fc", INPUT, 6, classes)], "fc", input_variance=True), "probs")
+    # concatenation: a Gaussian and a deterministic branch along the channels, that with itself along the
+    # width; and of deterministic inputs
+    c0 = conv(rng, "c", INPUT, (3, 6, 6), 3, 3, pad=1)
+    g["concat"] = LayerGraph((3, 6, 6), [
+        c0, relu("r", "c", c0.out_shape), Layer("cat", "concat", ["r", INPUT], (6, 6, 6), "cat", attrs={"axis": 0}),
+        Layer("wide", "concat", ["cat", "cat"], (6, 6, 12), "wide", attrs={"axis": 2})], "wide")
+    g["concat_det"] = LayerGraph((7,), [Layer("cat", "concat", [INPUT, INPUT], (14,), "cat", attrs={"axis": 0})],
+                                 "cat")
     # every other registered activation (the generic elementwise kernel), on Gaussians of 3-d shape
     covered = {layer.op for graph in g.values() for layer in graph.layers}
     for name, op in OPS.items():

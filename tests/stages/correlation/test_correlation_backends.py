@@ -26,7 +26,7 @@ from pyro2pfp.tvm_backend.emit import kernel_info
 from pyro2pfp.tvm_backend.schedules import schedule_module
 from pyro2pfp.tvm_backend.sharing import share_identical_kernels
 from tests.support.backends import ONNX_RTOL, RTOL, assert_matches, onnx_run
-from tests.support.builders import conv_layer, dense_layer, reshape_layer
+from tests.support.builders import conv_layer, dense_block_graph, dense_layer, reshape_layer
 
 NATIVE = tvm.target.Target({"kind": "llvm", "mcpu": tvm.target.codegen.llvm_get_system_cpu(), "num-cores": 2})
 
@@ -168,8 +168,9 @@ def test_every_rule_compiled_matches_the_reference_without_hermite_factors():
 @pytest.mark.slow
 def test_every_shared_factor_primfunc_is_scheduled(every_rule):
     pool_graph = max_pool_graph(np.random.default_rng(5))
+    joined = dense_block_graph(np.random.default_rng(5), joined=True)  # sf_concat
     parts = set()
-    for planned in (every_rule[1], with_correlation(plan(pool_graph), "shared-factor")):
+    for planned in (every_rule[1], *(with_correlation(plan(g), "shared-factor") for g in (pool_graph, joined))):
         mod = emit_module(planned)
         with warnings.catch_warnings():
             warnings.simplefilter("error", RuntimeWarning)  # a schedule that fails soft is a failure here

@@ -1,0 +1,174 @@
+"""Joining branches: ``concat`` -- ``torch.cat`` / ``torch.concat`` / ``torch.concatenate`` /
+``torch.hstack`` along any per-sample axis, and ``torch.stack`` (each input given a new axis of size 1 by
+a ``reshape`` layer, then concatenated along it).
+
+Moments (``docs/math.md`` "Concatenation"): concatenation moves elements without changing them, so
+the output's mean and variance are the inputs' means and variances, placed side by side -- exact,
+whatever the inputs' distributions and their dependence (a concatenation has no sum in it: the
+branches' covariance never enters an element's variance).  A deterministic input contributes a
+variance of exactly 0; a network whose every input is deterministic gives a deterministic output.
+
+Shared-factor PFP (:mod:`pyro2pfp.correlation`): along the row (channel, or dense unit) axis the
+shared parts concatenate too -- the profiles ``s`` side by side and the loadings ``g`` row block by
+row block, each widened with zero columns to the output's factor count ``K`` (a branch without a
+shared part contributes ``s = 0``, ``g = 0``).  Exact: every element keeps its covariance with every
+factor, and the factors are the network's, common to all branches (``K`` counts every block created
+before the layer, so two branches that share upstream factors stay correlated through them).  Along
+another axis a row would mix positions with different loadings, which the rank-1-per-row
+representation cannot hold: such a layer has no shared-factor rule (``correlation='auto'`` falls back to
+mean-field with a warning), nor has a concatenation of flattened conv outputs (rows with a group of
+positions).
+
+The TVM kernels are in ``tvm_backend/ops/concat.py``.
+"""
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+
+from ..converters import Alias, register
+from ..correlation.factors import FactorPlan
+from ..correlation.onnx_step import OnnxShared, OnnxSharedStep
+from ..correlation.shared import Shared
+from ..graph import Layer, Repr
+from ..onnx_builder import OnnxActivation, OnnxContext, Sym
+from ..plan import PlannedLayer
+from ..reference import Activation
+from ..registry import FactorSpec, OpDef, register_op, shared_exporter, shared_reference
+from ._formula import formula
+
+CAT_OPS = ("aten.cat.default", "aten.concat.default", "aten.concatenate.default", "aten.hstack.default")
+STACK_OPS = ("aten.stack.default",)
+
+
+def row_axis_only(layer: Any) -> str | None:
+    """Why the shared-factor rule cannot run ``layer`` (None: it can): it joins along the row axis only."""
+    axis = layer.layer.attrs["axis"]
+    if axis == 0:
+        return None
+    return f"concatenations along per-sample axis {axis} (not the channel/unit axis 0)"
+
+
+CONCAT = register_op(OpDef(
+    "concat", CAT_OPS + STACK_OPS,
+    modules="`torch.cat` / `concat` / `concatenate` / `hstack` of branches (any axis but the batch's), "
+            "`torch.stack` (a new axis)",
+    modules_short=("torch.cat/stack of branches",), moments="exact",
+    assumptions="— (shared factors: along the channel/unit axis only; `auto` falls back to mean-field otherwise)",
+    factor_spec=FactorSpec(refuse=row_axis_only, joins_rows=True)))
+
+
+# ------------------------------------------------------------------------------------ reference + ONNX
+@formula("concat")
+def concat(bk: Any, layer: PlannedLayer, inputs: list[Any]) -> Any:
+    """Means and variances side by side along ``attrs["axis"]`` (a deterministic input: variance 0)."""
+    axis = layer.layer.attrs["axis"]
+    mean = bk.concat([x.mean for x in inputs], axis)
+    if all(x.repr is Repr.DETERMINISTIC for x in inputs):
+        return bk.deterministic(mean)
+    var = bk.concat([bk.zeros_like(x.mean) if x.repr is Repr.DETERMINISTIC else bk.variance(x) for x in inputs],
+                    axis)
+    return bk.emit(mean, var, layer)
+
+
+# ------------------------------------------------------------------------------------ converters
+def _tensors(node: Any, ctx: Any) -> list[Any]:
+    """The fx nodes joined by a cat/stack node; a constant among them is refused."""
+    import torch.fx  # converters run while converting, with torch loaded
+
+    tensors = list(node.args[0]) if node.args else list(node.kwargs.get("tensors", ()))
+    if not tensors or not all(isinstance(t, torch.fx.Node) for t in tensors):
+        raise ctx.unsupported(node, "joining a constant tensor with activations is not supported; compute the "
+                                    "constant part outside the converted network")
+    return tensors
+
+
+def _axis(node: Any, ctx: Any, dim: int, rank: int) -> int:
+    """The per-sample axis (batch excluded) of ``dim`` in a tensor of ``rank`` axes (batch included)."""
+    d = dim % rank
+    if d == 0:
+        op = str(node.target).removeprefix("aten.").split(".")[0]
+        raise ctx.unsupported(node, f"{op} along the batch axis (dim={dim}) is not supported: PFP layers keep "
+                                    "every example apart; join per-example features along another axis")
+    return d - 1
+
+
+@register(*CAT_OPS, produces=("concat",))
+def convert_cat(node: Any, ctx: Any) -> Layer | Alias:
+    """``torch.cat(tensors, dim)`` (``concat``, ``concatenate``; ``hstack``: ``dim=1``) -> ``concat``."""
+    tensors = _tensors(node, ctx)
+    if str(node.target) == "aten.hstack.default":
+        dim = 1
+    else:
+        dim = node.args[1] if len(node.args) > 1 else node.kwargs.get("dim", 0)
+    out = ctx.shape(node)
+    axis = _axis(node, ctx, int(dim), len(out) + 1)
+    if len(tensors) == 1:
+        return Alias(tensors[0])
+    return Layer(name=ctx.new_name(node, prefer_module=False), op="concat",
+                 inputs=[ctx.activation(t, node) for t in tensors], out_shape=out, source=ctx.source(node),
+                 attrs={"axis": axis})
+
+
+@register(*STACK_OPS, produces=("reshape", "concat"))
+def convert_stack(node: Any, ctx: Any) -> list[Layer]:
+    """``torch.stack(tensors, dim)``: each input reshaped to have a size-1 axis at ``dim``, then ``concat``
+    along it (the reshapes are views)."""
+    tensors = _tensors(node, ctx)
+    dim = node.args[1] if len(node.args) > 1 else node.kwargs.get("dim", 0)
+    out = ctx.shape(node)
+    axis = _axis(node, ctx, int(dim), len(out) + 1)
+    name, source = ctx.new_name(node, prefer_module=False), ctx.source(node)
+    unsqueezed = (*out[:axis], 1, *out[axis + 1:])
+    views = [Layer(name=f"{name}_in{i}", op="reshape", inputs=[ctx.activation(t, node)], out_shape=unsqueezed,
+                   source=source) for i, t in enumerate(tensors)]
+    return [*views, Layer(name=name, op="concat", inputs=[v.name for v in views], out_shape=out, source=source,
+                          attrs={"axis": axis})]
+
+
+# ------------------------------------------------------------------------------------ shared-factor rules
+@shared_reference("concat")
+def concat_shared(layer: PlannedLayer, inputs: list[Activation], shared: list[Shared | None], fp: FactorPlan,
+                  var: np.ndarray) -> tuple[Shared | None, np.ndarray]:
+    """Along the row axis: ``s`` side by side, ``g`` row blocks widened to the output's ``K`` (a branch
+    without a shared part: ``s = 0``, ``g = 0``); the variance unchanged (exact)."""
+    k = fp.width[layer.name]
+    s_parts, g_parts = [], []
+    for x, sh in zip(inputs, shared, strict=True):
+        if sh is None:
+            s_parts.append(np.zeros_like(x.mean))
+            g_parts.append(np.zeros((x.mean.shape[0], x.mean.shape[1], k)))
+        else:
+            s_parts.append(sh.s.reshape(x.mean.shape))
+            g_parts.append(sh.widened(k))
+    return Shared(np.concatenate(s_parts, axis=1), np.concatenate(g_parts, axis=1)), var
+
+
+def _zeros(step: OnnxSharedStep, like: Sym, *shape: int) -> Sym:
+    """Zeros of shape ``(batch, *shape)``, the batch read from ``like``."""
+    from onnx import TensorProto, helper
+
+    b = step.b
+    batch = b.node("Slice", [b.node("Shape", [like.name]), b.ints([0], "starts"), b.ints([1], "ends")])
+    dims = b.node("Concat", [batch, b.ints(list(shape), "dims")], axis=0)
+    zero = helper.make_tensor("zero", TensorProto.FLOAT, [1], [0.0])
+    return Sym(b, b.node("ConstantOfShape", [dims], value=zero))
+
+
+@shared_exporter("concat")
+def concat_shared_onnx(step: OnnxSharedStep, ctx: OnnxContext, layer: PlannedLayer, inputs: list[OnnxActivation],
+                       shared: list[OnnxShared | None], out: OnnxActivation
+                       ) -> tuple[OnnxShared | None, OnnxActivation]:
+    """:func:`concat_shared` in ONNX (two Concats)."""
+    k = step.fp.width[layer.name]
+    s_parts, g_parts = [], []
+    for name, x, sh in zip(layer.inputs, inputs, shared, strict=True):
+        shape = ctx.shapes[name]
+        if sh is None:
+            s_parts.append(_zeros(step, x.mean, *shape))
+            g_parts.append(_zeros(step, x.mean, shape[0], k))
+        else:
+            s_parts.append(step.view_as(sh.s, *shape))
+            g_parts.append(step.widened(sh.g, sh.k, k))
+    return OnnxShared(ctx.concat(s_parts, 0), ctx.concat(g_parts, 0), k), out
