@@ -97,7 +97,7 @@ def correlate_max_pools(graph: LayerGraph) -> LayerGraph:
         layers.extend(replaced.get(layer.name, [layer]))
     origins = {name: node for name, node in graph.origins.items() if name not in dropped}
     return LayerGraph(input_shape=graph.input_shape, layers=layers, output=graph.output,
-                      input_variance=graph.input_variance, origins=origins)
+                      input_variance=graph.input_variance, origins=origins, guide_factors=graph.guide_factors)
 
 
 def _passes_through(layer: Layer) -> bool:

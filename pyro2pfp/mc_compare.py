@@ -83,6 +83,9 @@ class Diagnosis:
     num_inputs: int
     argmax_agreement: float  # PFP mean-logit argmax == argmax of the MC mean class probabilities
     output: dict[str, np.ndarray] = field(default_factory=dict)  # pfp_mean/var, mc_mean/var (logits)
+    #: like with like: the argmax of PFP's mean class probabilities (its logits' Gaussian sampled through the
+    #: softmax, :func:`sampled_head_probs`) == that of the MC mean probabilities
+    argmax_agreement_probs: float = float("nan")
 
     def table(self) -> str:
         """The per-layer figures as a fixed-width text table."""
@@ -96,8 +99,9 @@ class Diagnosis:
             lines.append(f"{r.name:<24} {r.op:<11} {str(r.shape):<14} {r.mean_error:11.3f} {r.mean_error_p90:7.3f} "
                          f"{r.ratio_median:13.3f} {r.ratio_p10:7.3f} {r.ratio_p90:7.3f}")
         n = self.num_samples
-        lines.append(f"{n} MC samples, {self.num_inputs} inputs; argmax agreement "
-                     f"{100 * self.argmax_agreement:.1f} %; MC noise floor: mean err median ≈ "
+        lines.append(f"{n} MC samples, {self.num_inputs} inputs; argmax agreement with the MC mean probabilities: "
+                     f"PFP's mean probabilities (sampled head) {100 * self.argmax_agreement_probs:.1f} %, "
+                     f"PFP's mean logits {100 * self.argmax_agreement:.1f} %; MC noise floor: mean err median ≈ "
                      f"{0.67 / math.sqrt(n):.3f}, ratio sd ≈ {math.sqrt(2 / (n - 1)):.3f}")
         lines.append("mean err: median and p90 over elements of |PFP − MC| / MC sd, the sd floored at a tenth of "
                      "the layer's median sd (saturated units)")
@@ -188,6 +192,17 @@ def model_and_guide(model: Any, guide: Any) -> tuple[Any, Any]:
         if guide is None or guide is model.net_guide or guide == getattr(model, "guide", None):
             return model.net, model.net_guide
     return model, guide
+
+
+def sampled_head_probs(mean: np.ndarray, var: np.ndarray, num_samples: int = 1000, seed: int = 0) -> np.ndarray:
+    """PFP's mean class probabilities: the logits' Gaussian ``N(mean, var)`` (independent classes) sampled
+    ``num_samples`` times through the softmax (as :func:`pyro2pfp.uncertainty.uncertainty` does) -- what is
+    compared with the sampled network's mean probabilities, like with like."""
+    z = np.random.default_rng(seed).standard_normal((num_samples, *mean.shape))
+    logits = mean[None] + np.sqrt(np.maximum(var, 0.0))[None] * z
+    logits -= logits.max(axis=-1, keepdims=True)
+    p = np.exp(logits)
+    return (p / p.sum(axis=-1, keepdims=True)).mean(axis=0)
 
 
 def random_elements(mc_mean: np.ndarray, mc_var: np.ndarray) -> np.ndarray:
@@ -303,7 +318,10 @@ def _compare(net: Any, model: Any, guide: Any, x: Any, num_samples: int, seed: i
     out = values[net.plan.output]
     agreement = float("nan")
     output: dict[str, np.ndarray] = {"pfp_mean": out.mean, "pfp_var": out.variance()}
+    agreement_probs = float("nan")
     if out_node is not None:
         agreement = float(np.mean(out.mean.argmax(-1) == probs.mean.argmax(-1)))
-        output.update(mc_mean=stats[out_node].mean, mc_var=stats[out_node].var, mc_prob=probs.mean)
-    return Diagnosis(rows, num_samples, len(xs), agreement, output)
+        pfp_prob = sampled_head_probs(out.mean, out.variance())
+        agreement_probs = float(np.mean(pfp_prob.argmax(-1) == probs.mean.argmax(-1)))
+        output.update(mc_mean=stats[out_node].mean, mc_var=stats[out_node].var, mc_prob=probs.mean, pfp_prob=pfp_prob)
+    return Diagnosis(rows, num_samples, len(xs), agreement, output, agreement_probs)

@@ -13,6 +13,7 @@ from . import ops as ops  # the op registry: every op family registers its conve
 from ._version import __version__
 from .correlated_pools import correlate_max_pools, pool_caveats
 from .correlation import with_correlation
+from .correlation.compact import with_compact
 from .correlation.cost import dense_head_caveat
 from .errors import ArgumentError, InputShapeError, InternalError, PFPError, PFPWarning, PosteriorError
 from .graph import LayerGraph, Repr
@@ -326,6 +327,7 @@ def convert(model: Any, guide: Any = None, *, input_shape: tuple[int, ...] | Non
                 for note in pool_caveats(layer_graph):
                     warnings.warn(f"{note}. Measure it with convert(..., check=x) or pyro2pfp.diagnose.",
                                   PFPWarning, stacklevel=3)
+            planned = with_compact(planned, correlation)
             net = PFPNetwork(layer_graph, planned, nonweight_sites=traced.nonweight_sites, noise=noise)
             if check is not None:
                 from .fidelity import check_fidelity

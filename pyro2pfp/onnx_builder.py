@@ -35,7 +35,7 @@ from typing import Any
 import numpy as np
 
 from . import moments
-from .errors import PFPError, UnsupportedLayerError
+from .errors import ArgumentError, PFPError, UnsupportedLayerError
 from .graph import INPUT, Repr
 from .plan import PlannedGraph, PlannedLayer
 from .registry import add_to
@@ -366,7 +366,10 @@ def build_model(net: Any, *, opset: int = DEFAULT_OPSET, graph_name: str | None 
         values = {INPUT: OnnxActivation(Sym(b, "x"), Sym(b, "x_var"), V)}
 
     # shared-factor PFP: its rules after each layer's export (pyro2pfp/correlation/onnx_step.py)
-    step = SCHEME_STEPS["shared-factor"](graph, ctx) if graph.factors is not None else None
+    if graph.factors is not None and graph.factors.scheme not in SCHEME_STEPS:
+        raise ArgumentError(f"ONNX export has no rules for correlation={graph.factors.scheme!r} yet; "
+                            "net.reference runs it, or convert with correlation='shared-factor' or 'mean-field'")
+    step = SCHEME_STEPS[graph.factors.scheme](graph, ctx) if graph.factors is not None else None
     for layer in graph.layers:
         b.scope = layer.name
         layer_inputs = [values[name] for name in layer.inputs]

@@ -36,6 +36,13 @@ class Correlation(StrEnum):
     """Every activation element independent (the paper's PFP): the cheapest plan, exact for
     sums whose terms are independent; use it to reproduce the paper or to compare with the scheme."""
 
+    COMPACT_FACTOR = "compact-factor"
+    """Mean-field with correlated max pools, plus a few explicit factors where a CNN's dense head sums
+    correlated elements: the last convs' weight noise per output channel, and the input noise of a dense
+    layer whose units a later dense layer sums (:mod:`pyro2pfp.correlation.compact`).  Runs in the NumPy
+    reference (``net.reference``, ``diagnose``); compiling or exporting it raises an ``ArgumentError``
+    naming what is missing."""
+
 
 class MomentForm(StrEnum):
     """Which second moment the compute layers take (``convert(..., moment_form=...)``)."""

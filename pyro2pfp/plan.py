@@ -45,7 +45,7 @@ from typing import Any
 import numpy as np
 
 from .errors import PFPError
-from .graph import INPUT, Layer, LayerGraph, Repr
+from .graph import INPUT, GuideFactorInfo, Layer, LayerGraph, Repr
 from .options import MomentForm, checked, values
 from .registry import COMPUTE_INPUT, OPS
 
@@ -137,14 +137,17 @@ class PlannedGraph:
     output: str
     calibration: float
     moment_form: str = "variance"
-    # Shared-factor PFP: a pyro2pfp.correlation.FactorPlan (set by pyro2pfp.correlation.with_correlation),
-    # None for mean-field PFP.  (Typed Any: the correlation package builds on this module.)
+    # A factor plan: pyro2pfp.correlation.FactorPlan (shared-factor PFP, set by
+    # pyro2pfp.correlation.with_correlation) or pyro2pfp.correlation.compact.CompactPlan; None for mean-field
+    # PFP.  Each has a ``scheme`` (its executor's key).  (Typed Any: the correlation package builds on this module.)
     factors: Any = None
+    # A correlated guide's global factors (their loadings: the compute layers' weight_factors/bias_factors).
+    guide_factors: GuideFactorInfo | None = None
 
     @property
     def correlation(self) -> str:
-        """``"shared-factor"`` or ``"mean-field"``: the scheme this plan is executed with."""
-        return "mean-field" if self.factors is None else "shared-factor"
+        """``"shared-factor"``, ``"compact-factor"`` or ``"mean-field"``: the scheme this plan is executed with."""
+        return "mean-field" if self.factors is None else str(self.factors.scheme)
 
     def repr_of(self, name: str) -> Repr:
         if name == INPUT:
@@ -194,10 +197,16 @@ class PlannedGraph:
                      f"moment form '{self.moment_form}'")
         if self.factors is None:
             lines.append("correlation: mean-field (every element independent)")
+        elif self.factors.scheme != "shared-factor":
+            lines.append(f"correlation: {self.factors.scheme}: {self.factors.describe()}")
         else:
             lines.append(f"correlation: shared-factor (up to {self.factors.max_factors} factors per edge, "
                          f"{len(self.factors.offsets)} layers create factors, "
                          f"{len(self.factors.compact_at)} compaction points)")
+        if self.guide_factors is not None:
+            carried = self.factors is not None and getattr(self.factors, "guide", 0) > 0
+            lines.append(f"guide correlations: {self.guide_factors.describe()}"
+                         + ("" if carried else "; not carried by this mean-field plan (marginal variances only)"))
         return "\n".join(lines)
 
 
@@ -218,6 +227,9 @@ def _stored_tensors(layer: Layer, input_repr: Repr, calibration: float) -> dict[
         return {}
     weight = layer.params["weight"]
     tensors = {"weight_mean": weight.mean}
+    root = np.sqrt(max(float(calibration), 0.0))
+    if weight.factors is not None:  # a correlated guide's loadings on its global factors (calibrated as sd)
+        tensors["weight_factors"] = root * weight.factors
     weight_var = stored_variance(weight.var, calibration)
     if input_repr is S:
         tensors["weight_second_moment"] = weight.mean**2 + weight_var
@@ -226,6 +238,8 @@ def _stored_tensors(layer: Layer, input_repr: Repr, calibration: float) -> dict[
     bias = layer.params.get("bias")
     if bias is not None:
         tensors["bias_mean"] = bias.mean
+        if bias.factors is not None:
+            tensors["bias_factors"] = root * bias.factors
         bias_var = stored_variance(bias.var, calibration)
         if np.any(bias_var):
             tensors["bias_var"] = bias_var
@@ -309,4 +323,5 @@ def plan(graph: LayerGraph, calibration: float = 1.0,
         edge_repr[layer.name] = out
     output = deliver(graph.output, V)
     return PlannedGraph(input_shape=graph.input_shape, input_repr=input_repr, layers=planned,
-                        output=output, calibration=float(calibration), moment_form=moment_form)
+                        output=output, calibration=float(calibration), moment_form=moment_form,
+                        guide_factors=graph.guide_factors)

@@ -199,7 +199,13 @@ rules (``step``: the :class:`~pyro2pfp.correlation.onnx_step.OnnxSharedStep` and
 SHARED_KERNELS: dict[str, Callable[..., Any]] = {}
 """``{op: rule(step, ctx, layer, inputs, shared, out) -> (shared part, out)}``: the TE kernels of the
 rules (``step``: the ``tvm_backend.shared_factor.SharedStep``; filled when ``tvm_backend`` is imported)."""
+COMPACT_REFERENCES: dict[str, Callable[..., Any]] = {}
+"""``{op: rule(layer, inputs, loadings, plan, mean, var) -> (loadings, mean, var)}``: the float64 rules of
+the compact factor plan (:mod:`pyro2pfp.correlation.compact`: explicit loadings, global and per-channel
+block columns; :func:`~pyro2pfp.correlation.compact.execute_compact_all` runs them after each layer's
+reference; an activation without a rule here takes the generic Stein rule)."""
 shared_reference = add_to(SHARED_REFERENCES, "shared-factor rule of op")
+compact_reference = add_to(COMPACT_REFERENCES, "compact factor rule of op")
 shared_exporter = add_to(SHARED_EXPORTERS, "shared-factor ONNX export of op")
 shared_kernel = add_to(SHARED_KERNELS, "shared-factor TVM kernel of op")
 

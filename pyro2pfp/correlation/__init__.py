@@ -62,6 +62,7 @@ noises are only partly covered.  (Monte Carlo with one layer's noise at a time a
 linearised reverse pass show both.)
 """
 from . import onnx_step as onnx_step  # registers the ONNX step of the scheme
+from .compact import CompactPlan, Loadings, execute_compact_all, plan_compact
 from .cost import Cost, cost_model
 from .execute import execute_shared, execute_shared_all
 from .factors import (
@@ -75,5 +76,6 @@ from .factors import (
 )
 from .shared import Shared
 
-__all__ = ["CORRELATIONS", "Cost", "CorrelationError", "FactorPlan", "Shared", "choose", "cost_model",
+__all__ = ["CORRELATIONS", "CompactPlan", "Cost", "Loadings", "execute_compact_all", "plan_compact",
+           "CorrelationError", "FactorPlan", "Shared", "choose", "cost_model",
            "execute_shared", "execute_shared_all", "needs_shared_factors", "plan_factors", "with_correlation"]

@@ -25,7 +25,7 @@ from ..graph import GaussianParam, Layer, Repr
 from ..onnx_builder import OnnxActivation, OnnxContext
 from ..plan import PlannedLayer, is_compute_layer
 from ..reference import Activation
-from ..registry import OpDef, register_op, shared_exporter, shared_reference
+from ..registry import OpDef, compact_reference, register_op, shared_exporter, shared_reference
 from ._formula import formula
 
 AFFINE = register_op(OpDef(
@@ -133,7 +133,7 @@ def _bias_add(node, ctx, activation, bias_arg) -> Alias:
     if bias.shape != per_channel:
         raise ctx.unsupported(node, f"a bias of shape {bias.shape} added to a {producer.op} output of shape "
                                     f"(batch, {', '.join(map(str, producer.out_shape))}); expected {per_channel}")
-    producer.params["bias"] = GaussianParam(bias.mean.reshape(channels), bias.var.reshape(channels), site=bias.site)
+    producer.params["bias"] = bias.mapped(lambda a: a.reshape(channels))
     return Alias(activation)
 
 
@@ -213,3 +213,35 @@ def add_shared_onnx(step: OnnxSharedStep, ctx: OnnxContext, layer: PlannedLayer,
     shape = step.ctx.shapes[name]
     out = OnnxActivation(out.mean, step.view_as(var_new, *shape), out.repr)
     return OnnxShared(step.view_as(s, *shape), g, k), out
+
+
+# ------------------------------------------------------------------------------------ compact factor rules
+@compact_reference("affine")
+def affine_compact(layer: PlannedLayer, inputs: list[Activation], loads: list[Any], plan: Any,
+                   mean: np.ndarray, var: np.ndarray) -> tuple[Any, np.ndarray, np.ndarray]:
+    """Per-channel ``a·x + c`` in the compact factor plan: ``L ↦ a·L`` (exact)."""
+    ld = loads[0]
+    if ld is None:
+        return None, mean, var
+    scale = np.broadcast_to(layer.tensors["scale"].reshape((-1,) + (1,) * (mean.ndim - 2)), mean.shape[1:])
+    return ld.scaled(np.broadcast_to(scale.reshape(1, -1), (mean.shape[0], scale.size))), mean, var
+
+
+@compact_reference("add")
+def add_compact(layer: PlannedLayer, inputs: list[Activation], loads: list[Any], plan: Any,
+                mean: np.ndarray, var: np.ndarray) -> tuple[Any, np.ndarray, np.ndarray]:
+    """``a + b`` in the compact factor plan: the loadings add (branches carrying the same factors add them
+    coherently); ``v = v_a + v_b + 2·Σ_f L_a,f·L_b,f`` (exact for the factors' part; the residuals stay
+    independent)."""
+    from ..correlation.compact import Loadings
+
+    la, lb = (ld if ld is not None else Loadings() for ld in loads)
+    b = mean.shape[0]
+    cross = np.zeros((b, mean[0].size))
+    for key in la.glob.keys() & lb.glob.keys():
+        cross += (la.glob[key] * lb.glob[key]).sum(axis=-1)
+    for key in la.block.keys() & lb.block.keys():
+        cross += (la.block[key] * lb.block[key]).sum(axis=-1).reshape(b, -1)
+    merged = la.merged(lb)
+    var = np.maximum(var + 2.0 * cross.reshape(var.shape), 0.0)
+    return (None if merged.empty() else merged), mean, var

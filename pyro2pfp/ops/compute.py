@@ -28,6 +28,7 @@ import numpy as np
 
 from ..converters import Alias, register
 from ..correlation.factors import ComputeFactors, FactorPlan, weight_var
+from ..correlation.guide import conv_pooled_injection, dense_guide_variance, dense_injection, guide_tensors
 from ..correlation.onnx_step import OnnxShared, OnnxSharedStep
 from ..correlation.shared import Shared, normalised, safe_div, spatial_mean
 from ..graph import GaussianParam, Layer, Repr
@@ -41,6 +42,7 @@ from ..registry import (
     Contract,
     FactorSpec,
     OpDef,
+    compact_reference,
     register_op,
     shared_exporter,
     shared_reference,
@@ -167,21 +169,23 @@ def _symmetric_padding(w: GaussianParam, pads: list[tuple[int, int]], dilation: 
     the same inputs with the same weights as before, and the zero taps add nothing to the mean or the
     variance, so the result is exact in every back end.  A dilation that does not divide the
     difference is first written as a dense kernel (dilation 1).  Returns ``(weight, padding, dilation)``."""
-    mean, var, padding, dilations = w.mean, w.var, [], []
+    padding, dilations = [], []
     for axis, (begin, end), d in zip((2, 3), pads, dilation):
         if begin != end:
             if abs(end - begin) % d:
-                mean, var, d = _spread(mean, axis, d), _spread(var, axis, d), 1
-            shape = list(mean.shape)
+                w, d = w.mapped(lambda a, axis=axis, d=d: _spread(a, axis, d)), 1
+            shape = list(w.mean.shape)
             shape[axis] = abs(end - begin) // d
-            zeros = np.zeros(shape)
-            mean, var = ((np.concatenate([zeros, a], axis) if end > begin else np.concatenate([a, zeros], axis))
-                         for a in (mean, var))
+
+            def embed(a: np.ndarray, axis: int = axis, shape: list[int] = shape, before: bool = end > begin
+                      ) -> np.ndarray:
+                zeros = np.zeros(shape)
+                return np.concatenate([zeros, a], axis) if before else np.concatenate([a, zeros], axis)
+
+            w = w.mapped(embed)
         padding.append(max(begin, end))
         dilations.append(d)
-    if mean is w.mean:
-        return w, padding, dilations
-    return GaussianParam(mean, var, site=w.site), padding, dilations
+    return w, padding, dilations
 
 
 def _conv_layer(node, ctx, x, weight, bias, stride, padding, dilation, groups, spatial: int):
@@ -191,7 +195,7 @@ def _conv_layer(node, ctx, x, weight, bias, stride, padding, dilation, groups, s
     w = ctx.param(weight, node, "weight")
     if spatial == 1:
         shape = (w.shape[0], w.shape[1], 1, w.shape[2])
-        w = GaussianParam(w.mean.reshape(shape), w.var.reshape(shape), site=w.site)
+        w = w.mapped(lambda a: a.reshape(shape))
     dil = _pair(dilation if dilation is not None else 1, spatial)
     if isinstance(padding, str):
         own = _string_padding(padding, list(w.shape[4 - spatial:]), dil)
@@ -273,7 +277,7 @@ def convert_matmul(node, ctx) -> Layer:
         raise ctx.unsupported(node, f"x @ W with W of shape {w.shape}; PFP needs a 2-D (in, out) weight")
     return Layer(name=ctx.new_name(node, prefer_module=True), op="dense", inputs=[ctx.activation(x, node)],
                  out_shape=ctx.shape(node), source=ctx.source(node),
-                 params={"weight": GaussianParam(w.mean.T.copy(), w.var.T.copy(), site=w.site)})
+                 params={"weight": w.mapped(lambda a: a.T.copy())})
 
 
 # ------------------------------------------------------------------------------------ shared-factor rules
@@ -315,7 +319,8 @@ def conv2d_shared(layer: PlannedLayer, inputs: list[Activation], shared: list[Sh
     offset = fp.offsets.get(layer.name)
     mu = x.mean
     b = mu.shape[0]
-    if sh is None and offset is None:
+    wf, bf = guide_tensors(t, o, fp)
+    if sh is None and offset is None and wf is None and bf is None:
         return None, var
     s_in = np.zeros_like(mu) if sh is None else sh.s.reshape(mu.shape)
     mbar = np.stack([spatial_mean(v) for v in _conv_views(mu, layer, (kh, kw))], axis=2)  # (B, C, k)
@@ -330,6 +335,9 @@ def conv2d_shared(layer: PlannedLayer, inputs: list[Activation], shared: list[Sh
             pooled_w = pooled_w + t["bias_var"][None]
         wbar = np.sqrt(np.maximum(pooled_w, 0.0))
         loading[:, np.arange(o), offset + np.arange(o)] += wbar
+    injected = conv_pooled_injection(mbar, wf, bf, k, o)
+    if injected is not None:  # a correlated guide's factors through the input mean (correlation/guide.py)
+        loading += injected
     norm, g = normalised(loading)
     if not norm.any():
         return None, var
@@ -339,6 +347,12 @@ def conv2d_shared(layer: PlannedLayer, inputs: list[Activation], shared: list[Sh
         for kk, view in enumerate(_conv_views(s_in, layer, (kh, kw))):
             i, j = divmod(kk, kw)
             s_out += np.einsum("bchw,boc->bohw", view, wm[None, :, :, i, j] * beta)
+    if wf is not None:  # Cov(out[o, p], η_o) of the guide's part: conv(μ, Σ_f g[o, f]·F_f[o])
+        gw = np.einsum("octf,bof->boct", wf.reshape(o, c, kh * kw, -1), g[..., :wf.shape[-1]])
+        for kk, view in enumerate(_conv_views(mu, layer, (kh, kw))):
+            s_out += np.einsum("bchw,boc->bohw", view, gw[..., kk])
+    if bf is not None:
+        s_out += np.einsum("of,bof->bo", bf, g[..., :bf.shape[-1]])[..., None, None]
     if offset is not None and injection == "rescaled":
         ex2 = x.second_moment() if x.repr is not Repr.DETERMINISTIC else mu**2
         prof = conv2d_nchw(ex2, wv, a["stride"], a["padding"], a["dilation"], 1)
@@ -347,7 +361,7 @@ def conv2d_shared(layer: PlannedLayer, inputs: list[Activation], shared: list[Sh
         root = np.sqrt(np.maximum(prof, 0.0))
         scale = g[:, np.arange(o), offset + np.arange(o)] * safe_div(wbar, spatial_mean(root))
         s_out += scale[..., None, None] * root
-    elif offset is not None:
+    if offset is not None and injection != "rescaled":
         # Cov(noise[o, p], pooled noise[o]) = Σ_{c,k} V·(m̄μ_k·μ_{p+k} + m̄s_k·s_{p+k}) + v_bias
         reg = np.zeros_like(s_out)
         for kk, (vm, vs) in enumerate(zip(_conv_views(mu, layer, (kh, kw)), _conv_views(s_in, layer, (kh, kw)))):
@@ -373,13 +387,22 @@ def dense_shared(layer: PlannedLayer, inputs: list[Activation], shared: list[Sha
     b, o = x.mean.shape[0], wm.shape[0]
     k = fp.width[layer.name]
     offset = fp.offsets.get(layer.name)
+    wf, bf = guide_tensors(t, o, fp)
     loading = np.zeros((b, o, k))
+    coherent: np.ndarray | float = 0.0
     if sh is not None:
         s = sh.s.reshape(b, -1)
         rows = sh.g.shape[1]
         coef = np.einsum("ocp,bcp->boc", wm.reshape(o, rows, -1), s.reshape(b, rows, -1))
         loading += coef @ sh.widened(k)
-        var = np.maximum(var + (loading**2).sum(axis=2) - s**2 @ (wm**2).T, 0.0)
+        coherent = s**2 @ (wm**2).T
+    injected = dense_injection(x.mean, wf, bf, k)
+    if injected is not None:  # a correlated guide's factors through the input mean (correlation/guide.py)
+        loading += injected
+        coherent = coherent + dense_guide_variance(x.mean, None if sh is None else sh.s,
+                                                   None if sh is None else sh.g, wf, bf, fp.guide)
+    if sh is not None or injected is not None:
+        var = np.maximum(var + (loading**2).sum(axis=2) - coherent, 0.0)
     if offset is not None:
         ex2 = x.second_moment() if x.repr is not Repr.DETERMINISTIC else x.mean**2
         inj = ex2.reshape(b, -1) @ wv.T + (t["bias_var"][None] if "bias_var" in t else 0.0)
@@ -487,3 +510,120 @@ def dense_shared_onnx(step: OnnxSharedStep, ctx: OnnxContext, layer: PlannedLaye
     g, norm = step.normalise(loading)
     s_out = step.clip(step.view_as(norm, o), var)
     return OnnxShared(s_out, g, k), OnnxActivation(out.mean, var, out.repr)
+
+
+# ------------------------------------------------------------------------------------ compact factor rules
+def _test_vectors(out_hw: tuple[int, ...], count: int) -> np.ndarray:
+    """``(P, count)``: the range finder's test vectors over a conv's output positions -- the uniform vector,
+    then the linear ramps along rows and columns (:func:`conv2d_compact`)."""
+    grids = np.meshgrid(*[np.linspace(-1.0, 1.0, n) if n > 1 else np.zeros(1) for n in out_hw], indexing="ij")
+    vectors = [np.ones(int(np.prod(out_hw)))] + [g.ravel() for g in grids]
+    if count > len(vectors):
+        raise ValueError(f"at most {len(vectors)} weight directions per channel, not {count}")
+    return np.stack(vectors[:count], axis=1)
+
+
+def conv_block_factors(layer: PlannedLayer, mean_in: np.ndarray, directions: int) -> np.ndarray:
+    """``(B, O, P, R)``: the conv's own weight and bias noise as ``R = directions`` factors per output channel.
+
+    Channel ``o``'s weight and bias noise at the input mean is ``n[o, p] = Σ_j A_o[p, j]·ξ_j`` with
+    ``A_o[p, j] = √V[o, j]·μ_j(p)`` (``j`` over input channels and kernel offsets, ``μ_j(p)`` the input
+    mean under tap ``j`` at output position ``p``, ``ξ`` independent standard normals) and the bias as one
+    more tap whose input is 1 at every position (``√v_b``).  Its covariance over positions is
+    ``A_o·A_oᵀ``.  For orthonormal directions ``e_1 … e_R`` in ``ξ``-space the factors ``ζ_r = e_rᵀξ`` are
+    independent standard normals with loadings ``L[o, p, r] = (A_o·e_r)[p]``; what they leave,
+    ``A_o(I − E·Eᵀ)A_oᵀ``, is positive semi-definite and kept as each element's independent residual.
+    The directions are the range finder of ``A_oᵀ`` (Halko, Martinsson & Tropp 2011, "Finding structure
+    with randomness", SIAM Review 53(2), Alg. 4.1) with deterministic test vectors ``Ω`` over the
+    positions, ``E = orth(A_oᵀ·Ω)``, ``A_oᵀ·Ω = √V ⊙ (input views pooled with Ω)``: first the uniform
+    vector, whose direction keeps the variance of the channel's spatial sum -- bias included -- exactly
+    (``1ᵀ·L·Lᵀ·1 = 1ᵀ·A_o·A_oᵀ·1``: the noise a dense layer reading all positions with similar weights
+    sees), then the linear ramps along rows and columns.  Cost: one convolution of the input mean with
+    per-input weights per direction."""
+    wm, wv = layer.tensors["weight_mean"], weight_var(layer.tensors)
+    o, c, kh, kw = wm.shape
+    b = mean_in.shape[0]
+    out_hw = tuple(layer.layer.out_shape[1:])
+    views = np.concatenate([np.stack([v.reshape(b, c, -1) for v in _conv_views(mean_in, layer, (kh, kw))],
+                                     axis=2).reshape(b, c * kh * kw, -1),
+                            np.ones((b, 1, int(np.prod(out_hw))))], axis=1)            # (B, D + 1, P)
+    bias = layer.tensors.get("bias_var")
+    root = np.sqrt(np.concatenate([wv.reshape(o, -1), (bias if bias is not None else np.zeros(o))[:, None]],
+                                  axis=1))[None, :, :, None]                            # (1, O, D + 1, 1)
+    pooled = (views @ _test_vectors(out_hw, directions))[:, None]                      # (B, 1, D + 1, R)
+    q, _ = np.linalg.qr(root * pooled)                                                  # orthonormal columns
+    return np.einsum("bdp,bodr->bopr", views, root * q)
+
+
+@compact_reference("conv2d")
+def conv2d_compact(layer: PlannedLayer, inputs: list[Activation], loads: list[Any], plan: Any,
+                   mean: np.ndarray, var: np.ndarray) -> tuple[Any, np.ndarray, np.ndarray]:
+    """The conv2d rule of the compact factor plan (:mod:`pyro2pfp.correlation.compact`).
+
+    The input's loadings pass through the mean weights (exact for a linear map): a global column is
+    convolved with ``W``; a block column of input channel ``c`` with ``W[:, c]`` (it then loads every
+    output channel: a global column).  The output variance takes their coherent sum in place of the
+    mean-field one: ``v += ‖L_out‖² − conv(‖L_in‖², W²)``.  A conv of the plan's ``directions`` adds its
+    own weight noise as block factors (:func:`conv_block_factors`).  The mean is not changed."""
+    from ..correlation.compact import Loadings
+
+    x, ld = inputs[0], loads[0]
+    a = layer.layer.attrs
+    wm = layer.tensors["weight_mean"]
+    o = wm.shape[0]
+    b = mean.shape[0]
+    in_shape = x.mean.shape
+    out = Loadings()
+
+    def through(t: np.ndarray, w: np.ndarray) -> np.ndarray:  # (B, C, H, W, k) -> (B, O·P_out, k)
+        k = t.shape[-1]
+        moved = np.moveaxis(t, -1, 1).reshape(b * k, *t.shape[1:-1])
+        res = conv2d_nchw(moved, w, a["stride"], a["padding"], a["dilation"], 1)
+        return np.moveaxis(res.reshape(b, k, o, -1), 1, -1).reshape(b, -1, k)
+
+    if ld is not None:
+        for key, g in ld.glob.items():
+            out.glob[key] = through(g.reshape(*in_shape, -1), wm)
+        for key, blk in ld.block.items():
+            c, r = blk.shape[1], blk.shape[3]
+            cols = [through(blk[:, ch].reshape(b, 1, *in_shape[2:], r), wm[:, ch:ch + 1]) for ch in range(c)]
+            out.glob[key] = np.concatenate(cols, axis=2)
+        explained_in = ld.squared(b, int(np.prod(in_shape[1:]))).reshape(in_shape)
+        var = var + out.squared(b, int(np.prod(var.shape[1:]))).reshape(var.shape) \
+            - conv2d_nchw(explained_in, wm**2, a["stride"], a["padding"], a["dilation"], 1)
+        var = np.maximum(var, 0.0)
+    if layer.name in plan.directions:
+        out.block[layer.name] = conv_block_factors(layer, x.mean, plan.directions[layer.name])
+    return (None if out.empty() else out), mean, var
+
+
+@compact_reference("dense")
+def dense_compact(layer: PlannedLayer, inputs: list[Activation], loads: list[Any], plan: Any,
+                  mean: np.ndarray, var: np.ndarray) -> tuple[Any, np.ndarray, np.ndarray]:
+    """The dense rule of the compact factor plan (:mod:`pyro2pfp.correlation.compact`).
+
+    Output loadings ``ℓ = W·L`` (a block column of channel ``c`` through the weights of its ``P``
+    elements only, then global); variance ``v_out = v_mf + ‖ℓ‖² − W²·‖L‖²`` (the inputs' shared noise
+    summed coherently in place of independently: exact for the linear map).  A dense layer of the plan's
+    ``residual`` makes its input's residual ``r = v − ‖L‖²`` one factor per input element,
+    ``ℓ[j, i] = W[j, i]·√r_i``: exact, since an input element's independent noise is shared by every unit
+    that reads it (mean-field keeps only its diagonal, ``W²·r``, which this leaves unchanged)."""
+    from ..correlation.compact import Loadings, flat
+
+    x, ld = inputs[0], loads[0]
+    wm = layer.tensors["weight_mean"]
+    b, j = mean.shape[0], wm.shape[0]
+    out = Loadings()
+    explained = np.zeros((b, wm.shape[1]))
+    if ld is not None:
+        for key, g in ld.glob.items():
+            out.glob[key] = np.einsum("ji,bik->bjk", wm, g)
+        for key, blk in ld.block.items():
+            c, p, r = blk.shape[1:]
+            out.glob[key] = np.einsum("jcp,bcpr->bjcr", wm.reshape(j, c, p), blk).reshape(b, j, c * r)
+        explained = ld.squared(b, wm.shape[1])
+        var = np.maximum(var + out.squared(b, j) - explained @ (wm**2).T, 0.0)
+    if layer.name in plan.residual:
+        resid = np.maximum(flat(x.variance()) - explained, 0.0)
+        out.glob[layer.name] = wm[None] * np.sqrt(resid)[:, None, :]
+    return (None if out.empty() else out), mean, var

@@ -38,7 +38,7 @@ import numpy as np
 from ..converters import register
 from ..graph import GaussianParam, Layer, Repr
 from ..plan import PlannedLayer
-from ..registry import Contract, OpDef, register_op
+from ..registry import Contract, OpDef, compact_reference, register_op
 from ._formula import formula
 
 LAYER_NORM = register_op(OpDef(
@@ -122,3 +122,55 @@ def convert_layer_norm(node, ctx) -> Layer:
         params[name] = p
     return Layer(name=ctx.new_name(node, prefer_module=True), op="layer_norm", inputs=[ctx.activation(x, node)],
                  out_shape=shape, source=ctx.source(node), attrs={"dims": k, "eps": eps}, params=params)
+
+
+# ------------------------------------------------------------------------------------ compact factor rule
+@compact_reference("layer_norm")
+def layer_norm_compact(layer: PlannedLayer, inputs: list[Any], loads: list[Any], plan: Any,
+                       mean: np.ndarray, var: np.ndarray) -> tuple[Any, np.ndarray, np.ndarray]:
+    """LayerNorm in the compact factor plan, linearised as the op's own variance is (the delta method with
+    the Jacobian ``J_jk = r·(δ_jk − (1 + z_j·z_k)/D)`` of ``z``, which includes the statistics' dependence on
+    the input): loadings ``L ↦ μγ·(J·L)`` per normalised row -- the mean over the row and its projection on
+    ``z`` removed, then scaled by ``r`` -- and ``v += (μγ² + vγ)·(‖J·L‖² − Σ_k J_jk²·‖L_k‖²)`` (the
+    inputs' factor part summed through ``J`` coherently in place of independently).  Block columns become
+    global (the row mixes channels)."""
+    from ..correlation.compact import Loadings
+
+    x, ld = inputs[0], loads[0]
+    if ld is None:
+        return None, mean, var
+    shape = tuple(layer.layer.out_shape)
+    k = int(layer.layer.attrs["dims"])
+    d = math.prod(shape[len(shape) - k:])
+    b = mean.shape[0]
+    rows = math.prod(shape) // d
+    mu = x.mean.reshape(b, rows, d)
+    centred = mu - mu.mean(axis=2, keepdims=True)
+    s2 = (centred**2).mean(axis=2, keepdims=True)
+    if x.repr is not Repr.DETERMINISTIC:
+        s2 = s2 + (1.0 - 1.0 / d) * x.variance().reshape(b, rows, d).mean(axis=2, keepdims=True)
+    r = 1.0 / np.sqrt(s2 + float(layer.layer.attrs["eps"]))
+    z = centred * r                                                            # (B, rows, D)
+    gm = layer.tensors["weight_mean"].reshape(1, 1, d)
+    gv = layer.tensors["weight_var"].reshape(1, 1, d)
+    columns = dict(ld.glob)
+    for key, blk in ld.block.items():  # (B, C, P, R) -> global columns of zeros and loadings
+        c, p, q = blk.shape[1:]
+        dense = np.zeros((b, c, p, c, q))
+        dense[:, np.arange(c), :, np.arange(c), :] = np.moveaxis(blk, 1, 0)
+        columns[key] = dense.reshape(b, c * p, c * q)
+    out = Loadings()
+    coherent = np.zeros((b, rows, d))
+    independent = np.zeros((b, rows, d))
+    jsq = r[..., None] ** 2 * ((1.0 - 2.0 * (1.0 + z**2) / d)[..., None] * np.eye(d)[None, None]
+                  + ((1.0 + z[..., :, None] * z[..., None, :]) / d) ** 2)         # (B, rows, D, D) = J_jk²
+    for key, col in columns.items():
+        lc = col.reshape(b, rows, d, -1)
+        # J·L = r·(L − mean(L) − z·mean(z·L))
+        jl = r[..., None] * (lc - lc.mean(axis=2, keepdims=True)
+                             - z[..., None] * (z[..., None] * lc).mean(axis=2, keepdims=True))
+        coherent += (jl**2).sum(axis=-1)
+        independent += np.einsum("brjk,brk->brj", jsq, (lc**2).sum(axis=-1))
+        out.glob[key] = (gm[..., None] * jl).reshape(b, -1, lc.shape[-1])
+    var = np.maximum(var + ((gm**2 + gv) * (coherent - independent)).reshape(var.shape), 0.0)
+    return out, mean, var

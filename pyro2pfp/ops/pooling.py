@@ -38,7 +38,7 @@ from ..onnx_builder import LOWEST32, OnnxActivation, OnnxContext, Sym, exporter
 from ..plan import PlannedLayer
 from ..reference import Activation, emit_output, reference
 from ..reference.arrays import LOWEST, average_divisor, padded, window_views
-from ..registry import OpDef, register_op, shared_exporter, shared_reference
+from ..registry import OpDef, compact_reference, register_op, shared_exporter, shared_reference
 from .compute import _pair
 
 D = Repr.DETERMINISTIC
@@ -448,3 +448,92 @@ def max_pool2d_shared_onnx(step: OnnxSharedStep, ctx: OnnxContext, layer: Planne
         s = cdf * s + (step.c(1.0) - cdf) * s2
         mean, var = moments.max_moments(mean, var, m2, v2, ops)
     return OnnxShared(step.clip(s, step.var(out)), sh.g, sh.k), out
+
+
+# ------------------------------------------------------------------------------------ compact factor rules
+def _columns(ld: Any, shape: tuple[int, ...]) -> tuple[np.ndarray, list[tuple[str, str, int]]]:
+    """All loadings of an edge of ``shape`` (B, C, H, W) as one (B, C, F, H, W) array (global and block columns
+    side by side: a window never leaves its channel) and the layout to split them back."""
+    b, c = shape[:2]
+    parts, layout = [], []
+    for kind, table in (("glob", ld.glob), ("block", ld.block)):
+        for key, t in table.items():
+            k = t.shape[-1]
+            parts.append(np.moveaxis(t.reshape(b, c, *shape[2:], k), -1, 2))
+            layout.append((kind, key, k))
+    return np.concatenate(parts, axis=2), layout
+
+
+def _split(cols: np.ndarray, layout: list[tuple[str, str, int]]) -> Any:
+    """The :class:`~pyro2pfp.correlation.compact.Loadings` of a (B, C, F, OH, OW) array of :func:`_columns`."""
+    from ..correlation.compact import Loadings
+
+    b, c = cols.shape[:2]
+    out, start = Loadings(), 0
+    for kind, key, k in layout:
+        part = np.moveaxis(cols[:, :, start:start + k], 2, -1)
+        if kind == "glob":
+            out.glob[key] = part.reshape(b, -1, k)
+        else:
+            out.block[key] = part.reshape(b, c, -1, k)
+        start += k
+    return out
+
+
+@compact_reference("max_pool2d")
+def max_pool2d_compact(layer: PlannedLayer, inputs: list[Activation], loads: list[Any], plan: Any,
+                       mean: np.ndarray, var: np.ndarray) -> tuple[Any, np.ndarray, np.ndarray]:
+    """The max pooling rule of the compact factor plan: Clark's correlated fold (``docs/math.md`` "Max
+    pooling") with the in-window covariances of the ``window_cov`` input where the planner gave one (the
+    conv's weight noise and mean-field input, exact under those assumptions), else the factors' part
+    ``Cov(a_p, a_q) = Σ_f L_p,f·L_q,f`` (the residual independent); the running max's loadings by the same
+    Clark weights, ``L_max = Φ(α)·L_M + Φ(−α)·L_t`` (exact for jointly Gaussian taps: section 4's
+    covariance rule).  Without ``window_cov`` the fold's mean and variance replace the reference's."""
+    x, ld = inputs[0], loads[0]
+    if ld is None:
+        return None, mean, var
+    a = layer.layer.attrs
+    out_hw = tuple(layer.layer.out_shape[1:])
+    cols, layout = _columns(ld, x.mean.shape)
+    b, c, f = cols.shape[:3]
+    ms = list(window_views(padded(x.mean, a, out_hw, LOWEST), a["kernel"], a["stride"], out_hw))
+    vs = list(window_views(padded(x.variance(), a, out_hw, 0.0), a["kernel"], a["stride"], out_hw))
+    ls = [v.reshape(b, c, f, *out_hw) for v in
+          window_views(padded(cols.reshape(b, c * f, *x.mean.shape[2:]), a, out_hw, 0.0), a["kernel"], a["stride"],
+                       out_hw)]
+    pairs = moments.window_pairs(len(ms))
+    if len(inputs) == 2:
+        cov = {pair: inputs[1].mean[:, :, k] for k, pair in enumerate(pairs)}
+    else:
+        cov = {(i, j): (ls[i] * ls[j]).sum(axis=2) for i, j in pairs}
+    m, v, lo = ms[0], vs[0], ls[0]
+    carried = {j: cov[(0, j)] for j in range(1, len(ms))}
+    for t in range(1, len(ms)):
+        m, v, cdf, cdf_neg = moments.correlated_max_moments(m, v, ms[t], vs[t], carried.pop(t))
+        carried = {j: cv * cdf + cov[(t, j)] * cdf_neg for j, cv in carried.items()}
+        lo = lo * cdf[:, :, None] + ls[t] * cdf_neg[:, :, None]
+    if len(inputs) == 1:
+        mean, var = m, v
+    return _split(lo, layout), mean, var
+
+
+@compact_reference("avg_pool2d")
+def avg_pool2d_compact(layer: PlannedLayer, inputs: list[Activation], loads: list[Any], plan: Any,
+                       mean: np.ndarray, var: np.ndarray) -> tuple[Any, np.ndarray, np.ndarray]:
+    """The average pooling rule of the compact factor plan: loadings averaged over the window (exact);
+    ``v = Σ(v − ‖L‖²)/n² + ‖L_out‖²`` (the factors summed coherently, the residual independently)."""
+    x, ld = inputs[0], loads[0]
+    if ld is None:
+        return None, mean, var
+    a = average_attrs(layer)
+    out_hw = tuple(layer.layer.out_shape[1:])
+    cols, layout = _columns(ld, x.mean.shape)
+    b, c, f = cols.shape[:3]
+    div = average_divisor(a, x.mean.shape[2:], out_hw)
+    lo = sum(window_views(padded(cols.reshape(b, c * f, *x.mean.shape[2:]), a, out_hw, 0.0), a["kernel"],
+                          a["stride"], out_hw)) / div
+    lo = lo.reshape(b, c, f, *out_hw)
+    resid = np.maximum(x.variance() - ld.squared(b, x.mean[0].size).reshape(x.mean.shape), 0.0)
+    var = sum(window_views(padded(resid, a, out_hw, 0.0), a["kernel"], a["stride"], out_hw)) / div**2 \
+        + (lo**2).sum(axis=2)
+    return _split(lo, layout), mean, var

@@ -23,7 +23,7 @@ from ..graph import Layer
 from ..onnx_builder import OnnxActivation, OnnxContext
 from ..plan import PlannedLayer
 from ..reference import Activation
-from ..registry import Contract, OpDef, register_op, shared_exporter, shared_reference
+from ..registry import Contract, OpDef, compact_reference, register_op, shared_exporter, shared_reference
 from ._formula import formula
 
 _PASS_THROUGH = Contract(takes=None, natural=None, keeps_deterministic=True)
@@ -132,3 +132,28 @@ def view_shared_onnx(step: OnnxSharedStep, ctx: OnnxContext, layer: PlannedLayer
     if sh is None:
         return None, out
     return OnnxShared(step.view_as(sh.s, *ctx.shapes[layer.name]), sh.g, sh.k), out
+
+
+@compact_reference("reshape")
+def reshape_compact(layer: PlannedLayer, inputs: list[Activation], loads: list[Any], plan: Any,
+                    mean: np.ndarray, var: np.ndarray) -> tuple[Any, np.ndarray, np.ndarray]:
+    """Reshape in the compact factor plan: the loadings follow their elements (global columns are kept per
+    element in flat order; block columns stay per channel where the reshape keeps the channel axis or
+    flattens it, else they become global columns of zeros and loadings)."""
+    from ..correlation.compact import Loadings
+
+    ld = loads[0]
+    if ld is None:
+        return None, mean, var
+    shape = tuple(layer.layer.out_shape)
+    out = Loadings(dict(ld.glob), {})
+    for key, blk in ld.block.items():
+        c = blk.shape[1]
+        if len(shape) == 1 or shape[0] == c:
+            out.block[key] = blk
+        else:  # the channel grouping is lost: factor (ch, r) as a global column
+            b, _, p, r = blk.shape
+            dense = np.zeros((b, c, p, c, r))
+            dense[:, np.arange(c), :, np.arange(c), :] = np.moveaxis(blk, 1, 0)
+            out.glob[key] = dense.reshape(b, c * p, c * r)
+    return out, mean, var

@@ -110,8 +110,8 @@ REFERENCES: dict[str, RefFn] = {}
 reference = add_to(REFERENCES, "reference of op")
 
 SCHEME_EXECUTORS: dict[str, Callable[[PlannedGraph, np.ndarray], dict[str, Activation]]] = {}
-"""Executors of the plans that are not mean-field, by correlation scheme (``"shared-factor"``:
-registered by :mod:`pyro2pfp.correlation`, which builds on this module)."""
+"""Executors of the plans that are not mean-field, by correlation scheme (``"shared-factor"``,
+``"compact-factor"``: registered by :mod:`pyro2pfp.correlation`, which builds on this module)."""
 
 
 def execute(graph: PlannedGraph, x: np.ndarray, x_var: np.ndarray | None = None
@@ -125,14 +125,15 @@ def execute_all(graph: PlannedGraph, x: np.ndarray, x_var: np.ndarray | None = N
                 ) -> dict[str, Activation]:
     """Run the planned network in float64; returns every layer's :class:`Activation` by name.
 
-    A plan with a factor plan (``graph.factors``, ``correlation="shared-factor"``) runs the
-    shared-factor executor registered in :data:`SCHEME_EXECUTORS`
-    (:func:`pyro2pfp.correlation.execute_shared_all`)."""
+    A plan with a factor plan (``graph.factors``: ``correlation="shared-factor"`` or the compact factor
+    plan) runs the executor registered in :data:`SCHEME_EXECUTORS` under the plan's ``scheme``
+    (:func:`pyro2pfp.correlation.execute_shared_all`, :func:`pyro2pfp.correlation.compact.execute_compact_all`)."""
     x = np.asarray(x, dtype=np.float64)
     if graph.factors is not None:
-        scheme = SCHEME_EXECUTORS.get("shared-factor")
+        name = graph.factors.scheme
+        scheme = SCHEME_EXECUTORS.get(name)
         if scheme is None:
-            raise PFPError("no executor for correlation='shared-factor' is registered (import pyro2pfp)")
+            raise PFPError(f"no executor for correlation={name!r} is registered (import pyro2pfp)")
         return scheme(graph, x)
     if graph.input_repr is Repr.DETERMINISTIC:
         values = {INPUT: Activation(x, None, Repr.DETERMINISTIC)}

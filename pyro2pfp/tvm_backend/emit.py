@@ -14,7 +14,7 @@ import tvm
 from tvm import relax, te, tirx
 
 from .. import moments
-from ..errors import PFPError
+from ..errors import ArgumentError, PFPError
 from ..graph import INPUT, Repr
 from ..plan import PlannedGraph, PlannedLayer
 from ..registry import add_to
@@ -194,8 +194,11 @@ def emit_module(graph: PlannedGraph, *, fuse: bool = True,
     deduplicated by the block builder, may be announced again).
     """
     step = None
-    if graph.factors is not None:  # shared-factor PFP: its kernels after each layer's (no fusion)
-        step = SCHEME_STEPS["shared-factor"](graph)
+    if graph.factors is not None:  # a factor plan: its scheme's kernels after each layer's (no fusion)
+        if graph.factors.scheme not in SCHEME_STEPS:
+            raise ArgumentError(f"the TVM back end has no kernels for correlation={graph.factors.scheme!r} yet; "
+                                "net.reference runs it, or convert with correlation='shared-factor' or 'mean-field'")
+        step = SCHEME_STEPS[graph.factors.scheme](graph)
         fuse = False
     batch = tirx.Var("batch", "int64")
     bb = relax.BlockBuilder()

@@ -28,7 +28,7 @@ def lenet():
 
 
 def test_the_modules_allowed_values_are_the_enums_values():
-    assert CORRELATIONS == ("auto", "shared-factor", "mean-field") == values(Correlation)
+    assert CORRELATIONS == ("auto", "shared-factor", "mean-field", "compact-factor") == values(Correlation)
     assert MOMENT_FORMS == ("variance", "raw") == values(MomentForm)
     assert MAX_POOL_RULES == ("correlated", "independent") == values(MaxPool)
     assert HEADS == ("probs",) == values(Head)
