@@ -25,6 +25,7 @@ and streams the outputs back in order; the driver writes each shard's rows to
 """
 from __future__ import annotations
 
+import gc
 import logging
 import os
 import re
@@ -210,6 +211,7 @@ def _run(ray: Any, shards: list[Shard], outputs: list[str], pending: list[int], 
             report.written.append(outputs[i])
     if not chunks:
         return
+    _wait_for_cpus(ray, report.workers * report.cpus_per_worker + READ_CPUS)
     here = {"ray.io/node-id": ray.get_runtime_context().get_node_id()}  # the driver's node (its files)
     ds = ray.data.from_items(chunks, override_num_blocks=len(chunks))
     ds = ds.map_batches(_read_chunk, batch_size=1, fn_kwargs={"shards": shards}, num_cpus=READ_CPUS,
@@ -249,6 +251,19 @@ def _run(ray: Any, shards: list[Shard], outputs: list[str], pending: list[int], 
     if incomplete:
         raise InternalError(f"the run ended before every row of {incomplete} was scored; nothing was written "
                             "for them. Please report it")
+
+
+def _wait_for_cpus(ray: Any, cpus: float, timeout: float = 120.0) -> None:
+    """Wait (at most ``timeout`` seconds) until the cluster has ``cpus`` logical CPUs free: after a failed
+    pass, Ray Data lets the pass's actors go when the last reference to them does, and a new pool started
+    while they hold their CPUs would wait for ever for its actors (an exception's traceback can hold
+    those references in a cycle that only the garbage collector breaks)."""
+    gc.collect()
+    deadline = time.monotonic() + timeout
+    while ray.available_resources().get("CPU", 0.0) + 1e-6 < min(cpus, ray.cluster_resources().get("CPU", 0.0)):
+        if time.monotonic() > deadline:
+            return  # other jobs hold the CPUs: the pool starts when they free them
+        time.sleep(0.5)
 
 
 def _chain(exc: BaseException) -> list[BaseException]:
