@@ -27,6 +27,7 @@ from __future__ import annotations
 import numpy as np
 
 from ..plan import PlannedLayer
+from ..reference.arrays import conv_views
 from .factors import FactorPlan
 from .shared import Shared
 
@@ -108,12 +109,11 @@ def mean_shift(layer: PlannedLayer, x_mean: np.ndarray, sh: Shared | None, fp: F
     g = sh.g[..., :guide]
     if layer.op == "dense":
         return dense_mean_shift(sh.s, sh.g, wf, guide)
-    from ..ops.compute import _conv_views  # the conv taps, as the conv rule reads them
 
     o, c, kh, kw = wf.shape[:4]
     gw = np.einsum("octf,bcf->boct", wf.reshape(o, c, kh * kw, guide), g)
     s_in = sh.s.reshape(x_mean.shape)
     out = 0.0
-    for kk, view in enumerate(_conv_views(s_in, layer, (kh, kw))):
+    for kk, view in enumerate(conv_views(s_in, layer, (kh, kw))):
         out = out + np.einsum("bchw,boc->bohw", view, gw[..., kk])
     return np.asarray(out)

@@ -21,7 +21,6 @@ The TVM kernels and schedules are in ``tvm_backend/ops/compute.py``.
 """
 from __future__ import annotations
 
-from collections.abc import Iterator
 from typing import Any
 
 import numpy as np
@@ -36,7 +35,7 @@ from ..onedim import as_2d
 from ..onnx_builder import OnnxActivation, OnnxContext, Sym
 from ..plan import PlannedLayer
 from ..reference import Activation
-from ..reference.arrays import conv2d_nchw
+from ..reference.arrays import conv2d_nchw, conv_views
 from ..registry import (
     COMPUTE_INPUT,
     Contract,
@@ -281,18 +280,6 @@ def convert_matmul(node, ctx) -> Layer:
 
 
 # ------------------------------------------------------------------------------------ shared-factor rules
-def _conv_views(t: np.ndarray, layer: PlannedLayer, kernel: tuple[int, int]) -> Iterator[np.ndarray]:
-    """The strided input view of every kernel offset (row-major), each (B, C, OH, OW)."""
-    a = layer.layer.attrs
-    stride, pad, dil = a["stride"], a["padding"], a["dilation"]
-    oh, ow = layer.layer.out_shape[1:]
-    tp = np.pad(t, ((0, 0), (0, 0), (pad[0], pad[0]), (pad[1], pad[1])))
-    for p in range(kernel[0]):
-        for q in range(kernel[1]):
-            r0, c0 = p * dil[0], q * dil[1]
-            yield tp[:, :, r0:r0 + stride[0] * (oh - 1) + 1:stride[0], c0:c0 + stride[1] * (ow - 1) + 1:stride[1]]
-
-
 @shared_reference("conv2d")
 def conv2d_shared(layer: PlannedLayer, inputs: list[Activation], shared: list[Shared | None], fp: FactorPlan,
                   var: np.ndarray) -> tuple[Shared | None, np.ndarray]:
@@ -323,8 +310,8 @@ def conv2d_shared(layer: PlannedLayer, inputs: list[Activation], shared: list[Sh
     if sh is None and offset is None and wf is None and bf is None:
         return None, var
     s_in = np.zeros_like(mu) if sh is None else sh.s.reshape(mu.shape)
-    mbar = np.stack([spatial_mean(v) for v in _conv_views(mu, layer, (kh, kw))], axis=2)  # (B, C, k)
-    sbar = np.stack([spatial_mean(v) for v in _conv_views(s_in, layer, (kh, kw))], axis=2)
+    mbar = np.stack([spatial_mean(v) for v in conv_views(mu, layer, (kh, kw))], axis=2)  # (B, C, k)
+    sbar = np.stack([spatial_mean(v) for v in conv_views(s_in, layer, (kh, kw))], axis=2)
     loading = np.zeros((b, o, k))
     if sh is not None:
         amap = np.einsum("ock,bck->boc", wm.reshape(o, c, -1), sbar)
@@ -344,12 +331,12 @@ def conv2d_shared(layer: PlannedLayer, inputs: list[Activation], shared: list[Sh
     s_out = np.zeros((b, o, *layer.layer.out_shape[1:]))
     if sh is not None:
         beta = np.einsum("bcf,bof->boc", sh.widened(k), g)  # ⟨g_in[c], g[o]⟩
-        for kk, view in enumerate(_conv_views(s_in, layer, (kh, kw))):
+        for kk, view in enumerate(conv_views(s_in, layer, (kh, kw))):
             i, j = divmod(kk, kw)
             s_out += np.einsum("bchw,boc->bohw", view, wm[None, :, :, i, j] * beta)
     if wf is not None:  # Cov(out[o, p], η_o) of the guide's part: conv(μ, Σ_f g[o, f]·F_f[o])
         gw = np.einsum("octf,bof->boct", wf.reshape(o, c, kh * kw, -1), g[..., :wf.shape[-1]])
-        for kk, view in enumerate(_conv_views(mu, layer, (kh, kw))):
+        for kk, view in enumerate(conv_views(mu, layer, (kh, kw))):
             s_out += np.einsum("bchw,boc->bohw", view, gw[..., kk])
     if bf is not None:
         s_out += np.einsum("of,bof->bo", bf, g[..., :bf.shape[-1]])[..., None, None]
@@ -364,7 +351,7 @@ def conv2d_shared(layer: PlannedLayer, inputs: list[Activation], shared: list[Sh
     if offset is not None and injection != "rescaled":
         # Cov(noise[o, p], pooled noise[o]) = Σ_{c,k} V·(m̄μ_k·μ_{p+k} + m̄s_k·s_{p+k}) + v_bias
         reg = np.zeros_like(s_out)
-        for kk, (vm, vs) in enumerate(zip(_conv_views(mu, layer, (kh, kw)), _conv_views(s_in, layer, (kh, kw)))):
+        for kk, (vm, vs) in enumerate(zip(conv_views(mu, layer, (kh, kw)), conv_views(s_in, layer, (kh, kw)))):
             i, j = divmod(kk, kw)
             reg += np.einsum("bchw,boc->bohw", vm, wv[None, :, :, i, j] * mbar[:, None, :, kk])
             reg += np.einsum("bchw,boc->bohw", vs, wv[None, :, :, i, j] * sbar[:, None, :, kk])
@@ -544,7 +531,7 @@ def conv_block_factors(layer: PlannedLayer, mean_in: np.ndarray, directions: int
     o, c, kh, kw = wm.shape
     b = mean_in.shape[0]
     out_hw = tuple(layer.layer.out_shape[1:])
-    views = np.concatenate([np.stack([v.reshape(b, c, -1) for v in _conv_views(mean_in, layer, (kh, kw))],
+    views = np.concatenate([np.stack([v.reshape(b, c, -1) for v in conv_views(mean_in, layer, (kh, kw))],
                                      axis=2).reshape(b, c * kh * kw, -1),
                             np.ones((b, 1, int(np.prod(out_hw))))], axis=1)            # (B, D + 1, P)
     bias = layer.tensors.get("bias_var")

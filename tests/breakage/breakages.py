@@ -74,7 +74,7 @@ BREAKAGES: tuple[Breakage, ...] = (
         "the shared-factor dense rule adds the inputs' shared parts with their correlations but does not "
         "take out the independent sum the mean-field variance already holds",
         "pyro2pfp/ops/compute.py",
-        "var = np.maximum(var + (loading**2).sum(axis=2) - s**2 @ (wm**2).T, 0.0)",
+        "var = np.maximum(var + (loading**2).sum(axis=2) - coherent, 0.0)",
         "var = np.maximum(var + (loading**2).sum(axis=2), 0.0)",
         ("tests/stages/correlation/test_correlation.py",),
     ),
