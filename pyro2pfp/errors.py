@@ -70,6 +70,14 @@ class FidelityWarning(PFPWarning):
     than the sample count explains (the message names the first layer outside the bounds and the figures)."""
 
 
+def converter_not_installed(what: str, exc: ModuleNotFoundError) -> PFPError:
+    """The error for ``what`` (``"pyro2pfp.convert"``) needing a module that this installation lacks
+    (``exc``): a runtime-only installation (a board, a scoring worker) runs exported libraries only."""
+    return PFPError(f"{what} needs {exc.name}, which is not installed: converting a Pyro model "
+                    "needs pyro2pfp's dependencies (torch, Pyro, SciPy, ...: pip install pyro2pfp); this "
+                    "installation runs exported libraries only (pyro2pfp.load)")
+
+
 def brief(exc: BaseException, limit: int = 300) -> str:
     """``"TypeName: first line of the message"`` of a foreign exception, to quote in a PFPError.
 
