@@ -207,14 +207,12 @@ factor plan (:mod:`pyro2pfp.correlation.compact`: explicit loadings, global and 
 :func:`~pyro2pfp.correlation.compact.execute_compact_all`) and in :data:`COMPACT_EXPORTERS` (the ONNX export
 runs it with its ``OnnxContext``).  An activation without a rule takes the generic Stein rule."""
 COMPACT_EXPORTERS: dict[str, Callable[..., Any]] = {}
-"""The ONNX export's table of the compact factor rules (the same formulas as :data:`COMPACT_REFERENCES`)."""
-COMPACT_KERNELS: dict[str, Callable[..., Any]] = {}
-"""``{op: rule(step, ctx, layer, inputs, loadings, out) -> (loadings, out)}``: the TE kernels of the compact factor
-rules (``step``: the ``tvm_backend.compact_factor.CompactStep``; filled when ``tvm_backend`` is imported)."""
+"""The table of the compact factor rules the float32 back ends run (the same formulas as :data:`COMPACT_REFERENCES`):
+the ONNX export with its ``OnnxContext`` and the TVM back end with Relax operators
+(``tvm_backend/compact_factor.py``)."""
 shared_reference = add_to(SHARED_REFERENCES, "shared-factor rule of op")
 compact_reference = add_to(COMPACT_REFERENCES, "compact factor rule of op")
 compact_exporter = add_to(COMPACT_EXPORTERS, "compact factor ONNX export of op")
-compact_kernel = add_to(COMPACT_KERNELS, "compact factor TVM kernel of op")
 shared_exporter = add_to(SHARED_EXPORTERS, "shared-factor ONNX export of op")
 shared_kernel = add_to(SHARED_KERNELS, "shared-factor TVM kernel of op")
 
