@@ -12,7 +12,7 @@ from . import folding
 from . import ops as ops  # the op registry: every op family registers its converter, reference, ONNX export
 from ._version import __version__
 from .correlated_pools import correlate_max_pools, pool_caveats
-from .correlation import with_correlation
+from .correlation import replanned, with_correlation
 from .correlation.compact import with_compact
 from .correlation.cost import dense_head_caveat
 from .errors import ArgumentError, InputShapeError, InternalError, PFPError, PFPWarning, PosteriorError
@@ -318,12 +318,12 @@ def convert(model: Any, guide: Any = None, *, input_shape: tuple[int, ...] | Non
             caveat = dense_head_caveat(planned) if correlation == "auto" and planned.factors is None else None
             if caveat is not None:  # the shared-factor plan's cost: of this plan, before the pool rewrite
                 warnings.warn(caveat, PFPWarning, stacklevel=3)
-            if planned.factors is None and max_pool == "correlated":
+            if max_pool == "correlated":
                 rewritten = correlate_max_pools(layer_graph)
                 if rewritten is not layer_graph:
                     layer_graph = rewritten
                     planned_graph = append_head(layer_graph, head) if head is not None else layer_graph
-                    planned = plan(planned_graph, calibration, moment_form)
+                    planned = replanned(plan(planned_graph, calibration, moment_form), planned.factors)
                 for note in pool_caveats(layer_graph):
                     warnings.warn(f"{note}. Measure it with convert(..., check=x) or pyro2pfp.diagnose.",
                                   PFPWarning, stacklevel=3)

@@ -49,12 +49,15 @@ def execute_shared_all(graph: PlannedGraph, x: np.ndarray, factors: FactorPlan |
                 if rule is None:  # plan_factors rejects such plans
                     raise PFPError(f"{layer.layer.source}: op '{op}' has no shared-factor rule")
                 sh, var = rule(layer, ins, shs, fp, var)
+            if isinstance(var, Activation):  # a FactorSpec.covariance op: its whole (deterministic) output
+                out, var = var, None
+                mean = out.mean
             if sh is not None:
                 sd = np.sqrt(np.maximum(var, 0.0)).reshape(sh.s.shape)
                 sh = Shared(np.clip(sh.s, -sd, sd), sh.g)
                 if layer.name in fp.compact_at:
                     sh = compacted(sh)
-        values[layer.name] = emit_output(mean, var, layer)
+        values[layer.name] = out if var is None else emit_output(mean, var, layer)
         shared[layer.name] = sh
         if keep is not None and layer.name in keep:
             keep[layer.name] = sh
