@@ -319,7 +319,7 @@ def convert(model: Any, guide: Any = None, *, input_shape: tuple[int, ...] | Non
             if caveat is not None:  # the shared-factor plan's cost: of this plan, before the pool rewrite
                 warnings.warn(caveat, PFPWarning, stacklevel=3)
             if max_pool == "correlated":
-                rewritten = correlate_max_pools(layer_graph)
+                rewritten = correlate_max_pools(layer_graph, shared=planned.factors is not None)
                 if rewritten is not layer_graph:
                     layer_graph = rewritten
                     planned_graph = append_head(layer_graph, head) if head is not None else layer_graph

@@ -40,7 +40,7 @@ from ..onnx_builder import OnnxActivation, OnnxContext, Sym, exporter
 from ..plan import PlannedLayer
 from ..reference import Activation, reference
 from ..reference.arrays import conv2d_nchw, padded, window_views
-from ..registry import Contract, FactorSpec, OpDef, register_op, shared_exporter, shared_reference
+from ..registry import OPS, Contract, FactorSpec, OpDef, register_op, shared_exporter, shared_reference
 
 D = Repr.DETERMINISTIC
 
@@ -297,3 +297,183 @@ def window_cov_shared_onnx(step: OnnxSharedStep, ctx: OnnxContext, layer: Planne
         return step.einsum("bcohw,bcohw->bohw", u5, shifted)
 
     return None, OnnxActivation(_onnx_covariances(ctx, layer, x.mean, resid, profile, factor_map), None, D)
+
+
+# ------------------------------------------------------------------------------------ pools not fed by a conv
+WINDOW_CLOSURE = register_op(OpDef(
+    "window_closure", modules="(inserted by the planner before a max pool of a shared-factor plan)",
+    moments="the shared-factor scheme's covariance of two elements of a channel",
+    assumptions="the scheme's rank-1-per-channel closure", internal=True,
+    contract=Contract(Repr.VARIANCE, Repr.DETERMINISTIC, keeps_deterministic=True),
+    factor_spec=FactorSpec(covariance=True)))
+
+WINDOW_ACTIVATION = register_op(OpDef(
+    "window_activation", modules="(inserted by the planner before a max pool that reads an activation)",
+    moments="Mehler's expansion of the bivariate normal to second order",
+    assumptions="jointly Gaussian pre-activations", internal=True,
+    contract=Contract(Repr.VARIANCE, Repr.DETERMINISTIC, keeps_deterministic=True),
+    factor_spec=FactorSpec(covariance=True)))
+
+
+def _pool_taps(layer: PlannedLayer, t: Any, fill: float = 0.0) -> list[Any]:
+    """The window taps (row-major) of a ``(B, C, H, W)`` array ``t`` at the pooled positions of ``layer``'s pool."""
+    pool, out_hw = layer.layer.attrs["pool"], tuple(layer.layer.out_shape[2:])
+    return list(window_views(padded(t, pool, out_hw, fill), pool["kernel"], pool["stride"], out_hw))
+
+
+def closure_pairs(s_a: list[Any], s_b: list[Any] | None, dot: Any) -> list[Any]:
+    """The shared factors' covariance of every pair ``(i, j)`` of a window: ``s_i·s_j·dot`` for one edge
+    (``s_b`` None; ``dot = ‖g_c‖²``), ``(s_a,i·s_b,j + s_b,i·s_a,j)·dot`` between two (``dot = ⟨g_a,c, g_b,c⟩``);
+    ``s_a``, ``s_b``: the profiles at the window's taps (0 outside the input)."""
+    pairs = moments.window_pairs(len(s_a))
+    if s_b is None:
+        return [s_a[i] * s_a[j] * dot for i, j in pairs]
+    return [(s_a[i] * s_b[j] + s_b[i] * s_a[j]) * dot for i, j in pairs]
+
+
+@reference("window_closure")
+def window_closure(layer: PlannedLayer, inputs: list[Activation]) -> Activation:
+    """Without shared parts (a mean-field input): 0."""
+    return Activation(np.zeros((inputs[0].mean.shape[0], *layer.layer.out_shape)), None, D)
+
+
+@shared_reference("window_closure")
+def window_closure_shared(layer: PlannedLayer, inputs: list[Activation], shared: list[Shared | None],
+                          fp: FactorPlan, var: np.ndarray) -> tuple[Shared | None, Activation]:
+    """The in-window covariances the shared factors give an edge that is not a conv output (or, with two
+    inputs, the covariance between two summands of a residual add): the scheme's closure ``Cov(a[c, P],
+    a[c, Q]) = s_P·s_Q·‖g_c‖²`` (one input) and ``Cov(a_P, b_Q) + Cov(b_P, a_Q) = (s_a,P·s_b,Q +
+    s_b,P·s_a,Q)·⟨g_a,c, g_b,c⟩`` (two: the branches' covariance through their shared factors, which the
+    add rule adds to the variance).  An input without a shared part contributes 0."""
+    shape = inputs[0].mean.shape
+    present = [sh for sh in shared if sh is not None]
+    if len(present) < len(shared):
+        return None, window_closure(layer, inputs)
+    k = max(sh.g.shape[2] for sh in present)
+    gs = [sh.widened(k) for sh in present]
+    dot = (gs[0] * gs[-1]).sum(axis=2)[:, :, None, None]
+    profiles = [_pool_taps(layer, sh.s.reshape(shape)) for sh in present]
+    pairs = closure_pairs(profiles[0], profiles[1] if len(profiles) == 2 else None, dot)
+    return None, Activation(np.stack(pairs, axis=2), None, D)
+
+
+def hermite_terms(layer: PlannedLayer, mean: Any, var: Any, ops: Any) -> tuple[Any, Any, Any]:
+    """Per element of a ``window_activation`` layer's pre-activation ``a ~ N(mean, var)``: ``(σ, A_1, R)`` with
+    ``A_1 = σ·E[f'(a)]`` (Stein's slope: the exact ``μ``-derivative of the activation rule's own mean,
+    :mod:`pyro2pfp.correlation.stein`) and ``R = Var f(a) − A_1²`` (clamped at 0; the rule's variance)."""
+    from ..correlation.stein import mean_and_slope
+
+    a = layer.layer.attrs
+    rule = OPS[a["activation"]].activation
+    assert rule is not None
+    zero = ops.const(0.0)
+    _, slope = mean_and_slope(rule, mean, var, a["attrs"], ops)
+    sd = ops.sqrt(ops.maximum(var, zero))
+    a1 = sd * slope
+    return sd, a1, ops.maximum(rule.moments(mean, var, a["attrs"], ops)[1] - a1 * a1, zero)
+
+
+def mehler_covariance(i: tuple[Any, Any, Any], j: tuple[Any, Any, Any], cov: Any, ops: Any) -> Any:
+    """``Cov(f(a_i), f(a_j))`` of jointly Gaussian pre-activations with covariance ``cov`` and the
+    :func:`hermite_terms` ``i = (σ_i, A_1,i, R_i)``, ``j``: Mehler's expansion ``Σ_{n≥1} ρⁿ/n!·A_n,i·A_n,j``
+    (``ρ`` the correlation, ``A_n = σⁿ·E[f⁽ⁿ⁾(a)]`` the Hermite coefficients; Mehler 1866, Kibble 1945) with
+    the first term exact and the rest bounded by Cauchy-Schwarz, ``ρ²·√(R_i·R_j)`` (``Σ_{n≥2} A_n²/n! = R``):
+    exact for a linear ``f``, to second order in ``ρ`` when ``A_2`` dominates the higher terms, and at
+    ``ρ = 1`` for equal taps (then ``Var f(a)``)."""
+    zero = ops.const(0.0)
+    den = i[0] * j[0]
+    rho = ops.where(den > zero, cov / ops.where(den > zero, den, ops.const(1.0)), zero)
+    rho = ops.minimum(ops.maximum(rho, ops.const(-1.0)), ops.const(1.0))
+    return rho * i[1] * j[1] + rho * rho * ops.sqrt(i[2] * j[2])
+
+
+@reference("window_activation")
+def window_activation(layer: PlannedLayer, inputs: list[Activation]) -> Activation:
+    x, cov = inputs
+    terms = [_pool_taps(layer, t) for t in hermite_terms(layer, x.mean, x.variance(), moments.NUMPY)]
+    taps_ = list(zip(*terms))
+    pairs = [mehler_covariance(taps_[i], taps_[j], cov.mean[:, :, k], moments.NUMPY)
+             for k, (i, j) in enumerate(moments.window_pairs(len(taps_)))]
+    return Activation(np.stack(pairs, axis=2) * closure_mask(layer)[None, None], None, D)
+
+
+def closure_mask(layer: PlannedLayer) -> np.ndarray:
+    """``(P, OH, OW)``: 1 where both taps of the pair lie inside the pool's input, else 0."""
+    pool, out_hw = layer.layer.attrs["pool"], tuple(layer.layer.out_shape[2:])
+    ones = padded(np.ones((1, 1, *layer.layer.attrs["in_hw"])), pool, out_hw, 0.0)
+    inside = [v[0, 0] for v in window_views(ones, pool["kernel"], pool["stride"], out_hw)]
+    return np.stack([inside[i] * inside[j] for i, j in moments.window_pairs(len(inside))])
+
+
+@shared_reference("window_activation")
+def window_activation_shared(layer: PlannedLayer, inputs: list[Activation], shared: list[Shared | None],
+                             fp: FactorPlan, var: np.ndarray) -> tuple[Shared | None, Activation]:
+    """The same as without shared factors (the input covariances carry them)."""
+    return None, window_activation(layer, inputs)
+
+
+def _onnx_pool_taps(ctx: OnnxContext, layer: PlannedLayer, t: Sym, fill: float = 0.0) -> list[Sym]:
+    """:func:`_pool_taps` in ONNX: ``Pad`` (the pool's padding and overhang) and one strided ``Slice`` per tap."""
+    pool, out_hw = layer.layer.attrs["pool"], tuple(layer.layer.out_shape[2:])
+    in_hw = layer.layer.attrs["in_hw"]
+    ends = [max(0, (o - 1) * s + k - n - p) for o, s, k, n, p in
+            zip(out_hw, pool["stride"], pool["kernel"], in_hw, pool["padding"])]
+    if any(pool["padding"]) or any(ends):
+        t = t.nary("Pad", ctx.b.ints([0, 0, *pool["padding"], 0, 0, *ends], "pads"), Sym(ctx.b, value=fill),
+                   mode="constant")
+    return [_slice(ctx, t, list(tap), [tap[k] + pool["stride"][k] * (out_hw[k] - 1) + 1 for k in (0, 1)],
+                   list(pool["stride"])) for tap in taps(pool["kernel"])]
+
+
+def _onnx_stack(ctx: OnnxContext, pairs: list[Sym]) -> Sym:
+    """``(B, C, OH, OW)`` pairs stacked to ``(B, C, P, OH, OW)``."""
+    covs = [p.nary("Unsqueeze", ctx.b.ints([2], "axes")) for p in pairs]
+    return covs[0].nary("Concat", *covs[1:], axis=2) if len(covs) > 1 else covs[0]
+
+
+@exporter("window_closure")
+def window_closure_onnx(ctx: OnnxContext, layer: PlannedLayer, inputs: list[OnnxActivation]) -> OnnxActivation:
+    """Zeros (no shared parts)."""
+    tap = _onnx_pool_taps(ctx, layer, inputs[0].mean)[0]
+    return OnnxActivation(ctx.zeros_like(_onnx_stack(ctx, [tap] * int(layer.layer.out_shape[1]))), None, D)
+
+
+@shared_exporter("window_closure")
+def window_closure_shared_onnx(step: OnnxSharedStep, ctx: OnnxContext, layer: PlannedLayer,
+                               inputs: list[OnnxActivation], shared: list[OnnxShared | None],
+                               out: OnnxActivation | None) -> tuple[OnnxShared | None, OnnxActivation]:
+    """:func:`window_closure_shared` in ONNX."""
+    if any(sh is None for sh in shared):
+        return None, window_closure_onnx(ctx, layer, inputs)
+    present = [sh for sh in shared if sh is not None]
+    k = max(sh.k for sh in present)
+    gs = [step.widened(sh.g, sh.k, k) for sh in present]
+    dot = step.view_as(step.rsum(gs[0] * gs[-1], [2]), layer.layer.out_shape[0], 1, 1)
+    profiles = [_onnx_pool_taps(ctx, layer, sh.s) for sh in present]
+    pairs = closure_pairs(profiles[0], profiles[1] if len(profiles) == 2 else None, dot)
+    return None, OnnxActivation(_onnx_stack(ctx, pairs), None, D)
+
+
+@exporter("window_activation")
+def window_activation_onnx(ctx: OnnxContext, layer: PlannedLayer, inputs: list[OnnxActivation]) -> OnnxActivation:
+    """The reference's pairs: the Hermite terms per element, their taps, Mehler's covariance per pair."""
+    x, cov = inputs
+    terms = [_onnx_pool_taps(ctx, layer, t) for t in hermite_terms(layer, x.mean, ctx.random_variance(x), ctx.ops)]
+    taps_ = list(zip(*terms))
+    pairs = [mehler_covariance(taps_[i], taps_[j], _pair_of(ctx, cov.mean, k), ctx.ops)
+             for k, (i, j) in enumerate(moments.window_pairs(len(taps_)))]
+    return OnnxActivation(_onnx_stack(ctx, pairs) * ctx.tensor(closure_mask(layer)[None], "pair_mask"), None, D)
+
+
+def _pair_of(ctx: OnnxContext, cov: Sym, k: int) -> Sym:
+    """Pair ``k`` of a ``(batch, C, P, OH, OW)`` covariance tensor as ``(batch, C, OH, OW)``."""
+    one = cov.nary("Slice", ctx.b.ints([k], "starts"), ctx.b.ints([k + 1], "ends"), ctx.b.ints([2], "axes"))
+    return one.nary("Squeeze", ctx.b.ints([2], "axes"))
+
+
+@shared_exporter("window_activation")
+def window_activation_shared_onnx(step: OnnxSharedStep, ctx: OnnxContext, layer: PlannedLayer,
+                                  inputs: list[OnnxActivation], shared: list[OnnxShared | None],
+                                  out: OnnxActivation | None) -> tuple[OnnxShared | None, OnnxActivation]:
+    """The same as without shared factors."""
+    return None, window_activation_onnx(ctx, layer, inputs)

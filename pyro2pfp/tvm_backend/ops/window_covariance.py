@@ -21,14 +21,22 @@ from tvm import relax, s_tir, te, tirx
 
 from ...graph import Repr
 from ...moments import window_pairs
-from ...ops.window_covariance import shift_product_kernel, tap_masks, taps
+from ...ops.window_covariance import (
+    closure_mask,
+    hermite_terms,
+    mehler_covariance,
+    shift_product_kernel,
+    tap_masks,
+    taps,
+)
 from ...plan import PlannedLayer
 from ...registry import shared_kernel
-from ..emit import EmitContext, RelaxActivation, activation_out, kernel
+from ..emit import EmitContext, RelaxActivation, activation_out, kernel, variance_of
 from ..fast_math import F32
-from ..schedules import flat_nests, schedule, simd_lanes, static_extent
+from ..schedules import flat_nests, schedule, schedule_flat, simd_lanes, static_extent
 from ..shared_factor import emit_part
 from ..shared_factor_schedule import schedule_shared
+from ..te_let import te_shared
 
 PAD = "pad"
 SUM = "window_cov_sum"
@@ -80,6 +88,12 @@ class _Geometry:
 
         pads = te.compute((srcs[0].shape[0], n_in, self.rows, self.cols), padded, name=PAD)
         return list(pads) if isinstance(pads, list | tuple) else [pads]
+
+
+def _in_hw(ctx: EmitContext, layer: PlannedLayer) -> tuple[int, int]:
+    """The spatial size of the layer's input."""
+    shape = ctx.shapes[layer.inputs[0]]
+    return int(shape[-2]), int(shape[-1])
 
 
 def _pick(p: Any, values: list[int]) -> Any:
@@ -138,7 +152,7 @@ def _constants(ctx: EmitContext, layer: PlannedLayer, geo: _Geometry, random: bo
 def window_cov(ctx: EmitContext, layer: PlannedLayer, inputs: list[RelaxActivation]) -> RelaxActivation:
     x = inputs[0]
     n_in = layer.tensors["weight_mean"].shape[1]
-    geo = _Geometry.of(layer, tuple(ctx.shapes[layer.inputs[0]][1:]))
+    geo = _Geometry.of(layer, _in_hw(ctx, layer))
     random = x.second is not None
 
     def fn(*args: te.Tensor) -> te.Tensor:
@@ -167,7 +181,7 @@ def window_cov_shared_kernel(step: Any, ctx: EmitContext, layer: PlannedLayer, i
     assert out is None and sh is not None and x.second is not None and x.repr is Repr.VARIANCE, x.repr
     wm = layer.tensors["weight_mean"]
     n_out, n_in, kh, kw = wm.shape
-    geo = _Geometry.of(layer, tuple(ctx.shapes[layer.inputs[0]][1:]))
+    geo = _Geometry.of(layer, _in_hw(ctx, layer))
     (cs_h, cs_w), (ps_h, ps_w) = geo.conv_stride, geo.pool_stride
     _, n_pairs, oh, ow = layer.layer.out_shape
     kernel_hw = layer.layer.attrs["pool"]["kernel"]
@@ -209,6 +223,102 @@ def window_cov_shared_kernel(step: Any, ctx: EmitContext, layer: PlannedLayer, i
     return None, RelaxActivation(cov, None, Repr.DETERMINISTIC)
 
 
+class _PoolTaps:
+    """The window taps of a ``(B, C, H, W)`` tensor at the pooled positions of a ``window_closure`` /
+    ``window_activation`` layer (bounds-checked loads; a pair's taps selected by the pair index)."""
+
+    def __init__(self, layer: PlannedLayer) -> None:
+        pool = layer.layer.attrs["pool"]
+        self.stride, self.padding = pool["stride"], pool["padding"]
+        self.in_hw = layer.layer.attrs["in_hw"]
+        tap_list = taps(pool["kernel"])
+        pairs = window_pairs(len(tap_list))
+        self.first = [tap_list[i] for i, _ in pairs]
+        self.second = [tap_list[j] for _, j in pairs]
+
+    def load(self, t: te.Tensor, b: Any, c: Any, i: Any, j: Any, r: Any, q: Any) -> Any:
+        h, w = i * self.stride[0] - self.padding[0] + r, j * self.stride[1] - self.padding[1] + q
+        inside = tirx.all(h >= 0, h < self.in_hw[0], w >= 0, w < self.in_hw[1])
+        return tirx.if_then_else(inside, t[b, c, te.min(te.max(h, 0), self.in_hw[0] - 1),
+                                           te.min(te.max(w, 0), self.in_hw[1] - 1)], tirx.const(0.0, F32))
+
+    def pair(self, t: te.Tensor, b: Any, c: Any, p: Any, i: Any, j: Any) -> tuple[Any, Any]:
+        """Pair ``p``'s two taps of ``t`` (0 outside the input)."""
+        first = self.load(t, b, c, i, j, _pick(p, [x[0] for x in self.first]), _pick(p, [x[1] for x in self.first]))
+        second = self.load(t, b, c, i, j, _pick(p, [x[0] for x in self.second]),
+                           _pick(p, [x[1] for x in self.second]))
+        return first, second
+
+
+@kernel("window_closure")
+def window_closure(ctx: EmitContext, layer: PlannedLayer, inputs: list[RelaxActivation]) -> RelaxActivation:
+    """Zeros (no shared parts)."""
+    def fn(m: te.Tensor) -> te.Tensor:
+        return te.compute((m.shape[0], *layer.layer.out_shape), lambda *i: tirx.const(0.0, F32), name=STACK)
+
+    return activation_out(ctx.emit_te(fn, [inputs[0].mean], layer), layer)
+
+
+@shared_kernel("window_closure")
+def window_closure_shared_kernel(step: Any, ctx: EmitContext, layer: PlannedLayer, inputs: list[RelaxActivation],
+                                 shared: list[Any], out: RelaxActivation | None) -> tuple[None, RelaxActivation]:
+    """:func:`pyro2pfp.ops.window_covariance.window_closure_shared` as one kernel ``sf_window_closure``."""
+    if any(sh is None for sh in shared):
+        return None, window_closure(ctx, layer, inputs)
+    tap = _PoolTaps(layer)
+    two = len(shared) == 2
+
+    def fn(*args: te.Tensor) -> te.Tensor:
+        s_a, g_a, s_b, g_b = (*args, None, None) if not two else args
+        g_b = g_a if g_b is None else g_b
+        k = te.min(g_a.shape[2], g_b.shape[2]) if two else g_a.shape[2]
+        f = te.reduce_axis((0, k), name="f")
+        dot = te.compute(g_a.shape[:2], lambda b, c: te.sum(g_a[b, c, f] * g_b[b, c, f], axis=f), name="dot")
+
+        def pair(b, c, p, i, j):
+            a1, a2 = tap.pair(s_a, b, c, p, i, j)
+            if s_b is None:
+                return a1 * a2 * dot[b, c]
+            b1, b2 = tap.pair(s_b, b, c, p, i, j)
+            return (a1 * b2 + b1 * a2) * dot[b, c]
+
+        return te.compute((s_a.shape[0], *layer.layer.out_shape), pair, name=STACK)
+
+    args = [t for sh in shared for t in (sh.s, sh.g)]
+    cov = emit_part(ctx, fn, args, layer, "window_closure")[0]
+    return None, RelaxActivation(cov, None, Repr.DETERMINISTIC)
+
+
+@kernel("window_activation")
+def window_activation(ctx: EmitContext, layer: PlannedLayer, inputs: list[RelaxActivation]) -> RelaxActivation:
+    """:func:`pyro2pfp.ops.window_covariance.window_activation`: the Hermite terms per element (stage
+    ``hermite``, the activation's moment rule and Stein slope let-bound once), Mehler's covariance per pair."""
+    x, cov = inputs
+    tap = _PoolTaps(layer)
+    mask = ctx.const(closure_mask(layer))
+
+    def fn(m: te.Tensor, v: te.Tensor, c_in: te.Tensor, mk: te.Tensor) -> te.Tensor:
+        terms = te.compute(m.shape, lambda *i: te_shared(lambda ops: list(hermite_terms(
+            layer, m[i], variance_of(m[i], v[i], x.repr), ops))), name="hermite")
+
+        def pair(b, c, p, i, j):
+            first = [tap.pair(t, b, c, p, i, j)[0] for t in terms]
+            second = [tap.pair(t, b, c, p, i, j)[1] for t in terms]
+            return te_shared(lambda ops: [mehler_covariance(tuple(first), tuple(second), c_in[b, c, p, i, j], ops)
+                                          * mk[p, i, j]])[0]
+
+        return te.compute((m.shape[0], *layer.layer.out_shape), pair, name=STACK)
+
+    return activation_out(ctx.emit_te(fn, [x.mean, x.second, cov.mean, mask], layer), layer)
+
+
+@shared_kernel("window_activation")
+def window_activation_shared_kernel(step: Any, ctx: EmitContext, layer: PlannedLayer, inputs: list[RelaxActivation],
+                                    shared: list[Any], out: RelaxActivation | None) -> tuple[None, RelaxActivation]:
+    """The same as without shared factors (the input covariances carry them)."""
+    return None, window_activation(ctx, layer, inputs)
+
+
 @schedule("window_cov")
 def schedule_window_cov(sch: s_tir.Schedule, layer: Any, target: tvm.target.Target) -> None:
     """The padded copy and the last stage are elementwise nests; the pair reduction runs parallel
@@ -231,4 +341,10 @@ def schedule_window_cov(sch: s_tir.Schedule, layer: Any, target: tvm.target.Targ
     flat_nests(sch, [sch.get_sblock(STACK)], lanes)
 
 
-schedule("sf_window_cov")(schedule_shared)
+schedule("sf_window_cov", "sf_window_closure")(schedule_shared)
+
+
+@schedule("window_closure", "window_activation")
+def schedule_window_pairs(sch: s_tir.Schedule, layer: Any, target: tvm.target.Target) -> None:
+    """Elementwise nests (the Hermite terms per element, the pairs): :func:`~.schedules.schedule_flat`."""
+    schedule_flat(sch, simd_lanes(target))
