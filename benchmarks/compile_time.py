@@ -1,14 +1,15 @@
 """Compile time of ``net.compile()`` (default schedules, any batch) for the MLP, LeNet-5, ResNet-8 and
 ResNet-20 of ``benchmarks/latency.py`` (the ResNets with the default ``correlation="auto"``, which is the
-shared-factor scheme for them, and with ``"mean-field"``: rows ``(mf)``), in CPU seconds of this
-process (``time.process_time``: all threads, so a loaded machine does not inflate it) and wall seconds
+shared-factor scheme for them, and with ``"mean-field"``: rows ``(mf)``), first with an empty kernel
+cache and then again with the kernels cached (a second compile), in CPU seconds of this process and
+its children (all threads and the linker, so a loaded machine inflates it less) and wall seconds
 (what a user waits: the kernels compile on ``PYRO2PFP_BUILD_JOBS`` threads, default the CPUs this process
 may use; measure it on a quiet machine), best of ``--repeats``.
 
     PYTHONPATH=. .venv/bin/python benchmarks/compile_time.py [--repeats 3] [--markdown docs/generated/compile-time.md]
 
-Budgets (LeNet-5 <= 2 s, ResNet-20 <= 5 s) are printed as HOLDS/SHORT lines, judged on the wall time
-(the CPU seconds beside it).
+Budgets (LeNet-5 <= 1 s, ResNet-20 <= 5 s, every second compile <= 1 s) are printed as HOLDS/SHORT
+lines, judged on the wall time (the CPU seconds beside it).
 
     PYTHONPATH=. .venv/bin/python benchmarks/compile_time.py --per-op resnet20
 
@@ -33,7 +34,8 @@ import warnings
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from markdown_report import add_markdown_argument, table, write_markdown  # noqa: E402
 
-TARGETS = {"lenet": 2.0, "resnet20": 5.0, "resnet20 (mf)": 5.0}
+TARGETS = {"lenet": 1.0, "resnet20": 5.0, "resnet20 (mf)": 5.0}
+SECOND_COMPILE = 1.0  # seconds: every net's second compile (kernels from the cache)
 
 
 def networks(only: str | None = None):
@@ -174,29 +176,53 @@ def main() -> None:
     if args.per_op:
         per_op(args.per_op, args.kernels)
         return
+    import tempfile
+
+    import numpy as np
+
     from pyro2pfp.tvm_backend.build import build_jobs
 
+    def cpu_s() -> float:  # this process and its children (the linker)
+        t = os.times()
+        return t.user + t.system + t.children_user + t.children_system
+
+    def timed(net) -> tuple[float, float]:
+        net._mod = None  # re-emit too: compile() is what a user calls after convert
+        t0, c0 = time.perf_counter(), cpu_s()
+        exe = net.compile()
+        exe(np.zeros((1, *net.input_shape), np.float32))  # its first VM links the kernels
+        return time.perf_counter() - t0, cpu_s() - c0
+
     print(f"load average {os.getloadavg()[0]:.1f}, kernels compiled on {build_jobs()} thread(s)")
-    print(f"{'net':<14} {'CPU s':>6} {'wall s':>7}")
-    best = {}
+    print(f"{'net':<14} {'CPU s':>6} {'wall s':>7} {'2nd CPU s':>9} {'2nd wall s':>10}")
+    best, second = {}, {}
     for name, net in networks():
-        cpu, wall = [], []
+        cold, warm = [], []
         for _ in range(args.repeats):
-            net._mod = None  # re-emit too: compile() is what a user calls after convert
-            t0, c0 = time.perf_counter(), time.process_time()
-            net.compile()
-            cpu.append(time.process_time() - c0)
-            wall.append(time.perf_counter() - t0)
-        best[name] = (min(wall), min(cpu))
-        print(f"{name:<14} {min(cpu):>6.2f} {min(wall):>7.2f}")
+            with tempfile.TemporaryDirectory() as cache:  # an empty kernel cache: a first compile
+                os.environ["PYRO2PFP_KERNEL_CACHE"] = cache
+                cold.append(timed(net))
+                warm.append(timed(net))  # the same architecture again: kernels from the cache
+            del os.environ["PYRO2PFP_KERNEL_CACHE"]
+        best[name] = (min(w for w, _ in cold), min(c for _, c in cold))
+        second[name] = (min(w for w, _ in warm), min(c for _, c in warm))
+        (wall, cpu), (wall2, cpu2) = best[name], second[name]
+        print(f"{name:<14} {cpu:>6.2f} {wall:>7.2f} {cpu2:>9.2f} {wall2:>10.2f}")
     for name, limit in TARGETS.items():
-        wall_s, cpu_s = best[name]
+        wall_s, cpu = best[name]
         verdict = "HOLDS" if wall_s <= limit else "SHORT"
-        print(f"{verdict}: {name} compile {wall_s:.2f} s wall <= {limit:.0f} s ({cpu_s:.2f} CPU s)")
+        print(f"{verdict}: {name} compile {wall_s:.2f} s wall <= {limit:.0f} s ({cpu:.2f} CPU s)")
+    for name, (wall_s, cpu) in second.items():
+        verdict = "HOLDS" if wall_s <= SECOND_COMPILE else "SHORT"
+        print(f"{verdict}: {name} second compile {wall_s:.2f} s wall <= {SECOND_COMPILE:.0f} s ({cpu:.2f} CPU s)")
     write_markdown(args.markdown, [
-        table(["net", "wall s", "CPU s"], [[name, f"{w:.2f}", f"{c:.2f}"] for name, (w, c) in best.items()]),
-        f"`net.compile()` after `convert` (module emission included), best of {args.repeats}; kernels compiled on "
-        f"{build_jobs()} thread(s); `(mf)`: `correlation=\"mean-field\"`."])
+        table(["net", "wall s", "CPU s", "second compile wall s", "second compile CPU s"],
+              [[name, f"{w:.2f}", f"{c:.2f}", f"{second[name][0]:.2f}", f"{second[name][1]:.2f}"]
+               for name, (w, c) in best.items()]),
+        f"`net.compile()` after `convert` and its first call (module emission and linking included), best of "
+        f"{args.repeats}, with an empty kernel cache; *second compile*: the same again, its kernels in the cache. "
+        f"Kernels compiled on {build_jobs()} thread(s); CPU s counts the linker too; `(mf)`: "
+        f"`correlation=\"mean-field\"`."])
 
 
 if __name__ == "__main__":

@@ -39,7 +39,7 @@ def main(argv: list[str] | None = None) -> int:
     import torch
 
     import pyro2pfp
-    from pyro2pfp.profiling import profile
+    from pyro2pfp.profiling import kernel_multiply_adds, profile
 
     sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
     import latency
@@ -64,7 +64,7 @@ def main(argv: list[str] | None = None) -> int:
     compile_s = time.process_time() - t0
     # the predictor itself: profile() runs the static executable for a batch it was built for, and names
     # each kernel's op and layer from the predictor's kernel table (a raw VM has only the symbols)
-    prof = profile(exe, [x], repeats=args.repeats, method=args.method)
+    prof = profile(exe, [x], repeats=args.repeats, method=args.method, work=kernel_multiply_adds(net, args.batch))
     assert prof.batch == args.batch and (not args.static or exe.vm_for_batch(args.batch) is not exe.vm)
     kernels = sum(r.calls for r in prof.rows)
     print(f"{args.net}, correlation {net.plan.correlation}, batch {args.batch}, {args.threads} thread(s), "

@@ -191,7 +191,7 @@ def correlate_max_pools(graph: LayerGraph, shared: bool = False) -> LayerGraph:
     layers = [layer for layer in layers if layer.name not in dropped]
     origins = {name: node for name, node in graph.origins.items() if name not in dropped}
     return LayerGraph(input_shape=graph.input_shape, layers=layers, output=graph.output,
-                      input_variance=graph.input_variance, origins=origins)
+                      input_variance=graph.input_variance, origins=origins, guide_factors=graph.guide_factors)
 
 
 def _unread(layers: list[Layer], output: str, candidates: set[str]) -> set[str]:

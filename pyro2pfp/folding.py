@@ -26,8 +26,10 @@ from .plan import is_compute_layer
 def _scaled(param: GaussianParam, scale: np.ndarray, shift: np.ndarray | None = None) -> GaussianParam:
     """``a·p + c`` per output channel (axis 0) of a Gaussian parameter."""
     a = scale.reshape((-1,) + (1,) * (param.mean.ndim - 1))
-    mean = param.mean * a if shift is None else param.mean * a + shift.reshape(a.shape)
-    return GaussianParam(mean, param.var * a * a, site=param.site)
+    scaled = param.mapped(lambda t: t, scale=np.broadcast_to(a, param.mean.shape))
+    if shift is None:
+        return scaled
+    return GaussianParam(scaled.mean + shift.reshape(a.shape), scaled.var, site=param.site, factors=scaled.factors)
 
 
 def fold_batch_norm(graph: LayerGraph) -> LayerGraph:

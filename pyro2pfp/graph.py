@@ -37,18 +37,24 @@ class Repr(enum.Enum):
 
 @dataclass(frozen=True)
 class GaussianParam:
-    """A parameter tensor with independent Gaussian entries: ``N(mean, var)`` elementwise.
+    """A parameter tensor with Gaussian entries: ``N(mean, var)`` elementwise.
 
     ``var`` is all zeros for a deterministic parameter.  Arrays are float64, torch layout.
+    ``factors`` (the shape + ``(k,)``, or None): the entries' covariances with the guide's global
+    factors ``z ~ N(0, I_k)`` (a correlated guide, :mod:`pyro2pfp.posterior.correlated`), so that
+    ``w = mean + factors·z + rest`` with an independent ``rest`` of variance ``var − Σ_f factors²``.
     """
 
     mean: np.ndarray
     var: np.ndarray
     site: str | None = None  # the Pyro sample site it came from; None for a deterministic parameter
+    factors: np.ndarray | None = None
 
     def __post_init__(self) -> None:
         if self.mean.shape != self.var.shape:
             raise ValueError(f"mean shape {self.mean.shape} != var shape {self.var.shape}")
+        if self.factors is not None and self.factors.shape[:-1] != self.mean.shape:
+            raise ValueError(f"factors shape {self.factors.shape} does not extend mean shape {self.mean.shape}")
 
     @property
     def is_deterministic(self) -> bool:
@@ -57,6 +63,39 @@ class GaussianParam:
     @property
     def shape(self) -> tuple[int, ...]:
         return tuple(self.mean.shape)
+
+    def mapped(self, fn: Any, scale: np.ndarray | None = None) -> GaussianParam:
+        """The parameter under a linear map ``fn`` of its entries (a reshape, transpose, zero padding: any
+        function of an array whose leading axes are the parameter's), optionally times ``scale``
+        (broadcast against the mapped mean): mean and factors are mapped, the variance by ``fn`` and
+        ``scale²``.  The factors' trailing axis rides along as the last axis."""
+        mean, var = fn(self.mean), fn(self.var)
+        factors = None
+        if self.factors is not None:
+            moved = np.moveaxis(self.factors, -1, 0)
+            factors = np.moveaxis(np.stack([fn(f) for f in moved]), 0, -1)
+        if scale is not None:
+            mean, var = mean * scale, var * scale * scale
+            factors = None if factors is None else factors * scale[..., None]
+        return GaussianParam(mean, var, site=self.site, factors=factors)
+
+
+@dataclass(frozen=True)
+class GuideFactorInfo:
+    """What a correlated guide's global factors are (their loadings live in the parameters'
+    :attr:`GaussianParam.factors`): ``k`` factors carried of the guide's ``rank`` directions, ``kept`` the
+    share of its covariance between weights that they carry (1: exact), ``source`` the guide."""
+
+    k: int
+    rank: int
+    kept: float
+    source: str
+
+    def describe(self) -> str:
+        if self.k == self.rank or self.kept >= 1.0:
+            return f"{self.source}: {self.k} global factors (its covariance between weights, exact)"
+        return (f"{self.source}: the top {self.k} of {self.rank} directions as global factors "
+                f"({100 * self.kept:.0f} % of its covariance between weights kept, the rest independent)")
 
 
 @dataclass
@@ -87,6 +126,7 @@ class LayerGraph:
     output: str
     input_variance: bool = False  # whether the network input carries a variance (sensor noise)
     origins: dict[str, str] = field(default_factory=dict)  # layer name → traced fx node it computes
+    guide_factors: GuideFactorInfo | None = None  # a correlated guide's global factors (GaussianParam.factors)
 
     def layer(self, name: str) -> Layer:
         for layer in self.layers:

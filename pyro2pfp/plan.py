@@ -45,7 +45,7 @@ from typing import Any
 import numpy as np
 
 from .errors import PFPError
-from .graph import INPUT, Layer, LayerGraph, Repr
+from .graph import INPUT, GuideFactorInfo, Layer, LayerGraph, Repr
 from .options import MomentForm, checked, values
 from .registry import COMPUTE_INPUT, OPS
 
@@ -141,6 +141,8 @@ class PlannedGraph:
     # pyro2pfp.correlation.with_correlation) or pyro2pfp.correlation.compact.CompactPlan; None for mean-field
     # PFP.  Each has a ``scheme`` (its executor's key).  (Typed Any: the correlation package builds on this module.)
     factors: Any = None
+    # A correlated guide's global factors (their loadings: the compute layers' weight_factors/bias_factors).
+    guide_factors: GuideFactorInfo | None = None
 
     @property
     def correlation(self) -> str:
@@ -201,6 +203,10 @@ class PlannedGraph:
             lines.append(f"correlation: shared-factor (up to {self.factors.max_factors} factors per edge, "
                          f"{len(self.factors.offsets)} layers create factors, "
                          f"{len(self.factors.compact_at)} compaction points)")
+        if self.guide_factors is not None:
+            carried = self.factors is not None and getattr(self.factors, "guide", 0) > 0
+            lines.append(f"guide correlations: {self.guide_factors.describe()}"
+                         + ("" if carried else "; not carried by this mean-field plan (marginal variances only)"))
         return "\n".join(lines)
 
 
@@ -221,6 +227,9 @@ def _stored_tensors(layer: Layer, input_repr: Repr, calibration: float) -> dict[
         return {}
     weight = layer.params["weight"]
     tensors = {"weight_mean": weight.mean}
+    root = np.sqrt(max(float(calibration), 0.0))
+    if weight.factors is not None:  # a correlated guide's loadings on its global factors (calibrated as sd)
+        tensors["weight_factors"] = root * weight.factors
     weight_var = stored_variance(weight.var, calibration)
     if input_repr is S:
         tensors["weight_second_moment"] = weight.mean**2 + weight_var
@@ -229,6 +238,8 @@ def _stored_tensors(layer: Layer, input_repr: Repr, calibration: float) -> dict[
     bias = layer.params.get("bias")
     if bias is not None:
         tensors["bias_mean"] = bias.mean
+        if bias.factors is not None:
+            tensors["bias_factors"] = root * bias.factors
         bias_var = stored_variance(bias.var, calibration)
         if np.any(bias_var):
             tensors["bias_var"] = bias_var
@@ -312,4 +323,5 @@ def plan(graph: LayerGraph, calibration: float = 1.0,
         edge_repr[layer.name] = out
     output = deliver(graph.output, V)
     return PlannedGraph(input_shape=graph.input_shape, input_repr=input_repr, layers=planned,
-                        output=output, calibration=float(calibration), moment_form=moment_form)
+                        output=output, calibration=float(calibration), moment_form=moment_form,
+                        guide_factors=graph.guide_factors)

@@ -19,20 +19,30 @@ Either way the rows (kernels plus ``(vm overhead)``) add up to ``total_us``.
 
 ``profile(exe, [x])`` accepts a :class:`~pyro2pfp.tvm_backend.runtime.CompiledPFP`, a
 ``relax.VirtualMachine`` or an executable; arguments may be NumPy arrays or TVM tensors.
+
+**Work per kernel.** ``profile(..., work=kernel_multiply_adds(net, batch))`` also gives each row its
+multiply-adds and its rate (G multiply-adds/s), and ``reference_rate=`` (e.g. the deterministic torch
+net's multiply-adds over its time) a ratio to it, so the kernel that is slowest per unit of work stands
+out.  :func:`kernel_multiply_adds` counts a mean-field ``conv2d``/``dense`` kernel's work as the
+products of the direct algorithm -- per tap and output one for the mean and two for the variance
+(``Σ vw·(μx² + vx)``, ``Σ μw²·vx``), one each for a deterministic input -- the count of
+:func:`pyro2pfp.correlation.cost_model`, whatever algorithm runs (a Winograd kernel's rate is
+"effective": it does fewer multiplications); any other kernel's as the multiplications of its
+definition (the TIR before scheduling, at that batch size).
 """
 from __future__ import annotations
 
 import collections
 import dataclasses
 import time
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import numpy as np
 
 from .errors import ArgumentError, PFPError
 
-__all__ = ["KernelTime", "Profile", "profile", "split_kernel_name", "OVERHEAD_ROW"]
+__all__ = ["KernelTime", "Profile", "profile", "kernel_multiply_adds", "split_kernel_name", "OVERHEAD_ROW"]
 
 OVERHEAD_ROW = "(vm overhead)"
 
@@ -47,6 +57,14 @@ class KernelTime:
     calls: int         # calls per main call
     us: float          # time per main call (all calls of this kernel)
     share: float       # us / total_us
+    multiply_adds: float | None = None  # per main call (all calls), when the profile was given the work
+
+    @property
+    def rate(self) -> float | None:
+        """G multiply-adds per second (None without the work or the time)."""
+        if self.multiply_adds is None or self.us <= 0:
+            return None
+        return self.multiply_adds / self.us * 1e-3
 
     def as_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -63,6 +81,8 @@ class Profile:
     method: str
     repeats: int
     threads: int | None
+    reference_rate: float | None = None  # G multiply-adds/s the rows' rates are compared with
+    reference_name: str = ""             # what it is the rate of (e.g. "det torch")
 
     @property
     def kernels(self) -> list[KernelTime]:
@@ -83,7 +103,7 @@ class Profile:
 
     def as_dict(self) -> dict[str, Any]:
         return {"total_us": self.total_us, "batch": self.batch, "method": self.method,
-                "repeats": self.repeats, "threads": self.threads,
+                "repeats": self.repeats, "threads": self.threads, "reference_rate": self.reference_rate,
                 "rows": [r.as_dict() for r in self.rows], "by_op_us": self.by_op()}
 
     def table(self, title: str | None = None) -> str:
@@ -91,10 +111,29 @@ class Profile:
         lines = []
         if title:
             lines.append(title)
-        lines.append(f"{'kernel':<28s} {'op':<12s} {'calls':>5s} {'us':>10s} {'share':>7s}")
+        work = any(r.multiply_adds is not None for r in self.rows)
+        ref = self.reference_rate
+        nw = max([28, *(len(r.name) for r in self.rows)])
+        ow = max([12, *(len(r.op) for r in self.rows)])
+        head = f"{'kernel':<{nw}s} {'op':<{ow}s} {'calls':>5s} {'us':>10s} {'share':>7s}"
+        if work:
+            head += f" {'M mul-add':>10s} {'G/s':>7s}"
+            if ref:
+                head += f" {'x' + (self.reference_name or 'ref'):>10s}"
+        lines.append(head)
         for r in self.rows:
-            lines.append(f"{r.name:<28s} {r.op:<12s} {r.calls:5d} {r.us:10.1f} {100 * r.share:6.1f}%")
-        lines.append(f"{'total':<28s} {'':<12s} {'':>5s} {self.total_us:10.1f} {100.0:6.1f}%")
+            line = f"{r.name:<{nw}s} {r.op:<{ow}s} {r.calls:5d} {r.us:10.1f} {100 * r.share:6.1f}%"
+            if r.multiply_adds is not None and r.rate is not None:
+                line += f" {r.multiply_adds / 1e6:10.2f} {r.rate:7.1f}"
+                if ref:
+                    line += f" {r.rate / ref:10.2f}"
+            lines.append(line)
+        lines.append(f"{'total':<{nw}s} {'':<{ow}s} {'':>5s} {self.total_us:10.1f} {100.0:6.1f}%")
+        if work:
+            total = sum(r.multiply_adds or 0.0 for r in self.rows)
+            lines.append(f"multiply-adds {total / 1e6:.2f} M in {self.total_us:.1f} us: "
+                         f"{total / self.total_us * 1e-3:.1f} G/s"
+                         + (f"; {self.reference_name or 'reference'}: {ref:.2f} G/s" if ref else ""))
         ops = ", ".join(f"{op} {100 * us / self.total_us:.0f}%" for op, us in self.by_op().items()
                         if self.total_us > 0)
         lines.append(f"by op: {ops}   (batch {self.batch}, method {self.method}, "
@@ -207,7 +246,8 @@ def _time_call(func: Any, args: list[Any], repeats: int, target_us: float = 200.
 
 
 def profile(target: Any, args: Sequence[Any], repeats: int = 30, *, method: str = "isolated",
-            func_name: str = "main") -> Profile:
+            func_name: str = "main", work: Mapping[str, float] | None = None,
+            reference_rate: float | None = None, reference_name: str = "") -> Profile:
     """Time every kernel of one ``main(*args)`` call.
 
     Args:
@@ -218,6 +258,10 @@ def profile(target: Any, args: Sequence[Any], repeats: int = 30, *, method: str 
         method: ``"isolated"`` (each kernel timed alone on a copy of its arguments; total from
             ``vm.time_evaluator``) or ``"in_vm"`` (kernels timed in place by the instrument hook
             over ``repeats`` calls of ``main``).
+        work: ``{kernel symbol: multiply-adds of one call}`` (:func:`kernel_multiply_adds`), for the
+            rows' multiply-adds and rates.
+        reference_rate, reference_name: a rate (G multiply-adds/s) the rows are compared with, and
+            what it is the rate of.
 
     Returns:
         a :class:`Profile` whose rows -- one per kernel (by decreasing time) and one
@@ -246,8 +290,41 @@ def profile(target: Any, args: Sequence[Any], repeats: int = 30, *, method: str 
     kernels = getattr(target, "kernels", None) or {}  # (op, layer) from the PrimFuncs' attributes
     rows = [dataclasses.replace(row, op=kernels[row.name][0], layer=kernels[row.name][1])
             if row.name in kernels else row for row in rows]
+    if work:
+        rows = [dataclasses.replace(row, multiply_adds=work[row.name] * row.calls)
+                if row.name in work else row for row in rows]
     return Profile(rows=rows, total_us=total_us, batch=batch, method=method, repeats=repeats,
-                   threads=_threads())
+                   threads=_threads(), reference_rate=reference_rate, reference_name=reference_name)
+
+
+def kernel_multiply_adds(net: Any, batch: int) -> dict[str, float]:
+    """``{kernel symbol: multiply-adds of one call}`` of ``net``'s compiled module at ``batch``
+    inputs (the counting rule is in the module docstring).  For :func:`profile`'s ``work``."""
+    import tvm
+
+    from .graph import Repr
+    from .tuning.specialize import specialize_batch
+    from .tvm_backend.emit import kernel_info
+    from .tvm_backend.schedules.work import kernel_multiplies
+
+    layers = {layer.name: layer for layer in net.plan.layers}
+    mod = specialize_batch(net.mod, batch)
+    out: dict[str, float] = {}
+    for gv, func in mod.functions_items():
+        if not isinstance(func, tvm.tirx.PrimFunc):
+            continue
+        op, name = kernel_info(func)
+        layer = layers.get(name) if name is not None else None
+        if op in ("conv2d", "dense") and layer is not None and layer.op == op:
+            size = int(layer.tensors["weight_mean"].size)
+            positions = int(np.prod(layer.layer.out_shape[1:])) if op == "conv2d" else 1
+            products = 2 if layer.in_reprs[0] is Repr.DETERMINISTIC else 3
+            out[gv.name_hint] = float(batch * positions * size * products)
+            continue
+        count = kernel_multiplies(func)
+        if count is not None:
+            out[gv.name_hint] = count
+    return out
 
 
 def _rows(kernel_us: dict[str, float], calls: dict[str, int], total_us: float) -> list[KernelTime]:

@@ -34,12 +34,20 @@ from . import ops as _ops  # noqa: F401  (registers the converters that _check_s
 from . import random_module, trace_forms
 from .converters import CONVERTERS, unsupported_message
 from .errors import PosteriorError, TracingError, UnsupportedLayerError
-from .graph import GaussianParam
+from .graph import GaussianParam, GuideFactorInfo
 from .model_args import TracedArgs
 from .model_checks import check_has_forward, checked_input_shape, modules_of_function, warn_train_mode
 from .noise import HeteroscedasticNoise, NoiseModel, NoNoiseModel, find_noise, read_head, scale_depends_on_input
 from .output_chain import check_output, network_output_of, trailing_chain_nodes
-from .posterior import ModelArgs, SiteReading, call_failure, call_with_model_args, read_posterior, unwrap_independent
+from .posterior import (
+    ModelArgs,
+    SiteReading,
+    call_failure,
+    call_with_model_args,
+    guide_factors,
+    read_posterior,
+    unwrap_independent,
+)
 from .posterior.readers import padded_parameters
 from .preserve import module_changes_undone
 from .site_matching import check_all_matched, guide_name, require_weight_posterior
@@ -76,6 +84,8 @@ class TracedModel:
     tyxe_gaussian_likelihood: bool = False
     # The graph's inputs after the network input (batched example arguments), named for messages.
     extra_inputs: list[str] = field(default_factory=list)
+    # A correlated guide's global factors (their loadings are in params[...].factors).
+    guide_factors: GuideFactorInfo | None = None
 
     def regression(self) -> bool:
         """Whether the network's output is the mean (and scale) of a Normal likelihood (a regression),
@@ -395,7 +405,7 @@ def _pyro_sample_weights(model: Any, readings: dict[str, SiteReading], guide: An
                                  f"the model's prior (parameter {path}) has shape {expected}. Was the guide (or the "
                                  "param store it was loaded from) trained for a model of other sizes? Give the "
                                  "guide's site the prior's shape, or convert the model it was trained for.")
-        params[path] = GaussianParam(reading.mean, reading.var, site=site)
+        params[path] = GaussianParam(reading.mean, reading.var, site=site, factors=reading.factors)
     return params
 
 
@@ -493,6 +503,7 @@ def trace_model(model: Any, guide: Any, input_shape: tuple[int, ...] | None, *,
     pyro_sample_sites = sample_sites(model) if isinstance(model, torch.nn.Module) else {}
     readings = read_posterior(model, guide, example, weight_sites=pyro_sample_sites.values(),
                               check=check_posterior)
+    factors = guide_factors(guide, readings)
     lifted = random_module.lifted_submodule(model, list(readings)) \
         if isinstance(model, torch.nn.Module) and not pyro_sample_sites else None
     if lifted is not None:  # the net a pyro.random_module model lifts (or a module holding it) as the model
@@ -528,7 +539,7 @@ def trace_model(model: Any, guide: Any, input_shape: tuple[int, ...] | None, *,
     for path, site in exported_weights.items():
         reading = readings[site]
         assert reading.mean is not None and reading.var is not None
-        params[path] = GaussianParam(reading.mean, reading.var, site=site)
+        params[path] = GaussianParam(reading.mean, reading.var, site=site, factors=reading.factors)
     _warn_moment_matched(params, readings)
 
     for name, param in program.named_parameters():
@@ -544,6 +555,7 @@ def trace_model(model: Any, guide: Any, input_shape: tuple[int, ...] | None, *,
                        extra_inputs=list(wrapper.traced_args.batched_names),
                        model_name=model_name,
                        nonweight_sites={site: readings[site] for site in sorted(nonweights)},
+                       guide_factors=None if factors is None else factors.info(),
                        noise=head if head is not None else find_noise(model, readings, nonweights, input_shape,
                                                                         wrapper.traced_args.at))
 

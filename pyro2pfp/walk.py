@@ -220,4 +220,4 @@ def build_layer_graph(traced: TracedModel) -> LayerGraph:
                            "computed from the weights alone): return the logits computed from the input x, or "
                            "build the likelihood from them")
     return lift_1d(LayerGraph(input_shape=ctx.shape(input_node), layers=ctx.layers, output=ctx._names[result],
-                              origins=ctx.origins))
+                              origins=ctx.origins, guide_factors=traced.guide_factors))

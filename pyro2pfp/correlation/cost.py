@@ -7,7 +7,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from ..graph import INPUT, Repr
-from ..plan import PlannedGraph, is_compute_layer
+from ..plan import PlannedGraph, PlannedLayer, is_compute_layer
 from .factors import FactorPlan, plan_factors
 
 
@@ -64,6 +64,7 @@ def cost_model(graph: PlannedGraph, factors: FactorPlan | None = None) -> Cost:
             mf += macs * (2 if det_in else 3)
             if not k:
                 continue
+            extra += guide_macs(layer, fp, k_in, macs, size)
             c_in = wm.shape[1] if layer.op == "conv2d" else fp.rows.get(ins[0], 1)
             if layer.op == "conv2d":
                 noisy = layer.name in fp.offsets
@@ -109,3 +110,19 @@ def dense_head_caveat(graph: PlannedGraph) -> str | None:
             "variance may be under-stated (by about a fifth for the trained LeNet-5 of examples/mnist_pfp.py). "
             f"convert(..., check=x) measures it on your inputs; {scheme}; correlation='mean-field' accepts it "
             "without this warning")
+
+
+def guide_macs(layer: PlannedLayer, fp: FactorPlan, k_in: int, macs: int, size: int) -> int:
+    """The multiply-adds a compute layer spends on a correlated guide's factors (:mod:`.guide`): dense --
+    the injection ``F·μ`` (``|W|·k``), the mean shift ``Σ F·ℓ_in`` (``|W|·k``, with an input that loads on
+    them) and the mean-field part removed from the variance (``|W|``); conv2d -- the pooled injection
+    and the per-input filter ``G = Σ_f g·F_f`` (``2·|W|·k``), the profile ``conv(μ, G)`` (one
+    convolution) and the mean shift (one convolution and ``|W|·k``)."""
+    wf = layer.tensors.get("weight_factors") if getattr(fp, "guide", 0) else None
+    if wf is None:
+        return 0
+    guide = int(wf.shape[-1])
+    has_in = k_in > 0
+    if layer.op == "dense":
+        return size * guide * (2 if has_in else 1) + size
+    return 2 * size * guide + macs + ((macs + size * guide) if has_in else 0)

@@ -14,6 +14,7 @@ from ..plan import PlannedGraph
 from ..reference import REFERENCES, SCHEME_EXECUTORS, Activation, emit_output
 from ..registry import SHARED_REFERENCES
 from .factors import FactorPlan, is_noisy
+from .guide import mean_shift
 from .shared import Shared, compacted
 
 
@@ -49,9 +50,13 @@ def execute_shared_all(graph: PlannedGraph, x: np.ndarray, factors: FactorPlan |
                 if rule is None:  # plan_factors rejects such plans
                     raise PFPError(f"{layer.layer.source}: op '{op}' has no shared-factor rule")
                 sh, var = rule(layer, ins, shs, fp, var)
-            if isinstance(var, Activation):  # a FactorSpec.covariance op: its whole (deterministic) output
-                out, var = var, None
-                mean = out.mean
+                if isinstance(var, Activation):  # a FactorSpec.covariance op: its whole (deterministic) output
+                    out, var = var, None
+                    mean = out.mean
+                else:
+                    shift = mean_shift(layer, ins[0].mean, shs[0], fp) if fp.guide else None
+                    if shift is not None:  # a correlated guide's weight noise times its input's (guide.py)
+                        mean = mean + shift
             if sh is not None:
                 sd = np.sqrt(np.maximum(var, 0.0)).reshape(sh.s.shape)
                 sh = Shared(np.clip(sh.s, -sd, sd), sh.g)

@@ -44,7 +44,9 @@ class FactorPlan:
     (channels; units of a dense edge); ``group[edge]``: elements per channel of a flat edge;
     ``compact_at``: layers after which ``g`` is compacted to ``rows`` columns (``None``-free: a
     plan without compaction has an empty set); ``hermite``/``injection``: the rule variants
-    (the rules' docstrings)."""
+    (the rules' docstrings); ``guide``: the number of a correlated guide's global factors, the first
+    columns of every edge (no compaction then: it would mix them); ``own_blocks``: whether noisy compute
+    layers create blocks of their own."""
 
     offsets: dict[str, int] = field(default_factory=dict)
     width: dict[str, int] = field(default_factory=dict)
@@ -53,6 +55,10 @@ class FactorPlan:
     compact_at: frozenset[str] = frozenset()
     hermite: str = "factor"
     injection: str = "regression"
+    #: a correlated guide's global factors: columns ``0 … guide − 1`` of every edge (:mod:`.guide`)
+    guide: int = 0
+    #: whether every noisy compute layer creates its own block (False: their independent noise stays mean-field)
+    own_blocks: bool = True
     #: the executor's key (``reference.SCHEME_EXECUTORS``), beside the compact factor plan's
     scheme: ClassVar[str] = "shared-factor"
 
@@ -80,8 +86,12 @@ def is_terminal(op: str) -> bool:
 
 
 def plan_factors(graph: PlannedGraph, hermite: Hermite | str = Hermite.FACTOR, compact: bool = True,
-                 injection: Injection | str = Injection.REGRESSION) -> FactorPlan:
+                 injection: Injection | str = Injection.REGRESSION, guide: int = 0,
+                 own_blocks: bool = True) -> FactorPlan:
     """Allocate the factor blocks and compaction points of ``graph`` (static: no input needed).
+    ``guide``: the number of a correlated guide's global factors (columns ``0 … guide − 1``, loaded by
+    every compute layer with ``weight_factors``; :mod:`.guide`); ``own_blocks``: whether noisy compute
+    layers create factor blocks of their own.
 
     Raises :class:`CorrelationError` naming the first layer the scheme has no rule for."""
     hermite, injection = checked(Hermite, hermite), checked(Injection, injection)
@@ -98,7 +108,8 @@ def plan_factors(graph: PlannedGraph, hermite: Hermite | str = Hermite.FACTOR, c
     group: dict[str, int] = {INPUT: 1}
     compact_at: set[str] = set()
     live: set[str] = set()
-    k = 0
+    k = guide
+    compact = compact and not guide
     for layer in graph.layers:
         name, op, ins = layer.name, layer.op, layer.inputs
         if not has_rule(op):
@@ -122,17 +133,17 @@ def plan_factors(graph: PlannedGraph, hermite: Hermite | str = Hermite.FACTOR, c
         shape = layer.layer.out_shape
         if op == "reshape" and has_in:
             src = ins[0]
-            if len(shape) != 1 and shape[0] != rows[src]:
+            if len(shape) > 1 and shape[0] != rows[src]:
                 raise CorrelationError(f"{layer.layer.source}: shared-factor PFP supports reshapes that keep the "
                                        f"channel axis or flatten it, not {graph.shape_of(src)} -> {shape}")
             rows[name] = rows[src]
-            group[name] = int(np.prod(shape)) // max(rows[src], 1) if len(shape) == 1 else group[src]
+            group[name] = int(np.prod(shape)) // max(rows[src], 1) if len(shape) <= 1 else group[src]
         else:
-            rows[name], group[name] = shape[0], 1
-        if is_noisy(layer) or (spec.hermite_block and has_in and hermite == "factor"):
+            rows[name], group[name] = (shape[0] if shape else 1), 1
+        if (is_noisy(layer) and own_blocks) or (spec.hermite_block and has_in and hermite == "factor"):
             offsets[name] = k
             k += shape[0]
-        width[name] = k if (has_in or name in offsets) else 0
+        width[name] = k if (has_in or name in offsets or (guide and loads_guide(layer))) else 0
         for n in ins:
             remaining[n] -= 1
             if remaining[n] == 0:
@@ -142,8 +153,16 @@ def plan_factors(graph: PlannedGraph, hermite: Hermite | str = Hermite.FACTOR, c
             if compact and live == {name} and k >= COMPACT_RATIO * rows[name]:
                 compact_at.add(name)
                 k = rows[name]
-    return FactorPlan(offsets, width, rows, group, frozenset(compact_at), hermite, injection)
+    return FactorPlan(offsets, width, rows, group, frozenset(compact_at), hermite, injection, guide, own_blocks)
 
+
+def loads_guide(layer: PlannedLayer) -> bool:
+    """A compute layer whose weights or bias load on a correlated guide's global factors."""
+    return "weight_factors" in layer.tensors or "bias_factors" in layer.tensors
+
+
+#: whether the float32 back ends (ONNX, TVM) carry a correlated guide's global factors
+GUIDE_IN_BACKENDS = False
 
 #: the float32 back ends' factor counts are multiples of this (16 fp32 = one AVX-512 register)
 FACTOR_ALIGN = 16
@@ -172,6 +191,10 @@ def fixed_k_plan(graph: PlannedGraph, what: str, ops: Collection[str] | None = N
     :data:`FACTOR_ALIGN` (zero columns) so the kernels' factor axis is whole SIMD vectors; a
     compacted edge carries ``aligned(rows)`` columns (:func:`aligned`)."""
     fp = graph.factors
+    if fp.guide:
+        raise ArgumentError(f"{what} of correlation='shared-factor' does not carry a correlated guide's global "
+                            f"factors ({_guide_text(graph)}); net.reference runs them, or convert with "
+                            "correlation='mean-field' (marginal variances only)")
     if graph.moment_form != "variance":
         raise ArgumentError(f"{what} of correlation='shared-factor' needs moment_form='variance', not "
                             f"{graph.moment_form!r}")
@@ -181,7 +204,8 @@ def fixed_k_plan(graph: PlannedGraph, what: str, ops: Collection[str] | None = N
             raise ArgumentError(f"{layer.layer.source}: {what} has no shared-factor rule for op '{layer.op}' "
                                 f"(implemented: {implemented}); net.reference runs it, or "
                                 "convert with correlation='mean-field'")
-    return with_aligned_widths(plan_factors(graph, fp.hermite, compact=compaction, injection=fp.injection))
+    return with_aligned_widths(plan_factors(graph, fp.hermite, compact=compaction, injection=fp.injection,
+                                            guide=fp.guide, own_blocks=fp.own_blocks))
 
 
 def with_aligned_widths(fp: FactorPlan) -> FactorPlan:
@@ -247,34 +271,68 @@ def needs_shared_factors(graph: PlannedGraph) -> str | None:
     return None
 
 
+def guide_count(graph: PlannedGraph) -> int:
+    """The number of a correlated guide's global factors the plan's compute layers load on (0: none)."""
+    return max((layer.tensors[name].shape[-1] for layer in graph.layers for name in ("weight_factors", "bias_factors")
+                if name in layer.tensors), default=0)
+
+
 def choose(graph: PlannedGraph, correlation: Correlation | str, hermite: Hermite | str = Hermite.FACTOR,
            injection: Injection | str = Injection.REGRESSION) -> FactorPlan | None:
     """The factor plan for ``correlation`` (None: mean-field); ``hermite`` and ``injection`` are the
     variants :func:`plan_factors` uses when the scheme is chosen.
 
-    ``"shared-factor"``: the scheme, or :class:`CorrelationError` naming the layer it has no rule
-    for; ``"mean-field"``: None; ``"auto"``: the scheme when :func:`needs_shared_factors` finds a
-    reason, else mean-field -- and mean-field with a warning when the scheme has no rule for a layer,
-    or one that only the NumPy reference implements (none today: the plan must compile and export)."""
+    ``"shared-factor"``: the scheme (with a correlated guide's global factors, :mod:`.guide`; for a network
+    :func:`needs_shared_factors` finds no reason in, the guide's factors alone: measured better and far
+    cheaper on MLPs than adding every layer's own blocks, ``benchmarks/correlated_guides.py``), or
+    :class:`CorrelationError` naming the layer it has no rule for; ``"mean-field"``: None (a correlated
+    guide's correlations dropped, with a warning); ``"auto"``: the scheme when :func:`needs_shared_factors`
+    finds a reason, else, for a correlated guide, its global factors alone (the weights' independent
+    noise stays mean-field), else mean-field -- and mean-field with a warning when the scheme has no
+    rule for a layer, or one that only the NumPy reference implements (the plan must compile and export)."""
     correlation = checked(Correlation, correlation)
+    guide = guide_count(graph)
     if correlation in ("mean-field", "compact-factor"):  # compact: planned after the pool rewrite (with_compact)
+        if guide:
+            warnings.warn(f"correlation={str(correlation)!r}: the guide's correlations between weights are dropped "
+                          f"({_guide_text(graph)}); only the marginal variances are used", stacklevel=4)
         return None
-    if correlation == "shared-factor":
-        return plan_factors(graph, hermite, injection=injection)
     reason = needs_shared_factors(graph)
-    if reason is None:
+    if correlation == "shared-factor":
+        if guide and reason is None:  # the guide's factors; the weights' independent noise stays mean-field
+            return plan_factors(graph, Hermite.NONE, injection=injection, guide=guide, own_blocks=False)
+        return plan_factors(graph, hermite, injection=injection, guide=guide)
+    if guide and not GUIDE_IN_BACKENDS:  # auto plans compile and export
+        warnings.warn(f"correlation='auto': the guide's correlations between weights ({_guide_text(graph)}) are "
+                      "dropped, only the marginal variances are used: the compiled and ONNX back ends do not carry "
+                      "them yet (net.reference does, with correlation='shared-factor')", stacklevel=4)
+        guide = 0
+    if reason is None and not guide:
         return None
     try:
-        fp = plan_factors(graph, hermite, injection=injection)
+        if reason is None:  # a correlated guide: its factors, the weights' independent noise mean-field
+            fp = plan_factors(graph, Hermite.NONE, injection=injection, guide=guide, own_blocks=False)
+        else:
+            fp = plan_factors(graph, hermite, injection=injection, guide=guide)
         reference_only = next((layer for layer in graph.layers if not in_backends(layer.op)), None)
         if reference_only is not None:
             raise CorrelationError(f"{reference_only.layer.source}: op '{reference_only.op}' has a shared-factor rule "
                                    "in the NumPy reference only, not in the compiled or ONNX back ends")
         return fp
     except CorrelationError as exc:
-        warnings.warn(f"correlation='auto': {reason}, so mean-field PFP will under-state the output variance, "
-                      f"but shared-factor PFP is not available: {exc}", stacklevel=4)
+        if reason is None:
+            warnings.warn(f"correlation='auto': the guide's correlations between weights ({_guide_text(graph)}) "
+                          f"cannot be carried, so they are dropped and only the marginal variances are used: {exc}",
+                          stacklevel=4)
+        else:
+            warnings.warn(f"correlation='auto': {reason}, so mean-field PFP will under-state the output variance, "
+                          f"but shared-factor PFP is not available: {exc}", stacklevel=4)
         return None
+
+
+def _guide_text(graph: PlannedGraph) -> str:
+    info = graph.guide_factors
+    return "a correlated guide" if info is None else info.describe()
 
 
 def with_correlation(graph: PlannedGraph, correlation: Correlation | str, hermite: Hermite | str = Hermite.FACTOR,

@@ -133,7 +133,7 @@ def _bias_add(node, ctx, activation, bias_arg) -> Alias:
     if bias.shape != per_channel:
         raise ctx.unsupported(node, f"a bias of shape {bias.shape} added to a {producer.op} output of shape "
                                     f"(batch, {', '.join(map(str, producer.out_shape))}); expected {per_channel}")
-    producer.params["bias"] = GaussianParam(bias.mean.reshape(channels), bias.var.reshape(channels), site=bias.site)
+    producer.params["bias"] = bias.mapped(lambda a: a.reshape(channels))
     return Alias(activation)
 
 

@@ -21,13 +21,13 @@ The TVM kernels and schedules are in ``tvm_backend/ops/compute.py``.
 """
 from __future__ import annotations
 
-from collections.abc import Iterator
 from typing import Any
 
 import numpy as np
 
 from ..converters import Alias, register
 from ..correlation.factors import ComputeFactors, FactorPlan, weight_var
+from ..correlation.guide import conv_pooled_injection, dense_guide_variance, dense_injection, guide_tensors
 from ..correlation.onnx_step import OnnxShared, OnnxSharedStep
 from ..correlation.shared import Shared, normalised, safe_div, spatial_mean
 from ..graph import GaussianParam, Layer, Repr
@@ -35,7 +35,7 @@ from ..onedim import as_2d
 from ..onnx_builder import OnnxActivation, OnnxContext, Sym
 from ..plan import PlannedLayer
 from ..reference import Activation
-from ..reference.arrays import conv2d_nchw
+from ..reference.arrays import conv2d_nchw, conv_views
 from ..registry import (
     COMPUTE_INPUT,
     Contract,
@@ -168,21 +168,23 @@ def _symmetric_padding(w: GaussianParam, pads: list[tuple[int, int]], dilation: 
     the same inputs with the same weights as before, and the zero taps add nothing to the mean or the
     variance, so the result is exact in every back end.  A dilation that does not divide the
     difference is first written as a dense kernel (dilation 1).  Returns ``(weight, padding, dilation)``."""
-    mean, var, padding, dilations = w.mean, w.var, [], []
+    padding, dilations = [], []
     for axis, (begin, end), d in zip((2, 3), pads, dilation):
         if begin != end:
             if abs(end - begin) % d:
-                mean, var, d = _spread(mean, axis, d), _spread(var, axis, d), 1
-            shape = list(mean.shape)
+                w, d = w.mapped(lambda a, axis=axis, d=d: _spread(a, axis, d)), 1
+            shape = list(w.mean.shape)
             shape[axis] = abs(end - begin) // d
-            zeros = np.zeros(shape)
-            mean, var = ((np.concatenate([zeros, a], axis) if end > begin else np.concatenate([a, zeros], axis))
-                         for a in (mean, var))
+
+            def embed(a: np.ndarray, axis: int = axis, shape: list[int] = shape, before: bool = end > begin
+                      ) -> np.ndarray:
+                zeros = np.zeros(shape)
+                return np.concatenate([zeros, a], axis) if before else np.concatenate([a, zeros], axis)
+
+            w = w.mapped(embed)
         padding.append(max(begin, end))
         dilations.append(d)
-    if mean is w.mean:
-        return w, padding, dilations
-    return GaussianParam(mean, var, site=w.site), padding, dilations
+    return w, padding, dilations
 
 
 def _conv_layer(node, ctx, x, weight, bias, stride, padding, dilation, groups, spatial: int):
@@ -192,7 +194,7 @@ def _conv_layer(node, ctx, x, weight, bias, stride, padding, dilation, groups, s
     w = ctx.param(weight, node, "weight")
     if spatial == 1:
         shape = (w.shape[0], w.shape[1], 1, w.shape[2])
-        w = GaussianParam(w.mean.reshape(shape), w.var.reshape(shape), site=w.site)
+        w = w.mapped(lambda a: a.reshape(shape))
     dil = _pair(dilation if dilation is not None else 1, spatial)
     if isinstance(padding, str):
         own = _string_padding(padding, list(w.shape[4 - spatial:]), dil)
@@ -274,22 +276,10 @@ def convert_matmul(node, ctx) -> Layer:
         raise ctx.unsupported(node, f"x @ W with W of shape {w.shape}; PFP needs a 2-D (in, out) weight")
     return Layer(name=ctx.new_name(node, prefer_module=True), op="dense", inputs=[ctx.activation(x, node)],
                  out_shape=ctx.shape(node), source=ctx.source(node),
-                 params={"weight": GaussianParam(w.mean.T.copy(), w.var.T.copy(), site=w.site)})
+                 params={"weight": w.mapped(lambda a: a.T.copy())})
 
 
 # ------------------------------------------------------------------------------------ shared-factor rules
-def _conv_views(t: np.ndarray, layer: PlannedLayer, kernel: tuple[int, int]) -> Iterator[np.ndarray]:
-    """The strided input view of every kernel offset (row-major), each (B, C, OH, OW)."""
-    a = layer.layer.attrs
-    stride, pad, dil = a["stride"], a["padding"], a["dilation"]
-    oh, ow = layer.layer.out_shape[1:]
-    tp = np.pad(t, ((0, 0), (0, 0), (pad[0], pad[0]), (pad[1], pad[1])))
-    for p in range(kernel[0]):
-        for q in range(kernel[1]):
-            r0, c0 = p * dil[0], q * dil[1]
-            yield tp[:, :, r0:r0 + stride[0] * (oh - 1) + 1:stride[0], c0:c0 + stride[1] * (ow - 1) + 1:stride[1]]
-
-
 @shared_reference("conv2d")
 def conv2d_shared(layer: PlannedLayer, inputs: list[Activation], shared: list[Shared | None], fp: FactorPlan,
                   var: np.ndarray) -> tuple[Shared | None, np.ndarray]:
@@ -316,11 +306,12 @@ def conv2d_shared(layer: PlannedLayer, inputs: list[Activation], shared: list[Sh
     offset = fp.offsets.get(layer.name)
     mu = x.mean
     b = mu.shape[0]
-    if sh is None and offset is None:
+    wf, bf = guide_tensors(t, o, fp)
+    if sh is None and offset is None and wf is None and bf is None:
         return None, var
     s_in = np.zeros_like(mu) if sh is None else sh.s.reshape(mu.shape)
-    mbar = np.stack([spatial_mean(v) for v in _conv_views(mu, layer, (kh, kw))], axis=2)  # (B, C, k)
-    sbar = np.stack([spatial_mean(v) for v in _conv_views(s_in, layer, (kh, kw))], axis=2)
+    mbar = np.stack([spatial_mean(v) for v in conv_views(mu, layer, (kh, kw))], axis=2)  # (B, C, k)
+    sbar = np.stack([spatial_mean(v) for v in conv_views(s_in, layer, (kh, kw))], axis=2)
     loading = np.zeros((b, o, k))
     if sh is not None:
         amap = np.einsum("ock,bck->boc", wm.reshape(o, c, -1), sbar)
@@ -331,15 +322,24 @@ def conv2d_shared(layer: PlannedLayer, inputs: list[Activation], shared: list[Sh
             pooled_w = pooled_w + t["bias_var"][None]
         wbar = np.sqrt(np.maximum(pooled_w, 0.0))
         loading[:, np.arange(o), offset + np.arange(o)] += wbar
+    injected = conv_pooled_injection(mbar, wf, bf, k, o)
+    if injected is not None:  # a correlated guide's factors through the input mean (correlation/guide.py)
+        loading += injected
     norm, g = normalised(loading)
     if not norm.any():
         return None, var
     s_out = np.zeros((b, o, *layer.layer.out_shape[1:]))
     if sh is not None:
         beta = np.einsum("bcf,bof->boc", sh.widened(k), g)  # ⟨g_in[c], g[o]⟩
-        for kk, view in enumerate(_conv_views(s_in, layer, (kh, kw))):
+        for kk, view in enumerate(conv_views(s_in, layer, (kh, kw))):
             i, j = divmod(kk, kw)
             s_out += np.einsum("bchw,boc->bohw", view, wm[None, :, :, i, j] * beta)
+    if wf is not None:  # Cov(out[o, p], η_o) of the guide's part: conv(μ, Σ_f g[o, f]·F_f[o])
+        gw = np.einsum("octf,bof->boct", wf.reshape(o, c, kh * kw, -1), g[..., :wf.shape[-1]])
+        for kk, view in enumerate(conv_views(mu, layer, (kh, kw))):
+            s_out += np.einsum("bchw,boc->bohw", view, gw[..., kk])
+    if bf is not None:
+        s_out += np.einsum("of,bof->bo", bf, g[..., :bf.shape[-1]])[..., None, None]
     if offset is not None and injection == "rescaled":
         ex2 = x.second_moment() if x.repr is not Repr.DETERMINISTIC else mu**2
         prof = conv2d_nchw(ex2, wv, a["stride"], a["padding"], a["dilation"], 1)
@@ -348,10 +348,10 @@ def conv2d_shared(layer: PlannedLayer, inputs: list[Activation], shared: list[Sh
         root = np.sqrt(np.maximum(prof, 0.0))
         scale = g[:, np.arange(o), offset + np.arange(o)] * safe_div(wbar, spatial_mean(root))
         s_out += scale[..., None, None] * root
-    elif offset is not None:
+    if offset is not None and injection != "rescaled":
         # Cov(noise[o, p], pooled noise[o]) = Σ_{c,k} V·(m̄μ_k·μ_{p+k} + m̄s_k·s_{p+k}) + v_bias
         reg = np.zeros_like(s_out)
-        for kk, (vm, vs) in enumerate(zip(_conv_views(mu, layer, (kh, kw)), _conv_views(s_in, layer, (kh, kw)))):
+        for kk, (vm, vs) in enumerate(zip(conv_views(mu, layer, (kh, kw)), conv_views(s_in, layer, (kh, kw)))):
             i, j = divmod(kk, kw)
             reg += np.einsum("bchw,boc->bohw", vm, wv[None, :, :, i, j] * mbar[:, None, :, kk])
             reg += np.einsum("bchw,boc->bohw", vs, wv[None, :, :, i, j] * sbar[:, None, :, kk])
@@ -374,13 +374,22 @@ def dense_shared(layer: PlannedLayer, inputs: list[Activation], shared: list[Sha
     b, o = x.mean.shape[0], wm.shape[0]
     k = fp.width[layer.name]
     offset = fp.offsets.get(layer.name)
+    wf, bf = guide_tensors(t, o, fp)
     loading = np.zeros((b, o, k))
+    coherent: np.ndarray | float = 0.0
     if sh is not None:
         s = sh.s.reshape(b, -1)
         rows = sh.g.shape[1]
         coef = np.einsum("ocp,bcp->boc", wm.reshape(o, rows, -1), s.reshape(b, rows, -1))
         loading += coef @ sh.widened(k)
-        var = np.maximum(var + (loading**2).sum(axis=2) - s**2 @ (wm**2).T, 0.0)
+        coherent = s**2 @ (wm**2).T
+    injected = dense_injection(x.mean, wf, bf, k)
+    if injected is not None:  # a correlated guide's factors through the input mean (correlation/guide.py)
+        loading += injected
+        coherent = coherent + dense_guide_variance(x.mean, None if sh is None else sh.s,
+                                                   None if sh is None else sh.g, wf, bf, fp.guide)
+    if sh is not None or injected is not None:
+        var = np.maximum(var + (loading**2).sum(axis=2) - coherent, 0.0)
     if offset is not None:
         ex2 = x.second_moment() if x.repr is not Repr.DETERMINISTIC else x.mean**2
         inj = ex2.reshape(b, -1) @ wv.T + (t["bias_var"][None] if "bias_var" in t else 0.0)
@@ -522,7 +531,7 @@ def conv_block_factors(layer: PlannedLayer, mean_in: np.ndarray, directions: int
     o, c, kh, kw = wm.shape
     b = mean_in.shape[0]
     out_hw = tuple(layer.layer.out_shape[1:])
-    views = np.concatenate([np.stack([v.reshape(b, c, -1) for v in _conv_views(mean_in, layer, (kh, kw))],
+    views = np.concatenate([np.stack([v.reshape(b, c, -1) for v in conv_views(mean_in, layer, (kh, kw))],
                                      axis=2).reshape(b, c * kh * kw, -1),
                             np.ones((b, 1, int(np.prod(out_hw))))], axis=1)            # (B, D + 1, P)
     bias = layer.tensors.get("bias_var")

@@ -135,7 +135,7 @@ def append_head(graph: LayerGraph, head: Head | str, *, points: int | None = Non
     while layer.name in names:
         layer.name += "_"
     return LayerGraph(graph.input_shape, [*graph.layers, layer], layer.name, input_variance=graph.input_variance,
-                      origins=dict(graph.origins))
+                      origins=dict(graph.origins), guide_factors=graph.guide_factors)
 
 
 def is_head(layer: PlannedLayer | Layer | None) -> bool:

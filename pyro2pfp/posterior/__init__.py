@@ -8,7 +8,9 @@ One reader for everything (``convert``, ``calibrate``, the CLI): :func:`read_pos
    it) — :func:`~.store.sync_with_param_store`;
 3. reads each site's mean and variance through the guide's own API — :func:`~.readers.read_guide`
    (scales of 0 are read as variance 0; NaN, infinite or negative values are an error naming the
-   site and how many values are bad — :func:`~.readers.check_readings`);
+   site and how many values are bad — :func:`~.readers.check_readings`); a correlated guide's
+   covariances between sites are read by :func:`guide_factors` (global factors, into each reading's
+   ``factors``);
 4. checks that one sample of the guide is plausible under what was read —
    :func:`~.guard.check_posterior` (opt out with ``check=False`` for guides that cannot be sampled).
 
@@ -21,8 +23,10 @@ from __future__ import annotations
 from collections.abc import Iterable
 from typing import Any
 
+import numpy as np
 import pyro
 
+from .correlated import GuideFactors, read_guide_factors
 from .guard import check_posterior
 from .readers import (
     ModelArgs,
@@ -38,7 +42,7 @@ from .store import setup_guide_prototype, sync_with_param_store
 
 __all__ = ["read_posterior", "SitePosterior", "SiteReading", "check_posterior", "sync_with_param_store",
            "setup_guide_prototype", "call_with_model_args", "call_failure", "unwrap_independent", "ModelArgs",
-           "ready_to_sample"]
+           "ready_to_sample", "GuideFactors", "guide_factors"]
 
 
 def ready_to_sample(model: Any, guide: Any, example_args: tuple) -> None:
@@ -73,3 +77,28 @@ def read_posterior(model: Any, guide: Any, example_args: tuple, *, weight_sites:
                     if r.kind == "gaussian" and r.mean is not None and r.var is not None}
         check_posterior(guide, gaussian, example_args)
     return readings
+
+
+def guide_factors(guide: Any, readings: dict[str, SiteReading]) -> GuideFactors | None:
+    """Read a correlated guide's global factors (:func:`~.correlated.read_guide_factors`; the parts of an
+    ``AutoGuideList`` each on their own, their factor columns side by side) into ``readings[site].factors``;
+    returns them (None: a guide without correlations between weights)."""
+    from pyro.infer import autoguide
+
+    parts = list(guide) if isinstance(guide, autoguide.AutoGuideList) else [guide]
+    found = [f for f in (read_guide_factors(part, readings) for part in parts) if f is not None]
+    if not found:
+        return None
+    total = sum(f.k for f in found)
+    start = 0
+    merged = GuideFactors(rank=sum(f.rank for f in found), k=total,
+                          kept=min(f.kept for f in found), source=" + ".join(f.source for f in found))
+    for f in found:
+        for site, loading in f.loadings.items():
+            full = np.zeros(loading.shape[:-1] + (total,))
+            full[..., start:start + f.k] = loading
+            merged.loadings[site] = full
+        start += f.k
+    for site, loading in merged.loadings.items():
+        readings[site].factors = loading
+    return merged

@@ -25,7 +25,7 @@ Guides read through their own API:
 * :class:`~pyro.infer.autoguide.AutoStructured` with ``"normal"``/``"mvn"``/``"delta"`` conditionals
   and no dependencies between sites: each site is ``loc + aux`` in unconstrained space with ``aux``
   Gaussian (``scale`` per element; ``mvn``: ``diag(scale)·L·Lᵀ·diag(scale)``, whose marginals are
-  ``scale²·Σ_j L_ij²`` -- correlations dropped, with a warning).
+  ``scale²·Σ_j L_ij²``; the correlations as global factors, :mod:`pyro2pfp.posterior.correlated`).
 * :class:`~pyro.infer.autoguide.AutoGuideList`: each part through its own reader.
 * Any other guide (hand-written, TyXe, …): the guide is traced once and each sample site's
   distribution is read (``Independent`` unwrapped; ``Normal``; an affine transform of a Normal; a
@@ -39,7 +39,6 @@ infinite and negative values itself, naming the site, its shape and how many val
 from __future__ import annotations
 
 import inspect
-import warnings
 from collections.abc import Callable
 from dataclasses import dataclass
 from operator import attrgetter
@@ -72,6 +71,9 @@ class SiteReading:
     # The site as transform(z), z ~ Normal(loc, scale) elementwise, where the guide says so:
     # (loc, scale, torch Transform); used to integrate functions of the site by quadrature.
     latent: tuple[np.ndarray, np.ndarray, Any] | None = None
+    # Cov(site, z_f) with the guide's global factors z (the site's shape + (k,)), for a correlated guide
+    # (:mod:`pyro2pfp.posterior.correlated`); None: the site is independent of every other.
+    factors: np.ndarray | None = None
 
     def __post_init__(self) -> None:
         if self.mean is not None:
@@ -131,9 +133,6 @@ def _from_autonormal(guide: autoguide.AutoNormal) -> dict[str, SiteReading]:
     return out
 
 
-_CORRELATED = (autoguide.AutoMultivariateNormal, autoguide.AutoLowRankMultivariateNormal)
-
-
 def _from_autocontinuous(guide: autoguide.AutoContinuous) -> dict[str, SiteReading]:
     if isinstance(guide, autoguide.AutoNormalizingFlow):
         raise PosteriorError(
@@ -151,12 +150,6 @@ def _from_autocontinuous(guide: autoguide.AutoContinuous) -> dict[str, SiteReadi
             f"{type(guide).__name__} does not expose a Gaussian (loc, scale); PFP needs a Gaussian "
             "posterior (AutoNormal, AutoDiagonalNormal, AutoLowRankMultivariateNormal, "
             "AutoMultivariateNormal).") from exc
-    if isinstance(guide, _CORRELATED):
-        warnings.warn(
-            f"{type(guide).__name__} models correlations between weights; PFP is mean-field and "
-            "uses only the marginal variances (correlations are dropped).",
-            stacklevel=6,  # the user's convert() call
-        )
     scales = {site["name"]: value for site, value in guide._unpack_latent(scale)}
     return {site["name"]: _reading(value, scales[site["name"]], site["fn"].support, type(guide).__name__)
             for site, value in guide._unpack_latent(loc)}
@@ -174,7 +167,6 @@ def _from_autostructured(guide: autoguide.AutoStructured) -> dict[str, SiteReadi
             "posterior of a site then mixes its upstream sites; PFP reads AutoStructured guides without "
             "dependencies (conditionals 'normal', 'mvn' or 'delta'). Use AutoNormal or drop `dependencies`.")
     out = {}
-    correlated = []
     for name, site in guide._sorted_sites:
         conditional = guide.conditionals[name]
         shape = guide._batch_shapes[name] + guide._unconstrained_event_shapes[name]
@@ -189,12 +181,8 @@ def _from_autostructured(guide: autoguide.AutoStructured) -> dict[str, SiteReadi
             continue
         sd = attrgetter(name)(guide.scales).detach()
         if conditional == "mvn":
-            correlated.append(name)
             sd = sd * attrgetter(name)(guide.scale_trils).detach().pow(2).sum(-1).sqrt()
         out[name] = _reading(loc.reshape(shape), sd.reshape(shape), site["fn"].support, what)
-    if correlated:
-        warnings.warn(f"{what} models correlations within {', '.join(correlated)} ('mvn' conditionals); PFP is "
-                      "mean-field and uses only the marginal variances (correlations are dropped).", stacklevel=6)
     return out
 
 

@@ -1,7 +1,13 @@
 """Float64 array helpers of the NumPy reference: convolution and pooling windows (no PFP math)."""
 from __future__ import annotations
 
+from collections.abc import Iterator
+from typing import TYPE_CHECKING
+
 import numpy as np
+
+if TYPE_CHECKING:
+    from ..plan import PlannedLayer
 
 LOWEST = float(np.finfo(np.float64).min)
 
@@ -56,3 +62,15 @@ def average_divisor(attrs: dict, in_hw: tuple[int, ...], out_hw: tuple[int, ...]
         else:
             counts.append(np.minimum(start + k, n) - np.maximum(start, 0))
     return np.outer(counts[0], counts[1]).astype(np.float64)
+
+
+def conv_views(t: np.ndarray, layer: PlannedLayer, kernel: tuple[int, int]) -> Iterator[np.ndarray]:
+    """The strided input view of every kernel offset (row-major), each (B, C, OH, OW)."""
+    a = layer.layer.attrs
+    stride, pad, dil = a["stride"], a["padding"], a["dilation"]
+    oh, ow = layer.layer.out_shape[1:]
+    tp = np.pad(t, ((0, 0), (0, 0), (pad[0], pad[0]), (pad[1], pad[1])))
+    for p in range(kernel[0]):
+        for q in range(kernel[1]):
+            r0, c0 = p * dil[0], q * dil[1]
+            yield tp[:, :, r0:r0 + stride[0] * (oh - 1) + 1:stride[0], c0:c0 + stride[1] * (ow - 1) + 1:stride[1]]

@@ -16,7 +16,13 @@ parts into one executable: the first part's library imports the others, the VM f
 of them, ``export_library`` links every part's object file.  The code is the same as
 ``tvm.compile``'s (outputs bitwise equal).
 
-``PYRO2PFP_BUILD_JOBS`` (an integer >= 1) sets the number of threads; 1 builds with ``tvm.compile``.
+``PYRO2PFP_BUILD_JOBS`` (an integer >= 1) sets the number of threads; 1 builds with ``tvm.compile``
+unless the kernel cache is on.
+
+Compiled parts are cached on disk (:mod:`~pyro2pfp.tvm_backend.kernel_cache`): a part whose kernels,
+target and TVM were compiled before is loaded instead of compiled, and a new one is written there.
+The parts are then object files, linked into one shared library when the executable's VM is first
+made (``Executable.jit``).
 """
 from __future__ import annotations
 
@@ -32,11 +38,16 @@ from tvm.relax import vm_build
 from ..errors import ArgumentError
 from ..targets import is_cross_target, make_target
 from ..tvm_runtime import available_cpus
+from .kernel_cache import open_cache, source_fingerprint
 
 #: kernels compiled per LLVM module at most: several modules per thread, so that a slow kernel
 #: does not hold one thread while the others idle, but not one per kernel (each module has a fixed
 #: LLVM set-up cost)
 KERNELS_PER_PART = 4
+#: ... with the kernel cache on: one, so that a kernel is found in the cache whatever it was compiled
+#: with before (another network, another order); the fixed cost of a module written as an object file
+#: is ~2-20 ms of CPU (LeNet-5's 11 kernels: one module against one per kernel)
+KERNELS_PER_CACHED_PART = 1
 
 
 def build_jobs() -> int:
@@ -94,13 +105,26 @@ def build_context() -> tvm.transform.PassContext:
 
 
 def parallel(target: Any, jobs: int | None = None) -> bool:
-    """Whether :func:`build` compiles the kernels of a module for ``target`` on several threads:
-    ``jobs`` (default :func:`build_jobs`) > 1 and an LLVM CPU target that is not a wasm system library
-    (those ``tvm.compile`` links specially)."""
+    """Whether :func:`build` compiles the kernels of a module for ``target`` in parts with a
+    :class:`KernelPool`: an LLVM CPU target that is not a wasm system library (those ``tvm.compile``
+    links specially), and either ``jobs`` (default :func:`build_jobs`) > 1 or the kernel cache on
+    (:func:`~.kernel_cache.open_cache`) for a target this machine runs."""
     tgt = make_target(target)
     host = tgt if tgt.host is None else tgt.host
+    if tgt.kind.name != "llvm" or "wasm" in str(host.attrs.get("mtriple", "")):
+        return False
     jobs = build_jobs() if jobs is None else jobs
-    return jobs > 1 and tgt.kind.name == "llvm" and "wasm" not in str(host.attrs.get("mtriple", ""))
+    return jobs > 1 or (not is_cross_target(tgt) and open_cache(tgt) is not None)
+
+
+def _linkable(name: str, func: tvm.tirx.PrimFunc) -> tvm.tirx.PrimFunc:
+    """``func`` with the attributes the module the VM links will give it (its symbol, ``noalias``)."""
+    attrs = func.attrs
+    if attrs is None or "global_symbol" not in attrs:
+        func = func.with_attr("global_symbol", name)
+    if attrs is None or not attrs.get("tirx.noalias", False):
+        func = func.with_attr("tirx.noalias", True)  # as mark_prim_funcs_noalias will
+    return func
 
 
 class KernelPool:
@@ -114,6 +138,9 @@ class KernelPool:
         self.target = make_target(target)
         self.jit = not is_cross_target(self.target)
         self.context = build_context()
+        # a caller watching the passes (instruments) sees them run: no cache then
+        self.cache = open_cache(self.target) if self.jit and not self.context.instruments else None
+        self.per_part = KERNELS_PER_CACHED_PART if self.cache is not None else KERNELS_PER_PART
         jobs = build_jobs() if jobs is None else jobs
         self.pool = concurrent.futures.ThreadPoolExecutor(max_workers=jobs, thread_name_prefix="pyro2pfp-build")
         self.queued: list[tuple[str, tvm.tirx.PrimFunc]] = []
@@ -121,21 +148,45 @@ class KernelPool:
         self.compiled_late: list[str] = []  # kernels finish() compiled (not added, or changed since)
         self.added: dict[str, tvm.tirx.PrimFunc] = {}
 
-    def add(self, name: str, func: tvm.tirx.PrimFunc) -> None:
+    def add(self, name: str, func: tvm.tirx.PrimFunc, key: str | None = None) -> None:
         """Queue kernel ``name`` (compiled under that symbol, as the Relax pipeline will name it); a
-        kernel added again unchanged (the same function, or a structurally equal one) is not queued twice."""
+        kernel added again unchanged (the same function, or a structurally equal one) is not queued twice.
+        ``key``: the cache key it is stored under (:meth:`lookup`'s, of the kernel before scheduling)."""
         before = self.added.get(name)
         if before is not None and (before.same_as(func) or tvm_ffi.structural_equal(before, func)):
             return
         self.added[name] = func
-        attrs = func.attrs
-        if attrs is None or "global_symbol" not in attrs:
-            func = func.with_attr("global_symbol", name)
-        if attrs is None or not attrs.get("tirx.noalias", False):
-            func = func.with_attr("tirx.noalias", True)  # as mark_prim_funcs_noalias will
+        func = _linkable(name, func)
+        if key is not None and self.cache is not None:
+            self._submit([(name, func)], None, key)
+            return
         self.queued.append((name, func))
-        if len(self.queued) >= KERNELS_PER_PART:
+        if len(self.queued) >= self.per_part:
             self.flush()
+
+    def lookup(self, name: str, func: tvm.tirx.PrimFunc) -> tuple[tvm.tirx.PrimFunc | None, str | None]:
+        """Kernel ``name`` as emitted (``func``, not scheduled yet) in the kernel cache: ``(stand-in,
+        None)`` if its compiled code is there -- the part is added, and the stand-in (``func`` marked
+        scheduled: nothing schedules or compiles it again; the module the VM links may hold it, the VM
+        only calls the symbol) goes into the module in its place -- else ``(None, key)``, the key to
+        :meth:`add` its scheduled version under; ``(None, None)`` without a cache."""
+        if self.cache is None or (func.attrs is not None and func.attrs.get("tirx.is_scheduled", False)):
+            return None, None
+        key = self.cache.key({name: _linkable(name, func)}, None, self._config(), schedule=source_fingerprint())
+        lib = self.cache.load(key, [name])
+        if lib is None:
+            return None, key
+        stand_in = func.with_attr("tirx.is_scheduled", True)
+        self.added[name] = stand_in
+        done: concurrent.futures.Future[Any] = concurrent.futures.Future()
+        done.set_result(lib)
+        self.parts.append(({name: _linkable(name, stand_in)}, done))
+        return stand_in, None
+
+    def _config(self) -> dict[str, Any]:
+        ctx = self.context
+        return {**dict(ctx.config), "opt_level": ctx.opt_level, "required_pass": list(ctx.required_pass),
+                "disabled_pass": list(ctx.disabled_pass)}
 
     def flush(self) -> None:
         """Submit the queued kernels as one part."""
@@ -143,9 +194,10 @@ class KernelPool:
             self._submit(self.queued, None)
             self.queued = []
 
-    def _submit(self, kernels: list[tuple[str, tvm.tirx.PrimFunc]], attrs: Any) -> concurrent.futures.Future[Any]:
+    def _submit(self, kernels: list[tuple[str, tvm.tirx.PrimFunc]], attrs: Any,
+                key: str | None = None) -> concurrent.futures.Future[Any]:
         part = dict(kernels)
-        future = self.pool.submit(self._compile, part, attrs)
+        future = self.pool.submit(self._compile, part, attrs, key)
         self.parts.append((part, future))
         return future
 
@@ -153,9 +205,22 @@ class KernelPool:
         """Wait for the parts being compiled, drop those not started, stop the threads."""
         self.pool.shutdown(wait=True, cancel_futures=True)
 
-    def _compile(self, part: dict[str, tvm.tirx.PrimFunc], attrs: Any) -> Any:
+    def _compile(self, part: dict[str, tvm.tirx.PrimFunc], attrs: Any, key: str | None = None) -> Any:
+        symbols = None
+        # not the Relax VM's host functions (``shape_func``): TVM emits their statements in an order
+        # that changes from run to run, so they would never hit; they are small
+        host = any(func.attrs is not None and func.attrs.get("tirx.is_host_func", False) for func in part.values())
+        if self.cache is not None and not host:
+            symbols = [str(func.attrs.get("global_symbol", name)) for name, func in part.items()]
+            if key is None:  # keyed on the code compiled (a kernel not looked up before scheduling)
+                key = self.cache.key(part, attrs, self._config())
+                cached = self.cache.load(key, symbols)
+                if cached is not None:
+                    return cached
         with self.context:
             lib = tvm.tirx.build(tvm.IRModule(part, attrs=attrs), target=self.target)
+        if self.cache is not None and key is not None and symbols is not None:
+            return self.cache.store(key, lib, symbols)  # the object file: machine code made here
         if self.jit:
             name, func = next(iter(part.items()))
             lib.get_function(str(func.attrs.get("global_symbol", name)))  # machine code of the whole part
@@ -175,8 +240,8 @@ class KernelPool:
                 covered.update(part)
         rest = [(name, func) for name, func in final.items() if name not in covered]
         self.compiled_late = [name for name, _ in rest]
-        for i in range(0, len(rest), KERNELS_PER_PART):
-            libs.append(self._submit(rest[i:i + KERNELS_PER_PART], tir_mod.attrs))
+        for i in range(0, len(rest), self.per_part):
+            libs.append(self._submit(rest[i:i + self.per_part], tir_mod.attrs))
         try:
             return [future.result() for future in libs]
         finally:
@@ -244,15 +309,20 @@ class KernelStream:
         self.emitted: dict[str, tvm.tirx.PrimFunc] = {}  # name -> the function scheduled
 
     def add(self, name: str, func: tvm.tirx.PrimFunc) -> None:
-        """Schedule and queue kernel ``name`` unless an earlier kernel equals it."""
+        """Schedule and queue kernel ``name`` unless an earlier kernel equals it (or its compiled code
+        is in the kernel cache: :meth:`KernelPool.lookup`; nothing to schedule then)."""
         from .schedules import schedule_kernel
 
         if name in self.scheduled or self.groups.first_of(name, func) is not None:
             return
+        stand_in, key = self.pool.lookup(name, func)
+        if stand_in is not None:
+            self.scheduled[name], self.emitted[name] = stand_in, func
+            return
         scheduled = schedule_kernel(name, func, self.layers, self.target)
         if scheduled is not None:
             self.scheduled[name], self.emitted[name] = scheduled, func
-            self.pool.add(name, scheduled)
+            self.pool.add(name, scheduled, key=key)
 
     def scheduled_module(self, shared: tvm.IRModule) -> tvm.IRModule:
         """``shared`` (the emitted module after sharing, with ``prefer=self.scheduled``) with the

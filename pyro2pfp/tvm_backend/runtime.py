@@ -17,6 +17,22 @@ from .schedules import schedule_module
 __all__ = ["CompiledPFP", "build_network", "default_num_threads", "num_threads", "set_num_threads"]
 
 
+def cached_kernels(mod: tvm.IRModule, kernels: Any) -> tuple[tvm.IRModule, dict[str, str]]:
+    """``mod`` with every kernel whose compiled code the kernel cache holds replaced by its stand-in
+    (:meth:`~pyro2pfp.tvm_backend.build.KernelPool.lookup`), and the cache keys of the others (to store
+    their code under once scheduled and compiled)."""
+    out, keys = mod, {}
+    for gv, func in mod.functions_items():
+        if isinstance(func, tvm.tirx.PrimFunc):
+            stand_in, key = kernels.lookup(gv.name_hint, func)
+            if stand_in is not None:
+                out = out.clone() if out is mod else out
+                out[gv] = stand_in
+            elif key is not None:
+                keys[gv.name_hint] = key
+    return out, keys
+
+
 def build_network(net: Any, target: tvm.target.Target, schedule: bool = True, batch: int | None = None) -> Any:
     """``net.mod`` with the default CPU schedules (unless ``schedule=False``), built for ``target``.
     Identical kernels are shared first (:func:`~pyro2pfp.tvm_backend.sharing.share_identical_kernels`;
@@ -42,7 +58,12 @@ def build_network(net: Any, target: tvm.target.Target, schedule: bool = True, ba
             return build(mod, target)
         if stream is not None:
             mod = stream.scheduled_module(mod)
-        mod = schedule_module(mod, net.plan, target, on_scheduled=kernels.add if kernels else None)
+        keys: dict[str, str] = {}
+        if kernels is not None and kernels.cache is not None:  # cached kernels are not scheduled again
+            mod, keys = cached_kernels(mod, kernels)
+        mod = schedule_module(mod, net.plan, target,
+                              on_scheduled=(lambda name, func: kernels.add(name, func, key=keys.get(name)))
+                              if kernels else None)
         if kernels is not None:
             kernels.flush()  # the last kernels compile while the Relax pipeline runs
     except BaseException:

@@ -13,7 +13,7 @@ from tvm import relax, tirx
 
 from pyro2pfp.network import PFPNetwork
 from pyro2pfp.plan import plan
-from pyro2pfp.profiling import OVERHEAD_ROW, Profile, profile, split_kernel_name
+from pyro2pfp.profiling import OVERHEAD_ROW, Profile, kernel_multiply_adds, profile, split_kernel_name
 from tests.support.builders import lenet_graph, mlp_graph
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -72,6 +72,37 @@ def test_one_row_per_kernel_and_rows_sum_to_total(lenet_exe, method):
     text = prof.table("title")
     assert "pfp_conv2d_conv1" in text and "by op:" in text and text.startswith("title")
     assert prof.as_dict()["rows"][0]["name"] == prof.rows[0].name
+
+
+def test_kernel_multiply_adds_counts_the_direct_products_and_the_definitions_multiplications():
+    net = small_lenet()
+    layers = {layer.name: layer for layer in net.plan.layers}
+    for batch in (1, 3):
+        work = kernel_multiply_adds(net, batch)
+        # conv1 reads the deterministic input (1 product per tap for the mean, 1 for the variance),
+        # conv2 a variance input (1 + 2): positions x |W| x products x batch
+        for name, products in (("conv1", 2), ("conv2", 3)):
+            layer = layers[name]
+            positions = int(np.prod(layer.layer.out_shape[1:]))
+            assert work[f"pfp_conv2d_{name}"] == batch * positions * layer.tensors["weight_mean"].size * products
+        # every other kernel: the multiplications of its TIR, linear in the batch
+        relu = next(k for k in work if k.startswith("pfp_relu"))
+        assert work[relu] > 0
+        if batch == 3:
+            assert work[relu] == 3 * kernel_multiply_adds(net, 1)[relu]
+
+
+def test_profile_rows_carry_work_and_rates(lenet_exe):
+    net, exe = lenet_exe
+    x = np.random.default_rng(1).uniform(0, 1, (2, *net.input_shape)).astype(np.float32)
+    work = kernel_multiply_adds(net, 2)
+    prof = profile(exe, [x], repeats=3, work=work, reference_rate=1.0, reference_name="torch")
+    conv = next(r for r in prof.kernels if r.name == "pfp_conv2d_conv2")
+    assert conv.multiply_adds == work["pfp_conv2d_conv2"] * conv.calls
+    assert conv.rate == pytest.approx(conv.multiply_adds / conv.us * 1e-3)
+    text = prof.table()
+    assert "G/s" in text and "xtorch" in text and "multiply-adds" in text
+    assert OVERHEAD_ROW not in {r.name for r in prof.rows if r.multiply_adds is not None}
 
 
 def test_profile_accepts_vm_and_executable_and_checks_method():

@@ -78,6 +78,16 @@ def test_readme_setup_is_the_one_ci_runs():
     assert "mkdocs build --strict" in readme and "mkdocs build --strict" in ci
 
 
+def test_readme_test_commands_are_the_ones_ci_runs():
+    """The suite's command (the first ``.venv/bin/python -m pytest`` of the README) and the breakage check
+    run in .ci/run as the README writes them."""
+    readme, ci = (REPO / "README.md").read_text(), (REPO / ".ci" / "run").read_text().splitlines()
+    suite = re.search(r"^(\.venv/bin/python -m pytest[^#\n]*?)\s*(#.*)?$", readme, flags=re.MULTILINE)
+    assert suite, "README: the test command (.venv/bin/python -m pytest ...) is missing"
+    assert suite.group(1) in ci, f".ci/run does not run the README's test command:\n{suite.group(1)}"
+    assert ".venv/bin/python -m tests.breakage.run" in readme and ".venv/bin/python -m tests.breakage.run" in ci
+
+
 def test_readme_docs_and_package_cite_no_issue_numbers_or_dates():
     """Issue numbers belong in the tracker and history in git: neither the README, the hand-written docs
     pages nor the package's code, docstrings and comments name an issue or a date (the generated pages

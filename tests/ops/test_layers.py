@@ -79,6 +79,37 @@ def test_pooling_with_padding_and_ceil_mode_compiled_matches_reference(seed, cas
         np.testing.assert_allclose(ref[0], expected.numpy(), rtol=1e-12, atol=1e-12)
 
 
+@covers("leaky_relu", kind=COMPILED)
+@pytest.mark.parametrize("form", ["variance", "raw"])
+def test_leaky_relu_small_layer_compiled_matches_reference(form):
+    """One fixed case in the fast loop (the sweep above is slow): slope 0.2, means from −3σ to +3σ,
+    variances 0 and 100 beside O(1) ones."""
+    rng = np.random.default_rng(24)
+    n = 24
+    graph = LayerGraph((n,), [Layer("lrelu", "leaky_relu", [INPUT], (n,), "t", {"slope": 0.2})], "lrelu",
+                       input_variance=True)
+    x = rng.standard_normal((3, n)).astype(np.float32)
+    xv = rng.uniform(0, 1, x.shape).astype(np.float32)
+    xv[0, :2] = [0.0, 100.0]
+    ref, out = compiled_and_reference(graph, x, xv, form)
+    assert_close(out, ref, 100.0)
+
+
+@covers("avg_pool2d", kind=COMPILED)
+@pytest.mark.parametrize("case, include_pad", [((3, 2, 1, False, 7, 7), True), ((3, 2, 1, False, 7, 7), False),
+                                               ((2, 2, 0, True, 5, 5), False)],
+                         ids=["pad-count", "pad-exclude", "ceil"])
+def test_avg_pool_small_layer_compiled_matches_reference(case, include_pad):
+    """One fixed window per form in the fast loop (the sweep above is slow): padding counted or not,
+    and a ceil-mode overhang; a Gaussian input (the variance is ``Σ v / n²`` over the window)."""
+    graph, _ = pool_graph("avg", case, include_pad, input_variance=True)
+    rng = np.random.default_rng(25)
+    x = rng.standard_normal((2, *graph.input_shape)).astype(np.float32)
+    xv = rng.uniform(0, 1, x.shape).astype(np.float32)
+    ref, out = compiled_and_reference(graph, x, xv)
+    assert_close(out, ref, 10.0)
+
+
 @covers("affine", "add", kind=COMPILED)
 @covers("affine", "add", kind=MONTE_CARLO)
 def test_affine_add_compiled_match_reference_and_sampling():

@@ -2,7 +2,8 @@
 NumPy reference executes it, the TVM back end has its kernel and a default CPU schedule, the ONNX
 exporter writes it, shared-factor PFP has its rule in every back end (float64, ONNX, TVM; unless the
 OpDef says why not, ``no_shared_rule``), and the tests its OpDef requires (a Monte Carlo test and a
-compiled-vs-reference test) check it.
+compiled-vs-reference test) check it -- a compiled-vs-reference test in the fast loop too (one not
+marked ``slow``), so that a kernel that drops a term fails the loop run before every commit.
 
 Adding an op without one of these fails here, with the name of what is missing (the checklist of
 docs/architecture.md)."""
@@ -17,7 +18,7 @@ from pyro2pfp.converters import PRODUCES
 from pyro2pfp.onnx_builder import EXPORTERS
 from pyro2pfp.reference import REFERENCES
 from pyro2pfp.registry import OPS, SHARED_EXPORTERS, SHARED_KERNELS, SHARED_REFERENCES, OpDef
-from tests.support.op_coverage import COMPILED, COVERAGE, MONTE_CARLO
+from tests.support.op_coverage import COMPILED, COVERAGE, FAST_COMPILED, MONTE_CARLO, fast_coverage
 
 # every test module, in every folder of tests/: their @covers decorators fill COVERAGE (pytest has
 # imported them already when it collects the whole suite; a new test file needs no registration here)
@@ -28,11 +29,17 @@ TEST_MODULES = tuple(sorted(
 TEST_KINDS = {"monte_carlo": MONTE_CARLO, "compiled": COMPILED}
 
 
+def import_test_modules() -> None:
+    """Import every test module: their ``@covers`` fill COVERAGE (also where pytest collected only some,
+    as on one xdist worker)."""
+    for name in TEST_MODULES:
+        importlib.import_module(name)
+
+
 def missing_parts() -> list[str]:
     from pyro2pfp.tvm_backend import KERNELS, SCHEDULES
 
-    for name in TEST_MODULES:
-        importlib.import_module(name)
+    import_test_modules()
     missing = []
     for name, op in sorted(OPS.items()):
         parts = {
@@ -46,6 +53,8 @@ def missing_parts() -> list[str]:
             "shared-factor rule (TVM)": name in SHARED_KERNELS or bool(op.no_shared_rule),
         }
         parts.update({TEST_KINDS[kind]: TEST_KINDS[kind] in COVERAGE[name] for kind in op.required_tests})
+        if "compiled" in op.required_tests:
+            parts[FAST_COMPILED] = bool(fast_coverage(name, COMPILED))
         missing += [f"{name}: no {part}" for part, present in parts.items() if not present]
     return missing
 
@@ -58,7 +67,19 @@ def test_an_incomplete_op_is_reported(monkeypatch):
     monkeypatch.setitem(OPS, "mish", OpDef("mish", ("aten.mish.default",)))
     assert missing_parts() == [f"mish: no {part}" for part in (
         "converter", "NumPy reference", "TVM kernel", "CPU schedule", "ONNX export", "shared-factor rule (NumPy)",
-        "shared-factor rule (ONNX)", "shared-factor rule (TVM)", MONTE_CARLO, COMPILED)]
+        "shared-factor rule (ONNX)", "shared-factor rule (TVM)", MONTE_CARLO, COMPILED, FAST_COMPILED)]
+
+
+def test_a_compiled_check_only_in_slow_tests_is_reported(monkeypatch):
+    """Slow compiled checks alone do not count: a slow test (or one whose every case is slow) is not
+    the fast one the op needs."""
+    from tests.support import op_coverage
+
+    import_test_modules()
+    slow_only = [fn for fn in op_coverage.COVERING["dense", COMPILED] if not op_coverage.runs_in_fast_loop(fn)]
+    assert slow_only, "dense keeps its slow hypothesis sweep"
+    monkeypatch.setitem(op_coverage.COVERING, ("dense", COMPILED), slow_only)
+    assert missing_parts() == [f"dense: no {FAST_COMPILED}"]
 
 
 def test_an_op_without_a_shared_factor_rule_says_why(monkeypatch):

@@ -176,3 +176,33 @@ def assert_check_rejects(samples: np.ndarray, mean: np.ndarray, var: np.ndarray 
     res = check_moments(samples, mean, var, **kwargs)
     assert not res.ok, "the Monte Carlo check failed to reject a wrong formula:\n" + res.report()
     return res
+
+
+def variance_ratio_band(samples: np.ndarray, alpha: float = 1e-4) -> tuple[float, float]:
+    """Where the median over outputs of ``claimed variance / sample variance`` lies, with probability at
+    least ``1 − alpha``, when the claimed variances are the true ones: ``exp(±z·se)``.
+
+    ``samples``: ``(N, *outputs)`` draws.  Each output's sample variance ``v̂`` has the relative standard
+    error ``se_i = sqrt((m4 − v̂²)/N)/v̂`` (from its 4th central moment; ``sqrt(2/N)`` for a Gaussian
+    output), so ``log(v/v̂)`` is ``N(0, se_i²)`` to first order; ``se`` is the median of the ``se_i`` and
+    ``z = Φ⁻¹(1 − alpha/2)``.  The outputs share the draws (the same weight samples for every input), so
+    their ratios are correlated: the median is given the spread of one output's ratio, which is
+    conservative (an independent median would spread less).  Nothing is hand-picked: the band narrows
+    like ``1/√N``.
+    """
+    n = samples.shape[0]
+    x = np.asarray(samples, dtype=np.float64).reshape(n, -1)
+    centred = x - x.mean(axis=0)
+    var = (centred**2).sum(axis=0) / (n - 1)
+    m4 = (centred**4).mean(axis=0)
+    live = var > 0
+    rel_se = np.sqrt(np.maximum(m4[live] - var[live] ** 2, 0.0) / n) / var[live]
+    half = float(ndtri(1.0 - alpha / 2.0)) * float(np.median(rel_se))
+    return float(np.exp(-half)), float(np.exp(half))
+
+
+def median_variance_ratio(claimed_var: np.ndarray, samples: np.ndarray) -> float:
+    """The median over outputs of ``claimed_var / sample variance`` (outputs whose draws all agree left out)."""
+    var = np.asarray(samples, dtype=np.float64).var(axis=0, ddof=1)
+    live = var > 0
+    return float(np.median(np.asarray(claimed_var, dtype=np.float64)[live] / var[live]))

@@ -370,8 +370,10 @@ def schedule_max_pool2d(sch: s_tir.Schedule, layer: Any, target: tvm.target.Targ
         _schedule_deinterleaved_pool(sch, lanes)
         return
     if has_block(sch, f"{CORRELATED}_1") or has_block(sch, f"{CORRELATED}_1_v0"):
-        # the correlated fold: every stage (and the padded input) an elementwise nest of its own
-        flat_nests(sch, list(sch.get_child_blocks(sch.get_sblock("root"))), lanes)
+        if CORRELATED_ONE_NEST[-1] and not has_block(sch, f"{PAD}_v0"):
+            _schedule_correlated_fold(sch, lanes)
+        else:  # every stage (and the padded input) an elementwise nest of its own
+            flat_nests(sch, list(sch.get_child_blocks(sch.get_sblock("root"))), lanes)
         return
     if has_block(sch, f"{PAD}_v0"):  # the padded input of overhanging windows: its own elementwise nest
         flat_nests(sch, [b for b in sch.get_child_blocks(sch.get_sblock("root"))
@@ -415,6 +417,43 @@ def schedule_max_pool2d(sch: s_tir.Schedule, layer: Any, target: tvm.target.Targ
     if not vectorize:
         stage_inputs(sch, [blk], par)
     sch.decompose_reduction(blk, window[0] if vec_c <= vec_j else j)
+
+
+CORRELATED_ONE_NEST = [True]
+"""Whether the correlated fold of windows that do not overhang is scheduled as one loop nest
+(:func:`_schedule_correlated_fold`) rather than one elementwise nest per stage (a list: benchmarks
+and tests compare the two)."""
+
+
+def _schedule_correlated_fold(sch: s_tir.Schedule, lanes: int) -> None:
+    """The correlated Clark fold of windows that do not overhang (``_correlated_max_pool``): one loop
+    nest, parallel over ``(batch, channel)``.  Each fold stage ``correlated_max_t`` (the running
+    (mean, variance) and its covariances with the later taps) is one block per output, each binding the
+    same Clark max; all of them and the ``epilogue`` blocks are computed at the parallel loop and their
+    loops over the output plane ``(i, j)`` fused and merged into one, so one iteration runs the whole
+    fold of one pooled position, stage after stage, as straight-line code (LLVM computes a stage's
+    shared Clark terms once for all its outputs, and the intermediates stay in registers), instead of
+    one elementwise nest per output, each recomputing its stage's Clark max over the whole batch.
+    The plane loop is vectorised by the widest power of two dividing it (the taps are strided loads)."""
+    root = sch.get_sblock("root")
+    blocks = [blk for blk in sch.get_child_blocks(root)
+              if sch.get(blk).name_hint.startswith((f"{CORRELATED}_", "epilogue"))]
+    epilogue = [blk for blk in blocks if sch.get(blk).name_hint.startswith("epilogue")]
+    b, c, _, _ = sch.get_loops(epilogue[0])  # the epilogue blocks share one nest
+    par = sch.fuse(b, c)
+    sch.parallel(par)
+    for blk in reversed([blk for blk in blocks if blk not in epilogue]):  # consumers first
+        sch.compute_at(blk, par)
+    nests: dict[Any, list[Any]] = {}
+    for blk in blocks:
+        loops = sch.get_loops(blk)
+        nests.setdefault(sch.get_sref(loops[-2]), loops[-2:])
+    planes = [sch.fuse(*loops) for loops in nests.values()]
+    vec = pow2_divisor(static_extent(sch, planes[0]), lanes) if vectorizable(sch, blocks) else 1
+    for plane in planes:  # (one vector loop per stage: merged, TVM 0.27 vectorises the fold wrongly)
+        if vec > 1:
+            _, v = sch.split(plane, [None, vec])
+            sch.vectorize(v)
 
 
 def _schedule_deinterleaved_pool(sch: s_tir.Schedule, lanes: int) -> None:

@@ -48,13 +48,23 @@ def loop_work(sch: s_tir.Schedule, loop: Any) -> float | None:
     return _blocks_work(sch, sch.get_child_blocks(loop))
 
 
-def _blocks_work(sch: s_tir.Schedule, blocks: Any) -> float | None:
+def _is_arithmetic(node: Any) -> bool:
+    return isinstance(node, _ARITHMETIC + (tirx.Let,))
+
+
+def _is_float_multiply(node: Any) -> bool:
+    return isinstance(node, tirx.Mul) and "float" in str(node.ty)  # not index arithmetic
+
+
+def _blocks_work(sch: s_tir.Schedule, blocks: Any, counted: Any = _is_arithmetic, least: int = 1) -> float | None:
+    """Over ``blocks``: the iterations times the nodes of the block that are ``counted`` (at least
+    ``least``); None when a loop extent is symbolic."""
     total = 0.0
     count = 0
 
     def tally(node: Any) -> None:
         nonlocal count
-        if isinstance(node, _ARITHMETIC + (tirx.Let,)):
+        if counted(node):
             count += 1
 
     for block in blocks:
@@ -66,5 +76,14 @@ def _blocks_work(sch: s_tir.Schedule, blocks: Any) -> float | None:
             iterations *= ext
         count = 0
         walk(sch.get(block).body, tally)
-        total += iterations * max(count, 1)
+        total += iterations * max(count, least)
     return total
+
+
+def kernel_multiplies(func: tirx.PrimFunc) -> float | None:
+    """Multiplications of a static-shape kernel as defined (before it is scheduled): over its blocks,
+    the iterations times the floating-point ``Mul`` nodes of the block (a let-bound value counted once;
+    index arithmetic not counted); ``None`` when a loop extent is symbolic.  What a profile calls a
+    kernel's multiply-adds where no op-level count applies (:func:`pyro2pfp.profiling.kernel_multiply_adds`)."""
+    sch = s_tir.Schedule(func)
+    return _blocks_work(sch, sch.get_child_blocks(sch.get_sblock("root")), _is_float_multiply, least=0)

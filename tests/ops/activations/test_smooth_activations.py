@@ -166,13 +166,38 @@ def assert_float32_close(got: tuple, ref: tuple, x: np.ndarray, x_var: np.ndarra
     assert err_v.max() <= 1, (err_v.max(), np.unravel_index(err_v.argmax(), err_v.shape))
 
 
+COMPILED_ATTRS = {"softplus": {"beta": 2.0}, "elu": {"alpha": 0.5}, "hardtanh": {"lo": -2.0, "hi": 3.0},
+                  "gelu": {"approximate": "none"}}
+
+
+@covers(*NEW_OPS, kind=COMPILED)
+def test_every_activation_compiled_in_one_module_matches_the_reference():
+    """The fast loop's compiled check of the moment kernels: the seven activations side by side on the
+    same Gaussian input (limit cases included), joined by a concat, in one module -- its kernels are
+    compiled in parallel parts (their quadrature rules make large kernels: 1-10 s of CPU each to build);
+    each block of the output is one activation's, checked against the reference."""
+    rng = np.random.default_rng(3)
+    x, x_var = limit_inputs(rng)
+    n = x.shape[1]
+    # the two costliest kernels (softplus, hardtanh) in different parts of four kernels (build.KERNELS_PER_PART)
+    order = ("softplus", "sigmoid", "tanh", "gelu", "hardtanh", "silu", "elu")
+    assert sorted(order) == sorted(NEW_OPS)
+    layers = [Layer(op, op, [INPUT], (n,), op, dict(COMPILED_ATTRS.get(op, {}))) for op in order]
+    layers.append(Layer("all", "concat", list(order), (n * len(order),), "all", {"axis": 0}))
+    graph = LayerGraph((n,), layers, "all", input_variance=True)
+    net = PFPNetwork(graph, plan(graph))
+    ref, got = net.reference(x, x_var), net.compile()(x, x_var)
+    for k in range(len(order)):
+        block = slice(k * n, (k + 1) * n)
+        assert_float32_close((got[0][:, block], got[1][:, block]), (ref[0][:, block], ref[1][:, block]), x, x_var)
+
+
 @pytest.mark.slow
 @covers(*NEW_OPS, kind=COMPILED)
 @pytest.mark.parametrize("op", NEW_OPS)
 def test_compiled_and_onnx_match_the_reference(op):
     """One compile per op: Gaussian inputs incl. zero/tiny variances and huge means (moment path)."""
-    attrs = {"softplus": {"beta": 2.0}, "elu": {"alpha": 0.5}, "hardtanh": {"lo": -2.0, "hi": 3.0},
-             "gelu": {"approximate": "none"}}.get(op, {})
+    attrs = COMPILED_ATTRS.get(op, {})
     rng = np.random.default_rng(3)
     x, x_var = limit_inputs(rng)
     net = act_net(op, attrs, x.shape[1])

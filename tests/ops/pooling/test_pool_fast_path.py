@@ -24,6 +24,7 @@ from pyro2pfp.tvm_backend import emit_module
 from pyro2pfp.tvm_backend.ops.pooling import POOL_REGISTER_TILE
 from pyro2pfp.tvm_backend.schedules import schedule_module, simd_lanes
 from tests.support.builders import lenet_graph
+from tests.support.op_coverage import COMPILED, covers
 
 RTOL = 2e-5
 TARGETS = {
@@ -178,6 +179,7 @@ def general_graph(in_shape, k, s, pad, ceil, variance: bool = True) -> LayerGrap
     return LayerGraph(in_shape, [layer], "p", input_variance=variance)
 
 
+@covers("max_pool2d", kind=COMPILED)
 @pytest.mark.parametrize("case", GENERAL, ids=["pad", "overhang", "overlap"])
 def test_general_max_pool_matches_reference(case):
     """Windows with padding, overhang or overlap take the reduction path (no deinterleaving copy) and
@@ -268,3 +270,38 @@ def test_chain_limit_cases(k):
     np.testing.assert_array_equal(mean, 1e4)
     np.testing.assert_array_equal(var, 0.5)
     check(planned, vm, [big, v], "one element far larger")
+
+
+@pytest.mark.parametrize("target", ["native", "llvm"])
+def test_correlated_fold_runs_as_one_nest_with_the_same_results(target):
+    """The correlated Clark fold of LeNet's pools (windows that tile the input, covariances from
+    ``window_cov``) is scheduled as one loop nest -- one parallel loop, every fold stage computed at it --
+    and gives bitwise the results of one elementwise nest per stage, within the tolerance of the
+    reference."""
+    from pyro2pfp.correlated_pools import correlate_max_pools
+    from pyro2pfp.tvm_backend.ops import pooling
+
+    g = correlate_max_pools(lenet_graph(np.random.default_rng(0)))
+    planned = plan(g)
+    mod = emit_module(planned)
+    rng = np.random.default_rng(1)
+    x = rng.uniform(0, 1, (3, *g.input_shape)).astype(np.float32)
+    outs = {}
+    for one_nest in (True, False):
+        pooling.CORRELATED_ONE_NEST.append(one_nest)
+        try:
+            scheduled = schedule_module(mod, planned, TARGETS[target])
+        finally:
+            pooling.CORRELATED_ONE_NEST.pop()
+        folds = [name for name, _ in ((gv.name_hint, f) for gv, f in scheduled.functions_items())
+                 if name.startswith("pfp_max_pool2d") and "correlated_max_1" in scheduled[name].script()]
+        assert len(folds) == 2
+        if one_nest:
+            assert all(scheduled[name].script().count("T.parallel(") == 1 for name in folds)
+        vm = relax.VirtualMachine(tvm.compile(scheduled, target=TARGETS[target]), tvm.cpu())
+        outs[one_nest] = [t.numpy() for t in vm["main"](tvm.runtime.tensor(x))]
+    for a, b in zip(outs[True], outs[False]):
+        np.testing.assert_array_equal(a, b)
+    ref = execute(planned, x.astype(np.float64))
+    for o, r in zip(outs[True], ref):
+        assert np.abs(o - r).max() <= 1e-4 * np.abs(r).max()

@@ -19,6 +19,15 @@ from tests.support.builders import lenet_graph
 TARGET = tvm.target.Target("llvm")
 
 
+@pytest.fixture(scope="module", autouse=True)
+def _no_kernel_cache():
+    """These tests are about compiling: the kernel cache (tests/stages/backends/test_kernel_cache.py)
+    would load their kernels instead."""
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv("PYRO2PFP_KERNEL_CACHE", "off")
+        yield
+
+
 @pytest.fixture(scope="module")
 def lenet():
     """A small LeNet (conv/ReLU/max pool/dense): ~10 distinct kernels, scheduled."""

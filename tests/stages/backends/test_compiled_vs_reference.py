@@ -139,6 +139,68 @@ def test_max_pool_matches_reference(seed, batch, c, h, w, kernel, stride, x_scal
         np.testing.assert_array_equal(out[1], 0.0)
 
 
+# --- one small fixed case per op, in the fast loop (the hypothesis sweeps above are slow) ------------
+# Each is one cheap build of one layer: a kernel that drops or mistypes a term (the conv's μw²·vx, a
+# ReLU's σφ(α)) fails the loop that runs before every commit.  Weight and input variances are of the
+# order of the means, so every term of the variance is a material part of it.
+
+INPUT_FORMS = {  # id: (input variance scale or None for a deterministic input, moment form)
+    "deterministic": (None, "variance"), "variance": (1.0, "variance"), "raw": (1.0, "raw")}
+
+
+@covers("dense", kind=COMPILED)
+@pytest.mark.parametrize("inp", list(INPUT_FORMS))
+def test_dense_small_layer_matches_reference(inp):
+    x_var, form = INPUT_FORMS[inp]
+    rng = np.random.default_rng(21)
+    layer = dense_layer(rng, "fc", INPUT, 12, 5, 1.0, 0.3, "prob")
+    graph = LayerGraph(input_shape=(12,), layers=[layer], output="fc", input_variance=x_var is not None)
+    net, exe = build(graph, moment_form=form)
+    x, xv = inputs(rng, 3, (12,), 1.0, x_var)
+    ref, out = run_both(net, exe, x, xv)
+    assert_compute_layer(layer, x, xv, ref, out, lambda a, w: a @ w.T, form)
+
+
+FAST_CONVS = {  # id: (in (C, H, W), out channels, kernel, stride, padding, dilation, groups)
+    "3x3-pad1": ((3, 6, 6), 4, 3, 1, 1, 1, 1),
+    "grouped-strided-dilated": ((4, 7, 7), 4, 2, 2, 1, 2, 2),
+}
+
+
+@covers("conv2d", kind=COMPILED)
+@pytest.mark.parametrize("inp, case", [(inp, "3x3-pad1") for inp in INPUT_FORMS]
+                         + [("variance", "grouped-strided-dilated")])
+def test_conv2d_small_layer_matches_reference(inp, case):
+    x_var, form = INPUT_FORMS[inp]
+    (c, h, w), o, kernel, stride, pad, dil, groups = FAST_CONVS[case]
+    rng = np.random.default_rng(22)
+    layer = conv_layer(rng, "conv", INPUT, (c, h, w), o, kernel, stride, pad, dil, groups, 1.0, 0.3, "prob")
+    graph = LayerGraph(input_shape=(c, h, w), layers=[layer], output="conv", input_variance=x_var is not None)
+    net, exe = build(graph, moment_form=form)
+    x, xv = inputs(rng, 2, (c, h, w), 1.0, x_var)
+    ref, out = run_both(net, exe, x, xv)
+    a = layer.attrs
+    assert_compute_layer(layer, x, xv, ref, out,
+                         lambda t, wt: conv2d_nchw(t, wt, a["stride"], a["padding"], a["dilation"], a["groups"]), form)
+
+
+@covers("relu", kind=COMPILED)
+@pytest.mark.parametrize("form", ["variance", "raw"])
+def test_relu_small_layer_matches_reference(form):
+    """Means from −3σ to +3σ, and variances 0, 1e-30 and 100 (its limit cases) beside O(1) ones."""
+    rng = np.random.default_rng(23)
+    n = 24
+    graph = LayerGraph(input_shape=(n,), layers=[relu_layer("relu", INPUT, (n,))], output="relu",
+                       input_variance=True)
+    net, exe = build(graph, moment_form=form)
+    x, xv = inputs(rng, 3, (n,), 1.0, 1.0)
+    xv[0, :3] = [0.0, 1e-30, 100.0]
+    ref, out = run_both(net, exe, x, xv)
+    scale = np.abs(x) + np.sqrt(xv.astype(np.float64))
+    assert np.all(np.abs(out[0] - ref[0]) <= 1e-5 * scale + 1e-37)
+    assert np.all(np.abs(out[1] - ref[1]) <= 1e-5 * scale**2 + 1e-37)
+
+
 @covers("reshape", "convert", kind=COMPILED)
 @pytest.mark.parametrize("form", ["variance", "raw"])
 @pytest.mark.parametrize("arch", ["mlp", "mlp2", pytest.param("lenet", marks=pytest.mark.slow)])

@@ -1,0 +1,151 @@
+"""A correlated guide's covariance between weights, read as global factors and carried by shared-factor PFP
+(``pyro2pfp/posterior/correlated.py``, ``pyro2pfp/correlation/guide.py``).
+
+Truths: the guide's own covariance (``guide.get_posterior()``), and, for a single dense layer with a
+deterministic input, the exact output covariance ``x̃ᵀ Σ x̃`` (the logits are linear in the weights)."""
+from __future__ import annotations
+
+import warnings
+
+import numpy as np
+import pyro
+import pyro.distributions as dist
+import pytest
+import torch
+import torch.nn as nn
+from pyro.infer.autoguide import AutoDiagonalNormal, AutoLowRankMultivariateNormal, AutoMultivariateNormal
+from pyro.nn import PyroModule, PyroSample
+
+import pyro2pfp
+from pyro2pfp.posterior import correlated
+from pyro2pfp.posterior.correlated import kept_share, top_directions
+
+
+class OneLayer(PyroModule):
+    """A Bayesian linear classifier as tutorials write it."""
+
+    def __init__(self, d_in: int = 5, d_out: int = 3) -> None:
+        super().__init__()
+        self.fc = PyroModule[nn.Linear](d_in, d_out)
+        self.fc.weight = PyroSample(dist.Normal(0.0, 1.0).expand([d_out, d_in]).to_event(2))
+        self.fc.bias = PyroSample(dist.Normal(0.0, 1.0).expand([d_out]).to_event(1))
+
+    def forward(self, x, y=None):
+        logits = self.fc(x)
+        with pyro.plate("data", x.shape[0]):
+            pyro.sample("obs", dist.Categorical(logits=logits), obs=y)
+        return logits
+
+
+def _trained_like(guide_cls, seed: int = 0, **kwargs):
+    """A model and guide whose parameters are set to random values (as after training)."""
+    pyro.clear_param_store()
+    pyro.set_rng_seed(seed)
+    model = OneLayer()
+    guide = guide_cls(model, **kwargs)
+    x = torch.randn(4, 5)
+    guide(x, torch.zeros(4, dtype=torch.long))
+    with torch.no_grad():
+        for _, value in pyro.get_param_store().items():
+            value.unconstrained().copy_(0.5 * torch.randn_like(value.unconstrained()))
+        if hasattr(guide, "cov_factor"):
+            guide.cov_factor.copy_(torch.randn_like(guide.cov_factor))
+        if hasattr(guide, "loc"):
+            guide.loc.copy_(torch.randn_like(guide.loc))
+    return model, guide
+
+
+def _exact_logit_moments(guide, x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Mean and variance of ``W x + b`` under the guide's joint Gaussian (latent order: fc.weight, fc.bias)."""
+    post = guide.get_posterior()
+    loc = post.loc.detach().double().numpy()
+    cov = post.covariance_matrix.detach().double().numpy()
+    order = [site["name"] for site, _ in guide._unpack_latent(post.loc)]
+    assert order == ["fc.weight", "fc.bias"], order
+    d_out, d_in = 3, 5
+    means, variances = [], []
+    for xi in x:
+        # logit o = Σ_i W[o, i] x_i + b_o: a linear map A (d_out × D) of the flat latent
+        a = np.zeros((d_out, loc.size))
+        for o in range(d_out):
+            a[o, o * d_in:(o + 1) * d_in] = xi
+            a[o, d_out * d_in + o] = 1.0
+        means.append(a @ loc)
+        variances.append(np.einsum("od,de,oe->o", a, cov, a))
+    return np.array(means), np.array(variances)
+
+
+@pytest.mark.parametrize("guide_cls, kwargs", [(AutoLowRankMultivariateNormal, {"rank": 2}),
+                                                (AutoMultivariateNormal, {})])
+def test_a_dense_layer_under_a_correlated_guide_is_exact(guide_cls, kwargs):
+    model, guide = _trained_like(guide_cls, **kwargs)
+    x = np.random.default_rng(1).standard_normal((6, 5))
+    net = pyro2pfp.convert(model, guide, input_shape=(5,), correlation="shared-factor")
+    assert net.plan.factors is not None and net.plan.factors.guide > 0
+    mean, var = net.reference(x)
+    exact_mean, exact_var = _exact_logit_moments(guide, x)
+    np.testing.assert_allclose(mean, exact_mean, rtol=1e-9, atol=1e-9)
+    np.testing.assert_allclose(var, exact_var, rtol=1e-5)  # the truth from the guide's float32 covariance
+    with pytest.warns(UserWarning, match="correlations between weights are dropped"):
+        mf_mean, mf_var = pyro2pfp.convert(model, guide, input_shape=(5,), correlation="mean-field").reference(x)
+    assert np.max(np.abs(mf_var / exact_var - 1)) > 0.05  # the check above can fail: marginals alone differ
+    np.testing.assert_allclose(mf_mean, exact_mean, rtol=1e-9, atol=1e-9)
+
+
+def test_lowrank_loadings_are_the_guides_factor_and_the_summary_says_so():
+    model, guide = _trained_like(AutoLowRankMultivariateNormal, rank=2)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # no "correlations are dropped" warning when they are carried
+        net = pyro2pfp.convert(model, guide, input_shape=(5,), correlation="shared-factor")
+    post = guide.get_posterior()
+    factor = post.cov_factor.detach().double().numpy()
+    w = next(layer for layer in net.plan.layers if layer.op == "dense").tensors["weight_factors"]
+    loadings = w.reshape(-1, w.shape[-1])
+    # the same column space and the same F·Fᵀ on the weight block
+    np.testing.assert_allclose(loadings @ loadings.T, factor[:15] @ factor[:15].T, rtol=1e-5, atol=1e-7)  # float32
+    assert "2 global factors" in net.summary()
+
+
+def test_diagonal_guides_have_no_guide_factors():
+    model, guide = _trained_like(AutoDiagonalNormal)
+    net = pyro2pfp.convert(model, guide, input_shape=(5,))
+    assert net.plan.factors is None and net.plan.guide_factors is None
+
+
+def test_truncated_split_keeps_marginals_and_states_the_share(monkeypatch):
+    monkeypatch.setattr(correlated, "MAX_GUIDE_FACTORS", 4)
+    model, guide = _trained_like(AutoMultivariateNormal)
+    net = pyro2pfp.convert(model, guide, input_shape=(5,), correlation="shared-factor")
+    info = net.plan.guide_factors
+    assert info is not None and info.k == 4 and info.rank == 18 and 0 < info.kept < 1
+    assert "top 4 of 18 directions" in net.summary()
+    cov = guide.get_posterior().covariance_matrix.detach().double().numpy()
+    dense = next(layer for layer in net.plan.layers if layer.op == "dense")
+    f = dense.tensors["weight_factors"].reshape(-1, 4)
+    # every marginal variance stays exact: the dropped part goes to the independent diagonal
+    np.testing.assert_allclose(dense.tensors["weight_var"].ravel(), np.diag(cov)[:15], rtol=1e-5)  # float32 truth
+    assert np.all((f**2).sum(1) <= np.diag(cov)[:15] * (1 + 1e-9))
+
+
+def test_randomized_directions_match_the_exact_ones(monkeypatch):
+    rng = np.random.default_rng(0)
+    a = rng.standard_normal((300, 40)) * np.geomspace(10, 0.01, 40)
+    exact, s2 = top_directions(a, 5)
+    monkeypatch.setattr(correlated, "EXACT_SVD_LIMIT", 10)
+    approx, _ = top_directions(a, 5)
+    np.testing.assert_allclose(approx @ approx.T, exact @ exact.T, rtol=1e-6, atol=1e-8 * s2[0])
+    assert kept_share(a, a) == pytest.approx(1.0)
+    assert 0 < kept_share(a, exact) < 1
+
+
+def test_auto_keeps_plans_that_compile_and_says_what_it_drops():
+    """The compiled and ONNX back ends do not carry guide factors: auto stays mean-field and says so, and
+    asking those back ends for such a plan is an error naming the remedy, never a silent drop."""
+    model, guide = _trained_like(AutoLowRankMultivariateNormal, rank=2)
+    with pytest.warns(UserWarning, match="correlations between weights .* are dropped"):
+        net = pyro2pfp.convert(model, guide, input_shape=(5,))
+    assert net.plan.factors is None
+    assert "not carried by this mean-field plan" in net.summary()
+    shared = pyro2pfp.convert(model, guide, input_shape=(5,), correlation="shared-factor")
+    with pytest.raises(pyro2pfp.PFPError, match="does not carry a correlated guide"):
+        shared.to_onnx()
