@@ -43,7 +43,8 @@ def execute_shared_all(graph: PlannedGraph, x: np.ndarray, factors: FactorPlan |
         op = layer.op
         with np.errstate(over="ignore", invalid="ignore", divide="ignore"):
             out = REFERENCES[op](layer, ins)
-            mean, var = out.mean, out.variance()
+            mean = out.mean
+            var: np.ndarray | None = out.variance()
             sh: Shared | None = None
             if any(s is not None for s in shs) or is_noisy(layer):  # else nothing shared in or created
                 rule = SHARED_REFERENCES.get(op)
@@ -58,6 +59,7 @@ def execute_shared_all(graph: PlannedGraph, x: np.ndarray, factors: FactorPlan |
                     if shift is not None:  # a correlated guide's weight noise times its input's (guide.py)
                         mean = mean + shift
             if sh is not None:
+                assert var is not None  # an op with shared factors out has a variance
                 sd = np.sqrt(np.maximum(var, 0.0)).reshape(sh.s.shape)
                 sh = Shared(np.clip(sh.s, -sd, sd), sh.g)
                 if layer.name in fp.compact_at:
