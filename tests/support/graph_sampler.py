@@ -4,7 +4,7 @@ Each draw takes new weights and biases from every layer's ``N(mean, var)`` and r
 given inputs; ``n`` draws run at once as ``n`` groups of one grouped convolution (dense layers: a batched
 matmul), chunk by chunk.  Returns every layer's draws, ``(n, batch, *shape)`` -- the independent truth the
 moments of a plan are compared with.  Ops: conv2d (groups 1), dense, affine, scale, add, concat,
-reshape, max/avg pooling and the activations torch has."""
+reshape, layer_norm, max/avg pooling and the activations torch has."""
 from __future__ import annotations
 
 import numpy as np
@@ -65,6 +65,11 @@ def _chunk(g: LayerGraph, x: np.ndarray, n: int, rng: np.random.Generator) -> di
                 out = F.avg_pool2d(flat, a["kernel"], a["stride"], a["padding"], ceil_mode=a["ceil_mode"],
                                    count_include_pad=a.get("count_include_pad", True))
             values[layer.name] = out.reshape(batch, n, *out.shape[1:])
+        elif op == "layer_norm":
+            d = layer.params["weight"].mean.shape
+            gamma, beta = (_draw(rng, layer.params[k], n).reshape(1, n, *d) for k in ("weight", "bias"))
+            out = F.layer_norm(ins[0], tuple(d), eps=a["eps"])
+            values[layer.name] = out * gamma + beta
         elif op in _ACTIVATIONS:
             values[layer.name] = _ACTIVATIONS[op](ins[0], a)
         else:

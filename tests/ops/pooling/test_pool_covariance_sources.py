@@ -162,3 +162,23 @@ def test_compiled_and_onnx_equal_the_reference(correlation):
     ref = net.reference(x)
     assert_matches(net.compile("llvm")(x), ref)
     assert_matches(onnx_run(net, x), ref, ONNX_RTOL)
+
+
+@covers("window_closure", "window_activation", kind=COMPILED)
+def test_small_shared_factor_net_compiled_matches_the_reference():
+    """The fast loop's compiled check of both ops (the test above is slow): a residual add → 2×2 pool →
+    GELU → 2×2/1 pool, shared factors, two channels of 6×6."""
+    rng = np.random.default_rng(6)
+    c1 = conv_layer(rng, "c1", INPUT, (1, 6, 6), 2, 3, 1, 1, 1, 1, 0.5, 0.05)
+    sh = c1.out_shape
+    p1 = pool_layer("p1", "add", sh, 2, 2)
+    g = LayerGraph(input_shape=(1, 6, 6), output="p2", layers=[
+        c1, relu_layer("r1", "c1", sh), conv_layer(rng, "c2", "r1", sh, 2, 3, 1, 1, 1, 1, 0.4, 0.05),
+        Layer("add", "add", ["c2", "r1"], sh, "add (test)"), p1,
+        Layer("act", "gelu", ["p1"], p1.out_shape, "act (test)", attrs={"approximate": "none"}),
+        pool_layer("p2", "act", p1.out_shape, 2, 1)])
+    rewritten = correlate_max_pools(g, shared=True)
+    assert {"window_closure", "window_activation"} <= {layer.op for layer in rewritten.layers}
+    net = PFPNetwork(rewritten, with_correlation(plan(rewritten), "shared-factor"))
+    x = rng.uniform(0, 1, (2, 1, 6, 6)).astype(np.float32)
+    assert_matches(net.compile("llvm")(x), net.reference(x))
