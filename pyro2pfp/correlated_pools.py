@@ -210,12 +210,13 @@ def _passes_through(layer: Layer) -> bool:
     return layer.op == "affine" or _activation(layer)
 
 
-def pool_caveats(graph: LayerGraph) -> list[str]:
+def pool_caveats(graph: LayerGraph, shared: bool = False) -> list[str]:
     """What a user should know about the max pools of a plan after :func:`correlate_max_pools`: pools that
     keep the independent fold (their input reaches no conv through the ops the rewrite covers: mean-field
     plans), and correlated pools whose conv reads another conv's output with no pooling between --
-    neighbouring inputs then share most of their noise, which mean-field PFP does not carry, so the
-    in-window correlation is under-stated."""
+    neighbouring inputs then share most of their noise, which mean-field PFP does not carry (``shared``: a
+    shared-factor plan carries it through its factors, one normal per channel), so the in-window
+    correlation is under-stated."""
     by_name = {layer.name: layer for layer in graph.layers}
     notes = []
     for layer in graph.layers:
@@ -233,10 +234,12 @@ def pool_caveats(graph: LayerGraph) -> list[str]:
             while name != INPUT and _passes_through(by_name[name]):
                 name = by_name[name].inputs[0]
             if name != INPUT and by_name[name].op == "conv2d":
+                carried = ("the plan carries the correlation of neighbouring inputs only through its shared "
+                           "factors (one normal per channel)" if shared else
+                           "mean-field PFP drops the correlation of neighbouring inputs")
                 notes.append(f"{layer.source}: max pool '{layer.name}' follows a conv whose input is another conv's "
-                             f"output ({name}) with no pooling between; mean-field PFP drops the correlation of "
-                             "neighbouring inputs, so the in-window correlation and the pool's moments are "
-                             "approximate")
+                             f"output ({name}) with no pooling between; {carried}, so the in-window correlation "
+                             "and the pool's moments are approximate")
                 break
     return notes
 

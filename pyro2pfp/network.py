@@ -324,7 +324,7 @@ def convert(model: Any, guide: Any = None, *, input_shape: tuple[int, ...] | Non
                     layer_graph = rewritten
                     planned_graph = append_head(layer_graph, head) if head is not None else layer_graph
                     planned = replanned(plan(planned_graph, calibration, moment_form), planned.factors)
-                for note in pool_caveats(layer_graph):
+                for note in pool_caveats(layer_graph, shared=planned.factors is not None):
                     warnings.warn(f"{note}. Measure it with convert(..., check=x) or pyro2pfp.diagnose.",
                                   PFPWarning, stacklevel=3)
             planned = with_compact(planned, correlation)

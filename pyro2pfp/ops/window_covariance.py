@@ -239,8 +239,8 @@ def _mean_weight_map(layer: PlannedLayer, profile: np.ndarray) -> np.ndarray:
 @shared_reference("window_cov")
 def window_cov_shared(layer: PlannedLayer, inputs: list[Activation], shared: list[Shared | None], fp: FactorPlan,
                       var: np.ndarray) -> tuple[Shared | None, Activation]:
-    """The in-window covariances of a conv whose input carries shared factors (``docs/math.md`` "Max pooling
-    with shared factors").  The input's covariance in the scheme is ``Cov(x_i, x_j) = s̃_i·s̃_j·⟨ĝ_i, ĝ_j⟩``
+    """The in-window covariances of a conv whose input carries shared factors (``docs/math.md`` section 6,
+    max pooling).  The input's covariance in the scheme is ``Cov(x_i, x_j) = s̃_i·s̃_j·⟨ĝ_i, ĝ_j⟩``
     for ``i ≠ j`` plus the residual ``r_i = v_i − s̃_i²`` on the diagonal (``s̃ = s·‖g_c‖``, ``ĝ`` the unit
     rows of ``g``), so the conv's taps ``P``, ``Q = P + d`` have, exactly under that covariance,
 
