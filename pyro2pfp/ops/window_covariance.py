@@ -44,12 +44,18 @@ from ..registry import OPS, Contract, FactorSpec, OpDef, register_op, shared_exp
 
 D = Repr.DETERMINISTIC
 
-WINDOW_COV = register_op(OpDef(
-    "window_cov", modules="(inserted by the planner before a max pool fed by a conv)",
-    moments="exact for a conv with independent Gaussian weights and mean-field inputs",
-    assumptions="mean-field conv input, or the shared-factor plan's covariance of it", internal=True,
-    contract=Contract(Repr.VARIANCE, Repr.DETERMINISTIC, keeps_deterministic=True),
-    factor_spec=FactorSpec(covariance=True)))
+
+def _covariance_op(name: str, modules: str, moments: str, assumptions: str) -> OpDef:
+    """An op the planner inserts before a max pool: a deterministic tensor of in-window covariances."""
+    return register_op(OpDef(name, modules=modules, moments=moments, assumptions=assumptions, internal=True,
+                             contract=Contract(Repr.VARIANCE, Repr.DETERMINISTIC, keeps_deterministic=True),
+                             factor_spec=FactorSpec(covariance=True)))
+
+
+WINDOW_COV = _covariance_op(
+    "window_cov", "(inserted by the planner before a max pool fed by a conv)",
+    "exact for a conv with independent Gaussian weights and mean-field inputs",
+    "mean-field conv input, or the shared-factor plan's covariance of it")
 
 
 def taps(kernel: list[int]) -> list[tuple[int, int]]:
@@ -300,19 +306,13 @@ def window_cov_shared_onnx(step: OnnxSharedStep, ctx: OnnxContext, layer: Planne
 
 
 # ------------------------------------------------------------------------------------ pools not fed by a conv
-WINDOW_CLOSURE = register_op(OpDef(
-    "window_closure", modules="(inserted by the planner before a max pool of a shared-factor plan)",
-    moments="the shared-factor scheme's covariance of two elements of a channel",
-    assumptions="the scheme's rank-1-per-channel closure", internal=True,
-    contract=Contract(Repr.VARIANCE, Repr.DETERMINISTIC, keeps_deterministic=True),
-    factor_spec=FactorSpec(covariance=True)))
+WINDOW_CLOSURE = _covariance_op(
+    "window_closure", "(inserted by the planner before a max pool of a shared-factor plan)",
+    "the shared-factor scheme's covariance of two elements of a channel", "the scheme's rank-1-per-channel closure")
 
-WINDOW_ACTIVATION = register_op(OpDef(
-    "window_activation", modules="(inserted by the planner before a max pool that reads an activation)",
-    moments="Mehler's expansion of the bivariate normal to second order",
-    assumptions="jointly Gaussian pre-activations", internal=True,
-    contract=Contract(Repr.VARIANCE, Repr.DETERMINISTIC, keeps_deterministic=True),
-    factor_spec=FactorSpec(covariance=True)))
+WINDOW_ACTIVATION = _covariance_op(
+    "window_activation", "(inserted by the planner before a max pool that reads an activation)",
+    "Mehler's expansion of the bivariate normal to second order", "jointly Gaussian pre-activations")
 
 
 def _pool_taps(layer: PlannedLayer, t: Any, fill: float = 0.0) -> list[Any]:
