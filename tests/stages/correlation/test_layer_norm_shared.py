@@ -9,7 +9,8 @@ the input's loadings (``pyro2pfp/ops/normalization.py``, ``layer_norm_shared``).
 * The rule equals the delta method ``diag(J·Σ·Jᵀ)`` of the representation's own covariance
   ``Σ = diag(v − s²) + L·Lᵀ`` to rounding.
 * A LayerNorm of an unflattened edge is refused by the factor plan, naming the layer.
-* Compiled (TVM) and ONNX equal the float64 reference (a conv → pool → dense → LayerNorm → GELU → dense net).
+* Compiled (TVM) and ONNX equal the float64 reference (a conv → pool → dense → LayerNorm → GELU → dense net;
+  in the fast loop, the compiled kernel on two dense layers and a LayerNorm).
 """
 from __future__ import annotations
 
@@ -105,3 +106,13 @@ def test_layer_norm_shared_compiled_and_onnx_equal_the_reference():
     assert not np.allclose(ref[1], PFPNetwork(g, plan(g)).reference(x)[1], rtol=1e-3)
     assert_matches(net.compile("llvm")(x), ref)
     assert_matches(onnx_run(net, x), ref, ONNX_RTOL)
+
+
+def test_layer_norm_shared_kernel_matches_the_reference():
+    """The fast loop's check of ``sf_layer_norm`` (the test above is slow): two dense layers and a LayerNorm."""
+    g = dense_ln_graph(np.random.default_rng(5), var_scale=0.05)
+    net = PFPNetwork(g, with_correlation(plan(g), "shared-factor"))
+    x = np.random.default_rng(6).standard_normal((3, 6)).astype(np.float32)
+    ref = net.reference(x)
+    assert not np.allclose(ref[1], PFPNetwork(g, plan(g)).reference(x)[1], rtol=1e-3)
+    assert_matches(net.compile("llvm")(x), ref)
