@@ -12,7 +12,7 @@ from . import folding
 from . import ops as ops  # the op registry: every op family registers its converter, reference, ONNX export
 from ._version import __version__
 from .correlated_pools import correlate_max_pools, pool_caveats
-from .correlation import with_correlation
+from .correlation import replanned, with_correlation
 from .correlation.compact import auto_compact, with_compact
 from .correlation.cost import dense_head_caveat
 from .errors import ArgumentError, InputShapeError, InternalError, PFPError, PFPWarning, PosteriorError
@@ -323,13 +323,13 @@ def convert(model: Any, guide: Any = None, *, input_shape: tuple[int, ...] | Non
             planned_graph = append_head(layer_graph, head) if head is not None else layer_graph
             planned = with_correlation(plan(planned_graph, calibration, moment_form), correlation, **factor_options)
             caveat = dense_head_caveat(planned) if correlation == "auto" and planned.factors is None else None
-            if planned.factors is None and max_pool == "correlated":
-                rewritten = correlate_max_pools(layer_graph)
+            if max_pool == "correlated":
+                rewritten = correlate_max_pools(layer_graph, shared=planned.factors is not None)
                 if rewritten is not layer_graph:
                     layer_graph = rewritten
                     planned_graph = append_head(layer_graph, head) if head is not None else layer_graph
-                    planned = plan(planned_graph, calibration, moment_form)
-                for note in pool_caveats(layer_graph):
+                    planned = replanned(plan(planned_graph, calibration, moment_form), planned.factors)
+                for note in pool_caveats(layer_graph, shared=planned.factors is not None):
                     warnings.warn(f"{note}. Measure it with convert(..., check=x) or pyro2pfp.diagnose.",
                                   PFPWarning, stacklevel=3)
             planned = with_compact(planned, correlation)

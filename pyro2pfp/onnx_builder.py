@@ -411,9 +411,12 @@ def build_model(net: Any, *, opset: int = DEFAULT_OPSET, graph_name: str | None 
     for layer in graph.layers:
         b.scope = layer.name
         layer_inputs = [values[name] for name in layer.inputs]
-        values[layer.name] = EXPORTERS[layer.op](ctx, layer, layer_inputs)
-        if step is not None:
-            values[layer.name] = step(ctx, layer, layer_inputs, values[layer.name])
+        if step is not None and step.emits_mean_field(layer):  # the rule exports the layer's whole output
+            values[layer.name] = step(ctx, layer, layer_inputs, None)
+        else:
+            values[layer.name] = EXPORTERS[layer.op](ctx, layer, layer_inputs)
+            if step is not None:
+                values[layer.name] = step(ctx, layer, layer_inputs, values[layer.name])
         if values[layer.name].repr is not layer.out_repr:
             raise PFPError(f"ONNX exporter bug: {layer.name} gave {values[layer.name].repr}, "
                            f"the plan says {layer.out_repr}")

@@ -122,12 +122,16 @@ class FactorSpec:
     of its channels (ReLU's second Hermite term); ``refuse(layer)``: why the rule cannot run this
     layer (None: it can), e.g. a grouped convolution; ``joins_rows``: the op stacks its inputs' rows
     (a concatenation along the channel axis), so every input with a shared part must have its rows as
-    its first axis (not a flattened conv output, whose rows are groups of positions)."""
+    its first axis (not a flattened conv output, whose rows are groups of positions); ``covariance``: the op's
+    output is a deterministic tensor computed from its input's moments *and shared part* (the in-window
+    covariances of a max pool, ``window_cov``): its rule runs whenever the input has a shared part and
+    replaces the output, which carries no shared part itself."""
 
     terminal: bool = False
     hermite_block: bool = False
     refuse: Callable[[Any], str | None] | None = None
     joins_rows: bool = False
+    covariance: bool = False
 
 
 @dataclass(frozen=True)
@@ -192,7 +196,8 @@ SHARED_REFERENCES: dict[str, Callable[..., Any]] = {}
 rules (:func:`pyro2pfp.correlation.execute.execute_shared_all` runs them after each layer's
 reference; ``inputs``: the inputs' mean-field activations, ``shared``: their
 :class:`~pyro2pfp.correlation.shared.Shared` parts (None: none), ``var``: the layer's output
-variance, returned corrected where the rule corrects it)."""
+variance, returned corrected where the rule corrects it; the rule of a ``FactorSpec.covariance`` op
+returns its whole output, an ``Activation``, in its place)."""
 SHARED_EXPORTERS: dict[str, Callable[..., Any]] = {}
 """``{op: rule(step, ctx, layer, inputs, shared, out) -> (shared part, out)}``: the ONNX export of the
 rules (``step``: the :class:`~pyro2pfp.correlation.onnx_step.OnnxSharedStep` and its helpers)."""

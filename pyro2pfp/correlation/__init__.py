@@ -73,10 +73,12 @@ from .factors import (
     choose,
     needs_shared_factors,
     plan_factors,
+    replanned,
     with_correlation,
 )
 from .shared import Shared
 
 __all__ = ["CORRELATIONS", "CompactPlan", "Cost", "Loadings", "execute_compact_all", "plan_compact",
            "CorrelationError", "FactorPlan", "Shared", "choose", "cost_model",
-           "execute_shared", "execute_shared_all", "needs_shared_factors", "plan_factors", "with_correlation"]
+           "execute_shared", "execute_shared_all", "needs_shared_factors", "plan_factors", "replanned",
+           "with_correlation"]

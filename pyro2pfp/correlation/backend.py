@@ -8,12 +8,23 @@ compacts."""
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any
+from typing import Any, TypeVar
 
 from ..errors import PFPError
 from ..graph import INPUT, Repr
 from ..plan import PlannedGraph, PlannedLayer
+from ..registry import OPS
 from .factors import fixed_k_plan, is_noisy
+
+F = TypeVar("F", bound=Callable[..., Any])
+
+
+def fuses_mean_field(rule: F) -> F:
+    """Mark a rule of a back end's table whose kernel computes the layer's mean-field outputs too: the
+    emitter emits no mean-field kernel for such a layer (with a shared input) and calls the rule with
+    ``out=None`` (:meth:`FixedKStep.emits_mean_field`)."""
+    rule.fuses_mean_field = True  # type: ignore[attr-defined]
+    return rule
 
 
 class FixedKStep:
@@ -40,8 +51,21 @@ class FixedKStep:
     def emits_mean_field(self, layer: PlannedLayer) -> bool:
         """Whether this step computes ``layer``'s mean-field outputs itself, in its rule's kernel (the
         emitter then emits no mean-field kernel for the layer and calls the step with ``out=None``).
-        Asked in layer order, after the step has run on the layer's inputs.  Never, unless a back end says so."""
-        return False
+        Asked in layer order, after the step has run on the layer's inputs.  For an op whose output is a
+        covariance of its input's shared part (``FactorSpec.covariance``: its rule computes the whole
+        output) where that input has one; for a rule marked :func:`fuses_mean_field` (its kernel computes
+        the layer's mean-field outputs too: the TVM ReLU's ``sf_relu``, the max pools' folds), for a layer with
+        a random output and an input with a shared part (where the rule runs)."""
+        rule = self.rules.get(layer.op)
+        return self.replaces_output(layer) or (
+            getattr(rule, "fuses_mean_field", False) and layer.out_repr is not Repr.DETERMINISTIC
+            and self.shared[layer.inputs[0]] is not None)
+
+    def replaces_output(self, layer: PlannedLayer) -> bool:
+        """``layer`` is a ``FactorSpec.covariance`` op whose input has a shared part: its rule computes
+        its whole output."""
+        return (layer.op in OPS and OPS[layer.op].factor_spec.covariance
+                and any(self.shared.get(n) is not None for n in layer.inputs))
 
     def __call__(self, ctx: Any, layer: PlannedLayer, inputs: list[Any], out: Any) -> Any:
         shs = [self.shared[n] for n in layer.inputs]
@@ -49,7 +73,8 @@ class FixedKStep:
         if out is None and not self.emits_mean_field(layer):
             raise PFPError(f"{layer.layer.source}: {self.what} needs the mean-field outputs of layer "
                            f"'{layer.name}' (op '{layer.op}')")
-        if out is None or (out.repr is not Repr.DETERMINISTIC
+        covariance = layer.op in OPS and OPS[layer.op].factor_spec.covariance
+        if out is None or ((out.repr is not Repr.DETERMINISTIC or covariance)
                            and (any(s is not None for s in shs) or is_noisy(layer))):
             rule = self.rules.get(layer.op)
             if rule is None:  # fixed_k_plan refuses such plans

@@ -43,22 +43,28 @@ def execute_shared_all(graph: PlannedGraph, x: np.ndarray, factors: FactorPlan |
         op = layer.op
         with np.errstate(over="ignore", invalid="ignore", divide="ignore"):
             out = REFERENCES[op](layer, ins)
-            mean, var = out.mean, out.variance()
+            mean = out.mean
+            var: np.ndarray | None = out.variance()
             sh: Shared | None = None
             if any(s is not None for s in shs) or is_noisy(layer):  # else nothing shared in or created
                 rule = SHARED_REFERENCES.get(op)
                 if rule is None:  # plan_factors rejects such plans
                     raise PFPError(f"{layer.layer.source}: op '{op}' has no shared-factor rule")
                 sh, var = rule(layer, ins, shs, fp, var)
-                shift = mean_shift(layer, ins[0].mean, shs[0], fp) if fp.guide else None
-                if shift is not None:  # a correlated guide's weight noise times its input's (guide.py)
-                    mean = mean + shift
+                if isinstance(var, Activation):  # a FactorSpec.covariance op: its whole (deterministic) output
+                    out, var = var, None
+                    mean = out.mean
+                else:
+                    shift = mean_shift(layer, ins[0].mean, shs[0], fp) if fp.guide else None
+                    if shift is not None:  # a correlated guide's weight noise times its input's (guide.py)
+                        mean = mean + shift
             if sh is not None:
+                assert var is not None  # an op with shared factors out has a variance
                 sd = np.sqrt(np.maximum(var, 0.0)).reshape(sh.s.shape)
                 sh = Shared(np.clip(sh.s, -sd, sd), sh.g)
                 if layer.name in fp.compact_at:
                     sh = compacted(sh)
-        values[layer.name] = emit_output(mean, var, layer)
+        values[layer.name] = out if var is None else emit_output(mean, var, layer)
         shared[layer.name] = sh
         if keep is not None and layer.name in keep:
             keep[layer.name] = sh

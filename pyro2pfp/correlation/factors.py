@@ -124,7 +124,7 @@ def plan_factors(graph: PlannedGraph, hermite: Hermite | str = Hermite.FACTOR, c
         if spec.terminal and name != graph.output:
             raise CorrelationError(f"{layer.layer.source}: op '{op}' has a shared-factor rule only as the "
                                    "network's output")
-        has_in = any(width[n] > 0 for n in ins) and not spec.terminal
+        has_in = any(width[n] > 0 for n in ins) and not spec.terminal and not spec.covariance
         flat = [n for n in ins if spec.joins_rows and width[n] > 0 and rows[n] != graph.shape_of(n)[0]]
         if flat:
             raise CorrelationError(f"{layer.layer.source}: shared-factor PFP joins rows of unflattened edges only, "
@@ -340,4 +340,12 @@ def with_correlation(graph: PlannedGraph, correlation: Correlation | str, hermit
     """``graph`` (a plan of :func:`pyro2pfp.plan.plan`) with the factor plan :func:`choose` gives for
     ``correlation`` (and the variants) stored in ``graph.factors`` (None: mean-field); returns ``graph``."""
     graph.factors = choose(graph, correlation, hermite, injection)
+    return graph
+
+
+def replanned(graph: PlannedGraph, factors: FactorPlan | None) -> PlannedGraph:
+    """``graph`` (a plan rewritten after :func:`with_correlation` chose ``factors`` for the graph before the
+    rewrite, e.g. with correlated max pools) with the same scheme and variants planned anew on it (None:
+    mean-field); returns ``graph``."""
+    graph.factors = None if factors is None else plan_factors(graph, factors.hermite, injection=factors.injection)
     return graph

@@ -26,6 +26,11 @@ v/spread² from 0.01 to 1e6, D = 16 and 64): mean within 0.1 output sd, variance
 It is poor for few normalised features (D ≤ 4; D = 2 is a sign function), where ``s²`` itself
 fluctuates by O(1), and the test shows that too.
 
+Shared-factor PFP (a LayerNorm of a flat edge, e.g. a dense head; :func:`layer_norm_shared`): the
+same linearisation applied to the input's loadings ``L_k = s_k·g_row(k)``, so the factors' part of the
+input covariance is summed through the Jacobian coherently, and the output features carry the
+loadings ``μγ·(J·L)``.
+
 The TVM kernel and its CPU schedule: ``tvm_backend/ops/normalization.py``.
 """
 from __future__ import annotations
@@ -35,10 +40,22 @@ from typing import Any
 
 import numpy as np
 
+from .. import moments
 from ..converters import register
+from ..correlation.factors import FactorPlan
+from ..correlation.onnx_step import OnnxShared, OnnxSharedStep
+from ..correlation.shared import Shared, normalised
 from ..graph import GaussianParam, Layer, Repr
+from ..onnx_builder import OnnxActivation, OnnxContext
 from ..plan import PlannedLayer
-from ..registry import Contract, OpDef, register_op
+from ..registry import (
+    Contract,
+    FactorSpec,
+    OpDef,
+    register_op,
+    shared_exporter,
+    shared_reference,
+)
 from ._formula import compact_formula, formula
 
 LAYER_NORM = register_op(OpDef(
@@ -54,8 +71,16 @@ LAYER_NORM = register_op(OpDef(
                 "[0.85, 1.1]; poor for D ≤ 4); `γ`, `β` independent of the input",
     # a Gaussian γ or β makes a deterministic input random: never kept deterministic
     contract=Contract(Repr.VARIANCE, Repr.VARIANCE, keeps_deterministic=False),
-    no_shared_rule="the row statistics mix every channel of a row, which the per-channel factors do not "
-                   "follow; a network with a LayerNorm is mean-field"))
+    factor_spec=FactorSpec(refuse=lambda layer: _refused(layer))))
+
+
+def _refused(layer: PlannedLayer) -> str | None:
+    """The shared-factor rule covers a LayerNorm of a flat edge (each output feature its own row)."""
+    shape = tuple(layer.layer.out_shape)
+    if len(shape) == 1:
+        return None
+    return (f"LayerNorms of an unflattened edge (shape {shape}: its rows mix the channels that carry the "
+            "factors)")
 
 
 # ------------------------------------------------------------------------------------ reference + ONNX
@@ -179,3 +204,97 @@ def layer_norm_compact(bk: Any, layer: PlannedLayer, inputs: list[Any], loads: l
     correction = bk.tensor(gm**2 + gv, "gamma_second") * (coherent - independent)
     var = ops.maximum(var + bk.reshape(correction, shape), ops.const(0.0))
     return out, mean, var
+
+
+# ------------------------------------------------------------------------------------ shared-factor rule
+def shared_terms(ops: Any, z: Any, r: Any, s2: Any, b0: Any, b1: Any, b2: Any, d: int) -> Any:
+    """``Σ_k J_jk²·s_k²``: the part of the linearised variance (module docstring) that treats the inputs'
+    shared parts ``s_k`` as independent -- the same formula as the input-variance term with ``s²`` in
+    place of ``v`` (``B0 = mean(s²)``, ``B1 = mean(z·s²)``, ``B2 = mean(z²·s²)`` over the row)."""
+    z2 = z * z
+    return r * r * (s2 * (ops.const(1.0) - ops.const(2.0 / d) * (ops.const(1.0) + z2))
+                    + ops.const(1.0 / d) * (b0 + ops.const(2.0) * z * b1 + z2 * b2))
+
+
+def _statistics(mu: np.ndarray, v: np.ndarray, eps: float) -> tuple[np.ndarray, np.ndarray]:
+    """``(z, r)`` of rows ``(B, D)`` at the expected statistics (module docstring)."""
+    d = mu.shape[1]
+    centred = mu - mu.mean(axis=1, keepdims=True)
+    s2 = (centred**2).mean(axis=1, keepdims=True) + (1.0 - 1.0 / d) * v.mean(axis=1, keepdims=True)
+    r = 1.0 / np.sqrt(s2 + eps)
+    return centred * r, r
+
+
+@shared_reference("layer_norm")
+def layer_norm_shared(layer: PlannedLayer, inputs: list[Any], shared: list[Shared | None], fp: FactorPlan,
+                      var: np.ndarray) -> tuple[Shared | None, np.ndarray]:
+    """LayerNorm of a flat edge of ``D`` features with the input's shared part ``L_k = s_k·g_row(k)``
+    (``row(k)``: the input row feature ``k`` belongs to -- itself after a dense layer, its channel after a
+    flattened conv).  The delta method of the op's own variance with ``J_jk = r·(δ_jk − (1 + z_j·z_k)/D)``
+    (module docstring):
+
+    * loadings ``ℓ_j = μγ_j·(J·L)_j``, ``(J·L)_j = r·(L_j − mean_k L_k − z_j·mean_k(z_k·L_k))``;
+      ``s = ‖ℓ‖``, ``g = ℓ/‖ℓ‖`` (each feature its own row, as after a dense layer);
+    * ``v = v_mf + (μγ² + vγ)·(‖(J·L)_j‖² − Σ_k J_jk²·s_k²)``: the factors' part summed through ``J``
+      with its correlations instead of as independent (clamped at 0).
+
+    Exact for a linear map; ``γ``, ``β`` independent of the input (their own noise stays mean-field)."""
+    x, sh = inputs[0], shared[0]
+    if sh is None:
+        return None, var
+    b = x.mean.shape[0]
+    d = int(np.prod(layer.layer.out_shape))
+    rows = sh.g.shape[1]
+    mu = x.mean.reshape(b, d)
+    z, r = _statistics(mu, x.variance().reshape(b, d), float(layer.layer.attrs["eps"]))
+    s = sh.s.reshape(b, d)
+    loads = s[..., None] * np.repeat(sh.g, d // rows, axis=1)                      # (B, D, K)
+    jl = r[..., None] * (loads - loads.mean(axis=1, keepdims=True)
+                         - z[..., None] * (z[..., None] * loads).mean(axis=1, keepdims=True))
+    s2 = s * s
+    b0, b1, b2 = (t.mean(axis=1, keepdims=True) for t in (s2, z * s2, z * z * s2))
+    independent = shared_terms(moments.NUMPY, z, r, s2, b0, b1, b2, d)
+    gm, gv = (layer.tensors[n].reshape(1, d) for n in ("weight_mean", "weight_var"))
+    var = np.maximum(var.reshape(b, d) + (gm**2 + gv) * ((jl**2).sum(axis=2) - independent), 0.0)
+    norm, g = normalised(gm[..., None] * jl)
+    return Shared(norm, g), var.reshape(x.mean.shape)
+
+
+@shared_exporter("layer_norm")
+def layer_norm_shared_onnx(step: OnnxSharedStep, ctx: OnnxContext, layer: PlannedLayer,
+                           inputs: list[OnnxActivation], shared: list[OnnxShared | None], out: OnnxActivation
+                           ) -> tuple[OnnxShared | None, OnnxActivation]:
+    """:func:`layer_norm_shared` in ONNX (row means as ReduceSums, the loadings as Einsums)."""
+    x, sh = inputs[0], shared[0]
+    if sh is None:
+        return None, out
+    d = int(np.prod(layer.layer.out_shape))
+    k = step.fp.width[layer.name]
+    rows = step.fp.rows[layer.inputs[0]]
+    mu, v = step.view_as(x.mean, d), step.view_as(step.var(x), d)
+    inv_d = step.c(1.0 / d)
+
+    def mean(t: Any) -> Any:  # over the features: (B, 1) or (B, 1, K)
+        return step.rsum(t, [1]) * inv_d
+
+    centred = mu - mean(mu)
+    s2_row = mean(centred * centred) + step.c(1.0 - 1.0 / d) * mean(v)
+    r = step.c(1.0) / (s2_row + step.c(float(layer.layer.attrs["eps"]))).unary("Sqrt")
+    z = centred * r
+    s = step.view_as(sh.s, d)
+    g_rows = step.widened(sh.g, sh.k, k)
+    expand = np.repeat(np.eye(rows), d // rows, axis=0)                              # (D, rows)
+    loads = step.einsum("bd,dr,brf->bdf", s, step.t(expand, "ln_rows"), g_rows)
+    z3 = step.view_as(z, d, 1)
+    jl = step.view_as(r, 1, 1) * (loads - mean(loads) - z3 * mean(z3 * loads))
+    s2 = s * s
+    independent = shared_terms(step.ctx.ops, z, r, s2, mean(s2), mean(z * s2), mean(z * z * s2), d)
+    gm, gv = (layer.tensors[n].reshape(d) for n in ("weight_mean", "weight_var"))
+    coherent = step.view_as(step.rsum(jl * jl, [2]), d)
+    var = step.view_as(step.var(out), d) + step.t(gm**2 + gv, "ln_gamma_second") * (coherent - independent)
+    var = var.nary("Max", step.c(0.0))
+    g, norm = step.normalise(step.t(gm.reshape(d, 1), "ln_gamma") * jl)
+    s_out = step.clip(step.view_as(norm, d), var)
+    shape = ctx.shapes[layer.name]
+    return OnnxShared(step.view_as(s_out, *shape), g, k), OnnxActivation(out.mean, step.view_as(var, *shape),
+                                                                        out.repr)

@@ -24,10 +24,10 @@ from __future__ import annotations
 from typing import Any
 
 import numpy as np
-from scipy.special import ndtr
 
 from .. import moments
 from ..converters import register
+from ..correlation.backend import fuses_mean_field
 from ..correlation.factors import FactorPlan
 from ..correlation.onnx_step import OnnxShared, OnnxSharedStep
 from ..correlation.shared import Shared
@@ -384,26 +384,29 @@ def avg_pool2d_shared(layer: PlannedLayer, inputs: list[Activation], shared: lis
 @shared_reference("max_pool2d")
 def max_pool2d_shared(layer: PlannedLayer, inputs: list[Activation], shared: list[Shared | None], fp: FactorPlan,
                       var: np.ndarray) -> tuple[Shared | None, np.ndarray]:
-    """The max pooling rule: Clark's fold for ``(μ, v)``; ``s`` by the linear response of the pairwise
-    maximum, ``Cov(max(A, B), η) = Φ(α)·Cov(A, η) + Φ(−α)·Cov(B, η)`` (exact for jointly Gaussian ``A,
-    B, η``; ``α`` from the mean-field ``θ = √(v_A + v_B)``, i.e. ignoring ``Cov(A, B)``).  The
-    variance is not corrected."""
+    """The max pooling rule: Clark's fold for ``(μ, v)`` (the reference's: correlated, with the in-window
+    covariances of the pool's ``window_cov`` input, whose shared-factor rule gives the scheme's covariances;
+    else independent) and ``s`` by the linear response of the pairwise maximum with the same weights,
+    ``Cov(max(A, B), η) = Φ(α)·Cov(A, η) + Φ(−α)·Cov(B, η)`` (exact for jointly Gaussian ``A, B, η``; ``α``
+    from ``θ = √(v_A + v_B − 2·Cov(A, B))``, the covariance 0 without a ``window_cov`` input).  The variance
+    is the reference's."""
     x, sh = inputs[0], shared[0]
     if sh is None:
         return None, var
     a = layer.layer.attrs
     out_hw = layer.layer.out_shape[1:]
     s_in = sh.s.reshape(x.mean.shape)
-    ms = window_views(padded(x.mean, a, out_hw, LOWEST), a["kernel"], a["stride"], out_hw)
-    vs = window_views(padded(x.variance(), a, out_hw, 0.0), a["kernel"], a["stride"], out_hw)
-    ss = window_views(padded(s_in, a, out_hw, 0.0), a["kernel"], a["stride"], out_hw)
-    mean, v, s = next(ms), next(vs), next(ss)
-    for m2, v2, s2 in zip(ms, vs, ss):
-        theta = np.sqrt(v + v2)
-        cdf = np.where(theta > 0, ndtr(np.clip((mean - m2) / np.where(theta > 0, theta, 1.0), -40, 40)),
-                       (mean >= m2).astype(np.float64))
-        s = cdf * s + (1.0 - cdf) * s2
-        mean, v = moments.max_moments(mean, v, m2, v2)
+    ms = list(window_views(padded(x.mean, a, out_hw, LOWEST), a["kernel"], a["stride"], out_hw))
+    vs = list(window_views(padded(x.variance(), a, out_hw, 0.0), a["kernel"], a["stride"], out_hw))
+    ss = list(window_views(padded(s_in, a, out_hw, 0.0), a["kernel"], a["stride"], out_hw))
+    pairs = moments.window_pairs(len(ms))
+    cov = {pair: inputs[1].mean[:, :, k] if len(inputs) == 2 else 0.0 for k, pair in enumerate(pairs)}
+    mean, v, s = ms[0], vs[0], ss[0]
+    carried = {j: cov[(0, j)] for j in range(1, len(ms))}
+    for t in range(1, len(ms)):
+        mean, v, cdf, cdf_neg = moments.correlated_max_moments(mean, v, ms[t], vs[t], carried.pop(t))
+        carried = {j: c * cdf + cov[(t, j)] * cdf_neg for j, c in carried.items()}
+        s = cdf * s + cdf_neg * ss[t]
     return Shared(s, sh.g), var
 
 
@@ -426,29 +429,30 @@ def avg_pool2d_shared_onnx(step: OnnxSharedStep, ctx: OnnxContext, layer: Planne
     return OnnxShared(s, sh.g, sh.k), OnnxActivation(out.mean, rest + s * s, out.repr)
 
 
+@fuses_mean_field
 @shared_exporter("max_pool2d")
 def max_pool2d_shared_onnx(step: OnnxSharedStep, ctx: OnnxContext, layer: PlannedLayer, inputs: list[OnnxActivation],
-                           shared: list[OnnxShared | None], out: OnnxActivation
+                           shared: list[OnnxShared | None], out: OnnxActivation | None
                            ) -> tuple[OnnxShared | None, OnnxActivation]:
-    """:func:`max_pool2d_shared` in ONNX (the fold over the window taps)."""
+    """:func:`max_pool2d_shared` in ONNX: the fold over the window taps gives the output's ``(μ, v)`` too
+    (no mean-field export of the layer)."""
     x, sh = inputs[0], shared[0]
-    if sh is None:
-        return None, out
+    assert sh is not None and x.second is not None
     a = layer.layer.attrs
     in_shape, out_hw = step.ctx.shapes[layer.inputs[0]], layer.layer.out_shape[1:]
     args = (in_shape, tuple(a["kernel"]), a["stride"], a["padding"], [1, 1], out_hw)
-    assert x.second is not None
     ms, vs, ss = step.taps(x.mean, *args, fill=LOWEST32), step.taps(x.second, *args), step.taps(sh.s, *args)
+    pairs = moments.window_pairs(len(ms))
+    zero = step.c(0.0)
+    cov = {pair: _pair_slice(ctx, inputs[1].mean, k) if len(inputs) == 2 else zero for k, pair in enumerate(pairs)}
     mean, var, s = ms[0], vs[0], ss[0]
-    ops = step.ctx.ops
-    for m2, v2, s2 in zip(ms[1:], vs[1:], ss[1:]):
-        theta = (var + v2).unary("Sqrt")
-        alpha = step.safe_div(mean - m2, theta).nary("Max", step.c(-40.0)).nary("Min", step.c(40.0))
-        cdf = step.where(theta > 0.0, ops.normal_cdfs(alpha)[0],
-                         step.where(mean.nary("GreaterOrEqual", m2), 1.0, 0.0))
-        s = cdf * s + (step.c(1.0) - cdf) * s2
-        mean, var = moments.max_moments(mean, var, m2, v2, ops)
-    return OnnxShared(step.clip(s, step.var(out)), sh.g, sh.k), out
+    carried = {j: cov[(0, j)] for j in range(1, len(ms))}
+    for t in range(1, len(ms)):
+        mean, var, cdf, cdf_neg = moments.correlated_max_moments(mean, var, ms[t], vs[t], carried.pop(t), ctx.ops)
+        carried = {j: c * cdf + cov[(t, j)] * cdf_neg for j, c in carried.items()}
+        s = cdf * s + cdf_neg * ss[t]
+    result = ctx.emit(mean, var, layer)
+    return OnnxShared(step.clip(s, step.var(result)), sh.g, sh.k), result
 
 
 # ------------------------------------------------------------------------------------ compact factor rules

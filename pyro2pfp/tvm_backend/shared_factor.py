@@ -50,9 +50,8 @@ shared input has no weights or profile kernel at all (its load kernel writes the
 from __future__ import annotations
 
 import functools
-from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, TypeVar
+from typing import Any
 
 import numpy as np
 from tvm import relax, te, tirx
@@ -60,23 +59,12 @@ from tvm.sym.analyzer import Analyzer
 
 from ..correlation.backend import FixedKStep
 from ..correlation.factors import FACTOR_ALIGN, aligned
-from ..graph import Repr
 from ..plan import PlannedLayer
 from ..registry import SHARED_KERNELS
 from .emit import LAYER_ATTR, OP_ATTR, SCHEME_STEPS, EmitContext
 from .fast_math import F32
 from .schedules import schedule
 from .shared_factor_schedule import schedule_shared
-
-F = TypeVar("F", bound=Callable[..., Any])
-
-
-def fuses_mean_field(rule: F) -> F:
-    """Mark a rule of :data:`~pyro2pfp.registry.SHARED_KERNELS` whose kernel computes the layer's
-    mean-field outputs too: the emitter emits no mean-field kernel for such a layer (with a shared
-    input) and calls the rule with ``out=None`` (:meth:`SharedStep.emits_mean_field`)."""
-    rule.fuses_mean_field = True  # type: ignore[attr-defined]
-    return rule
 
 
 def f32(value: float) -> tirx.PrimExpr:
@@ -265,14 +253,6 @@ class SharedStep(FixedKStep):
     what = "the TVM back end"
     compaction = True
     rules = SHARED_KERNELS
-
-    def emits_mean_field(self, layer: PlannedLayer) -> bool:
-        """Whether the rule's kernel of ``layer`` computes the layer's mean-field outputs too (a rule
-        marked :func:`fuses_mean_field`: ReLU's ``sf_relu``), for a layer with a random output and an
-        input with a shared part (where the rule runs)."""
-        rule = SHARED_KERNELS.get(layer.op)
-        return (getattr(rule, "fuses_mean_field", False) and layer.out_repr is not Repr.DETERMINISTIC
-                and self.shared[layer.inputs[0]] is not None)
 
     def needs_weight_noise(self, layer: PlannedLayer) -> bool:
         """Whether ``layer``'s rule reads its mean-field kernel's weight-noise term

@@ -104,4 +104,37 @@ BREAKAGES: tuple[Breakage, ...] = (
         "        parameters[reg.attr] = parameters[reg.attr]\n",
         ("tests/user_code/test_store_truth.py",),
     ),
+    Breakage(
+        "layer-norm-shared-drops-coherent-sum",
+        "LayerNorm's shared-factor rule keeps the mean-field variance (the factors' part not summed through "
+        "the Jacobian coherently)",
+        "pyro2pfp/ops/normalization.py",
+        "var = np.maximum(var.reshape(b, d) + (gm**2 + gv) * ((jl**2).sum(axis=2) - independent), 0.0)",
+        "var = np.maximum(var.reshape(b, d) + 0.0 * (gm**2 + gv) * ((jl**2).sum(axis=2) - independent), 0.0)",
+        ("tests/stages/correlation/test_layer_norm_shared.py",),
+    ),
+    Breakage(
+        "sf-layer-norm-kernel-drops-row-mean",
+        "the compiled sf_layer_norm kernel leaves the row mean of the loadings in J·L",
+        "pyro2pfp/tvm_backend/ops/normalization.py",
+        "r[b] * (load(b, j, f) - lm[b, f] - z[b, j] * lz[b, f])",
+        "r[b] * (load(b, j, f) - z[b, j] * lz[b, f])",
+        ("tests/stages/correlation/test_layer_norm_shared.py::test_layer_norm_shared_kernel_matches_the_reference",),
+    ),
+    Breakage(
+        "window-closure-one-sided",
+        "window_closure's covariance between two residual branches keeps Cov(a_P, b_Q) and drops Cov(b_P, a_Q)",
+        "pyro2pfp/ops/window_covariance.py",
+        "return [(s_a[i] * s_b[j] + s_b[i] * s_a[j]) * dot for i, j in pairs]",
+        "return [(2.0 * s_a[i] * s_b[j]) * dot for i, j in pairs]",
+        ("tests/ops/pooling/test_pool_covariance_sources.py",),
+    ),
+    Breakage(
+        "mehler-first-term-dropped",
+        "window_activation's covariance keeps only the bound of Mehler's higher terms",
+        "pyro2pfp/ops/window_covariance.py",
+        "return rho * i[1] * j[1] + rho * rho * ops.sqrt(i[2] * j[2])",
+        "return rho * rho * ops.sqrt(i[2] * j[2])",
+        ("tests/ops/pooling/test_pool_covariance_sources.py",),
+    ),
 )

@@ -299,6 +299,48 @@ class BayesianSmallCNN(PyroModule):
         return logits
 
 
+# ------------------------------------------------------------- (i) a residual CNN with a LayerNorm head
+RES_IMAGE = 9  # the residual CNN's inputs are flattened RES_IMAGE x RES_IMAGE images
+
+
+def _bayes_conv(c_in: int, c_out: int) -> PyroModule:
+    conv = PyroModule[nn.Conv2d](c_in, c_out, 3, padding=1)
+    conv.weight = PyroSample(_normal_prior((c_out, c_in, 3, 3), 0.5))
+    conv.bias = PyroSample(_normal_prior((c_out,), 0.5))
+    return conv
+
+
+class ResidualLayerNormCNN(PyroModule):
+    """A public-code residual CNN: a Bayesian stem conv, two pre-activation residual blocks (``BatchNorm2d``
+    → ReLU → Bayesian conv, added to the identity), ``MaxPool2d(3)`` of the last residual sum, flatten,
+    a Bayesian ``Linear`` → ``LayerNorm`` → GELU → Bayesian ``Linear`` head; ``Categorical(logits=...)``."""
+
+    def __init__(self, channels: int = 4, hidden: int = 16) -> None:
+        super().__init__()
+        self.stem = _bayes_conv(1, channels)
+        self.bn1, self.conv1 = nn.BatchNorm2d(channels), _bayes_conv(channels, channels)
+        self.bn2, self.conv2 = nn.BatchNorm2d(channels), _bayes_conv(channels, channels)
+        self.pool = nn.MaxPool2d(3)
+        flat = channels * (RES_IMAGE // 3) ** 2
+        self.fc1 = PyroModule[nn.Linear](flat, hidden)
+        self.fc1.weight = PyroSample(_normal_prior((hidden, flat), 0.5))
+        self.fc1.bias = PyroSample(_normal_prior((hidden,), 0.5))
+        self.norm = nn.LayerNorm(hidden)
+        self.fc2 = PyroModule[nn.Linear](hidden, CLASSES)
+        self.fc2.weight = PyroSample(_normal_prior((CLASSES, hidden)))
+        self.fc2.bias = PyroSample(_normal_prior((CLASSES,)))
+
+    def forward(self, x: torch.Tensor, y: torch.Tensor | None = None) -> torch.Tensor:
+        h = self.stem(x.view(-1, 1, RES_IMAGE, RES_IMAGE))
+        h = h + self.conv1(F.relu(self.bn1(h)))
+        h = h + self.conv2(F.relu(self.bn2(h)))
+        h = torch.flatten(self.pool(h), 1)
+        logits = self.fc2(F.gelu(self.norm(self.fc1(h))))
+        with pyro.plate("data", x.shape[0]):
+            pyro.sample("obs", dist.Categorical(logits=logits), obs=y)
+        return logits
+
+
 # ------------------------------------------------------------------------------------ the gallery
 @dataclass
 class Built:
@@ -389,6 +431,12 @@ GALLERY = {e.name: e for e in [
           lambda: (lambda m: Built(m, AutoNormal(m, init_scale=0.01), input_shape=(SIGNAL,)))(BayesianSmallCNN()),
           "scientific 1-D CNN: Conv1d(padding='same', even kernel), BatchNorm1d, ReLU, MaxPool1d, Conv1d, "
           "AdaptiveAvgPool1d, Linear, AutoNormal", exact=False, d_in=SIGNAL, steps=100),
+    Entry("residual-cnn-layernorm", "classification",
+          lambda: (lambda m: Built(m, AutoNormal(m, init_scale=0.05), input_shape=(RES_IMAGE * RES_IMAGE,)))(
+              ResidualLayerNormCNN()),
+          "residual CNN: BatchNorm2d before each Bayesian conv, identity residuals, MaxPool2d(3) of the residual "
+          "sum, Linear-LayerNorm-GELU-Linear head, AutoNormal; converted as it stands (correlation 'auto')",
+          exact=False, d_in=RES_IMAGE * RES_IMAGE, steps=300),
 ]}
 
 

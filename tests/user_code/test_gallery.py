@@ -40,7 +40,7 @@ from pyro2pfp.noise import HeteroscedasticNoise, LinkStep, expected_square
 from tests.support import gallery_models as G
 
 WORKER = G.__file__  # also run as a script in fresh processes
-CROSS_PROCESS = ("tutorial-regression", "random-module-classifier")
+CROSS_PROCESS = ("tutorial-regression", "random-module-classifier", "residual-cnn-layernorm")
 
 
 @pytest.fixture(autouse=True)
@@ -90,6 +90,26 @@ def test_gallery_model_in_a_fresh_process(name, tmp_path):
     truth = dict(np.load(tmp_path / f"{name}-truth.npz"))
     pfp = dict(np.load(tmp_path / f"{name}-pfp.npz"))
     _check(G.GALLERY[name], pfp, truth)
+
+
+def test_residual_layer_norm_cnn_gets_shared_factors_and_correlated_pools():
+    """The residual CNN with a LayerNorm head (BatchNorm before each Bayesian conv, a max pool of the residual
+    sum) converts as it stands to a shared-factor plan -- LayerNorm has its rule -- whose max pool folds the
+    residual sum's in-window covariances, without a warning that anything falls back to mean-field."""
+    entry = G.GALLERY["residual-cnn-layernorm"]
+    built = entry.build()
+    x, y = entry.data(8, 0)
+    built.guide(x, y)
+    built.model.eval()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        net = built.convert()
+    assert net.plan.factors is not None
+    messages = [str(w.message) for w in caught]
+    assert not any("mean-field" in m and "shared-factor rule" in m for m in messages), messages
+    pool = next(layer for layer in net.layer_graph.layers if layer.op == "max_pool2d")
+    covs = {layer.op for layer in net.layer_graph.layers if layer.name.startswith(f"{pool.name}_window_cov")}
+    assert len(pool.inputs) == 2 and {"window_cov", "window_closure"} <= covs, covs
 
 
 # ------------------------------------------------------------------------------- heteroscedastic heads

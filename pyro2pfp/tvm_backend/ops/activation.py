@@ -26,6 +26,7 @@ import tvm
 from tvm import relax, s_tir, te, tirx
 
 from ... import moments
+from ...correlation.backend import fuses_mean_field
 from ...correlation.stein import stein_slope
 from ...errors import PFPError
 from ...graph import Repr
@@ -41,7 +42,6 @@ from ..shared_factor import (
     emit_part,
     emit_width_generic,
     f32,
-    fuses_mean_field,
     normalised,
     row_mean,
     safe_div,

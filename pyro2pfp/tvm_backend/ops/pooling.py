@@ -191,42 +191,52 @@ def clark_chain(batch: Any, n: int, taps: int, tap: Any) -> list[te.Tensor]:
 
 
 CORRELATED = "correlated_max"
-"""Name prefix of the stages of the correlated Clark fold (:func:`_correlated_max_pool`)."""
+"""Name prefix of the stages of the correlated Clark fold (:func:`correlated_max_pool`)."""
 
 
-def _correlated_max_pool(win: Windows, layer: PlannedLayer, m: te.Tensor, v: te.Tensor, cov: te.Tensor
-                         ) -> list[te.Tensor]:
+def correlated_max_pool(win: Windows, layer: PlannedLayer, m: te.Tensor, v: te.Tensor, cov: te.Tensor | None,
+                         profile: te.Tensor | None = None) -> list[te.Tensor]:
     """Clark's correlated max folded over each window (:func:`pyro2pfp.moments.correlated_window_max`).
 
     Stage ``t`` (``correlated_max_<t>``, one ``te.compute`` per fold step, as :func:`clark_chain`)
     outputs the running maximum's (mean, variance) after tap ``t`` and its covariance with every
     later tap; ``cov[b, c, k, i, j]`` holds the covariance of the window's pair ``k``
-    (:func:`pyro2pfp.moments.window_pairs`).  Taps outside the input are the fold's identity (read
-    through :meth:`Windows.padded`), their covariances 0."""
+    (:func:`pyro2pfp.moments.window_pairs`; None: all 0, the independent fold).  Taps outside the input are
+    the fold's identity (read through :meth:`Windows.padded`), their covariances 0.  ``profile`` (the
+    shared-factor plan's ``s``): carried with the same weights, ``Φ(α)·s_M + Φ(−α)·s_t``, and returned
+    after the output pair (unclipped)."""
     kh, kw = win.kernel
     n_taps = kh * kw
     pair_index = {pair: k for k, pair in enumerate(moments.window_pairs(n_taps))}
-    m, v = win.padded([m, v], [_LOWEST, 0.0])
+    taps_of = [m, v] if profile is None else [m, v, profile]
+    padded = win.padded(taps_of, [_LOWEST, 0.0, 0.0][:len(taps_of)])
     shape = (m.shape[0], *win.out_shape)
+    carry = 2 if profile is None else 3  # the running (mean, variance[, profile]) before the covariances
+    zero = tirx.const(0.0, F32)
 
     def tap(t: int, b, c, i, j):
-        return (win.load_padded(m, b, c, i, j, t // kw, t % kw), win.load_padded(v, b, c, i, j, t // kw, t % kw))
+        return [win.load_padded(x, b, c, i, j, t // kw, t % kw) for x in padded]
+
+    def pair_cov(b, c, k, i, j):
+        return zero if cov is None else cov[b, c, k, i, j]
 
     def fold_step(t: int, prev: Any) -> Any:
         def step(b, c, i, j):
             if prev is None:
-                m1, v1 = tap(0, b, c, i, j)
-                carried = [cov[b, c, pair_index[(0, u)], i, j] for u in range(1, n_taps)]
+                first = tap(0, b, c, i, j)
+                carried = [pair_cov(b, c, pair_index[(0, u)], i, j) for u in range(1, n_taps)]
             else:
-                m1, v1 = prev[0][b, c, i, j], prev[1][b, c, i, j]
-                carried = [prev[2 + k][b, c, i, j] for k in range(n_taps - t)]
-            m2, v2 = tap(t, b, c, i, j)
+                first = [prev[n][b, c, i, j] for n in range(carry)]
+                carried = [prev[carry + k][b, c, i, j] for k in range(n_taps - t)]
+            second = tap(t, b, c, i, j)
 
             def build(ops):
-                mean, var, cdf, cdf_neg = moments.correlated_max_moments(m1, v1, m2, v2, carried[0], ops)
-                later = [carried[1 + k] * cdf + cov[b, c, pair_index[(t, u)], i, j] * cdf_neg
+                mean, var, cdf, cdf_neg = moments.correlated_max_moments(first[0], first[1], second[0], second[1],
+                                                                         carried[0], ops)
+                later = [carried[1 + k] * cdf + pair_cov(b, c, pair_index[(t, u)], i, j) * cdf_neg
                          for k, u in enumerate(range(t + 1, n_taps))]
-                return [mean, var, *later]
+                kept = [] if profile is None else [cdf * first[2] + cdf_neg * second[2]]
+                return [mean, var, *kept, *later]
 
             return te_shared(build)
 
@@ -236,7 +246,8 @@ def _correlated_max_pool(win: Windows, layer: PlannedLayer, m: te.Tensor, v: te.
     for t in range(1, n_taps):
         prev = te.compute(shape, fold_step(t, prev), name=f"{CORRELATED}_{t}")
         prev = list(prev) if isinstance(prev, list | tuple) else [prev]
-    return te.compute(shape, lambda *i: epilogue(prev[0][i], prev[1][i], layer), name="epilogue")
+    out = te.compute(shape, lambda *i: epilogue(prev[0][i], prev[1][i], layer), name="epilogue")
+    return list(out) + ([] if profile is None else [prev[2]])
 
 
 def _input_shape(ctx: EmitContext, layer: PlannedLayer) -> tuple[int, ...]:
@@ -260,7 +271,7 @@ def max_pool2d(ctx: EmitContext, layer: PlannedLayer, inputs: list[RelaxActivati
     assert x.repr is Repr.VARIANCE, x.repr  # the plan delivers variances to max pooling
 
     if len(inputs) == 2:  # in-window covariances (window_cov): Clark's correlated fold
-        return activation_out(ctx.emit_te(lambda m, v, cov: _correlated_max_pool(win, layer, m, v, cov),
+        return activation_out(ctx.emit_te(lambda m, v, cov: correlated_max_pool(win, layer, m, v, cov),
                                           x.tensors() + [inputs[1].mean], layer), layer)
 
     # windows that tile the input: deinterleaved (contiguous taps, also where vectors of channels

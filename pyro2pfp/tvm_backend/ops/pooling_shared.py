@@ -1,7 +1,8 @@
 """TE kernels of the shared-factor rules of pooling (``avg_pool2d``, ``max_pool2d``; the float64 and
 ONNX rules: ``pyro2pfp/ops/pooling.py``), with their schedule: ``sf_avgpool`` (the window mean of the
-profile and the pooled variance) and ``sf_maxpool`` (Clark's fold with the profile's linear response,
-a sequential TE reduction over the window, :data:`shared_max`)."""
+profile and the pooled variance) and ``sf_maxpool`` (Clark's fold -- correlated where the planner gave
+the pool its in-window covariances -- with the profile's linear response, one stage per window tap; it
+computes the layer's mean-field outputs too)."""
 from __future__ import annotations
 
 from typing import Any
@@ -9,39 +10,19 @@ from typing import Any
 import numpy as np
 from tvm import te, tirx
 
-from ... import moments
+from ...correlation.backend import fuses_mean_field
+from ...graph import Repr
 from ...ops.pooling import average_attrs
 from ...plan import PlannedLayer
 from ...reference.arrays import average_divisor
 from ...registry import shared_kernel
-from ..emit import EmitContext, RelaxActivation
+from ..emit import EmitContext, RelaxActivation, epilogue, variance_of
 from ..schedules import schedule
 from ..shared_factor import SharedRelax, SharedStep, clip, emit_part, f32
 from ..shared_factor_schedule import schedule_shared
-from ..te_let import te_shared
-from .pooling import Windows
+from .pooling import Windows, correlated_max_pool
 
 _LOWEST = float(np.finfo(np.float32).min)
-
-
-def _max_step(a: Any, b: Any, ops: Any) -> list[Any]:
-    """One step of the max-pool fold with the profile: Clark's ``(μ, v)`` of ``max(A, B)`` and
-    ``Cov(max(A, B), η) = Φ(α)·s_A + Φ(−α)·s_B``, ``α = (μ_A − μ_B)/√(v_A + v_B)``."""
-    theta = ops.sqrt(a[1] + b[1])
-    alpha = te.min(te.max((a[0] - b[0]) / te.max(theta, f32(1e-30)), f32(-40.0)), f32(40.0))
-    cdf = tirx.Select(theta > f32(0.0), ops.normal_cdfs(alpha)[0],
-                      tirx.Select(a[0] >= b[0], f32(1.0), f32(0.0)))
-    mean, var = moments.max_moments(a[0], a[1], b[0], b[1], ops)
-    return [mean, var, cdf * a[2] + (f32(1.0) - cdf) * b[2]]
-
-
-# The fold as a sequential TE reduction in row-major window order (as tvm_backend/ops/pooling.py; one
-# expression would blow up in LLVM); identity (−FLT_MAX, 0, 0) is exact: Φ(α) = 0 there.
-shared_max = te.comm_reducer(
-    lambda a, b: tuple(te_shared(lambda ops: _max_step(a, b, ops))),
-    lambda t0, t1, t2: (tirx.const(_LOWEST, t0), tirx.const(0.0, t1), tirx.const(0.0, t2)),
-    name="shared_max",
-)
 
 
 @shared_kernel("avg_pool2d")
@@ -83,27 +64,38 @@ def avg_pool2d_shared_kernel(step: SharedStep, ctx: EmitContext, layer: PlannedL
     return SharedRelax(s, sh.g, sh.k), RelaxActivation(out.mean, var, out.repr)
 
 
+@fuses_mean_field
 @shared_kernel("max_pool2d")
 def max_pool2d_shared_kernel(step: SharedStep, ctx: EmitContext, layer: PlannedLayer, inputs: list[RelaxActivation],
-                             shared: list[SharedRelax | None], out: RelaxActivation
+                             shared: list[SharedRelax | None], out: RelaxActivation | None
                              ) -> tuple[SharedRelax | None, RelaxActivation]:
-    """:func:`pyro2pfp.ops.pooling.max_pool2d_shared` as one kernel ``sf_maxpool``: Clark's fold with the
-    profile's linear response, a sequential TE reduction (:data:`shared_max`)."""
+    """:func:`pyro2pfp.ops.pooling.max_pool2d_shared` as one kernel ``sf_maxpool`` that computes the layer's
+    mean-field outputs too (called with ``out=None``): Clark's fold -- correlated with the ``window_cov``
+    input's covariances, else independent -- one stage per window tap
+    (:func:`~pyro2pfp.tvm_backend.ops.pooling.correlated_max_pool`), the profile carried with the fold's
+    weights and clipped to the output's ``±sd``."""
     x, sh = inputs[0], shared[0]
-    assert sh is not None
+    assert out is None and sh is not None and x.repr is Repr.VARIANCE, x.repr
     win = Windows(layer, ctx.shapes[layer.inputs[0]])
-    out_hw = layer.layer.out_shape[1:]
+    covariances = [inputs[1].mean] if len(inputs) == 2 else []
+    taps = win.kernel[0] * win.kernel[1]
 
-    def fn(m: te.Tensor, v: te.Tensor, s: te.Tensor, var: te.Tensor) -> te.Tensor:
-        i, j = win.axes()
-        taps = win.padded([m, v, s], [_LOWEST, 0.0, 0.0])  # plain loads in the combiner (see Windows.padded)
-        shape = (m.shape[0], m.shape[1], *out_hw)
-        acc = te.compute(shape, lambda b, c, y, x_: shared_max(
-            tuple(win.load_padded(t, b, c, y, x_, i, j) for t in taps), axis=[i, j]), name="fold")
-        return te.compute(shape, lambda b, c, y, x_: clip(acc[2][b, c, y, x_], var[b, c, y, x_]), name="s")
+    def fn(m: te.Tensor, v: te.Tensor, s: te.Tensor, *cov: te.Tensor) -> list[te.Tensor]:
+        if taps == 1:  # a 1 x 1 window: a strided copy
+            def copy(t: te.Tensor, name: str) -> te.Tensor:
+                return te.compute((m.shape[0], *win.out_shape), lambda b, c, i, j: win.load(
+                    t, b, c, i, j, 0, 0, _LOWEST if t is m else 0.0), name=name)
 
-    s = emit_part(ctx, fn, [x.mean, x.second, sh.s, out.second], layer, "maxpool")[0]
-    return SharedRelax(s, sh.g, sh.k), out
+            mean, var, prof = copy(m, "mean"), copy(v, "var"), copy(s, "profile")
+            second = te.compute(mean.shape, lambda *i: epilogue(mean[i], var[i], layer)[1], name="second")
+        else:
+            mean, second, prof = correlated_max_pool(win, layer, m, v, cov[0] if cov else None, s)
+        s_out = te.compute(mean.shape, lambda *i: clip(prof[i], variance_of(mean[i], second[i], layer.out_repr)),
+                           name="s")
+        return [mean, second, s_out]
+
+    outs = emit_part(ctx, fn, [x.mean, x.second, sh.s, *covariances], layer, "maxpool")
+    return SharedRelax(outs[2], sh.g, sh.k), RelaxActivation(outs[0], outs[1], layer.out_repr)
 
 
 schedule("sf_avgpool", "sf_maxpool")(schedule_shared)

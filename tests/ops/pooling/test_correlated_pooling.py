@@ -225,9 +225,14 @@ def test_rewrite_moves_non_decreasing_activations_and_adds_covariances():
 @pytest.mark.parametrize("act, attrs", [("gelu", {"approximate": "none"}), ("leaky_relu", {"slope": -0.5}),
                                         ("silu", {})])
 def test_rewrite_keeps_activations_that_are_not_non_decreasing(act, attrs):
+    """Such an activation stays before the pool; the pool's covariances are the conv's window covariances
+    through the activation (``window_activation``), not the independent fold."""
     g = correlate_max_pools(cnn_graph(np.random.default_rng(0), act, attrs))
     assert g.layer("act1").op == act and g.layer("pool1").op == "max_pool2d"
-    assert g.layer("pool1").inputs == ["act1"]  # the independent fold
+    assert g.layer("pool1").inputs[0] == "act1" and len(g.layer("pool1").inputs) == 2
+    cov = g.layer(g.layer("pool1").inputs[1])
+    assert cov.op == "window_activation" and cov.inputs[0] == "conv1"
+    assert g.layer(cov.inputs[1]).op == "window_cov"
     assert g.layer("pool2").op == "relu"  # the second stack is rewritten
 
 
@@ -369,8 +374,13 @@ def test_caveats_name_the_pools_the_rule_does_not_cover():
 
     rng = np.random.default_rng(0)
     assert pool_caveats(correlate_max_pools(cnn_graph(rng))) == []  # LeNet-style: both pools covered
-    notes = pool_caveats(correlate_max_pools(cnn_graph(rng, "gelu", {"approximate": "none"})))
-    assert len(notes) == 1 and "'pool1'" in notes[0] and "independent" in notes[0]
+    assert pool_caveats(correlate_max_pools(cnn_graph(rng, "gelu", {"approximate": "none"}))) == []
+    g = cnn_graph(rng)
+    pool3 = pool_layer("pool3", "pool2", g.layer("pool2").out_shape, 2, 1)  # reads another pool: not covered
+    g = LayerGraph(input_shape=g.input_shape, output="pool3", layers=[*g.layers[:6], pool3])
+    notes = pool_caveats(correlate_max_pools(g))
+    assert len(notes) == 1 and "'pool3'" in notes[0] and "independent" in notes[0]
+    assert pool_caveats(correlate_max_pools(g, shared=True)) == []
     conv1 = conv_layer(rng, "conv1", INPUT, (1, 8, 8), 2, 3, 1, 1, 1, 1, 0.3, 0.05)
     conv2 = conv_layer(rng, "conv2", "relu1", conv1.out_shape, 2, 3, 1, 1, 1, 1, 0.3, 0.05)
     vgg = LayerGraph(input_shape=(1, 8, 8), output="pool", layers=[

@@ -167,10 +167,17 @@ def test_every_rule_compiled_matches_the_reference_without_hermite_factors():
 
 @pytest.mark.slow
 def test_every_shared_factor_primfunc_is_scheduled(every_rule):
-    pool_graph = max_pool_graph(np.random.default_rng(5))
-    joined = dense_block_graph(np.random.default_rng(5), joined=True)  # sf_concat
+    from pyro2pfp.correlated_pools import correlate_max_pools
+    from tests.ops.pooling.test_pool_covariance_sources import residual_graph
+    from tests.stages.correlation.test_layer_norm_shared import head_graph
+
+    # correlated pools (sf_window_cov, sf_window_closure), a concatenation (sf_concat), a LayerNorm head
+    graphs = [correlate_max_pools(max_pool_graph(np.random.default_rng(5)), shared=True),
+              dense_block_graph(np.random.default_rng(5), joined=True),
+              correlate_max_pools(residual_graph(np.random.default_rng(5)), shared=True),
+              head_graph(np.random.default_rng(5))]
     parts = set()
-    for planned in (every_rule[1], *(with_correlation(plan(g), "shared-factor") for g in (pool_graph, joined))):
+    for planned in (every_rule[1], *(with_correlation(plan(g), "shared-factor") for g in graphs)):
         mod = emit_module(planned)
         with warnings.catch_warnings():
             warnings.simplefilter("error", RuntimeWarning)  # a schedule that fails soft is a failure here
