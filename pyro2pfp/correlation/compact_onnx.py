@@ -25,6 +25,10 @@ class OnnxCompactStep:
         self.plan = plan if plan.shapes else dataclasses.replace(plan, shapes=edge_shapes(graph))
         self.loads: dict[str, Loadings | None] = {INPUT: None}
 
+    def emits_mean_field(self, layer: PlannedLayer) -> bool:
+        """Never: every layer's mean-field outputs are exported first, the step corrects their variance."""
+        return False
+
     def __call__(self, ctx: OnnxContext, layer: PlannedLayer, inputs: list[OnnxActivation],
                  out: OnnxActivation) -> OnnxActivation:
         loads = [self.loads[n] for n in layer.inputs]
