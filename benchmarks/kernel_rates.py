@@ -97,7 +97,13 @@ def capture(exe, *inputs):
     from tvm.runtime.vm import VMInstrumentReturnKind
 
     vm = exe.vm if isinstance(exe.vm, relax.VirtualMachine) else relax.VirtualMachine(exe.executable, tvm.cpu())
-    libs = [m for m in vm.module.imports if hasattr(m, "implements_function")]
+    libs = []
+    todo = list(vm.module.imports)
+    while todo:  # the kernels' libraries, also those imported by another (a build in parts)
+        m = todo.pop()
+        if hasattr(m, "implements_function"):
+            libs.append(m)
+        todo += list(getattr(m, "imports", []))
     out = []
 
     def record(func, symbol, before, ret, *call_args):
