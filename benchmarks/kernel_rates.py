@@ -5,7 +5,7 @@ count under ``valgrind --tool=callgrind`` (independent of the load).
 
     PYTHONPATH=. .venv/bin/python benchmarks/kernel_rates.py --net resnet8 --batch 10
         [--ops conv] [--rounds 30] [--threads 2] [--correlation auto] [--max-pool correlated]
-        [--predictive] [--callgrind] [--keep DIR]
+        [--predictive] [--subnormals] [--callgrind] [--keep DIR] [--markdown docs/generated/kernel-rates.md]
 
 The nets are those of ``benchmarks/latency.py`` (LeNet-5 and the MLP with their guides initialised, not
 trained; the ResNets with an untrained He-scale posterior): kernel speed does not depend on the values.
@@ -19,6 +19,12 @@ same round.  The table gives the median of those ratios over the rounds and thei
 
 ``--predictive`` also alternates ``pyro.infer.Predictive(num_samples=30)`` (LeNet-5 and the MLP: the
 guide of the net) with ``exe(x)`` and prints the median ratio of their times (``latency.py``'s ``xPred``).
+
+``--subnormals``: the network is built a second time with its kernels computing IEEE subnormals
+(:func:`pyro2pfp.tvm_backend.subnormals.keep_subnormals`; by default the conv and shared-factor ReLU
+kernels flush them to zero), and each round also times every selected kernel of that build on its own
+arguments and both whole calls ``exe(x)``: the ``kept/flushed`` column is the median ratio of a kernel's
+two times in a round, and the whole-call ratio is printed above the table.
 
 ``--callgrind``: every selected kernel's instructions per call under ``valgrind --tool=callgrind``
 (``callgrind_kernels.py``: one thread, a library built for an AVX2 CPU since valgrind does not decode
@@ -41,6 +47,9 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
+from markdown_report import add_markdown_argument  # noqa: E402  (benchmarks/ on the path)
+
+
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--net", default="resnet8", choices=["mlp", "lenet", "resnet8", "resnet20"])
@@ -54,6 +63,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--callgrind", action="store_true", help="also count instructions per kernel call")
     ap.add_argument("--cache-sim", action="store_true", help="with --callgrind: simulate the caches")
     ap.add_argument("--keep", metavar="DIR", help="keep the exported library and arguments in DIR")
+    ap.add_argument("--subnormals", action="store_true",
+                    help="also time each kernel (and exe(x)) built to keep IEEE subnormals, alternating")
+    add_markdown_argument(ap)
     return ap.parse_args(argv)
 
 
@@ -128,6 +140,18 @@ def quantiles(values):
     return tuple(float(q) for q in np.percentile(values, [25, 50, 75]))
 
 
+def time_call(fn, *args, calls: int = 3) -> float:
+    """Median wall time of ``calls`` calls of ``fn(*args)``."""
+    import numpy as np
+
+    times = []
+    for _ in range(calls):
+        t0 = time.perf_counter()
+        fn(*args)
+        times.append(time.perf_counter() - t0)
+    return float(np.median(times))
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     os.environ["TVM_NUM_THREADS"] = str(args.threads)
@@ -136,8 +160,11 @@ def main(argv: list[str] | None = None) -> int:
     import latency
     import numpy as np
     import torch
+    import tvm
+    from markdown_report import table, write_markdown
 
     from pyro2pfp.profiling import kernel_multiply_adds
+    from pyro2pfp.tvm_backend.subnormals import keep_subnormals
 
     torch.set_num_threads(args.threads)
     net, det, x, model, guide = build(args)
@@ -148,20 +175,26 @@ def main(argv: list[str] | None = None) -> int:
     work = kernel_multiply_adds(net, args.batch)
     kernels = exe.kernels or {}
     pattern = re.compile(args.ops)
-    calls = capture(exe, x)
     chosen = {}
-    for symbol, lib, copies in calls:
+    for symbol, lib, copies in capture(exe, x):
         op = kernels.get(symbol, (symbol, ""))[0]
         if pattern.search(op) and symbol in work and symbol not in chosen:
             chosen[symbol] = (op, lib, copies)
+    kept_exe, kept = None, {}
+    if args.subnormals:
+        with keep_subnormals():
+            kept_exe = net.compile()
+        for symbol, lib, copies in capture(kept_exe, x):
+            if symbol in chosen and symbol not in kept:
+                kept[symbol] = lib.time_evaluator(symbol, tvm.cpu(), number=1, repeat=1, min_repeat_ms=20), copies
     det_macs = latency.det_multiply_adds(net) * args.batch
     xt = torch.as_tensor(x)
-    dev = __import__("tvm").cpu()
-    timers = {s: lib.time_evaluator(s, dev, number=1, repeat=1, min_repeat_ms=20) for s, (_, lib, _) in chosen.items()}
+    timers = {s: lib.time_evaluator(s, tvm.cpu(), number=1, repeat=1, min_repeat_ms=20)
+              for s, (_, lib, _) in chosen.items()}
     ratios: dict[str, list[float]] = {s: [] for s in chosen}
     us: dict[str, list[float]] = {s: [] for s in chosen}
-    torch_rates = []
-    pred_ratios = []
+    kept_ratios: dict[str, list[float]] = {s: [] for s in kept}
+    torch_rates, pred_ratios, whole_kept = [], [], []
     predictive = None
     if args.predictive:
         import pyro
@@ -170,40 +203,36 @@ def main(argv: list[str] | None = None) -> int:
     with torch.no_grad():
         det(xt)
         for _ in range(args.rounds):
-            times = []
-            for _ in range(5):
-                t0 = time.perf_counter()
-                det(xt)
-                times.append(time.perf_counter() - t0)
-            rate = det_macs / float(np.median(times)) * 1e-9
+            rate = det_macs / time_call(det, xt, calls=5) * 1e-9
             torch_rates.append(rate)
             for symbol, (_, _, copies) in chosen.items():
                 t = float(timers[symbol](*copies).mean)
                 us[symbol].append(t * 1e6)
                 ratios[symbol].append(work[symbol] / t * 1e-9 / rate)
+                if symbol in kept:
+                    timer, kept_copies = kept[symbol]
+                    kept_ratios[symbol].append(float(timer(*kept_copies).mean) / t)
+            if kept_exe is not None:
+                whole_kept.append(time_call(kept_exe, x) / time_call(exe, x))
             if predictive is not None:
-                t0 = time.perf_counter()
-                predictive(xt)
-                t_pred = time.perf_counter() - t0
-                pfp = []
-                for _ in range(5):
-                    t0 = time.perf_counter()
-                    exe(x)
-                    pfp.append(time.perf_counter() - t0)
-                pred_ratios.append(t_pred / float(np.median(pfp)))
+                t_pred = time_call(predictive, xt, calls=1)
+                pred_ratios.append(t_pred / time_call(exe, x, calls=5))
     load = os.getloadavg()[0]
-    print(f"{args.net}, batch {args.batch}, correlation {net.plan.correlation}, {args.threads} thread(s), "
-          f"{args.rounds} alternating rounds; load average {load:.1f} (timings under load: only the ratios "
-          f"of one round are compared); compiled vs float64 reference: rel. error {err:.1e}")
+    notes = [f"{args.net}, batch {args.batch}, correlation {net.plan.correlation}, {args.threads} thread(s), "
+             f"{args.rounds} alternating rounds; load average {load:.1f} at the end (timings under load are not "
+             f"valid: only the ratios of one round are compared); compiled vs float64 reference: rel. error "
+             f"{err:.1e}"]
     lo, med, hi = quantiles(torch_rates)
-    print(f"torch whole net: {det_macs / 1e6:.1f} M multiply-adds, {med:.1f} G/s (p25-p75 {lo:.1f}-{hi:.1f})")
+    notes.append(f"torch whole net: {det_macs / 1e6:.1f} M multiply-adds, {med:.1f} G/s (p25-p75 {lo:.1f}-{hi:.1f})")
     if pred_ratios:
         lo, med, hi = quantiles(pred_ratios)
-        print(f"Predictive(30) / exe(x): {med:.0f}x (p25-p75 {lo:.0f}-{hi:.0f})")
+        notes.append(f"Predictive(30) / exe(x): {med:.0f}x (p25-p75 {lo:.0f}-{hi:.0f})")
+    if whole_kept:
+        lo, med, hi = quantiles(whole_kept)
+        notes.append(f"exe(x) with IEEE subnormals / with subnormals flushed: {med:.2f}x (p25-p75 {lo:.2f}-{hi:.2f})")
     instr = {}
     if args.callgrind and chosen:
         import callgrind_kernels
-        import tvm
 
         work_dir = args.keep or tempfile.mkdtemp(prefix="kernel_rates_")
         os.makedirs(work_dir, exist_ok=True)
@@ -213,22 +242,29 @@ def main(argv: list[str] | None = None) -> int:
         todo = [(lib_path, symbol, [np.from_dlpack(a) if not isinstance(a, int) else a for a in copies])
                 for symbol, (_, _, copies) in chosen.items()]
         instr = dict(zip(chosen, callgrind_kernels.count(todo, args.cache_sim, work_dir)))
-    width = max([28, *(len(s) for s in chosen)])
-    head = f"{'kernel':<{width}} {'op':<16} {'M mul-add':>9} {'us':>9} {'x torch':>8} {'p25-p75':>11}"
-    if instr:
-        head += f" {'M instr':>9} {'mul-add/instr':>13}"
-        head += f" {'K D1miss':>9} {'K LLmiss':>9}" if args.cache_sim else ""
-    print(head)
+    columns = ["kernel", "op", "M mul-add", "us", "x torch", "p25-p75"]
+    columns += ["kept/flushed"] if kept else []
+    columns += ["M instr", "mul-add/instr"] if instr else []
+    columns += ["K D1 miss", "K LL miss"] if instr and args.cache_sim else []
+    rows = []
     for symbol, (op, _, _) in sorted(chosen.items(), key=lambda kv: -float(np.median(us[kv[0]]))):
         lo, med, hi = quantiles(ratios[symbol])
-        line = (f"{symbol:<{width}} {op:<16} {work[symbol] / 1e6:9.2f} {float(np.median(us[symbol])):9.1f} "
-                f"{med:8.2f} {lo:5.2f}-{hi:<5.2f}")
-        if symbol in instr:
+        row = [symbol, op, f"{work[symbol] / 1e6:.2f}", f"{float(np.median(us[symbol])):.1f}", f"{med:.2f}",
+               f"{lo:.2f}-{hi:.2f}"]
+        if kept:
+            row.append(f"{float(np.median(kept_ratios[symbol])):.2f}" if symbol in kept_ratios else "-")
+        if instr:
             ev = instr[symbol]
-            line += f" {ev['Ir'] / 1e6:9.2f} {work[symbol] / ev['Ir']:13.2f}"
+            row += [f"{ev['Ir'] / 1e6:.2f}", f"{work[symbol] / ev['Ir']:.2f}"]
             if args.cache_sim:
-                line += f" {ev['D1'] / 1e3:9.1f} {ev['LL'] / 1e3:9.1f}"
-        print(line)
+                row += [f"{ev['D1'] / 1e3:.1f}", f"{ev['LL'] / 1e3:.1f}"]
+        rows.append(row)
+    for note in notes:
+        print(note)
+    widths = [max(len(str(c)), *(len(str(r[k])) for r in rows)) for k, c in enumerate(columns)]
+    for line in [columns, *rows]:
+        print(" ".join(f"{str(v):<{w}}" if k < 2 else f"{str(v):>{w}}" for k, (v, w) in enumerate(zip(line, widths))))
+    write_markdown(args.markdown, ["\n\n".join(notes), table(columns, rows)])
     return 0
 
 

@@ -187,7 +187,7 @@ class KernelPool:
     def _config(self) -> dict[str, Any]:
         ctx = self.context
         return {**dict(ctx.config), "opt_level": ctx.opt_level, "required_pass": list(ctx.required_pass),
-                "disabled_pass": list(ctx.disabled_pass)}
+                "disabled_pass": list(ctx.disabled_pass), "flush_subnormals": subnormals.applies(self.target)}
 
     def flush(self) -> None:
         """Submit the queued kernels as one part."""

@@ -17,15 +17,18 @@ left as they are):
 
 * on entry, the calling thread's control word is saved and ``FTZ | DAZ`` set; on exit the saved word
   is restored -- the caller's floating-point environment is the same after a call as before;
-* every outermost parallel loop sets ``FTZ | DAZ`` in each of its iterations, on the thread that runs
-  it, if the thread does not have them already (one ``stmxcsr`` and a compare per iteration): TVM's
-  worker threads, which run nothing but TVM kernels, keep the flags.
+* a kernel with parallel loops first runs one more, of :data:`THREADS` iterations, in which every
+  thread of TVM's pool sets ``FTZ | DAZ`` if it does not have them: the worker threads, which run
+  nothing but TVM kernels, keep the flags.  (One ``stmxcsr`` per iteration of the kernel's own
+  parallel loops would cost more: thousands of iterations in a direct conv at batch 10.)
 
 The control word is read and written with LLVM's ``llvm.x86.sse.stmxcsr`` / ``ldmxcsr``
 intrinsics, so the kernels need no runtime support (a library exported for a board runs the same).
 """
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager
 from typing import Any
 
 import tvm
@@ -37,7 +40,7 @@ DONE_ATTR = "pfp.flush_subnormals"
 OPS = frozenset({"conv2d", "sf_conv_profile", "sf_relu"})
 """The kernels rewritten: those measured slowed by subnormals (the convolutions and the shared-factor
 ReLU; ``benchmarks/kernel_rates.py --subnormals``).  Reading and writing the control word costs
-~1 us per call and ~25 ns per parallel iteration on the machine measured, against the 1-15 ms these
+~1 us per call (and a parallel launch) on the machine measured, against the 1-15 ms these
 kernels take at batch 10: a kernel of a few microseconds (the dense layers of a small MLP, element-wise
 kernels) would pay more than it saves."""
 
@@ -52,7 +55,7 @@ def _local(name: str, size: int) -> Any:
 
 
 def _set_in_task(body: Any) -> Any:
-    """``body`` of a parallel loop, preceded by: set ``FTZ | DAZ`` on this thread if not set."""
+    """``body`` preceded by: set ``FTZ | DAZ`` on this thread if not set."""
     word = _local("pfp_mxcsr_task", 1)
     flags = tirx.IntImm("int32", FTZ_DAZ)
     load = tirx.BufferLoad(word, [0])
@@ -62,33 +65,30 @@ def _set_in_task(body: Any) -> Any:
                          body])
 
 
-def _wrap_parallel(stmt: Any) -> Any:
-    """``stmt`` with the body of every outermost parallel loop wrapped by :func:`_set_in_task` (loops
-    reached through loops, sequences and blocks; anything else is left as it is)."""
+THREADS = 16
+"""Iterations of the loop that sets the flags on the threads of TVM's pool: the pool runs a parallel
+loop as one contiguous chunk per thread, so with up to this many threads each runs at least one."""
+
+
+def _has_parallel(stmt: Any) -> bool:
+    """Whether ``stmt`` holds a parallel loop (reached through loops, sequences and blocks)."""
     if isinstance(stmt, tirx.For):
-        if stmt.kind == tirx.ForKind.PARALLEL:
-            body = _set_in_task(stmt.body)
-        else:
-            body = _wrap_parallel(stmt.body)
-            if body.same_as(stmt.body):
-                return stmt
-        return tirx.For(stmt.loop_var, stmt.min, stmt.extent, stmt.kind, body, stmt.thread_binding,
-                        stmt.annotations, getattr(stmt, "step", None))
+        return stmt.kind == tirx.ForKind.PARALLEL or _has_parallel(stmt.body)
     if isinstance(stmt, tirx.SeqStmt):
-        seq = [_wrap_parallel(s) for s in stmt.seq]
-        if all(a.same_as(b) for a, b in zip(seq, stmt.seq)):
-            return stmt
-        return tirx.SeqStmt(seq)
+        return any(_has_parallel(s) for s in stmt.seq)
     if isinstance(stmt, s_tir.SBlockRealize):
-        block = _wrap_parallel(stmt.block)
-        return stmt if block.same_as(stmt.block) else s_tir.SBlockRealize(stmt.iter_values, stmt.predicate, block)
+        return _has_parallel(stmt.block)
     if isinstance(stmt, s_tir.SBlock):
-        body = _wrap_parallel(stmt.body)
-        if body.same_as(stmt.body):
-            return stmt
-        return s_tir.SBlock(stmt.iter_vars, stmt.reads, stmt.writes, stmt.name_hint, body, stmt.init,
-                            stmt.alloc_buffers, stmt.match_buffers, stmt.annotations)
-    return stmt
+        return _has_parallel(stmt.body)
+    if isinstance(stmt, tirx.IfThenElse):
+        return _has_parallel(stmt.then_case) or (stmt.else_case is not None and _has_parallel(stmt.else_case))
+    return False
+
+
+def _set_on_pool_threads() -> Any:
+    """A parallel loop of :data:`THREADS` iterations, each setting ``FTZ | DAZ`` on its thread."""
+    return tirx.For(tirx.Var("pfp_thread", "int32"), 0, THREADS, tirx.ForKind.PARALLEL,
+                    _set_in_task(tirx.Evaluate(0)))
 
 
 def flush_subnormals(func: tirx.PrimFunc) -> tirx.PrimFunc:
@@ -101,14 +101,32 @@ def flush_subnormals(func: tirx.PrimFunc) -> tirx.PrimFunc:
     body = tirx.SeqStmt([
         tirx.AllocBuffer(word), _csr("stmxcsr", word, 0),
         tirx.BufferStore(word, tirx.BitwiseOr(tirx.BufferLoad(word, [0]), tirx.IntImm("int32", FTZ_DAZ)), [1]),
-        _csr("ldmxcsr", word, 1), _wrap_parallel(func.body), _csr("ldmxcsr", word, 0)])
+        _csr("ldmxcsr", word, 1), *([_set_on_pool_threads()] if _has_parallel(func.body) else []), func.body,
+        _csr("ldmxcsr", word, 0)])
     return func.with_body(body).with_attr(DONE_ATTR, True)
 
 
+_enabled = [True]
+
+
+@contextmanager
+def keep_subnormals() -> Iterator[None]:
+    """Within this context no kernel is rewritten (:func:`applies` is False): modules built meanwhile
+    compute with IEEE subnormals (for benchmarks comparing the two, ``kernel_rates.py --subnormals``)."""
+    _enabled.append(False)
+    try:
+        yield
+    finally:
+        _enabled.pop()
+
+
 def applies(target: Any) -> bool:
-    """Whether kernels for ``target`` get :func:`flush_subnormals`: an LLVM target for x86-64."""
+    """Whether kernels for ``target`` get :func:`flush_subnormals`: an LLVM target for x86-64 (and
+    :func:`keep_subnormals` not in force)."""
     from ..targets import make_target, target_arch
 
+    if not _enabled[-1]:
+        return False
     tgt = make_target(target)
     return tgt.kind.name == "llvm" and target_arch(tgt) == "x86_64"
 

@@ -99,3 +99,33 @@ def test_only_the_named_kernels_are_rewritten():
     assert rewritten, "the conv kernel must be rewritten"
     assert subnormals.applies(tvm.target.Target("llvm"))
     assert not subnormals.applies(tvm.target.Target({"kind": "llvm", "mtriple": "aarch64-linux-gnu"}))
+
+
+_TWO_THREADS = """
+import numpy as np
+import tests.stages.backends.test_subnormals as t
+from pyro2pfp.predictor import num_threads
+assert num_threads() == 2
+net = t._conv_net(np.random.default_rng(0), 16, 16, 8)
+x = np.full((16, 16, 8, 8), 1e-20, np.float32)
+x[:, :, :2] = 1.0
+v = np.zeros_like(x)
+_, ref_var = net.reference(x, v)
+_, var = net.compile()(x, v)
+tiny = (ref_var > 0) & (ref_var < np.finfo(np.float32).tiny)
+assert tiny[:8].any() and tiny[8:].any()
+assert np.all(var[tiny] == 0), "a thread of the pool computed with subnormals"
+"""
+
+
+def test_every_thread_of_the_pool_flushes():
+    """With two threads in TVM's pool (a fresh process: the pool's size is fixed when it starts), the
+    outputs of both halves of the batch -- one per thread -- have their subnormal variances flushed."""
+    import os
+    import subprocess
+    import sys
+
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
+    env = {**os.environ, "TVM_NUM_THREADS": "2", "PYTHONPATH": root}
+    done = subprocess.run([sys.executable, "-c", _TWO_THREADS], env=env, capture_output=True, text=True, cwd=root)
+    assert done.returncode == 0, done.stderr[-2000:]
