@@ -6,8 +6,10 @@
 >>> exe = net.compile("native", tune=10)   # + MetaSchedule-tuned executable for batch 10 (cached)
 >>> print(exe.profile(x))                  # time per kernel
 
-Importing the package is cheap: the converter (``convert``, ``PFPNetwork``, ``diagnose``, which need
-torch and Pyro) is imported when first used, and with it the op registry (``pyro2pfp.ops``).
+Importing the package is cheap: the converter (``convert``, ``PFPNetwork``, and what ``diagnose`` calls,
+which need torch and Pyro) is imported when first used, and with it the op registry (``pyro2pfp.ops``).
+The package is a plain module object (PEP 562 ``__getattr__`` for the lazy names), so it and its objects
+pickle by reference with the standard pickle and cloudpickle (Ray ships them to workers that way).
 :func:`load` (an exported library, or an ONNX model run with onnxruntime), the uncertainty metrics,
 the errors and the option Enums (:mod:`pyro2pfp.options`) need only NumPy (and the TVM runtime to run
 a library), so a board runs exported networks without torch, Pyro or the TVM compiler installed.
@@ -15,14 +17,14 @@ a library), so a board runs exported networks without torch, Pyro or the TVM com
 from __future__ import annotations
 
 import importlib
-import sys
-import types
 from typing import TYPE_CHECKING, Any
 
 from ._version import __version__ as __version__
 from .deploy import load
+from .diagnose import diagnose
 from .errors import (
     ArgumentError,
+    FidelityError,
     FidelityWarning,
     InputShapeError,
     InternalError,
@@ -36,6 +38,7 @@ from .errors import (
     TracingError,
     TuningError,
     UnsupportedLayerError,
+    converter_not_installed,
 )
 from .graph import Repr
 from .options import Correlation, Head, Hermite, Injection, MaxPool, MomentForm, SharedFactor
@@ -44,11 +47,14 @@ from .uncertainty import auroc, calibrate, predictive_uncertainty, uncertainty, 
 if TYPE_CHECKING:
     from . import correlation as correlation
     from . import ops as ops
-    from .diagnose import Diagnosis, diagnose
+    from .mc_compare import Diagnosis
     from .network import PFPNetwork, convert
 
-#: Attributes imported on first use (PEP 562): the converter and what needs torch and Pyro.
-_LAZY = {"convert": "network", "PFPNetwork": "network", "diagnose": "diagnose", "Diagnosis": "diagnose"}
+#: Attributes imported on first use (PEP 562): the converter and what needs torch and Pyro.  None of them
+#: is named like a submodule: importing ``pyro2pfp.<name>`` binds the package's attribute ``<name>`` to the
+#: submodule, so a function sharing its module's name (``diagnose``, ``uncertainty``) is imported eagerly
+#: above, from a module that is cheap to import.
+_LAZY = {"convert": "network", "PFPNetwork": "network", "Diagnosis": "mc_compare"}
 
 
 def __getattr__(name: str) -> Any:
@@ -59,9 +65,7 @@ def __getattr__(name: str) -> Any:
         except ModuleNotFoundError as exc:
             if exc.name is None or exc.name.partition(".")[0] == __name__:
                 raise
-            raise PFPError(f"pyro2pfp.{name} needs {exc.name}, which is not installed: converting a Pyro model "
-                           "needs pyro2pfp's dependencies (torch, Pyro, SciPy, ...: pip install pyro2pfp); this "
-                           "installation runs exported libraries only (pyro2pfp.load)") from None
+            raise converter_not_installed(f"pyro2pfp.{name}", exc) from None
         value = getattr(module, name)
     elif name.startswith("_"):
         raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
@@ -80,20 +84,6 @@ def __dir__() -> list[str]:
     return sorted(set(globals()) | set(_LAZY))
 
 
-class _Package(types.ModuleType):
-    """``pyro2pfp.diagnose`` stays the function when its module, ``pyro2pfp.diagnose``, is imported
-    (the import system sets a package's attribute to each submodule it loads)."""
-
-    def __setattr__(self, name: str, value: Any) -> None:
-        if (_LAZY.get(name) == name and isinstance(value, types.ModuleType)
-                and value.__name__ == f"{__name__}.{name}"):
-            value = getattr(value, name)
-        super().__setattr__(name, value)
-
-
-sys.modules[__name__].__class__ = _Package
-
-
 def set_num_threads(n: int) -> int:
     """Threads of the compiled networks' CPU kernels (process-wide; see
     :func:`pyro2pfp.predictor.set_num_threads`)."""
@@ -106,5 +96,5 @@ __all__ = ["convert", "load", "PFPNetwork", "Repr", "PFPError", "UnsupportedLaye
            "InputShapeError", "TracingError", "NumericalError", "LoadError", "LibraryNotFoundError",
            "ArgumentError", "RemoteError", "TuningError", "InternalError", "uncertainty",
            "uncertainty_from_logit_samples", "predictive_uncertainty", "auroc", "calibrate", "set_num_threads",
-           "diagnose", "Diagnosis", "PFPWarning", "FidelityWarning", "Correlation", "SharedFactor", "MomentForm",
-           "MaxPool", "Head", "Hermite", "Injection"]
+           "diagnose", "Diagnosis", "PFPWarning", "FidelityError", "FidelityWarning", "Correlation", "SharedFactor",
+           "MomentForm", "MaxPool", "Head", "Hermite", "Injection"]

@@ -4,20 +4,36 @@
 model and compares every planned layer's Monte Carlo mean and variance with the float64 NumPy
 reference of the PFP plan; the figures (mean error as median/p90 over elements with a floored sd,
 variance ratio median/p10/p90) are defined in :mod:`pyro2pfp.mc_compare`, which does the work.
+
+Importing this module is cheap (NumPy only): ``import pyro2pfp`` imports it, so that ``pyro2pfp.diagnose``
+is the function whichever way the module is reached; torch and Pyro come with the first call, and
+the names re-exported from :mod:`pyro2pfp.mc_compare` (``layer_fidelity``, ``Diagnosis``, ...) when first read.
 """
 from __future__ import annotations
 
-from typing import Any
+import importlib
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
-import pyro
-import pyro.util
 
-from .errors import PFPError
-from .mc_compare import SD_FLOOR, Diagnosis, LayerFidelity, compare, layer_fidelity, model_and_guide, restored_rng
+from .errors import PFPError, converter_not_installed
 from .options import Correlation, SharedFactor
 
+if TYPE_CHECKING:
+    from .mc_compare import SD_FLOOR, Diagnosis, LayerFidelity, compare, layer_fidelity, model_and_guide
+
 __all__ = ["SD_FLOOR", "Diagnosis", "LayerFidelity", "compare", "diagnose", "layer_fidelity", "model_and_guide"]
+
+#: Re-exported from :mod:`pyro2pfp.mc_compare` (which imports torch) when first read (PEP 562).
+_FROM_MC_COMPARE = ("SD_FLOOR", "Diagnosis", "LayerFidelity", "compare", "layer_fidelity", "model_and_guide")
+
+
+def __getattr__(name: str) -> Any:
+    if name in _FROM_MC_COMPARE:
+        value = getattr(importlib.import_module(".mc_compare", __package__), name)
+        globals()[name] = value
+        return value
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 def diagnose(model: Any, guide: Any, x: Any, *, num_samples: int = 300, input_shape: tuple[int, ...] | None = None,
@@ -39,7 +55,15 @@ def diagnose(model: Any, guide: Any, x: Any, *, num_samples: int = 300, input_sh
     -> {layer: Activation}`` replaces the NumPy reference (:func:`pyro2pfp.reference.execute_all`, which
     runs the plan's correlation scheme) as the PFP side.
     """
-    from .network import convert
+    try:
+        import pyro.util
+
+        from .mc_compare import compare, model_and_guide, restored_rng
+        from .network import convert
+    except ModuleNotFoundError as exc:
+        if exc.name is None or exc.name.partition(".")[0] == __package__:
+            raise
+        raise converter_not_installed("pyro2pfp.diagnose", exc) from None
 
     if num_samples < 2:
         raise PFPError(f"diagnose needs num_samples >= 2, got {num_samples}")

@@ -53,6 +53,13 @@ class RemoteError(PFPError, RuntimeError):
     asked for, or did not answer within the session timeout."""
 
 
+class FidelityError(PFPError):
+    """The converted network is grossly unlike what the trained model computes: its parameters differ from
+    the param store's, or its output moments are further from sampling the guide than the spot check's
+    sample count can explain (``convert(..., check=False)`` skips the spot check; the message names the first
+    layer that departs and the figures)."""
+
+
 class PFPWarning(UserWarning):
     """Base class of the warnings pyro2pfp issues about a converted network (filter them with
     ``warnings.simplefilter(..., pyro2pfp.PFPWarning)``)."""
@@ -61,6 +68,14 @@ class PFPWarning(UserWarning):
 class FidelityWarning(PFPWarning):
     """``convert(..., check=x)``: the network's output moments differ from sampling the guide by more
     than the sample count explains (the message names the first layer outside the bounds and the figures)."""
+
+
+def converter_not_installed(what: str, exc: ModuleNotFoundError) -> PFPError:
+    """The error for ``what`` (``"pyro2pfp.convert"``) needing a module that this installation lacks
+    (``exc``): a runtime-only installation (a board, a scoring worker) runs exported libraries only."""
+    return PFPError(f"{what} needs {exc.name}, which is not installed: converting a Pyro model "
+                    "needs pyro2pfp's dependencies (torch, Pyro, SciPy, ...: pip install pyro2pfp); this "
+                    "installation runs exported libraries only (pyro2pfp.load)")
 
 
 def brief(exc: BaseException, limit: int = 300) -> str:

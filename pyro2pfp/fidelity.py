@@ -37,8 +37,11 @@ import warnings
 from dataclasses import dataclass
 from typing import Any
 
-from .errors import ArgumentError, FidelityWarning
-from .mc_compare import Diagnosis, LayerFidelity, compare
+import numpy as np
+import torch
+
+from .errors import ArgumentError, FidelityError, FidelityWarning, PFPError, PosteriorError, brief
+from .mc_compare import Diagnosis, LayerFidelity, compare, random_elements, store_mismatches
 
 DEFAULT_SAMPLES = 150
 DEFAULT_TOLERANCE = 4.0
@@ -125,13 +128,16 @@ class FidelityCheck:
 
 
 def check_fidelity(net: Any, model: Any, guide: Any, x: Any, *, num_samples: int = DEFAULT_SAMPLES,
-                   tolerance: float = DEFAULT_TOLERANCE, seed: int = 0, warn: bool = True) -> FidelityCheck:
+                   tolerance: float = DEFAULT_TOLERANCE, seed: int = 0, warn: bool = True, traced: Any = None,
+                   args: Any = None) -> FidelityCheck:
     """Compare ``net`` (converted from ``model``, ``guide``) with ``num_samples`` guide samples on the
     inputs ``x`` (a batch); warn with a :class:`~pyro2pfp.errors.FidelityWarning` (``warn=True``) when
     the logits' median variance ratio or mean error leaves the bounds of the module docstring, naming the
     first layer that leaves them; log the result (``logging`` at INFO) when they hold.
 
     Cost: ``num_samples`` guide samples and torch forward passes of ``x`` (see the module docstring).
+    Raises :class:`~pyro2pfp.errors.FidelityError` if a deterministic parameter of ``net`` differs from the param
+    store's (:func:`pyro2pfp.mc_compare.store_mismatches`).  ``traced``, ``args``: see :func:`spot_check`.
     """
     if isinstance(x, bool) or x is None:
         raise ArgumentError(f"check= takes a batch of example inputs (batch, *input_shape), got {x!r}")
@@ -142,8 +148,10 @@ def check_fidelity(net: Any, model: Any, guide: Any, x: Any, *, num_samples: int
     if net.input_variance:
         raise ArgumentError("check= needs a network without input variance (convert(..., input_variance=False)): "
                             "the check samples the weights only")
+    check_store_values(net)
     t0 = time.perf_counter()
-    d = compare(net, model, guide, x, num_samples=num_samples, seed=seed)
+    d = compare(net, model, guide, x, num_samples=num_samples, seed=seed, traced=traced,
+                args=args if args is not None and getattr(args, "given", False) else None)
     seconds = time.perf_counter() - t0
     if not d.layers:
         raise ArgumentError("check=: no layer of the converted network could be found in the traced model, so "
@@ -159,3 +167,142 @@ def check_fidelity(net: Any, model: Any, guide: Any, x: Any, *, num_samples: int
     elif warn:
         warnings.warn(result.message(), FidelityWarning, stacklevel=3)
     return result
+
+
+# ------------------------------------------------------------------------------------------ spot check
+SPOT_SAMPLES = 64  # guide samples of the spot check every convert runs
+SPOT_INPUTS = 2  # inputs it compares on
+SPOT_MEAN_SE = 6.0  # a gross mean error: the median over the logits beyond this many MC standard errors
+SPOT_RATIO_SD = 4.0  # a gross variance ratio: the median beyond this many sd of a sampled variance's log
+SPOT_DETERMINISTIC = 1e-3  # a deterministic layer departs: its output off by this fraction of its size (float32)
+
+
+@dataclass(frozen=True)
+class SpotCheck:
+    """The figures of :func:`spot_check` (``net.fidelity`` after a ``convert`` without ``check=x``)."""
+
+    passed: bool
+    mean_error_se: float  # median over the logits of |μ_PFP − μ_MC| in MC standard errors (sd/√n)
+    ratio: float  # median over the logits of var_PFP / var_MC
+    ratio_bounds: tuple[float, float]  # what SPOT_RATIO_SD sd of the sampled variances' log allow
+    num_samples: int
+    num_inputs: int
+    seconds: float
+    first_layer: LayerFidelity | None = None  # the first layer past the same bounds (on failure)
+
+    def message(self) -> str:
+        figures = (f"median mean error {self.mean_error_se:.3g} MC standard errors (gross: above {SPOT_MEAN_SE:g}), "
+                   f"median variance ratio PFP/MC {self.ratio:.3g} (gross: outside [{self.ratio_bounds[0]:.2f}, "
+                   f"{self.ratio_bounds[1]:.2f}])")
+        return f"spot check, {self.num_samples} guide samples on {self.num_inputs} inputs ({self.seconds:.2f} s): " \
+               f"{figures}"
+
+
+def check_store_values(net: Any) -> None:
+    """Raise :class:`~pyro2pfp.errors.FidelityError` naming every deterministic parameter of ``net`` read from
+    the param store that differs from the store's values now (:func:`pyro2pfp.mc_compare.store_mismatches`)."""
+    mismatches = store_mismatches(net)
+    if mismatches:
+        raise FidelityError(f"the converted network's parameters are not the trained model's: {'; '.join(mismatches)}. "
+                            "The network was built from other values than the param store holds now (was the store "
+                            "changed or loaded after converting?); convert again.")
+
+
+def _spot_inputs(net: Any, args: Any) -> np.ndarray:
+    """The example inputs the model was traced with, if the user gave them; else a few standard normal inputs
+    of the input shape (fixed seed): non-zero, so that every weight matters."""
+    if args is not None and getattr(args, "given", False):
+        return np.asarray(torch.as_tensor(args[0][:SPOT_INPUTS]).detach().double().numpy())
+    g = torch.Generator().manual_seed(0)
+    return torch.randn((SPOT_INPUTS, *net.input_shape), generator=g, dtype=torch.float64).numpy()
+
+
+def _gross(mean_se: float, ratio: float, bounds: tuple[float, float]) -> bool:
+    return not (mean_se <= SPOT_MEAN_SE) or not (bounds[0] <= ratio <= bounds[1])
+
+
+def spot_check(net: Any, model: Any, guide: Any, *, traced: Any = None, args: Any = None,
+               num_samples: int = SPOT_SAMPLES, seed: int = 0) -> SpotCheck:
+    """The check ``convert`` runs on every network (unless ``check=False``): raise
+    :class:`~pyro2pfp.errors.FidelityError` when ``net`` is grossly unlike what ``model`` and ``guide``
+    compute.
+
+    * Its deterministic parameters read from the param store must still equal the store's
+      (:func:`pyro2pfp.mc_compare.store_mismatches` names the layer and the store's entry otherwise).
+    * ``num_samples`` (64) guide samples, run through the traced model on a few inputs (the example inputs
+      the user gave, else two standard normal inputs of the input shape): over the logits, the median of
+      ``|μ_PFP − μ_MC|`` in Monte Carlo standard errors must be at most 6, and the median variance ratio
+      PFP/MC within ``exp(±4σ)``, ``σ = √((κ − 1)/n)`` the relative sd of a variance sampled ``n`` times
+      (``κ``: the logits' median kurtosis, at least a Gaussian's 3).  At 64 samples of Gaussian logits that
+      is [0.49, 2.0]: a mean-field ResNet at 0.28 of the sampled variance fails, a network within its
+      approximation's usual error does not.  On failure the per-layer comparison names the first layer past
+      the same bounds (a layer that sampling finds deterministic: its output off by more than float32 explains,
+      1e-3 of its size).
+
+    Sampling follows the plan's calibration (each weight's deviation from its mean scaled by
+    ``√calibration``).  ``traced``, ``args``: the traced model and the model arguments ``convert`` used (else
+    the model is traced again).  Costs ``num_samples`` guide samples (one vectorised run of the guide where it
+    allows), torch forward passes of two inputs (vectorised over the samples) and the NumPy reference on them;
+    model, guide, param store and random state are left as they were.
+    """
+    t0 = time.perf_counter()
+    check_store_values(net)
+    xs = _spot_inputs(net, args)
+    samples: list[np.ndarray] = []
+    try:
+        d = compare(net, model, guide, xs, num_samples=num_samples, seed=seed, per_layer=False, traced=traced,
+                    args=args, samples=samples, calibration=net.plan.calibration)
+    except torch.linalg.LinAlgError:  # a correlated guide whose covariance is singular (scales of 0): no samples
+        log.info("spot check skipped: the guide's covariance is singular, so it cannot be sampled (its parameters "
+                 "were checked against the param store)")
+        return SpotCheck(True, float("nan"), float("nan"), (0.0, float("inf")), 0, len(xs), time.perf_counter() - t0)
+    except PFPError:
+        raise
+    except Exception as exc:  # the guide or model cannot be run as the check runs them
+        raise PosteriorError(f"the spot check could not sample the guide on the model's example arguments "
+                             f"({brief(exc)}); convert(..., check=False) skips it") from exc
+    n = len(samples)
+    mc = np.stack(samples) if samples else np.zeros((0,))
+    pfp_mean, pfp_var = d.output["pfp_mean"], d.output["pfp_var"]
+    if n < 2 or mc.shape[1:] != np.shape(pfp_mean):
+        return SpotCheck(True, float("nan"), float("nan"), (0.0, float("inf")), n, len(xs),
+                         time.perf_counter() - t0)
+    mc_mean, mc_var = mc.mean(0), mc.var(0, ddof=1)
+    keep = random_elements(mc_mean, mc_var)
+    finite = bool(np.all(np.isfinite(pfp_mean)) and np.all(np.isfinite(pfp_var)))
+    if keep.any():
+        se = np.sqrt(mc_var[keep] / n)
+        mean_se = float(np.median(np.abs(pfp_mean[keep] - mc_mean[keep]) / se)) if finite else float("inf")
+        ratio = float(np.median(pfp_var[keep] / mc_var[keep])) if finite else float("nan")
+        kurtosis = np.mean((mc - mc_mean) ** 4, 0)[keep] / np.mean((mc - mc_mean) ** 2, 0)[keep] ** 2
+        sigma = math.sqrt((max(float(np.median(kurtosis)), 3.0) - 1.0) / n)
+    else:  # a deterministic output: the means must agree as float32 computations do
+        scale = float(np.max(np.abs(mc_mean))) + 1e-30 if mc_mean.size else 1.0
+        mean_se = 0.0 if finite and float(np.max(np.abs(pfp_mean - mc_mean), initial=0.0)) <= SPOT_DETERMINISTIC * \
+            scale else float("inf")
+        ratio, sigma = 1.0, math.sqrt(2.0 / n)
+    bounds = (math.exp(-SPOT_RATIO_SD * sigma), math.exp(SPOT_RATIO_SD * sigma))
+    result = SpotCheck(not _gross(mean_se, ratio, bounds), mean_se, ratio, bounds, n, len(xs),
+                       time.perf_counter() - t0)
+    if result.passed:
+        log.info(result.message())
+        return result
+    per_layer = compare(net, model, guide, xs, num_samples=num_samples, seed=seed, traced=traced, args=args,
+                        calibration=net.plan.calibration)
+    first = next((r for r in per_layer.layers if r.deterministic_error > SPOT_DETERMINISTIC or (
+        _gross(r.mean_error * math.sqrt(n), r.ratio_median, bounds) and not math.isnan(r.ratio_median))), None)
+    result = SpotCheck(False, mean_se, ratio, bounds, n, len(xs), time.perf_counter() - t0, first)
+    where = ""
+    if first is not None and first.deterministic_error > SPOT_DETERMINISTIC:
+        where = (f" The first layer past these bounds is '{first.name}' ({first.op}: where sampling is deterministic "
+                 f"its output differs by {first.deterministic_error:.3g} of its size).")
+    elif first is not None:
+        where = (f" The first layer past these bounds is '{first.name}' ({first.op}: median mean error "
+                 f"{first.mean_error * math.sqrt(n):.3g} MC standard errors, variance ratio {first.ratio_median:.3g}).")
+    remedy = ("convert(..., correlation='shared-factor') (this network is mean-field: every activation taken as "
+              "independent), " if net.plan.correlation == "mean-field" else "")
+    raise FidelityError(
+        f"the converted network is grossly unlike sampling the trained model: {result.message()}.{where} PFP's "
+        f"approximations do not hold for this network as planned, or the posterior was read wrongly. Print "
+        f"pyro2pfp.diagnose(model, guide, x) for every layer's figures; remedies: {remedy}a variance calibration "
+        "(pyro2pfp.calibrate); convert(..., check=False) skips this check and keeps the network as it is.")

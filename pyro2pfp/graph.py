@@ -49,6 +49,10 @@ class GaussianParam:
     var: np.ndarray
     site: str | None = None  # the Pyro sample site it came from; None for a deterministic parameter
     factors: np.ndarray | None = None
+    # A deterministic parameter the param store holds: its name there (the values are the store's) and
+    # whether the user's module object held other values (a module that is stale in a fresh process).
+    store: str | None = None
+    stale: bool = False
 
     def __post_init__(self) -> None:
         if self.mean.shape != self.var.shape:

@@ -24,6 +24,7 @@ medians are what :func:`pyro2pfp.fidelity.check_fidelity` (``convert(..., check=
 from __future__ import annotations
 
 import contextlib
+import copy
 import dataclasses
 import math
 from collections.abc import Iterator
@@ -72,6 +73,10 @@ class LayerFidelity:
             text += f"; PFP variance up to {self.deterministic_pfp_var:.3g}, sampling gives 0"
         return text
 
+    # over the elements sampling gives no variance (deterministic so far): max |μ_pfp − μ_mc| over the
+    # largest |μ_mc| (the spot check names a deterministic layer whose output departs by this)
+    deterministic_error: float = float("nan")
+
 
 @dataclass
 class Diagnosis:
@@ -86,12 +91,14 @@ class Diagnosis:
     #: like with like: the argmax of PFP's mean class probabilities (its logits' Gaussian sampled through the
     #: softmax, :func:`sampled_head_probs`) == that of the MC mean probabilities
     argmax_agreement_probs: float = float("nan")
+    # Deterministic parameters of the network that differ from the param store's (store_mismatches).
+    mismatches: list[str] = field(default_factory=list)
 
     def table(self) -> str:
         """The per-layer figures as a fixed-width text table."""
         head = (f"{'layer':<24} {'op':<11} {'shape':<14} {'mean err/sd':>11} {'p90':>7} {'var ratio med':>13} "
                 f"{'p10':>7} {'p90':>7}")
-        lines = [head, "-" * len(head)]
+        lines = [f"NOTE: {m}" for m in self.mismatches] + [head, "-" * len(head)]
         for r in self.layers:
             if r.deterministic:
                 lines.append(f"{r.name:<24} {r.op:<11} {str(r.shape):<14} {r.describe_deterministic()}")
@@ -178,10 +185,120 @@ def restored_rng(state: dict[str, Any]) -> Iterator[None]:
         pyro.util.set_rng_state(state)
 
 
-def _guide_sample(guide: Any, example: torch.Tensor) -> dict[str, torch.Tensor]:
-    tr = pyro.poutine.trace(lambda *a: call_with_model_args(guide, a)).get_trace(example)
+def _guide_sample(guide: Any, args: tuple) -> dict[str, torch.Tensor]:
+    tr = pyro.poutine.trace(lambda: call_with_model_args(guide, args)).get_trace()
     return {name: torch.as_tensor(site["value"]).detach() for name, site in tr.nodes.items()
             if site["type"] == "sample"}
+
+
+VMAP_CHUNK = 64  # weight samples per vectorised forward pass
+SAMPLE_DIM = 10  # the samples' plate: left of every batch dimension a guide's sites have (weights have none)
+
+
+def _has_variance(fn: Any) -> bool:
+    """Whether a site's distribution spreads (a Normal's scale above 0; True when it cannot tell)."""
+    try:
+        return bool(torch.as_tensor(fn.variance).max() > 0)
+    except Exception:  # noqa: BLE001  no closed-form variance
+        return True
+
+
+def weight_samples(guide: Any, args: tuple, shapes: dict[str, tuple[int, ...]], n: int) -> dict[str, torch.Tensor]:
+    """``n`` samples of the guide's sites ``shapes`` (``{site: shape}``), as ``{site: (n, *shape) tensor}``.
+
+    Drawn in one run of the guide inside a ``pyro.plate`` of size ``n`` left of every batch dimension its
+    sites may have (at dimension -:data:`SAMPLE_DIM`, as ``Predictive(parallel=True)`` puts its plate left of
+    the model's); a guide that does not vectorise that way -- it fails, a site comes out with another number
+    of entries, or a site with a variance comes out as ``n`` identical copies -- is run ``n`` times instead."""
+    try:
+        with pyro.plate("_pyro2pfp_samples", n, dim=-SAMPLE_DIM):
+            trace = pyro.poutine.trace(lambda: call_with_model_args(guide, args)).get_trace()
+        out = {}
+        for site, shape in shapes.items():
+            node = trace.nodes.get(site)
+            if node is None:
+                continue
+            value = torch.as_tensor(node["value"]).detach()
+            if value.numel() != n * math.prod(shape):
+                raise ValueError(site)
+            value = value.reshape(n, *shape)
+            if n > 1 and torch.equal(value, value[:1].expand_as(value)) and _has_variance(node["fn"]):
+                raise ValueError(site)  # copies of one sample (not a draw per plate entry)
+            out[site] = value
+        return out
+    except torch.linalg.LinAlgError:
+        raise  # a singular covariance: the guide cannot be sampled at all
+    except Exception:  # noqa: BLE001  not vectorisable: one run per sample
+        draws = [_guide_sample(guide, args) for _ in range(n)]
+        return {site: torch.stack([d[site].reshape(shape) for d in draws]) for site, shape in shapes.items()
+                if all(site in d for d in draws)}
+
+
+def _input_chunks(traced: Any, xt: torch.Tensor) -> list[tuple[torch.Tensor, tuple]]:
+    """The traced program's inputs for the input batch ``xt``: one batch, or -- for a program traced at a fixed
+    batch size (``traced.static_batch``) -- consecutive batches of that size, the last one padded by repeating
+    its first row (the caller keeps the first ``len(xt)`` rows of the outputs)."""
+    at = traced.traced_args.inputs_at if getattr(traced, "traced_args", None) is not None else (lambda x: (x, ()))
+    size = getattr(traced, "static_batch", None)
+    if size is None:
+        return [at(xt)]
+    chunks = []
+    for i in range(0, len(xt), size):
+        part = xt[i:i + size]
+        if len(part) < size:
+            part = torch.cat([part, part[:1].expand(size - len(part), *part.shape[1:])])
+        chunks.append(at(part))
+    return chunks
+
+
+def _output_samples(gm: torch.fx.GraphModule, out_node: str, by_site: dict[str, torch.Tensor],
+                    draws: dict[str, torch.Tensor], inputs: tuple) -> torch.Tensor | None:
+    """The node ``out_node`` of ``gm`` for every weight sample in ``draws``, vectorised over the samples
+    (``torch.func.vmap``, in chunks); None where the program does not vectorise (then it is run per sample)."""
+    try:
+        graph = copy.deepcopy(gm.graph)
+        node = next(n for n in graph.nodes if n.name == out_node)
+        output = next(n for n in graph.nodes if n.op == "output")
+        graph.erase_node(output)
+        graph.output(node)
+        graph.set_codegen(torch.fx.graph.CodeGen())
+        sub = torch.fx.GraphModule(gm, graph)
+        sub.graph.eliminate_dead_code()
+        sub.recompile()
+        names = {id(p): name for name, p in sub.named_parameters()}
+        keys = {site: names[id(param)] for site, param in by_site.items() if site in draws and id(param) in names}
+
+        def run(*values: torch.Tensor) -> torch.Tensor:
+            return torch.func.functional_call(sub, dict(zip(keys.values(), values, strict=True)),
+                                              (inputs[0], *inputs[1]))
+
+        batched = torch.func.vmap(run)
+        stacked = [draws[site] for site in keys]
+        n = stacked[0].shape[0] if stacked else 0
+        chunks = [batched(*[t[i:i + VMAP_CHUNK] for t in stacked]) for i in range(0, n, VMAP_CHUNK)]
+        return torch.cat(chunks) if chunks else None
+    except Exception:  # noqa: BLE001  an op without a batching rule: run per sample
+        return None
+
+
+def store_mismatches(net: Any) -> list[str]:
+    """What of ``net``'s deterministic parameters differs from the param store's values now: ``["layer fc1's
+    weight differs from the param store's 'module$$$fc1.weight' (max |difference| 0.41)", ...]`` (parameters
+    read from the store: :attr:`pyro2pfp.graph.GaussianParam.store`)."""
+    store = pyro.get_param_store()
+    out = []
+    for layer in net.layer_graph.layers:
+        for role, param in layer.params.items():
+            if param.store is None or param.store not in store:
+                continue
+            stored = store[param.store].detach().to(torch.float64).cpu().numpy()
+            if stored.shape != param.mean.shape:
+                out.append(f"layer {layer.name}'s {role} has shape {param.mean.shape}, the param store's "
+                           f"'{param.store}' {stored.shape}")
+            elif not np.array_equal(stored, param.mean):
+                out.append(f"layer {layer.name}'s {role} differs from the param store's '{param.store}' (max "
+                           f"|difference| {float(np.max(np.abs(stored - param.mean))):.3g})")
+    return out
 
 
 def model_and_guide(model: Any, guide: Any) -> tuple[Any, Any]:
@@ -214,11 +331,14 @@ def layer_fidelity(name: str, op: str, pfp_mean: np.ndarray, pfp_var: np.ndarray
                    mc_var: np.ndarray) -> LayerFidelity:
     """The :class:`LayerFidelity` of one layer from PFP and MC moments of the same shape."""
     keep = random_elements(mc_mean, mc_var)
+    fixed = ~keep
+    det = float(np.max(np.abs(pfp_mean[fixed] - mc_mean[fixed])) / (np.max(np.abs(mc_mean[fixed])) + 1e-30)) \
+        if fixed.any() else float("nan")
     if not keep.any():
         nan = float("nan")
         return LayerFidelity(name, op, tuple(pfp_mean.shape[1:]), nan, nan, nan, nan, nan, deterministic=True,
                              deterministic_mean_error=float(np.max(np.abs(pfp_mean - mc_mean), initial=0.0)),
-                             deterministic_pfp_var=float(np.max(pfp_var, initial=0.0)))
+                             deterministic_pfp_var=float(np.max(pfp_var, initial=0.0)), deterministic_error=det)
     sd = np.sqrt(mc_var[keep])
     # A saturated unit's sampled sd is ~0: measure its mean error against a tenth of the layer's median sd.
     floor = SD_FLOOR * float(np.median(sd))
@@ -227,7 +347,7 @@ def layer_fidelity(name: str, op: str, pfp_mean: np.ndarray, pfp_var: np.ndarray
     ratio = pfp_var[keep] / mc_var[keep]
     p10, med, p90 = np.percentile(ratio, [10, 50, 90])
     return LayerFidelity(name, op, tuple(pfp_mean.shape[1:]), float(err_med), float(med), float(p10),
-                         float(p90), float(err_p90))
+                         float(p90), float(err_p90), deterministic_error=det)
 
 
 def median_ratio_noise(pfp_var: np.ndarray, group_vars: list[np.ndarray], keep: np.ndarray) -> float:
@@ -250,19 +370,27 @@ def median_ratio_noise(pfp_var: np.ndarray, group_vars: list[np.ndarray], keep: 
 
 
 def compare(net: Any, model: Any, guide: Any, x: Any, *, num_samples: int, seed: int = 0, per_layer: bool = True,
-            execute: Any = None) -> Diagnosis:
+            execute: Any = None, traced: Any = None, args: Any = None, samples: list | None = None,
+            calibration: float = 1.0) -> Diagnosis:
     """:class:`Diagnosis` of ``net`` (converted from ``model``, ``guide``) on the inputs ``x``: the work of
     :func:`pyro2pfp.diagnose` once the network is converted (see there for the arguments).  Leaves the
-    random number generators as it found them."""
+    random number generators as it found them.
+
+    ``traced``: the :class:`~pyro2pfp.tracing.TracedModel` ``net`` was built from (``convert`` passes it: the
+    model is then not traced again); ``args``: the model arguments to sample the guide with (default: the
+    first input); ``samples``: a list that receives the output's samples (arrays of the output's shape);
+    ``calibration``: sample the posterior with every weight's deviation from its mean scaled by
+    ``√calibration`` (its variance times ``calibration``, as a calibrated plan takes it; default: the guide's)."""
     if num_samples < 2:
         raise PFPError(f"diagnose needs num_samples >= 2, got {num_samples}")
     model, guide = model_and_guide(model, guide)
     with restored_rng(pyro.util.get_rng_state()):  # the caller's random streams are not disturbed
-        return _compare(net, model, guide, x, num_samples, seed, per_layer, execute)
+        return _compare(net, model, guide, x, num_samples, seed, per_layer, execute, traced, args, samples,
+                        calibration)
 
 
 def _compare(net: Any, model: Any, guide: Any, x: Any, num_samples: int, seed: int, per_layer: bool,
-             execute: Any) -> Diagnosis:
+             execute: Any, traced: Any, args: Any, samples: list | None, calibration: float) -> Diagnosis:
     from .inputs import as_input_array
     from .posterior import ready_to_sample
     from .preserve import preserved
@@ -272,13 +400,21 @@ def _compare(net: Any, model: Any, guide: Any, x: Any, num_samples: int, seed: i
     if net.input_variance:
         raise PFPError("diagnose supports networks without input variance only")
     xs = as_input_array(x, net.input_shape, dtype=np.float64)
-    with preserved(model, guide):
-        traced = trace_model(model, guide, net.input_shape)
-    ready_to_sample(model, guide, (torch.as_tensor(xs[:2], dtype=torch.float32),))  # it is sampled below
+    xt = torch.as_tensor(xs, dtype=torch.float32)
+    if traced is None:
+        with preserved(model, guide):
+            traced = trace_model(model, guide, net.input_shape)
+    ready_to_sample(model, guide, args if args is not None else (xt[:2],))  # it is sampled below
+    if args is None:
+        args = (xt[:1],)
+    mismatches = store_mismatches(net)
     gm = traced.program.module()
     params = dict(gm.named_parameters())
     by_site = {p.site: params[path] if path in params else params[_WRAPPER_PREFIX + path]
                for path, p in traced.params.items() if p.site is not None}
+    means = {site: param.detach().clone() for site, param in by_site.items()}  # restored at the end
+    scale = math.sqrt(calibration)
+    chunks = _input_chunks(traced, xt)
     origins = net.layer_graph.origins
     planned = [layer for layer in net.plan.layers if layer.name in origins
                and (per_layer or layer.name == net.plan.output)]
@@ -288,24 +424,43 @@ def _compare(net: Any, model: Any, guide: Any, x: Any, num_samples: int, seed: i
     splits = SPLITS if num_samples >= 5 * SPLITS else 0
     groups = {node: [_Welford() for _ in range(splits)] for node in wanted}
     probs = _Welford()
-    xt = torch.as_tensor(xs, dtype=torch.float32)
-    example = xt[:1]
     pyro.set_rng_seed(seed)
     with torch.no_grad(), pyro.validation_enabled(False):
+        draws = weight_samples(guide, args, {site: tuple(p.shape) for site, p in by_site.items()}, num_samples)
+        if scale != 1.0:  # the posterior with its variances times calibration
+            draws = {site: means[site] + scale * (value - means[site]) for site, value in draws.items()}
+        fast = None
+        if not per_layer and out_node:
+            parts = [_output_samples(gm, out_node, by_site, draws, inputs) for inputs in chunks]
+            done = [p for p in parts if p is not None]
+            fast = torch.cat(done, 1)[:, :len(xs)] if len(done) == len(parts) else None
         for k in range(num_samples):
-            for site, value in _guide_sample(guide, example).items():
-                param = by_site.get(site)
-                if param is not None:
-                    param.data.copy_(value.reshape(param.shape))
-            cap = _Capture(gm, wanted)
-            cap.run(xt)
-            for node, value in cap.values.items():
-                array = value.double().numpy()
+            sampled: dict[Any, torch.Tensor]
+            if fast is not None:
+                sampled = {out_node: fast[k]}
+            else:
+                for site, param in by_site.items():
+                    if site in draws:
+                        param.data.copy_(draws[site][k])
+                captured = []
+                for inputs in chunks:
+                    cap = _Capture(gm, wanted)
+                    cap.run(inputs[0], *inputs[1])
+                    captured.append(cap.values)
+                sampled = {node: torch.cat([c[node] for c in captured])[:len(xs)] for node in captured[0]}
+            arrays = {node: value.double().numpy() for node, value in sampled.items()}
+            for node, array in arrays.items():
                 stats[node].add(array)
                 if splits:
                     groups[node][k % splits].add(array)
             if out_node is not None:
-                probs.add(torch.softmax(cap.values[out_node].double(), -1).numpy())
+                logits = arrays[out_node]
+                e = np.exp(logits - logits.max(-1, keepdims=True))  # softmax in NumPy: tiny arrays, no threads
+                probs.add(e / e.sum(-1, keepdims=True))
+                if samples is not None:
+                    samples.append(logits.copy())
+    for site, param in by_site.items():
+        param.data.copy_(means[site])
     values = (execute or execute_all)(net.plan, xs)
     rows = []
     for layer in planned:
@@ -324,4 +479,4 @@ def _compare(net: Any, model: Any, guide: Any, x: Any, num_samples: int, seed: i
         pfp_prob = sampled_head_probs(out.mean, out.variance())
         agreement_probs = float(np.mean(pfp_prob.argmax(-1) == probs.mean.argmax(-1)))
         output.update(mc_mean=stats[out_node].mean, mc_var=stats[out_node].var, mc_prob=probs.mean, pfp_prob=pfp_prob)
-    return Diagnosis(rows, num_samples, len(xs), agreement, output, agreement_probs)
+    return Diagnosis(rows, num_samples, len(xs), agreement, output, agreement_probs, mismatches)

@@ -88,6 +88,10 @@ class TracedArgs:
         x = _rows(self.args[0], batch)
         return x, tuple(_rows(t, batch) for t in self.batched)
 
+    def inputs_at(self, x: torch.Tensor) -> tuple[torch.Tensor, tuple[torch.Tensor, ...]]:
+        """The traced module's inputs for the input batch ``x``: ``(x, batched arguments resized to it)``."""
+        return x, tuple(_rows(t, int(x.shape[0])) for t in self.batched)
+
     def at(self, x: torch.Tensor) -> ModelArgs:
         """The model's arguments for another input batch ``x`` (the batched arguments resized to it)."""
         return self.call(x, tuple(_rows(t, int(x.shape[0])) for t in self.batched))

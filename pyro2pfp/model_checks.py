@@ -21,6 +21,18 @@ def modules_of_function(model: Any) -> list[torch.nn.Module]:
     return reachable_modules(model)
 
 
+def first_linear(model: Any) -> str | None:
+    """The path of the Linear layer :func:`infer_input_shape` reads the input shape from (None: none)."""
+    if not isinstance(model, torch.nn.Module):
+        return None
+    for path, module in model.named_modules():
+        if isinstance(module, torch.nn.modules.conv._ConvNd):
+            return None
+        if isinstance(module, torch.nn.Linear):
+            return path or type(model).__name__
+    return None
+
+
 def infer_input_shape(model: torch.nn.Module) -> tuple[int, ...]:
     """The input shape fixed by the model's first layer, if that is a Linear layer."""
     for path, module in model.named_modules():

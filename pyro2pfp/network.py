@@ -262,12 +262,19 @@ def convert(model: Any, guide: Any = None, *, input_shape: tuple[int, ...] | Non
     ``net.reference(x)`` and ``exe(x)`` return a :class:`~pyro2pfp.ops.head.HeadOutput`.  The output
     must be a vector of logits per input (one logit: a Bernoulli/sigmoid output).
 
-    ``check=x_example`` (a small batch of inputs; off by default): after converting, sample the guide
-    150 times on those inputs and compare the logits' moments with the network's (its NumPy reference);
-    a :class:`~pyro2pfp.errors.FidelityWarning` naming the first layer that parts from sampling is issued
-    when they differ by more than the sample count explains; ``net.fidelity`` holds the figures
-    (:mod:`pyro2pfp.fidelity`).  Costs 150 guide samples and forward passes of the batch through the torch
-    model, so keep the batch small (a few dozen inputs); the message says how long it took.
+    ``check``: every conversion ends with a spot check (default, ``check=None``; :func:`pyro2pfp.fidelity.spot_check`):
+    the network's deterministic parameters read from the param store must equal the store's, and 64 guide
+    samples run through the traced model on two inputs (the example inputs, else two standard normal ones) must
+    agree with the network's NumPy reference within gross bounds (the logits' median mean error at most 6 Monte
+    Carlo standard errors, the median variance ratio within what 64 samples explain by a wide margin); else a
+    :class:`~pyro2pfp.errors.FidelityError` names the first layer that departs.  ``net.fidelity`` holds the
+    figures.  It costs 64 guide samples, their forward passes (vectorised) and the reference on two inputs
+    (``docs/fidelity.md`` gives the share of convert's time); ``check=False`` skips it.  ``check=x_example`` (a
+    small batch of inputs) is the careful check instead: 150 guide samples on those inputs, compared with the
+    network layer by layer; a :class:`~pyro2pfp.errors.FidelityWarning` naming the first layer that parts from
+    sampling is issued when they differ by more than the sample count explains; ``net.fidelity`` holds the
+    figures (:mod:`pyro2pfp.fidelity`).  Keep that batch small (a few dozen inputs); the message says how long
+    it took.
     """
     from .ops.head import append_head, check_head
     from .preserve import preserved
@@ -329,11 +336,17 @@ def convert(model: Any, guide: Any = None, *, input_shape: tuple[int, ...] | Non
                                   PFPWarning, stacklevel=3)
             planned = with_compact(planned, correlation)
             net = PFPNetwork(layer_graph, planned, nonweight_sites=traced.nonweight_sites, noise=noise)
-            if check is not None:
+            if check is None or check is True:
+                from .fidelity import spot_check
+
+                stage = "checking the network against samples of the guide (the spot check)"
+                if not net.input_variance:
+                    net.fidelity = spot_check(net, model, guide, traced=traced, args=example)
+            elif check is not False:
                 from .fidelity import check_fidelity
 
                 stage = "checking the network against sampling"
-                net.fidelity = check_fidelity(net, model, guide, check)
+                net.fidelity = check_fidelity(net, model, guide, check, traced=traced, args=example)
             return net
         except (PFPError, Warning):  # a Warning: the user's warnings filter made one an error
             raise

@@ -188,6 +188,9 @@ class PlannedGraph:
                 notes.append("inserted conversion")
             if p.layer.note:
                 notes.append(p.layer.note)
+            stale = [f"{role} = param store's '{param.store}'" for role, param in p.layer.params.items() if param.stale]
+            if stale:
+                notes.append(f"{', '.join(stale)} (the module object holds other values)")
             rows.append((p.name, p.op, p.layer.source, str(p.layer.out_shape),
                          ", ".join(map(str, p.in_reprs)), str(p.out_repr), "; ".join(notes)))
         widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]

@@ -42,16 +42,23 @@ _CREATORS = ("__init__", "__setstate__")  # a module made inside an undo block i
 
 class _ModuleState:
     """One module's attributes: the ``__dict__`` entries (dicts copied one level: parameters, buffers,
-    submodules, hooks, Pyro's samples/params) and its class."""
+    submodules, hooks, Pyro's samples/params) and its class.
+
+    The entries are restored into the ``__dict__`` object they were read from: an object that takes
+    another one's ``__dict__`` later (torch.fx's attribute proxies of the modules being exported do
+    ``proxy.__dict__ = module.__dict__``) must not empty the dict it now shares."""
 
     def __init__(self, module: torch.nn.Module) -> None:
         self.module = module
         self.cls = type(module)
+        self.state = vars(module)
         self.entries = {key: (value, copy.copy(value) if isinstance(value, dict) else None)
-                        for key, value in vars(module).items()}
+                        for key, value in self.state.items()}
 
     def restore(self) -> None:
-        state = vars(self.module)
+        state = self.state
+        if state is not vars(self.module):  # the object's __dict__ was replaced: its old one is not in use
+            return
         for key in [k for k in state if k not in self.entries]:
             del state[key]
         for key, (value, contents) in self.entries.items():

@@ -69,10 +69,10 @@ def replaced_random_modules(replacements: dict[str, torch.nn.Module]) -> Iterato
 
 
 
-def lifted_submodule(model: torch.nn.Module, sites: list[str]) -> tuple[str, str] | None:
-    """``(random_module name, path of the submodule)`` when the guide's latent ``sites`` all lift the
-    parameters of one submodule of ``model`` (the model itself: path ``""``) under one name, as
-    ``pyro.random_module(name, submodule, …)`` names them (``module$$$fc1.weight``); else None."""
+def lifted_submodule(model: torch.nn.Module, sites: list[str]) -> tuple[str, str, set[str]] | None:
+    """``(random_module name, path of the submodule, the lifted parameters' paths in it)`` when the guide's
+    latent ``sites`` all lift parameters of one submodule of ``model`` (the model itself: path ``""``) under
+    one name, as ``pyro.random_module(name, submodule, …)`` names them (``module$$$fc1.weight``); else None."""
     if not sites or not all(SEPARATOR in site for site in sites):
         return None
     names = {site.split(SEPARATOR)[0] for site in sites}
@@ -81,16 +81,17 @@ def lifted_submodule(model: torch.nn.Module, sites: list[str]) -> tuple[str, str
     lifted = {site.split(SEPARATOR, 1)[1] for site in sites}
     for path, sub in model.named_modules():
         if lifted <= {p for p, _ in sub.named_parameters()}:
-            return names.pop(), path
+            return names.pop(), path, lifted
     return None
 
 
-def lifting_model(name: str, model: torch.nn.Module, path: str) -> Any:
+def lifting_model(name: str, model: torch.nn.Module, path: str, lifted_paths: set[str]) -> Any:
     """A model function that runs ``model`` with its submodule at ``path`` lifted by
-    ``pyro.random_module(name, submodule, …)``: what a guide written for a random_module model samples,
-    when the user passes the network (or the module holding it) to ``convert``.  Further arguments
-    (the labels) are passed on where ``forward`` takes them; the priors are never sampled (the
-    posterior is read from the guide)."""
+    ``pyro.random_module(name, submodule, priors)``, with priors for the parameters ``lifted_paths`` (the
+    others stay parameters, read from the param store): what a guide written for a random_module model
+    samples, when the user passes the network (or the module holding it) to ``convert``.  Further arguments
+    (the labels) are passed on where ``forward`` takes them; the priors are never sampled (the posterior is
+    read from the guide)."""
     net = model.get_submodule(path) if path else model
     owner_path, _, attr = path.rpartition(".")
     owner = model.get_submodule(owner_path) if owner_path else model
@@ -98,7 +99,7 @@ def lifting_model(name: str, model: torch.nn.Module, path: str) -> Any:
 
     def lifting(x: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
         priors = {p: pyro.distributions.Normal(torch.zeros_like(v), 1.0).to_event(v.dim())
-                  for p, v in net.named_parameters()}
+                  for p, v in net.named_parameters() if p in lifted_paths}
         lifted = pyro.random_module(name, net, priors)()
         if not path:
             return lifted(x)

@@ -8,13 +8,18 @@
   graph.  An unguarded ``.cuda()`` on a machine without CUDA is named with its line
   (:func:`cuda_message`).
 * **A batch size turned into a Python int** (``len(x)`` for the plate, ``int(x.shape[0])``, a
-  NumPy array sized by the batch, ``x.shape[0] == 100``): the network needs the batch symbolic, and
-  torch reports only "Constraints violated (batch)".  :func:`batch_specialisations` records the
-  user's line where the batch size stopped being symbolic, so the message can name it.
+  NumPy array sized by the batch, ``x.shape[0] == 100``): torch reports only "Constraints violated
+  (batch)", and :func:`batch_specialisations` records the user's line where the batch size stopped
+  being symbolic.  Most often the int only sizes the likelihood's plate, which PFP strips: the model is
+  then traced at two fixed batch sizes, and :func:`batch_reaches_network` proves that the network the
+  output depends on is the same at both, op by op, with the batch only as the first dimension of its
+  activations -- so the program traced at one of them is the network for every batch size.  Where the
+  batch size does reach the network, the message names the line that fixed it and the op it reached.
 """
 from __future__ import annotations
 
 import contextlib
+import inspect
 import linecache
 import sys
 import sysconfig
@@ -60,6 +65,25 @@ def _user_frame_here() -> str | None:
             return _describe(frame.f_code.co_filename, frame.f_lineno, frame.f_code.co_name)
         frame = frame.f_back
     return None
+
+
+# ------------------------------------------------------------------------------------ source lines
+def named_forward(model: Any) -> Any:
+    """``model`` itself, or -- for a model function or method (``model(x, y)``, ``bnn.model``) -- the same
+    function under the code name ``forward``.
+
+    torch.export records, for every node, the stack frames of ``forward`` functions only (besides its own), so
+    the lines of a model function or a ``model()`` method would be missing from the messages that name the
+    user's line (:func:`pyro2pfp.trace_passes.user_source`); the copy runs the same code."""
+    fn = getattr(model, "__func__", model)
+    if not isinstance(fn, types.FunctionType) or fn.__code__.co_name == "forward":
+        return model
+    code = fn.__code__.replace(co_name="forward")
+    copy = types.FunctionType(code, fn.__globals__, fn.__name__, fn.__defaults__, fn.__closure__)
+    copy.__kwdefaults__, copy.__dict__ = fn.__kwdefaults__, dict(fn.__dict__)
+    copy.__signature__ = inspect.signature(fn)  # type: ignore[attr-defined]
+    owner = getattr(model, "__self__", None)
+    return types.MethodType(copy, owner) if owner is not None else copy
 
 
 # ------------------------------------------------------------------------------------ device moves
@@ -180,11 +204,64 @@ def batch_specialisations(found: list[str]) -> Iterator[None]:
             setattr(owner, attr, original)
 
 
-def specialisation_message(model_name: str, where: str | None) -> str:
-    """What to say when the batch dimension was fixed while the model was traced."""
+def specialisation_message(model_name: str, where: str | None, reached: str | None = None) -> str:
+    """What to say when the batch dimension was fixed while the model was traced (``reached``: where the fixed
+    size reaches the network, if known)."""
     at = f" at {where}" if where else ""
-    return (f"the model {model_name} fixes the batch size while it is traced{at}: it turns the batch dimension "
+    reaches = f", and {reached}" if reached else ""
+    return (f"the model {model_name} fixes the batch size while it is traced{at}{reaches}: it turns the batch "
+            "dimension "
             "into a Python int (len(x), int(x.shape[0]), a NumPy array sized by the batch, a test such as "
-            "x.shape[0] == 100, a plate's subsample_size, …), typically for the likelihood's plate. PFP needs one "
-            "network for every batch size: write x.shape[0] (or x.size(0)), which torch keeps symbolic, "
+            "x.shape[0] == 100, a plate's subsample_size, …). PFP needs one network for every batch size (a fixed "
+            "size that only sizes the likelihood's plate is fine): write x.shape[0] (or x.size(0)), which torch "
+            "keeps symbolic, "
             "e.g. pyro.plate('data', x.shape[0]) instead of pyro.plate('data', len(x)).")
+
+
+_BATCH_FIRST_SHAPES = {"view", "reshape", "_unsafe_view", "expand"}  # a shape argument: the batch may lead it
+
+
+def _plain_args(node: torch.fx.Node) -> list[Any]:
+    """The node's arguments with every node replaced by a placeholder, nested lists kept."""
+    return list(torch.fx.node.map_arg((node.args, node.kwargs), lambda _: "<node>"))
+
+
+def _same_but_batch(op: str, a: Any, b: Any, batches: tuple[int, int], top: bool = True) -> bool:
+    """``a`` (traced at ``batches[0]``) and ``b`` (at ``batches[1]``) are equal, but for a shape argument of a
+    view/reshape/expand that starts with the batch size."""
+    if isinstance(a, list | tuple) and isinstance(b, list | tuple) and len(a) == len(b):
+        if op in _BATCH_FIRST_SHAPES and a and all(isinstance(v, int) for v in (*a, *b)) and a[0] == batches[0] \
+                and b[0] == batches[1] and list(a[1:]) == list(b[1:]):
+            return True
+        return all(_same_but_batch(op, x, y, batches, False) for x, y in zip(a, b, strict=True))
+    if isinstance(a, dict) and isinstance(b, dict):
+        return a.keys() == b.keys() and all(_same_but_batch(op, a[k], b[k], batches, False) for k in a)
+    return type(a) is type(b) and a == b
+
+
+def batch_reaches_network(first: torch.export.ExportedProgram, second: torch.export.ExportedProgram,
+                          batches: tuple[int, int], reached: Any) -> str | None:
+    """None if the two programs, traced at the fixed batch sizes ``batches``, compute the same network: the
+    same tensor ops the output depends on, in the same order, with the same arguments (a view/reshape/expand
+    may start its shape with the batch size) and the batch only as the first dimension of every activation
+    (``reached(program)``: the nodes that depend on the input); else where the batch size reaches an op."""
+    from .trace_passes import tensor_ops, user_source
+
+    ops = [tensor_ops(first), tensor_ops(second)]
+    if [str(n.target) for n in ops[0]] != [str(n.target) for n in ops[1]]:
+        return "the network computes other ops at another batch size"
+    activations = reached(first)
+    for a, b in zip(*ops, strict=True):
+        op = str(a.target).removeprefix("aten.").split(".")[0]
+        where = f"{op} at {user_source(a)}"
+        va, vb = a.meta.get("val"), b.meta.get("val")
+        if isinstance(va, torch.Tensor) and isinstance(vb, torch.Tensor):
+            sa, sb = tuple(va.shape), tuple(vb.shape)
+            if a in activations:
+                if not sa or sa[0] != batches[0] or sb[0] != batches[1] or sa[1:] != sb[1:]:
+                    return f"the batch size changes the shape of {where} other than in its first dimension"
+            elif sa != sb:
+                return f"the batch size changes the shape of the weight {where}"
+        if not _same_but_batch(op, _plain_args(a), _plain_args(b), batches):
+            return f"the batch size reaches the arguments of {where}"
+    return None

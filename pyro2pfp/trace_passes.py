@@ -50,6 +50,30 @@ def fold_identity_broadcasts(program: torch.export.ExportedProgram) -> None:
     program.graph_module.recompile()
 
 
+def fold_output_broadcast(program: torch.export.ExportedProgram) -> None:
+    """Make an output that is an ``expand`` adding leading dimensions to a batch-first tensor that tensor.
+
+    A likelihood sampled inside the data plate with its event dimensions declared
+    (``Categorical(logits=z).to_event(1)`` in ``pyro.plate("data", n)``) is broadcast by the plate to the
+    batch shape ``(n, n)``: the tensor it was built from, the network's output, is then traced as
+    ``z.expand(n, n, k)`` -- copies of ``z``, one per plate entry, not a layer.  The output is ``z``."""
+    out_node = next(n for n in program.graph.nodes if n.op == "output")
+    outs = out_node.args[0]
+    node = outs[0] if isinstance(outs, tuple | list) and len(outs) >= 1 else outs
+    if not isinstance(node, torch.fx.Node) or node.target is not torch.ops.aten.expand.default:
+        return
+    source = node.args[0]
+    val, src = node.meta.get("val"), source.meta.get("val") if isinstance(source, torch.fx.Node) else None
+    if not isinstance(val, torch.Tensor) or not isinstance(src, torch.Tensor) or val.dim() <= src.dim() \
+            or src.dim() == 0 or not isinstance(src.shape[0], torch.SymInt):
+        return
+    if [str(d) for d in val.shape[val.dim() - src.dim():]] != [str(d) for d in src.shape]:
+        return
+    node.replace_all_uses_with(source)
+    program.graph_module.graph.eliminate_dead_code()
+    program.graph_module.recompile()
+
+
 def _replace_if_same_shape(node: torch.fx.Node, operand: Any) -> None:
     same = isinstance(operand, torch.fx.Node) and isinstance(operand.meta.get("val"), torch.Tensor) \
         and isinstance(node.meta.get("val"), torch.Tensor) and operand.meta["val"].shape == node.meta["val"].shape
@@ -121,6 +145,23 @@ def torch_module(node: torch.fx.Node, wrapper_prefix: str = "model.") -> tuple[s
         if name.startswith("torch.nn.") and cls not in _CONTAINERS:
             return path.removeprefix("L['self'].").removeprefix(wrapper_prefix), f"nn.{cls}"
     return None
+
+
+def user_source(node: torch.fx.Node) -> str:
+    """``file:line (`source text`)`` of the innermost frame of the model's code (not torch's,
+    Pyro's or pyro2pfp's) in ``node``'s recorded stack trace, or "a line of the model that torch did not
+    record"."""
+    import linecache
+    import re
+
+    trace = node.meta.get("stack_trace") or ""
+    frames = re.findall(r'File "([^"]+)", line (\d+), in (\S+)', trace)
+    user = [f for f in frames if not any(part in f[0] for part in ("/torch/", "/pyro/", "/pyro2pfp/", "<"))]
+    if not user:
+        return "a line of the model that torch did not record"
+    file, line, _ = user[-1]  # (a model function is traced under the name forward: trace_forms.named_forward)
+    code = linecache.getline(file, int(line)).strip()
+    return f"{file}:{line}" + (f" (`{code}`)" if code else "")
 
 
 def user_line(node: torch.fx.Node) -> str:

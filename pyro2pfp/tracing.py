@@ -15,8 +15,8 @@ each one is looked up by the site the parameter came from (recorded while buildi
 from __future__ import annotations
 
 import copy
-import difflib
 import functools
+import re
 import warnings
 from dataclasses import dataclass, field
 from typing import Any
@@ -25,20 +25,19 @@ import numpy as np
 import pyro
 import torch
 import torch.fx
+from pyro.infer.autoguide import AutoGuide
 from pyro.nn import PyroModule
 from pyro.nn.module import _make_name
-from pyro.poutine.messenger import Messenger
-from pyro.poutine.subsample_messenger import _Subsample
 
-from . import ops as _ops  # noqa: F401  (registers the converters that _check_supported_ops consults)
 from . import random_module, trace_forms
-from .converters import CONVERTERS, unsupported_message
 from .errors import PosteriorError, TracingError, UnsupportedLayerError
 from .graph import GaussianParam, GuideFactorInfo
 from .model_args import TracedArgs
-from .model_checks import check_has_forward, checked_input_shape, modules_of_function, warn_train_mode
+from .model_checks import check_has_forward, checked_input_shape, first_linear, modules_of_function, warn_train_mode
+from .model_output import LikelihoodSites, network_output
 from .noise import HeteroscedasticNoise, NoiseModel, NoNoiseModel, find_noise, read_head, scale_depends_on_input
-from .output_chain import check_output, network_output_of, trailing_chain_nodes
+from .output_chain import check_output
+from .param_expressions import input_dependent
 from .posterior import (
     ModelArgs,
     SiteReading,
@@ -49,17 +48,17 @@ from .posterior import (
     unwrap_independent,
 )
 from .posterior.readers import padded_parameters
-from .preserve import module_changes_undone
+from .posterior.registrations import Registration, module_tensors, registered_parameters, take_store_values
+from .preserve import module_changes_undone, reachable_modules
+from .program_checks import check_batch_independent, check_supported_ops
 from .site_matching import check_all_matched, guide_name, require_weight_posterior
 from .trace_passes import (
-    compute_ops,
     fold_identity_broadcasts,
+    fold_output_broadcast,
     repair_users,
-    tensor_ops,
-    torch_module,
     used_parameters,
-    user_line,
 )
+from .tracing_guard import check_against_model, check_store_values, store_names
 
 _WRAPPER_PREFIX = "model."
 
@@ -75,6 +74,7 @@ class TracedModel:
     params: dict[str, GaussianParam]
     input_shape: tuple[int, ...]
     model_name: str = ""
+    forward_name: str = ""  # how messages name the code computing the network: Net.forward, model(), Bnn.model()
     # Latent sites the model samples that do not flow into the output (e.g. a noise scale).
     nonweight_sites: dict[str, SiteReading] = field(default_factory=dict)
     # The regression likelihood's noise (pyro2pfp.noise), or why there is none.
@@ -84,6 +84,14 @@ class TracedModel:
     tyxe_gaussian_likelihood: bool = False
     # The graph's inputs after the network input (batched example arguments), named for messages.
     extra_inputs: list[str] = field(default_factory=list)
+    # How the program calls the model: its inputs for another input batch (TracedArgs.inputs_at).
+    traced_args: TracedArgs | None = None
+    # The program's floating-point tensor constants (a model function's modules' parameters and buffers), by
+    # constant name, deterministic (with the param store's name where the store holds them).
+    constants: dict[str, GaussianParam] = field(default_factory=dict)
+    # A model that fixes the batch size while traced (len(x) for its plate) is traced at this fixed batch size;
+    # the network is proven the same at every batch size, but the program runs at this one only. None: any.
+    static_batch: int | None = None
     # A correlated guide's global factors (their loadings are in params[...].factors).
     guide_factors: GuideFactorInfo | None = None
 
@@ -91,39 +99,6 @@ class TracedModel:
         """Whether the network's output is the mean (and scale) of a Normal likelihood (a regression),
         so that e.g. a final sigmoid is the mean's activation, not Bernoulli probabilities."""
         return self.tyxe_gaussian_likelihood or isinstance(self.noise, NoiseModel | HeteroscedasticNoise)
-
-
-def _likelihood_mean(fn: Any) -> torch.Tensor:
-    """What a model that returns its likelihood's sample is taken to return: the ``loc`` (the
-    network output) of a Normal-like likelihood, else a placeholder."""
-    loc = getattr(unwrap_independent(fn), "loc", None)
-    return loc if isinstance(loc, torch.Tensor) else torch.zeros(())
-
-
-class _ModelSites(Messenger):
-    """While the deterministic copy is exported: a latent sample site the guide has a posterior for
-    returns the wrapper's parameter holding its posterior mean (so the graph names it, and whether
-    it flows into the output shows); every other non-plate ``pyro.sample`` (the likelihood) is a
-    no-op returning its observed value or the mean that feeds it."""
-
-    def __init__(self, wrapper: _Wrapper) -> None:
-        super().__init__()
-        self.wrapper = wrapper
-
-    def _pyro_sample(self, msg: dict) -> None:
-        if isinstance(msg["fn"], _Subsample):  # plates must keep working
-            return
-        key = self.wrapper.site_keys.get(msg["name"])
-        if key is not None and not msg["is_observed"]:
-            self.wrapper.seen_sites.add(msg["name"])
-            msg["value"] = self.wrapper.functional[key]
-        else:
-            self.wrapper.likelihoods.append((msg["name"], msg["fn"]))
-            if msg["value"] is None:
-                msg["value"] = _likelihood_mean(msg["fn"])
-                self.wrapper.placeholders.append(id(msg["value"]))
-        msg["done"] = True
-        msg["stop"] = True
 
 
 def _module_call(self: torch.nn.Module, *args: Any, **kwargs: Any) -> Any:
@@ -190,15 +165,20 @@ def _pyro_param_value(module: PyroModule, attr: str) -> torch.Tensor:
 
 def _deterministic_copy(model: torch.nn.Module, means: dict[str, torch.Tensor]) -> torch.nn.Module:
     """Copy of ``model`` with every sample site replaced by an ``nn.Parameter`` (its mean)."""
+    # Not copied: guides the model holds (model.guide = AutoNormal(model): not part of the network; their traces
+    # hold tensors of the graph that computed them, which cannot be copied) and tensors computed with gradients.
+    memo: dict[int, Any] = {id(m): torch.nn.Module() for m in model.modules() if isinstance(m, AutoGuide)}
+    memo.update({id(t): t.detach() for m in model.modules() for t in vars(m).values()
+                 if isinstance(t, torch.Tensor) and not t.is_leaf})
     try:
-        det = copy.deepcopy(model)
+        det = copy.deepcopy(model, memo)
     except Exception as exc:
         raise TracingError(f"the model {type(model).__name__} cannot be copied ({type(exc).__name__}: {exc}): PFP "
                            "traces a copy of it that holds the posterior means. Make the model deep-copyable "
                            "(no open files, locks or generators among its attributes).") from exc
     originals = dict(model.named_modules())
     for path, module in det.named_modules():
-        if not isinstance(module, PyroModule):
+        if not isinstance(module, PyroModule) or path not in originals:
             continue
         original = originals[path]
         samples = list(module._pyro_samples)
@@ -225,6 +205,7 @@ class _Wrapper(torch.nn.Module):
             self.model = model
         else:
             self.__dict__["model"] = model  # a model function (pyro.random_module style)
+        self.__dict__["traced"] = trace_forms.named_forward(model)  # what forward() calls (the model itself)
         self.site_keys = {site: f"site{i}" for i, site in enumerate(functional_means)}
         self.functional = torch.nn.ParameterDict(
             {self.site_keys[site]: torch.nn.Parameter(mean, requires_grad=False)
@@ -232,9 +213,6 @@ class _Wrapper(torch.nn.Module):
         self.seen_sites: set[str] = set()
         self.lifted = torch.nn.ModuleDict()  # deterministic copies of pyro.random_module nets
         self.lifted_names: list[str] = []
-        # The non-latent sample sites of the last run (the likelihood): [(name, distribution)].
-        self.likelihoods: list[tuple[str, Any]] = []
-        self.placeholders: list[int] = []  # ids of the values the likelihood sites returned (no observation)
         # Heteroscedastic head: also return the Normal likelihood's loc and scale, so the graph shows
         # where they are read from (pyro2pfp.noise.read_head).
         self.probe_head = False
@@ -242,20 +220,24 @@ class _Wrapper(torch.nn.Module):
         self.head_site: set[str] = set()
         self.traced_args: TracedArgs | None = None  # the model's further arguments (convert's example_args)
 
+    def _latent(self, msg: dict) -> torch.Tensor | None:
+        """A latent site the guide has a posterior for returns the parameter holding its posterior mean (so
+        the graph names it, and whether it flows into the output shows)."""
+        key = self.site_keys.get(msg["name"])
+        if key is None:
+            return None
+        self.seen_sites.add(msg["name"])
+        return self.functional[key]
+
     def forward(self, x: torch.Tensor, batched: tuple = ()) -> Any:
-        self.likelihoods, self.placeholders = [], []
         args = self.traced_args.call(x, batched) if self.traced_args is not None else (x,)
-        with _ModelSites(self):
-            out = call_with_model_args(self.model, args)
-        if out is None or id(out) in self.placeholders:
-            # The model returns nothing (or its likelihood's sample): the network output is what the
-            # likelihood is built from (Categorical(logits=...), Bernoulli(probs=...), Normal(loc, ...)).
-            built_from = [t for t in (network_output_of(fn) for _, fn in self.likelihoods) if t is not None]
-            if len(built_from) == 1:
-                out = built_from[0]
+        sites = LikelihoodSites(self._latent)
+        with sites:
+            traced: Any = self.__dict__["traced"]
+            out = network_output(call_with_model_args(traced, args), sites)
         if not self.probe_head:
             return out
-        normals = [(name, unwrap_independent(fn)) for name, fn in self.likelihoods]
+        normals = [(name, unwrap_independent(fn)) for name, fn in sites.likelihoods]
         normals = [(name, fn) for name, fn in normals if isinstance(fn, torch.distributions.Normal)]
         if len(normals) != 1:
             raise TracingError(f"the likelihood's scale depends on the input, but the model has {len(normals)} "
@@ -276,56 +258,6 @@ def _functional_means(readings: dict[str, SiteReading], pyro_sample_sites: set[s
             for site, r in readings.items() if site not in pyro_sample_sites}
 
 
-def _check_supported_ops(program: torch.export.ExportedProgram, model_name: str) -> None:
-    """Raise :class:`UnsupportedLayerError` for the first op the output depends on that has no PFP
-    converter, naming the built-in torch module it is computed in (``attn`` (nn.MultiheadAttention)),
-    before anything else compares or converts the graph."""
-    chain = trailing_chain_nodes(program)  # a final normalisation: stripped later (pyro2pfp.output_chain)
-    for node in tensor_ops(program):
-        target = str(node.target)
-        if target in CONVERTERS or target.startswith("aten.sym_") or node in chain:
-            continue
-        op = target.removesuffix(".default")
-        module = torch_module(node, _WRAPPER_PREFIX)
-        if module is None:
-            raise UnsupportedLayerError(unsupported_message(f"{model_name or 'model'}.forward ({op})"))
-        path, cls = module
-        raise UnsupportedLayerError(unsupported_message(f"`{path}` ({cls})", f": {path} ({op}) has no PFP rule"))
-
-
-def _check_batch_independent(program: torch.export.ExportedProgram, wrapper: _Wrapper,
-                             input_shape: tuple[int, ...]) -> None:
-    """Raise :class:`TracingError` if ``forward`` computes something else at batch 1.
-
-    The program is traced with a symbolic batch, which torch assumes to be ≥ 2 (sizes 0 and 1 are
-    specialised), so ``if x.shape[0] > 1:`` is baked in without a guard.  A second trace at batch 1
-    must run the same computing ops in the same order, or the converted network would be wrong there.
-    Compared are the tensor ops the output depends on (arithmetic on the symbolic batch size exists
-    at batch ≥ 2 only); a difference inside a built-in torch module is torch lowering the same
-    module differently at batch 1, not a branch in the model, and is passed over.
-    """
-    assert wrapper.traced_args is not None
-    single = _export(wrapper, wrapper.traced_args.inputs(1), input_shape, dynamic=False)
-    fold_identity_broadcasts(single)
-    ops, ops1 = compute_ops(program), compute_ops(single)
-    keys, keys1 = ([(str(n.target), str(torch_module(n))) for n in nodes] for nodes in (ops, ops1))
-    matcher = difflib.SequenceMatcher(a=keys, b=keys1, autojunk=False)
-    for tag, i1, i2, j1, j2 in matcher.get_opcodes():
-        if tag == "equal":
-            continue
-        differing = [n for n in [*ops[i1:i2], *ops1[j1:j2]] if torch_module(n) is None]
-        if not differing:
-            continue
-        a = ops[i1] if i1 < i2 else None
-        b = ops1[j1] if j1 < j2 else None
-        where = user_line(differing[0])
-        first, second = (n.target if n is not None else "nothing" for n in (a, b))
-        raise TracingError(
-            f"the model computes differently at batch 1 than at batch ≥ 2 ({first} vs {second} at {where}): "
-            "forward() branches on the batch "
-            "size (e.g. `if x.shape[0] > 1:`). PFP needs one network for every batch size: remove the branch.")
-
-
 def _user_model_name(model: Any) -> str:
     """The name the user knows the model by (not the class of its deterministic copy)."""
     original = getattr(type(model), "_pfp_original", None)
@@ -334,6 +266,43 @@ def _user_model_name(model: Any) -> str:
     owner = getattr(model, "__self__", None)
     name = getattr(model, "__name__", None) or type(model).__name__
     return f"{type(owner).__name__}.{name}" if owner is not None else name
+
+
+class _BatchFixed(TracingError):
+    """The model fixed the batch size while it was traced with a symbolic one (see :func:`_static_program`)."""
+
+    def __init__(self, name: str, where: str | None) -> None:
+        super().__init__(trace_forms.specialisation_message(name, where))
+        self.name, self.where = name, where
+
+
+STATIC_BATCHES = (2, 3)  # the fixed batch sizes a model that fixes its batch size is traced at
+
+
+def _static_program(wrapper: _Wrapper, input_shape: tuple[int, ...],
+                    fixed: _BatchFixed) -> torch.export.ExportedProgram:
+    """The program of a model that fixes its batch size while traced (``len(x)`` for its plate): traced at the
+    two batch sizes :data:`STATIC_BATCHES`, it is the network for every batch size if the network is the same
+    in both (:func:`pyro2pfp.trace_forms.batch_reaches_network`); else the message names where the fixed size
+    reaches it."""
+    assert wrapper.traced_args is not None
+    programs = []
+    for batch in STATIC_BATCHES:
+        program = _export(wrapper, wrapper.traced_args.inputs(batch), input_shape, dynamic=False)
+        fold_identity_broadcasts(program)
+        programs.append(program)
+    why = trace_forms.batch_reaches_network(
+        programs[0], programs[1], STATIC_BATCHES,
+        lambda p: input_dependent(p.graph, set(p.graph_signature.user_inputs)))
+    if why is not None:
+        raise TracingError(trace_forms.specialisation_message(fixed.name, fixed.where, why)) from fixed
+    return programs[0]
+
+
+def _forward_name(model: Any) -> str:
+    """How messages name the code that computes the network: ``Net.forward``, ``model()``, ``Bnn.model()``."""
+    name = _user_model_name(model)
+    return f"{name}.forward" if isinstance(model, torch.nn.Module) else f"{name}()"
 
 
 def _export(wrapper: _Wrapper, inputs: tuple[torch.Tensor, tuple[torch.Tensor, ...]], input_shape: tuple[int, ...],
@@ -365,7 +334,7 @@ def _export(wrapper: _Wrapper, inputs: tuple[torch.Tensor, tuple[torch.Tensor, .
             raise TracingError(f"running the model {name} to trace it failed: "
                                f"{call_failure(wrapper.model, args, exc)}") from exc
         if "specialized it to be a constant" in str(exc) or "Constraints violated" in str(exc):
-            raise TracingError(trace_forms.specialisation_message(name, fixed_at[0] if fixed_at else None)) from exc
+            raise _BatchFixed(name, fixed_at[0] if fixed_at else None) from exc
         cuda = trace_forms.cuda_message(exc)
         if cuda is not None:
             raise TracingError(f"the model {name}: {cuda}") from exc
@@ -424,23 +393,28 @@ def _split_pyro_samples(program: torch.export.ExportedProgram, pyro_sample_sites
     return unused
 
 
+def _random_module_nets(model: Any, example: ModelArgs) -> dict[str, torch.nn.Module]:
+    """``{name: net}`` of the ``pyro.random_module(name, net, ...)`` calls of a model function."""
+    if isinstance(model, torch.nn.Module):
+        return {}
+    try:
+        return random_module.lifted_modules(model, lambda fn: call_with_model_args(fn, example))
+    except Exception as exc:  # the model function's own error
+        raise TracingError(f"running the model {_user_model_name(model)} failed: "
+                           f"{call_failure(model, example, exc)}") from exc
+
+
 def _build_wrapper(model: Any, readings: dict[str, SiteReading], weights: dict[str, GaussianParam],
-                   example: ModelArgs) -> tuple[_Wrapper, dict[str, str]]:
+                   lifted: dict[str, torch.nn.Module]) -> tuple[_Wrapper, dict[str, str]]:
     """The module to export: the deterministic copy (posterior means), a parameter per site sampled in
-    ``forward``, a deterministic copy per ``pyro.random_module`` net.  Also ``{parameter path: site}``
-    of the random modules' parameters."""
+    ``forward``, a deterministic copy per ``pyro.random_module`` net (``lifted``).  Also ``{parameter path:
+    site}`` of the random modules' parameters."""
     pyro_sample_sites = {p.site for p in weights.values() if p.site is not None}
     if isinstance(model, torch.nn.Module):
         det = _deterministic_copy(model, {path: torch.as_tensor(p.mean, dtype=torch.float32)
                                           for path, p in weights.items()})
-        lifted: dict[str, torch.nn.Module] = {}
     else:
         det = model
-        try:
-            lifted = random_module.lifted_modules(model, lambda fn: call_with_model_args(fn, example))
-        except Exception as exc:  # the model function's own error
-            raise TracingError(f"running the model {_user_model_name(model)} failed: "
-                               f"{call_failure(model, example, exc)}") from exc
     lifted_paths = {f"lifted.m{i}.{path}": f"{name}{random_module.SEPARATOR}{path}"
                     for i, (name, module) in enumerate(lifted.items()) for path, _ in module.named_parameters()}
     lifted_means = {site: torch.as_tensor(readings[site].mean, dtype=torch.float32)
@@ -495,37 +469,80 @@ def trace_model(model: Any, guide: Any, input_shape: tuple[int, ...] | None, *,
     if example is not None and input_shape is None:
         input_shape = tuple(example[0].shape[1:])
     check_has_forward(model)
+    inferred = first_linear(model) if input_shape is None else None
     input_shape = checked_input_shape(model, input_shape)
+    try:
+        return _trace(model, guide, input_shape, check_posterior, example)
+    except (PosteriorError, TracingError) as exc:  # a shape error where the input shape was guessed: say so
+        if inferred is None or not re.search(r"mat1 and mat2|cannot be multiplied|size mismatch|must match the size|"
+                                             r"is invalid for input of size|expected input", str(exc)):
+            raise
+        raise type(exc)(f"{exc} (input_shape was taken as {input_shape} from the first Linear layer '{inferred}': "
+                        "pass input_shape=(...) if the model's input has another shape)").with_traceback(
+            exc.__traceback__) from exc.__cause__
+
+
+def _trace(model: Any, guide: Any, input_shape: tuple[int, ...], check_posterior: bool,
+           example: ModelArgs | None) -> TracedModel:
     model_name = getattr(model, "__name__", type(model).__name__)
     warn_train_mode(model)
+    for module in reachable_modules(model, guide):  # every run below in eval mode (convert restores the modes):
+        module.eval()  # converted semantics, and running statistics that no run of the model updates
     if example is None:
         example = ModelArgs((_example_input(input_shape),))
     pyro_sample_sites = sample_sites(model) if isinstance(model, torch.nn.Module) else {}
+    originals = module_tensors(reachable_modules(model, guide))  # before reading syncs them with the store
     readings = read_posterior(model, guide, example, weight_sites=pyro_sample_sites.values(),
                               check=check_posterior)
     factors = guide_factors(guide, readings)
     lifted = random_module.lifted_submodule(model, list(readings)) \
         if isinstance(model, torch.nn.Module) and not pyro_sample_sites else None
     if lifted is not None:  # the net a pyro.random_module model lifts (or a module holding it) as the model
-        model = random_module.lifting_model(lifted[0], model, lifted[1])
+        model = random_module.lifting_model(lifted[0], model, lifted[1], lifted[2])
     params = _pyro_sample_weights(model, readings, guide)
+    nets = _random_module_nets(model, example)
+    # The param store holds the deterministic parameters too: the user's modules take its values (restored
+    # by convert), so the deterministic copy, the lifted nets and a model function's modules compute with them.
+    registrations = registered_parameters(model, guide, example, reachable_modules(model, guide), nets, readings,
+                                          originals)
+    take_store_values(registrations)
 
-    wrapper, lifted_paths = _build_wrapper(model, readings, params, example)
+    wrapper, lifted_paths = _build_wrapper(model, readings, params, nets)
     wrapper.traced_args = TracedArgs(example)
     wrapper.probe_head = scale_depends_on_input(model, guide, input_shape, wrapper.traced_args.at)
     with random_module.replaced_random_modules(
             {name: wrapper.lifted[f"m{i}"] for i, name in enumerate(wrapper.lifted_names)}):
-        program = _export(wrapper, wrapper.traced_args.inputs(2), input_shape)
+        static_batch = None
+        try:
+            program = _export(wrapper, wrapper.traced_args.inputs(2), input_shape)
+        except _BatchFixed as fixed:  # e.g. pyro.plate("data", len(x)): the network may not depend on it
+            program, static_batch = _static_program(wrapper, input_shape, fixed), STATIC_BATCHES[0]
         fold_identity_broadcasts(program)
+        fold_output_broadcast(program)
         extra_names = list(wrapper.traced_args.batched_names)
         if not wrapper.probe_head:  # else the program ends at the network output once the head is read
             check_output(program, model, extra_names)
-            _check_supported_ops(program, model_name)
-        _check_batch_independent(program, wrapper, input_shape)
+            check_supported_ops(program, _forward_name(model), _WRAPPER_PREFIX)
+        single = _export(wrapper, wrapper.traced_args.inputs(1), input_shape, dynamic=False)
+        fold_identity_broadcasts(single)
+        check_batch_independent(program, single)
+    traced_paths = [name.removeprefix(_WRAPPER_PREFIX) for name, _ in program.named_parameters()]
+    in_store = store_names(model, registrations, nets, traced_paths)
+    check_store_values({name.removeprefix(_WRAPPER_PREFIX): p.detach().to(torch.float64).numpy()
+                        for name, p in program.named_parameters()
+                        if name.removeprefix(_WRAPPER_PREFIX) in in_store}, in_store)
+    x = wrapper.traced_args.inputs(2)[0] if example.given else \
+        torch.randn((2, *input_shape), generator=torch.Generator().manual_seed(0))
+    means = {**{site: wrapper.functional[key].detach() for site, key in wrapper.site_keys.items()},
+             **{p.site: torch.as_tensor(p.mean, dtype=torch.float32) for p in params.values() if p.site is not None},
+             **{site: torch.as_tensor(readings[site].mean, dtype=torch.float32) for site in lifted_paths.values()
+                if site in readings and readings[site].mean is not None}}
+    check_against_model(program, model, wrapper.traced_args.at(x), wrapper.traced_args.inputs_at(x), means,
+                        _user_model_name(model))
     head = _end_at_head(program, next(iter(wrapper.head_site))) if wrapper.probe_head else None
     if head is not None:
         check_output(program, model, extra_names)
-        _check_supported_ops(program, model_name)
+        check_supported_ops(program, _forward_name(model), _WRAPPER_PREFIX)
 
     exported_weights, nonweights = _classify_exported_sites(wrapper, lifted_paths, program, readings, guide)
     unused_samples = _split_pyro_samples(program, pyro_sample_sites, params, readings, guide)
@@ -546,18 +563,36 @@ def trace_model(model: Any, guide: Any, input_shape: tuple[int, ...] | None, *,
         path = name.removeprefix(_WRAPPER_PREFIX)
         if path not in params and not path.startswith("functional."):
             arr = param.detach().to(torch.float64).numpy().copy()
-            params[path] = GaussianParam(arr, np.zeros_like(arr))
+            reg = in_store.get(path)
+            params[path] = GaussianParam(arr, np.zeros_like(arr), store=reg.name if reg else None,
+                                         stale=bool(reg and reg.stale))
+    constants = _constants(program, registrations)
     for name, buffer in program.named_buffers():
         path = name.removeprefix(_WRAPPER_PREFIX)
         arr = buffer.detach().to(torch.float64).numpy().copy()
         params[path] = GaussianParam(arr, np.zeros_like(arr))
     return TracedModel(program=program, params=params, input_shape=input_shape,
-                       extra_inputs=list(wrapper.traced_args.batched_names),
-                       model_name=model_name,
+                       extra_inputs=list(wrapper.traced_args.batched_names), traced_args=wrapper.traced_args,
+                       constants=constants, static_batch=static_batch,
+                       model_name=model_name, forward_name=_forward_name(model),
                        nonweight_sites={site: readings[site] for site in sorted(nonweights)},
                        guide_factors=None if factors is None else factors.info(),
                        noise=head if head is not None else find_noise(model, readings, nonweights, input_shape,
                                                                         wrapper.traced_args.at))
+
+
+def _constants(program: torch.export.ExportedProgram, registrations: list[Registration]) -> dict[str, GaussianParam]:
+    """The program's floating-point tensor constants as deterministic parameters; a constant that is a param
+    store tensor (a model function's module holds the store's tensors while it is traced) names its entry."""
+    by_storage = {reg.tensor.untyped_storage().data_ptr(): reg for reg in registrations if reg.tensor.numel()}
+    out = {}
+    for name, value in program.constants.items():
+        if isinstance(value, torch.Tensor) and value.is_floating_point():
+            mean = value.detach().to(torch.float64).numpy().copy()
+            reg = by_storage.get(value.untyped_storage().data_ptr()) if value.numel() else None
+            out[name] = GaussianParam(mean, np.zeros_like(mean), store=reg.name if reg else None,
+                                      stale=bool(reg and reg.stale))
+    return out
 
 
 def _end_at_head(program: torch.export.ExportedProgram, site: str) -> HeteroscedasticNoise:

@@ -9,6 +9,7 @@ the identity on one of its inputs (dropout at inference, ``contiguous``, …).
 from __future__ import annotations
 
 import operator
+import re
 import warnings
 from typing import Any
 
@@ -22,6 +23,8 @@ from .errors import InternalError, PFPError, TracingError, UnsupportedLayerError
 from .graph import INPUT, GaussianParam, Layer, LayerGraph
 from .onedim import lift_1d
 from .output_chain import extra_input_error, strip_output_normalisation
+from .param_expressions import ParamExpressions, input_dependent
+from .trace_passes import user_source
 from .tracing import _WRAPPER_PREFIX, TracedModel
 
 # Ops that only compute shapes (SymInts) or are bookkeeping; never activations.
@@ -36,7 +39,8 @@ def _module_path(node: torch.fx.Node) -> str:
     path = path.removeprefix("L['self'].")
     if path == "model":
         return ""
-    return path.removeprefix(_WRAPPER_PREFIX)
+    # A pyro.random_module net's deterministic copy (tracing._Wrapper.lifted): the net's own paths.
+    return re.sub(r"^lifted\.m\d+(\.|$)", "", path.removeprefix(_WRAPPER_PREFIX))
 
 
 class ConversionContext:
@@ -46,6 +50,14 @@ class ConversionContext:
         self.traced = traced
         sig = traced.program.graph_signature
         self._param_of = {**sig.inputs_to_parameters, **sig.inputs_to_buffers}
+        values = {name: traced.params[path.removeprefix(_WRAPPER_PREFIX)] for name, path in self._param_of.items()
+                  if path.removeprefix(_WRAPPER_PREFIX) in traced.params}
+        for name, fqn in sig.inputs_to_lifted_tensor_constants.items():  # e.g. a model function's module tensors
+            if fqn in traced.constants:
+                values[name] = traced.constants[fqn]
+        reached = input_dependent(traced.program.graph, set(sig.user_inputs))
+        # Weights computed from parameters in forward (w.T, b.expand(batch, -1)): param_expressions.
+        self.weights = ParamExpressions(values, reached, self.source)
         self._names: dict[torch.fx.Node, str] = {}
         self._used: set[str] = {INPUT}
         self.layers: list[Layer] = []
@@ -57,7 +69,8 @@ class ConversionContext:
         """Module path and torch op of a node, for summaries and errors: ``fc1 (aten.linear)``."""
         op = str(node.target).removesuffix(".default")
         path = _module_path(node)
-        return f"{path} ({op})" if path else f"{self.traced.model_name or 'model'}.forward ({op})"
+        where = self.traced.forward_name or f"{self.traced.model_name or 'model'}.forward"
+        return f"{path} ({op})" if path else f"{where} ({op})"
 
     def module_path(self, node: torch.fx.Node) -> str:
         return _module_path(node)
@@ -66,16 +79,17 @@ class ConversionContext:
         """The Gaussian parameter behind a placeholder argument (None for an absent optional arg)."""
         if arg is None:
             return None
-        if isinstance(arg, torch.fx.Node) and arg.name in self._param_of:
-            return self.traced.params[self._param_of[arg.name].removeprefix(_WRAPPER_PREFIX)]
+        if self.weights.is_weight(arg):
+            return self.weights.value(arg)
         raise UnsupportedLayerError(
             f"{self.source(node)}: the {role} is computed in forward() rather than being a "
             "parameter/sample site; PFP needs weights that are model parameters."
         )
 
     def is_parameter(self, arg: Any) -> bool:
-        """Whether an argument is a model parameter/buffer (a weight or sample site), not an activation."""
-        return isinstance(arg, torch.fx.Node) and arg.name in self._param_of
+        """Whether an argument is a model parameter/buffer (a weight or sample site), or computed from them alone
+        (:mod:`pyro2pfp.param_expressions`), not an activation."""
+        return self.weights.is_weight(arg)
 
     def producer(self, arg: Any) -> Layer | None:
         """The layer whose output an activation argument is (None for the network input)."""
@@ -86,11 +100,11 @@ class ConversionContext:
         """The layer name that produces an activation argument."""
         if isinstance(arg, torch.fx.Node) and arg in self._names:
             return self._names[arg]
-        if isinstance(arg, torch.fx.Node) and arg.name in self._param_of:
-            path = self._param_of[arg.name].removeprefix(_WRAPPER_PREFIX)
+        if self.weights.is_weight(arg):
+            path = self._param_of.get(arg.name, "").removeprefix(_WRAPPER_PREFIX)
             param = self.traced.params.get(path)
             what = f"the weight of sample site '{param.site}'" if param is not None and param.site else \
-                f"parameter {path}"
+                f"parameter {path}" if path else f"a value computed from parameters ({user_source(arg)})"
             raise UnsupportedLayerError(
                 f"{self.source(node)}: computes with {what} as if it were an activation (PFP reads weights only "
                 "where a Linear/Conv/matmul/normalisation layer uses them directly). Use the weight as it is: "
@@ -105,7 +119,8 @@ class ConversionContext:
         if not isinstance(val, torch.Tensor) or val.dim() == 0:
             raise UnsupportedLayerError(f"{arg.name}: expected a batched tensor, got {val!r}")
         dims = list(val.shape)
-        if isinstance(dims[0], int) or not isinstance(dims[0], torch.SymInt):
+        static = self.traced.static_batch  # a model that fixed its batch size: traced at that size
+        if not isinstance(dims[0], torch.SymInt) and (static is None or dims[0] != static):
             raise UnsupportedLayerError(
                 f"{self.source(arg) if arg.op == 'call_function' else arg.name}: the batch dimension "
                 f"is not the first axis of shape {tuple(dims)}; PFP layers keep the batch first."
@@ -185,7 +200,7 @@ def build_layer_graph(traced: TracedModel) -> LayerGraph:
                 which = names[index] if 0 <= index < len(names) else "an example argument besides the input"
                 raise extra_input_error(which)
             continue
-        if node.op != "call_function":
+        if node.op != "call_function" or ctx.weights.is_weight(node):  # a weight: read by the layer using it
             continue
         target = str(node.target)
         if target in _SHAPE_OPS or not isinstance(node.meta.get("val"), torch.Tensor | tuple | list):
@@ -209,7 +224,10 @@ def build_layer_graph(traced: TracedModel) -> LayerGraph:
                 f"report it with the model's code (pyro2pfp {__version__}); the original exception is "
                 "chained") from exc
         if isinstance(out, Alias):
-            ctx._names[node] = ctx.activation(out.node, node)
+            name = ctx.activation(out.node, node)
+            ctx._names[node] = name
+            if ctx.origins.get(name) == getattr(out.node, "name", None):
+                ctx.origins[name] = node.name  # the layer's value is now this node's (a bias add folded into it)
         else:
             layers = out if isinstance(out, list) else [out]
             ctx.layers.extend(layers)

@@ -1,5 +1,5 @@
 """The ``pyro2pfp`` command line: convert a trained Pyro BNN to a compiled library or ONNX file,
-inspect it, run it on saved inputs and benchmark it.  See ``pyro2pfp --help``.
+inspect it, run it on saved inputs, score datasets on Ray Data and benchmark it.  See ``pyro2pfp --help``.
 
 :mod:`~.parser` builds the argument parser, :mod:`~.commands` holds one function per command,
 :mod:`~.files` the files they read and write, and :mod:`~.app` the entry point :func:`main`.  Loading a
@@ -32,9 +32,10 @@ from .parser import (
     positive_float,
     positive_int,
 )
+from .score import cmd_score
 
 __all__ = ["BUILDER_HELP", "DEFAULT_FUNCTION", "LIBRARY_EXTS", "MAIN_DESCRIPTION", "MAIN_EPILOG", "CLIError",
            "build_model_and_guide", "build_parser", "cmd_bench", "cmd_convert", "cmd_diagnose", "cmd_inspect",
-           "cmd_predict", "cmd_validate", "convert_from_args", "load_array", "load_builder", "load_example",
-           "load_param_store", "load_predictor", "main", "non_negative_float", "parse_int_list", "parse_shape",
-           "positive_float", "positive_int", "_tune_spec"]
+           "cmd_predict", "cmd_score", "cmd_validate", "convert_from_args", "load_array", "load_builder",
+           "load_example", "load_param_store", "load_predictor", "main", "non_negative_float", "parse_int_list",
+           "parse_shape", "positive_float", "positive_int", "_tune_spec"]

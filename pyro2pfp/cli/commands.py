@@ -32,7 +32,12 @@ def convert_from_args(args: argparse.Namespace):
     if getattr(args, "head", None):
         options["head"] = args.head
     if getattr(args, "check", None):
+        if getattr(args, "no_check", False):
+            raise CLIError("--check X.npy and --no-check: give one (--check runs the careful check instead of the "
+                           "spot check, --no-check skips both)")
         options["check"] = load_array(args.check, "check input")
+    elif getattr(args, "no_check", False):
+        options["check"] = False
     if getattr(args, "example", None):
         options["example_args"], options["example_kwargs"] = load_example(args.example)
     correlation: Any = args.correlation

@@ -11,6 +11,7 @@ import numpy as np
 from ..loading import DEFAULT_FUNCTION
 from ..options import Correlation, Head, Hermite, Injection, MomentForm, values
 from .commands import cmd_bench, cmd_convert, cmd_diagnose, cmd_inspect, cmd_predict, cmd_validate
+from .score import cmd_score
 
 MAIN_DESCRIPTION = """\
 Turn a Bayesian neural network trained with Pyro into a Probabilistic Forward Pass (PFP) network:
@@ -35,6 +36,7 @@ examples:
   pyro2pfp inspect builder.py:build --params params.pt --input-shape 1,28,28
   pyro2pfp inspect net.so
   pyro2pfp predict net.so images.npy -o predictions.npz
+  pyro2pfp score net.so pool/ -o scored/ --metrics
   pyro2pfp bench builder.py:build --params params.pt --input-shape 1,28,28
 
 Run 'pyro2pfp COMMAND --help' for the options of each command.
@@ -191,6 +193,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="after converting, compare the output moments with 150 samples of the guide on these "
                         "inputs (a few, e.g. 16; ~150 forward passes of them) and warn, naming the first layer "
                         "that parts from sampling, when they differ beyond the sampling noise (convert(check=x))")
+    p.add_argument("--no-check", action="store_true",
+                   help="skip the spot check every conversion ends with (64 guide samples on two inputs; a gross "
+                        "difference from the network is an error naming the first layer that departs; "
+                        "convert(check=False))")
     p.set_defaults(func=cmd_convert)
 
     p = sub.add_parser("inspect", formatter_class=formatter, help="print the layer plan of a model or file",
@@ -258,4 +264,51 @@ def build_parser() -> argparse.ArgumentParser:
                    help="allowed error relative to the largest reference value (default 1e-4)")
     _add_remote_options(p, required=True)
     p.set_defaults(func=cmd_validate)
+
+    _add_score_parser(sub, formatter)
     return parser
+
+
+def _add_score_parser(sub: Any, formatter: Any) -> None:
+    p = sub.add_parser(
+        "score", formatter_class=formatter, help="score .npy/.npz/Parquet shards on Ray Data into Parquet files",
+        description=textwrap.dedent("""\
+        Score every row of the input shards with a converted network on Ray Data -- a local Ray instance
+        with this machine's CPUs, or a cluster (--ray-address) -- and write one Parquet file per shard to
+        OUT_DIR: the shard's row index, its id columns, mean and var (with --metrics also the uncertainty:
+        total, aleatoric, epistemic, probs).  A shard whose output file exists is skipped, so an
+        interrupted run continues where it stopped; a shard that cannot be read or scored is reported by
+        name and the others are finished (exit status 1)."""),
+        epilog="examples:\n"
+               "  pyro2pfp score net.so pool/ -o scored/ --metrics\n"
+               "  pyro2pfp score net.so shard_*.npy -o scored/ --ray-address auto\n"
+               "  pyro2pfp score net_x86.so data.parquet -o scored/ --library net_aarch64.so --column image")
+    p.add_argument("model", metavar="MODEL", help="net.so / net.tar (with its .json file) or net.onnx; its files "
+                                                  "are sent to every worker")
+    p.add_argument("inputs", metavar="INPUT", nargs="+",
+                   help=".npy / .npz files (inputs (rows, *input_shape); an .npz's 'x' and its 1-D arrays as ids), "
+                        "Parquet files with a fixed-shape tensor column, or directories of them")
+    p.add_argument("--output", "-o", required=True, metavar="OUT_DIR", help="directory of the output Parquet files")
+    p.add_argument("--library", action="append", metavar="PATH",
+                   help="another library (or ONNX model) for workers that cannot run MODEL, e.g. one "
+                        "cross-compiled for aarch64 nodes; each worker takes the first it can run (repeatable)")
+    p.add_argument("--metrics", action="store_true",
+                   help="add total, aleatoric and epistemic uncertainty (nats) and probs (logit sampling)")
+    p.add_argument("--samples", type=positive_int, default=100, help="logit samples for --metrics (default 100)")
+    p.add_argument("--seed", type=int, default=0, help="seed of the logit samples (default 0)")
+    p.add_argument("--column", metavar="NAME", help="the input column of Parquet / .npz shards (default 'x', "
+                                                    "or the only tensor column)")
+    p.add_argument("--batch-size", type=positive_int, default=256, help="rows per call of the network (default 256)")
+    p.add_argument("--rows-per-block", type=positive_int, default=None, metavar="ROWS",
+                   help="rows per read task and object-store block (default 16 x batch size; Parquet shards are "
+                        "read by whole row groups)")
+    p.add_argument("--workers", type=positive_int, default=None,
+                   help="scoring workers (default: one per CPU of the Ray cluster)")
+    p.add_argument("--cpus-per-worker", type=positive_float, default=None, metavar="CPUS",
+                   help="logical CPUs per worker (default: just under 1, leaving every node 0.5 CPU for reading)")
+    p.add_argument("--ray-address", metavar="auto|HOST:PORT",
+                   help="run on an existing Ray cluster (ray start --head); default: a local Ray instance "
+                        "with this machine's CPUs")
+    p.add_argument("--quiet", "-q", action="store_true", help="no progress lines")
+    p.set_defaults(func=cmd_score)
+

@@ -130,7 +130,10 @@ def _bias_add(node, ctx, activation, bias_arg) -> Alias:
     bias = ctx.param(bias_arg, node, "bias")
     channels = producer.out_shape[0]
     per_channel = (channels,) + (1,) * (len(producer.out_shape) - 1)  # (M,) for dense, (C, 1, 1) for conv
-    if bias.shape != per_channel:
+    shape = bias.shape
+    while len(shape) > len(per_channel) and shape[0] == 1:  # b.unsqueeze(0), b.view(1, -1, 1, 1): over the batch
+        shape = shape[1:]
+    if shape != per_channel:
         raise ctx.unsupported(node, f"a bias of shape {bias.shape} added to a {producer.op} output of shape "
                                     f"(batch, {', '.join(map(str, producer.out_shape))}); expected {per_channel}")
     producer.params["bias"] = bias.mapped(lambda a: a.reshape(channels))

@@ -48,6 +48,9 @@ try:
 except pyro2pfp.InputShapeError as exc:
     shape_error = str(exc)
 head = pyro2pfp.load(head_lib)(x)
+from pyro2pfp.scoring import Scorer
+
+scored = Scorer(lib, metrics=True)({{"id": np.arange(3), "x": x}})
 onnx_mean, onnx_var = load_predictor(onnx_path)(x)
 cli_predict = main(["predict", lib, x_path, "-o", out + ".cli.npz", "--show", "0"])
 cli_inspect = main(["inspect", lib])
@@ -63,7 +66,7 @@ import tvm  # the compiler, which profiling a predictor loaded without it needs
 rows = len(exe.profile(x, repeats=1).rows)
 np.savez(out, mean=mean, var=var, mean4=mean4, var4=var4, probs=head.probs,
          mutual_information=head.mutual_information, epistemic=metrics["epistemic"], onnx_mean=onnx_mean,
-         onnx_var=onnx_var)
+         onnx_var=onnx_var, scored_mean=scored["mean"], scored_epistemic=scored["epistemic"])
 print(json.dumps({{"imported": imported, "specialised": exe.vm_for_batch(3) is not exe.vm,
                   "shape_error": shape_error, "convert_error": convert_error, "cli": [cli_predict, cli_inspect],
                   "profile_rows": rows}}))
@@ -89,10 +92,10 @@ def exported(tmp_path_factory):
 def test_a_board_without_torch_pyro_or_scipy_loads_predicts_and_checks(exported):
     """In a process where torch, Pyro and SciPy cannot be imported: ``pyro2pfp.load`` (with the
     batch-specialised executable the sidecar lists), calls, the input checks, ``uncertainty()``, a
-    network with the uncertainty head, the ONNX predictor and the CLI's ``predict`` / ``inspect`` all
-    work, without importing TVM's compiler either; the outputs are bit-identical to ``pyro2pfp.load``
-    in this process (the full package).  ``pyro2pfp.convert`` says what is missing.  Importing the
-    compiler afterwards, the loaded predictor is profiled."""
+    network with the uncertainty head, the dataset scorer, the ONNX predictor and the CLI's
+    ``predict`` / ``inspect`` all work, without importing TVM's compiler either; the outputs are
+    bit-identical to ``pyro2pfp.load`` in this process (the full package).  ``pyro2pfp.convert`` says
+    what is missing.  Importing the compiler afterwards, the loaded predictor is profiled."""
     tmp, x = exported
     (tmp / "child.py").write_text(RUNTIME_ONLY.format(not_installed=NOT_INSTALLED))
     result = subprocess.run([sys.executable, str(tmp / "child.py"), str(tmp / "mlp.so"), str(tmp / "head.so"),
@@ -116,6 +119,10 @@ def test_a_board_without_torch_pyro_or_scipy_loads_predicts_and_checks(exported)
         np.testing.assert_array_equal(out["var4"], var4)
         np.testing.assert_array_equal(out["epistemic"],
                                       pyro2pfp.uncertainty(mean, var, num_samples=50, seed=0)["epistemic"])
+        np.testing.assert_array_equal(out["scored_mean"], mean)
+        from pyro2pfp.scoring import Scorer
+
+        np.testing.assert_array_equal(out["scored_epistemic"], Scorer(tmp / "mlp.so", metrics=True)(x)["epistemic"])
         head = pyro2pfp.load(tmp / "head.so")(x)
         np.testing.assert_array_equal(out["probs"], head.probs)
         np.testing.assert_array_equal(out["mutual_information"], head.mutual_information)

@@ -4,6 +4,8 @@ from __future__ import annotations
 import subprocess
 import sys
 
+import pytest
+
 
 def _modules_after(code: str) -> set[str]:
     out = subprocess.run([sys.executable, "-c", f"{code}\nimport sys; print(' '.join(sys.modules))"],
@@ -82,3 +84,51 @@ def test_no_import_cycles():
 
 def test_cycle_detector_sees_a_cycle():
     assert _cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}}) == [["a", "b", "c", "a"]]
+
+
+PICKLING = """\
+import pickle, pkgutil, sys, importlib
+
+import cloudpickle
+import pyro2pfp
+
+
+class Scorer:  # a user's class referring to the module-level package, as Ray ships it to workers
+    def __call__(self, x):
+        return pyro2pfp.uncertainty, pyro2pfp.load
+
+
+# every submodule imported (the import system binds each to the package's attribute of its name)
+for info in pkgutil.walk_packages(pyro2pfp.__path__, "pyro2pfp."):
+    if not info.name.endswith("__main__"):
+        importlib.import_module(info.name)
+assert callable(pyro2pfp.diagnose) and callable(pyro2pfp.uncertainty), (pyro2pfp.diagnose, pyro2pfp.uncertainty)
+assert type(pyro2pfp) is type(sys), type(pyro2pfp)
+assert cloudpickle.loads(cloudpickle.dumps(pyro2pfp)) is pyro2pfp
+assert cloudpickle.loads(cloudpickle.dumps(Scorer))()(None) == (pyro2pfp.uncertainty, pyro2pfp.load)
+for obj in (pyro2pfp.diagnose, pyro2pfp.convert, pyro2pfp.PFPNetwork, pyro2pfp.Correlation.AUTO,
+            pyro2pfp.SharedFactor(), pyro2pfp.InputShapeError("x has shape (3,)"), pyro2pfp.Diagnosis):
+    for dumps in (pickle.dumps, cloudpickle.dumps):
+        back = pickle.loads(dumps(obj))
+        assert back is obj or (back == obj or str(back) == str(obj)), (obj, back)
+print("ok")
+"""
+
+
+def test_the_package_pickles_by_reference():
+    """A user's class that refers to the module-level package ships to a Ray worker (cloudpickle)."""
+    import cloudpickle
+
+    import pyro2pfp
+
+    assert type(pyro2pfp) is type(sys) and cloudpickle.loads(cloudpickle.dumps(pyro2pfp)) is pyro2pfp
+
+
+@pytest.mark.slow
+def test_the_package_and_its_objects_pickle_after_any_submodule_is_imported():
+    """``import pyro2pfp`` is a plain module: it pickles by reference with cloudpickle (a user's class
+    that refers to it ships to a Ray worker), as do its functions, classes, options and errors with the
+    standard pickle; and importing any submodule -- ``pyro2pfp.diagnose`` is also a module's name --
+    leaves the package's functions the functions."""
+    out = subprocess.run([sys.executable, "-c", PICKLING], capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0 and out.stdout.strip() == "ok", out.stderr[-3000:]

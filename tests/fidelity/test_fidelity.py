@@ -1,5 +1,6 @@
 """convert(..., check=x): the network compares itself with samples of the guide and warns, naming the
-first layer that parts from sampling, when the output moments differ beyond the sampling noise."""
+first layer that parts from sampling, when the output moments differ beyond the sampling noise (the spot check
+every convert runs refuses gross differences: tests/fidelity/test_spot_check.py)."""
 from __future__ import annotations
 
 import logging
@@ -91,8 +92,13 @@ def test_check_warns_at_max_pooling_and_leaves_the_user_state_alone():
     guide = _guide(model, x, {"conv.bias": 1.0})
     store = _store_snapshot()
     pyro.set_rng_seed(5)
-    # the paper's independent max pool: the rule this check must catch
-    pyro2pfp.convert(model, guide, input_shape=(1, 8, 8), correlation="mean-field", max_pool="independent")
+    # the paper's independent max pool: the rule this check must catch; so grossly that the spot check every
+    # convert runs refuses it, naming the pool
+    with pytest.raises(pyro2pfp.FidelityError, match=r"first layer past these bounds is 'max_pool2d'"):
+        pyro2pfp.convert(model, guide, input_shape=(1, 8, 8), correlation="mean-field", max_pool="independent")
+    pyro.set_rng_seed(5)
+    pyro2pfp.convert(model, guide, input_shape=(1, 8, 8), correlation="mean-field", max_pool="independent",
+                     check=False)
     rng_without_check = torch.get_rng_state(), np.random.get_state()[1].copy()
     pyro.set_rng_seed(5)
     with pytest.warns(pyro2pfp.FidelityWarning) as record:
@@ -128,7 +134,9 @@ def test_check_passes_on_an_exact_network(caplog):
     assert check.passed and check.first_layer is None
     assert check.output.name == net.layer_graph.output
     assert "fidelity check passed" in caplog.text and "s)" in caplog.text
-    assert pyro2pfp.convert(model, guide).fidelity is None  # off by default
+    spot = pyro2pfp.convert(model, guide).fidelity  # without check=x: the spot check
+    assert spot.passed and spot.num_samples == 64
+    assert pyro2pfp.convert(model, guide, check=False).fidelity is None
 
 
 def test_bounds_come_from_the_sample_count():
@@ -235,3 +243,10 @@ def test_cli_convert_check(tmp_path, capsys):
                  "-o", str(out)]) == 0
     assert "fidelity check passed: 150 guide samples on 4 inputs" in capsys.readouterr().out
     assert out.exists()
+    builder = str(tmp_path / "builder.py") + ":build"
+    assert main(["convert", builder, "-o", str(out)]) == 0  # the spot check every conversion ends with
+    assert "spot check, 64 guide samples on 2 inputs" in capsys.readouterr().out
+    assert main(["convert", builder, "--no-check", "-o", str(out)]) == 0
+    assert "spot check" not in capsys.readouterr().out
+    assert main(["convert", builder, "--no-check", "--check", str(tmp_path / "x.npy"), "-o", str(out)]) == 1
+    assert "--check X.npy and --no-check: give one" in capsys.readouterr().err

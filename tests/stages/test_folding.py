@@ -108,7 +108,11 @@ def test_a_batch_norm_whose_conv_output_is_used_twice_is_not_folded():
     def guide(x, y=None):
         pyro.sample("conv.weight", dist.Normal(loc, 0.05).to_event(4))
 
-    net = pyro2pfp.convert(body, guide, input_shape=(2, 5, 5))
+    # bn(h) + h adds two copies of one noise, which both schemes take as independent: about half the sampled
+    # variance, which the spot check every convert runs refuses; the plan's structure is what this test checks
+    with pytest.raises(pyro2pfp.FidelityError, match="grossly unlike sampling the trained model"):
+        pyro2pfp.convert(body, guide, input_shape=(2, 5, 5))
+    net = pyro2pfp.convert(body, guide, input_shape=(2, 5, 5), check=False)
     assert [p.op for p in net.layer_graph.layers][:3] == ["conv2d", "affine", "add"]
 
 

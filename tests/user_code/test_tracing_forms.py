@@ -1,8 +1,8 @@
 """The code people write in ``forward`` either traces or stops naming the user's line and the fix:
 device moves (``self.to(device)``, ``x.to(device)``, ``.cpu()``) give the network of the same model
-without them (written with ``view(-1, n)``); an unguarded ``.cuda()`` on a machine without CUDA, the
-Pyro modules tutorial's ``pyro.plate("instances", len(input))`` and a module whose Pyro model is a
-method stop with the line or the call to change."""
+without them (written with ``view(-1, n)``); the Pyro modules tutorial's ``pyro.plate("instances",
+len(input))`` converts (the fixed batch size only sizes the likelihood's plate); an unguarded ``.cuda()`` on
+a machine without CUDA and a module whose Pyro model is a method stop with the line or the call to change."""
 from __future__ import annotations
 
 import numpy as np
@@ -140,8 +140,9 @@ class TutorialModel(PyroModule):
             return pyro.sample("obs", dist.Normal(obs_loc, obs_scale).to_event(1), obs=output)
 
 
-def test_modules_tutorial_len_plate_names_the_line():
-    """``len(input)`` turns the batch into an int ("Constraints violated (batch)" from torch)."""
+def test_modules_tutorial_len_plate_converts():
+    """``len(input)`` turns the batch into an int ("Constraints violated (batch)" from torch), but only the
+    likelihood's plate uses it: traced at two fixed batch sizes, the network is the same, and converts."""
     pyro.clear_param_store()
     model = TutorialModel(5, 2)
     model.linear.weight = PyroSample(dist.Normal(0, 1).expand([5, 2]).to_event(2))
@@ -149,12 +150,15 @@ def test_modules_tutorial_len_plate_names_the_line():
     guide = AutoNormal(model)
     x = torch.randn(20, 5)
     SVI(model, guide, pyro.optim.Adam({"lr": 0.01}), Trace_ELBO()).step(x, x[:, :2])
-    with pytest.raises(pyro2pfp.TracingError) as info:
-        pyro2pfp.convert(model, guide, input_shape=(5,))
-    message = str(info.value)
-    assert "TutorialModel" in message and "Deterministic" not in message
-    assert "test_tracing_forms.py:" in message and 'pyro.plate("instances", len(input))' in message
-    assert "x.shape[0]" in message
+    net = pyro2pfp.convert(model, guide, input_shape=(5,))
+    xs = torch.randn(7, 5)  # another batch size than the two it was traced at
+    mean, var = net.reference(xs.numpy())
+    draws = pyro.infer.Predictive(model, guide=guide, num_samples=4000,
+                                  return_sites=("linear.weight", "linear.bias"))(x)
+    loc = (xs @ draws["linear.weight"].reshape(-1, 5, 2) + draws["linear.bias"].reshape(-1, 1, 2)).double().numpy()
+    se = np.sqrt(loc.var(0) / len(loc))
+    assert np.all(np.abs(mean - loc.mean(0)) < 5 * se)  # one Linear layer: PFP's moments are exact
+    assert np.all(np.abs(var / loc.var(0) - 1) < 5 * np.sqrt(2 / len(loc)))
 
 
 class MethodsOnly(PyroModule):

@@ -43,10 +43,11 @@ class MLP(PyroModule):
         if self.returns == "likelihood":
             with pyro.plate("data", x.shape[0]):
                 pyro.sample("obs", dist.Categorical(logits=z), obs=y)
-        if self.returns == "len plate":
+        if self.returns == "len in the network":
+            z = z / len(x)  # the batch size reaches the network (a plate sized len(x) alone would not)
             with pyro.plate("data", len(x)):
                 pyro.sample("obs", dist.Categorical(logits=z), obs=y)
-        return {"logits": z, "likelihood": z, "batch branch": z, "len plate": z, "None": None, "pair": (z, z),
+        return {"logits": z, "likelihood": z, "batch branch": z, "len in the network": z, "None": None, "pair": (z, z),
                 "constant": torch.zeros(3)}[self.returns]
 
 
@@ -108,7 +109,7 @@ def labels_in_the_network(X, cll):
 
 def scaled_weight_model(X, cll=None):
     W = pyro.sample("W", dist.Normal(torch.zeros(CLASSES, D_IN), 1.0).to_event(2))
-    return F.linear(X, 2.0 * W)
+    return F.linear(X, W.exp())  # a log-normal weight: not an independent Gaussian one
 
 
 def scaled_weight_guide(X, cll=None):
@@ -197,9 +198,11 @@ MISTAKES = {
                                    r"move the softmax to the end"),
     "forward branches on the batch size": (lambda: pyro2pfp.convert(*trained(MLP(returns="batch branch"))),
                                            pyro2pfp.TracingError, r"batch 1", r"remove the branch"),
-    "len(x) as the plate size": (lambda: pyro2pfp.convert(*trained(MLP(returns="len plate"))),
-                                 pyro2pfp.TracingError, r"fixes the batch size .*at \S*test_user_mistakes\.py:\d+",
-                                 r"pyro\.plate\('data', x\.shape\[0\]\)"),
+    "len(x) in the network": (lambda: pyro2pfp.convert(*trained(MLP(returns="len in the network"))),
+                              pyro2pfp.TracingError,
+                              r"fixes the batch size .*at \S*test_user_mistakes\.py:\d+.*the batch size reaches the "
+                              r"arguments of div at \S*test_user_mistakes\.py:\d+ \(`z = z / len\(x\)",
+                              r"pyro\.plate\('data', x\.shape\[0\]\)"),
     "guide needs the labels": (lambda: pyro2pfp.convert(functional_model, guide_reading_labels, input_shape=(D_IN,)),
                                pyro2pfp.PosteriorError, r"cll got None", r"example_args=\(x, cll\)"),
     "model needs the labels": (lambda: pyro2pfp.convert(functional_model, functional_guide, input_shape=(D_IN,)),
@@ -218,8 +221,10 @@ MISTAKES = {
                                             r"a float tensor \(batch, \*input_shape\)"),
     "weight computed in forward": (lambda: pyro2pfp.convert(scaled_weight_model, scaled_weight_guide,
                                                             input_shape=(D_IN,)),
-                                   pyro2pfp.UnsupportedLayerError, r"the weight of sample site 'W'",
-                                   r"make the weight itself the sample site"),
+                                   pyro2pfp.UnsupportedLayerError,
+                                   r"a weight is computed from sample site 'W' by exp \(.*test_user_mistakes\.py:\d+ "
+                                   r"\(`return F\.linear\(X, W\.exp\(\)\)",
+                                   r"make the weight the layer uses the sample site itself"),
     "negative calibration": (lambda: pyro2pfp.convert(*trained(MLP()), calibration=-1.0), pyro2pfp.PFPError,
                              r"got -1\.0", r"finite non-negative factor"),
     "unknown moment form": (lambda: pyro2pfp.convert(*trained(MLP()), moment_form="fast"), pyro2pfp.PFPError,

@@ -93,11 +93,12 @@ def functional_model(x, y=None):
 
 
 def functional_model_len_plate(x, y=None):
-    """Fails to convert *after* its layers were assigned: ``len(x)`` fixes the batch size."""
+    """Fails to convert *after* its layers were assigned: ``len(x)`` fixes the batch size of a tensor the
+    network adds (a size that only reaches the likelihood's plate would convert)."""
     for i, (w, b) in GLOBAL_SHAPES.items():
         GLOBAL_NET[i].weight = pyro.sample(f"w{i}", dist.Normal(torch.zeros(w), 1.0).to_event(2))
         GLOBAL_NET[i].bias = pyro.sample(f"b{i}", dist.Normal(torch.zeros(b), 1.0).to_event(1))
-    logits = GLOBAL_NET(x)
+    logits = GLOBAL_NET(x) + torch.zeros(len(x), CLASSES)
     with pyro.plate("data", len(x)):
         pyro.sample("obs", dist.Categorical(logits=logits), obs=y)
     return logits
