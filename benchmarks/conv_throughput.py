@@ -15,7 +15,7 @@ and ``winograd`` (F(2x2, 3x3), on the layers :func:`~pyro2pfp.tvm_backend.ops.wi
 picks); ``default`` marks the one ``net.compile()`` uses.
 
     PYTHONPATH=. .venv/bin/python benchmarks/conv_throughput.py [--batch 10] [--rounds 20] [--cases NAME ...]
-        [--callgrind] [--threads 1]
+        [--callgrind] [--threads 1] [--markdown docs/generated/conv-throughput.md]
 
 ``--callgrind`` adds each kernel's instructions per call (``callgrind_kernels.py``: built for an AVX2 CPU,
 valgrind does not decode AVX-512) and its multiply-adds per instruction.  Each compiled kernel is
@@ -32,6 +32,8 @@ import warnings
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+from markdown_report import add_markdown_argument, table, write_markdown  # noqa: E402  (benchmarks/ on the path)
 
 # name: (in channels, out channels, input size, stride, kernel, padding, random input)
 CASES = {
@@ -75,6 +77,7 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--cases", nargs="+", choices=list(CASES), default=list(CASES))
     parser.add_argument("--callgrind", action="store_true", help="also count instructions per call (AVX2 build)")
+    add_markdown_argument(parser)
     args = parser.parse_args()
     os.environ["TVM_NUM_THREADS"] = str(args.threads)
     os.environ.setdefault("TVM_BIND_THREADS", "0")
@@ -151,15 +154,24 @@ def main() -> None:
             rows.append((name, key + (" *" if key == default else ""), pfp_macs / 1e6,
                          float(np.median(times[key])) * 1e6, *np.percentile(ratios[key], [50, 25, 75]),
                          None if ir is None else ir / 1e6, None if ir is None else pfp_macs / ir))
-    print(f"batch {args.batch}, {args.threads} thread(s), {args.rounds} alternating rounds, load average "
-          f"{os.getloadavg()[0]:.1f} (times under load; ratios of one round); * = what net.compile() uses")
+    note = (f"batch {args.batch}, {args.threads} thread(s), {args.rounds} alternating rounds, load average "
+            f"{os.getloadavg()[0]:.1f} at the end (timings under load are not valid: only the ratios of one round "
+            f"are compared); * = what net.compile() uses")
+    print(note)
     print(f"{'conv':<16} {'variant':<11} {'M mul-add':>9} {'us':>9} {'x torch':>8} {'p25-p75':>11}"
           + (f" {'M instr':>8} {'mul-add/instr':>13}" if args.callgrind else ""))
+    cells = []
     for name, key, m, us, med, lo, hi, ir, per in rows:
         line = f"{name:<16} {key:<11} {m:9.2f} {us:9.1f} {med:8.2f} {lo:5.2f}-{hi:<5.2f}"
+        cell = [name, key, f"{m:.2f}", f"{us:.1f}", f"{med:.2f}", f"{lo:.2f}-{hi:.2f}"]
         if ir is not None:
             line += f" {ir:8.2f} {per:13.2f}"
+            cell += [f"{ir:.2f}", f"{per:.2f}"]
         print(line)
+        cells.append(cell)
+    columns = ["conv", "variant", "M mul-add", "us", "x torch", "p25-p75"]
+    columns += ["M instr (AVX2)", "mul-add/instr"] if args.callgrind else []
+    write_markdown(args.markdown, [note, table(columns, cells)])
 
 
 if __name__ == "__main__":
