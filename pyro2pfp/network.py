@@ -13,7 +13,7 @@ from . import ops as ops  # the op registry: every op family registers its conve
 from ._version import __version__
 from .correlated_pools import correlate_max_pools, pool_caveats
 from .correlation import with_correlation
-from .correlation.compact import with_compact
+from .correlation.compact import auto_compact, with_compact
 from .correlation.cost import dense_head_caveat
 from .errors import ArgumentError, InputShapeError, InternalError, PFPError, PFPWarning, PosteriorError
 from .graph import LayerGraph, Repr
@@ -323,8 +323,6 @@ def convert(model: Any, guide: Any = None, *, input_shape: tuple[int, ...] | Non
             planned_graph = append_head(layer_graph, head) if head is not None else layer_graph
             planned = with_correlation(plan(planned_graph, calibration, moment_form), correlation, **factor_options)
             caveat = dense_head_caveat(planned) if correlation == "auto" and planned.factors is None else None
-            if caveat is not None:  # the shared-factor plan's cost: of this plan, before the pool rewrite
-                warnings.warn(caveat, PFPWarning, stacklevel=3)
             if planned.factors is None and max_pool == "correlated":
                 rewritten = correlate_max_pools(layer_graph)
                 if rewritten is not layer_graph:
@@ -335,6 +333,10 @@ def convert(model: Any, guide: Any = None, *, input_shape: tuple[int, ...] | Non
                     warnings.warn(f"{note}. Measure it with convert(..., check=x) or pyro2pfp.diagnose.",
                                   PFPWarning, stacklevel=3)
             planned = with_compact(planned, correlation)
+            if caveat is not None:  # auto: the compact factor plan where its cost model accepts it, else a warning
+                planned.factors, why_not = auto_compact(planned)
+                if planned.factors is None:
+                    warnings.warn(f"{caveat}; {why_not}", PFPWarning, stacklevel=3)
             net = PFPNetwork(layer_graph, planned, nonweight_sites=traced.nonweight_sites, noise=noise)
             if check is None or check is True:
                 from .fidelity import spot_check

@@ -300,6 +300,44 @@ class OnnxContext:
         """``ts`` joined along per-sample axis ``axis`` (the batch axis kept first)."""
         return ts[0] if len(ts) == 1 else ts[0].nary("Concat", *ts[1:], axis=axis + 1)
 
+    # -- tensor algebra of the compact factor rules (reference.NumpyBackend has the same members)
+    lowest = LOWEST32  # the identity of a max fold's mean (padded window taps)
+
+    @staticmethod
+    def einsum(equation: str, *ts: Sym) -> Sym:
+        return ts[0].nary("Einsum", *ts[1:], equation=equation)
+
+    def rows(self, t: Sym, shape: tuple[int, ...]) -> Sym:
+        """``t`` reshaped to ``(-1, *shape)``."""
+        return t.nary("Reshape", self.b.ints([-1, *shape], "shape"))
+
+    @staticmethod
+    def permute(t: Sym, perm: tuple[int, ...]) -> Sym:
+        return t.nary("Transpose", perm=list(perm))
+
+    def rsum(self, t: Sym, axis: int) -> Sym:
+        """The sum over ``axis`` (dropped)."""
+        return t.nary("ReduceSum", self.b.ints([axis], "axes"), keepdims=0)
+
+    def slice(self, t: Sym, axis: int, start: int, stop: int) -> Sym:
+        return t.nary("Slice", self.b.ints([start], "starts"), self.b.ints([stop], "ends"), self.b.ints([axis], "axes"))
+
+    def taps(self, t: Sym, kernel: tuple[int, int], stride: tuple[int, int], dilation: tuple[int, int],
+             begin: tuple[int, int], end: tuple[int, int], out_hw: tuple[int, int], fill: float) -> list[Sym]:
+        """The strided (B, C, OH, OW) view of ``t`` (B, C, H, W) at every kernel offset (row-major): a Pad by
+        ``begin``/``end`` with ``fill``, then a strided Slice per offset."""
+        if any(begin) or any(end):
+            t = t.nary("Pad", self.b.ints([0, 0, begin[0], begin[1], 0, 0, end[0], end[1]], "pads"),
+                       Sym(self.b, value=float(fill)))
+        out = []
+        for i in range(kernel[0]):
+            for j in range(kernel[1]):
+                r0, c0 = i * dilation[0], j * dilation[1]
+                ends = [r0 + stride[0] * (out_hw[0] - 1) + 1, c0 + stride[1] * (out_hw[1] - 1) + 1]
+                out.append(t.nary("Slice", self.b.ints([r0, c0], "starts"), self.b.ints(ends, "ends"),
+                                  self.b.ints([2, 3], "axes"), self.b.ints(list(stride), "steps")))
+        return out
+
     def zeros_like(self, t: Sym) -> Sym:
         """Exact zeros of ``t``'s (dynamic) shape (not ``0·t``, which is NaN where ``t`` is infinite)."""
         from onnx import TensorProto, helper

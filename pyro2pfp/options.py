@@ -39,9 +39,9 @@ class Correlation(StrEnum):
     COMPACT_FACTOR = "compact-factor"
     """Mean-field with correlated max pools, plus a few explicit factors where a CNN's dense head sums
     correlated elements: the last convs' weight noise per output channel, and the input noise of a dense
-    layer whose units a later dense layer sums (:mod:`pyro2pfp.correlation.compact`).  Runs in the NumPy
-    reference (``net.reference``, ``diagnose``); compiling or exporting it raises an ``ArgumentError``
-    naming what is missing."""
+    layer whose units a later dense layer sums (:mod:`pyro2pfp.correlation.compact`).  Every back end runs
+    it (reference, compiled, ONNX); ``auto`` picks it where a dense layer sums conv positions and its cost
+    model accepts it."""
 
 
 class MomentForm(StrEnum):

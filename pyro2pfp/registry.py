@@ -200,12 +200,19 @@ SHARED_KERNELS: dict[str, Callable[..., Any]] = {}
 """``{op: rule(step, ctx, layer, inputs, shared, out) -> (shared part, out)}``: the TE kernels of the
 rules (``step``: the ``tvm_backend.shared_factor.SharedStep``; filled when ``tvm_backend`` is imported)."""
 COMPACT_REFERENCES: dict[str, Callable[..., Any]] = {}
-"""``{op: rule(layer, inputs, loadings, plan, mean, var) -> (loadings, mean, var)}``: the float64 rules of
-the compact factor plan (:mod:`pyro2pfp.correlation.compact`: explicit loadings, global and per-channel
-block columns; :func:`~pyro2pfp.correlation.compact.execute_compact_all` runs them after each layer's
-reference; an activation without a rule here takes the generic Stein rule)."""
+"""``{op: rule(bk, layer, inputs, loadings, plan, mean, var) -> (loadings, mean, var)}``: the rules of the compact
+factor plan (:mod:`pyro2pfp.correlation.compact`: explicit loadings, global and per-channel block columns,
+:class:`~pyro2pfp.correlation.loadings.Loadings`), each a formula over a back end ``bk`` registered by
+``ops._formula.compact_formula`` in this table (the float64 reference runs it with ``reference.NUMPY_BACKEND``:
+:func:`~pyro2pfp.correlation.compact.execute_compact_all`) and in :data:`COMPACT_EXPORTERS` (the ONNX export
+runs it with its ``OnnxContext``).  An activation without a rule takes the generic Stein rule."""
+COMPACT_EXPORTERS: dict[str, Callable[..., Any]] = {}
+"""The table of the compact factor rules the float32 back ends run (the same formulas as :data:`COMPACT_REFERENCES`):
+the ONNX export with its ``OnnxContext`` and the TVM back end with Relax operators
+(``tvm_backend/compact_factor.py``)."""
 shared_reference = add_to(SHARED_REFERENCES, "shared-factor rule of op")
 compact_reference = add_to(COMPACT_REFERENCES, "compact factor rule of op")
+compact_exporter = add_to(COMPACT_EXPORTERS, "compact factor ONNX export of op")
 shared_exporter = add_to(SHARED_EXPORTERS, "shared-factor ONNX export of op")
 shared_kernel = add_to(SHARED_KERNELS, "shared-factor TVM kernel of op")
 

@@ -61,6 +61,7 @@ homogeneous ReLUs and batch norms without shift), and the interactions between d
 noises are only partly covered.  (Monte Carlo with one layer's noise at a time and a statistically
 linearised reverse pass show both.)
 """
+from . import compact_onnx as compact_onnx  # registers the ONNX step of the compact factor plan
 from . import onnx_step as onnx_step  # registers the ONNX step of the scheme
 from .compact import CompactPlan, Loadings, execute_compact_all, plan_compact
 from .cost import Cost, cost_model

@@ -48,20 +48,19 @@ output variance is the coherent sum of its inputs' loadings in place of their in
 """
 from __future__ import annotations
 
-from collections.abc import Callable
+import dataclasses
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
 import numpy as np
 
-from .. import moments
 from ..errors import PFPError
 from ..graph import INPUT, Repr
 from ..plan import PlannedGraph, PlannedLayer, is_compute_layer
-from ..reference import REFERENCES, SCHEME_EXECUTORS, Activation, emit_output
+from ..reference import NUMPY_BACKEND, REFERENCES, SCHEME_EXECUTORS, Activation, emit_output
 from ..registry import COMPACT_REFERENCES, OPS
 from .factors import CorrelationError, is_noisy
-from .stein import stein_slope
+from .loadings import Loadings, compact_layer
 
 #: a dense layer turns its input's residual into factors only if these cost at most this many multiply-adds
 #: per input in the layers after it (the columns times the dense layers that carry them)
@@ -85,6 +84,8 @@ class CompactPlan:
     terminal: frozenset[str] = frozenset()
     #: why the plan left something out (the cost model's verdict), for the printout
     note: str = ""
+    #: the per-sample shape of every edge (the rules reshape the back ends' tensors by it)
+    shapes: dict[str, tuple[int, ...]] = field(default_factory=dict)
     scheme: ClassVar[str] = "compact-factor"
 
     @property
@@ -105,55 +106,9 @@ class CompactPlan:
             "no factors (nothing in this net sums correlated elements)"
 
 
-@dataclass
-class Loadings:
-    """``L[b, e, f] = Cov(a[b, e], ζ_f)`` of one edge, by the layer that created the factors: ``glob[creator]``
-    (B, E, k) global columns, ``block[creator]`` (B, C, P, r) block columns (factor ``(c, j)`` loads
-    channel ``c`` only; ``E = C·P``).  Keyed by creator so that branches carrying the same factors add
-    their loadings (a residual add) instead of stacking them."""
-
-    glob: dict[str, np.ndarray] = field(default_factory=dict)
-    block: dict[str, np.ndarray] = field(default_factory=dict)
-
-    def squared(self, batch: int, elements: int) -> np.ndarray:
-        """``Σ_f L[e, f]²`` (B, E): the variance the factors explain."""
-        out = np.zeros((batch, elements))
-        for g in self.glob.values():
-            out += (g**2).sum(axis=-1)
-        for b in self.block.values():
-            out += (b**2).sum(axis=-1).reshape(batch, elements)
-        return out
-
-    def empty(self) -> bool:
-        return not self.glob and not self.block
-
-    def scaled(self, factor: np.ndarray) -> Loadings:
-        """Every loading of element ``e`` times ``factor[b, e]`` (B, E)."""
-        return Loadings({k: g * factor[..., None] for k, g in self.glob.items()},
-                        {k: b * factor.reshape(*b.shape[:3], 1) for k, b in self.block.items()})
-
-    def merged(self, other: Loadings) -> Loadings:
-        """The loadings of the sum of two edges of the same shape (same creator: added)."""
-        glob, block = dict(self.glob), dict(self.block)
-        for k, g in other.glob.items():
-            glob[k] = glob[k] + g if k in glob else g
-        for k, b in other.block.items():
-            block[k] = block[k] + b if k in block else b
-        return Loadings(glob, block)
-
-
 def flat(t: np.ndarray) -> np.ndarray:
     """``t`` (B, ...) as (B, E)."""
     return t.reshape(t.shape[0], -1)
-
-
-def stein(layer: PlannedLayer, x: Activation, ld: Loadings) -> Loadings:
-    """The generic activation rule: ``L ↦ E[f'(a)]·L`` (Stein's lemma, exact for a Gaussian ``a`` jointly
-    Gaussian with the factors; the slope is the derivative of the rule's own mean, :mod:`.stein`)."""
-    rule = OPS[layer.op].activation
-    assert rule is not None
-    slope = np.broadcast_to(stein_slope(rule, x.mean, x.variance(), layer.layer.attrs, moments.NUMPY), x.mean.shape)
-    return ld.scaled(flat(slope))
 
 
 def _passes_on(op: str) -> bool:
@@ -206,7 +161,7 @@ def plan_compact(graph: PlannedGraph, directions: int | None = None) -> CompactP
         without = _plan(graph, 0)
         note = (f"no conv weight directions ({', '.join(with_one.directions)}: one per channel would cost "
                 f"x{ratio:.2f} the mean-field multiply-adds, over the budget x{COST_BUDGET})")
-        return CompactPlan(without.directions, without.residual, without.terminal, note)
+        return dataclasses.replace(without, note=note)
     return _plan(graph, directions)
 
 
@@ -262,7 +217,7 @@ def _plan(graph: PlannedGraph, directions: int) -> CompactPlan:
             raise CorrelationError(f"{layer.layer.source}: op '{op}' has no rule in the compact factor plan; "
                                    "use correlation='mean-field' or 'shared-factor'")
         carried.add(layer.name)
-    return CompactPlan(dirs, frozenset(residual), frozenset(terminal))
+    return CompactPlan(dirs, frozenset(residual), frozenset(terminal), shapes=edge_shapes(graph))
 
 
 def with_compact(graph: PlannedGraph, correlation: str) -> PlannedGraph:
@@ -273,7 +228,27 @@ def with_compact(graph: PlannedGraph, correlation: str) -> PlannedGraph:
     return graph
 
 
-Rule = Callable[..., tuple[Loadings | None, np.ndarray, np.ndarray]]
+def auto_compact(graph: PlannedGraph) -> tuple[CompactPlan | None, str]:
+    """What ``correlation="auto"`` does for a network whose dense layers sum the positions of conv channels that
+    share their weights' noise (conv → pool → flatten → dense; mean-field drops that correlation and the
+    shared-factor plan carries hundreds of dense factors through the head): the compact factor plan
+    (:func:`plan_compact`) when it carries factors and its multiply-adds stay within :data:`COST_BUDGET` times
+    the mean-field plan's (:func:`compact_macs`), with the reason in its ``note`` (the plan printout); else
+    ``(None, why not)``."""
+    try:
+        cp = plan_compact(graph)
+    except CorrelationError as exc:
+        return None, f"the compact factor plan has no rule for a layer here ({exc})"
+    if not cp.directions and not cp.residual:
+        return None, "the compact factor plan would carry no factors here" + (f" ({cp.note})" if cp.note else "")
+    base = mean_field_macs(graph)
+    ratio = (base + compact_macs(graph, cp)) / max(base, 1)
+    if ratio > COST_BUDGET:
+        return None, (f"the compact factor plan would cost x{ratio:.2f} the mean-field multiply-adds, over the "
+                      f"budget x{COST_BUDGET}")
+    why = (f"chosen by correlation='auto': dense layers sum positions of conv channels that share their weights' "
+           f"noise; x{ratio:.2f} the mean-field multiply-adds (budget x{COST_BUDGET})")
+    return dataclasses.replace(cp, note="; ".join(n for n in (cp.note, why) if n)), why
 
 
 def execute_compact_all(graph: PlannedGraph, x: np.ndarray, plan: CompactPlan | None = None, *,
@@ -282,44 +257,32 @@ def execute_compact_all(graph: PlannedGraph, x: np.ndarray, plan: CompactPlan | 
 
     Each layer runs its mean-field reference, then -- where an input carries loadings or the layer
     creates factors -- its rule (:data:`~pyro2pfp.registry.COMPACT_REFERENCES`, or the generic Stein rule
-    of an activation), called as ``rule(layer, inputs, loadings, plan, mean, var) -> (loadings, mean,
-    var)``.  ``keep``: names whose :class:`Loadings` are written into it (diagnostics, tests)."""
+    of an activation) through :func:`~.loadings.compact_layer`, which every back end shares.  ``keep``:
+    names whose :class:`Loadings` are written into it (diagnostics, tests)."""
     cp = graph.factors if plan is None else plan
     if not isinstance(cp, CompactPlan):
         raise PFPError("this plan has no compact factor plan")
+    if not cp.shapes:
+        cp = dataclasses.replace(cp, shapes=edge_shapes(graph))
     values = {INPUT: Activation(np.asarray(x, dtype=np.float64), None, Repr.DETERMINISTIC)}
     loads: dict[str, Loadings | None] = {INPUT: None}
     for layer in graph.layers:
         ins = [values[n] for n in layer.inputs]
-        lds = [loads[n] for n in layer.inputs]
         with np.errstate(over="ignore", invalid="ignore", divide="ignore"):
             out = REFERENCES[layer.op](layer, ins)
-            mean, var = out.mean, out.variance()
-            ld: Loadings | None = None
-            if any(v is not None for v in lds) or layer.name in cp.directions or layer.name in cp.residual:
-                rule = COMPACT_REFERENCES.get(layer.op)
-                if rule is not None:
-                    ld, mean, var = rule(layer, ins, lds, cp, mean, var)
-                elif layer.op in OPS and OPS[layer.op].activation is not None:
-                    assert lds[0] is not None
-                    ld = stein(layer, ins[0], lds[0])
-                elif layer.name not in cp.terminal:
-                    raise PFPError(f"{layer.layer.source}: op '{layer.op}' has no compact factor rule")
-            if ld is not None:
-                sd2 = flat(np.maximum(var, 0.0))
-                explained = ld.squared(sd2.shape[0], sd2.shape[1])
-                # the loadings explain at most the element's variance (Cauchy-Schwarz): shrink where not
-                scale = np.sqrt(np.where(explained > sd2, sd2 / np.where(explained > 0, explained, 1.0), 1.0))
-                if (scale < 1).any():
-                    ld = ld.scaled(scale)
-                if layer.name in cp.terminal or ld.empty():
-                    ld = None
+            ld, mean, var = compact_layer(NUMPY_BACKEND, COMPACT_REFERENCES, layer, ins,
+                                          [loads[n] for n in layer.inputs], cp, out.mean, out.variance())
         values[layer.name] = emit_output(mean, var, layer) if layer.out_repr is not Repr.DETERMINISTIC \
             else Activation(mean, None, Repr.DETERMINISTIC)
         loads[layer.name] = ld
         if keep is not None and layer.name in keep:
             keep[layer.name] = ld
     return values
+
+
+def edge_shapes(graph: PlannedGraph) -> dict[str, tuple[int, ...]]:
+    """The per-sample shape of every edge of ``graph`` (its input and every layer's output)."""
+    return {INPUT: tuple(graph.input_shape), **{p.name: tuple(p.layer.out_shape) for p in graph.layers}}
 
 
 def weight_moments(layer: PlannedLayer) -> tuple[np.ndarray, np.ndarray]:
@@ -390,4 +353,5 @@ def compact_macs(graph: PlannedGraph, plan: CompactPlan | None = None) -> int:
     return total
 
 
-__all__: list[Any] = ["CompactPlan", "Loadings", "compact_macs", "execute_compact_all", "plan_compact", "with_compact"]
+__all__: list[Any] = ["CompactPlan", "Loadings", "auto_compact", "compact_macs", "execute_compact_all", "plan_compact",
+                        "with_compact"]

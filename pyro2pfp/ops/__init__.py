@@ -12,6 +12,7 @@ from . import (  # noqa: F401  (registers the ops)
     activation,
     arithmetic,
     compute,
+    compute_compact,
     concat,
     head,
     normalization,

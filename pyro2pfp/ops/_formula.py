@@ -14,7 +14,9 @@ A shared formula ``fn(bk, layer, inputs) -> activation`` is written against a *b
   ``bk.conv2d(x, w, attrs, hint)``, ``bk.reshape(t, shape)`` -- the linear maps;
   ``bk.concat(ts, axis)`` (along a per-sample axis), ``bk.zeros_like(t)``.
 
-:func:`formula` registers such a function as both the reference and the ONNX exporter of its ops.
+:func:`formula` registers such a function as both the reference and the ONNX exporter of its ops;
+:func:`compact_formula` a rule of the compact factor plan ``fn(bk, layer, inputs, loadings, plan, mean, var)``
+(:mod:`pyro2pfp.correlation.loadings` lists the tensor algebra those use) in both back ends' tables.
 """
 from __future__ import annotations
 
@@ -23,6 +25,7 @@ from typing import Any
 
 from ..onnx_builder import exporter
 from ..reference import NUMPY_BACKEND, reference
+from ..registry import compact_exporter, compact_reference
 
 Formula = Callable[[Any, Any, list[Any]], Any]
 
@@ -41,6 +44,22 @@ def formula(*ops: str) -> Callable[[Formula], Formula]:
         on_numpy.__doc__ = on_onnx.__doc__ = fn.__doc__
         reference(*ops)(on_numpy)
         exporter(*ops)(on_onnx)
+        return fn
+
+    return deco
+
+
+CompactFormula = Callable[..., Any]
+
+
+def compact_formula(*ops: str) -> Callable[[CompactFormula], CompactFormula]:
+    """Register ``fn(bk, layer, inputs, loadings, plan, mean, var) -> (loadings, mean, var)`` as the compact factor
+    rule of ``ops`` in the float64 reference and the ONNX export (``registry.COMPACT_REFERENCES``,
+    ``COMPACT_EXPORTERS``)."""
+
+    def deco(fn: CompactFormula) -> CompactFormula:
+        compact_reference(*ops)(fn)
+        compact_exporter(*ops)(fn)
         return fn
 
     return deco

@@ -25,8 +25,8 @@ from ..graph import GaussianParam, Layer, Repr
 from ..onnx_builder import OnnxActivation, OnnxContext
 from ..plan import PlannedLayer, is_compute_layer
 from ..reference import Activation
-from ..registry import OpDef, compact_reference, register_op, shared_exporter, shared_reference
-from ._formula import formula
+from ..registry import OpDef, register_op, shared_exporter, shared_reference
+from ._formula import compact_formula, formula
 
 AFFINE = register_op(OpDef(
     "affine", ("aten.batch_norm.default", "aten._native_batch_norm_legit_no_training.default"),
@@ -219,32 +219,36 @@ def add_shared_onnx(step: OnnxSharedStep, ctx: OnnxContext, layer: PlannedLayer,
 
 
 # ------------------------------------------------------------------------------------ compact factor rules
-@compact_reference("affine")
-def affine_compact(layer: PlannedLayer, inputs: list[Activation], loads: list[Any], plan: Any,
-                   mean: np.ndarray, var: np.ndarray) -> tuple[Any, np.ndarray, np.ndarray]:
+@compact_formula("affine")
+def affine_compact(bk: Any, layer: PlannedLayer, inputs: list[Any], loads: list[Any], plan: Any,
+                   mean: Any, var: Any) -> tuple[Any, Any, Any]:
     """Per-channel ``a·x + c`` in the compact factor plan: ``L ↦ a·L`` (exact)."""
     ld = loads[0]
     if ld is None:
         return None, mean, var
-    scale = np.broadcast_to(layer.tensors["scale"].reshape((-1,) + (1,) * (mean.ndim - 2)), mean.shape[1:])
-    return ld.scaled(np.broadcast_to(scale.reshape(1, -1), (mean.shape[0], scale.size))), mean, var
+    shape = tuple(layer.layer.out_shape)
+    scale = np.broadcast_to(layer.tensors["scale"].reshape((-1,) + (1,) * (len(shape) - 1)), shape)
+    return ld.times(bk, np.ascontiguousarray(scale).reshape(-1), int(np.prod(shape))), mean, var
 
 
-@compact_reference("add")
-def add_compact(layer: PlannedLayer, inputs: list[Activation], loads: list[Any], plan: Any,
-                mean: np.ndarray, var: np.ndarray) -> tuple[Any, np.ndarray, np.ndarray]:
+@compact_formula("add")
+def add_compact(bk: Any, layer: PlannedLayer, inputs: list[Any], loads: list[Any], plan: Any,
+                mean: Any, var: Any) -> tuple[Any, Any, Any]:
     """``a + b`` in the compact factor plan: the loadings add (branches carrying the same factors add them
     coherently); ``v = v_a + v_b + 2·Σ_f L_a,f·L_b,f`` (exact for the factors' part; the residuals stay
     independent)."""
-    from ..correlation.compact import Loadings
+    from ..correlation.loadings import Loadings
 
     la, lb = (ld if ld is not None else Loadings() for ld in loads)
-    b = mean.shape[0]
-    cross = np.zeros((b, mean[0].size))
-    for key in la.glob.keys() & lb.glob.keys():
-        cross += (la.glob[key] * lb.glob[key]).sum(axis=-1)
-    for key in la.block.keys() & lb.block.keys():
-        cross += (la.block[key] * lb.block[key]).sum(axis=-1).reshape(b, -1)
+    shape = tuple(layer.layer.out_shape)
+    e = int(np.prod(shape))
+    cross = [bk.rsum(la.glob[key] * lb.glob[key], 2) for key in sorted(la.glob.keys() & lb.glob.keys())]
+    cross += [bk.reshape(bk.rsum(la.block[key] * lb.block[key], 3), (e,))
+              for key in sorted(la.block.keys() & lb.block.keys())]
     merged = la.merged(lb)
-    var = np.maximum(var + 2.0 * cross.reshape(var.shape), 0.0)
+    if cross:
+        total = cross[0]
+        for part in cross[1:]:
+            total = total + part
+        var = bk.ops.maximum(var + bk.ops.const(2.0) * bk.reshape(total, shape), bk.ops.const(0.0))
     return (None if merged.empty() else merged), mean, var

@@ -38,8 +38,8 @@ import numpy as np
 from ..converters import register
 from ..graph import GaussianParam, Layer, Repr
 from ..plan import PlannedLayer
-from ..registry import Contract, OpDef, compact_reference, register_op
-from ._formula import formula
+from ..registry import Contract, OpDef, register_op
+from ._formula import compact_formula, formula
 
 LAYER_NORM = register_op(OpDef(
     "layer_norm", ("aten.layer_norm.default",),
@@ -125,52 +125,57 @@ def convert_layer_norm(node, ctx) -> Layer:
 
 
 # ------------------------------------------------------------------------------------ compact factor rule
-@compact_reference("layer_norm")
-def layer_norm_compact(layer: PlannedLayer, inputs: list[Any], loads: list[Any], plan: Any,
-                       mean: np.ndarray, var: np.ndarray) -> tuple[Any, np.ndarray, np.ndarray]:
+@compact_formula("layer_norm")
+def layer_norm_compact(bk: Any, layer: PlannedLayer, inputs: list[Any], loads: list[Any], plan: Any,
+                       mean: Any, var: Any) -> tuple[Any, Any, Any]:
     """LayerNorm in the compact factor plan, linearised as the op's own variance is (the delta method with
     the Jacobian ``J_jk = r·(δ_jk − (1 + z_j·z_k)/D)`` of ``z``, which includes the statistics' dependence on
     the input): loadings ``L ↦ μγ·(J·L)`` per normalised row -- the mean over the row and its projection on
     ``z`` removed, then scaled by ``r`` -- and ``v += (μγ² + vγ)·(‖J·L‖² − Σ_k J_jk²·‖L_k‖²)`` (the
     inputs' factor part summed through ``J`` coherently in place of independently).  Block columns become
     global (the row mixes channels)."""
-    from ..correlation.compact import Loadings
+    from ..correlation.loadings import Loadings
 
     x, ld = inputs[0], loads[0]
     if ld is None:
         return None, mean, var
+    ops = bk.ops
     shape = tuple(layer.layer.out_shape)
     k = int(layer.layer.attrs["dims"])
     d = math.prod(shape[len(shape) - k:])
-    b = mean.shape[0]
     rows = math.prod(shape) // d
-    mu = x.mean.reshape(b, rows, d)
-    centred = mu - mu.mean(axis=2, keepdims=True)
-    s2 = (centred**2).mean(axis=2, keepdims=True)
+    inv_d = 1.0 / d
+    mu = bk.reshape(x.mean, (rows, d))
+    centred = mu - bk.reshape(bk.rsum(mu, 2), (rows, 1)) * inv_d
+    s2 = bk.rsum(centred * centred, 2) * inv_d
     if x.repr is not Repr.DETERMINISTIC:
-        s2 = s2 + (1.0 - 1.0 / d) * x.variance().reshape(b, rows, d).mean(axis=2, keepdims=True)
-    r = 1.0 / np.sqrt(s2 + float(layer.layer.attrs["eps"]))
-    z = centred * r                                                            # (B, rows, D)
-    gm = layer.tensors["weight_mean"].reshape(1, 1, d)
-    gv = layer.tensors["weight_var"].reshape(1, 1, d)
-    columns = dict(ld.glob)
-    for key, blk in ld.block.items():  # (B, C, P, R) -> global columns of zeros and loadings
-        c, p, q = blk.shape[1:]
-        dense = np.zeros((b, c, p, c, q))
-        dense[:, np.arange(c), :, np.arange(c), :] = np.moveaxis(blk, 1, 0)
-        columns[key] = dense.reshape(b, c * p, c * q)
+        s2 = s2 + (1.0 - inv_d) * inv_d * bk.rsum(bk.reshape(bk.variance(x), (rows, d)), 2)
+    r = bk.reshape(1.0 / ops.sqrt(s2 + float(layer.layer.attrs["eps"])), (rows, 1))
+    z = centred * r                                                              # (B, rows, D)
+    gm = layer.tensors["weight_mean"].reshape(d)
+    gv = layer.tensors["weight_var"].reshape(d)
+    columns = {key: (g, ld.glob_width[key]) for key, g in ld.glob.items()}
+    for key, (g, kk) in ld.blocks_as_global(bk).items():
+        columns[key] = (columns[key][0] + g, kk) if key in columns else (g, kk)
+    # J_jk² = r²·((1 − 2·(1 + z_j²)/D)·δ_jk + ((1 + z_j·z_k)/D)²)  (B, rows, D, D)
+    diag = bk.reshape((1.0 - 2.0 * inv_d) - (2.0 * inv_d) * z * z, (rows, d, 1)) * bk.tensor(np.eye(d), "eye")
+    outer = (bk.einsum("brj,brk->brjk", z, z) + 1.0) * inv_d
+    jsq = bk.reshape(r * r, (rows, 1, 1)) * (diag + outer * outer)
     out = Loadings()
-    coherent = np.zeros((b, rows, d))
-    independent = np.zeros((b, rows, d))
-    jsq = r[..., None] ** 2 * ((1.0 - 2.0 * (1.0 + z**2) / d)[..., None] * np.eye(d)[None, None]
-                  + ((1.0 + z[..., :, None] * z[..., None, :]) / d) ** 2)         # (B, rows, D, D) = J_jk²
-    for key, col in columns.items():
-        lc = col.reshape(b, rows, d, -1)
+    coherent = independent = None
+    r3, z3 = bk.reshape(r, (rows, 1, 1)), bk.reshape(z, (rows, d, 1))
+    for key, (col, kk) in columns.items():
+        lc = bk.reshape(col, (rows, d, kk))
         # J·L = r·(L − mean(L) − z·mean(z·L))
-        jl = r[..., None] * (lc - lc.mean(axis=2, keepdims=True)
-                             - z[..., None] * (z[..., None] * lc).mean(axis=2, keepdims=True))
-        coherent += (jl**2).sum(axis=-1)
-        independent += np.einsum("brjk,brk->brj", jsq, (lc**2).sum(axis=-1))
-        out.glob[key] = (gm[..., None] * jl).reshape(b, -1, lc.shape[-1])
-    var = np.maximum(var + ((gm**2 + gv) * (coherent - independent)).reshape(var.shape), 0.0)
+        jl = r3 * (lc - bk.reshape(bk.rsum(lc, 2), (rows, 1, kk)) * inv_d
+                   - z3 * bk.reshape(bk.rsum(z3 * lc, 2), (rows, 1, kk)) * inv_d)
+        c_part = bk.rsum(jl * jl, 3)
+        i_part = bk.einsum("brjk,brk->brj", jsq, bk.rsum(lc * lc, 3))
+        coherent = c_part if coherent is None else coherent + c_part
+        independent = i_part if independent is None else independent + i_part
+        out.glob[key] = bk.reshape(jl * bk.tensor(gm.reshape(d, 1), "gamma"), (rows * d, kk))
+        out.glob_width[key] = kk
+    assert coherent is not None and independent is not None
+    correction = bk.tensor(gm**2 + gv, "gamma_second") * (coherent - independent)
+    var = ops.maximum(var + bk.reshape(correction, shape), ops.const(0.0))
     return out, mean, var

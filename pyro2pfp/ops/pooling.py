@@ -38,7 +38,8 @@ from ..onnx_builder import LOWEST32, OnnxActivation, OnnxContext, Sym, exporter
 from ..plan import PlannedLayer
 from ..reference import Activation, emit_output, reference
 from ..reference.arrays import LOWEST, average_divisor, padded, window_views
-from ..registry import OpDef, compact_reference, register_op, shared_exporter, shared_reference
+from ..registry import OpDef, register_op, shared_exporter, shared_reference
+from ._formula import compact_formula
 from .compute import _pair
 
 D = Repr.DETERMINISTIC
@@ -451,89 +452,81 @@ def max_pool2d_shared_onnx(step: OnnxSharedStep, ctx: OnnxContext, layer: Planne
 
 
 # ------------------------------------------------------------------------------------ compact factor rules
-def _columns(ld: Any, shape: tuple[int, ...]) -> tuple[np.ndarray, list[tuple[str, str, int]]]:
-    """All loadings of an edge of ``shape`` (B, C, H, W) as one (B, C, F, H, W) array (global and block columns
-    side by side: a window never leaves its channel) and the layout to split them back."""
-    b, c = shape[:2]
-    parts, layout = [], []
-    for kind, table in (("glob", ld.glob), ("block", ld.block)):
-        for key, t in table.items():
-            k = t.shape[-1]
-            parts.append(np.moveaxis(t.reshape(b, c, *shape[2:], k), -1, 2))
-            layout.append((kind, key, k))
-    return np.concatenate(parts, axis=2), layout
+def _window_taps(bk: Any, t: Any, attrs: dict[str, Any], in_hw: tuple[int, ...], out_hw: tuple[int, ...],
+                 fill: float) -> list[Any]:
+    """The window views of ``t`` (B, C', H, W) at every offset (row-major): padded as the reference's
+    ``padded`` (begin padding + overhang, ``fill``)."""
+    end = tuple(max(0, (o - 1) * s + k - n - p)
+                for n, k, s, p, o in zip(in_hw, attrs["kernel"], attrs["stride"], attrs["padding"], out_hw))
+    return bk.taps(t, tuple(attrs["kernel"]), tuple(attrs["stride"]), (1, 1), tuple(attrs["padding"]), end,
+                   tuple(out_hw), fill)
 
 
-def _split(cols: np.ndarray, layout: list[tuple[str, str, int]]) -> Any:
-    """The :class:`~pyro2pfp.correlation.compact.Loadings` of a (B, C, F, OH, OW) array of :func:`_columns`."""
-    from ..correlation.compact import Loadings
-
-    b, c = cols.shape[:2]
-    out, start = Loadings(), 0
-    for kind, key, k in layout:
-        part = np.moveaxis(cols[:, :, start:start + k], 2, -1)
-        if kind == "glob":
-            out.glob[key] = part.reshape(b, -1, k)
-        else:
-            out.block[key] = part.reshape(b, c, -1, k)
-        start += k
-    return out
+def _total(terms: list[Any]) -> Any:
+    total = terms[0]
+    for term in terms[1:]:
+        total = total + term
+    return total
 
 
-@compact_reference("max_pool2d")
-def max_pool2d_compact(layer: PlannedLayer, inputs: list[Activation], loads: list[Any], plan: Any,
-                       mean: np.ndarray, var: np.ndarray) -> tuple[Any, np.ndarray, np.ndarray]:
+@compact_formula("max_pool2d")
+def max_pool2d_compact(bk: Any, layer: PlannedLayer, inputs: list[Any], loads: list[Any], plan: Any,
+                       mean: Any, var: Any) -> tuple[Any, Any, Any]:
     """The max pooling rule of the compact factor plan: Clark's correlated fold (``docs/math.md`` "Max
     pooling") with the in-window covariances of the ``window_cov`` input where the planner gave one (the
     conv's weight noise and mean-field input, exact under those assumptions), else the factors' part
     ``Cov(a_p, a_q) = Σ_f L_p,f·L_q,f`` (the residual independent); the running max's loadings by the same
     Clark weights, ``L_max = Φ(α)·L_M + Φ(−α)·L_t`` (exact for jointly Gaussian taps: section 4's
     covariance rule).  Without ``window_cov`` the fold's mean and variance replace the reference's."""
+    from ..correlation.loadings import Loadings
+
     x, ld = inputs[0], loads[0]
     if ld is None:
         return None, mean, var
     a = layer.layer.attrs
+    c, h, w = plan.shapes[layer.inputs[0]]
     out_hw = tuple(layer.layer.out_shape[1:])
-    cols, layout = _columns(ld, x.mean.shape)
-    b, c, f = cols.shape[:3]
-    ms = list(window_views(padded(x.mean, a, out_hw, LOWEST), a["kernel"], a["stride"], out_hw))
-    vs = list(window_views(padded(x.variance(), a, out_hw, 0.0), a["kernel"], a["stride"], out_hw))
-    ls = [v.reshape(b, c, f, *out_hw) for v in
-          window_views(padded(cols.reshape(b, c * f, *x.mean.shape[2:]), a, out_hw, 0.0), a["kernel"], a["stride"],
-                       out_hw)]
+    cols, layout = ld.as_channels(bk, (c, h, w))
+    f = sum(k for _, _, k in layout)
+    ms = _window_taps(bk, x.mean, a, (h, w), out_hw, bk.lowest)
+    vs = _window_taps(bk, bk.variance(x), a, (h, w), out_hw, 0.0)
+    ls = [bk.reshape(v, (c, f, *out_hw)) for v in _window_taps(bk, bk.reshape(cols, (c * f, h, w)), a, (h, w),
+                                                               out_hw, 0.0)]
     pairs = moments.window_pairs(len(ms))
     if len(inputs) == 2:
-        cov = {pair: inputs[1].mean[:, :, k] for k, pair in enumerate(pairs)}
+        cov = {pair: bk.reshape(bk.slice(inputs[1].mean, 2, k, k + 1), (c, *out_hw)) for k, pair in enumerate(pairs)}
     else:
-        cov = {(i, j): (ls[i] * ls[j]).sum(axis=2) for i, j in pairs}
+        cov = {(i, j): bk.rsum(ls[i] * ls[j], 2) for i, j in pairs}
     m, v, lo = ms[0], vs[0], ls[0]
     carried = {j: cov[(0, j)] for j in range(1, len(ms))}
     for t in range(1, len(ms)):
-        m, v, cdf, cdf_neg = moments.correlated_max_moments(m, v, ms[t], vs[t], carried.pop(t))
+        m, v, cdf, cdf_neg = moments.correlated_max_moments(m, v, ms[t], vs[t], carried.pop(t), bk.ops)
         carried = {j: cv * cdf + cov[(t, j)] * cdf_neg for j, cv in carried.items()}
-        lo = lo * cdf[:, :, None] + ls[t] * cdf_neg[:, :, None]
+        lo = lo * bk.reshape(cdf, (c, 1, *out_hw)) + ls[t] * bk.reshape(cdf_neg, (c, 1, *out_hw))
     if len(inputs) == 1:
         mean, var = m, v
-    return _split(lo, layout), mean, var
+    return Loadings.from_channels(bk, lo, layout, (c, *out_hw)), mean, var
 
 
-@compact_reference("avg_pool2d")
-def avg_pool2d_compact(layer: PlannedLayer, inputs: list[Activation], loads: list[Any], plan: Any,
-                       mean: np.ndarray, var: np.ndarray) -> tuple[Any, np.ndarray, np.ndarray]:
+@compact_formula("avg_pool2d")
+def avg_pool2d_compact(bk: Any, layer: PlannedLayer, inputs: list[Any], loads: list[Any], plan: Any,
+                       mean: Any, var: Any) -> tuple[Any, Any, Any]:
     """The average pooling rule of the compact factor plan: loadings averaged over the window (exact);
     ``v = Σ(v − ‖L‖²)/n² + ‖L_out‖²`` (the factors summed coherently, the residual independently)."""
+    from ..correlation.loadings import Loadings
+
     x, ld = inputs[0], loads[0]
     if ld is None:
         return None, mean, var
     a = average_attrs(layer)
+    c, h, w = plan.shapes[layer.inputs[0]]
     out_hw = tuple(layer.layer.out_shape[1:])
-    cols, layout = _columns(ld, x.mean.shape)
-    b, c, f = cols.shape[:3]
-    div = average_divisor(a, x.mean.shape[2:], out_hw)
-    lo = sum(window_views(padded(cols.reshape(b, c * f, *x.mean.shape[2:]), a, out_hw, 0.0), a["kernel"],
-                          a["stride"], out_hw)) / div
-    lo = lo.reshape(b, c, f, *out_hw)
-    resid = np.maximum(x.variance() - ld.squared(b, x.mean[0].size).reshape(x.mean.shape), 0.0)
-    var = sum(window_views(padded(resid, a, out_hw, 0.0), a["kernel"], a["stride"], out_hw)) / div**2 \
-        + (lo**2).sum(axis=2)
-    return _split(lo, layout), mean, var
+    cols, layout = ld.as_channels(bk, (c, h, w))
+    f = sum(k for _, _, k in layout)
+    inv = 1.0 / average_divisor(a, (h, w), out_hw)
+    lo = _total(_window_taps(bk, bk.reshape(cols, (c * f, h, w)), a, (h, w), out_hw, 0.0)) * bk.tensor(inv, "inv_div")
+    lo = bk.reshape(lo, (c, f, *out_hw))
+    resid = bk.ops.maximum(bk.variance(x) - bk.reshape(ld.explained(bk, c * h * w), (c, h, w)), bk.ops.const(0.0))
+    var = _total(_window_taps(bk, resid, a, (h, w), out_hw, 0.0)) * bk.tensor(inv**2, "inv_div2") \
+        + bk.rsum(lo * lo, 2)
+    return Loadings.from_channels(bk, lo, layout, (c, *out_hw)), mean, var

@@ -23,8 +23,8 @@ from ..graph import Layer
 from ..onnx_builder import OnnxActivation, OnnxContext
 from ..plan import PlannedLayer
 from ..reference import Activation
-from ..registry import Contract, OpDef, compact_reference, register_op, shared_exporter, shared_reference
-from ._formula import formula
+from ..registry import Contract, OpDef, register_op, shared_exporter, shared_reference
+from ._formula import compact_formula, formula
 
 _PASS_THROUGH = Contract(takes=None, natural=None, keeps_deterministic=True)
 
@@ -134,26 +134,25 @@ def view_shared_onnx(step: OnnxSharedStep, ctx: OnnxContext, layer: PlannedLayer
     return OnnxShared(step.view_as(sh.s, *ctx.shapes[layer.name]), sh.g, sh.k), out
 
 
-@compact_reference("reshape")
-def reshape_compact(layer: PlannedLayer, inputs: list[Activation], loads: list[Any], plan: Any,
-                    mean: np.ndarray, var: np.ndarray) -> tuple[Any, np.ndarray, np.ndarray]:
+@compact_formula("reshape")
+def reshape_compact(bk: Any, layer: PlannedLayer, inputs: list[Any], loads: list[Any], plan: Any,
+                    mean: Any, var: Any) -> tuple[Any, Any, Any]:
     """Reshape in the compact factor plan: the loadings follow their elements (global columns are kept per
     element in flat order; block columns stay per channel where the reshape keeps the channel axis or
     flattens it, else they become global columns of zeros and loadings)."""
-    from ..correlation.compact import Loadings
+    from ..correlation.loadings import Loadings
 
     ld = loads[0]
     if ld is None:
         return None, mean, var
     shape = tuple(layer.layer.out_shape)
-    out = Loadings(dict(ld.glob), {})
-    for key, blk in ld.block.items():
-        c = blk.shape[1]
-        if len(shape) == 1 or shape[0] == c:
-            out.block[key] = blk
-        else:  # the channel grouping is lost: factor (ch, r) as a global column
-            b, _, p, r = blk.shape
-            dense = np.zeros((b, c, p, c, r))
-            dense[:, np.arange(c), :, np.arange(c), :] = np.moveaxis(blk, 1, 0)
-            out.glob[key] = dense.reshape(b, c * p, c * r)
+    out = Loadings(dict(ld.glob), {}, dict(ld.glob_width))
+    kept = {key for key, (c, _, _) in ld.block_shape.items() if len(shape) == 1 or shape[0] == c}
+    for key in kept:
+        out.block[key], out.block_shape[key] = ld.block[key], ld.block_shape[key]
+    if kept != set(ld.block):  # the channel grouping is lost: factor (ch, r) as a global column
+        lost = Loadings({}, {k: b for k, b in ld.block.items() if k not in kept},
+                        {}, {k: s for k, s in ld.block_shape.items() if k not in kept})
+        for key, (g, k) in lost.blocks_as_global(bk).items():  # the same factors as a global entry of the key
+            out.glob[key], out.glob_width[key] = (out.glob[key] + g if key in out.glob else g), k
     return out, mean, var

@@ -14,7 +14,7 @@ from ..errors import PFPError
 from ..graph import INPUT, Repr
 from ..plan import PlannedGraph, PlannedLayer
 from ..registry import add_to
-from .arrays import conv2d_nchw
+from .arrays import LOWEST, conv2d_nchw
 
 
 @dataclass
@@ -55,6 +55,8 @@ class NumpyBackend:
     NumPy matmuls and convolutions.  (The ONNX twin is ``onnx_builder.OnnxContext``.)"""
 
     ops = moments.NUMPY
+    #: the identity of a max fold's mean (padded window taps)
+    lowest = LOWEST
 
     @staticmethod
     def variance(x: Activation) -> np.ndarray:
@@ -98,6 +100,43 @@ class NumpyBackend:
     @staticmethod
     def zeros_like(t: np.ndarray) -> np.ndarray:
         return np.zeros_like(t)
+
+    # -- tensor algebra of the compact factor rules (``correlation/loadings.py``): every axis counted with the batch
+    @staticmethod
+    def einsum(equation: str, *ts: np.ndarray) -> np.ndarray:
+        return np.einsum(equation, *ts, optimize=len(ts) > 2)
+
+    @staticmethod
+    def rows(t: np.ndarray, shape: tuple[int, ...]) -> np.ndarray:
+        """``t`` reshaped to ``(-1, *shape)`` (the leading axis takes what is left: the batch, or the batch
+        times some axes)."""
+        return t.reshape((-1, *shape))
+
+    @staticmethod
+    def permute(t: np.ndarray, perm: tuple[int, ...]) -> np.ndarray:
+        return np.transpose(t, perm)
+
+    @staticmethod
+    def rsum(t: np.ndarray, axis: int) -> np.ndarray:
+        """The sum over ``axis`` (dropped)."""
+        return t.sum(axis=axis)
+
+    @staticmethod
+    def slice(t: np.ndarray, axis: int, start: int, stop: int) -> np.ndarray:
+        index = [slice(None)] * t.ndim
+        index[axis] = slice(start, stop)
+        return t[tuple(index)]
+
+    @staticmethod
+    def taps(t: np.ndarray, kernel: tuple[int, int], stride: tuple[int, int], dilation: tuple[int, int],
+             begin: tuple[int, int], end: tuple[int, int], out_hw: tuple[int, int], fill: float) -> list[np.ndarray]:
+        """The strided (B, C, OH, OW) view of ``t`` (B, C, H, W) at every kernel offset (row-major), ``t``
+        padded by ``begin``/``end`` rows and columns of ``fill`` first."""
+        tp = np.pad(t, ((0, 0), (0, 0), (begin[0], end[0]), (begin[1], end[1])), constant_values=fill)
+        oh, ow = out_hw
+        return [tp[:, :, i * dilation[0]:i * dilation[0] + stride[0] * (oh - 1) + 1:stride[0],
+                   j * dilation[1]:j * dilation[1] + stride[1] * (ow - 1) + 1:stride[1]]
+                for i in range(kernel[0]) for j in range(kernel[1])]
 
 
 NUMPY_BACKEND = NumpyBackend()

@@ -6,6 +6,7 @@ function computing mean and second component together) and a default CPU schedul
 :func:`schedule`, both in ``tvm_backend/ops/<family>.py``.
 """
 from .. import ops as _registry  # noqa: F401  (the op registry first: every activation op gets a kernel below)
+from . import compact_factor as compact_factor  # noqa: F401  (registers the compact factor plan's step)
 from . import ops  # noqa: F401  (registers the kernels and schedules)
 from .emit import KERNELS, RelaxActivation, emit_module, kernel
 from .schedules import SCHEDULES, schedule

@@ -196,16 +196,29 @@ def test_median_ratio_bound_follows_the_measured_noise():
 
 
 @pytest.mark.slow
-def test_auto_mean_field_warns_where_a_dense_layer_sums_conv_positions():
-    """conv → pool → flatten → dense: ``auto`` keeps mean-field (its cost) but says that the dense layer sums
-    positions sharing a conv's weight noise, with the shared-factor plan's cost for this network; an MLP,
-    and an explicit ``correlation='mean-field'``, convert without that warning."""
+def test_auto_picks_the_compact_plan_where_a_dense_layer_sums_conv_positions(monkeypatch):
+    """conv → pool → flatten → dense: ``auto`` picks the compact factor plan (its cost model accepts it) and the
+    plan printout says what it carries and why; over the cost budget it keeps mean-field and warns that the dense
+    layer sums positions sharing a conv's weight noise, with the shared-factor plan's cost and why not compact;
+    an MLP, and an explicit ``correlation='mean-field'``, convert without that warning."""
+    from pyro2pfp.correlation import compact
+
     model = TinyPoolCNN()
     x = torch.randn(4, 1, 8, 8)
     guide = _guide(model, x)
+    monkeypatch.setattr(compact, "COST_BUDGET", 1.5)  # this tiny net's conv directions cost x1.37
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        net = pyro2pfp.convert(model, guide, input_shape=(1, 8, 8))
+    assert not [w for w in caught if "sums positions" in str(w.message)]
+    assert net.plan.correlation == "compact-factor"
+    printout = net.summary().splitlines()[-1]
+    assert "block factors of" in printout and "chosen by correlation='auto'" in printout, printout
+    monkeypatch.undo()
     with pytest.warns(pyro2pfp.PFPWarning, match=r"'fc' sums positions of conv channels.*shared-factor' keeps it at "
-                                                  r"[0-9.]+x the multiply-adds"):
-        pyro2pfp.convert(model, guide, input_shape=(1, 8, 8))
+                                                  r"[0-9.]+x the multiply-adds.*over the budget x1.3"):
+        net = pyro2pfp.convert(model, guide, input_shape=(1, 8, 8))
+    assert net.plan.correlation == "mean-field"
     for other, xs, correlation in ((TinyPoolCNN(), x, "mean-field"), (OneHiddenMLP(), torch.randn(4, 5), "auto")):
         pyro.clear_param_store()
         guide = _guide(other, xs)

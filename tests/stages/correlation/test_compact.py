@@ -14,10 +14,9 @@ import torch.nn.functional as F
 
 from pyro2pfp import ops as ops  # the op registry: every op family registers itself
 from pyro2pfp.correlated_pools import correlate_max_pools
-from pyro2pfp.correlation import CompactPlan, Loadings, execute_compact_all, plan_compact
-from pyro2pfp.errors import ArgumentError
+from pyro2pfp.correlation import Loadings, execute_compact_all, plan_compact
 from pyro2pfp.graph import INPUT, GaussianParam, LayerGraph
-from pyro2pfp.ops.compute import conv_block_factors
+from pyro2pfp.ops.compute_compact import conv_block_factors
 from pyro2pfp.plan import plan
 from pyro2pfp.reference import execute, execute_all
 from tests.support.builders import conv_layer, dense_layer, lenet_graph, reshape_layer
@@ -147,17 +146,6 @@ def test_loadings_merge_by_creator_and_shrink_to_the_variance():
     np.testing.assert_allclose(m.squared(1, 2), [[12 + 1 + 1] * 2])
 
 
-def test_the_compiled_and_onnx_back_ends_refuse_the_compact_plan_by_name():
-    rng = np.random.default_rng(3)
-    graph = plan(_spatial_sum_net(rng, "prob"))
-    graph.factors = plan_compact(graph)
-    assert isinstance(graph.factors, CompactPlan)
-    from pyro2pfp.onnx_builder import build_model
-
-    with pytest.raises(ArgumentError, match="compact-factor"):
-        build_model(graph)
-
-
 def test_zero_variance_gives_mean_field_and_no_nan():
     rng = np.random.default_rng(4)
     graph = lenet_graph(rng, widths=(2, 3, 8, 6), image=12, var_scale=0.0)
@@ -176,7 +164,7 @@ def test_zero_variance_gives_mean_field_and_no_nan():
 def test_convert_plans_it_after_the_pool_rewrite_and_says_what_it_carries():
     """The user path: a PyroModule LeNet-5 with an AutoNormal guide, ``convert(correlation="compact-factor")``:
     correlated pools, conv2's directions or the cost model's reason for leaving them out, fc2's input
-    residual; ``net.reference`` runs it and compiling refuses it by name."""
+    residual; ``net.reference`` runs it and the ONNX export matches it."""
     import pyro
 
     import pyro2pfp
@@ -196,8 +184,9 @@ def test_convert_plans_it_after_the_pool_rewrite_and_says_what_it_carries():
     x = np.random.default_rng(0).uniform(0, 1, (2, 1, 28, 28))
     mean, var = net.reference(x)
     assert np.all(np.isfinite(mean)) and np.all(var > 0)
-    with pytest.raises(ArgumentError, match="compact-factor"):
-        net.compile("native")
+    from tests.support.backends import ONNX_RTOL, assert_matches, onnx_run
+
+    assert_matches(onnx_run(net, x.astype(np.float32)), (mean, var), ONNX_RTOL)
 
 
 def test_layer_norm_carries_the_loadings_through_its_jacobian():
