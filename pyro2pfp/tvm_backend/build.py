@@ -38,6 +38,7 @@ from tvm.relax import vm_build
 from ..errors import ArgumentError
 from ..targets import is_cross_target, make_target
 from ..tvm_runtime import available_cpus
+from . import subnormals
 from .kernel_cache import open_cache, source_fingerprint
 
 #: kernels compiled per LLVM module at most: several modules per thread, so that a slow kernel
@@ -186,7 +187,7 @@ class KernelPool:
     def _config(self) -> dict[str, Any]:
         ctx = self.context
         return {**dict(ctx.config), "opt_level": ctx.opt_level, "required_pass": list(ctx.required_pass),
-                "disabled_pass": list(ctx.disabled_pass)}
+                "disabled_pass": list(ctx.disabled_pass), "flush_subnormals": subnormals.applies(self.target)}
 
     def flush(self) -> None:
         """Submit the queued kernels as one part."""
@@ -217,8 +218,11 @@ class KernelPool:
                 cached = self.cache.load(key, symbols)
                 if cached is not None:
                     return cached
+        module = tvm.IRModule(part, attrs=attrs)
+        if subnormals.applies(self.target):
+            module = subnormals.flush_subnormals_pass(module)
         with self.context:
-            lib = tvm.tirx.build(tvm.IRModule(part, attrs=attrs), target=self.target)
+            lib = tvm.tirx.build(module, target=self.target)
         if self.cache is not None and key is not None and symbols is not None:
             return self.cache.store(key, lib, symbols)  # the object file: machine code made here
         if self.jit:
@@ -262,6 +266,8 @@ def build(mod: tvm.IRModule, target: Any, relax_pipeline: Any = "default", jobs:
         relax_pipeline = relax.get_pipeline(relax_pipeline)
     pipeline = tvm.transform.Sequential([share_identical_kernels_pass, relax_pipeline, mark_prim_funcs_noalias])
     if kernels is None and not parallel(tgt, jobs):
+        if subnormals.applies(tgt):  # (KernelPool applies it to each part it compiles)
+            pipeline = tvm.transform.Sequential([pipeline, subnormals.flush_subnormals_pass])
         with build_context():
             return tvm.compile(mod, target=tgt, relax_pipeline=pipeline)
     kernels = KernelPool(tgt, jobs) if kernels is None else kernels

@@ -41,7 +41,7 @@ import tvm_ffi
 ENV = "PYRO2PFP_KERNEL_CACHE"
 LIMIT_ENV = "PYRO2PFP_KERNEL_CACHE_MB"
 DEFAULT_LIMIT_MB = 512
-FORMAT = 1
+FORMAT = 2
 """Changed whenever what an entry holds, or how a part is compiled, changes (the key holds it)."""
 _STALE_TMP_S = 3600.0  # temporary files older than this are left-overs of a killed process
 
