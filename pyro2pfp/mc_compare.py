@@ -331,9 +331,11 @@ def layer_fidelity(name: str, op: str, pfp_mean: np.ndarray, pfp_var: np.ndarray
                    mc_var: np.ndarray) -> LayerFidelity:
     """The :class:`LayerFidelity` of one layer from PFP and MC moments of the same shape."""
     keep = random_elements(mc_mean, mc_var)
-    fixed = ~keep
-    det = float(np.max(np.abs(pfp_mean[fixed] - mc_mean[fixed])) / (np.max(np.abs(mc_mean[fixed])) + 1e-30)) \
-        if fixed.any() else float("nan")
+    fixed = ~keep & ~random_elements(pfp_mean, pfp_var)  # deterministic in both (not a unit no sample woke)
+    # the layer's size: its largest sampled mean or sd (a ReLU unit dead in every sample has mean 0: its own
+    # size would make PFP's small positive mean there look like an infinite departure)
+    size = max(float(np.max(np.abs(mc_mean), initial=0.0)), float(np.sqrt(np.max(mc_var, initial=0.0))))
+    det = float(np.max(np.abs(pfp_mean[fixed] - mc_mean[fixed])) / (size + 1e-30)) if fixed.any() else float("nan")
     if not keep.any():
         nan = float("nan")
         return LayerFidelity(name, op, tuple(pfp_mean.shape[1:]), nan, nan, nan, nan, nan, deterministic=True,

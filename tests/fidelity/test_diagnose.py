@@ -55,12 +55,14 @@ def test_bad_arguments(resnet_case):
 
 @pytest.mark.slow
 def test_mc_moments_match_numpy_on_the_logits(resnet_case):
-    """The output-only mode gives the same MC logit moments as per-layer mode with the same seed."""
+    """The output-only mode gives the same MC logit moments as per-layer mode with the same seed: the same
+    guide draws (other draws would differ by tens of %), through a vmapped forward instead of one forward per
+    draw (float32 rounding)."""
     model, guide, x = resnet_case
     a = pyro2pfp.diagnose(model, guide, x, num_samples=20, per_layer=False, seed=3)
     b = pyro2pfp.diagnose(model, guide, x, num_samples=20, per_layer=True, seed=3)
     assert [r.name for r in a.layers] == ["fc"]
-    np.testing.assert_allclose(a.output["mc_var"], b.output["mc_var"], rtol=1e-10)
+    np.testing.assert_allclose(a.output["mc_var"], b.output["mc_var"], rtol=1e-5)
 
 
 @pytest.mark.slow
