@@ -36,14 +36,14 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 from pyro import poutine
-from pyro.infer import SVI, Predictive, Trace_ELBO
+from pyro.infer import Predictive
 from pyro.infer.autoguide import AutoDiagonalNormal, AutoNormal
 from pyro.nn import PyroModule, PyroSample
 from pyro.nn.module import to_pyro_module_
 
 if __name__ == "__main__":  # run as a worker script: the repository root on the path, for tests.support
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
-from tests.support.store_forms import CLASSES, D_IN, HIDDEN, MC_SAMPLES, N_TEST, N_TRAIN, STEPS, data  # noqa: E402
+from tests.support.store_forms import CLASSES, D_IN, HIDDEN, train_entry  # noqa: E402
 
 
 # -------------------------------------------------------------------- pyro.module + to_pyro_module_ + exp
@@ -248,24 +248,10 @@ def _module_state(modules: list[nn.Module]) -> list[tuple[str, str, bool, float]
 
 
 def train(out_dir: str) -> None:
-    x, y = data(N_TRAIN, 0)
-    x_test, _ = data(N_TEST, 7)
     for name in ENTRIES:
-        pyro.clear_param_store()
-        pyro.set_rng_seed(1)
-        e = entry(name)
-        svi = SVI(e["model"], e["guide"], pyro.optim.Adam({"lr": 0.03}), Trace_ELBO())
-        for _ in range(STEPS):
-            svi.step(x, y)
-        for module in e["modules"]:
-            module.eval()
-        with torch.no_grad():
-            samples = e["truth"](x_test, MC_SAMPLES).double().numpy()
-        pyro.get_param_store().save(os.path.join(out_dir, f"{name}.pt"))
+        e = train_entry(name, entry, out_dir)
         torch.save({k: v for m in e["modules"] for k, v in m.state_dict().items() if "running" in k},
                    os.path.join(out_dir, f"{name}-buffers.pt"))
-        np.savez(os.path.join(out_dir, f"{name}-truth.npz"), x=x_test.numpy(), mean=samples.mean(0),
-                 var=samples.var(0, ddof=1))
 
 
 def convert(out_dir: str) -> None:

@@ -249,25 +249,31 @@ def _module_state(modules: list[nn.Module]) -> list[tuple[str, str, bool, float]
                   for key, value in m._parameters.items() if value is not None)
 
 
-def train(out_dir: str) -> None:
+def train_entry(name: str, make: Callable[[str], dict[str, Any]], out_dir: str) -> dict[str, Any]:
+    """Train entry ``name`` (built by ``make``) as its author would, then save its param store
+    (``<name>.pt``) and its own sampled prediction on the test inputs (``<name>-truth.npz``); the entry."""
     x, y = data(N_TRAIN, 0)
     x_test, _ = data(N_TEST, 7)
+    pyro.clear_param_store()
+    pyro.set_rng_seed(1)
+    e = make(name)
+    svi = SVI(e["model"], e["guide"], pyro.optim.Adam({"lr": 0.03}), Trace_ELBO())
+    for _ in range(STEPS):
+        svi.step(x, y)
+    for module in e["modules"]:
+        module.eval()
+    with torch.no_grad():
+        samples = e["truth"](x_test, MC_SAMPLES).double().numpy()
+    pyro.get_param_store().save(os.path.join(out_dir, f"{name}.pt"))
+    np.savez(os.path.join(out_dir, f"{name}-truth.npz"), x=x_test.numpy(), mean=samples.mean(0),
+             var=samples.var(0, ddof=1))
+    return e
+
+
+def train(out_dir: str) -> None:
     for name in ENTRIES:
-        if name in TRAINED_AS:
-            continue
-        pyro.clear_param_store()
-        pyro.set_rng_seed(1)
-        e = entry(name)
-        svi = SVI(e["model"], e["guide"], pyro.optim.Adam({"lr": 0.03}), Trace_ELBO())
-        for _ in range(STEPS):
-            svi.step(x, y)
-        for module in e["modules"]:
-            module.eval()
-        with torch.no_grad():
-            samples = e["truth"](x_test, MC_SAMPLES).double().numpy()
-        pyro.get_param_store().save(os.path.join(out_dir, f"{name}.pt"))
-        np.savez(os.path.join(out_dir, f"{name}-truth.npz"), x=x_test.numpy(), mean=samples.mean(0),
-                 var=samples.var(0, ddof=1))
+        if name not in TRAINED_AS:
+            train_entry(name, entry, out_dir)
 
 
 def convert(out_dir: str) -> None:

@@ -11,6 +11,7 @@ import pytest
 
 from tests.support import forward_forms as forms
 from tests.support.cross_process import assert_matches_sampling, train_then_convert
+from tests.support.store_forms import MC_SAMPLES
 
 pytestmark = pytest.mark.slow  # trains, and converts in fresh processes
 
@@ -23,4 +24,4 @@ def converted(tmp_path_factory):
 @pytest.mark.parametrize("name", forms.ENTRIES)
 def test_converts_within_the_bounds_of_its_own_sampling(name, converted):
     assert_matches_sampling(np.load(converted / f"{name}-truth.npz"), np.load(converted / f"{name}-pfp.npz"),
-                            forms.MC_SAMPLES)
+                            MC_SAMPLES)
