@@ -34,8 +34,6 @@ def main(argv: list[str] | None = None) -> int:
     os.environ["TVM_NUM_THREADS"] = str(args.threads)
     os.environ.setdefault("TVM_BIND_THREADS", "0")
     warnings.simplefilter("ignore", UserWarning)
-    import numpy as np
-    import pyro
     import torch
 
     import pyro2pfp
@@ -45,19 +43,7 @@ def main(argv: list[str] | None = None) -> int:
     import latency
 
     torch.set_num_threads(args.threads)
-    pyro.clear_param_store()
-    pyro.set_rng_seed(0)
-    rng = np.random.default_rng(0)
-    if args.net.startswith("resnet"):
-        from pyro2pfp_experiments.zoo import he_posterior
-
-        model, _, _, shape = latency.build_resnet(args.net)
-        x = rng.standard_normal((args.batch, *shape)).astype(np.float32)
-        guide = he_posterior(model, torch.as_tensor(x[:1]), seed=0)
-    else:
-        model, guide, _, shape = latency.build_models(args.net)
-        x = rng.standard_normal((args.batch, *shape)).astype(np.float32)
-        guide(torch.as_tensor(x[:1]), torch.zeros(1, dtype=torch.long))  # initialise the guide
+    model, guide, _, shape, x = latency.model_with_inputs(args.net, args.batch)
     net = pyro2pfp.convert(model, guide, input_shape=shape, correlation=args.correlation)
     t0 = time.process_time()
     exe = net.compile(batch_sizes=[args.batch] if args.static else ())

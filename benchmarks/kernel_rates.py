@@ -72,25 +72,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 def build(args: argparse.Namespace):
     """(PFP net, deterministic torch net, input batch, Pyro model, guide)."""
     import latency
-    import numpy as np
-    import pyro
     import torch
 
     import pyro2pfp
 
-    pyro.clear_param_store()
-    pyro.set_rng_seed(0)
-    rng = np.random.default_rng(0)
-    if args.net.startswith("resnet"):
-        from pyro2pfp_experiments.zoo import he_posterior
-
-        model, _, det, shape = latency.build_resnet(args.net)
-        x = rng.standard_normal((args.batch, *shape)).astype(np.float32)
-        guide = he_posterior(model, torch.as_tensor(x[:1]), seed=0)
-    else:
-        model, guide, det, shape = latency.build_models(args.net)
-        x = rng.standard_normal((args.batch, *shape)).astype(np.float32)
-        guide(torch.as_tensor(x[:1]), torch.zeros(1, dtype=torch.long))  # initialise the guide
+    model, guide, det, shape, x = latency.model_with_inputs(args.net, args.batch)
     net = pyro2pfp.convert(model, guide, input_shape=shape, correlation=args.correlation, max_pool=args.max_pool)
     post = latency.posterior(guide, det)
     with torch.no_grad():

@@ -204,6 +204,28 @@ def build_resnet(name: str):
     return model, None, det, (3, 32, 32)
 
 
+def model_with_inputs(name: str, batch: int):
+    """``name``'s Bayesian model, an initialised guide (ResNets: ``zoo.he_posterior``), its deterministic twin,
+    its input shape and ``batch`` standard-normal inputs (seed 0; the param store cleared first)."""
+    import pyro
+    import torch
+
+    pyro.clear_param_store()
+    pyro.set_rng_seed(0)
+    rng = np.random.default_rng(0)
+    if name.startswith("resnet"):
+        from pyro2pfp_experiments.zoo import he_posterior
+
+        model, _, det, shape = build_resnet(name)
+        x = rng.standard_normal((batch, *shape)).astype(np.float32)
+        guide = he_posterior(model, torch.as_tensor(x[:1]), seed=0)
+    else:
+        model, guide, det, shape = build_models(name)
+        x = rng.standard_normal((batch, *shape)).astype(np.float32)
+        guide(torch.as_tensor(x[:1]), torch.zeros(1, dtype=torch.long))  # initialise the guide
+    return model, guide, det, shape, x
+
+
 def posterior(guide, det) -> dict:
     """{site: (loc, scale)} of every parameter of the deterministic twin that is a site of the
     AutoNormal guide (the others, e.g. batch norm weights, are deterministic)."""
