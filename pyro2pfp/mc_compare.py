@@ -332,8 +332,7 @@ def layer_fidelity(name: str, op: str, pfp_mean: np.ndarray, pfp_var: np.ndarray
     """The :class:`LayerFidelity` of one layer from PFP and MC moments of the same shape."""
     keep = random_elements(mc_mean, mc_var)
     fixed = ~keep & ~random_elements(pfp_mean, pfp_var)  # deterministic in both (not a unit no sample woke)
-    # the layer's size: its largest sampled mean or sd (a ReLU unit dead in every sample has mean 0: its own
-    # size would make PFP's small positive mean there look like an infinite departure)
+    # measured against the layer's size, its largest sampled mean or sd: a fixed element's own mean may be 0
     size = max(float(np.max(np.abs(mc_mean), initial=0.0)), float(np.sqrt(np.max(mc_var, initial=0.0))))
     det = float(np.max(np.abs(pfp_mean[fixed] - mc_mean[fixed])) / (size + 1e-30)) if fixed.any() else float("nan")
     if not keep.any():
