@@ -28,7 +28,7 @@ import torch
 from markdown_report import add_markdown_argument, table, write_markdown
 
 import pyro2pfp
-from pyro2pfp.reference import execute
+from pyro2pfp.backends.reference import execute
 from pyro2pfp_experiments.zoo import bayesian_resnet, he_posterior
 
 NETS = {

@@ -12,10 +12,10 @@ from pyro2pfp import ops as ops  # the op registry: every op family registers it
 from pyro2pfp.correlation import Shared, execute_shared_all, plan_factors
 from pyro2pfp.correlation.factors import weight_var
 from pyro2pfp.correlation.shared import compacted
-from pyro2pfp.graph import INPUT, Layer, LayerGraph
 from pyro2pfp.ops.arithmetic import add_shared
 from pyro2pfp.ops.compute import conv2d_shared
-from pyro2pfp.plan import plan
+from pyro2pfp.planning.graph import INPUT, Layer, LayerGraph
+from pyro2pfp.planning.plan import plan
 from tests.support.builders import conv_layer, relu_layer
 
 
