@@ -350,5 +350,6 @@ def replanned(graph: PlannedGraph, factors: FactorPlan | None) -> PlannedGraph:
     """``graph`` (a plan rewritten after :func:`with_correlation` chose ``factors`` for the graph before the
     rewrite, e.g. with correlated max pools) with the same scheme and variants planned anew on it (None:
     mean-field); returns ``graph``."""
-    graph.factors = None if factors is None else plan_factors(graph, factors.hermite, injection=factors.injection)
+    graph.factors = None if factors is None else plan_factors(graph, factors.hermite, injection=factors.injection,
+                                                              guide=factors.guide, own_blocks=factors.own_blocks)
     return graph

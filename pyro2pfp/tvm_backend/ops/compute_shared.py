@@ -37,9 +37,11 @@ from tvm import te, tirx
 
 from ...correlation.factors import ComputeFactors
 from ...correlation.guide import guide_tensors
+from ...errors import PFPError
 from ...plan import PlannedLayer
 from ...registry import shared_kernel
 from ..emit import EmitContext, RelaxActivation
+from ..guide_factor import guide_mean, guide_weights_fn
 from ..schedules import schedule
 from ..shared_factor import (
     FactorWidths,
@@ -90,10 +92,20 @@ def conv2d_shared_kernel(step: SharedStep, ctx: EmitContext, layer: PlannedLayer
     h, w = ctx.shapes[layer.inputs[0]][1:]
     oh, ow = layer.layer.out_shape[1:]
     has_s = sh is not None
-    wino = winograd_shape(layer)  # the profile convolution by Winograd F(2x2, 3x3) (winograd.py)
+    # a correlated guide's factors (pyro2pfp/correlation/guide.py; the kernels: tvm_backend/guide_factor.py)
+    wf, bf = guide_tensors(t, o, step.fp)
+    has_guide = wf is not None or bf is not None
+    guide = (wf if wf is not None else bf).shape[-1] if has_guide else 0  # type: ignore[union-attr]
+    # the profile convolution by Winograd F(2x2, 3x3) (winograd.py); direct with the guide's extra term
+    wino = winograd_shape(layer) and not has_guide
     # injection='rescaled': the mean-field kernel's weight-noise term, rescaled, instead of the
     # regression terms (module docstring)
     rescaled = offset is not None and step.fp.injection == "rescaled"
+    if has_guide and rescaled:
+        raise PFPError(f"{layer.layer.source}: the TVM back end carries a correlated guide's factors through "
+                       "conv2d with injection='regression' only; convert with the default injection")
+    guide_w = np.transpose(wf if wf is not None else np.zeros((o, c, kh, kw, max(guide, 1))), (1, 2, 3, 0, 4))
+    guide_b = bf if bf is not None else np.zeros((o, max(guide, 1)))
     bias_var = ctx.const(t["bias_var"] if "bias_var" in t else np.zeros(o))
 
     # the output columns ``ox*sx + j*dx - px`` of kernel column ``j`` that fall inside the
@@ -140,6 +152,7 @@ def conv2d_shared_kernel(step: SharedStep, ctx: EmitContext, layer: PlannedLayer
         cw, wmt, wvt, bvt = (next(it) for _ in range(4))
         noise = next(it) if rescaled else None  # the mean-field kernel's weight-noise term
         out_var = next(it) if rescaled and not has_s else None
+        gwt, gbt = (next(it), next(it)) if has_guide else (None, None)
         batch = mu.shape[0]
         mb = pooled(mu, 0, cw)
         sb = pooled(s_in, 1, cw) if s_in is not None else None
@@ -169,10 +182,26 @@ def conv2d_shared_kernel(step: SharedStep, ctx: EmitContext, layer: PlannedLayer
             return te.compute((batch, o), lambda b, oo: safe_div(g[b, oo, oo + off], wbar[b, oo]),
                               name="coef")
 
+        def with_guide(loading: te.Tensor | None) -> te.Tensor:
+            """``loading`` plus the guide's ``Σ_{c,k} F_f[o, c, k]·m̄μ_k[c] + F_b,f[o]`` in its columns."""
+            if gwt is None or gbt is None:
+                assert loading is not None
+                return loading
+            cg, ig, jg = (te.reduce_axis((0, n), name=name) for n, name in ((c, "cg"), (kh, "ig"), (kw, "jg")))
+            gsum = te.compute((batch, o, guide), lambda b, oo, f: te.sum(
+                gwt[cg, ig, jg, oo, f] * mb[b, cg, ig, jg], axis=[cg, ig, jg]), name="guide_through_mean")
+
+            def entry(b: Any, oo: Any, f: Any) -> Any:
+                ff = te.min(f, guide - 1)
+                value = tirx.Select(f < guide, gsum[b, oo, ff] + gbt[oo, ff], f32(0.0))
+                return value if loading is None else loading[b, oo, f] + value
+
+            return te.compute((batch, o, k), entry, name="loading_guide")
+
         if sb is None or g_in is None:
-            loading = te.compute((batch, o, k), lambda b, oo, f: tirx.Select(
-                f == oo + off, wbar[b, oo], f32(0.0)), name="loading")
-            g = normalised(loading)[0]
+            own = te.compute((batch, o, k), lambda b, oo, f: tirx.Select(
+                f == oo + off, wbar[b, oo], f32(0.0)), name="loading") if offset is not None else None
+            g = normalised(with_guide(own))[0]
             coef = coefficient(g)
             if noise is not None and out_var is not None:  # the profile is the rescaled root alone
                 return [g, te.compute(noise.shape, lambda b, oo, y, xx: clip(
@@ -187,7 +216,7 @@ def conv2d_shared_kernel(step: SharedStep, ctx: EmitContext, layer: PlannedLayer
                           name="prop")
         loading = prop if offset is None else te.compute(prop.shape, lambda b, oo, f: prop[b, oo, f] + tirx.Select(
             f == oo + off, wbar[b, oo], f32(0.0)), name="loading")
-        g = normalised(loading)[0]
+        g = normalised(with_guide(loading))[0]
         # βᵀ[b, c, o] = ⟨g_in[c], g[o]⟩ (B, C, O): unit-stride in o, as the weights kernel reads it
         beta = row_products(g, g_in, g_in.shape[2])
         if noise is not None:  # the weights kernel reads neither pooled view
@@ -199,6 +228,8 @@ def conv2d_shared_kernel(step: SharedStep, ctx: EmitContext, layer: PlannedLayer
     if rescaled:
         assert out.weight_noise is not None  # emit_module refuses a kernel that did not return it
         args += [out.weight_noise] + ([out.second] if sh is None else [])
+    if has_guide:
+        args += [ctx.const(guide_w), ctx.const(guide_b)]
     outs = emit_width_generic(ctx, load, args, layer, "conv_load", g_args={2: sh.k} if sh is not None else {},
                                k=k, offset=offset or 0)
     if rescaled and sh is None:  # no convolution: the profile is the rescaled root (load kernel)
@@ -284,13 +315,26 @@ def conv2d_shared_kernel(step: SharedStep, ctx: EmitContext, layer: PlannedLayer
 
     assert sh is not None or not rescaled
     terms = ([sh.s] if sh is not None else []) + ([x.mean] if offset is not None and not rescaled else [])
-    n_terms = len(terms)
-    args = [t for pair in zip(terms, w_outs[:n_terms]) for t in pair]
+    pairs = list(zip(terms, w_outs[:len(terms)]))
+    shift = w_outs[-1]
+    mean_w = None
+    if has_guide:  # the guide's profile term on the input mean, its bias term in the shift, the mean's weights
+        g_outs = emit_part(ctx, guide_weights_fn(guide, sh is not None and wf is not None),
+                           [g, shift, ctx.const(guide_w), ctx.const(guide_b)]
+                           + ([sh.g] if sh is not None and wf is not None else []), layer, "conv_guide_weights")
+        pairs.append((x.mean, g_outs[0]))
+        shift = g_outs[1]
+        mean_w = g_outs[2] if len(g_outs) > 2 else None
+    n_terms = len(pairs)
+    args = [t for pair in pairs for t in pair]
     if rescaled:
         args += [coef_t, out.second, out.weight_noise]
     else:
-        args += [w_outs[-1], out.second]
+        args += [shift, out.second]
     s = emit_part(ctx, profile, args, layer, "conv_profile")[0]
+    if mean_w is not None and sh is not None:  # the mean of the weights' guide noise times the input's
+        out = RelaxActivation(guide_mean(ctx, layer, emit_part, sh.s, mean_w, out.mean), out.second, out.repr,
+                              out.weight_noise)
     return SharedRelax(s, g, k), out
 
 
@@ -419,6 +463,7 @@ def dense_shared_kernel(step: SharedStep, ctx: EmitContext, layer: PlannedLayer,
     return SharedRelax(s, g, k), RelaxActivation(mean_out, var_new, out.repr)
 
 
-schedule("sf_conv_load", "sf_conv_weights", "sf_dense_load", "sf_dense_guide_load")(schedule_shared)
+schedule("sf_conv_load", "sf_conv_weights", "sf_dense_load", "sf_dense_guide_load", "sf_conv_guide_weights"
+         )(schedule_shared)
 # the profile convolution has the mean-field conv kernel's blocks (pad, conv2d, epilogue) and layout
-schedule("sf_conv_profile")(schedule_conv2d)
+schedule("sf_conv_profile", "sf_conv_guide_mean")(schedule_conv2d)
