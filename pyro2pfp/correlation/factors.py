@@ -292,8 +292,9 @@ def choose(graph: PlannedGraph, correlation: Correlation | str, hermite: Hermite
     :class:`CorrelationError` naming the layer it has no rule for; ``"mean-field"``: None (a correlated
     guide's correlations dropped, with a warning); ``"auto"``: the scheme when :func:`needs_shared_factors`
     finds a reason, else, for a correlated guide, its global factors alone (the weights' independent
-    noise stays mean-field), else mean-field -- and mean-field with a warning when the scheme has no
-    rule for a layer, or one that only the NumPy reference implements (the plan must compile and export)."""
+    noise stays mean-field; every back end carries them through the ops of :data:`GUIDE_OPS`), else
+    mean-field -- and mean-field with a warning when the scheme has no rule for a layer, or one that only
+    the NumPy reference implements (the plan must compile and export)."""
     correlation = checked(Correlation, correlation)
     guide = guide_count(graph)
     if correlation in ("mean-field", "compact-factor"):  # compact: planned after the pool rewrite (with_compact)
