@@ -114,9 +114,9 @@ def train(out_dir: str) -> None:
         svi = SVI(model, guide, pyro.optim.Adam({"lr": 0.01}), Trace_ELBO())
         for _ in range(STEPS):
             svi.step(x, y)
-        with torch.no_grad():
-            samples = Predictive(model, guide=guide, num_samples=MC_SAMPLES, return_sites=("_RETURN",))(
-                x_test)["_RETURN"].double().numpy()
+        with torch.no_grad():  # in chunks: a full-covariance guide's samples each hold its D × D factor
+            samples = np.concatenate([Predictive(model, guide=guide, num_samples=50, return_sites=("_RETURN",))(
+                x_test)["_RETURN"].double().numpy() for _ in range(MC_SAMPLES // 50)])
         pyro.get_param_store().save(os.path.join(out_dir, f"{name}.pt"))
         np.savez(os.path.join(out_dir, f"{name}-truth.npz"), x=x_test.numpy(), mean=samples.mean(0),
                  var=samples.var(0, ddof=1))
