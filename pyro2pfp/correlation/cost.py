@@ -114,9 +114,8 @@ def dense_head_caveat(graph: PlannedGraph) -> str | None:
 
 def guide_macs(layer: PlannedLayer, fp: FactorPlan, k_in: int, macs: int, size: int) -> int:
     """The multiply-adds a compute layer spends on a correlated guide's factors (:mod:`.guide`): dense --
-    the injection ``F·μ`` (``|W|·k``), with an input that loads on them the product's matrix
-    ``A = Σ_i F_i·ℓ_inᵢᵀ`` (``|W|·k²``; its trace is the mean shift, ``‖A‖² + tr A²`` its variance) and the
-    mean-field part removed from the variance (``|W|``); conv2d -- the pooled injection
+    the injection ``F·μ`` (``|W|·k``), the mean shift ``Σ F·ℓ_in`` (``|W|·k``, with an input that loads on
+    them) and the mean-field part removed from the variance (``|W|``); conv2d -- the pooled injection
     and the per-input filter ``G = Σ_f g·F_f`` (``2·|W|·k``), the profile ``conv(μ, G)`` (one
     convolution) and the mean shift (one convolution and ``|W|·k``)."""
     wf = layer.tensors.get("weight_factors") if getattr(fp, "guide", 0) else None
@@ -125,5 +124,5 @@ def guide_macs(layer: PlannedLayer, fp: FactorPlan, k_in: int, macs: int, size: 
     guide = int(wf.shape[-1])
     has_in = k_in > 0
     if layer.op == "dense":
-        return size * guide * (1 + (guide if has_in else 0)) + size
+        return size * guide * (2 if has_in else 1) + size
     return 2 * size * guide + macs + ((macs + size * guide) if has_in else 0)

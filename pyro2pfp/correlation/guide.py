@@ -14,9 +14,8 @@ mean-field moments (computed with the marginal variance ``V = d² + Σ_f F_f²``
   ``v += ‖ℓ‖² − Σ_i W²·s² − Σ_i (Σ_f F_f²)[o, i]·(μ_i² + s_i²·|g_i|²_guide) − Σ_f F_b,f²``: the
   coherent loading in place of the mean-field terms that counted the same noise as independent
   (``(Σ_f F_f²)·μ²``: the guide part of ``V·μ²``; ``·s²``: the product of the weights' and the
-  input's guide noise, a second-order term ``zᵀ A z`` with ``A[o] = Σ_i F[o, i]·ℓ_in[i]ᵀ``, whose
-  mean ``tr A`` is added to the mean -- :func:`dense_mean_shift` -- and whose variance ``‖A‖_F² + tr(A²)``
-  (Isserlis) replaces it -- :func:`dense_product_variance`; it is not carried as a factor);
+  input's guide noise, a second-order term with mean ``Σ_i F[o, i]·ℓ_in[i]`` -- see
+  :func:`dense_mean_shift` -- that the closure does not carry as a factor);
 * conv2d: the pooled loading ``ℓ[o, f] += Σ_{c,k} F_f[o, c, k]·m̄μ_k[c] + F_b,f[o]`` and the profile
   ``s[o, p] += Σ_{c,k} G[o, c, k]·μ[c, p + k] + Σ_f g[o, f]·F_b,f[o]`` with ``G = Σ_f g[o, f]·F_f[o]``
   (the exact covariance of ``out[o, p]`` with the channel's normal ``η_o`` from the guide's part);
@@ -121,14 +120,3 @@ def mean_shift(layer: PlannedLayer, x_mean: np.ndarray, sh: Shared | None, fp: F
     for kk, view in enumerate(conv_views(s_in, layer, (kh, kw))):
         out = out + np.einsum("bchw,boc->bohw", view, gw[..., kk])
     return np.asarray(out)
-
-
-def dense_product_variance(s: np.ndarray, g: np.ndarray, wf: np.ndarray, guide: int) -> np.ndarray:
-    """The variance of the product of the weights' and the input's guide noise, ``(F·z)ᵀ(ℓ_in·z)``, a
-    quadratic form ``zᵀ A z`` in the global factors with ``A[o] = Σ_i F[o, i]·ℓ_in[i]ᵀ`` (k × k):
-    ``Var = ‖A‖_F² + tr(A²)`` (Isserlis; its mean ``tr A`` is :func:`dense_mean_shift`) -- (B, O)."""
-    b = s.shape[0]
-    rows = g.shape[1]
-    loading = (s.reshape(b, rows, -1)[..., None] * g[:, :, None, :guide]).reshape(b, -1, guide)
-    a = np.einsum("oif,bie->bofe", wf, loading)
-    return np.asarray((a**2).sum((2, 3)) + np.einsum("bofe,boef->bo", a, a))

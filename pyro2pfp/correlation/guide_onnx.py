@@ -31,9 +31,8 @@ def dense_terms(step: OnnxSharedStep, mu: Sym, sh: OnnxShared | None, rows: int,
                 bf: np.ndarray | None, k: int) -> tuple[Sym, Sym, Sym | None]:
     """``(injection (B, O, K), counted (B, O), mean shift (B, O) or None)`` of a dense layer with input mean
     ``mu`` (B, n): the guide's loading ``Σ_i F_f[o, i]·μ_i + F_b,f[o]`` (:func:`~.guide.dense_injection`), what
-    the mean-field variance counted of it as independent (:func:`~.guide.dense_guide_variance`) less the variance
-    of the product of the weights' and the input's guide noise (:func:`~.guide.dense_product_variance`), and
-    that product's mean (:func:`~.guide.dense_mean_shift`)."""
+    the mean-field variance counted of it as independent (:func:`~.guide.dense_guide_variance`) and the mean of
+    the product of the weights' and the input's guide noise (:func:`~.guide.dense_mean_shift`)."""
     guide = (wf if wf is not None else bf).shape[-1]  # type: ignore[union-attr]
     inj: Sym | None = None
     counted: Sym | None = None
@@ -47,13 +46,8 @@ def dense_terms(step: OnnxSharedStep, mu: Sym, sh: OnnxShared | None, rows: int,
             share = step.rsum(gg * gg, [2])  # (B, rows, 1)
             s = step.view_as(sh.s, rows, n // rows)
             second = second + step.view_as(s * s * share, n)
-            # A[o] = Σ_i F[o, i]·ℓ_in[i]ᵀ (k × k): the mean shift tr A, the product's variance ‖A‖² + tr(A²)
-            a = step.einsum("brq,bre,orqf->bofe", s, gg, step.t(wf.reshape(o, rows, n // rows, guide), "guide_w"))
-            shift = step.einsum("boff->bo", a)
-            product = step.view_as(step.rsum(a * a, [2, 3]), o) + step.einsum("bofe,boef->bo", a, a)
+            shift = step.einsum("brq,brf,orqf->bo", s, gg, step.t(wf.reshape(o, rows, n // rows, guide), "guide_w"))
         counted = second.nary("MatMul", step.t((wf**2).sum(-1).T, "guide_w2_t"))
-        if sh is not None:
-            counted = counted - product
     if bf is not None:
         bias = step.view_as(step.t(bf, "guide_b"), bf.shape[0], guide)
         inj = bias if inj is None else inj + bias

@@ -384,7 +384,7 @@ def dense_shared_kernel(step: SharedStep, ctx: EmitContext, layer: PlannedLayer,
             i = te.reduce_axis((0, n), name="i")
             inj = te.compute((batch, o), lambda b, oo: te.sum(wvt[oo, i] * (
                 mu[b, i] * mu[b, i] + (v[b, i] if v is not None else f32(0.0))), axis=i), name="inj")
-        prop = counted = amat = None
+        prop = counted = None
         if s is not None and g_in is not None:
             q = te.reduce_axis((0, group), name="q")
             coef = te.compute((batch, o, rows), lambda b, oo, r: te.sum(
@@ -401,16 +401,7 @@ def dense_shared_kernel(step: SharedStep, ctx: EmitContext, layer: PlannedLayer,
             gsum = te.compute((batch, o, guide), lambda b, oo, f: te.sum(wft[oo, ig, f] * mu[b, ig], axis=ig),
                               name="guide_through_mean")
             ginj = te.compute((batch, o, guide), lambda b, oo, f: gsum[b, oo, f] + bft[oo, f], name="guide_injection")
-            product = None
             if s is not None and g_in is not None:
-                # A[o] = Σ_i F[o, i]·ℓ_in[i]ᵀ (guide × guide): the mean shift tr A, the product's variance
-                ia = te.reduce_axis((0, n), name="ia")
-                amat = te.compute((batch, o, guide, guide), lambda b, oo, f, e: te.sum(
-                    wft[oo, ia, f] * s[b, ia] * g_in[b, tirx.floordiv(ia, group), e], axis=ia), name="guide_a")
-                fa, ea = te.reduce_axis((0, guide), name="fa"), te.reduce_axis((0, guide), name="ea")
-                product = te.compute((batch, o), lambda b, oo: te.sum(
-                    amat[b, oo, fa, ea] * (amat[b, oo, fa, ea] + amat[b, oo, ea, fa]), axis=[fa, ea]),
-                    name="guide_product")
                 fg = te.reduce_axis((0, guide), name="fg")
                 share = te.compute((batch, rows), lambda b, r: te.sum(g_in[b, r, fg] * g_in[b, r, fg], axis=fg),
                                    name="guide_share")
@@ -422,10 +413,8 @@ def dense_shared_kernel(step: SharedStep, ctx: EmitContext, layer: PlannedLayer,
             gcount = te.compute((batch, o), lambda b, oo: te.sum(wf2[oo, i3] * second[b, i3], axis=i3),
                                 name="guide_counted")
             before = counted
-            prod = product
             counted = te.compute((batch, o), lambda b, oo: gcount[b, oo] + bf2[oo] + (
-                before[b, oo] if before is not None else f32(0.0)) - (
-                prod[b, oo] if prod is not None else f32(0.0)), name="counted")
+                before[b, oo] if before is not None else f32(0.0)), name="counted")
             base = prop
 
             def with_guide(b: Any, oo: Any, f: Any) -> Any:
@@ -452,9 +441,10 @@ def dense_shared_kernel(step: SharedStep, ctx: EmitContext, layer: PlannedLayer,
         g, norm = normalised(loading)
         s_out = te.compute((batch, o), lambda b, oo: clip(norm[b, oo], var_new[b, oo]), name="s")
         outs = [g, s_out, var_new]
-        if mean is not None and amat is not None:
-            f4 = te.reduce_axis((0, guide), name="f4")
-            shift = te.compute((batch, o), lambda b, oo: te.sum(amat[b, oo, f4, f4], axis=f4), name="shift")
+        if mean is not None and s is not None and g_in is not None and wft is not None:
+            i4, f4 = te.reduce_axis((0, n), name="i4"), te.reduce_axis((0, guide), name="f4")
+            shift = te.compute((batch, o), lambda b, oo: te.sum(
+                wft[oo, i4, f4] * s[b, i4] * g_in[b, tirx.floordiv(i4, group), f4], axis=[i4, f4]), name="shift")
             outs.append(te.compute((batch, o), lambda b, oo: mean[b, oo] + shift[b, oo], name="mean"))
         return outs
 
