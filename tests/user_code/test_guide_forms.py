@@ -7,11 +7,10 @@ reference to float32 rounding.
 Bounds: the Monte Carlo truth has ``MC_SAMPLES`` = 2,000 samples, so a logit mean's standard error is
 ``sd/√2000 = 0.022 sd``.  The mean: median ``|error|/sd ≤ 0.1 + 3·0.022`` (the target 0.1 sd plus three
 standard errors), and below mean-field's.  The variance: these briefly trained nets have wide posteriors
-(logit sd about as large as the logit mean), where what the guide's factors leave out -- the product of the
-weights' guide noise with the input's independent noise across units -- costs a quarter to a third of the logit
-variance (median ratio 0.70 for the MLP, 0.62 for the CNN when this test was written; the target [0.9, 1.1] is
-met by the benchmark's nets, ``benchmarks/correlated_guides.py``, not by these): the median ratio must be closer
-to 1 than mean-field's (on a log scale) and above 0.55.
+(logit sd about as large as the logit mean), where the dense layers that read noisy inputs lose a quarter to a
+third of the logit variance (median ratio 0.70 for the MLP, 0.62 for the CNN when this test was written; the
+target [0.9, 1.1] is met by the benchmark's nets, ``benchmarks/correlated_guides.py``, not by these): the median
+ratio must be closer to 1 than mean-field's (on a log scale) and above 0.55.
 """
 from __future__ import annotations
 
