@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from ..onnx_builder import Sym
+from ..backends.onnx.builder import Sym
 
 if TYPE_CHECKING:
     from .onnx_step import OnnxShared, OnnxSharedStep
