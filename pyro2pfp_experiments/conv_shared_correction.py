@@ -16,9 +16,9 @@ from collections.abc import Iterator
 
 import numpy as np
 
-from pyro2pfp import registry
+from pyro2pfp.backends.reference.arrays import conv2d_nchw
 from pyro2pfp.ops import compute
-from pyro2pfp.reference.arrays import conv2d_nchw
+from pyro2pfp.planning import registry
 
 
 def corrected_conv2d_shared(layer, inputs, shared, fp, var):  # noqa: ANN001, ANN201 -- the registry's signature

@@ -1,5 +1,5 @@
 """The ONNX export of the compact factor plan (:mod:`.compact`): after each layer's export, the layer's compact
-factor rule (:data:`~pyro2pfp.registry.COMPACT_EXPORTERS`, the same formulas the float64 reference runs) through
+factor rule (:data:`~pyro2pfp.planning.registry.COMPACT_EXPORTERS`, the same formulas the float64 reference runs) through
 :func:`.loadings.compact_layer` with the export's ``OnnxContext`` as back end.  Block columns stay block columns
 ((B, C, P, r) tensors, no zeros); every width is static, only the batch axis is dynamic."""
 from __future__ import annotations
@@ -7,10 +7,10 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
-from ..graph import INPUT
-from ..onnx_builder import SCHEME_STEPS, OnnxActivation, OnnxContext
-from ..plan import PlannedGraph, PlannedLayer
-from ..registry import COMPACT_EXPORTERS
+from ..backends.onnx.builder import SCHEME_STEPS, OnnxActivation, OnnxContext
+from ..planning.graph import INPUT
+from ..planning.plan import PlannedGraph, PlannedLayer
+from ..planning.registry import COMPACT_EXPORTERS
 from .loadings import Loadings, compact_layer
 
 

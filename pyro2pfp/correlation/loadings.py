@@ -28,8 +28,8 @@ from typing import Any
 import numpy as np
 
 from ..errors import PFPError
-from ..plan import PlannedLayer
-from ..registry import OPS
+from ..planning.plan import PlannedLayer
+from ..planning.registry import OPS
 from .stein import stein_slope
 
 
@@ -138,14 +138,14 @@ class Loadings:
     # -- NumPy conveniences (float64 arrays)
     def squared(self, batch: int, elements: int) -> np.ndarray:
         """``Σ_f L[e, f]²`` (B, E) of NumPy loadings (zeros without any)."""
-        from ..reference import NUMPY_BACKEND
+        from ..backends.reference import NUMPY_BACKEND
 
         total = self.explained(NUMPY_BACKEND, elements)
         return np.zeros((batch, elements)) if total is None else total
 
     def scaled(self, factor: np.ndarray) -> Loadings:
         """NumPy loadings times ``factor[b, e]`` (B, E)."""
-        from ..reference import NUMPY_BACKEND
+        from ..backends.reference import NUMPY_BACKEND
 
         return self.times(NUMPY_BACKEND, factor, factor.shape[-1])
 

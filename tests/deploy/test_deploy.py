@@ -1,4 +1,4 @@
-"""Deployment: export_library / pyro2pfp.deploy.load round trips, cross-compilation for AArch64,
+"""Deployment: export_library / pyro2pfp.runtime.deploy.load round trips, cross-compilation for AArch64,
 and (with qemu-user and the AArch64 TVM runtime) running the AArch64 library against x86.
 
 Set-up needed for the AArch64 tests (Debian/Ubuntu; CI installs them):
@@ -28,10 +28,10 @@ import pytest
 import torch
 
 import pyro2pfp
-from pyro2pfp import deploy
 from pyro2pfp.errors import InputShapeError, PFPError
 from pyro2pfp.network import PFPNetwork
-from pyro2pfp.plan import plan
+from pyro2pfp.planning.plan import plan
+from pyro2pfp.runtime import deploy
 from pyro2pfp_experiments.zoo import BayesianLeNet5, make_guide
 from tests.support.builders import mlp_graph
 
@@ -163,7 +163,7 @@ def test_input_variance_flag_survives_export(tmp_path):
     x = rng.standard_normal((4, 12)).astype(np.float32)
     xv = rng.uniform(0, 0.1, x.shape).astype(np.float32)
     exe.export_library(tmp_path / "mlp.so")
-    loaded = pyro2pfp.deploy.load(tmp_path / "mlp.so")
+    loaded = pyro2pfp.runtime.deploy.load(tmp_path / "mlp.so")
     assert loaded.input_variance
     for a, b in zip(loaded(x, xv), exe(x, xv)):
         np.testing.assert_array_equal(a, b)

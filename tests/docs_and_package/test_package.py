@@ -17,7 +17,7 @@ def test_core_library_needs_no_experiment_packages():
     """Converting, the reference, uncertainty and the CLI work without matplotlib and mlxtend (the
     ``experiments`` extra) and without the experiment code (pyro2pfp_experiments)."""
     loaded = _modules_after("import pyro2pfp, pyro2pfp.network, pyro2pfp.uncertainty, pyro2pfp.cli, "
-                            "pyro2pfp.onnx_builder, pyro2pfp.posterior")
+                            "pyro2pfp.backends.onnx.builder, pyro2pfp.frontend.posterior")
     assert "pyro2pfp.network" in loaded
     for module in ("matplotlib", "mlxtend", "pyro2pfp_experiments"):
         assert module not in loaded, f"importing the core library imported {module}"
@@ -77,7 +77,7 @@ def _cycles(graph: dict[str, set[str]]) -> list[list[str]]:
 def test_no_import_cycles():
     """The package's modules form a layered graph: no module imports (even lazily) one that imports it."""
     graph = _import_graph()
-    assert "pyro2pfp.network" in graph and "pyro2pfp.deploy" in graph["pyro2pfp"]
+    assert "pyro2pfp.network" in graph and "pyro2pfp.runtime.deploy" in graph["pyro2pfp"]
     cycles = _cycles(graph)
     assert not cycles, "import cycles: " + "; ".join(" -> ".join(c) for c in cycles)
 
