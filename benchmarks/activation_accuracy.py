@@ -102,7 +102,7 @@ def te_kernel(rule: Callable, n: int):  # pragma: no cover - needs TVM
     import tvm
     from tvm import s_tir, te
 
-    from pyro2pfp.tvm_backend.te_let import te_shared
+    from pyro2pfp.backends.tvm.te_let import te_shared
 
     m = te.placeholder((n,), "float32", name="m")
     v = te.placeholder((n,), "float32", name="v")

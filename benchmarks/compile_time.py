@@ -75,10 +75,10 @@ def per_op(net_name: str, kernels: bool = False) -> None:
 
     import tvm
 
-    from pyro2pfp.targets import resolve_target
-    from pyro2pfp.tvm_backend.emit import kernel_info
-    from pyro2pfp.tvm_backend.schedules import schedule_module
-    from pyro2pfp.tvm_backend.sharing import share_identical_kernels
+    from pyro2pfp.backends.tvm.emit import kernel_info
+    from pyro2pfp.backends.tvm.schedules import schedule_module
+    from pyro2pfp.backends.tvm.sharing import share_identical_kernels
+    from pyro2pfp.runtime.targets import resolve_target
 
     net = next((net for _, net in networks(only=net_name)), None)
     if net is None:
@@ -127,11 +127,11 @@ def k_sharing(net_name: str, ops: tuple[str, ...] = ("sf_conv_load", "sf_relu", 
     machine code) -- an upper bound on the build's saving (shape-generic kernels may be larger)."""
     import tvm
 
-    from pyro2pfp.targets import resolve_target
-    from pyro2pfp.tvm_backend.build import build_context
-    from pyro2pfp.tvm_backend.emit import kernel_info
-    from pyro2pfp.tvm_backend.schedules import schedule_module
-    from pyro2pfp.tvm_backend.sharing import share_identical_kernels
+    from pyro2pfp.backends.tvm.build import build_context
+    from pyro2pfp.backends.tvm.emit import kernel_info
+    from pyro2pfp.backends.tvm.schedules import schedule_module
+    from pyro2pfp.backends.tvm.sharing import share_identical_kernels
+    from pyro2pfp.runtime.targets import resolve_target
 
     net = next((net for _, net in networks(only=net_name)), None)
     if net is None:
@@ -180,7 +180,7 @@ def main() -> None:
 
     import numpy as np
 
-    from pyro2pfp.tvm_backend.build import build_jobs
+    from pyro2pfp.backends.tvm.build import build_jobs
 
     def cpu_s() -> float:  # this process and its children (the linker)
         t = os.times()

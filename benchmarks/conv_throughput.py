@@ -10,8 +10,8 @@ convolution (``sf_conv_profile``) one per input term.  ``x torch`` is the kernel
 multiply-adds over torch's rate in its own (the deterministic conv's): 1.0 means the PFP kernel
 computes each of its products as fast as torch computes its convolution.
 
-Variants per layer: ``direct`` (the direct kernel, :func:`~pyro2pfp.tvm_backend.ops.winograd.direct_convolutions`)
-and ``winograd`` (F(2x2, 3x3), on the layers :func:`~pyro2pfp.tvm_backend.ops.winograd.use_winograd`
+Variants per layer: ``direct`` (the direct kernel, :func:`~pyro2pfp.backends.tvm.ops.winograd.direct_convolutions`)
+and ``winograd`` (F(2x2, 3x3), on the layers :func:`~pyro2pfp.backends.tvm.ops.winograd.use_winograd`
 picks); ``default`` marks the one ``net.compile()`` uses.
 
     PYTHONPATH=. .venv/bin/python benchmarks/conv_throughput.py [--batch 10] [--rounds 20] [--cases NAME ...]
@@ -54,8 +54,8 @@ def build(case: tuple, batch: int, rng):
     """(layer graph, plan, inputs) of one PFP conv layer of ``case``."""
     import numpy as np
 
-    from pyro2pfp.graph import INPUT, GaussianParam, Layer, LayerGraph
-    from pyro2pfp.plan import plan
+    from pyro2pfp.planning.graph import INPUT, GaussianParam, Layer, LayerGraph
+    from pyro2pfp.planning.plan import plan
 
     c, o, n, stride, k, pad, random = case
     out_n = (n + 2 * pad - k) // stride + 1
@@ -90,8 +90,8 @@ def main() -> None:
     from kernel_rates import capture
 
     import pyro2pfp
+    from pyro2pfp.backends.tvm.ops.winograd import direct_convolutions, use_winograd
     from pyro2pfp.network import PFPNetwork
-    from pyro2pfp.tvm_backend.ops.winograd import direct_convolutions, use_winograd
 
     pyro2pfp.set_num_threads(args.threads)
     torch.set_num_threads(args.threads)

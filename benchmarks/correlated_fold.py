@@ -1,9 +1,9 @@
 """The correlated Clark fold of LeNet-5's pools (``max_pool2d`` with ``window_cov`` covariances, the
 default plan) scheduled as one loop nest against one elementwise nest per fold stage
-(``tvm_backend/ops/pooling.py``, ``CORRELATED_ONE_NEST``), timed in the same process, alternately.
+(``backends/tvm/ops/pooling.py``, ``CORRELATED_ONE_NEST``), timed in the same process, alternately.
 
 Both modules are built from the same emitted LeNet-5 (``benchmarks/latency.py``'s, untrained guide);
-each round profiles both (``pyro2pfp.profiling.profile``: every kernel timed alone, C++ timing loop), so
+each round profiles both (``pyro2pfp.runtime.profiling.profile``: every kernel timed alone, C++ timing loop), so
 load changes hit both alike; the table gives each pool kernel's median over the rounds and their ratio.
 The outputs of the two are checked to be bitwise equal.
 
@@ -33,12 +33,12 @@ def main(argv: list[str] | None = None) -> int:
     from tvm import relax
 
     import pyro2pfp
-    from pyro2pfp.profiling import profile
-    from pyro2pfp.targets import resolve_target
-    from pyro2pfp.tvm_backend.build import build
-    from pyro2pfp.tvm_backend.ops import pooling
-    from pyro2pfp.tvm_backend.schedules import schedule_module
-    from pyro2pfp.tvm_backend.sharing import share_identical_kernels
+    from pyro2pfp.backends.tvm.build import build
+    from pyro2pfp.backends.tvm.ops import pooling
+    from pyro2pfp.backends.tvm.schedules import schedule_module
+    from pyro2pfp.backends.tvm.sharing import share_identical_kernels
+    from pyro2pfp.runtime.profiling import profile
+    from pyro2pfp.runtime.targets import resolve_target
 
     sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
     import latency

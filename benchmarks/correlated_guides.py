@@ -146,7 +146,7 @@ def figures(mean: np.ndarray, var: np.ndarray, mc: np.ndarray) -> tuple[float, f
 def evaluate(net: str, rank: int, path: str, samples: int, inputs: int) -> list[list[object]]:
     import pyro2pfp
     from pyro2pfp.correlation import cost_model
-    from pyro2pfp.posterior import ready_to_sample
+    from pyro2pfp.frontend.posterior import ready_to_sample
 
     model, guide = build(net, rank)
     x, y = data(net)

@@ -23,9 +23,9 @@ def main(checkout: str, out_path: str) -> None:
     import tvm
 
     import pyro2pfp
-    from pyro2pfp.plan import plan
-    from pyro2pfp.tvm_backend import emit_module
-    from pyro2pfp.tvm_backend.schedules import schedule_module
+    from pyro2pfp.backends.tvm import emit_module
+    from pyro2pfp.backends.tvm.schedules import schedule_module
+    from pyro2pfp.planning.plan import plan
 
     cases = {"mlp": lambda: builders.mlp_graph(np.random.default_rng(0), [784, 100, 10]),
              "lenet": lambda: builders.lenet_graph(np.random.default_rng(1)),

@@ -31,11 +31,11 @@ import numpy as np
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 from markdown_report import add_markdown_argument, table, write_markdown  # noqa: E402
 
-from pyro2pfp import tuning  # noqa: E402
+from pyro2pfp.backends.tvm import tuning  # noqa: E402
 from pyro2pfp.errors import RemoteError  # noqa: E402
 from pyro2pfp.network import PFPNetwork  # noqa: E402
-from pyro2pfp.plan import plan  # noqa: E402
-from pyro2pfp.remote import Remote, fixed_inputs, validate  # noqa: E402
+from pyro2pfp.planning.plan import plan  # noqa: E402
+from pyro2pfp.runtime.remote import Remote, fixed_inputs, validate  # noqa: E402
 from pyro2pfp_experiments.emulated_board import EmulatedBoard  # noqa: E402
 from tests.support.builders import lenet_graph, mlp_graph  # noqa: E402
 

@@ -38,9 +38,9 @@ from markdown_report import add_markdown_argument, table, write_markdown
 import pyro2pfp
 from pyro2pfp.correlation import cost_model, plan_factors
 from pyro2pfp.correlation.factors import with_aligned_widths
-from pyro2pfp.diagnose import layer_fidelity
+from pyro2pfp.diagnosis import layer_fidelity
 from pyro2pfp.network import PFPNetwork
-from pyro2pfp.uncertainty import uncertainty
+from pyro2pfp.runtime.uncertainty import uncertainty
 from pyro2pfp_experiments.zoo import BayesianLeNet5, BayesianMLP, bayesian_resnet, he_posterior
 
 NETS = {

@@ -33,8 +33,8 @@ import torch.nn.functional as F
 from markdown_report import add_markdown_argument, table, write_markdown
 from pool_fidelity import NETS, trained
 
-from pyro2pfp.mc_compare import _guide_sample
-from pyro2pfp.posterior import ready_to_sample
+from pyro2pfp.analysis.mc_compare import _guide_sample
+from pyro2pfp.frontend.posterior import ready_to_sample
 from pyro2pfp_experiments.datasets import load_mnist
 
 LAYERS = ("conv1", "conv2", "fc1", "fc2", "fc3")

@@ -6,7 +6,7 @@ where the time of one ``exe(x)`` call goes, for either correlation scheme and an
         [--correlation auto|mean-field|shared-factor] [--static] [--method isolated|in_vm] [--kernels]
 
 ``--static``: profile the static-shape executable of ``net.compile(batch_sizes=[batch])``.  Kernels are
-timed alone (``method="isolated"``, :func:`pyro2pfp.profiling.profile`), so the ``(vm overhead)`` row --
+timed alone (``method="isolated"``, :func:`pyro2pfp.runtime.profiling.profile`), so the ``(vm overhead)`` row --
 total minus the kernels -- also holds what running them in sequence costs on top (colder caches).
 Use ``--threads 1`` on a shared machine: the numbers then move less with the load.
 """
@@ -37,7 +37,8 @@ def main(argv: list[str] | None = None) -> int:
     import torch
 
     import pyro2pfp
-    from pyro2pfp.profiling import kernel_multiply_adds, profile
+    from pyro2pfp.backends.tvm.kernel_work import kernel_multiply_adds
+    from pyro2pfp.runtime.profiling import profile
 
     sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
     import latency

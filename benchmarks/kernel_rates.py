@@ -11,7 +11,8 @@ The nets are those of ``benchmarks/latency.py`` (LeNet-5 and the MLP with their 
 trained; the ResNets with an untrained He-scale posterior): kernel speed does not depend on the values.
 Per round: torch's deterministic net (posterior means) is timed (median of a few calls), then every
 selected kernel alone on a copy of its arguments from one call of the compiled network (a C++ timing
-loop, ``time_evaluator``); the kernel's rate (its multiply-adds, :func:`pyro2pfp.profiling.kernel_multiply_adds`,
+loop, ``time_evaluator``); the kernel's rate (its multiply-adds,
+:func:`pyro2pfp.backends.tvm.kernel_work.kernel_multiply_adds`,
 over its time) is divided by torch's (the deterministic net's multiply-adds over its time) of the
 same round.  The table gives the median of those ratios over the rounds and their 25th-75th percentiles.
 ``--ops`` is a regular expression on the kernels' ops (default: the conv kernels whose rate
@@ -21,7 +22,7 @@ same round.  The table gives the median of those ratios over the rounds and thei
 guide of the net) with ``exe(x)`` and prints the median ratio of their times (``latency.py``'s ``xPred``).
 
 ``--subnormals``: the network is built a second time with its kernels computing IEEE subnormals
-(:func:`pyro2pfp.tvm_backend.subnormals.keep_subnormals`; by default the conv and shared-factor ReLU
+(:func:`pyro2pfp.backends.tvm.subnormals.keep_subnormals`; by default the conv and shared-factor ReLU
 kernels flush them to zero), and each round also times every selected kernel of that build on its own
 arguments and both whole calls ``exe(x)``: the ``kept/flushed`` column is the median ratio of a kernel's
 two times in a round, and the whole-call ratio is printed above the table.
@@ -149,8 +150,8 @@ def main(argv: list[str] | None = None) -> int:
     import tvm
     from markdown_report import table, write_markdown
 
-    from pyro2pfp.profiling import kernel_multiply_adds
-    from pyro2pfp.tvm_backend.subnormals import keep_subnormals
+    from pyro2pfp.backends.tvm.kernel_work import kernel_multiply_adds
+    from pyro2pfp.backends.tvm.subnormals import keep_subnormals
 
     torch.set_num_threads(args.threads)
     net, det, x, model, guide = build(args)

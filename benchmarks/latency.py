@@ -18,7 +18,7 @@ posterior at He scale, seeded random inputs: latency does not depend on the valu
    as PFP (its static batch);
 4. PFP: the float64 NumPy reference (``net.reference``), the compiled module with the default
    schedules (``net.compile()``: any batch), and the compiled module tuned with MetaSchedule for
-   that batch (``pyro2pfp.tuning.tune``; per kernel the faster of tuned and default schedule),
+   that batch (``pyro2pfp.backends.tvm.tuning.tune``; per kernel the faster of tuned and default schedule),
    called as ``net.compile(tune=batch)`` returns it; and the same network exported to ONNX
    (``net.to_onnx()``) run by onnxruntime.
 
@@ -33,7 +33,7 @@ timing loop).  Ratios: ``xPred``/``xvmap`` = that baseline's e2e time / this row
 
 Each per-kernel profile (``--no-profile`` skips them) gives every kernel's multiply-adds, its rate
 (G multiply-adds/s) and that rate over torch's whole-net rate (the deterministic net's multiply-adds
-over its eager time, same batch, same run): ``pyro2pfp.profiling.kernel_multiply_adds`` says how a
+over its eager time, same batch, same run): ``pyro2pfp.backends.tvm.kernel_work.kernel_multiply_adds`` says how a
 kernel's work is counted.
 
 Tuning databases are cached (``~/.cache/pyro2pfp/tuning`` or ``$PYRO2PFP_CACHE``), keyed by the
@@ -269,11 +269,11 @@ def det_multiply_adds(net) -> int:
 def plan_multiply_adds(net) -> int:
     """Multiply-adds per input of the PFP plan: ``pyro2pfp.correlation.cost_model``'s count (mean-field
     products and, for a shared-factor plan, the scheme's), or -- for a plan the cost model does not
-    cover (correlated max pools' ``window_cov``) -- the sum of :func:`pyro2pfp.profiling.kernel_multiply_adds`
-    over the kernels at batch 1."""
+    cover (correlated max pools' ``window_cov``) -- the sum of
+    :func:`pyro2pfp.backends.tvm.kernel_work.kernel_multiply_adds` over the kernels at batch 1."""
+    from pyro2pfp.backends.tvm.kernel_work import kernel_multiply_adds
     from pyro2pfp.correlation import cost_model, plan_factors
     from pyro2pfp.correlation.factors import CorrelationError
-    from pyro2pfp.profiling import kernel_multiply_adds
 
     try:
         cost = cost_model(net.plan, net.plan.factors or plan_factors(net.plan))
@@ -314,10 +314,11 @@ def run_net(name: str, args, tgt, x_all: np.ndarray, y_all: np.ndarray, log
     from tvm import relax
 
     import pyro2pfp
-    from pyro2pfp import tuning
-    from pyro2pfp.profiling import kernel_multiply_adds, profile
-    from pyro2pfp.tvm_backend.build import build
-    from pyro2pfp.tvm_backend.runtime import CompiledPFP
+    from pyro2pfp.backends.tvm import tuning
+    from pyro2pfp.backends.tvm.build import build
+    from pyro2pfp.backends.tvm.kernel_work import kernel_multiply_adds
+    from pyro2pfp.backends.tvm.runtime import CompiledPFP
+    from pyro2pfp.runtime.profiling import profile
     from pyro2pfp_experiments.zoo import train_svi
 
     pyro.clear_param_store()
@@ -682,7 +683,7 @@ def _main(args, argv) -> int:
     torch.set_num_threads(args.threads)
     import tvm
 
-    from pyro2pfp import tuning
+    from pyro2pfp.backends.tvm import tuning
     from pyro2pfp_experiments.datasets import load_mnist
 
     tgt = tuning.tuning_target(args.target)

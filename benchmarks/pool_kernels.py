@@ -1,5 +1,5 @@
 """Compile and run time of the Gaussian max-pool kernel (Clark's max, default schedule) for the window
-kinds of ``tvm_backend/ops/pooling.py``: windows that tile the input (LeNet's pools: the deinterleaved
+kinds of ``backends/tvm/ops/pooling.py``: windows that tile the input (LeNet's pools: the deinterleaved
 chain), and windows with padding (a ResNet stem's 3x3 / stride-2 / padding-1 pool), ceil-mode overhang
 or overlap (the reduction path; with padding or overhang its taps come from a padded copy of the input).
 
@@ -36,9 +36,9 @@ def main() -> None:
     import torch
     import torch.nn.functional as F
 
-    from pyro2pfp.graph import INPUT, Layer, LayerGraph
     from pyro2pfp.network import PFPNetwork
-    from pyro2pfp.plan import plan
+    from pyro2pfp.planning.graph import INPUT, Layer, LayerGraph
+    from pyro2pfp.planning.plan import plan
 
     print(f"batch {args.batch}, one TVM thread; build CPU s; exe(x, x_var) median / min ms; rel. error vs reference")
     rng = np.random.default_rng(0)

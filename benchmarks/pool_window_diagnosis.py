@@ -47,12 +47,12 @@ from pool_fidelity import trained
 
 import pyro2pfp
 from pyro2pfp import moments
-from pyro2pfp.graph import Repr
-from pyro2pfp.mc_compare import _guide_sample
+from pyro2pfp.analysis.mc_compare import _guide_sample
+from pyro2pfp.backends.reference import Activation, execute_all
+from pyro2pfp.backends.reference.arrays import LOWEST, padded, window_views
+from pyro2pfp.frontend.posterior import ready_to_sample
 from pyro2pfp.ops.window_covariance import tap_masks, window_cov
-from pyro2pfp.posterior import ready_to_sample
-from pyro2pfp.reference import Activation, execute_all
-from pyro2pfp.reference.arrays import LOWEST, padded, window_views
+from pyro2pfp.planning.graph import Repr
 
 COLUMNS = ["net", "pool", "conv var", "corr plan / mf-MC / MC", "cov formula / mf-MC (p10-p90)", "max var",
            "max err", "out var", "out err", "out var, MC corr", "out err, MC corr", "fold on MC"]

@@ -17,9 +17,9 @@ with this machine's CPUs (``ray.init(num_cpus=os.cpu_count())``, started once, n
   the network's load included); *marginal* rows/s is what the second half of the rows adds,
   ``(rows / 2) / (t(rows) − t(rows / 2))``: the rate of a long run, without the fixed start-up
   ``t(rows) − rows / marginal``;
-* ``pyro2pfp score``: :func:`pyro2pfp.ray_scoring.score_files` on ``.npy`` shards on disk, Parquet
+* ``pyro2pfp score``: :func:`pyro2pfp.runtime.ray_scoring.score_files` on ``.npy`` shards on disk, Parquet
   files out (reading, writing and the order check included), with the default sizing (one worker per
-  CPU, :func:`~pyro2pfp.ray_scoring.actor_cpus` each) and with a CPU reserved instead (one worker fewer,
+  CPU, :func:`~pyro2pfp.runtime.ray_scoring.actor_cpus` each) and with a CPU reserved instead (one worker fewer,
   1 CPU each).
 
 Ray's overhead at 1 worker is ``loop (1 thread) / Ray (1 worker, marginal) − 1``, and per row
@@ -42,7 +42,7 @@ import time
 
 import numpy as np
 
-from pyro2pfp.scoring import Scorer
+from pyro2pfp.runtime.scoring import Scorer
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from markdown_report import add_markdown_argument, table, write_markdown  # noqa: E402
@@ -126,7 +126,7 @@ def time_score_files(path: str, shards: list[str], rows: int, batch: int, worker
     on the shards, into a fresh directory."""
     import pyarrow.parquet as pq
 
-    from pyro2pfp.ray_scoring import score_files
+    from pyro2pfp.runtime.ray_scoring import score_files
 
     c0 = time.process_time()
     with tempfile.TemporaryDirectory() as out:
@@ -151,8 +151,8 @@ def main() -> None:
 
     import ray
 
-    from pyro2pfp.ray_scoring import actor_cpus
-    from pyro2pfp.tvm_runtime import available_cpus
+    from pyro2pfp.runtime.ray_scoring import actor_cpus
+    from pyro2pfp.runtime.tvm_runtime import available_cpus
 
     cpus = len(available_cpus())
     load_before = os.getloadavg()[0]

@@ -1,5 +1,5 @@
 #!/usr/bin/env python
-"""Check and time the default CPU schedules (``pyro2pfp.tvm_backend.schedules``).
+"""Check and time the default CPU schedules (``pyro2pfp.backends.tvm.schedules``).
 
 Builds the paper's two PFP networks with random Gaussian weights (no Pyro, no training):
 
@@ -48,7 +48,7 @@ def parse_args() -> argparse.Namespace:
 def build_graphs(seed: int):
     import numpy as np
 
-    from pyro2pfp.graph import INPUT, GaussianParam, Layer, LayerGraph
+    from pyro2pfp.planning.graph import INPUT, GaussianParam, Layer, LayerGraph
 
     rng = np.random.default_rng(seed)
 
@@ -94,10 +94,10 @@ def main() -> int:
     from tvm import relax
     from tvm.runtime.vm import VMInstrumentReturnKind
 
-    from pyro2pfp.plan import plan
-    from pyro2pfp.reference import execute
-    from pyro2pfp.tvm_backend import emit_module
-    from pyro2pfp.tvm_backend.schedules import schedule_module
+    from pyro2pfp.backends.reference import execute
+    from pyro2pfp.backends.tvm import emit_module
+    from pyro2pfp.backends.tvm.schedules import schedule_module
+    from pyro2pfp.planning.plan import plan
 
     targets = {
         "native": tvm.target.Target({"kind": "llvm", "mcpu": tvm.target.codegen.llvm_get_system_cpu(),

@@ -2,7 +2,7 @@
 
     .venv/bin/python benchmarks/threads.py
 
-Each thread gets its own Relax VMs and input tensors on its first call (pyro2pfp.tvm_backend.runtime):
+Each thread gets its own Relax VMs and input tensors on its first call (pyro2pfp.backends.tvm.runtime):
 this measures that first call, the per-call time single-threaded, and the throughput of 1, 2 and 4
 Python threads sharing one predictor (MLP 784-100-10, batch 1; TVM threads per call as configured),
 calling it concurrently and with the calls serialised by a lock (the alternative design: one VM
@@ -20,7 +20,7 @@ import numpy as np
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 from pyro2pfp.network import PFPNetwork  # noqa: E402
-from pyro2pfp.plan import plan  # noqa: E402
+from pyro2pfp.planning.plan import plan  # noqa: E402
 from tests.support.builders import mlp_graph  # noqa: E402
 
 

@@ -44,7 +44,7 @@ from scipy.special import softmax  # noqa: E402
 
 import pyro2pfp  # noqa: E402
 from pyro2pfp.ops.head import head_numpy, sigma_offsets  # noqa: E402
-from pyro2pfp.uncertainty import auroc, uncertainty  # noqa: E402
+from pyro2pfp.runtime.uncertainty import auroc, uncertainty  # noqa: E402
 from pyro2pfp_experiments.datasets import load_mnist  # noqa: E402
 from pyro2pfp_experiments.ood_data import (  # noqa: E402
     ambiguous_digits,

@@ -50,7 +50,8 @@ import pyro  # noqa: E402
 import torch  # noqa: E402
 
 import pyro2pfp  # noqa: E402
-from pyro2pfp.uncertainty import auroc, calibrate, uncertainty, uncertainty_from_logit_samples  # noqa: E402
+from pyro2pfp.calibration import calibrate  # noqa: E402
+from pyro2pfp.runtime.uncertainty import auroc, uncertainty, uncertainty_from_logit_samples
 from pyro2pfp_experiments.datasets import load_mnist  # noqa: E402
 from pyro2pfp_experiments.ood_data import ambiguous_digits, fashion_shapes, rendered_letters, sample_ambiguous_labels  # noqa: E402
 from pyro2pfp_experiments.zoo import BayesianLeNet5, BayesianMLP, make_guide, predictive_logits, train_svi  # noqa: E402
@@ -286,7 +287,7 @@ def main() -> None:
     parser.add_argument("--lr", type=float, default=1e-2, help="Adam learning rate (paper: 1e-3 for 1,000 epochs)")
     parser.add_argument("--objective", default="mutual_information",
                         choices=("mutual_information", "total", "entropies", "nll"),
-                        help="objective of the automatic calibration (see pyro2pfp.uncertainty.calibrate)")
+                        help="objective of the automatic calibration (see pyro2pfp.runtime.uncertainty.calibrate)")
     parser.add_argument("--no-compile", action="store_true", help="use the float64 NumPy reference instead of TVM")
     parser.add_argument("--threads", type=int, default=1,
                         help="torch threads (default 1: these small networks run fastest on one thread, and "

@@ -20,8 +20,8 @@ import importlib
 from typing import TYPE_CHECKING, Any
 
 from ._version import __version__ as __version__
-from .deploy import load
-from .diagnose import diagnose
+from .calibration import calibrate, predictive_uncertainty
+from .diagnosis import diagnose
 from .errors import (
     ArgumentError,
     FidelityError,
@@ -40,21 +40,21 @@ from .errors import (
     UnsupportedLayerError,
     converter_not_installed,
 )
-from .graph import Repr
 from .options import Correlation, Head, Hermite, Injection, MaxPool, MomentForm, SharedFactor
-from .uncertainty import auroc, calibrate, predictive_uncertainty, uncertainty, uncertainty_from_logit_samples
+from .planning.graph import Repr
+from .runtime.deploy import load
+from .runtime.uncertainty import auroc, uncertainty, uncertainty_from_logit_samples
 
 if TYPE_CHECKING:
     from . import correlation as correlation
     from . import ops as ops
-    from .mc_compare import Diagnosis
+    from .analysis.mc_compare import Diagnosis
     from .network import PFPNetwork, convert
 
 #: Attributes imported on first use (PEP 562): the converter and what needs torch and Pyro.  None of them
 #: is named like a submodule: importing ``pyro2pfp.<name>`` binds the package's attribute ``<name>`` to the
-#: submodule, so a function sharing its module's name (``diagnose``, ``uncertainty``) is imported eagerly
-#: above, from a module that is cheap to import.
-_LAZY = {"convert": "network", "PFPNetwork": "network", "Diagnosis": "mc_compare"}
+#: submodule, so no public function shares its name with a module of the package's top level.
+_LAZY = {"convert": "network", "PFPNetwork": "network", "Diagnosis": "analysis.mc_compare"}
 
 
 def __getattr__(name: str) -> Any:
@@ -86,8 +86,8 @@ def __dir__() -> list[str]:
 
 def set_num_threads(n: int) -> int:
     """Threads of the compiled networks' CPU kernels (process-wide; see
-    :func:`pyro2pfp.predictor.set_num_threads`)."""
-    from .predictor import set_num_threads as _set
+    :func:`pyro2pfp.runtime.predictor.set_num_threads`)."""
+    from .runtime.predictor import set_num_threads as _set
 
     return _set(n)
 

@@ -8,22 +8,22 @@ from typing import Any
 import numpy as np
 
 from . import correlation as correlation  # registers the shared-factor executor with the reference
-from . import folding
 from . import ops as ops  # the op registry: every op family registers its converter, reference, ONNX export
 from ._version import __version__
-from .correlated_pools import correlate_max_pools, pool_caveats
+from .backends.reference import execute
 from .correlation import replanned, with_correlation
 from .correlation.compact import auto_compact, with_compact
 from .correlation.cost import dense_head_caveat
 from .errors import ArgumentError, InputShapeError, InternalError, PFPError, PFPWarning, PosteriorError
-from .graph import LayerGraph, Repr
-from .inputs import checked_inputs
-from .model_args import user_model_args
+from .frontend.model_args import user_model_args
+from .frontend.tracing import trace_model
+from .frontend.walk import build_layer_graph
 from .options import Correlation, Head, MaxPool, MomentForm, SharedFactor, checked, correlation_choice
-from .plan import PlannedGraph, plan
-from .reference import execute
-from .tracing import trace_model
-from .walk import build_layer_graph
+from .planning import folding
+from .planning.correlated_pools import correlate_max_pools, pool_caveats
+from .planning.graph import LayerGraph, Repr
+from .planning.plan import PlannedGraph, plan
+from .runtime.inputs import checked_inputs
 
 
 class PFPNetwork:
@@ -45,13 +45,13 @@ class PFPNetwork:
         self.layer_graph = layer_graph
         self.plan = planned
         # Latent sites of the model that do not flow into the network (e.g. a likelihood's noise
-        # scale): {site: pyro2pfp.posterior.SiteReading}.
+        # scale): {site: pyro2pfp.frontend.posterior.SiteReading}.
         self.nonweight_sites = dict(nonweight_sites or {})
-        # Regression: the Normal likelihood's noise (pyro2pfp.noise.NoiseModel), or why there is none.
+        # Regression: the Normal likelihood's noise (pyro2pfp.frontend.noise.NoiseModel), or why there is none.
         self.noise = noise
-        self.fuse = fuse  # ReLUs after dense layers computed in the dense kernel (tvm_backend.fused_activations)
+        self.fuse = fuse  # ReLUs after dense layers computed in the dense kernel (backends.tvm.fused_activations)
         self._mod = None
-        self.fidelity: Any = None  # convert(..., check=x): the pyro2pfp.fidelity.FidelityCheck
+        self.fidelity: Any = None  # convert(..., check=x): the pyro2pfp.analysis.fidelity.FidelityCheck
 
     @property
     def head(self) -> str | None:
@@ -82,7 +82,7 @@ class PFPNetwork:
         called with each kernel as soon as it is emitted (``net.compile`` schedules and compiles
         kernels while the rest of the module is emitted)."""
         if self._mod is None:
-            from .tvm_backend import emit_module
+            from .backends.tvm import emit_module
 
             self._mod = emit_module(self.plan, fuse=self.fuse, on_kernel=on_kernel)
         return self._mod
@@ -105,22 +105,22 @@ class PFPNetwork:
         a board preset (``"aarch64"``, ``"rpi3"``, ``"rpi4"``, ``"rpi5"``), a TVM tag, a dict or a
         ``tvm.target.Target``.
 
-        Returns a :class:`~pyro2pfp.tvm_backend.runtime.CompiledPFP`: ``exe(x) -> (mean, var)``
+        Returns a :class:`~pyro2pfp.backends.tvm.runtime.CompiledPFP`: ``exe(x) -> (mean, var)``
         as float32 NumPy arrays, any batch size, every kernel with its default CPU schedule;
         ``exe.profile(x)`` times each kernel; ``exe.export_library("net.so")`` writes it for
         ``pyro2pfp.load`` (with every batch-specialised executable below, as ``net.batch<B>.so``
         files listed in the sidecar).  For another CPU architecture the predictor only exports
-        (and uploads to a board, :mod:`pyro2pfp.remote`).
+        (and uploads to a board, :mod:`pyro2pfp.runtime.remote`).
 
         ``tune``: also auto-tune with MetaSchedule for the batch sizes named -- ``tune=10``,
         ``tune=[1, 10]`` or ``tune={"batch": 10, "trials": 64, "work_dir": ...}`` (see
-        :func:`pyro2pfp.tuning.tune`).  Tuning results are cached on disk (keyed by network
+        :func:`pyro2pfp.backends.tvm.tuning.tune`).  Tuning results are cached on disk (keyed by network
         structure, target and batch: the second compile reuses them); calls with a tuned batch
         size run the tuned executable, each kernel the fastest correct of its tuned and default
         schedules.  ``num_threads``: TVM threads (process-wide, default: the physical cores).
         ``schedule=False`` skips the default CPU schedules (naive loops; for debugging).
         ``remote``: with ``tune``, measure the candidates on boards through TVM RPC --
-        ``"tracker-host:9190/rpi4"``, ``"server-host:9090"`` or a :class:`pyro2pfp.remote.Remote`
+        ``"tracker-host:9190/rpi4"``, ``"server-host:9090"`` or a :class:`pyro2pfp.runtime.remote.Remote`
         (the tuning database is then keyed by the board key as well as the target); the only way
         to tune for another CPU architecture (candidates built here, measured on the board).
         ``batch_sizes``: e.g. ``batch_sizes=[1]`` -- also build a static-shape executable (default
@@ -129,10 +129,10 @@ class PFPNetwork:
         ``benchmarks/latency.py --static`` compares them).  Costs one more build per size.  Works for cross
         targets too (the executables are exported with the library).
         """
-        from .compile import compile_network
+        from .backends.tvm.compile import compile_network
 
         if remote is not None:
-            from .tuning import with_remote
+            from .backends.tvm.tuning import with_remote
 
             tune = with_remote(tune, remote)
         return compile_network(self, target, schedule=schedule, tune=tune, num_threads=num_threads,
@@ -142,9 +142,9 @@ class PFPNetwork:
         """The predictive distribution of a regression model's observation from the network's output
         (``net.reference(x)`` or the compiled ``exe(x)``): ``{"mean", "epistemic", "aleatoric",
         "total"}``, with ``epistemic`` = PFP's variance of the mean (from the weights), ``aleatoric`` =
-        E[sigma²] of the Normal likelihood (input-independent, see :mod:`pyro2pfp.noise`) and
+        E[sigma²] of the Normal likelihood (input-independent, see :mod:`pyro2pfp.frontend.noise`) and
         ``total`` = their sum (law of total variance)."""
-        from .noise import HeteroscedasticNoise, NoiseModel
+        from .frontend.noise import HeteroscedasticNoise, NoiseModel
 
         if isinstance(self.noise, HeteroscedasticNoise):
             return self.noise.predictive(mean, var)
@@ -165,7 +165,7 @@ class PFPNetwork:
         """Write the network as an ONNX model (standard operators; inputs ``x`` [, ``x_var``],
         outputs ``mean``, ``var``; dynamic batch), checked with ``onnx.checker``; returns the
         ``onnx.ModelProto``."""
-        from .onnx_builder import to_onnx
+        from .backends.onnx.builder import to_onnx
 
         return to_onnx(self, path, opset=opset)
 
@@ -217,23 +217,23 @@ def convert(model: Any, guide: Any = None, *, input_shape: tuple[int, ...] | Non
     The posterior is the one the param store holds at the moment of the call: a guide that has
     not run since ``pyro.get_param_store().load(path)`` / ``.set_state(...)`` / ``store[name] = v``
     (or has never run) is first brought in line with the store, and one sample of the guide is
-    checked against what was read (:mod:`pyro2pfp.posterior.guard`); a mismatch raises
+    checked against what was read (:mod:`pyro2pfp.frontend.posterior.guard`); a mismatch raises
     :class:`PosteriorError`.  ``check_posterior=False`` skips that check, for guides that cannot be
     sampled with the model's input alone.
 
     ``example_args=(x, y, ...)`` / ``example_kwargs``: the arguments of one call of the model and guide
     (the input batch first) for models and guides that need more than the input, e.g. ``model(X, cll)``
     reading ``cll.size(0)``; ``input_shape`` then defaults to ``x.shape[1:]``.  They are used to run the
-    model and guide; the labels never enter the network (:mod:`pyro2pfp.model_args`).  Without them the
+    model and guide; the labels never enter the network (:mod:`pyro2pfp.frontend.model_args`).  Without them the
     model and guide are called with a batch of zeros and ``None`` for further required parameters.
 
     Converting runs the model and the guide, but leaves everything the user owns as it found it, on
     success and on failure: the model, the guide and the modules their code uses (parameters and
     buffers, train/eval mode, hooks), the param store and the global random state
-    (:mod:`pyro2pfp.preserve`).
+    (:mod:`pyro2pfp.frontend.preserve`).
 
     ``fold_batch_norm=True`` (default) folds every eval-mode batch norm that follows a Linear/Conv layer
-    into that layer's weight and bias moments (exact, :mod:`pyro2pfp.folding`): one kernel fewer each.
+    into that layer's weight and bias moments (exact, :mod:`pyro2pfp.planning.folding`): one kernel fewer each.
 
     ``correlation``: how the noise shared between activations is treated (:mod:`pyro2pfp.correlation`).
     ``"mean-field"``: every element independent (the paper); ``"shared-factor"``: beside each edge's
@@ -250,7 +250,7 @@ def convert(model: Any, guide: Any = None, *, input_shape: tuple[int, ...] | Non
     ``max_pool``: the rule of max pooling under mean-field PFP.  ``"correlated"`` (default): where a
     conv feeds the pool (directly or through a non-decreasing activation, which is then applied after
     the pool -- an exact rewrite), the pool folds Clark's max of the window's *correlated* Gaussians,
-    their covariances computed from the conv (:mod:`pyro2pfp.correlated_pools`); ``"independent"``:
+    their covariances computed from the conv (:mod:`pyro2pfp.planning.correlated_pools`); ``"independent"``:
     every pool treats its window's taps as independent (the paper's rule, which under-states the
     variance after a pool when the posterior is wide).  ``net.summary()`` names the pools that use
     the correlated rule.
@@ -262,7 +262,8 @@ def convert(model: Any, guide: Any = None, *, input_shape: tuple[int, ...] | Non
     ``net.reference(x)`` and ``exe(x)`` return a :class:`~pyro2pfp.ops.head.HeadOutput`.  The output
     must be a vector of logits per input (one logit: a Bernoulli/sigmoid output).
 
-    ``check``: every conversion ends with a spot check (default, ``check=None``; :func:`pyro2pfp.fidelity.spot_check`):
+    ``check``: every conversion ends with a spot check (default, ``check=None``;
+    :func:`pyro2pfp.analysis.fidelity.spot_check`):
     the network's deterministic parameters read from the param store must equal the store's, and 64 guide
     samples run through the traced model on two inputs (the example inputs, else two standard normal ones) must
     agree with the network's NumPy reference within gross bounds (the logits' median mean error at most 6 Monte
@@ -273,11 +274,11 @@ def convert(model: Any, guide: Any = None, *, input_shape: tuple[int, ...] | Non
     small batch of inputs) is the careful check instead: 150 guide samples on those inputs, compared with the
     network layer by layer; a :class:`~pyro2pfp.errors.FidelityWarning` naming the first layer that parts from
     sampling is issued when they differ by more than the sample count explains; ``net.fidelity`` holds the
-    figures (:mod:`pyro2pfp.fidelity`).  Keep that batch small (a few dozen inputs); the message says how long
+    figures (:mod:`pyro2pfp.analysis.fidelity`).  Keep that batch small (a few dozen inputs); the message says how long
     it took.
     """
+    from .frontend.preserve import preserved
     from .ops.head import append_head, check_head
-    from .preserve import preserved
 
     with preserved(model, guide):  # the user's objects, the param store, the random state: as found
         stage = "checking the arguments"
@@ -310,11 +311,11 @@ def convert(model: Any, guide: Any = None, *, input_shape: tuple[int, ...] | Non
                 layer_graph = folding.fold_batch_norm(layer_graph)
             noise = traced.noise
             if tyxe_bnn is not None and hasattr(tyxe_bnn, "likelihood"):  # the likelihood is outside bnn.net
-                from .noise import tyxe_noise
+                from .frontend.noise import tyxe_noise
 
                 output_shape = layer_graph.shape_of(layer_graph.output)
                 noise = tyxe_noise(tyxe_bnn, traced.input_shape, tuple(output_shape))
-            from .noise import HeteroscedasticNoise, NoiseModel
+            from .frontend.noise import HeteroscedasticNoise, NoiseModel
 
             if head is not None and isinstance(noise, NoiseModel | HeteroscedasticNoise):
                 raise ArgumentError(f"head={head!r} is for classifiers (logits); this model has a Normal likelihood "
@@ -330,7 +331,7 @@ def convert(model: Any, guide: Any = None, *, input_shape: tuple[int, ...] | Non
                     planned_graph = append_head(layer_graph, head) if head is not None else layer_graph
                     planned = replanned(plan(planned_graph, calibration, moment_form), planned.factors)
                 for note in pool_caveats(layer_graph, shared=planned.factors is not None):
-                    warnings.warn(f"{note}. Measure it with convert(..., check=x) or pyro2pfp.diagnose.",
+                    warnings.warn(f"{note}. Measure it with convert(..., check=x) or pyro2pfp.diagnosis.",
                                   PFPWarning, stacklevel=3)
             planned = with_compact(planned, correlation)
             if caveat is not None:  # auto: the compact factor plan where its cost model accepts it, else a warning
@@ -339,13 +340,13 @@ def convert(model: Any, guide: Any = None, *, input_shape: tuple[int, ...] | Non
                     warnings.warn(f"{caveat}; {why_not}", PFPWarning, stacklevel=3)
             net = PFPNetwork(layer_graph, planned, nonweight_sites=traced.nonweight_sites, noise=noise)
             if check is None or check is True:
-                from .fidelity import spot_check
+                from .analysis.fidelity import spot_check
 
                 stage = "checking the network against samples of the guide (the spot check)"
                 if not net.input_variance:
                     net.fidelity = spot_check(net, model, guide, traced=traced, args=example)
             elif check is not False:
-                from .fidelity import check_fidelity
+                from .analysis.fidelity import check_fidelity
 
                 stage = "checking the network against sampling"
                 net.fidelity = check_fidelity(net, model, guide, check, traced=traced, args=example)

@@ -60,7 +60,7 @@ class MomentForm(StrEnum):
 
 class MaxPool(StrEnum):
     """The rule of max pooling in mean-field plans (``convert(..., max_pool=...)``,
-    :mod:`pyro2pfp.correlated_pools`)."""
+    :mod:`pyro2pfp.planning.correlated_pools`)."""
 
     CORRELATED = "correlated"
     """Where a conv feeds the pool (directly or through a non-decreasing activation, then applied

@@ -3,7 +3,7 @@
 No Raspberry Pi at hand?  This starts a TVM RPC server whose sessions run in an **AArch64 process**
 (the AArch64 TVM runtime under ``qemu-aarch64 -cpu cortex-a72``), so a network cross-compiled with
 ``net.compile("rpi4")`` is uploaded, loaded, run, timed and validated over RPC exactly as on a Pi
-(``pyro2pfp.remote``: ``upload``, ``validate``, ``exe.profile(x, remote=...)``, ``pyro2pfp bench
+(``pyro2pfp.runtime.remote``: ``upload``, ``validate``, ``exe.profile(x, remote=...)``, ``pyro2pfp bench
 --remote``, ``pyro2pfp validate --remote``).  Latency measured here is **emulation**, not a hardware
 figure: qemu translates every AArch64 instruction.
 
@@ -250,7 +250,7 @@ def serve(host: str = "127.0.0.1", port: int = 9090, port_end: int | None = None
 
 class EmulatedBoard:
     """The emulated AArch64 board as a subprocess (context manager): ``.remote`` is the
-    :class:`pyro2pfp.remote.Remote` to use (the tracker and ``key`` when ``tracker`` is given,
+    :class:`pyro2pfp.runtime.remote.Remote` to use (the tracker and ``key`` when ``tracker`` is given,
     otherwise the server directly).  Every wait is bounded; on exit the server and any session it
     is serving are killed (one process group), and if this process dies without exiting cleanly the
     server notices within a second and kills its group itself (``--exit-with-parent``).  Server
@@ -273,7 +273,7 @@ class EmulatedBoard:
 
     @property
     def remote(self) -> Any:
-        from pyro2pfp.remote import Remote
+        from pyro2pfp.runtime.remote import Remote
 
         if self.tracker is not None:
             return Remote(self.tracker[0], int(self.tracker[1]), self.key, session_timeout=self.session_timeout,

@@ -48,7 +48,7 @@ from pyro.poutine.messenger import Messenger
 from pyro.poutine.util import site_is_subsample
 from torch import nn
 
-from pyro2pfp.sampling import predictive_logits
+from pyro2pfp.analysis.sampling import predictive_logits
 
 __all__ = ["predictive_logits"]  # re-exported: the sampling baseline lives in the library
 

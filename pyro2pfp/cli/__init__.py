@@ -3,12 +3,12 @@ inspect it, run it on saved inputs, score datasets on Ray Data and benchmark it.
 
 :mod:`~.parser` builds the argument parser, :mod:`~.commands` holds one function per command,
 :mod:`~.files` the files they read and write, and :mod:`~.app` the entry point :func:`main`.  Loading a
-builder and a param store is library code (:mod:`pyro2pfp.loading`), as is running an ONNX model
+builder and a param store is library code (:mod:`pyro2pfp.frontend.loading`), as is running an ONNX model
 (:func:`pyro2pfp.load`).
 """
 from __future__ import annotations
 
-from ..loading import DEFAULT_FUNCTION, build_model_and_guide, load_builder, load_param_store
+from ..frontend.loading import DEFAULT_FUNCTION, build_model_and_guide, load_builder, load_param_store
 from .app import main
 from .commands import (
     _tune_spec,

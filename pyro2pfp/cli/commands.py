@@ -11,7 +11,7 @@ from typing import Any
 import numpy as np
 
 from ..errors import PFPError
-from ..loading import build_model_and_guide, load_param_store
+from ..frontend.loading import build_model_and_guide, load_param_store
 from .files import LIBRARY_EXTS, CLIError, _batched, _check_output_path, load_array, load_example, load_predictor
 
 
@@ -24,7 +24,7 @@ def convert_from_args(args: argparse.Namespace):
     pyro.clear_param_store()
     model, guide = build_model_and_guide(args.builder)
     if args.params:
-        # convert() takes the guide's parameters from the param store (pyro2pfp.posterior)
+        # convert() takes the guide's parameters from the param store (pyro2pfp.frontend.posterior)
         load_param_store(args.params)
     options: dict[str, Any] = {}
     if getattr(args, "input_variance", False):
@@ -61,8 +61,8 @@ def convert_from_args(args: argparse.Namespace):
 
 
 def cmd_convert(args: argparse.Namespace) -> int:
-    from .. import deploy
-    from ..onnx_builder import to_onnx
+    from ..backends.onnx.builder import to_onnx
+    from ..runtime import deploy
 
     ext = _check_output_path(args.output, (".so", ".tar", ".onnx"), "the output file")
     tune = None
@@ -90,7 +90,9 @@ def cmd_convert(args: argparse.Namespace) -> int:
         print(f"wrote {args.output} (ONNX opset {args.opset}; inputs {'x, x_var' if net.input_variance else 'x'}; "
               f"outputs {outputs}) in {time.perf_counter() - t0:.1f} s")
         return 0
-    exe = deploy.compile_network(net, args.target or "llvm", schedule=not args.no_schedule,
+    from ..backends.tvm.compile import compile_network
+
+    exe = compile_network(net, args.target or "llvm", schedule=not args.no_schedule,
                                  batch_sizes=args.batch_sizes or (), tune=tune)
     extra = {"model": type(model).__name__, "builder": args.builder,
              "params": os.path.basename(args.params) if args.params else None,
@@ -111,17 +113,17 @@ def _tune_spec(args: argparse.Namespace) -> dict[str, Any] | None:
     if not args.tune:
         return None
     spec: dict[str, Any] = {"batch": list(args.tune)}
-    if args.trials is not None:  # else the library's default (pyro2pfp.tuning.DEFAULT_TRIALS)
+    if args.trials is not None:  # else the library's default (pyro2pfp.backends.tvm.tuning.DEFAULT_TRIALS)
         spec["trials"] = args.trials
     if args.remote:
-        from ..remote import Remote
+        from ..runtime.remote import Remote
 
         spec["remote"] = Remote.parse(args.remote, session_timeout=args.remote_timeout)
     return spec
 
 
 def cmd_inspect(args: argparse.Namespace) -> int:
-    from .. import deploy
+    from ..runtime import deploy
 
     target = args.builder
     ext = os.path.splitext(target)[1].lower()
@@ -153,7 +155,7 @@ def cmd_inspect(args: argparse.Namespace) -> int:
     if ext == ".onnx":
         import onnx
 
-        from ..onnx_builder import onnx_ops_used
+        from ..backends.onnx.builder import onnx_ops_used
 
         if not os.path.isfile(target):
             raise CLIError(f"'{target}' not found")
@@ -245,12 +247,12 @@ def cmd_diagnose(args: argparse.Namespace) -> int:
 def cmd_bench(args: argparse.Namespace) -> int:
     import tempfile
 
-    from .. import deploy
-    from ..onnx_builder import to_onnx
-    from ..sampling import predictive_logits
+    from ..analysis.sampling import predictive_logits
+    from ..backends.onnx.builder import to_onnx
+    from ..backends.tvm.compile import compile_network
 
     model, guide, net = convert_from_args(args)
-    exe = deploy.compile_network(net, args.target)
+    exe = compile_network(net, args.target)
     if args.remote:
         return _bench_remote(net, exe, args)
     if not exe.runnable:
@@ -288,7 +290,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
 
 def _bench_remote(net, exe, args: argparse.Namespace) -> int:
     """``bench --remote``: upload the library to a board and time it there (time_evaluator)."""
-    from ..remote import Remote, fixed_inputs, upload
+    from ..runtime.remote import Remote, fixed_inputs, upload
 
     remote = Remote.parse(args.remote, session_timeout=args.remote_timeout)
     board = upload(exe, remote)
@@ -307,11 +309,11 @@ def _bench_remote(net, exe, args: argparse.Namespace) -> int:
 
 def cmd_validate(args: argparse.Namespace) -> int:
     """``validate --remote``: the board's outputs on a fixed input set against the float64 reference."""
-    from .. import deploy
-    from ..remote import Remote, validate
+    from ..backends.tvm.compile import compile_network
+    from ..runtime.remote import Remote, validate
 
     _model, _guide, net = convert_from_args(args)
-    exe = deploy.compile_network(net, args.target)
+    exe = compile_network(net, args.target)
     report = validate(net, exe, Remote.parse(args.remote, session_timeout=args.remote_timeout),
                       count=args.count, rtol=args.rtol)
     print(report)

@@ -74,7 +74,7 @@ def _batched(x: np.ndarray, input_shape: tuple[int, ...], name: str) -> np.ndarr
 
 def load_predictor(path: str) -> Any:
     """A compiled library (.so/.tar) or an ONNX model (onnxruntime), both via :func:`pyro2pfp.load`."""
-    from .. import deploy
+    from ..runtime import deploy
 
     if not os.path.isfile(path):
         raise CLIError(f"model file '{path}' not found")

@@ -8,7 +8,7 @@ from typing import Any
 
 import numpy as np
 
-from ..loading import DEFAULT_FUNCTION
+from ..frontend.loading import DEFAULT_FUNCTION
 from ..options import Correlation, Head, Hermite, Injection, MomentForm, values
 from .commands import cmd_bench, cmd_convert, cmd_diagnose, cmd_inspect, cmd_predict, cmd_validate
 from .score import cmd_score
@@ -139,7 +139,7 @@ def _add_remote_options(p: argparse.ArgumentParser, required: bool) -> None:
 
 
 def _target_help() -> str:
-    from ..deploy import PRESET_HELP
+    from ..runtime.deploy import PRESET_HELP
 
     presets = "; ".join(f"{k}: {v}" for k, v in PRESET_HELP.items())
     return ("where the library will run: 'llvm' (this machine, generic; default), 'native' (this CPU), "
@@ -186,7 +186,8 @@ def build_parser() -> argparse.ArgumentParser:
                         "a board of the target's architecture; cached in ~/.cache/pyro2pfp/tuning), exported "
                         "like --batch-sizes")
     p.add_argument("--trials", type=positive_int, default=None,
-                   help="MetaSchedule trials per --tune batch (default: the library's, pyro2pfp.tuning.DEFAULT_TRIALS)")
+                   help="MetaSchedule trials per --tune batch (default: the library's, "
+                        "pyro2pfp.backends.tvm.tuning.DEFAULT_TRIALS)")
     _add_remote_options(p, required=False)
     p.add_argument("--verbose", "-v", action="store_true", help="print the layer plan")
     p.add_argument("--check", metavar="X.npy",

@@ -1,5 +1,5 @@
 """``pyro2pfp score``: score input shards with an exported network on Ray Data (a local Ray instance,
-or a cluster), one Parquet file per shard (:func:`pyro2pfp.ray_scoring.score_files`)."""
+or a cluster), one Parquet file per shard (:func:`pyro2pfp.runtime.ray_scoring.score_files`)."""
 from __future__ import annotations
 
 import argparse
@@ -9,7 +9,7 @@ from .files import CLIError
 
 
 def cmd_score(args: argparse.Namespace) -> int:
-    from ..ray_scoring import score_files
+    from ..runtime.ray_scoring import score_files
 
     try:
         import ray  # noqa: F401 -- score_files imports it when it runs; say here what is missing

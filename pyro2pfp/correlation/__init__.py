@@ -12,13 +12,13 @@ uses them where positions and branches are summed; still one forward pass, no sa
   "mean-field")``;
 * :mod:`.shared`: the representation (NumPy float64) and its compaction;
 * the per-op rules live with their ops (``ops/<family>.py``: float64 and ONNX,
-  ``tvm_backend/ops/<family>.py``: TE kernels), in the tables ``registry.SHARED_REFERENCES``,
+  ``backends/tvm/ops/<family>.py``: TE kernels), in the tables ``registry.SHARED_REFERENCES``,
   ``SHARED_EXPORTERS`` and ``SHARED_KERNELS``; an op with an ``ActivationRule`` gets the generic
   one (Stein's lemma, :mod:`.stein`);
 * :mod:`.execute`: the executor (registered in ``reference.SCHEME_EXECUTORS``: what
   ``net.reference`` and ``reference.execute_all`` run for a plan with factors);
 * :mod:`.backend`: the per-layer dispatch of the float32 back ends, :mod:`.onnx_step` the ONNX one
-  (registered in ``onnx_builder.SCHEME_STEPS``); the TVM one is ``pyro2pfp/tvm_backend/shared_factor.py``;
+  (registered in ``backends.onnx.builder.SCHEME_STEPS``); the TVM one is ``pyro2pfp/backends/tvm/shared_factor.py``;
 * :mod:`.cost`: the cost model.
 
 Cost (per input; :func:`~pyro2pfp.correlation.cost.cost_model`, ``benchmarks/fidelity.py --cost``)
@@ -34,7 +34,7 @@ Back ends
 ---------
 * NumPy float64 (:mod:`.execute`, ``net.reference``): the rules with QR compaction of ``g`` where a
   layer's output is the only live edge and ``K ≥ 4·C`` (exact; bounds ``K`` by ~5·C).
-* TVM (``tvm_backend/shared_factor.py``) and ONNX (:mod:`.onnx_step`), both through the dispatch
+* TVM (``backends/tvm/shared_factor.py``) and ONNX (:mod:`.onnx_step`), both through the dispatch
   of :mod:`.backend`: the same rules in float32 with a static ``K`` per edge.  TVM compacts where the
   reference does, by the Cholesky factor of ``g·gᵀ`` (exact; ``K`` stays bounded by a few times the
   channel count); ONNX has no Cholesky operator and skips compaction (exact, but ``K`` and with it the

@@ -1,7 +1,7 @@
 """The per-layer dispatch shared by the float32 back ends of shared-factor PFP (the TVM kernels,
-``tvm_backend/shared_factor.py``, and the ONNX export, :mod:`pyro2pfp.correlation.onnx_step`):
+``backends/tvm/shared_factor.py``, and the ONNX export, :mod:`pyro2pfp.correlation.onnx_step`):
 after each layer's mean-field output, the rule of its op (from the back end's table,
-:data:`~pyro2pfp.registry.SHARED_KERNELS` or :data:`~pyro2pfp.registry.SHARED_EXPORTERS`) turns
+:data:`~pyro2pfp.planning.registry.SHARED_KERNELS` or :data:`~pyro2pfp.planning.registry.SHARED_EXPORTERS`) turns
 the inputs' shared parts into the output's and may correct the output variance.  A back end
 subclasses :class:`FixedKStep`, names its table and implements :meth:`FixedKStep.compact` if it
 compacts."""
@@ -11,9 +11,9 @@ from collections.abc import Callable
 from typing import Any, TypeVar
 
 from ..errors import PFPError
-from ..graph import INPUT, Repr
-from ..plan import PlannedGraph, PlannedLayer
-from ..registry import OPS
+from ..planning.graph import INPUT, Repr
+from ..planning.plan import PlannedGraph, PlannedLayer
+from ..planning.registry import OPS
 from .factors import fixed_k_plan, is_noisy
 
 F = TypeVar("F", bound=Callable[..., Any])

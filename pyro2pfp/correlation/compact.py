@@ -42,7 +42,7 @@ Which layer creates which factors (:func:`plan_compact`, plain data: :class:`Com
   linear ramps for ``R > 1``: ``conv_block_factors`` in ``ops/compute.py`` derives them.
 
 The rules live with their ops (``@compact_reference(op)`` in ``ops/<family>.py``; every activation
-with an :class:`~pyro2pfp.registry.ActivationRule` takes the generic Stein rule here).  A dense layer's
+with an :class:`~pyro2pfp.planning.registry.ActivationRule` takes the generic Stein rule here).  A dense layer's
 output variance is the coherent sum of its inputs' loadings in place of their independent sum:
 ``v_out = v_mf + ‖W·L‖² − W²·‖L‖²``.
 """
@@ -54,11 +54,11 @@ from typing import Any, ClassVar
 
 import numpy as np
 
+from ..backends.reference import NUMPY_BACKEND, REFERENCES, SCHEME_EXECUTORS, Activation, emit_output
 from ..errors import PFPError
-from ..graph import INPUT, Repr
-from ..plan import PlannedGraph, PlannedLayer, is_compute_layer
-from ..reference import NUMPY_BACKEND, REFERENCES, SCHEME_EXECUTORS, Activation, emit_output
-from ..registry import COMPACT_REFERENCES, OPS
+from ..planning.graph import INPUT, Repr
+from ..planning.plan import PlannedGraph, PlannedLayer, is_compute_layer
+from ..planning.registry import COMPACT_REFERENCES, OPS
 from .factors import CorrelationError, is_noisy
 from .loadings import Loadings, compact_layer
 
@@ -256,7 +256,7 @@ def execute_compact_all(graph: PlannedGraph, x: np.ndarray, plan: CompactPlan | 
     """Run ``graph`` in float64 with the compact factor plan; every layer's activation by name.
 
     Each layer runs its mean-field reference, then -- where an input carries loadings or the layer
-    creates factors -- its rule (:data:`~pyro2pfp.registry.COMPACT_REFERENCES`, or the generic Stein rule
+    creates factors -- its rule (:data:`~pyro2pfp.planning.registry.COMPACT_REFERENCES`, or the generic Stein rule
     of an activation) through :func:`~.loadings.compact_layer`, which every back end shares.  ``keep``:
     names whose :class:`Loadings` are written into it (diagnostics, tests)."""
     cp = graph.factors if plan is None else plan

@@ -6,8 +6,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from ..graph import INPUT, Repr
-from ..plan import PlannedGraph, PlannedLayer, is_compute_layer
+from ..planning.graph import INPUT, Repr
+from ..planning.plan import PlannedGraph, PlannedLayer, is_compute_layer
 from .factors import FactorPlan, plan_factors
 
 

@@ -1,18 +1,18 @@
 """The float64 executor of shared-factor PFP: the mean-field reference of every layer
-(:data:`pyro2pfp.reference.REFERENCES`) plus the layer's shared-factor rule
-(:data:`pyro2pfp.registry.SHARED_REFERENCES`, registered in the op's family file), which also
+(:data:`pyro2pfp.backends.reference.REFERENCES`) plus the layer's shared-factor rule
+(:data:`pyro2pfp.planning.registry.SHARED_REFERENCES`, registered in the op's family file), which also
 corrects the variance where positions or branches are summed (average pooling, dense, residual
-add).  :func:`pyro2pfp.reference.execute_all` runs it for a plan that carries a
+add).  :func:`pyro2pfp.backends.reference.execute_all` runs it for a plan that carries a
 :class:`~pyro2pfp.correlation.factors.FactorPlan`."""
 from __future__ import annotations
 
 import numpy as np
 
+from ..backends.reference import REFERENCES, SCHEME_EXECUTORS, Activation, emit_output
 from ..errors import PFPError
-from ..graph import INPUT, Repr
-from ..plan import PlannedGraph
-from ..reference import REFERENCES, SCHEME_EXECUTORS, Activation, emit_output
-from ..registry import SHARED_REFERENCES
+from ..planning.graph import INPUT, Repr
+from ..planning.plan import PlannedGraph
+from ..planning.registry import SHARED_REFERENCES
 from .factors import FactorPlan, is_noisy
 from .guide import mean_shift
 from .shared import Shared, compacted
@@ -28,7 +28,8 @@ def execute_shared_all(graph: PlannedGraph, x: np.ndarray, factors: FactorPlan |
     diagnostics and tests)."""
     fp = graph.factors if factors is None else factors
     if fp is None:
-        raise PFPError("this plan has no factor plan (correlation='mean-field'): use pyro2pfp.reference.execute_all")
+        raise PFPError("this plan has no factor plan (correlation='mean-field'): use "
+                       "pyro2pfp.backends.reference.execute_all")
     if graph.input_repr is not Repr.DETERMINISTIC:
         raise PFPError("shared-factor PFP: networks with an input variance are not supported")
     values = {INPUT: Activation(np.asarray(x, dtype=np.float64), None, Repr.DETERMINISTIC)}

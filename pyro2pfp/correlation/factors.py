@@ -3,9 +3,9 @@ columns every edge carries, and where they are compacted -- plain data, fixed be
 (:func:`plan_factors`); and the choice between shared factors and mean-field (:func:`choose`).
 
 The representation the plan describes is in :mod:`pyro2pfp.correlation.shared`; the per-op rules are
-registered with each op (:data:`~pyro2pfp.registry.SHARED_REFERENCES`, ``SHARED_EXPORTERS``,
+registered with each op (:data:`~pyro2pfp.planning.registry.SHARED_REFERENCES`, ``SHARED_EXPORTERS``,
 ``SHARED_KERNELS``), and what the plan needs to know of an op is its
-:class:`~pyro2pfp.registry.FactorSpec`.
+:class:`~pyro2pfp.planning.registry.FactorSpec`.
 """
 from __future__ import annotations
 
@@ -18,10 +18,10 @@ from typing import ClassVar
 import numpy as np
 
 from ..errors import ArgumentError
-from ..graph import INPUT, Repr
 from ..options import Correlation, Hermite, Injection, checked, values
-from ..plan import PlannedGraph, PlannedLayer, is_compute_layer
-from ..registry import OPS, SHARED_EXPORTERS, SHARED_REFERENCES
+from ..planning.graph import INPUT, Repr
+from ..planning.plan import PlannedGraph, PlannedLayer, is_compute_layer
+from ..planning.registry import OPS, SHARED_EXPORTERS, SHARED_REFERENCES
 
 CORRELATIONS = values(Correlation)
 HERMITE_MODES = values(Hermite)
@@ -170,7 +170,7 @@ FACTOR_ALIGN = 16
 
 def in_backends(op: str, ops: Collection[str] | None = None) -> bool:
     """The float32 back ends implement ``op``'s shared-factor rule: ``op`` is in ``ops`` (a back end's
-    table of rules), by default in :data:`~pyro2pfp.registry.SHARED_EXPORTERS` -- the compiled back
+    table of rules), by default in :data:`~pyro2pfp.planning.registry.SHARED_EXPORTERS` -- the compiled back
     end's table (``SHARED_KERNELS``, filled when TVM is imported) covers the same ops
     (``tests/ops/test_op_completeness.py``), so the choice of ``auto`` does not depend on whether TVM is
     loaded."""
@@ -337,7 +337,7 @@ def _guide_text(graph: PlannedGraph) -> str:
 
 def with_correlation(graph: PlannedGraph, correlation: Correlation | str, hermite: Hermite | str = Hermite.FACTOR,
                      injection: Injection | str = Injection.REGRESSION) -> PlannedGraph:
-    """``graph`` (a plan of :func:`pyro2pfp.plan.plan`) with the factor plan :func:`choose` gives for
+    """``graph`` (a plan of :func:`pyro2pfp.planning.plan.plan`) with the factor plan :func:`choose` gives for
     ``correlation`` (and the variants) stored in ``graph.factors`` (None: mean-field); returns ``graph``."""
     graph.factors = choose(graph, correlation, hermite, injection)
     return graph

@@ -2,7 +2,7 @@
 scheme's per-layer blocks.
 
 A low-rank or full-covariance guide is ``w = mean + F·z + rest`` over all weights at once
-(:mod:`pyro2pfp.posterior.correlated`): ``z ~ N(0, I_k)`` are global factors, the same in every
+(:mod:`pyro2pfp.frontend.posterior.correlated`): ``z ~ N(0, I_k)`` are global factors, the same in every
 layer, and ``rest`` is independent per weight with variance ``d² = var − Σ_f F_f²``.  They are the
 first ``k`` columns of every edge's ``g`` (:attr:`~pyro2pfp.correlation.factors.FactorPlan.guide`);
 everything else of the scheme is unchanged: the rules that propagate the factors through
@@ -26,8 +26,8 @@ from __future__ import annotations
 
 import numpy as np
 
-from ..plan import PlannedLayer
-from ..reference.arrays import conv_views
+from ..backends.reference.arrays import conv_views
+from ..planning.plan import PlannedLayer
 from .factors import FactorPlan
 from .shared import Shared
 

@@ -14,7 +14,7 @@ formulas over a back end ``bk``: :func:`pyro2pfp.ops._formula.compact_formula`),
 back end.  Keyed by creator so that branches carrying the same factors add their loadings (a residual
 add) instead of stacking them; factors shared by several layers (a low-rank guide's) fit as one global key.
 
-The tensor algebra of ``bk`` (``reference.NumpyBackend``, ``onnx_builder.OnnxContext``): ``einsum``,
+The tensor algebra of ``bk`` (``backends.reference.NumpyBackend``, ``backends.onnx.builder.OnnxContext``): ``einsum``,
 ``rows(t, shape)`` (reshape to ``(-1, *shape)``), ``reshape(t, shape)`` (``(batch, *shape)``), ``permute``,
 ``rsum(t, axis)``, ``slice``, ``taps`` (strided window views), ``concat``, ``tensor`` (a constant),
 ``conv2d``, ``zeros_like``, ``ops`` (:mod:`pyro2pfp.moments`' namespace) and ``lowest``.
@@ -28,8 +28,8 @@ from typing import Any
 import numpy as np
 
 from ..errors import PFPError
-from ..plan import PlannedLayer
-from ..registry import OPS
+from ..planning.plan import PlannedLayer
+from ..planning.registry import OPS
 from .stein import stein_slope
 
 
@@ -138,14 +138,14 @@ class Loadings:
     # -- NumPy conveniences (float64 arrays)
     def squared(self, batch: int, elements: int) -> np.ndarray:
         """``Σ_f L[e, f]²`` (B, E) of NumPy loadings (zeros without any)."""
-        from ..reference import NUMPY_BACKEND
+        from ..backends.reference import NUMPY_BACKEND
 
         total = self.explained(NUMPY_BACKEND, elements)
         return np.zeros((batch, elements)) if total is None else total
 
     def scaled(self, factor: np.ndarray) -> Loadings:
         """NumPy loadings times ``factor[b, e]`` (B, E)."""
-        from ..reference import NUMPY_BACKEND
+        from ..backends.reference import NUMPY_BACKEND
 
         return self.times(NUMPY_BACKEND, factor, factor.shape[-1])
 

@@ -1,11 +1,11 @@
 """ONNX export of shared-factor PFP: the step that emits, after each layer's mean-field export
-(``onnx_builder.SCHEME_STEPS``), the ONNX form of the layer's rule
-(:data:`~pyro2pfp.registry.SHARED_EXPORTERS`, registered with each op in ``ops/<family>.py``), and
+(``backends.onnx.builder.SCHEME_STEPS``), the ONNX form of the layer's rule
+(:data:`~pyro2pfp.planning.registry.SHARED_EXPORTERS`, registered with each op in ``ops/<family>.py``), and
 the helpers those rules are written with.
 
 Float32, dynamic batch; the factor plan without compaction (ONNX has no Cholesky/QR operator; exact:
 only ``g·gᵀ`` is used downstream, ``K`` grows with depth instead -- the compiled path compacts, see
-``tvm_backend/shared_factor.py``).  Every tensor op is Einsum, MatMul, Pad, Slice (strided kernel
+``backends/tvm/shared_factor.py``).  Every tensor op is Einsum, MatMul, Pad, Slice (strided kernel
 taps), ReduceSum (axes as an input: opset ≥ 13), Reshape, Where and elementwise arithmetic; the
 per-input weights of the conv profile are Einsums over the kernel taps (``Σ_k tap_k(s)·W_k·β``), not
 a grouped Conv (whose group count cannot follow a dynamic batch).  Any other elementwise activation
@@ -19,10 +19,10 @@ from typing import Any
 
 import numpy as np
 
-from ..graph import Repr
-from ..onnx_builder import SCHEME_STEPS, OnnxActivation, OnnxContext, Sym
-from ..plan import PlannedGraph
-from ..registry import SHARED_EXPORTERS
+from ..backends.onnx.builder import SCHEME_STEPS, OnnxActivation, OnnxContext, Sym
+from ..planning.graph import Repr
+from ..planning.plan import PlannedGraph
+from ..planning.registry import SHARED_EXPORTERS
 from .backend import FixedKStep
 
 _TINY = 1e-30

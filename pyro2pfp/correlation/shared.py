@@ -33,11 +33,11 @@ Rules
 -----
 Each op's rule lives with the op, in its family file ``pyro2pfp/ops/<family>.py``
 (``@shared_reference(op)``: float64; ``@shared_exporter(op)``: ONNX) and
-``pyro2pfp/tvm_backend/ops/<family>*.py`` (``@shared_kernel(op)``: TE), each with its formulas and
+``pyro2pfp/backends/tvm/ops/<family>*.py`` (``@shared_kernel(op)``: TE), each with its formulas and
 their assumptions in its docstring.  Notation there: ``m̄`` the mean over the output positions;
 ``W, V`` the weight mean and variance; ``⊕ x·e_o`` x in the layer's own factor column; Φ, φ the
 normal CDF/PDF; ``(μ, v)`` are mean-field unless said.  Every rule's profile is clipped to ``±sd``
-of its edge by the executor.  An op with an :class:`~pyro2pfp.registry.ActivationRule` and no rule
+of its edge by the executor.  An op with an :class:`~pyro2pfp.planning.registry.ActivationRule` and no rule
 of its own gets the generic one (Stein's lemma, :mod:`pyro2pfp.correlation.stein`).
 
 * compaction: where a layer's output is the only live edge (every ResNet block boundary) and

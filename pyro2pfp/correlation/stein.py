@@ -1,5 +1,5 @@
 """Stein's lemma for any elementwise activation: the exact slope ``E[f'(a)] = ∂E[f(a)]/∂μ`` of an
-:class:`~pyro2pfp.registry.ActivationRule`, by forward-mode automatic differentiation of the rule's
+:class:`~pyro2pfp.planning.registry.ActivationRule`, by forward-mode automatic differentiation of the rule's
 own mean formula, on any back end's ``ops`` namespace.
 
 Why
@@ -16,7 +16,7 @@ How
 ---
 Forward-mode AD with dual numbers (Griewank & Walther, *Evaluating Derivatives*, 2nd ed., SIAM
 2008, ch. 3): :func:`dual_ops` wraps a back end's ``ops`` namespace (``moments.NUMPY``, the TE ops of
-``tvm_backend.te_let.te_shared``, the ONNX exporter's symbolic ops) into one whose values are
+``backends.tvm.te_let.te_shared``, the ONNX exporter's symbolic ops) into one whose values are
 :class:`Dual` pairs ``(value, d/dμ)``; the rule runs unchanged on ``Dual(μ, 1)`` and
 ``Dual(v, 0)`` (the variance is a constant), and the mean it returns carries ``∂E[f(a)]/∂μ`` --
 the derivative of the very approximation the back end evaluates (its selects, clamps, quadrature
@@ -359,7 +359,7 @@ def dual_ops(ops: Any) -> DualOps:
 
 def mean_and_slope(rule: Any, mean: Any, var: Any, attrs: dict[str, Any], ops: Any) -> tuple[Any, Any]:
     """``(E[f(a)], E[f'(a)])`` for ``a ~ N(mean, var)``: ``rule.moments``' mean (an
-    :class:`~pyro2pfp.registry.ActivationRule`) and its exact ``μ``-derivative at fixed ``var``,
+    :class:`~pyro2pfp.planning.registry.ActivationRule`) and its exact ``μ``-derivative at fixed ``var``,
     evaluated by ``ops`` (values of its back end in, out; the slope may be a scalar constant)."""
     dops = dual_ops(ops)
     out = rule.moments(Dual(mean, ops.const(1.0), dops), Dual(var, None, dops), attrs, dops)[0]

@@ -39,7 +39,7 @@ def gaussian_terms(mean: Any, var: Any, ops: Any = NUMPY) -> tuple[Any, Any, Any
     """``(σ, α, Φ(α), Φ(−α), φ(α))`` of ``a ~ N(mean, var)``: ``σ = √var``, ``α = mean/σ`` clamped to
     ``±ALPHA_MAX`` (its ``σ → 0`` limit where ``σ = 0``).  The terms of the ReLU and leaky ReLU
     moments; the TVM back end's shared-factor ReLU kernel evaluates them once for those moments and
-    for Stein's lemma (``tvm_backend/ops/activation.py``)."""
+    for Stein's lemma (``backends/tvm/ops/activation.py``)."""
     sigma = ops.sqrt(var)
     return (sigma, *_std_normal_terms(_standardise(mean, sigma, ops), ops))
 

@@ -1,8 +1,8 @@
 """One formula for the NumPy reference and the ONNX export of an op.
 
 A shared formula ``fn(bk, layer, inputs) -> activation`` is written against a *back end* ``bk``:
-:data:`pyro2pfp.reference.NUMPY_BACKEND` (float64 arrays) or the exporter's
-:class:`pyro2pfp.onnx_builder.OnnxContext` (ONNX symbols).  Both offer the same members:
+:data:`pyro2pfp.backends.reference.NUMPY_BACKEND` (float64 arrays) or the exporter's
+:class:`pyro2pfp.backends.onnx.builder.OnnxContext` (ONNX symbols).  Both offer the same members:
 
 * ``bk.ops`` -- the :mod:`pyro2pfp.moments` namespace (``where``, ``normal_cdfs``, ``exp``, ``sqrt``,
   ``maximum``, ``minimum``, ``const``; Python operators work on its values);
@@ -23,9 +23,9 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
-from ..onnx_builder import exporter
-from ..reference import NUMPY_BACKEND, reference
-from ..registry import compact_exporter, compact_reference
+from ..backends.onnx.builder import exporter
+from ..backends.reference import NUMPY_BACKEND, reference
+from ..planning.registry import compact_exporter, compact_reference
 
 Formula = Callable[[Any, Any, list[Any]], Any]
 

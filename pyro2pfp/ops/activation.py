@@ -2,17 +2,17 @@
 and clipped activations (Sigmoid, Tanh, GELU, SiLU, ELU, Softplus, Hardtanh/ReLU6); a final
 softmax, and a final sigmoid that gives Bernoulli probabilities, are stripped.
 
-Each activation is one :class:`~pyro2pfp.registry.OpDef` with an
-:class:`~pyro2pfp.registry.ActivationRule` -- the exact function and its moments for a Gaussian
+Each activation is one :class:`~pyro2pfp.planning.registry.OpDef` with an
+:class:`~pyro2pfp.planning.registry.ActivationRule` -- the exact function and its moments for a Gaussian
 input, written once against the ``ops`` namespace of :mod:`pyro2pfp.moments` -- plus its converter.
 :func:`register_activation` makes the rule the op's NumPy reference and ONNX export; the TVM kernel
-and CPU schedule of every such op are the generic ones of ``tvm_backend/ops/activation.py``.
+and CPU schedule of every such op are the generic ones of ``backends/tvm/ops/activation.py``.
 Adding an activation is: its moments (with their source) and one ``register_activation`` call with
 a converter here, and its tests (a Monte Carlo test and a compiled-vs-reference test).
 
 Shared-factor PFP (:mod:`pyro2pfp.correlation`): ``register_activation`` registers the generic rule
 (Stein's linear response, :func:`stein_shared`) as the op's float64 and ONNX rule, and
-``tvm_backend/ops/activation.py`` its TE kernel; ReLU and LeakyReLU have a rule of their own, with a
+``backends/tvm/ops/activation.py`` its TE kernel; ReLU and LeakyReLU have a rule of their own, with a
 second Hermite factor (:func:`relu_shared`; its kernel ``sf_relu`` computes the layer's mean-field
 moments too).
 """
@@ -27,16 +27,16 @@ import numpy as np
 from scipy.special import ndtr
 
 from .. import moments
-from ..converters import Alias, register
+from ..backends.onnx.builder import OnnxActivation, OnnxContext
+from ..backends.reference import Activation
 from ..correlation.factors import FactorPlan
 from ..correlation.onnx_step import OnnxShared, OnnxSharedStep
 from ..correlation.shared import Shared, normalised, safe_div
 from ..correlation.stein import stein_slope
-from ..graph import Layer, Repr
-from ..onnx_builder import OnnxActivation, OnnxContext
-from ..plan import PlannedLayer
-from ..reference import Activation
-from ..registry import (
+from ..planning.converters import Alias, register
+from ..planning.graph import Layer, Repr
+from ..planning.plan import PlannedLayer
+from ..planning.registry import (
     ACTIVATION,
     VARIANCE_IN_OUT,
     ActivationRule,
@@ -361,7 +361,7 @@ def convert_leaky_relu(node, ctx) -> Layer:
 @register("aten.softmax.int", "aten._softmax.default", "aten.log_softmax.int", "aten._log_softmax.default")
 def softmax_not_a_trailing_normalisation(node, ctx) -> Alias:
     """A softmax the walk meets was not stripped as the output's normalisation
-    (:mod:`pyro2pfp.output_chain`): it is inside the network, or over another dimension than the classes."""
+    (:mod:`pyro2pfp.frontend.output_chain`): it is inside the network, or over another dimension than the classes."""
     if ctx.is_output(node):
         raise ctx.unsupported(node, f"the output is a softmax over dimension {node.args[1]}, not the last "
                                     "(class) dimension: it is not a normalisation of the logits, and PFP has no "

@@ -7,9 +7,9 @@
 
 Shared-factor PFP (:mod:`pyro2pfp.correlation`): the float64 and ONNX rules of ``affine``, ``add``
 and ``scale`` (a constant factor, registered in ``ops/activation.py``: the same rule as ``affine``)
-are at the end of this file, their TE kernels in ``tvm_backend/ops/arithmetic.py``.
+are at the end of this file, their TE kernels in ``backends/tvm/ops/arithmetic.py``.
 
-The TVM kernels and schedules are in ``tvm_backend/ops/arithmetic.py``.
+The TVM kernels and schedules are in ``backends/tvm/ops/arithmetic.py``.
 """
 from __future__ import annotations
 
@@ -17,20 +17,20 @@ from typing import Any
 
 import numpy as np
 
-from ..converters import Alias, register
+from ..backends.onnx.builder import OnnxActivation, OnnxContext
+from ..backends.reference import Activation
 from ..correlation.factors import FactorPlan
 from ..correlation.onnx_step import OnnxShared, OnnxSharedStep
 from ..correlation.shared import Shared, expand, normalised, spatial_mean
-from ..graph import GaussianParam, Layer, Repr
-from ..onnx_builder import OnnxActivation, OnnxContext
-from ..plan import PlannedLayer, is_compute_layer
-from ..reference import Activation
-from ..registry import OpDef, register_op, shared_exporter, shared_reference
+from ..planning.converters import Alias, register
+from ..planning.graph import GaussianParam, Layer, Repr
+from ..planning.plan import PlannedLayer, is_compute_layer
+from ..planning.registry import OpDef, register_op, shared_exporter, shared_reference
 from ._formula import compact_formula, formula
 
 AFFINE = register_op(OpDef(
     "affine", ("aten.batch_norm.default", "aten._native_batch_norm_legit_no_training.default"),
-    modules="`BatchNorm1d/2d` in eval mode (folded into the Linear/Conv before it, `pyro2pfp.folding`)",
+    modules="`BatchNorm1d/2d` in eval mode (folded into the Linear/Conv before it, `pyro2pfp.planning.folding`)",
     modules_short=("BatchNorm1d/2d (eval)",), moments="exact (linear)",
     assumptions="deterministic normalisation parameters"))
 

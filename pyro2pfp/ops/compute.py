@@ -9,15 +9,15 @@ Moments (``docs/math.md`` "Compute layers"; the paper's eqs. 7, 12, 13), with in
 each sum being the layer's linear map (a matmul or a convolution) applied to the products.  The
 stored weights (``weight_var`` or ``weight_second_moment = μw² + vw``, calibrated) come from the
 planner.  ``conv1d`` becomes ``reshape (C, 1, L)`` → ``conv2d`` with a 1×k kernel → ``reshape
-(O, L')`` (:mod:`pyro2pfp.onedim`).  Padding is symmetric in every back end: ``padding="same"``/``"valid"``
+(O, L')`` (:mod:`pyro2pfp.planning.onedim`).  Padding is symmetric in every back end: ``padding="same"``/``"valid"``
 become explicit padding as torch pads them, a zero ``F.pad`` before the conv is added to it, and an
 asymmetric padding (``"same"`` with an even kernel) becomes the larger side on both sides plus zero
 taps in the kernel on the other side (:func:`_symmetric_padding`; exact).
 
 Shared-factor PFP (:mod:`pyro2pfp.correlation`): the float64 and ONNX rules of both ops are at the
-end of this file; their TE kernels are in ``tvm_backend/ops/compute_shared.py``.
+end of this file; their TE kernels are in ``backends/tvm/ops/compute_shared.py``.
 
-The TVM kernels and schedules are in ``tvm_backend/ops/compute.py``.
+The TVM kernels and schedules are in ``backends/tvm/ops/compute.py``.
 """
 from __future__ import annotations
 
@@ -25,18 +25,18 @@ from typing import Any
 
 import numpy as np
 
-from ..converters import Alias, register
+from ..backends.onnx.builder import OnnxActivation, OnnxContext, Sym
+from ..backends.reference import Activation
+from ..backends.reference.arrays import conv2d_nchw, conv_views
 from ..correlation.factors import ComputeFactors, FactorPlan, weight_var
 from ..correlation.guide import conv_pooled_injection, dense_guide_variance, dense_injection, guide_tensors
 from ..correlation.onnx_step import OnnxShared, OnnxSharedStep
 from ..correlation.shared import Shared, normalised, safe_div, spatial_mean
-from ..graph import GaussianParam, Layer, Repr
-from ..onedim import as_2d
-from ..onnx_builder import OnnxActivation, OnnxContext, Sym
-from ..plan import PlannedLayer
-from ..reference import Activation
-from ..reference.arrays import conv2d_nchw, conv_views
-from ..registry import (
+from ..planning.converters import Alias, register
+from ..planning.graph import GaussianParam, Layer, Repr
+from ..planning.onedim import as_2d
+from ..planning.plan import PlannedLayer
+from ..planning.registry import (
     COMPUTE_INPUT,
     Contract,
     FactorSpec,
@@ -227,7 +227,7 @@ def convert_conv2d(node, ctx) -> Layer:
 @register("aten.conv1d.default", "aten.conv1d.padding", produces=("conv2d", "reshape"))
 def convert_conv1d(node, ctx) -> list[Layer]:
     """``conv1d`` on ``(batch, C, L)``: ``conv2d`` with a 1×k kernel on ``(batch, C, 1, L)``, between
-    two reshapes (:mod:`pyro2pfp.onedim` removes the reshapes between consecutive 1-D layers)."""
+    two reshapes (:mod:`pyro2pfp.planning.onedim` removes the reshapes between consecutive 1-D layers)."""
     args = list(node.args) + [None] * 7
     x, weight, bias, stride, padding, dilation, groups = args[:7]
     if len(ctx.shape(x)) != 2:

@@ -1,6 +1,6 @@
 """The compact factor rules of the compute layers (``conv2d``, ``dense``; the ops themselves: :mod:`.compute`),
 each one formula for the float64 reference and the ONNX export (:func:`._formula.compact_formula`; the tensor
-algebra of ``bk``: :mod:`pyro2pfp.correlation.loadings`).  The TE kernels: ``tvm_backend/ops/compute_compact.py``.
+algebra of ``bk``: :mod:`pyro2pfp.correlation.loadings`).  The TE kernels: ``backends/tvm/ops/compute_compact.py``.
 """
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ from typing import Any
 import numpy as np
 
 from ..correlation.factors import weight_var
-from ..plan import PlannedLayer
+from ..planning.plan import PlannedLayer
 from ._formula import compact_formula
 
 
@@ -83,7 +83,7 @@ def block_factor_loadings(bk: Any, layer: PlannedLayer, mean_in: Any, directions
 
 def conv_block_factors(layer: PlannedLayer, mean_in: np.ndarray, directions: int) -> np.ndarray:
     """:func:`block_factor_loadings` of float64 arrays."""
-    from ..reference import NUMPY_BACKEND
+    from ..backends.reference import NUMPY_BACKEND
 
     return block_factor_loadings(NUMPY_BACKEND, layer, np.asarray(mean_in, dtype=np.float64), directions)
 

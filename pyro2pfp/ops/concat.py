@@ -19,7 +19,7 @@ representation cannot hold: such a layer has no shared-factor rule (``correlatio
 mean-field with a warning), nor has a concatenation of flattened conv outputs (rows with a group of
 positions).
 
-The TVM kernels are in ``tvm_backend/ops/concat.py``.
+The TVM kernels are in ``backends/tvm/ops/concat.py``.
 """
 from __future__ import annotations
 
@@ -27,15 +27,15 @@ from typing import Any
 
 import numpy as np
 
-from ..converters import Alias, register
+from ..backends.onnx.builder import OnnxActivation, OnnxContext, Sym
+from ..backends.reference import Activation
 from ..correlation.factors import FactorPlan
 from ..correlation.onnx_step import OnnxShared, OnnxSharedStep
 from ..correlation.shared import Shared
-from ..graph import Layer, Repr
-from ..onnx_builder import OnnxActivation, OnnxContext, Sym
-from ..plan import PlannedLayer
-from ..reference import Activation
-from ..registry import FactorSpec, OpDef, register_op, shared_exporter, shared_reference
+from ..planning.converters import Alias, register
+from ..planning.graph import Layer, Repr
+from ..planning.plan import PlannedLayer
+from ..planning.registry import FactorSpec, OpDef, register_op, shared_exporter, shared_reference
 from ._formula import formula
 
 CAT_OPS = ("aten.cat.default", "aten.concat.default", "aten.concatenate.default", "aten.hstack.default")

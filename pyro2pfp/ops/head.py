@@ -54,7 +54,7 @@ do not cancel in the difference); and the quadrature's ``p̄`` is also closer to
 Representation: the head takes the logits' (mean, **variance**) and gives ``probs`` (batch, K) as
 its "mean" and ``(predictive_entropy, expected_entropy, mutual_information)`` (batch, 3) as its
 second component (the planner's variance slot; every predictor unpacks it into a
-:class:`HeadOutput`).  The TVM kernel is in ``tvm_backend/ops/head.py``.
+:class:`HeadOutput`).  The TVM kernel is in ``backends/tvm/ops/head.py``.
 """
 from __future__ import annotations
 
@@ -62,16 +62,16 @@ from typing import Any
 
 import numpy as np
 
+from ..backends.onnx.builder import OnnxActivation, Sym, exporter
+from ..backends.reference import Activation, reference
 from ..errors import ArgumentError
-from ..graph import Layer, LayerGraph, Repr
-from ..onnx_builder import OnnxActivation, Sym, exporter
 from ..options import Head, checked, checked_or_none, values
-from ..outputs import OUTPUT_NAMES, STATS
-from ..outputs import HeadOutput as HeadOutput  # the head's outputs, defined beside the predictor (NumPy only)
-from ..outputs import head_output as head_output
-from ..plan import PlannedLayer
-from ..reference import Activation, reference
-from ..registry import Contract, FactorSpec, OpDef, register_op, shared_exporter, shared_reference
+from ..planning.graph import Layer, LayerGraph, Repr
+from ..planning.plan import PlannedLayer
+from ..planning.registry import Contract, FactorSpec, OpDef, register_op, shared_exporter, shared_reference
+from ..runtime.outputs import OUTPUT_NAMES, STATS
+from ..runtime.outputs import HeadOutput as HeadOutput  # the head's outputs, defined beside the predictor (NumPy only)
+from ..runtime.outputs import head_output as head_output
 
 HEAD_OP = "softmax_head"
 HEADS = values(Head)

@@ -31,7 +31,7 @@ same linearisation applied to the input's loadings ``L_k = s_k·g_row(k)``, so t
 input covariance is summed through the Jacobian coherently, and the output features carry the
 loadings ``μγ·(J·L)``.
 
-The TVM kernel and its CPU schedule: ``tvm_backend/ops/normalization.py``.
+The TVM kernel and its CPU schedule: ``backends/tvm/ops/normalization.py``.
 """
 from __future__ import annotations
 
@@ -41,21 +41,14 @@ from typing import Any
 import numpy as np
 
 from .. import moments
-from ..converters import register
+from ..backends.onnx.builder import OnnxActivation, OnnxContext
 from ..correlation.factors import FactorPlan
 from ..correlation.onnx_step import OnnxShared, OnnxSharedStep
 from ..correlation.shared import Shared, normalised
-from ..graph import GaussianParam, Layer, Repr
-from ..onnx_builder import OnnxActivation, OnnxContext
-from ..plan import PlannedLayer
-from ..registry import (
-    Contract,
-    FactorSpec,
-    OpDef,
-    register_op,
-    shared_exporter,
-    shared_reference,
-)
+from ..planning.converters import register
+from ..planning.graph import GaussianParam, Layer, Repr
+from ..planning.plan import PlannedLayer
+from ..planning.registry import Contract, FactorSpec, OpDef, register_op, shared_exporter, shared_reference
 from ._formula import compact_formula, formula
 
 LAYER_NORM = register_op(OpDef(

@@ -1,11 +1,11 @@
 """Pooling: ``max_pool2d`` (Clark's pairwise Gaussian max over each window) and ``avg_pool2d`` (linear;
 also global/adaptive average pooling and ``mean`` over (H, W)).  1-D pools are these pools on a
-``(C, 1, L)`` input (:mod:`pyro2pfp.onedim`); an adaptive pool is the regular pool with torch's windows
+``(C, 1, L)`` input (:mod:`pyro2pfp.planning.onedim`); an adaptive pool is the regular pool with torch's windows
 (:func:`adaptive_window`).
 
 * Max pooling folds Clark's max of two Gaussians over each window in row-major order (``docs/math.md``
   "Max pooling").  With a second input -- the in-window covariances of a ``window_cov`` layer, which
-  the planner inserts where a conv feeds the pool (:mod:`pyro2pfp.correlated_pools`) -- the fold is
+  the planner inserts where a conv feeds the pool (:mod:`pyro2pfp.planning.correlated_pools`) -- the fold is
   Clark's *correlated* max, carrying the running maximum's covariance with the remaining taps
   (:func:`pyro2pfp.moments.correlated_window_max`); without it, the taps are taken as independent
   (:func:`pyro2pfp.moments.max_moments`, the paper's rule).  Positions outside the input (padding,
@@ -16,8 +16,8 @@ also global/adaptive average pooling and ``mean`` over (H, W)).  1-D pools are t
 
 The reference and the ONNX export are written separately here (ONNX has ``MaxPool``/``AveragePool``
 and strided ``Slice``; NumPy folds strided views).  The TVM kernels and schedules are in
-``tvm_backend/ops/pooling.py``.  Shared-factor PFP (:mod:`pyro2pfp.correlation`): the float64 and
-ONNX rules of both ops are at the end of this file, their TE kernels in ``tvm_backend/ops/pooling.py``.
+``backends/tvm/ops/pooling.py``.  Shared-factor PFP (:mod:`pyro2pfp.correlation`): the float64 and
+ONNX rules of both ops are at the end of this file, their TE kernels in ``backends/tvm/ops/pooling.py``.
 """
 from __future__ import annotations
 
@@ -26,19 +26,19 @@ from typing import Any
 import numpy as np
 
 from .. import moments
-from ..converters import register
+from ..backends.onnx.builder import LOWEST32, OnnxActivation, OnnxContext, Sym, exporter
+from ..backends.reference import Activation, emit_output, reference
+from ..backends.reference.arrays import LOWEST, average_divisor, padded, window_views
 from ..correlation.backend import fuses_mean_field
 from ..correlation.factors import FactorPlan
 from ..correlation.onnx_step import OnnxShared, OnnxSharedStep
 from ..correlation.shared import Shared
 from ..errors import UnsupportedLayerError
-from ..graph import Layer, Repr
-from ..onedim import as_2d, out_shape
-from ..onnx_builder import LOWEST32, OnnxActivation, OnnxContext, Sym, exporter
-from ..plan import PlannedLayer
-from ..reference import Activation, emit_output, reference
-from ..reference.arrays import LOWEST, average_divisor, padded, window_views
-from ..registry import OpDef, register_op, shared_exporter, shared_reference
+from ..planning.converters import register
+from ..planning.graph import Layer, Repr
+from ..planning.onedim import as_2d, out_shape
+from ..planning.plan import PlannedLayer
+from ..planning.registry import OpDef, register_op, shared_exporter, shared_reference
 from ._formula import compact_formula
 from .compute import _pair
 
@@ -231,7 +231,7 @@ def _pool(node, ctx, x, op: str, attrs: dict, spatial: int) -> list[Layer]:
 @register("aten.max_pool2d.default", "aten.max_pool2d_with_indices.default", "aten.max_pool1d.default",
           "aten.max_pool1d_with_indices.default", produces=("max_pool2d", "reshape"))
 def convert_max_pool(node, ctx) -> list[Layer]:
-    """``MaxPool2d``, and ``MaxPool1d`` as the 2-D pool of a ``(C, 1, L)`` input (:mod:`pyro2pfp.onedim`)."""
+    """``MaxPool2d``, and ``MaxPool1d`` as the 2-D pool of a ``(C, 1, L)`` input (:mod:`pyro2pfp.planning.onedim`)."""
     args = list(node.args) + [None] * 6
     x, kernel, stride, padding, dilation, ceil_mode = args[:6]
     spatial = _spatial_dims(node, ctx, x)

@@ -2,10 +2,10 @@
 planner's representation ``convert`` (``s = μ² + v`` or ``v = s − μ²``, ``docs/math.md``
 "Representation planning"), and the torch ops that are the identity at inference (dropout, clone, …).
 
-The TVM kernels are in ``tvm_backend/ops/shape.py``.  Shared-factor PFP (:mod:`pyro2pfp.correlation`):
+The TVM kernels are in ``backends/tvm/ops/shape.py``.  Shared-factor PFP (:mod:`pyro2pfp.correlation`):
 both ops are views of the profile ``s`` (reshaped; ``g`` kept per channel, so a reshape must keep or
 flatten the channel axis, which the factor plan checks) -- their rules are at the end of this file,
-the TE one in ``tvm_backend/ops/shape.py``.
+the TE one in ``backends/tvm/ops/shape.py``.
 """
 from __future__ import annotations
 
@@ -15,15 +15,15 @@ from typing import Any
 
 import numpy as np
 
-from ..converters import Alias, register
+from ..backends.onnx.builder import OnnxActivation, OnnxContext
+from ..backends.reference import Activation
 from ..correlation.factors import FactorPlan
 from ..correlation.onnx_step import OnnxShared, OnnxSharedStep
 from ..correlation.shared import Shared
-from ..graph import Layer
-from ..onnx_builder import OnnxActivation, OnnxContext
-from ..plan import PlannedLayer
-from ..reference import Activation
-from ..registry import Contract, OpDef, register_op, shared_exporter, shared_reference
+from ..planning.converters import Alias, register
+from ..planning.graph import Layer
+from ..planning.plan import PlannedLayer
+from ..planning.registry import Contract, OpDef, register_op, shared_exporter, shared_reference
 from ._formula import compact_formula, formula
 
 _PASS_THROUGH = Contract(takes=None, natural=None, keeps_deterministic=True)
@@ -74,7 +74,7 @@ def convert_select(node, ctx) -> Layer | Alias:
     """``out[..., 0]`` / ``out[:, 0]`` / ``out[..., 0:1]`` where it keeps every element (the indexed axis
     has size 1, or the slice spans it): a reshape.  Picking some of several columns is not a PFP layer
     (a regression head that reads its mean and noise scale from columns is read by
-    :func:`pyro2pfp.noise.read_head` and ends the network before the indexing)."""
+    :func:`pyro2pfp.frontend.noise.read_head` and ends the network before the indexing)."""
     import torch  # converters run while converting, with torch loaded
 
     x = node.args[0]

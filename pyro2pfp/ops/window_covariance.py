@@ -1,5 +1,5 @@
 """``window_cov``: the covariances between the taps of each max-pooling window, from the conv that
-feeds the pool (inserted by the planner, :mod:`pyro2pfp.correlated_pools`; never converted from torch).
+feeds the pool (inserted by the planner, :mod:`pyro2pfp.planning.correlated_pools`; never converted from torch).
 
 Inside a pooling window the conv outputs are strongly correlated: the same Gaussian weights act on
 overlapping, often nearly equal input patches.  Clark's max of *independent* Gaussians then
@@ -23,7 +23,7 @@ Robust Bayesian Neural Networks", for dense layers); the pooling fold is Clark (
 Output: ``(batch, C, P, OH, OW)``, ``P`` the window's pairs in :func:`pyro2pfp.moments.window_pairs`
 order, ``(OH, OW)`` the pooled shape; pairs with a tap outside the conv output (pool padding,
 ceil-mode overhang) hold 0 (such a tap is the fold's identity).  It is a plain tensor, carried as a
-deterministic edge.  The TVM kernel and schedule: ``tvm_backend/ops/window_covariance.py``.
+deterministic edge.  The TVM kernel and schedule: ``backends/tvm/ops/window_covariance.py``.
 """
 from __future__ import annotations
 
@@ -32,15 +32,15 @@ from typing import Any
 import numpy as np
 
 from .. import moments
+from ..backends.onnx.builder import OnnxActivation, OnnxContext, Sym, exporter
+from ..backends.reference import Activation, reference
+from ..backends.reference.arrays import conv2d_nchw, padded, window_views
 from ..correlation.factors import FactorPlan
 from ..correlation.onnx_step import OnnxShared, OnnxSharedStep
 from ..correlation.shared import Shared
-from ..graph import Repr
-from ..onnx_builder import OnnxActivation, OnnxContext, Sym, exporter
-from ..plan import PlannedLayer
-from ..reference import Activation, reference
-from ..reference.arrays import conv2d_nchw, padded, window_views
-from ..registry import OPS, Contract, FactorSpec, OpDef, register_op, shared_exporter, shared_reference
+from ..planning.graph import Repr
+from ..planning.plan import PlannedLayer
+from ..planning.registry import OPS, Contract, FactorSpec, OpDef, register_op, shared_exporter, shared_reference
 
 D = Repr.DETERMINISTIC
 

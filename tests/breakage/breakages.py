@@ -26,7 +26,7 @@ BREAKAGES: tuple[Breakage, ...] = (
     Breakage(
         "conv-kernel-drops-weight-mean-term",
         "the compiled conv2d kernel drops μw²·vx from the variance of a variance input (the reference keeps it)",
-        "pyro2pfp/tvm_backend/ops/compute.py",
+        "pyro2pfp/backends/tvm/ops/compute.py",
         "            return pair_sum(_terms(x_mean[pos], xs, wm, wv, x.repr), axis=[rc, rp, rq])\n",
         "            mean_t, var_t = _terms(x_mean[pos], xs, wm, wv, x.repr)\n"
         "            if x.repr is Repr.VARIANCE:\n"
@@ -56,7 +56,7 @@ BREAKAGES: tuple[Breakage, ...] = (
     Breakage(
         "window-shift-flipped-in-kernel",
         "the compiled window_cov kernel pairs the input variance with the weight products of the opposite shift",
-        "pyro2pfp/tvm_backend/ops/window_covariance.py",
+        "pyro2pfp/backends/tvm/ops/window_covariance.py",
         "shift_product_kernel(t[\"weight_mean\"], d).transpose(1, 2, 3, 0)",
         "shift_product_kernel(t[\"weight_mean\"], (-d[0], -d[1])).transpose(1, 2, 3, 0)",
         ("tests/ops/pooling/test_correlated_pooling.py",),
@@ -81,7 +81,7 @@ BREAKAGES: tuple[Breakage, ...] = (
     Breakage(
         "calibration-ignored",
         "the plan stores the posterior variances without the calibration factor",
-        "pyro2pfp/plan.py",
+        "pyro2pfp/planning/plan.py",
         "    scaled = calibration * np.asarray(var, dtype=np.float64)\n",
         "    scaled = np.asarray(var, dtype=np.float64)\n",
         ("tests/stages/test_options.py", "tests/stages/test_convert.py"),
@@ -99,7 +99,7 @@ BREAKAGES: tuple[Breakage, ...] = (
         "the tracer no longer makes the user's modules hold the param store's tensors: a deterministic layer "
         "registered in the store (pyro.module, random_module, a PyroModule's own parameter) keeps the module "
         "object's values, which are stale in a fresh process",
-        "pyro2pfp/posterior/registrations.py",
+        "pyro2pfp/frontend/posterior/registrations.py",
         "        parameters[reg.attr] = store[reg.name]\n",
         "        parameters[reg.attr] = parameters[reg.attr]\n",
         ("tests/user_code/test_store_truth.py",),
@@ -116,7 +116,7 @@ BREAKAGES: tuple[Breakage, ...] = (
     Breakage(
         "sf-layer-norm-kernel-drops-row-mean",
         "the compiled sf_layer_norm kernel leaves the row mean of the loadings in J·L",
-        "pyro2pfp/tvm_backend/ops/normalization.py",
+        "pyro2pfp/backends/tvm/ops/normalization.py",
         "r[b] * (load(b, j, f) - lm[b, f] - z[b, j] * lz[b, f])",
         "r[b] * (load(b, j, f) - z[b, j] * lz[b, f])",
         ("tests/stages/correlation/test_layer_norm_shared.py::test_layer_norm_shared_kernel_matches_the_reference",),

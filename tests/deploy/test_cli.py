@@ -38,7 +38,7 @@ def test_round_trip_train_save_convert_load_predict(trained, capsys, monkeypatch
     with np.load(work / "out.npz") as out:
         mean, var = out["mean"], out["var"]
     # the file loads back as the same predictor
-    exe = pyro2pfp.deploy.load(work / "net.so")
+    exe = pyro2pfp.runtime.deploy.load(work / "net.so")
     np.testing.assert_array_equal(exe(x)[0], mean)
     np.testing.assert_array_equal(exe(x)[1], var)
     # the CLI used exactly the trained parameters: same compiled network as converting in-process
@@ -56,7 +56,7 @@ def test_convert_exports_static_and_tuned_batch_executables(trained, tmp_path, c
     """``convert --batch-sizes 3 --tune 6``: the static batch-3 and tuned batch-6 executables are
     written next to the library and listed in its sidecar; ``load``/``predict`` run them for 3 and
     6 rows (the MetaSchedule search itself is stubbed out: tested in test_tuning.py)."""
-    from pyro2pfp.tuning import api as tuning_api
+    from pyro2pfp.backends.tvm.tuning import api as tuning_api
 
     work, net, x = trained
     assert len(x) == 6
@@ -245,7 +245,7 @@ def test_internal_errors_are_short_unless_debug(trained, capsys, monkeypatch):
 
 
 def test_trials_default_is_the_librarys():
-    """Without ``--trials`` the tune spec leaves the budget to ``pyro2pfp.tuning`` (no second default
+    """Without ``--trials`` the tune spec leaves the budget to ``pyro2pfp.backends.tvm.tuning`` (no second default
     to drift); with it, the given number is passed on."""
     from pyro2pfp.cli import _tune_spec
 

@@ -1,4 +1,4 @@
-"""Per-kernel profile (pyro2pfp.profiling) and the latency benchmark's smoke run."""
+"""Per-kernel profile (pyro2pfp.runtime.profiling) and the latency benchmark's smoke run."""
 from __future__ import annotations
 
 import os
@@ -11,9 +11,10 @@ import pytest
 import tvm
 from tvm import relax, tirx
 
+from pyro2pfp.backends.tvm.kernel_work import kernel_multiply_adds
 from pyro2pfp.network import PFPNetwork
-from pyro2pfp.plan import plan
-from pyro2pfp.profiling import OVERHEAD_ROW, Profile, kernel_multiply_adds, profile, split_kernel_name
+from pyro2pfp.planning.plan import plan
+from pyro2pfp.runtime.profiling import OVERHEAD_ROW, Profile, profile, split_kernel_name
 from tests.support.builders import lenet_graph, mlp_graph
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -42,7 +43,7 @@ def test_split_kernel_name():
     assert split_kernel_name("pfp_relu_relu") == ("relu", "relu")
     assert split_kernel_name("fused_matmul_add") == ("fused_matmul_add", "")
     # shared-factor kernels (scheduled ops, not layer kernels): the op is the longest prefix
-    import pyro2pfp.tvm_backend  # noqa: F401 -- registers the sf_* schedules
+    import pyro2pfp.backends.tvm  # noqa: F401 -- registers the sf_* schedules
 
     assert split_kernel_name("pfp_sf_conv_load_layers_7_conv2") == ("sf_conv_load", "layers_7_conv2")
     assert split_kernel_name("pfp_sf_relu_relu_10") == ("sf_relu", "relu_10")

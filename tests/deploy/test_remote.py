@@ -15,12 +15,12 @@ import time
 import numpy as np
 import pytest
 
-from pyro2pfp import tuning
+from pyro2pfp.backends.tvm import tuning
+from pyro2pfp.backends.tvm.tuning import measure
 from pyro2pfp.errors import PFPError, RemoteError
 from pyro2pfp.network import PFPNetwork
-from pyro2pfp.plan import plan
-from pyro2pfp.remote import Remote, fixed_inputs, upload, validate
-from pyro2pfp.tuning import measure
+from pyro2pfp.planning.plan import plan
+from pyro2pfp.runtime.remote import Remote, fixed_inputs, upload, validate
 from tests.support.builders import mlp_graph
 
 KEY = "loopback"

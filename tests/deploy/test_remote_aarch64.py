@@ -2,7 +2,7 @@
 ``qemu-a72`` whose sessions run in the AArch64 TVM runtime under ``qemu-aarch64 -cpu cortex-a72``
 (:mod:`pyro2pfp_experiments.emulated_board`).  Networks cross-compiled for the Raspberry Pi 4
 (``net.compile("rpi4")``) are uploaded, run, timed and validated against the float64 reference
-through ``pyro2pfp.remote`` and the CLI, and tuned with MetaSchedule's ``RPCRunner`` measuring on the
+through ``pyro2pfp.runtime.remote`` and the CLI, and tuned with MetaSchedule's ``RPCRunner`` measuring on the
 board, as on a real Pi.  An x86 library is refused by the board (it really is AArch64); a session
 past its timeout is ended (its AArch64 process too) and the board serves on; a board whose starting
 process is killed stops by itself.
@@ -23,12 +23,12 @@ import time
 import numpy as np
 import pytest
 
-from pyro2pfp import tuning
+from pyro2pfp.backends.tvm import tuning
+from pyro2pfp.backends.tvm.tuning import measure
 from pyro2pfp.errors import InputShapeError, PFPError, RemoteError
 from pyro2pfp.network import PFPNetwork
-from pyro2pfp.plan import plan
-from pyro2pfp.remote import Remote, fixed_inputs, upload, validate
-from pyro2pfp.tuning import measure
+from pyro2pfp.planning.plan import plan
+from pyro2pfp.runtime.remote import Remote, fixed_inputs, upload, validate
 from tests.deploy.test_remote import _kill, free_port, spawn
 from tests.support.builders import lenet_graph, mlp_graph
 
@@ -129,7 +129,7 @@ def test_conv_net_with_input_variance_on_the_emulated_board(board):
     graph.input_variance = True
     net = PFPNetwork(graph, plan(graph))
     exe_a64 = net.compile("rpi4")
-    report = validate(net, exe_a64, board, count=8)  # x_var = 1e-2 everywhere (pyro2pfp.remote.validate)
+    report = validate(net, exe_a64, board, count=8)  # x_var = 1e-2 everywhere (pyro2pfp.runtime.remote.validate)
     assert report.ok, str(report)
     x = fixed_inputs(net.input_shape, 3, seed=7)
     x_var = np.full_like(x, 0.05)

@@ -7,12 +7,12 @@ import os
 import numpy as np
 import pytest
 
+from pyro2pfp.backends.tvm import runtime
+from pyro2pfp.backends.tvm.build import mark_prim_funcs_noalias
+from pyro2pfp.backends.tvm.tuning import api as tuning_api
 from pyro2pfp.errors import InputShapeError, NumericalError, PFPError
 from pyro2pfp.network import PFPNetwork
-from pyro2pfp.plan import plan
-from pyro2pfp.tuning import api as tuning_api
-from pyro2pfp.tvm_backend import runtime
-from pyro2pfp.tvm_backend.build import mark_prim_funcs_noalias
+from pyro2pfp.planning.plan import plan
 from tests.support.builders import mlp_graph
 
 
@@ -75,7 +75,7 @@ def test_bad_inputs_name_the_problem(net_exe):
     one_inf[2, 5] = -np.inf
     with pytest.raises(InputShapeError, match="1 NaN or infinite"):
         exe(one_inf)
-    from pyro2pfp.inputs import as_input_array
+    from pyro2pfp.runtime.inputs import as_input_array
 
     for rows in (1, 2, 5000):
         huge = np.full((rows, 12), 3e38, np.float32)
@@ -95,7 +95,7 @@ def test_bad_inputs_name_the_problem(net_exe):
 def test_output_check_finds_every_non_finite_entry_and_accepts_huge_finite_values(shape):
     """``check_finite_outputs``' one-dot fast path against ``np.isfinite`` at every kind of bad value,
     beside zeros (``inf·0``) and beside huge finite values (whose squares overflow the dot)."""
-    from pyro2pfp.inputs import check_finite_outputs
+    from pyro2pfp.runtime.inputs import check_finite_outputs
 
     rng = np.random.default_rng(0)
     for fill in (0.0, 1.0, 3e38, -3e38):

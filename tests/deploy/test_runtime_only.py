@@ -13,7 +13,7 @@ import pytest
 import pyro2pfp
 from pyro2pfp.network import PFPNetwork
 from pyro2pfp.ops.head import append_head
-from pyro2pfp.plan import plan
+from pyro2pfp.planning.plan import plan
 from tests.support.builders import mlp_graph
 
 #: what a board does not have: importing any of them raises ModuleNotFoundError in the child process
@@ -48,7 +48,7 @@ try:
 except pyro2pfp.InputShapeError as exc:
     shape_error = str(exc)
 head = pyro2pfp.load(head_lib)(x)
-from pyro2pfp.scoring import Scorer
+from pyro2pfp.runtime.scoring import Scorer
 
 scored = Scorer(lib, metrics=True)({{"id": np.arange(3), "x": x}})
 onnx_mean, onnx_var = load_predictor(onnx_path)(x)
@@ -120,7 +120,7 @@ def test_a_board_without_torch_pyro_or_scipy_loads_predicts_and_checks(exported)
         np.testing.assert_array_equal(out["epistemic"],
                                       pyro2pfp.uncertainty(mean, var, num_samples=50, seed=0)["epistemic"])
         np.testing.assert_array_equal(out["scored_mean"], mean)
-        from pyro2pfp.scoring import Scorer
+        from pyro2pfp.runtime.scoring import Scorer
 
         np.testing.assert_array_equal(out["scored_epistemic"], Scorer(tmp / "mlp.so", metrics=True)(x)["epistemic"])
         head = pyro2pfp.load(tmp / "head.so")(x)
@@ -137,8 +137,8 @@ def test_importing_the_package_imports_no_converter():
     code = ("import sys, pyro2pfp, pyro2pfp.cli\n"
             "print(sorted({m.partition('.')[0] for m in sys.modules} & {'torch', 'pyro', 'scipy', 'tvm', 'tvm_ffi'}))\n"
             "convert = pyro2pfp.convert\n"
-            "from pyro2pfp.registry import OPS\n"
-            "from pyro2pfp.diagnose import layer_fidelity\n"  # the submodule: pyro2pfp.diagnose stays the function
+            "from pyro2pfp.planning.registry import OPS\n"
+            "from pyro2pfp.diagnosis import layer_fidelity\n"  # its module: pyro2pfp.diagnose stays the function
             "print(convert.__module__, 'torch' in sys.modules, 'dense' in OPS, pyro2pfp.diagnose.__name__)")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr[-2000:]

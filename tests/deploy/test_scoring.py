@@ -18,10 +18,18 @@ import pytest
 import pyro2pfp
 from pyro2pfp.network import PFPNetwork
 from pyro2pfp.ops.head import append_head
-from pyro2pfp.plan import plan
-from pyro2pfp.ray_scoring import _failed_shard, _quoted_error, actor_cpus
-from pyro2pfp.scoring import METRICS, ModelFiles, Scorer, load_for_this_worker
-from pyro2pfp.shards import ShardError, expand_inputs, output_path, plan_chunks, plan_shard, read_rows, write_scored
+from pyro2pfp.planning.plan import plan
+from pyro2pfp.runtime.ray_scoring import _failed_shard, _quoted_error, actor_cpus
+from pyro2pfp.runtime.scoring import METRICS, ModelFiles, Scorer, load_for_this_worker
+from pyro2pfp.runtime.shards import (
+    ShardError,
+    expand_inputs,
+    output_path,
+    plan_chunks,
+    plan_shard,
+    read_rows,
+    write_scored,
+)
 from tests.support.builders import mlp_graph
 
 SHAPE = (12,)
@@ -220,7 +228,7 @@ def test_a_workers_error_is_traced_to_its_shard():
     """Ray wraps a worker's exception (a RayTaskError whose ``cause`` is the original, and Ray Data's
     exception raised from it): the shard is found along the chain, from a ShardError or the rows a
     scorer error names (the first non-finite row's shard when a batch spans two)."""
-    from pyro2pfp.shards import Shard
+    from pyro2pfp.runtime.shards import Shard
 
     shards = [Shard(f"s{i}.npy", "x", 10, SHAPE) for i in range(3)]
 

@@ -23,8 +23,8 @@ import pytest
 import pyro2pfp
 from pyro2pfp.cli import main
 from pyro2pfp.network import PFPNetwork
-from pyro2pfp.plan import plan
-from pyro2pfp.ray_scoring import actor_cpus, score_files
+from pyro2pfp.planning.plan import plan
+from pyro2pfp.runtime.ray_scoring import actor_cpus, score_files
 from tests.support.builders import mlp_graph
 from tests.support.scoring_worker import ProbeScorer
 

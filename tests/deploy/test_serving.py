@@ -15,7 +15,6 @@ from pyro.infer.autoguide import AutoNormal
 from pyro.nn import PyroModule, PyroSample
 
 import pyro2pfp
-from pyro2pfp.deploy import FORMAT
 from pyro2pfp.errors import (
     ArgumentError,
     InputShapeError,
@@ -25,7 +24,8 @@ from pyro2pfp.errors import (
     TracingError,
 )
 from pyro2pfp.network import PFPNetwork
-from pyro2pfp.plan import plan
+from pyro2pfp.planning.plan import plan
+from pyro2pfp.runtime.deploy import FORMAT
 from tests.support.builders import mlp_graph
 
 D_IN = 20

@@ -1,4 +1,4 @@
-"""Auto-tuning (pyro2pfp.tuning): batch specialisation, database keying and reuse, the per-kernel
+"""Auto-tuning (pyro2pfp.backends.tvm.tuning): batch specialisation, database keying and reuse, the per-kernel
 fallback to the default schedule, and one real (tiny) MetaSchedule run whose module must match the
 float64 NumPy reference."""
 from __future__ import annotations
@@ -12,10 +12,10 @@ import pytest
 import tvm
 from tvm import relax, tirx
 
-from pyro2pfp import _fast_inspect, tuning
+from pyro2pfp.backends.tvm import tuning
+from pyro2pfp.backends.tvm.tuning import _fast_inspect, api, choose, database, measure, search, specialize
 from pyro2pfp.network import PFPNetwork
-from pyro2pfp.plan import plan
-from pyro2pfp.tuning import api, choose, database, measure, search, specialize
+from pyro2pfp.planning.plan import plan
 from tests.support.builders import lenet_graph, mlp_graph
 
 
@@ -300,8 +300,8 @@ def test_fused_kernels_keep_their_default(tmp_path, monkeypatch):
 
 def test_the_schedule_fingerprint_covers_every_op_family_file(monkeypatch):
     """Cached per-kernel choices are invalidated when any default schedule changes: the schedules live in
-    tvm_backend/schedules/ *and* the op family files tvm_backend/ops/<family>.py."""
-    from pyro2pfp.tvm_backend.ops import compute
+    backends/tvm/schedules/ *and* the op family files backends/tvm/ops/<family>.py."""
+    from pyro2pfp.backends.tvm.ops import compute
 
     before = specialize._schedules_fingerprint()
     real = inspect.getsource

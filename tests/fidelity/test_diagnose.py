@@ -88,7 +88,7 @@ def test_cli_diagnose(tmp_path, capsys):
 def test_saturated_units_do_not_dominate_the_mean_error():
     """A unit far in a flat tail (a saturated Softplus) has a sampled sd near 0: its negligible absolute
     mean difference must not swamp the layer's figure (it read 1e6 and more when divided by that sd)."""
-    from pyro2pfp.diagnose import layer_fidelity
+    from pyro2pfp.diagnosis import layer_fidelity
 
     rng = np.random.default_rng(0)
     n = 200

@@ -18,8 +18,8 @@ from pyro.infer.autoguide import AutoNormal
 from pyro.nn import PyroModule, PyroSample
 
 import pyro2pfp
-from pyro2pfp.diagnose import layer_fidelity
-from pyro2pfp.fidelity import FidelityBounds
+from pyro2pfp.analysis.fidelity import FidelityBounds
+from pyro2pfp.diagnosis import layer_fidelity
 
 
 def _prior(*shape: int) -> PyroSample:
@@ -127,7 +127,7 @@ def test_check_passes_on_an_exact_network(caplog):
     model = OneHiddenMLP()
     x = torch.randn(6, 5)
     guide = _guide(model, x, {"fc1.weight": 0.3, "fc2.weight": 0.3})
-    with warnings.catch_warnings(), caplog.at_level(logging.INFO, logger="pyro2pfp.fidelity"):
+    with warnings.catch_warnings(), caplog.at_level(logging.INFO, logger="pyro2pfp.analysis.fidelity"):
         warnings.simplefilter("error", pyro2pfp.FidelityWarning)
         net = pyro2pfp.convert(model, guide, check=x)
     check = net.fidelity
@@ -168,7 +168,7 @@ def test_median_ratio_bound_follows_the_measured_noise():
     of 100 repetitions (t with 9 degrees of freedom: P(|t| > 4) = 0.3 %)."""
     import dataclasses
 
-    from pyro2pfp.mc_compare import SPLITS, median_ratio_noise
+    from pyro2pfp.analysis.mc_compare import SPLITS, median_ratio_noise
 
     rng = np.random.default_rng(1)
     n, e = 150, 160
@@ -230,7 +230,7 @@ def test_auto_picks_the_compact_plan_where_a_dense_layer_sums_conv_positions(mon
 
 @pytest.mark.slow
 def test_bad_check_arguments():
-    from pyro2pfp.fidelity import check_fidelity
+    from pyro2pfp.analysis.fidelity import check_fidelity
 
     model = OneHiddenMLP()
     x = torch.randn(3, 5)

@@ -1,4 +1,4 @@
-"""The spot check every ``convert`` runs (:func:`pyro2pfp.fidelity.spot_check`): 64 guide samples through the
+"""The spot check every ``convert`` runs (:func:`pyro2pfp.analysis.fidelity.spot_check`): 64 guide samples through the
 traced network on two inputs against the network's NumPy reference, a :class:`~pyro2pfp.FidelityError` naming
 the first layer that departs when the logits are grossly off.
 
@@ -18,7 +18,7 @@ import torch.nn as nn
 from pyro.infer.autoguide import AutoNormal
 
 import pyro2pfp
-from pyro2pfp.fidelity import SPOT_RATIO_SD, SPOT_SAMPLES, spot_check
+from pyro2pfp.analysis.fidelity import SPOT_RATIO_SD, SPOT_SAMPLES, spot_check
 
 D_IN, HIDDEN, CLASSES = 6, 12, 3
 

@@ -20,16 +20,8 @@ from scipy.special import softmax
 from scipy.stats import entropy
 
 import pyro2pfp
-from pyro2pfp.uncertainty import (
-    CalibrationObjective,
-    auroc,
-    calibrate,
-    minimise_log_scale,
-    predictive_uncertainty,
-    sample_logits,
-    uncertainty,
-    uncertainty_from_logit_samples,
-)
+from pyro2pfp.calibration import CalibrationObjective, calibrate, minimise_log_scale, predictive_uncertainty
+from pyro2pfp.runtime.uncertainty import auroc, sample_logits, uncertainty, uncertainty_from_logit_samples
 from pyro2pfp_experiments.ood_data import (
     FASHION_KINDS,
     ambiguous_digits,

@@ -17,9 +17,9 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import pyro2pfp
-from pyro2pfp.graph import INPUT, GaussianParam, Layer, LayerGraph
 from pyro2pfp.network import PFPNetwork
-from pyro2pfp.plan import plan
+from pyro2pfp.planning.graph import INPUT, GaussianParam, Layer, LayerGraph
+from pyro2pfp.planning.plan import plan
 from tests.support.builders import BayesianFirstLayer, ResidualNet, pool_cases, pool_graph
 from tests.support.op_coverage import COMPILED, MONTE_CARLO, covers
 

@@ -3,7 +3,7 @@
 For a single op with independent Gaussian inputs and (mean-field) Gaussian weights, every PFP
 formula of ``docs/math.md`` is the *exact* mean and variance of the op's output.  Each test draws
 ``N`` independent samples of the output — every draw with **new weights, new bias and new inputs**
-— and compares the sample moments with what ``pyro2pfp.reference.REFERENCES[op]`` returns, using
+— and compares the sample moments with what ``pyro2pfp.backends.reference.REFERENCES[op]`` returns, using
 the bound of ``tests/support/stats.py``: ``z·se`` with ``se ∝ 1/√N`` estimated from the same draws and a
 Bonferroni ``z`` for a family-wise false-alarm probability of 1e-6 per hypothesis example.
 
@@ -37,10 +37,10 @@ from scipy.special import ndtr
 
 from pyro2pfp import moments
 from pyro2pfp import ops as ops  # the op registry (contracts, references) that plan and execute read
-from pyro2pfp.graph import GaussianParam, Layer, LayerGraph, Repr
-from pyro2pfp.plan import PlannedLayer, has_deterministic_weights, plan
-from pyro2pfp.reference import REFERENCES, Activation, execute
-from pyro2pfp.reference.arrays import conv2d_nchw
+from pyro2pfp.backends.reference import REFERENCES, Activation, execute
+from pyro2pfp.backends.reference.arrays import conv2d_nchw
+from pyro2pfp.planning.graph import GaussianParam, Layer, LayerGraph, Repr
+from pyro2pfp.planning.plan import PlannedLayer, has_deterministic_weights, plan
 from tests.support.op_coverage import MONTE_CARLO, covers
 from tests.support.stats import EPS, assert_check_rejects, assert_moments_agree
 

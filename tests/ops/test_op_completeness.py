@@ -14,10 +14,10 @@ import importlib
 from pathlib import Path
 
 from pyro2pfp import ops as ops  # the op registry: every op family registers itself
-from pyro2pfp.converters import PRODUCES
-from pyro2pfp.onnx_builder import EXPORTERS
-from pyro2pfp.reference import REFERENCES
-from pyro2pfp.registry import (
+from pyro2pfp.backends.onnx.builder import EXPORTERS
+from pyro2pfp.backends.reference import REFERENCES
+from pyro2pfp.planning.converters import PRODUCES
+from pyro2pfp.planning.registry import (
     COMPACT_EXPORTERS,
     COMPACT_REFERENCES,
     OPS,
@@ -45,7 +45,7 @@ def import_test_modules() -> None:
 
 
 def missing_parts() -> list[str]:
-    from pyro2pfp.tvm_backend import KERNELS, SCHEDULES
+    from pyro2pfp.backends.tvm import KERNELS, SCHEDULES
 
     import_test_modules()
     missing = []
@@ -102,7 +102,7 @@ def test_an_op_without_a_shared_factor_rule_says_why(monkeypatch):
 
 
 def test_ops_are_registered_once():
-    from pyro2pfp.converters import register
+    from pyro2pfp.planning.converters import register
 
     try:
         register("aten.relu.default", produces=("relu",))(lambda node, ctx: None)

@@ -1,6 +1,6 @@
 """One op family lives in one place: the names of the ops with the most per-op code (ReLU, LeakyReLU,
 max and average pooling) appear as string literals only in their family files
-(``pyro2pfp/ops/<family>.py``, ``pyro2pfp/tvm_backend/ops/<family>*.py``) and in the few other
+(``pyro2pfp/ops/<family>.py``, ``pyro2pfp/backends/tvm/ops/<family>*.py``) and in the few other
 package files listed here, each with the reason it still names the op.  Everything else reads the
 registry (``OpDef`` fields, ``ActivationRule``, the stage tables).  A static check: no import of TVM."""
 from __future__ import annotations
@@ -11,15 +11,15 @@ import importlib
 from pathlib import Path
 
 from pyro2pfp import ops
-from pyro2pfp.registry import OpDef
+from pyro2pfp.planning.registry import OpDef
 
 PACKAGE = Path(ops.__file__).resolve().parents[1]
 CHECKED = ("relu", "leaky_relu", "max_pool2d", "avg_pool2d")
 #: files outside the family files that still spell an op's name, and why
 ELSEWHERE = {
-    "relu": {"tvm_backend/fusion.py": "the emitter fuses a ReLU into the dense/add kernel before it"},
+    "relu": {"backends/tvm/fusion.py": "the emitter fuses a ReLU into the dense/add kernel before it"},
     "leaky_relu": {},
-    "max_pool2d": {"correlated_pools.py": "the planner's rewrite of max pools fed by a conv (correlated max)"},
+    "max_pool2d": {"planning/correlated_pools.py": "the planner's rewrite of max pools fed by a conv (correlated max)"},
     "avg_pool2d": {"correlation/factors.py": "the auto choice: an average pool of a conv's noise needs shared factors"},
 }
 MAX_ELSEWHERE = 3
@@ -56,7 +56,7 @@ def files_naming(op: str) -> set[str]:
 def outside_family(op: str) -> set[str]:
     family = family_of(op)
     return {f for f in files_naming(op)
-            if f != f"ops/{family}.py" and not (f.startswith(f"tvm_backend/ops/{family}") and f.count("/") == 2)}
+            if f != f"ops/{family}.py" and not (f.startswith(f"backends/tvm/ops/{family}") and f.count("/") == 3)}
 
 
 def test_op_names_stay_in_their_family_files():

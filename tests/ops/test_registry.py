@@ -11,13 +11,20 @@ from pathlib import Path
 
 import pytest
 
-from pyro2pfp import onnx_builder
 from pyro2pfp import ops as ops  # the op registry: every op family registers itself
-from pyro2pfp.converters import CONVERTERS
-from pyro2pfp.plan import op_specs
-from pyro2pfp.reference._core import REFERENCES
-from pyro2pfp.registry import OPS, PASS_THROUGH_TORCH_OPS, OpDef, OpRegistryError, register_op, render_layer_table
-from pyro2pfp.tvm_backend import emit
+from pyro2pfp.backends.onnx import builder as onnx_builder
+from pyro2pfp.backends.reference._core import REFERENCES
+from pyro2pfp.backends.tvm import emit
+from pyro2pfp.planning.converters import CONVERTERS
+from pyro2pfp.planning.plan import op_specs
+from pyro2pfp.planning.registry import (
+    OPS,
+    PASS_THROUGH_TORCH_OPS,
+    OpDef,
+    OpRegistryError,
+    register_op,
+    render_layer_table,
+)
 
 TESTS = Path(__file__).resolve().parents[1]  # tests/
 REPO = TESTS.parent
@@ -46,7 +53,8 @@ def test_duplicates_are_rejected():
 
 def test_readme_layer_table_is_the_generated_one():
     readme = (REPO / "README.md").read_text()
-    assert render_layer_table() in readme, "regenerate the README table with pyro2pfp.registry.render_layer_table()"
+    assert render_layer_table() in readme, ("regenerate the README table with "
+                                            "pyro2pfp.planning.registry.render_layer_table()")
 
 
 def test_convert_never_imports_tvm(tmp_path):

@@ -12,7 +12,7 @@ from pyro.infer.autoguide import AutoDelta, AutoNormal
 from pyro.nn import PyroModule, PyroSample
 
 import pyro2pfp
-from pyro2pfp.graph import Repr
+from pyro2pfp.planning.graph import Repr
 from pyro2pfp_experiments.zoo import BayesianLeNet5, BayesianMLP, make_guide
 
 

@@ -12,9 +12,9 @@ from pyro.infer import autoguide
 from pyro.nn import PyroModule, PyroSample
 
 import pyro2pfp
-from pyro2pfp import tracing
-from pyro2pfp.graph import Repr
-from pyro2pfp.posterior import check_posterior
+from pyro2pfp.frontend import tracing
+from pyro2pfp.frontend.posterior import check_posterior
+from pyro2pfp.planning.graph import Repr
 from pyro2pfp_experiments.zoo import BayesianLeNet5, BayesianMLP, make_guide
 
 SIZES = {"fc1.weight": (5, 6), "fc1.bias": (5,), "fc2.weight": (3, 5), "fc2.bias": (3,)}

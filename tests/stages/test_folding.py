@@ -1,4 +1,4 @@
-"""Batch norm folded into the layer before it (pyro2pfp.folding) is exact: the folded network computes
+"""Batch norm folded into the layer before it (pyro2pfp.planning.folding) is exact: the folded network computes
 the unfolded one's (mean, variance) in the float64 reference to rounding, in every plan, with input
 variance and with a calibration factor; the compiled folded network matches its reference.  Only
 batch norms that follow a dense/conv layer feeding nothing else are folded."""

@@ -9,12 +9,12 @@ import torch
 
 import pyro2pfp
 from pyro2pfp.cli import build_parser
-from pyro2pfp.correlated_pools import MAX_POOL_RULES
 from pyro2pfp.correlation import plan_factors
 from pyro2pfp.correlation.factors import CORRELATIONS, HERMITE_MODES, INJECTIONS
 from pyro2pfp.ops.head import HEADS
 from pyro2pfp.options import Correlation, Head, Hermite, Injection, MaxPool, MomentForm, values
-from pyro2pfp.plan import MOMENT_FORMS
+from pyro2pfp.planning.correlated_pools import MAX_POOL_RULES
+from pyro2pfp.planning.plan import MOMENT_FORMS
 from pyro2pfp_experiments.zoo import BayesianLeNet5, he_posterior
 
 SHAPE = (1, 28, 28)

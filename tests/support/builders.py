@@ -11,7 +11,7 @@ import torch.nn.functional as F
 from hypothesis import strategies as st
 from pyro.nn import PyroModule, PyroSample
 
-from pyro2pfp.graph import INPUT, GaussianParam, Layer, LayerGraph
+from pyro2pfp.planning.graph import INPUT, GaussianParam, Layer, LayerGraph
 
 
 def gaussian(rng: np.random.Generator, shape: tuple[int, ...], mean_scale: float, var_scale: float,

@@ -1,4 +1,5 @@
-"""Monte Carlo of a :class:`~pyro2pfp.graph.LayerGraph` with Gaussian parameters, in torch (shared test helper).
+"""Monte Carlo of a :class:`~pyro2pfp.planning.graph.LayerGraph` with Gaussian parameters, in torch (shared test
+helper).
 
 Each draw takes new weights and biases from every layer's ``N(mean, var)`` and runs the network on the
 given inputs; ``n`` draws run at once as ``n`` groups of one grouped convolution (dense layers: a batched
@@ -11,7 +12,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from pyro2pfp.graph import INPUT, GaussianParam, LayerGraph
+from pyro2pfp.planning.graph import INPUT, GaussianParam, LayerGraph
 
 _ACTIVATIONS = {
     "relu": lambda x, a: F.relu(x),

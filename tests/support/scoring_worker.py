@@ -1,4 +1,4 @@
-"""A :class:`~pyro2pfp.scoring.Scorer` that reports on its worker, for the Ray tests: which of torch, Pyro
+"""A :class:`~pyro2pfp.runtime.scoring.Scorer` that reports on its worker, for the Ray tests: which of torch, Pyro
 and TVM's compiler the worker process has imported, its process id, and (``die_once=PATH``) a worker
 that kills itself in the middle of the run, once.  Imports NumPy and the runtime layer only, so a worker
 unpickling it imports nothing the scorer would not."""
@@ -11,7 +11,7 @@ from typing import Any
 
 import numpy as np
 
-from pyro2pfp.scoring import Scorer
+from pyro2pfp.runtime.scoring import Scorer
 
 HEAVY = ("torch", "pyro", "tvm", "scipy")
 

@@ -16,7 +16,7 @@ import numpy as np
 import pyro
 import pytest
 
-from pyro2pfp.noise import HeteroscedasticNoise
+from pyro2pfp.frontend.noise import HeteroscedasticNoise
 from tests.support import branch_models as B
 from tests.support import gallery_models as G
 

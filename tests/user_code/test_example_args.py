@@ -9,7 +9,7 @@ import pytest
 import torch
 
 import pyro2pfp
-from pyro2pfp.noise import NoiseModel
+from pyro2pfp.frontend.noise import NoiseModel
 
 D_IN, CLASSES = 5, 3
 X = torch.randn(8, D_IN, generator=torch.Generator().manual_seed(0))

@@ -1,6 +1,6 @@
 """A gallery of BNNs in the styles of Pyro's tutorials and public BNN code, each converted and checked
 against Pyro's ``Predictive`` (issue 16 item 6), and the heteroscedastic-head / TyXe-noise machinery
-they use (:mod:`pyro2pfp.noise`, item 3).
+they use (:mod:`pyro2pfp.frontend.noise`, item 3).
 
 Every gallery model (tests/support/gallery_models.py) is trained a few hundred SVI steps on seeded synthetic
 data; the truth is ``MC_SAMPLES`` = 1000 draws of the trained guide (regression: ``obs``; classification:
@@ -36,7 +36,7 @@ from scipy import integrate
 
 import pyro2pfp
 import pyro2pfp.compat
-from pyro2pfp.noise import HeteroscedasticNoise, LinkStep, expected_square
+from pyro2pfp.frontend.noise import HeteroscedasticNoise, LinkStep, expected_square
 from tests.support import gallery_models as G
 
 WORKER = G.__file__  # also run as a script in fresh processes

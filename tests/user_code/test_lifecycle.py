@@ -22,8 +22,8 @@ from pyro.infer import SVI, Trace_ELBO
 from pyro.infer.autoguide import AutoDiagonalNormal, AutoLowRankMultivariateNormal, AutoNormal
 
 import pyro2pfp
-import pyro2pfp.posterior as posterior_module
-from pyro2pfp.posterior.guard import check_posterior
+import pyro2pfp.frontend.posterior as posterior_module
+from pyro2pfp.frontend.posterior.guard import check_posterior
 from tests.support import lifecycle_worker as worker
 
 WORKER = worker.__file__  # also run as a script in fresh processes

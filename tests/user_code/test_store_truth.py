@@ -17,8 +17,8 @@ import torch
 from pyro.infer import SVI, Trace_ELBO
 
 import pyro2pfp
-import pyro2pfp.tracing
-from pyro2pfp.fidelity import spot_check
+import pyro2pfp.frontend.tracing
+from pyro2pfp.analysis.fidelity import spot_check
 from tests.support import store_forms as forms
 
 
@@ -61,11 +61,12 @@ def test_a_stale_store_read_fails_the_conversion(notebook, monkeypatch):
     traced network against the model run eagerly with the store's values."""
     model, guide, _, state = notebook
     pyro.get_param_store().set_state(state)
-    monkeypatch.setattr(pyro2pfp.tracing, "take_store_values", lambda registrations: None)  # the module's values
+    # the module's values
+    monkeypatch.setattr(pyro2pfp.frontend.tracing, "take_store_values", lambda registrations: None)
     with pytest.raises(pyro2pfp.FidelityError, match=r"parameter fc1\.weight differs from the param store's "
                                                      r"'module\$\$\$fc1\.weight'"):
         pyro2pfp.convert(model, guide, input_shape=(forms.D_IN,))
-    monkeypatch.setattr(pyro2pfp.tracing, "check_store_values", lambda values, names: None)
+    monkeypatch.setattr(pyro2pfp.frontend.tracing, "check_store_values", lambda values, names: None)
     with pytest.raises(pyro2pfp.FidelityError, match=r"does not compute what the model 'model' computes"):
         pyro2pfp.convert(model, guide, input_shape=(forms.D_IN,))
 
@@ -73,7 +74,7 @@ def test_a_stale_store_read_fails_the_conversion(notebook, monkeypatch):
 def test_diagnose_and_the_spot_check_name_weights_that_differ_from_the_store(notebook):
     """A network converted before the store changed (here: a deterministic layer's weights swapped in the
     store) is named as such by diagnose (a NOTE line) and refused by the spot check and check=x."""
-    from pyro2pfp.fidelity import check_fidelity
+    from pyro2pfp.analysis.fidelity import check_fidelity
 
     model, guide, _, state = notebook
     store = pyro.get_param_store()

@@ -15,7 +15,7 @@ from pyro.infer import autoguide
 from pyro.nn import PyroModule, PyroSample
 
 import pyro2pfp
-from pyro2pfp import converters
+from pyro2pfp.planning import converters
 
 D_IN, HIDDEN, CLASSES = 6, 5, 3
 

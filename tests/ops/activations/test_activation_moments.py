@@ -336,7 +336,7 @@ def tvm_build() -> Callable:
     tvm = pytest.importorskip("tvm")
     from tvm import s_tir, te
 
-    from pyro2pfp.tvm_backend.te_let import te_shared
+    from pyro2pfp.backends.tvm.te_let import te_shared
 
     target = tvm.target.Target({"kind": "llvm", "mcpu": tvm.target.codegen.llvm_get_system_cpu()})
 
@@ -372,7 +372,7 @@ def test_onnx_symbols_match_float64(name: str) -> None:
     ort = pytest.importorskip("onnxruntime")
     from onnx import TensorProto, helper
 
-    from pyro2pfp.onnx_builder import Sym, _Builder, _onnx_ops
+    from pyro2pfp.backends.onnx.builder import Sym, _Builder, _onnx_ops
 
     b = _Builder()
     mean, var = Sym(b, "m"), Sym(b, "v")

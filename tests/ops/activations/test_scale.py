@@ -13,9 +13,9 @@ from pyro.infer import autoguide
 from pyro.nn import PyroModule
 
 import pyro2pfp
-from pyro2pfp.graph import INPUT, Layer, LayerGraph
 from pyro2pfp.network import PFPNetwork
-from pyro2pfp.plan import plan
+from pyro2pfp.planning.graph import INPUT, Layer, LayerGraph
+from pyro2pfp.planning.plan import plan
 from tests.support.op_coverage import COMPILED, MONTE_CARLO, covers
 from tests.user_code.test_styles import CLASSES, D_IN, HIDDEN, assert_exact_against_sampling, fit, likelihood, prior
 

@@ -40,9 +40,9 @@ from pyro.nn import PyroModule, PyroParam
 from scipy.special import ndtri
 
 import pyro2pfp
-from pyro2pfp.graph import INPUT, GaussianParam, Layer, LayerGraph
 from pyro2pfp.network import PFPNetwork
-from pyro2pfp.plan import plan
+from pyro2pfp.planning.graph import INPUT, GaussianParam, Layer, LayerGraph
+from pyro2pfp.planning.plan import plan
 from tests.support.op_coverage import COMPILED, MONTE_CARLO, covers
 from tests.support.stats import assert_moments_agree, check_moments
 from tests.user_code.test_styles import CLASSES, D_IN, HIDDEN, data, fit, likelihood, prior
@@ -625,12 +625,12 @@ def report() -> None:  # pragma: no cover - run by hand: python tests/ops/activa
             return Layer(name, "dense", [inp], (m,), name, params={
                 "weight": GaussianParam(rng.normal(0, k**-0.5, (m, k)), np.full((m, k), 1e-3)),
                 "bias": GaussianParam(np.zeros(m), np.full(m, 1e-3))})
-        from pyro2pfp.registry import OPS
+        from pyro2pfp.planning.registry import OPS
         graph = LayerGraph((20,), [dense("fc1", INPUT, 20, 32),
                                    Layer("a", op, ["fc1"], (32,), "a", dict(OPS[op].example_attrs)),
                                    dense("fc2", "a", 32, 4)], "fc2")
         net = PFPNetwork(graph, plan(graph))
-        from pyro2pfp.tvm_backend import emit_module
+        from pyro2pfp.backends.tvm import emit_module
         t0 = time.perf_counter()
         emit_module(net.plan)
         t1 = time.perf_counter()

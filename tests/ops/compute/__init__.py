@@ -1,1 +1,1 @@
-"""Compute family kernels (pyro2pfp/tvm_backend/ops/winograd.py, compute_shared.py): Winograd conv."""
+"""Compute family kernels (pyro2pfp/backends/tvm/ops/winograd.py, compute_shared.py): Winograd conv."""

@@ -1,4 +1,4 @@
-"""The Winograd F(2x2, 3x3) kernel of the mean-field PFP conv2d (pyro2pfp/tvm_backend/ops/winograd.py):
+"""The Winograd F(2x2, 3x3) kernel of the mean-field PFP conv2d (pyro2pfp/backends/tvm/ops/winograd.py):
 its transforms, the rule that picks it, and the compiled kernel against the float64 reference.
 
 Tolerances are those of the direct kernel's tests (``tests.support.builders.assert_compute_layer``: the float32
@@ -10,13 +10,13 @@ import numpy as np
 import pytest
 import tvm
 
-from pyro2pfp.graph import INPUT, LayerGraph
+from pyro2pfp.backends.reference.arrays import conv2d_nchw
+from pyro2pfp.backends.tvm import emit
+from pyro2pfp.backends.tvm.ops import winograd
+from pyro2pfp.backends.tvm.ops.winograd import WINO_AT, WINO_BT, WINO_G, direct_convolutions, use_winograd
 from pyro2pfp.network import PFPNetwork
-from pyro2pfp.plan import plan
-from pyro2pfp.reference.arrays import conv2d_nchw
-from pyro2pfp.tvm_backend import emit
-from pyro2pfp.tvm_backend.ops import winograd
-from pyro2pfp.tvm_backend.ops.winograd import WINO_AT, WINO_BT, WINO_G, direct_convolutions, use_winograd
+from pyro2pfp.planning.graph import INPUT, LayerGraph
+from pyro2pfp.planning.plan import plan
 from tests.support.builders import assert_compute_layer, conv_layer, relu_layer
 
 TARGETS = {
@@ -182,7 +182,7 @@ def test_two_layer_net_and_direct_context_give_the_direct_kernel():
         np.testing.assert_allclose(o, r, rtol=1e-4, atol=1e-4 * np.abs(r).max())
         np.testing.assert_allclose(od, r, rtol=1e-4, atol=1e-4 * np.abs(r).max())
     # every PrimFunc of the compiled module is scheduled (the Winograd one by schedule_conv2d)
-    from pyro2pfp.tvm_backend.schedules import schedule_module
+    from pyro2pfp.backends.tvm.schedules import schedule_module
     scheduled = schedule_module(net.mod, net.plan, TARGETS["native"])
     for gv in scheduled.get_global_vars():
         func = scheduled[gv]

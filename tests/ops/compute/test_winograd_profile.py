@@ -18,13 +18,13 @@ import tvm
 from tvm import te
 
 import pyro2pfp
+from pyro2pfp.backends.tvm.ops.compute_shared import winograd_profile
+from pyro2pfp.backends.tvm.ops.winograd import WINO_G, direct_convolutions, weight_transform, winograd_shape
+from pyro2pfp.backends.tvm.schedules import schedule_function
 from pyro2pfp.correlation import with_correlation
-from pyro2pfp.graph import INPUT, LayerGraph
 from pyro2pfp.network import PFPNetwork
-from pyro2pfp.plan import plan
-from pyro2pfp.tvm_backend.ops.compute_shared import winograd_profile
-from pyro2pfp.tvm_backend.ops.winograd import WINO_G, direct_convolutions, weight_transform, winograd_shape
-from pyro2pfp.tvm_backend.schedules import schedule_function
+from pyro2pfp.planning.graph import INPUT, LayerGraph
+from pyro2pfp.planning.plan import plan
 from tests.ops.compute.test_winograd import winograd_funcs
 from tests.stages.correlation.test_correlation_backends import NATIVE
 from tests.support.backends import RTOL, assert_matches

@@ -19,9 +19,9 @@ import pyro2pfp
 from pyro2pfp.correlation import with_correlation
 from pyro2pfp.correlation.factors import CorrelationError
 from pyro2pfp.errors import UnsupportedLayerError
-from pyro2pfp.graph import INPUT, GaussianParam, Layer, LayerGraph
 from pyro2pfp.network import PFPNetwork
-from pyro2pfp.plan import plan
+from pyro2pfp.planning.graph import INPUT, GaussianParam, Layer, LayerGraph
+from pyro2pfp.planning.plan import plan
 from tests.support.backends import ONNX_RTOL, assert_matches, onnx_run
 from tests.support.builders import conv_layer, dense_block_graph, dense_layer, reshape_layer
 from tests.support.op_coverage import COMPILED, MONTE_CARLO, covers

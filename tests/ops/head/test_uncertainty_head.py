@@ -27,12 +27,12 @@ from scipy.stats import spearmanr
 
 import pyro2pfp
 from pyro2pfp.errors import ArgumentError
-from pyro2pfp.graph import INPUT, Layer, LayerGraph
 from pyro2pfp.network import PFPNetwork
 from pyro2pfp.ops.head import HeadOutput, append_head, head_numpy
-from pyro2pfp.plan import plan
-from pyro2pfp.predictor import CompiledPFP
-from pyro2pfp.uncertainty import uncertainty
+from pyro2pfp.planning.graph import INPUT, Layer, LayerGraph
+from pyro2pfp.planning.plan import plan
+from pyro2pfp.runtime.predictor import CompiledPFP
+from pyro2pfp.runtime.uncertainty import uncertainty
 from tests.support.op_coverage import COMPILED, MONTE_CARLO, covers
 from tests.user_code.test_styles import CLASSES, D_IN, HIDDEN, data, fit, likelihood, prior
 

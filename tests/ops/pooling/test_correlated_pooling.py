@@ -26,12 +26,12 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from pyro2pfp import moments
-from pyro2pfp.correlated_pools import correlate_max_pools
-from pyro2pfp.graph import INPUT, Layer, LayerGraph
+from pyro2pfp.backends.reference import execute_all
+from pyro2pfp.backends.reference.arrays import LOWEST, padded, window_views
 from pyro2pfp.network import PFPNetwork
-from pyro2pfp.plan import plan
-from pyro2pfp.reference import execute_all
-from pyro2pfp.reference.arrays import LOWEST, padded, window_views
+from pyro2pfp.planning.correlated_pools import correlate_max_pools
+from pyro2pfp.planning.graph import INPUT, Layer, LayerGraph
+from pyro2pfp.planning.plan import plan
 from tests.support.builders import conv_layer, dense_layer, pool_layer, relu_layer, reshape_layer
 from tests.support.op_coverage import COMPILED, MONTE_CARLO, covers
 from tests.support.stats import assert_check_rejects, assert_moments_agree, z_threshold
@@ -370,7 +370,7 @@ def test_window_cov_small_network_compiled_matches_reference(case):
 
 
 def test_caveats_name_the_pools_the_rule_does_not_cover():
-    from pyro2pfp.correlated_pools import pool_caveats
+    from pyro2pfp.planning.correlated_pools import pool_caveats
 
     rng = np.random.default_rng(0)
     assert pool_caveats(correlate_max_pools(cnn_graph(rng))) == []  # LeNet-style: both pools covered

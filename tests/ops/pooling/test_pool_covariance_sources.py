@@ -17,15 +17,15 @@ import numpy as np
 import pytest
 
 from pyro2pfp import moments
-from pyro2pfp.correlated_pools import correlate_max_pools
+from pyro2pfp.backends.reference import Activation, execute_all
+from pyro2pfp.backends.reference.arrays import padded, window_views
 from pyro2pfp.correlation import with_correlation
 from pyro2pfp.correlation.shared import Shared
-from pyro2pfp.graph import INPUT, Layer, LayerGraph, Repr
 from pyro2pfp.network import PFPNetwork
 from pyro2pfp.ops.window_covariance import hermite_terms, taps, window_closure_shared
-from pyro2pfp.plan import PlannedLayer, plan
-from pyro2pfp.reference import Activation, execute_all
-from pyro2pfp.reference.arrays import padded, window_views
+from pyro2pfp.planning.correlated_pools import correlate_max_pools
+from pyro2pfp.planning.graph import INPUT, Layer, LayerGraph, Repr
+from pyro2pfp.planning.plan import PlannedLayer, plan
 from tests.support.backends import ONNX_RTOL, assert_matches, onnx_run
 from tests.support.builders import conv_layer, dense_layer, pool_layer, relu_layer, reshape_layer
 from tests.support.graph_sampler import sample_graph

@@ -17,12 +17,12 @@ import pytest
 import tvm
 from tvm import relax
 
-from pyro2pfp.graph import INPUT, Layer, LayerGraph
-from pyro2pfp.plan import plan
-from pyro2pfp.reference import execute
-from pyro2pfp.tvm_backend import emit_module
-from pyro2pfp.tvm_backend.ops.pooling import POOL_REGISTER_TILE
-from pyro2pfp.tvm_backend.schedules import schedule_module, simd_lanes
+from pyro2pfp.backends.reference import execute
+from pyro2pfp.backends.tvm import emit_module
+from pyro2pfp.backends.tvm.ops.pooling import POOL_REGISTER_TILE
+from pyro2pfp.backends.tvm.schedules import schedule_module, simd_lanes
+from pyro2pfp.planning.graph import INPUT, Layer, LayerGraph
+from pyro2pfp.planning.plan import plan
 from tests.support.builders import lenet_graph
 from tests.support.op_coverage import COMPILED, covers
 
@@ -113,7 +113,7 @@ def test_tiling_max_pool_limit_cases(form):
 def test_static_batch_specialisation_schedules_the_fast_path():
     """The module specialised to a static batch (as MetaSchedule tunes it: 1 or 3) still gets
     the fast path's default schedule, without failing soft, and computes correctly."""
-    from pyro2pfp import tuning
+    from pyro2pfp.backends.tvm import tuning
 
     graph = pool_graph((6, 28, 28), 2, True)
     planned = plan(graph)
@@ -200,7 +200,7 @@ def tap_checks(func: tvm.tirx.PrimFunc, block: str) -> int:
     checks, when the taps are not read from a padded stage)."""
     from tvm import s_tir
 
-    from pyro2pfp.tvm_backend.schedules import walk
+    from pyro2pfp.backends.tvm.schedules import walk
 
     sch = s_tir.Schedule(func)
     found = []
@@ -215,8 +215,8 @@ def test_overhanging_windows_fold_padded_taps(case):
     combiner uses each tap several times and TVM substitutes the tap expression into every use, so a
     bounds check per tap made LLVM spend ~4 s on a 3x3 / stride-2 / padding-1 pool (0.2 s now).  The
     shared-factor kernel (``sf_maxpool``, one stage per fold step) reads its three taps the same way."""
+    from pyro2pfp.backends.tvm.emit import kernel_info
     from pyro2pfp.correlation import with_correlation
-    from pyro2pfp.tvm_backend.emit import kernel_info
     from tests.stages.correlation.test_correlation_backends import max_pool_graph
 
     in_shape, k, s, pad, ceil = case
@@ -278,8 +278,8 @@ def test_correlated_fold_runs_as_one_nest_with_the_same_results(target):
     ``window_cov``) is scheduled as one loop nest -- one parallel loop, every fold stage computed at it --
     and gives bitwise the results of one elementwise nest per stage, within the tolerance of the
     reference."""
-    from pyro2pfp.correlated_pools import correlate_max_pools
-    from pyro2pfp.tvm_backend.ops import pooling
+    from pyro2pfp.backends.tvm.ops import pooling
+    from pyro2pfp.planning.correlated_pools import correlate_max_pools
 
     g = correlate_max_pools(lenet_graph(np.random.default_rng(0)))
     planned = plan(g)

@@ -1,5 +1,5 @@
 """Every pooling and padding form of the supported convolutions: 1-D layers anywhere in the net (run as
-2-D ones with H = 1, ``pyro2pfp/onedim.py``), asymmetric ``padding="same"`` and ``F.pad`` folded into
+2-D ones with H = 1, ``pyro2pfp/planning/onedim.py``), asymmetric ``padding="same"`` and ``F.pad`` folded into
 the conv (zero taps, ``ops/compute.py``), adaptive pools with the windows of a regular pool.
 
 * Zero posterior variance (``calibration=0``): the converted network's mean is torch's own forward at
@@ -25,11 +25,11 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 import pyro2pfp
-from pyro2pfp.graph import GaussianParam
-from pyro2pfp.onnx_builder import to_onnx
+from pyro2pfp.backends.onnx.builder import to_onnx
+from pyro2pfp.backends.reference.arrays import conv2d_nchw
 from pyro2pfp.ops.compute import _symmetric_padding
 from pyro2pfp.ops.pooling import adaptive_window
-from pyro2pfp.reference.arrays import conv2d_nchw
+from pyro2pfp.planning.graph import GaussianParam
 from tests.support.builders import BayesianFirstLayer
 from tests.support.stats import assert_check_rejects, assert_moments_agree
 

@@ -1,4 +1,4 @@
-"""The kernels of a network compiled on several threads (pyro2pfp.tvm_backend.build): the same
+"""The kernels of a network compiled on several threads (pyro2pfp.backends.tvm.build): the same
 executable as ``tvm.compile`` (bitwise equal outputs), one LLVM module per part, exportable, and the
 caller's PassContext applied on every thread."""
 from __future__ import annotations
@@ -8,12 +8,12 @@ import pytest
 import tvm
 from tvm import relax
 
+from pyro2pfp.backends.tvm import build as build_module
+from pyro2pfp.backends.tvm.build import KERNELS_PER_PART, KernelPool, build, build_jobs
+from pyro2pfp.backends.tvm.schedules import schedule_module
 from pyro2pfp.errors import ArgumentError
 from pyro2pfp.network import PFPNetwork
-from pyro2pfp.plan import plan
-from pyro2pfp.tvm_backend import build as build_module
-from pyro2pfp.tvm_backend.build import KERNELS_PER_PART, KernelPool, build, build_jobs
-from pyro2pfp.tvm_backend.schedules import schedule_module
+from pyro2pfp.planning.plan import plan
 from tests.support.builders import lenet_graph
 
 TARGET = tvm.target.Target("llvm")
@@ -111,7 +111,7 @@ def test_kernels_compile_while_the_module_is_emitted(monkeypatch):
     it is emitted and hands it to the build threads then (``KernelStream``): parts are compiling before
     emission ends, no kernel of the module is queued twice or compiled again after the Relax pipeline,
     and the executable's outputs equal those of the build that schedules after emitting (bitwise)."""
-    from pyro2pfp.tvm_backend.runtime import build_network
+    from pyro2pfp.backends.tvm.runtime import build_network
 
     pools: list[KernelPool] = []
 

@@ -12,10 +12,10 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from pyro2pfp.graph import INPUT, LayerGraph, Repr
+from pyro2pfp.backends.reference.arrays import conv2d_nchw
 from pyro2pfp.network import PFPNetwork
-from pyro2pfp.plan import plan
-from pyro2pfp.reference.arrays import conv2d_nchw
+from pyro2pfp.planning.graph import INPUT, LayerGraph, Repr
+from pyro2pfp.planning.plan import plan
 from tests.support.builders import (
     assert_compute_layer,
     conv_layer,

@@ -9,7 +9,7 @@ import scipy.special
 import tvm
 from tvm import s_tir, te
 
-from pyro2pfp.tvm_backend.fast_math import EXP_MAX, EXP_MIN, fast_erf, fast_exp
+from pyro2pfp.backends.tvm.fast_math import EXP_MAX, EXP_MIN, fast_erf, fast_exp
 
 TARGET = tvm.target.Target({"kind": "llvm", "mcpu": tvm.target.codegen.llvm_get_system_cpu()})
 

@@ -1,4 +1,4 @@
-"""The disk cache of compiled kernels (pyro2pfp.tvm_backend.kernel_cache): a second compile of the same
+"""The disk cache of compiled kernels (pyro2pfp.backends.tvm.kernel_cache): a second compile of the same
 architecture loads every kernel, with the same results; anything that changes a kernel's code misses;
 the cached executable exports; concurrent processes share one directory; a cache that cannot be used
 is a warning, not an error."""
@@ -13,12 +13,12 @@ import numpy as np
 import pytest
 import tvm
 
+from pyro2pfp.backends.tvm import kernel_cache
+from pyro2pfp.backends.tvm.build import KernelPool
+from pyro2pfp.backends.tvm.runtime import build_network
+from pyro2pfp.backends.tvm.schedules import driver
 from pyro2pfp.network import PFPNetwork
-from pyro2pfp.plan import plan
-from pyro2pfp.tvm_backend import kernel_cache
-from pyro2pfp.tvm_backend.build import KernelPool
-from pyro2pfp.tvm_backend.runtime import build_network
-from pyro2pfp.tvm_backend.schedules import driver
+from pyro2pfp.planning.plan import plan
 from tests.support.builders import lenet_graph
 
 TARGET = tvm.target.Target("llvm")

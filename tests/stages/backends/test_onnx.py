@@ -1,8 +1,8 @@
-"""ONNX export (pyro2pfp.onnx_builder) run with onnxruntime against the float64 NumPy reference.
+"""ONNX export (pyro2pfp.backends.onnx.builder) run with onnxruntime against the float64 NumPy reference.
 
 Graphs are built by hand (tests/support/builders.py) and planned with both moment forms; the exported
 model must pass ``onnx.checker`` (full check), use standard operators only, have a dynamic batch
-dimension, and reproduce ``pyro2pfp.reference.execute`` to float32 accuracy.
+dimension, and reproduce ``pyro2pfp.backends.reference.execute`` to float32 accuracy.
 """
 from __future__ import annotations
 
@@ -18,13 +18,13 @@ from hypothesis import strategies as st
 from pyro.nn import PyroSample
 
 import pyro2pfp
+from pyro2pfp.backends.onnx.builder import onnx_ops_used, to_onnx
+from pyro2pfp.backends.reference import execute
+from pyro2pfp.backends.reference.arrays import conv2d_nchw
 from pyro2pfp.errors import UnsupportedLayerError
-from pyro2pfp.graph import INPUT, GaussianParam, Layer, LayerGraph
 from pyro2pfp.network import PFPNetwork
-from pyro2pfp.onnx_builder import onnx_ops_used, to_onnx
-from pyro2pfp.plan import plan
-from pyro2pfp.reference import execute
-from pyro2pfp.reference.arrays import conv2d_nchw
+from pyro2pfp.planning.graph import INPUT, GaussianParam, Layer, LayerGraph
+from pyro2pfp.planning.plan import plan
 from tests.support.builders import (
     U32,
     ResidualNet,

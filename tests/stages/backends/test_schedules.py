@@ -1,4 +1,4 @@
-"""The default CPU schedules (pyro2pfp.tvm_backend.schedules): every PFP PrimFunc gets scheduled,
+"""The default CPU schedules (pyro2pfp.backends.tvm.schedules): every PFP PrimFunc gets scheduled,
 and the scheduled module still matches the float64 NumPy reference at batch sizes that are not
 multiples of any split factor (1, 7, 13).
 
@@ -20,15 +20,15 @@ import tvm
 import tvm_ffi
 from tvm import relax
 
-from pyro2pfp.correlated_pools import correlate_max_pools
-from pyro2pfp.graph import INPUT, GaussianParam, Layer, LayerGraph
+from pyro2pfp.backends.reference import execute
+from pyro2pfp.backends.tvm import emit_module, schedules
+from pyro2pfp.backends.tvm.schedules import SCHEDULES, schedule_module
 from pyro2pfp.network import PFPNetwork
 from pyro2pfp.ops.head import append_head
-from pyro2pfp.plan import plan
-from pyro2pfp.reference import execute
-from pyro2pfp.registry import OPS
-from pyro2pfp.tvm_backend import emit_module, schedules
-from pyro2pfp.tvm_backend.schedules import SCHEDULES, schedule_module
+from pyro2pfp.planning.correlated_pools import correlate_max_pools
+from pyro2pfp.planning.graph import INPUT, GaussianParam, Layer, LayerGraph
+from pyro2pfp.planning.plan import plan
+from pyro2pfp.planning.registry import OPS
 from tests.support.builders import lenet_graph, mlp_graph
 from tests.support.tir import prim_funcs
 
@@ -294,7 +294,7 @@ def test_fused_relu_dense_matches_unfused_and_reference(form):
     """A ReLU after a dense layer is computed in the dense kernel's epilogue (one kernel fewer);
     after a conv layer it stays its own kernel; results match the unfused module and the float64
     reference."""
-    from pyro2pfp.tvm_backend.fusion import fused_activations
+    from pyro2pfp.backends.tvm.fusion import fused_activations
 
     rng = np.random.default_rng(3)
     for graph in (mlp_graph(rng, [20, 24, 16, 5]), lenet_graph(rng, widths=(2, 4, 8, 6), image=12)):
@@ -324,7 +324,7 @@ def test_fused_relu_dense_matches_unfused_and_reference(form):
 def test_fused_relu_after_residual_add(form):
     """A residual block's last ReLU is computed in the ``add`` kernel (``pfp_add_sum_out``, no
     ``pfp_relu_out``), with the same results as one kernel per layer and the float64 reference."""
-    from pyro2pfp.tvm_backend.fusion import fused_activations
+    from pyro2pfp.backends.tvm.fusion import fused_activations
 
     rng = np.random.default_rng(4)
     c1 = conv(rng, "c1", INPUT, (3, 6, 6), 4, 3, pad=1)
@@ -357,7 +357,7 @@ def test_elementwise_kernel_on_a_flat_view_where_that_widens_the_vector():
     """LeNet's relu2 (16×10×10): the last two axes give 4 lanes (100 = 4·25), one flat axis 16
     (1600 = 64·25): the kernel runs on a (batch, 1600) view with a 16-lane vector (AVX-512 target),
     results as the reference; relu1 (6×28×28: 784 = 16·49 already) keeps its 4-D kernel."""
-    from pyro2pfp.tvm_backend.ops.activation import flat_widens_vector
+    from pyro2pfp.backends.tvm.ops.activation import flat_widens_vector
 
     assert flat_widens_vector((16, 10, 10)) and not flat_widens_vector((6, 28, 28))
     assert not flat_widens_vector((100,)) and not flat_widens_vector((3, 5, 5))  # 75 = odd: no gain
@@ -383,7 +383,7 @@ def test_small_static_kernels_run_serially(builder, monkeypatch):
     """In a static-batch module the kernels under ``SERIAL_WORK`` operations and ``SERIAL_BYTES`` bytes of
     arguments lose their parallel loops (and only those); the module still matches the reference;
     any-batch kernels stay parallel."""
-    from pyro2pfp.tuning.specialize import specialize_batch
+    from pyro2pfp.backends.tvm.tuning.specialize import specialize_batch
 
     rng = np.random.default_rng(0)
     graph = builder(rng) if builder is lenet_graph else builder(rng, [784, 100, 10])
@@ -436,7 +436,7 @@ def test_small_parallel_loops_of_static_kernels_run_serially(monkeypatch):
     ``NEST_SERIAL_WORK`` operations (measured on the scheduled kernel) are made serial and only those:
     every parallel loop left does at least that much, fewer are parallel than with the rule off, and
     the module computes bitwise what the all-parallel one does (and matches the reference)."""
-    from pyro2pfp.tuning.specialize import specialize_batch
+    from pyro2pfp.backends.tvm.tuning.specialize import specialize_batch
 
     graph = lenet_graph(np.random.default_rng(0))
     planned = plan(graph)
@@ -462,7 +462,7 @@ def test_small_parallel_loops_of_static_kernels_run_serially(monkeypatch):
 def test_conv_rows_computed_in_whole_vectors():
     """A conv whose output columns are its vector axis but not a multiple of 16 lanes computes its rows
     16-wide where that adds at most a quarter (LeNet conv1: 28 -> 32), and writes only the real columns."""
-    from pyro2pfp.tvm_backend.ops.compute import computed_width
+    from pyro2pfp.backends.tvm.ops.compute import computed_width
 
     assert computed_width(6, 28) == 32 and computed_width(6, 14) == 16
     assert computed_width(16, 28) == 28  # 16 channels fill a vector: the schedule vectorises those

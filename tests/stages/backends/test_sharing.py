@@ -1,4 +1,4 @@
-"""Identical kernels are compiled once (pyro2pfp.tvm_backend.sharing): repeated blocks share one
+"""Identical kernels are compiled once (pyro2pfp.backends.tvm.sharing): repeated blocks share one
 PrimFunc, and the shared build computes exactly what the unshared one does."""
 from __future__ import annotations
 
@@ -7,12 +7,12 @@ import pytest
 import tvm
 from tvm import relax
 
-from pyro2pfp.graph import INPUT, Layer, LayerGraph
+from pyro2pfp.backends.tvm.build import build
+from pyro2pfp.backends.tvm.schedules import schedule_module
+from pyro2pfp.backends.tvm.sharing import share_identical_kernels
 from pyro2pfp.network import PFPNetwork
-from pyro2pfp.plan import plan
-from pyro2pfp.tvm_backend.build import build
-from pyro2pfp.tvm_backend.schedules import schedule_module
-from pyro2pfp.tvm_backend.sharing import share_identical_kernels
+from pyro2pfp.planning.graph import INPUT, Layer, LayerGraph
+from pyro2pfp.planning.plan import plan
 from tests.support.builders import conv_layer, relu_layer
 from tests.support.tir import prim_funcs
 

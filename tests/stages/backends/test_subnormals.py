@@ -1,4 +1,4 @@
-"""Kernels run with subnormal floats flushed to zero (pyro2pfp/tvm_backend/subnormals.py): the conv kernels
+"""Kernels run with subnormal floats flushed to zero (pyro2pfp/backends/tvm/subnormals.py): the conv kernels
 of a network flush a subnormal variance term to 0, agree with the float64 reference, and leave the calling
 thread's floating-point control word as they found it; the rewrite touches only the kernels it names."""
 from __future__ import annotations
@@ -10,10 +10,10 @@ import pytest
 import tvm
 from tvm.script import tirx as T
 
-from pyro2pfp.graph import INPUT, LayerGraph
+from pyro2pfp.backends.tvm import subnormals
 from pyro2pfp.network import PFPNetwork
-from pyro2pfp.plan import plan
-from pyro2pfp.tvm_backend import subnormals
+from pyro2pfp.planning.graph import INPUT, LayerGraph
+from pyro2pfp.planning.plan import plan
 from tests.support.builders import conv_layer
 
 pytestmark = pytest.mark.skipif(platform.machine().lower() not in ("x86_64", "amd64"),
@@ -104,7 +104,7 @@ def test_only_the_named_kernels_are_rewritten():
 _TWO_THREADS = """
 import numpy as np
 import tests.stages.backends.test_subnormals as t
-from pyro2pfp.predictor import num_threads
+from pyro2pfp.runtime.predictor import num_threads
 assert num_threads() == 2
 net = t._conv_net(np.random.default_rng(0), 16, 16, 8)
 x = np.full((16, 16, 8, 8), 1e-20, np.float32)

@@ -13,12 +13,12 @@ import torch
 import torch.nn.functional as F
 
 from pyro2pfp import ops as ops  # the op registry: every op family registers itself
-from pyro2pfp.correlated_pools import correlate_max_pools
+from pyro2pfp.backends.reference import execute, execute_all
 from pyro2pfp.correlation import Loadings, execute_compact_all, plan_compact
-from pyro2pfp.graph import INPUT, GaussianParam, LayerGraph
 from pyro2pfp.ops.compute_compact import conv_block_factors
-from pyro2pfp.plan import plan
-from pyro2pfp.reference import execute, execute_all
+from pyro2pfp.planning.correlated_pools import correlate_max_pools
+from pyro2pfp.planning.graph import INPUT, GaussianParam, LayerGraph
+from pyro2pfp.planning.plan import plan
 from tests.support.builders import conv_layer, dense_layer, lenet_graph, reshape_layer
 from tests.support.stats import check_moments
 
@@ -193,7 +193,7 @@ def test_layer_norm_carries_the_loadings_through_its_jacobian():
     """fc1 → relu → fc2 → LayerNorm → fc3 → fc4: fc3's input residual and fc2's become factors and pass the
     LayerNorm by its linearisation; the logits' variance against 20,000 samples: the compact plan within
     15 % in the median and closer than mean-field."""
-    from pyro2pfp.graph import Layer
+    from pyro2pfp.planning.graph import Layer
 
     rng = np.random.default_rng(7)
     d = 12

@@ -1,4 +1,4 @@
-"""The compact factor plan compiled (tvm_backend/compact_factor.py) and exported to ONNX (correlation/compact_onnx.py,
+"""The compact factor plan compiled (backends/tvm/compact_factor.py) and exported to ONNX (correlation/compact_onnx.py,
 run by onnxruntime) against the float64 reference: the same rule formulas (ops/<family>.py, ops/compute_compact.py)
 on three back ends, so they agree up to float32 rounding (tests/support/backends.py's tolerances).
 
@@ -11,11 +11,11 @@ import numpy as np
 import pytest
 
 from pyro2pfp import ops as ops  # the op registry: every op family registers itself
-from pyro2pfp.correlated_pools import correlate_max_pools
 from pyro2pfp.correlation import Loadings, execute_compact_all, plan_compact
-from pyro2pfp.graph import GaussianParam, Layer, LayerGraph
 from pyro2pfp.network import PFPNetwork
-from pyro2pfp.plan import plan
+from pyro2pfp.planning.correlated_pools import correlate_max_pools
+from pyro2pfp.planning.graph import GaussianParam, Layer, LayerGraph
+from pyro2pfp.planning.plan import plan
 from tests.support.backends import ONNX_RTOL, RTOL, assert_matches, onnx_run
 from tests.support.builders import dense_layer, lenet_graph, relu_layer
 

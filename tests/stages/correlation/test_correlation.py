@@ -15,6 +15,7 @@ import torch
 
 import pyro2pfp
 from pyro2pfp import ops as ops  # the op registry: every op family registers itself
+from pyro2pfp.backends.reference import Activation, execute
 from pyro2pfp.correlation import (
     CorrelationError,
     FactorPlan,
@@ -24,12 +25,11 @@ from pyro2pfp.correlation import (
     plan_factors,
     with_correlation,
 )
-from pyro2pfp.diagnose import layer_fidelity
-from pyro2pfp.graph import INPUT, GaussianParam, Layer, LayerGraph, Repr
+from pyro2pfp.diagnosis import layer_fidelity
 from pyro2pfp.ops.activation import relu_shared
 from pyro2pfp.ops.pooling import max_pool2d_shared
-from pyro2pfp.plan import plan
-from pyro2pfp.reference import Activation, execute
+from pyro2pfp.planning.graph import INPUT, GaussianParam, Layer, LayerGraph, Repr
+from pyro2pfp.planning.plan import plan
 from tests.support.builders import conv_layer, dense_layer, reshape_layer
 from tests.support.stats import check_moments, z_threshold
 
@@ -272,7 +272,7 @@ def test_small_resnet_logit_variances_match_sampling_only_with_shared_factors(sm
 
 @pytest.mark.slow
 def test_calibrate_keeps_the_correlation_scheme(small_resnet):
-    from pyro2pfp.uncertainty import CalibrationObjective
+    from pyro2pfp.calibration import CalibrationObjective
 
     net, mean_field, x, _ = small_resnet
     obj = CalibrationObjective(net, x, objective="nll", y_val=np.zeros(len(x)))
@@ -372,7 +372,7 @@ def test_generic_activation_rule_is_steins_lemma():
     shared profile is Cov(f(a), η) = E[f'(a)]·s (Stein's lemma; a = μ + s·η + e·ε Gaussian)."""
     from pyro2pfp import moments
     from pyro2pfp.ops.activation import stein_shared
-    from pyro2pfp.registry import ActivationRule
+    from pyro2pfp.planning.registry import ActivationRule
 
     rng = np.random.default_rng(11)
     shape = (1, 2, 3, 3)

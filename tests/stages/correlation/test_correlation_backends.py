@@ -1,4 +1,4 @@
-"""Shared-factor PFP compiled (tvm_backend/shared_factor.py and the rules of tvm_backend/ops/) and exported to ONNX
+"""Shared-factor PFP compiled (backends/tvm/shared_factor.py and the rules of backends/tvm/ops/) and exported to ONNX
 (correlation/onnx_step.py and the rules of ops/<family>.py, run by onnxruntime) against the float64 NumPy reference.
 
 The compiled path compacts ``g`` where the reference does (a Cholesky factor of g·gᵀ instead of
@@ -16,15 +16,15 @@ import torch
 import tvm
 
 import pyro2pfp
+from pyro2pfp.backends.tvm import emit_module
+from pyro2pfp.backends.tvm.emit import kernel_info
+from pyro2pfp.backends.tvm.schedules import schedule_module
+from pyro2pfp.backends.tvm.sharing import share_identical_kernels
 from pyro2pfp.correlation import with_correlation
 from pyro2pfp.correlation.factors import fixed_k_plan
-from pyro2pfp.graph import INPUT, Layer, LayerGraph
 from pyro2pfp.network import PFPNetwork
-from pyro2pfp.plan import plan
-from pyro2pfp.tvm_backend import emit_module
-from pyro2pfp.tvm_backend.emit import kernel_info
-from pyro2pfp.tvm_backend.schedules import schedule_module
-from pyro2pfp.tvm_backend.sharing import share_identical_kernels
+from pyro2pfp.planning.graph import INPUT, Layer, LayerGraph
+from pyro2pfp.planning.plan import plan
 from tests.support.backends import ONNX_RTOL, RTOL, assert_matches, onnx_run
 from tests.support.builders import conv_layer, dense_block_graph, dense_layer, reshape_layer
 
@@ -68,7 +68,7 @@ def every_rule_graph(rng: np.random.Generator) -> LayerGraph:
 
 
 def _det(values: np.ndarray):
-    from pyro2pfp.graph import GaussianParam
+    from pyro2pfp.planning.graph import GaussianParam
 
     return GaussianParam(values, np.zeros_like(values))
 
@@ -113,10 +113,10 @@ def test_max_pool_compiled_matches_the_reference():
 def every_rule_static_batch(every_rule):
     """The every-rule net compiled with ``batch_sizes=[3]`` -- the any-batch executable and a static
     batch-3 one -- built once for the three tests that use it (each build of this net is ~5-8 s), and
-    the :class:`~pyro2pfp.tvm_backend.build.KernelPool` of each build (any-batch first), on 2 build
+    the :class:`~pyro2pfp.backends.tvm.build.KernelPool` of each build (any-batch first), on 2 build
     threads.  Every kernel of both must take its default schedule: a schedule that fails soft is a
     failure here."""
-    from pyro2pfp.tvm_backend import build as build_module
+    from pyro2pfp.backends.tvm import build as build_module
 
     _, _, net = every_rule
     pools: list[build_module.KernelPool] = []
@@ -135,7 +135,7 @@ def every_rule_static_batch(every_rule):
 
 @pytest.mark.slow
 def test_every_rule_compiled_matches_the_reference(every_rule, every_rule_static_batch):
-    from pyro2pfp.tvm_backend.runtime import CompiledPFP
+    from pyro2pfp.backends.tvm.runtime import CompiledPFP
 
     graph, planned, net = every_rule
     # the any-batch executable alone (what net.compile("native") returns): every batch size runs it
@@ -167,7 +167,7 @@ def test_every_rule_compiled_matches_the_reference_without_hermite_factors():
 
 @pytest.mark.slow
 def test_every_shared_factor_primfunc_is_scheduled(every_rule):
-    from pyro2pfp.correlated_pools import correlate_max_pools
+    from pyro2pfp.planning.correlated_pools import correlate_max_pools
     from tests.ops.pooling.test_pool_covariance_sources import residual_graph
     from tests.stages.correlation.test_layer_norm_shared import head_graph
 
@@ -191,7 +191,7 @@ def test_every_shared_factor_primfunc_is_scheduled(every_rule):
             parts.add(op)
             assert func.attrs.get("tirx.is_scheduled", False), gv.name_hint
             assert "T.parallel" in func.script(), gv.name_hint
-    from pyro2pfp.tvm_backend import SCHEDULES
+    from pyro2pfp.backends.tvm import SCHEDULES
 
     assert {op for op in SCHEDULES if op.startswith("sf_")} | {"sf_cholesky"} <= parts
 
@@ -212,7 +212,7 @@ def test_compiled_zero_variance_and_large_inputs_stay_finite():
 
 
 def test_plans_the_compiled_path_does_not_cover_are_refused(monkeypatch):
-    from pyro2pfp.registry import SHARED_EXPORTERS, SHARED_KERNELS
+    from pyro2pfp.planning.registry import SHARED_EXPORTERS, SHARED_KERNELS
 
     rng = np.random.default_rng(4)
     conv = conv_layer(rng, "conv", INPUT, (1, 4, 4), 2, 1, 1, 0, 1, 1, 0.5, 0.05)
@@ -266,7 +266,7 @@ def test_converted_resnet8_one_kernel_per_relu_matches_the_reference():
     """The ResNet-8 of ``benchmarks/latency.py`` (16/32/64 channels, on 16x16 inputs here) with the
     default plan (shared-factor): every ReLU is one kernel (``sf_relu``, no mean-field ``relu``
     kernel left in the module), and the compiled net gives the reference's results."""
-    from pyro2pfp.tvm_backend.emit import kernel_table
+    from pyro2pfp.backends.tvm.emit import kernel_table
     from pyro2pfp_experiments.zoo import bayesian_resnet, he_posterior
 
     torch.manual_seed(0)
@@ -301,7 +301,7 @@ def test_converted_resnet8_one_kernel_per_relu_matches_the_reference():
 def _callees(mod: tvm.IRModule) -> dict[str, dict[str, str]]:
     """Per kernel op, each layer's kernel symbol after :func:`share_identical_kernels` (the shared and
     the emitted ``main`` make the same calls in the same order; the emitted one names the layer)."""
-    from pyro2pfp.tvm_backend.emit import kernel_table
+    from pyro2pfp.backends.tvm.emit import kernel_table
 
     def calls(m: tvm.IRModule) -> list[str]:
         return [line.split("R.call_tir(")[1].split(",")[0].strip() for line in m["main"].script().splitlines()
@@ -324,7 +324,7 @@ def test_tuned_shared_factor_resnet_matches_the_reference(tmp_path, monkeypatch)
     tuned executable gives the reference's results at its batch and the any-batch one at another.
     (No search here: ``trials=0``; tests/deploy/test_tuning.py runs a real one.  With a search, the ResNet-8
     of ``benchmarks/latency.py`` tuned for batch 2 with 16 trials matched the reference to 3e-7.)"""
-    from pyro2pfp.tuning import measure
+    from pyro2pfp.backends.tvm.tuning import measure
     from pyro2pfp_experiments.zoo import bayesian_resnet, he_posterior
 
     monkeypatch.setitem(measure.KERNEL_TIMING, "repeat", 2)  # the choice's timing: coarse is enough here
@@ -352,7 +352,7 @@ def test_cholesky_compaction_keeps_the_gram_matrix_of_degenerate_loadings():
     (a dead channel), a duplicated row, a row nearly in the span of others, fewer factors than
     rows (rank-deficient) -- L·Lᵀ = g·gᵀ to float32 rounding, L lower-triangular with zero
     padding columns, finite (a zero or negative pivot must not divide)."""
-    from pyro2pfp.tvm_backend.shared_factor import cholesky_factor
+    from pyro2pfp.backends.tvm.shared_factor import cholesky_factor
 
     rows, width = 12, 16
     rng = np.random.default_rng(3)
@@ -420,9 +420,9 @@ def test_normalised_loading_limit_cases(monkeypatch):
     row below NORM_FLOOR counts as zero; everything finite."""
     from tvm import te
 
-    from pyro2pfp.tvm_backend import schedules
-    from pyro2pfp.tvm_backend.schedules import schedule_function
-    from pyro2pfp.tvm_backend.shared_factor import NORM_FLOOR, normalised
+    from pyro2pfp.backends.tvm import schedules
+    from pyro2pfp.backends.tvm.schedules import schedule_function
+    from pyro2pfp.backends.tvm.shared_factor import NORM_FLOOR, normalised
 
     monkeypatch.setattr(schedules.driver, "SERIAL_WORK", 0.0)  # this small static kernel: the parallel schedule
     monkeypatch.setattr(schedules.driver, "NEST_SERIAL_WORK", 0.0)
@@ -468,7 +468,7 @@ def test_shared_factor_kernels_per_layer(every_rule):
     input is exactly one kernel (``sf_relu``, which computes the mean-field moments too: no ``relu``
     kernel), add one shared-factor kernel (no separate normalisation kernel anywhere); the
     ReLU/add/affine/scale kernels read the (B, C, H, W) edges without reshapes."""
-    from pyro2pfp.tvm_backend.emit import kernel_table
+    from pyro2pfp.backends.tvm.emit import kernel_table
 
     _, planned, _ = every_rule
     mod = emit_module(planned)
@@ -493,7 +493,7 @@ def test_shared_factor_kernels_per_layer(every_rule):
 def _run_kernel(func: tvm.tirx.PrimFunc, op: str, inputs: list[np.ndarray]) -> list[np.ndarray]:
     """One PrimFunc of an emitted module, with its default schedule, on NumPy inputs (reshaped to its
     parameters' per-example shapes); its outputs in its own shapes."""
-    from pyro2pfp.tvm_backend.schedules import schedule_function
+    from pyro2pfp.backends.tvm.schedules import schedule_function
 
     batch = inputs[0].shape[0]
     shapes = [tuple(int(d) for d in p.shape[1:]) for p in func.params]
@@ -509,7 +509,7 @@ def _run_kernel(func: tvm.tirx.PrimFunc, op: str, inputs: list[np.ndarray]) -> l
 def _kernel(mod: tvm.IRModule, symbol: str) -> tvm.tirx.PrimFunc:
     """PrimFunc ``symbol`` of the emitted ``mod``, with the scalar arguments its call passes (the factor
     widths and offset of a kernel shared across layers that differ only in them) bound."""
-    from pyro2pfp.tuning.specialize import bind_scalar_arguments
+    from pyro2pfp.backends.tvm.tuning.specialize import bind_scalar_arguments
 
     func = mod[symbol]
     if not any(isinstance(p, tvm.tirx.Var) for p in func.params):
@@ -556,11 +556,11 @@ def test_shared_factor_relu_kernel_limit_cases(every_rule, name):
     zero-variance rows and elements and huge means: finite, and the reference's values (the
     ``σ = 0`` limits of Stein's terms: ``Φ → [μ > 0]``, ``h = 0``)."""
     from pyro2pfp import moments
+    from pyro2pfp.backends.reference._core import Activation
     from pyro2pfp.correlation.factors import fixed_k_plan
     from pyro2pfp.correlation.shared import Shared
-    from pyro2pfp.graph import Repr
     from pyro2pfp.ops.activation import relu_shared
-    from pyro2pfp.reference._core import Activation
+    from pyro2pfp.planning.graph import Repr
 
     _, planned, _ = every_rule
     fp = fixed_k_plan(planned, "the TVM back end", compaction=True)

@@ -1,5 +1,5 @@
 """A correlated guide's covariance between weights, read as global factors and carried by shared-factor PFP
-(``pyro2pfp/posterior/correlated.py``, ``pyro2pfp/correlation/guide.py``).
+(``pyro2pfp/frontend/posterior/correlated.py``, ``pyro2pfp/correlation/guide.py``).
 
 Truths: the guide's own covariance (``guide.get_posterior()``), and, for a single dense layer with a
 deterministic input, the exact output covariance ``x̃ᵀ Σ x̃`` (the logits are linear in the weights)."""
@@ -17,8 +17,8 @@ from pyro.infer.autoguide import AutoDiagonalNormal, AutoLowRankMultivariateNorm
 from pyro.nn import PyroModule, PyroSample
 
 import pyro2pfp
-from pyro2pfp.posterior import correlated
-from pyro2pfp.posterior.correlated import kept_share, top_directions
+from pyro2pfp.frontend.posterior import correlated
+from pyro2pfp.frontend.posterior.correlated import kept_share, top_directions
 
 
 class OneLayer(PyroModule):

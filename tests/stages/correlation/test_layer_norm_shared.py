@@ -17,13 +17,13 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
+from pyro2pfp.backends.reference import execute_all
 from pyro2pfp.correlation import with_correlation
 from pyro2pfp.correlation.execute import execute_shared_all
 from pyro2pfp.correlation.factors import CorrelationError
-from pyro2pfp.graph import INPUT, GaussianParam, Layer, LayerGraph
 from pyro2pfp.network import PFPNetwork
-from pyro2pfp.plan import plan
-from pyro2pfp.reference import execute_all
+from pyro2pfp.planning.graph import INPUT, GaussianParam, Layer, LayerGraph
+from pyro2pfp.planning.plan import plan
 from tests.support.backends import ONNX_RTOL, assert_matches, onnx_run
 from tests.support.builders import conv_layer, dense_layer, pool_layer, relu_layer, reshape_layer
 from tests.support.graph_sampler import sample_graph

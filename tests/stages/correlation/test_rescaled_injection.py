@@ -16,12 +16,12 @@ import pytest
 import torch
 import tvm
 
+from pyro2pfp.backends.tvm import emit_module
+from pyro2pfp.backends.tvm.emit import kernel_table
 from pyro2pfp.correlation import plan_factors
-from pyro2pfp.graph import INPUT, LayerGraph
 from pyro2pfp.network import PFPNetwork
-from pyro2pfp.plan import PlannedGraph, plan
-from pyro2pfp.tvm_backend import emit_module
-from pyro2pfp.tvm_backend.emit import kernel_table
+from pyro2pfp.planning.graph import INPUT, LayerGraph
+from pyro2pfp.planning.plan import PlannedGraph, plan
 from tests.support.backends import ONNX_RTOL, RTOL, assert_matches, onnx_run
 from tests.support.builders import conv_layer, dense_layer, relu_layer, reshape_layer
 
@@ -95,7 +95,7 @@ def test_rescaled_resnet_block_compiles_exports_and_matches_the_reference():
     term (its third output transform), the any-batch and a static-batch executable and the ONNX
     export against the reference."""
     import pyro2pfp
-    from pyro2pfp.tvm_backend.schedules import schedule_module
+    from pyro2pfp.backends.tvm.schedules import schedule_module
     from pyro2pfp_experiments.zoo import bayesian_resnet, he_posterior
 
     torch.manual_seed(0)

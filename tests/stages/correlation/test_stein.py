@@ -20,8 +20,8 @@ import pyro2pfp
 from pyro2pfp import moments
 from pyro2pfp import ops as ops  # the op registry: every op family registers itself
 from pyro2pfp.correlation.stein import UnsupportedDualOp, dual_ops, stein_slope
-from pyro2pfp.diagnose import layer_fidelity
-from pyro2pfp.registry import OPS
+from pyro2pfp.diagnosis import layer_fidelity
+from pyro2pfp.planning.registry import OPS
 
 #: the torch function of every registered activation (given its example attrs) and its kinks
 TORCH = {
@@ -127,9 +127,9 @@ def test_compiled_float32_slope_matches_the_float64_rule(name):
     import tvm
     from tvm import te
 
-    from pyro2pfp.graph import Layer, Repr
-    from pyro2pfp.plan import PlannedLayer
-    from pyro2pfp.tvm_backend.ops.activation import stein_kernel
+    from pyro2pfp.backends.tvm.ops.activation import stein_kernel
+    from pyro2pfp.planning.graph import Layer, Repr
+    from pyro2pfp.planning.plan import PlannedLayer
 
     rule, attrs = OPS[name].activation, OPS[name].example_attrs
     mu, var = grid(name, float32=True)

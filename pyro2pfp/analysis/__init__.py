@@ -1,0 +1,1 @@
+"""Fidelity against Monte Carlo sampling of the guide: the comparison, the check, sampling."""

@@ -1,0 +1,373 @@
+"""TE kernels of the shared-factor rules of the compute layers (``dense``, ``conv2d``; the float64 and
+ONNX rules: ``pyro2pfp/ops/compute.py``), with their schedules -- beside ``compute.py`` because they
+are as long as the mean-field kernels.
+
+* conv2d: ``sf_conv_load`` -- the pooled views ``m̄μ_k``, ``m̄s_k`` (separable, no padded copy),
+  ``w̄``, ``ℓ = A·g_in ⊕ w̄`` (``A = W·m̄s``) normalised to ``g``, ``β = ⟨g_in[c], g[o]⟩`` and the
+  injection's ``coef = g[o, offset + o]/w̄`` --;
+  ``sf_conv_weights`` (per-input weights ``W·β + coef·V·m̄s`` and ``coef·V·m̄μ``; it does not read
+  ``g``, so it does not depend on ``K``: layers that differ only in ``K`` share it) and
+  ``sf_conv_profile``: the propagated and the regression profile as one convolution of ``[s_in, μ]``
+  with those weights, laid out like the mean-field conv kernel and scheduled by its schedule
+  (``compute.schedule_conv2d``: register tiles, vectorised).  ``β`` is emitted as ``βᵀ`` (B, C, O),
+  unit-stride in ``o`` like the weights kernel reads it.
+  Layers of :func:`~.winograd.winograd_shape` (3x3, stride 1, ≥ 16 channels: the ResNet block convs)
+  use Winograd F(2x2, 3x3) instead, as the mean-field conv does: ``sf_conv_weights`` emits the
+  weights' transforms ``G·A·Gᵀ``, ``G·M·Gᵀ`` (B, 4, 4, C, O) -- per input, at run time
+  (:func:`~.winograd.weight_transform`) -- and ``sf_conv_profile`` is :func:`winograd_profile`
+  (input transforms of ``s_in`` and ``μ``, one batched GEMM per input and transform position summing
+  both terms, output transform, ``+ shift``, clip; scheduled by :func:`~.winograd.schedule_winograd`).
+  Off under :func:`~.winograd.direct_convolutions`;
+* conv2d with ``injection='rescaled'`` (a noisy layer): the mean-field conv kernel returns its
+  weight-noise term ``Σ V·E[x²] + v_bias`` (``compute.py``), and the regression terms are replaced by
+  that term's root rescaled to the injection's spatial mean: ``sf_conv_load`` computes the scale
+  ``g[o, offset + o]·w̄/mean_p √term`` (block ``root_mean``, a row sum) and no longer outputs the
+  pooled views; ``sf_conv_weights`` builds the propagated weights ``W·β`` alone (no ``coef·V·m̄s``, no
+  ``w_mu``, no shift), and ``sf_conv_profile`` convolves ``s_in`` only and adds ``scale·√term`` in its
+  epilogue.  Without a shared input there is nothing to convolve: ``sf_conv_load`` writes the clipped
+  profile ``scale·√term`` itself (block ``s_out``) and the layer has no weights or profile kernel;
+* dense: ``sf_dense_load`` (the loading, ``g``, the corrected variance and the clipped profile).
+"""
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+from tvm import te, tirx
+
+from ....correlation.factors import ComputeFactors
+from ....planning.plan import PlannedLayer
+from ....planning.registry import shared_kernel
+from ..emit import EmitContext, RelaxActivation
+from ..schedules import schedule
+from ..shared_factor import (
+    FactorWidths,
+    SharedRelax,
+    SharedStep,
+    clip,
+    emit_part,
+    emit_width_generic,
+    f32,
+    normalised,
+    row_products,
+    safe_div,
+    view_as,
+    widened,
+)
+from ..shared_factor_schedule import schedule_shared
+from .compute import _pad, schedule_conv2d
+from .winograd import weight_transform, winograd_correlation, winograd_shape
+
+
+def winograd_profile(pairs: list[tuple[te.Tensor, te.Tensor]], added: Any, var: te.Tensor) -> te.Tensor:
+    """The profile convolution of a :func:`~.winograd.winograd_shape` layer by Winograd F(2x2, 3x3):
+    ``s[b, o, y, x] = clip(Σ_k conv3x3(x_k, w_k)[b, o, y, x] + added(b, o, y, x), ±√var[b, o, y, x])``
+    for ``pairs = [(x_k (B, C, H, W), U_k (B, 4, 4, C, O))]`` (``U_k = G·w_k·Gᵀ`` per input, emitted by
+    ``sf_conv_weights``; :func:`~.winograd.winograd_correlation`) and ``added`` the injection's
+    elementwise term -- a function of the output index (the rescaled root), or a (B, O) shift
+    tensor --, NCHW out; block ``epilogue``."""
+    if isinstance(added, te.Tensor):
+        shift = added
+        added = lambda b, o, i, j: shift[b, o]  # noqa: E731
+    y = winograd_correlation(pairs)
+    return te.compute(var.shape, lambda b, o, i, j: clip(y[b, i, j, o] + added(b, o, i, j), var[b, o, i, j]),
+                      name="epilogue")
+
+
+@shared_kernel('conv2d')
+def conv2d_shared_kernel(step: SharedStep, ctx: EmitContext, layer: PlannedLayer, inputs: list[RelaxActivation],
+                         shared: list[SharedRelax | None], out: RelaxActivation
+                         ) -> tuple[SharedRelax | None, RelaxActivation]:
+    """:func:`pyro2pfp.ops.compute.conv2d_shared` as three kernels: ``sf_conv_load``, ``sf_conv_weights``,
+    ``sf_conv_profile`` (module docstring)."""
+    x, sh = inputs[0], shared[0]
+    cf = ComputeFactors.of(layer, step.fp)
+    offset, k, wm, wv = cf.offset, cf.k, cf.weight_mean, cf.weight_var
+    t, a = layer.tensors, layer.layer.attrs
+    o, c, kh, kw = wm.shape
+    (sy, sx), (py, px), (dy, dx) = a["stride"], a["padding"], a["dilation"]
+    h, w = ctx.shapes[layer.inputs[0]][1:]
+    oh, ow = layer.layer.out_shape[1:]
+    has_s = sh is not None
+    wino = winograd_shape(layer)  # the profile convolution by Winograd F(2x2, 3x3) (winograd.py)
+    # injection='rescaled': the mean-field kernel's weight-noise term, rescaled, instead of the
+    # regression terms (module docstring)
+    rescaled = offset is not None and step.fp.injection == "rescaled"
+    bias_var = ctx.const(t["bias_var"] if "bias_var" in t else np.zeros(o))
+
+    # the output columns ``ox*sx + j*dx - px`` of kernel column ``j`` that fall inside the
+    # input, weighted 1/(oh*ow): the column half of the pooling as a (KW, W) product
+    col_weights = np.zeros((kw, w))
+    for j in range(kw):
+        for ox in range(ow):
+            xx = ox * sx + j * dx - px
+            if 0 <= xx < w:
+                col_weights[j, xx] += 1.0 / (oh * ow)
+
+    def pooled(src: te.Tensor, n: int, cw: te.Tensor) -> te.Tensor:
+        """``m̄[b, c, i, j]`` = mean over the output positions of the input at kernel offset
+        ``(i, j)`` (0 where that tap falls in the padding), separable and without a padded copy:
+        ``cols[b, c, i, x]`` = sum over the output rows of input row ``oy*sy + i*dy - py`` (a
+        vector over the unit-stride ``x``), then ``m̄[.., i, j] = Σ_x cols[.., i, x]·P[j, x]``
+        with ``P`` the constant column weights above (``KH·OH·W + KH·KW·W`` per channel)."""
+        y = te.reduce_axis((0, oh), name=f"y{n}")
+
+        def row_tap(b: Any, ch: Any, i: Any, xx: Any) -> Any:
+            yy = y * sy + i * dy - py
+            return tirx.Select(tirx.all(yy >= 0, yy < h), src[b, ch, te.min(te.max(yy, 0), h - 1), xx], f32(0.0))
+
+        cols = te.compute((src.shape[0], c, kh, w), lambda b, ch, i, xx: te.sum(row_tap(b, ch, i, xx), axis=y),
+                          name=f"cols{n}")
+        xr = te.reduce_axis((0, w), name=f"x{n}")
+        return te.compute((src.shape[0], c, kh, kw), lambda b, ch, i, j: te.sum(cols[b, ch, i, xr] * cw[j, xr],
+                                                                                axis=xr), name=f"bar{n}")
+
+    def load(*ts: te.Tensor, widths: FactorWidths) -> list[te.Tensor]:
+        """The pooled views ``m̄μ``, ``m̄s``; ``w̄ = √(Σ V·(m̄μ² + m̄s²) + v_bias)``; the loading
+        ``ℓ = A·g_in ⊕ w̄`` (``A = W·m̄s``) normalised to ``g``; ``β = ⟨g_in[c], g[o]⟩``; the
+        injection's coefficient ``coef = g[o, offset + o]/w̄`` (0 where ``w̄ = 0``, or without an
+        injection) -- one kernel (the weights are read in ``(C, KH, KW, O)`` layout: ``A`` and
+        the weight-variance sum are vectors over output channels).  ``coef`` is computed here,
+        where ``g`` is, so the weights kernel does not read ``g``: it then does not depend on
+        ``K``, and layers that differ only in ``K`` share it (:mod:`..sharing`).  The factor widths
+        and the offset are the symbolic ``widths`` (:func:`emit_width_generic`): layers that
+        differ only in them share this kernel too."""
+        k, off = widths.k, widths.offset
+        it = iter(ts)
+        mu = next(it)
+        s_in, g_in = (next(it), next(it)) if has_s else (None, None)
+        cw, wmt, wvt, bvt = (next(it) for _ in range(4))
+        noise = next(it) if rescaled else None  # the mean-field kernel's weight-noise term
+        out_var = next(it) if rescaled and not has_s else None
+        batch = mu.shape[0]
+        mb = pooled(mu, 0, cw)
+        sb = pooled(s_in, 1, cw) if s_in is not None else None
+        cc, i, j = (te.reduce_axis((0, n), name=name) for n, name in ((c, "c"), (kh, "i"), (kw, "j")))
+
+        def second(b: Any, ch: Any, ii: Any, jj: Any) -> Any:
+            mm = mb[b, ch, ii, jj] * mb[b, ch, ii, jj]
+            return mm if sb is None else mm + sb[b, ch, ii, jj] * sb[b, ch, ii, jj]
+
+        wsum = te.compute((batch, o), lambda b, oo: te.sum(wvt[cc, i, j, oo] * second(b, cc, i, j),
+                                                            axis=[cc, i, j]), name="wsum")
+        wbar = te.compute((batch, o), lambda b, oo: te.sqrt(te.max(wsum[b, oo] + bvt[oo], f32(0.0))), name="wbar")
+
+        def coefficient(g: te.Tensor) -> te.Tensor:
+            """``coef[b, o] = g[b, o, offset + o]/w̄[b, o]`` (0 where ``w̄ = 0`` or without an injection);
+            ``injection='rescaled'``: ``g[b, o, offset + o]·w̄[b, o]/mean_p √noise[b, o, p]``, the
+            factor of the rescaled root (0 where the mean root is 0)."""
+            if offset is None:
+                return te.compute((batch, o), lambda b, oo: f32(0.0), name="coef")
+            if noise is not None:
+                y, xx = te.reduce_axis((0, oh), name="ry"), te.reduce_axis((0, ow), name="rx")
+                inv = f32(1.0 / (oh * ow))
+                rmean = te.compute((batch, o), lambda b, oo: te.sum(
+                    rescaled_root(noise, b, oo, y, xx) * inv, axis=[y, xx]), name="root_mean")
+                return te.compute((batch, o), lambda b, oo: g[b, oo, oo + off] * safe_div(wbar[b, oo], rmean[b, oo]),
+                                  name="coef")
+            return te.compute((batch, o), lambda b, oo: safe_div(g[b, oo, oo + off], wbar[b, oo]),
+                              name="coef")
+
+        if sb is None or g_in is None:
+            loading = te.compute((batch, o, k), lambda b, oo, f: tirx.Select(
+                f == oo + off, wbar[b, oo], f32(0.0)), name="loading")
+            g = normalised(loading)[0]
+            coef = coefficient(g)
+            if noise is not None and out_var is not None:  # the profile is the rescaled root alone
+                return [g, te.compute(noise.shape, lambda b, oo, y, xx: clip(
+                    coef[b, oo] * rescaled_root(noise, b, oo, y, xx), out_var[b, oo, y, xx]), name="s_out")]
+            return [mb, g, coef]
+        i2, j2 = te.reduce_axis((0, kh), name="i2"), te.reduce_axis((0, kw), name="j2")
+        amap = te.compute((batch, c, o), lambda b, ch, oo: te.sum(wmt[ch, i2, j2, oo] * sb[b, ch, i2, j2],
+                                                                   axis=[i2, j2]), name="amap")
+        gw = widened(g_in, k)
+        c2 = te.reduce_axis((0, c), name="c2")
+        prop = te.compute((batch, o, k), lambda b, oo, f: te.sum(amap[b, c2, oo] * gw[b, c2, f], axis=c2),
+                          name="prop")
+        loading = prop if offset is None else te.compute(prop.shape, lambda b, oo, f: prop[b, oo, f] + tirx.Select(
+            f == oo + off, wbar[b, oo], f32(0.0)), name="loading")
+        g = normalised(loading)[0]
+        # βᵀ[b, c, o] = ⟨g_in[c], g[o]⟩ (B, C, O): unit-stride in o, as the weights kernel reads it
+        beta = row_products(g, g_in, g_in.shape[2])
+        if noise is not None:  # the weights kernel reads neither pooled view
+            return [g, coefficient(g), beta]
+        return [mb, sb, g, coefficient(g), beta]
+
+    w_cons = [ctx.const(np.transpose(t_, (1, 2, 3, 0))) for t_ in (wm, wv)]  # (C, KH, KW, O), both kernels
+    args = [x.mean] + ([sh.s, sh.g] if sh is not None else []) + [ctx.const(col_weights), *w_cons, bias_var]
+    if rescaled:
+        assert out.weight_noise is not None  # emit_module refuses a kernel that did not return it
+        args += [out.weight_noise] + ([out.second] if sh is None else [])
+    outs = emit_width_generic(ctx, load, args, layer, "conv_load", g_args={2: sh.k} if sh is not None else {},
+                               k=k, offset=offset or 0)
+    if rescaled and sh is None:  # no convolution: the profile is the rescaled root (load kernel)
+        return SharedRelax(outs[1], outs[0], k), out
+    if rescaled:
+        (g, coef_t, beta), mbar, sbar = outs, None, None
+    elif sh is not None:
+        mbar, sbar, g, coef_t, beta = outs
+    else:
+        (mbar, g, coef_t), sbar, beta = outs, None, None
+
+    def weights(*ts: te.Tensor) -> list[te.Tensor]:
+        """Per-input weights (B, C, KH, KW, O) of the profile convolution: ``A = W·β + coef·V·m̄s``
+        on the input's profile, ``M = coef·V·m̄μ`` on its mean -- or, for a Winograd profile
+        convolution, their transforms ``G·A·Gᵀ``, ``G·M·Gᵀ`` (B, 4, 4, C, O) -- and ``coef·v_bias``
+        (B, O).  ``W``, ``V`` come as (C, KH, KW, O), ``β`` as (B, C, O) and ``coef`` (B, O) from
+        ``sf_conv_load``: every read unit-stride in ``o``, the vectorised axis, and none depends
+        on ``K``.  ``injection='rescaled'``: ``W·β`` alone, from ``(β, W)``."""
+        it = iter(ts)
+        if rescaled:  # the propagated weights W·β alone
+            mb, sb, bt, wmt = None, None, next(it), next(it)
+            coef = wvt = bvt = None
+        else:
+            mb = next(it)
+            sb, bt = (next(it), next(it)) if has_s else (None, None)
+            coef, wmt, wvt, bvt = (next(it) for _ in range(4))
+        batch = ts[0].shape[0]
+        wshape = (batch, c, kh, kw, o)
+        outs = []
+        if bt is not None:
+            def on_s(b: Any, ch: Any, i: Any, j: Any, oo: Any) -> Any:
+                value = wmt[ch, i, j, oo] * bt[b, ch, oo]
+                if sb is not None and offset is not None and coef is not None and wvt is not None:
+                    value = value + coef[b, oo] * wvt[ch, i, j, oo] * sb[b, ch, i, j]
+                return value
+
+            outs.append(te.compute(wshape, on_s, name="w_s"))
+        if mb is not None and coef is not None and wvt is not None and offset is not None:
+            outs.append(te.compute(wshape, lambda b, ch, i, j, oo: coef[b, oo] * wvt[ch, i, j, oo]
+                                   * mb[b, ch, i, j], name="w_mu"))
+        if wino:  # their Winograd transforms G·w·Gᵀ (B, 4, 4, C, O) instead
+            outs = [weight_transform(wt, f"wino_w{n}") for n, wt in enumerate(outs)]
+        if coef is not None and bvt is not None:
+            outs.append(te.compute((batch, o), lambda b, oo: coef[b, oo] * bvt[oo]
+                                   if offset is not None else f32(0.0), name="shift"))
+        return outs
+
+    if rescaled:
+        w_args = [beta, w_cons[0]]
+    else:
+        w_args = [t_ for t_ in (mbar, sbar, beta) if t_ is not None] + [coef_t, *w_cons, bias_var]
+    w_outs = emit_part(ctx, weights, w_args, layer, "conv_weights")
+
+    def profile(*ts: te.Tensor) -> list[te.Tensor]:
+        """``s[b, o] = Σ_{c,i,j} A·tap(s_in) + M·tap(μ) + shift``, clipped: a convolution with
+        per-input weights, in the layout of the mean-field conv kernel (its schedule)."""
+        it = iter(ts)
+        srcs = [(next(it), next(it)) for _ in range(n_terms)]  # (input, weights)
+        per_channel, var = next(it), next(it)  # the shift (B, O), or for 'rescaled' the root's scale
+        if rescaled:
+            noise = next(it)
+
+            def added(b: Any, oo: Any, y: Any, x_: Any) -> Any:
+                return per_channel[b, oo] * rescaled_root(noise, b, oo, y, x_)
+        else:
+            def added(b: Any, oo: Any, y: Any, x_: Any) -> Any:
+                return per_channel[b, oo]
+        if wino:
+            return [winograd_profile(srcs, added, var)]
+        padded = [(_pad(src, [py, px]), wt) for src, wt in srcs]
+        rc, rp, rq = (te.reduce_axis((0, n), name=name) for n, name in ((c, "rc"), (kh, "rp"), (kw, "rq")))
+
+        def body(b: Any, oo: Any, y: Any, x_: Any) -> Any:
+            pos = (b, rc, y * sy + rp * dy, x_ * sx + rq * dx)
+            total = padded[0][0][pos] * padded[0][1][b, rc, rp, rq, oo]
+            for src, wt in padded[1:]:
+                total = total + src[pos] * wt[b, rc, rp, rq, oo]
+            return te.sum(total, axis=[rc, rp, rq])
+
+        acc = te.compute((srcs[0][0].shape[0], o, oh, ow), body, name="conv2d")
+        return te.compute(acc.shape, lambda b, oo, y, x_: clip(acc[b, oo, y, x_] + added(b, oo, y, x_),
+                                                                 var[b, oo, y, x_]), name="epilogue")
+
+    assert sh is not None or not rescaled
+    terms = ([sh.s] if sh is not None else []) + ([x.mean] if offset is not None and not rescaled else [])
+    n_terms = len(terms)
+    args = [t for pair in zip(terms, w_outs[:n_terms]) for t in pair]
+    if rescaled:
+        args += [coef_t, out.second, out.weight_noise]
+    else:
+        args += [w_outs[-1], out.second]
+    s = emit_part(ctx, profile, args, layer, "conv_profile")[0]
+    return SharedRelax(s, g, k), out
+
+
+def rescaled_root(noise: te.Tensor, b: Any, o: Any, y: Any, x: Any) -> Any:
+    """``√max(noise, 0)`` at ``(b, o, y, x)``: the root of the mean-field weight-noise term that
+    ``injection='rescaled'`` scales to the injection's spatial mean."""
+    return te.sqrt(te.max(noise[b, o, y, x], f32(0.0)))
+
+
+@shared_kernel('dense')
+def dense_shared_kernel(step: SharedStep, ctx: EmitContext, layer: PlannedLayer, inputs: list[RelaxActivation],
+                        shared: list[SharedRelax | None], out: RelaxActivation
+                        ) -> tuple[SharedRelax | None, RelaxActivation]:
+    """:func:`pyro2pfp.ops.compute.dense_shared` as one kernel ``sf_dense_load``: the loading, ``g``, the
+    corrected variance and the clipped profile."""
+    x, sh = inputs[0], shared[0]
+    cf = ComputeFactors.of(layer, step.fp)
+    offset, k, wm, wv = cf.offset, cf.k, cf.weight_mean, cf.weight_var
+    t = layer.tensors
+    o, n = wm.shape
+    src = layer.inputs[0]
+    rows = step.fp.rows[src] if sh is not None else 0
+    group = n // rows if rows else 1
+    bias_var = ctx.const(t["bias_var"] if "bias_var" in t else np.zeros(o))
+    x_mean = view_as(ctx, x.mean, n)
+    x_second = view_as(ctx, x.second, n) if x.second is not None else None
+
+    def load(*ts: Any) -> list[te.Tensor]:
+        it = iter(ts)
+        mu = next(it)
+        v = next(it) if x_second is not None else None
+        s, g_in = (next(it), next(it)) if sh is not None else (None, None)
+        var, wmt, wvt, bvt = (next(it) for _ in range(4))
+        batch = mu.shape[0]
+        parts: list[Any] = []
+        if offset is not None:
+            i = te.reduce_axis((0, n), name="i")
+            inj = te.compute((batch, o), lambda b, oo: te.sum(wvt[oo, i] * (
+                mu[b, i] * mu[b, i] + (v[b, i] if v is not None else f32(0.0))), axis=i), name="inj")
+        if s is not None and g_in is not None:
+            q = te.reduce_axis((0, group), name="q")
+            coef = te.compute((batch, o, rows), lambda b, oo, r: te.sum(
+                wmt[oo, r * group + q] * s[b, r * group + q], axis=q), name="coef")
+            i2 = te.reduce_axis((0, n), name="i2")
+            ws2 = te.compute((batch, o), lambda b, oo: te.sum(
+                wmt[oo, i2] * wmt[oo, i2] * s[b, i2] * s[b, i2], axis=i2), name="ws2")
+            gw = widened(g_in, k)
+            r2 = te.reduce_axis((0, rows), name="r2")
+            prop = te.compute((batch, o, k), lambda b, oo, f: te.sum(coef[b, oo, r2] * gw[b, r2, f], axis=r2),
+                              name="prop")
+            f2 = te.reduce_axis((0, k), name="f2")
+            pn = te.compute((batch, o), lambda b, oo: te.sum(prop[b, oo, f2] * prop[b, oo, f2], axis=f2), name="pn")
+            var_new = te.compute((batch, o), lambda b, oo: te.max(var[b, oo] + pn[b, oo] - ws2[b, oo], f32(0.0)),
+                                 name="var")
+            parts = [prop, var_new]
+        else:
+            parts = [None, te.compute((batch, o), lambda b, oo: var[b, oo], name="var")]
+
+        def entry(b: Any, oo: Any, f: Any) -> Any:
+            value = parts[0][b, oo, f] if parts[0] is not None else f32(0.0)
+            if offset is not None:
+                value = value + tirx.Select(f == oo + offset, te.sqrt(te.max(inj[b, oo] + bvt[oo], f32(0.0))),
+                                            f32(0.0))
+            return value
+
+        loading = te.compute((batch, o, k), entry, name="loading")
+        g, norm = normalised(loading)
+        var_new = parts[1]
+        s_out = te.compute((batch, o), lambda b, oo: clip(norm[b, oo], var_new[b, oo]), name="s")
+        return [g, s_out, var_new]
+
+    args = [x_mean] + ([x_second] if x_second is not None else []) + (
+        [view_as(ctx, sh.s, n), sh.g] if sh is not None else []) + [out.second, ctx.const(wm), ctx.const(wv),
+                                                                  bias_var]
+    g, s, var_new = emit_part(ctx, load, args, layer, "dense_load")
+    return SharedRelax(s, g, k), RelaxActivation(out.mean, var_new, out.repr)
+
+
+schedule("sf_conv_load", "sf_conv_weights", "sf_dense_load")(schedule_shared)
+# the profile convolution has the mean-field conv kernel's blocks (pad, conv2d, epilogue) and layout
+schedule("sf_conv_profile")(schedule_conv2d)

@@ -1,0 +1,1 @@
+"""The layer graph's data, the op registry's tables and the representation plan."""

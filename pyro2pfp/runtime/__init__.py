@@ -1,0 +1,1 @@
+"""Running compiled networks: the TVM runtime, predictors, library files, targets, boards, scoring."""
