@@ -85,8 +85,25 @@ def __dir__() -> list[str]:
 
 
 def set_num_threads(n: int) -> int:
-    """Threads of the compiled networks' CPU kernels (process-wide; see
-    :func:`pyro2pfp.runtime.predictor.set_num_threads`)."""
+    """Set the threads of the compiled networks' CPU kernels (process-wide;
+    :func:`pyro2pfp.runtime.predictor.set_num_threads`).
+
+    Parameters
+    ----------
+    n
+        Threads for every later call: at most the size of TVM's thread pool, which is fixed when it
+        starts (set ``TVM_NUM_THREADS`` before the first run for more; a warning says so).
+
+    Returns
+    -------
+    int
+        The number of threads now in use.
+
+    Raises
+    ------
+    ArgumentError
+        When ``n`` is not a positive int.
+    """
     from .runtime.predictor import set_num_threads as _set
 
     return _set(n)

@@ -25,10 +25,24 @@ CALIBRATION_OBJECTIVES = ("mutual_information", "total", "entropies", "nll")
 
 def predictive_uncertainty(model: Callable[..., Any], guide: Callable[..., Any], x: Any,
                            num_samples: int = 100, seed: int | None = None) -> dict[str, np.ndarray]:
-    """The same metrics for the sampled BNN: ``pyro.infer.Predictive`` logits of ``(model, guide)``.
+    """The metrics of :func:`pyro2pfp.uncertainty` for the sampled BNN, from ``pyro.infer.Predictive``
+    logits of ``(model, guide)`` (:func:`pyro2pfp.analysis.sampling.predictive_logits`).
 
-    ``x`` is passed to the model as a float32 tensor (shape as the model expects it);
-    ``seed`` (if given) seeds Pyro before sampling. See :func:`pyro2pfp.analysis.sampling.predictive_logits`.
+    Parameters
+    ----------
+    model, guide
+        The trained Pyro BNN.
+    x
+        Inputs, passed to the model as a float32 tensor (shape as the model expects it).
+    num_samples
+        Predictive samples.
+    seed
+        If given, seeds Pyro before sampling.
+
+    Returns
+    -------
+    dict of str to numpy.ndarray
+        As :func:`pyro2pfp.uncertainty_from_logit_samples`.
     """
     from .analysis.sampling import predictive_logits
 
@@ -191,27 +205,41 @@ def calibrate(model: Any, guide: Any, x_val: Any, *, input_shape: tuple[int, ...
     (:func:`minimise_log_scale`). Each evaluation re-plans the already converted network and
     runs the float64 NumPy reference on ``x_val`` (no re-tracing, no compilation).
 
-    Args:
-        model, guide: The trained Pyro BNN (as for :func:`pyro2pfp.convert`).
-        x_val: Validation inputs ``(B, *input_shape)``, unlabelled unless ``objective="nll"``.
-            Use held-out in-domain data (never the OOD test set).
-        input_shape: As for ``convert``.
-        y_val: Labels of ``x_val`` (needed for ``"nll"``; otherwise only used for reporting by
-            the returned objective's ``evaluate``).
-        objective: One of :data:`CALIBRATION_OBJECTIVES`; ``None`` means ``"nll"`` if ``y_val``
-            is given, else ``"mutual_information"``.
-        num_samples: Samples per input for both PFP logit sampling and Predictive.
-        samples: Precomputed BNN logit samples ``(N, B, K)`` on ``x_val`` (skips Predictive);
-            ``N`` should equal ``num_samples`` (a warning otherwise).
-        net: An already converted :class:`~pyro2pfp.PFPNetwork` of ``(model, guide)`` (skips
-            tracing); its own calibration factor is ignored.
-        bounds, grid, rtol: Search range, grid size and final relative precision.
-        seed: Seeds the PFP logit draws and (via ``pyro.set_rng_seed``) Predictive.
-        return_objective: Also return the :class:`CalibrationObjective` (its ``history`` holds
-            every evaluated ``(c, value)``).
+    Parameters
+    ----------
+    model, guide
+        The trained Pyro BNN (as for :func:`pyro2pfp.convert`).
+    x_val
+        Validation inputs ``(B, *input_shape)``, unlabelled unless ``objective="nll"``. Use held-out
+        in-domain data (never the OOD test set).
+    input_shape
+        As for ``convert``.
+    y_val
+        Labels of ``x_val`` (needed for ``"nll"``; otherwise only used for reporting by the returned
+        objective's ``evaluate``).
+    objective
+        One of :data:`CALIBRATION_OBJECTIVES`; ``None`` means ``"nll"`` if ``y_val`` is given, else
+        ``"mutual_information"``.
+    num_samples
+        Samples per input for both PFP logit sampling and Predictive.
+    samples
+        Precomputed BNN logit samples ``(N, B, K)`` on ``x_val`` (skips Predictive); ``N`` should equal
+        ``num_samples`` (a warning otherwise).
+    net
+        An already converted :class:`~pyro2pfp.PFPNetwork` of ``(model, guide)`` (skips tracing); its
+        own calibration factor is ignored.
+    bounds, grid, rtol
+        Search range, grid size and final relative precision.
+    seed
+        Seeds the PFP logit draws and (via ``pyro.set_rng_seed``) Predictive.
+    return_objective
+        Also return the :class:`CalibrationObjective` (its ``history`` holds every evaluated
+        ``(c, value)``).
 
-    Returns:
-        The factor as a float (pass it to ``convert(..., calibration=factor)``).
+    Returns
+    -------
+    float or tuple of (float, CalibrationObjective)
+        The factor (pass it to ``convert(..., calibration=factor)``).
     """
     from .network import convert
     from .runtime.inputs import as_input_array

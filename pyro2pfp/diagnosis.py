@@ -41,20 +41,39 @@ def diagnose(model: Any, guide: Any, x: Any, *, num_samples: int = 300, input_sh
              execute: Any = None, correlation: Correlation | SharedFactor | str = Correlation.AUTO) -> Diagnosis:
     """Compare every planned layer's PFP moments with Monte Carlo over the guide's samples.
 
-    ``model``, ``guide``: as for :func:`pyro2pfp.convert` (a TyXe ``VariationalBNN`` may be passed
-    alone).  Leaves the model, the guide, the param store and the random number generators (torch,
-    NumPy, Python) as it found them.
+    Leaves the model, the guide, the param store and the random number generators (torch, NumPy,
+    Python) as it found them.  Layers inserted by the planner (representation conversions) and layers
+    that share a traced node with a later one are not listed.  The figures are defined in
+    :mod:`pyro2pfp.analysis.mc_compare`.
 
-    ``x``: a batch of inputs ``(B, *input_shape)``; ``input_shape`` defaults to ``x.shape[1:]``.
-    ``net``: an already converted :class:`~pyro2pfp.PFPNetwork` of ``(model, guide)`` (skips conversion;
-    its plan is diagnosed, whatever its calibration and correlation scheme; without it the network is
-    converted with ``calibration`` and ``correlation``, see :func:`pyro2pfp.convert`).  Layers inserted
-    by the planner (representation conversions) and layers that share a traced node with a later one are
-    not listed.  The figures are defined in :mod:`pyro2pfp.analysis.mc_compare`.  ``per_layer=False`` records
-    only the output
-    (logits): faster, and the returned ``layers`` then hold the output layer alone.  ``execute(plan, x)
-    -> {layer: Activation}`` replaces the NumPy reference (:func:`pyro2pfp.backends.reference.execute_all`, which
-    runs the plan's correlation scheme) as the PFP side.
+    Parameters
+    ----------
+    model, guide
+        As for :func:`pyro2pfp.convert` (a TyXe ``VariationalBNN`` may be passed alone).
+    x
+        A batch of inputs ``(B, *input_shape)``.
+    num_samples
+        Guide samples.
+    input_shape
+        Defaults to ``x.shape[1:]``.
+    calibration, correlation
+        As for :func:`pyro2pfp.convert`, when ``net`` is not given.
+    net
+        An already converted :class:`~pyro2pfp.PFPNetwork` of ``(model, guide)``: its plan is diagnosed,
+        whatever its calibration and correlation scheme (no conversion).
+    seed
+        Seeds the guide samples.
+    per_layer
+        ``False`` records only the output (logits): faster; ``layers`` then holds the output layer alone.
+    execute
+        ``execute(plan, x) -> {layer: Activation}`` replaces the NumPy reference
+        (:func:`pyro2pfp.backends.reference.execute_all`, which runs the plan's correlation scheme) as the
+        PFP side.
+
+    Returns
+    -------
+    Diagnosis
+        Per-layer rows in plan order (``print`` shows the table).
     """
     try:
         import pyro.util

@@ -248,21 +248,30 @@ def profile(target: Any, args: Sequence[Any], repeats: int = 30, *, method: str 
             reference_rate: float | None = None, reference_name: str = "") -> Profile:
     """Time every kernel of one ``main(*args)`` call.
 
-    Args:
-        target: a ``CompiledPFP`` (``net.compile()``), a ``relax.VirtualMachine`` or an executable.
-        args: the arguments of ``main`` (``[x]`` or ``[x, x_var]``), NumPy arrays, torch tensors
-            or TVM tensors of shape ``(batch, *input_shape)``.
-        repeats: timing rounds (medians are reported).
-        method: ``"isolated"`` (each kernel timed alone on a copy of its arguments; total from
-            ``vm.time_evaluator``) or ``"in_vm"`` (kernels timed in place by the instrument hook
-            over ``repeats`` calls of ``main``).
-        work: ``{kernel symbol: multiply-adds of one call}`` (:func:`kernel_multiply_adds`), for the
-            rows' multiply-adds and rates.
-        reference_rate, reference_name: a rate (G multiply-adds/s) the rows are compared with, and
-            what it is the rate of.
+    Parameters
+    ----------
+    target
+        A ``CompiledPFP`` (``net.compile()``), a ``relax.VirtualMachine`` or an executable.
+    args
+        The arguments of ``main`` (``[x]`` or ``[x, x_var]``), NumPy arrays, torch tensors
+        or TVM tensors of shape ``(batch, *input_shape)``.
+    repeats
+        Timing rounds (medians are reported).
+    method
+        ``"isolated"`` (each kernel timed alone on a copy of its arguments; total from
+        ``vm.time_evaluator``) or ``"in_vm"`` (kernels timed in place by the instrument hook
+        over ``repeats`` calls of ``main``).
+    work
+        ``{kernel symbol: multiply-adds of one call}`` (:func:`kernel_multiply_adds`), for the
+        rows' multiply-adds and rates.
+    reference_rate, reference_name
+        A rate (G multiply-adds/s) the rows are compared with, and
+        what it is the rate of.
 
-    Returns:
-        a :class:`Profile` whose rows -- one per kernel (by decreasing time) and one
+    Returns
+    -------
+    Profile
+        Rows -- one per kernel (by decreasing time) and one
         ``(vm overhead)`` row -- sum to ``total_us``.
     """
     import tvm

@@ -64,12 +64,16 @@ def logsumexp(a: np.ndarray, axis: int, keepdims: bool = False) -> np.ndarray:
 def uncertainty_from_logit_samples(samples: Any) -> dict[str, np.ndarray]:
     """Shannon entropy, softmax entropy and mutual information from logit samples.
 
-    Args:
-        samples: Logits ``(N, B, K)`` (NumPy array or tensor): ``N`` samples of ``B`` inputs with
-            ``K`` classes. A single input ``(N, K)`` is treated as ``B = 1``.
+    Parameters
+    ----------
+    samples
+        Logits ``(N, B, K)`` (NumPy array or tensor): ``N`` samples of ``B`` inputs with ``K`` classes.
+        A single input ``(N, K)`` is treated as ``B = 1``.
 
-    Returns:
-        A dict of float64 arrays: ``"total"``, ``"aleatoric"``, ``"epistemic"`` and
+    Returns
+    -------
+    dict of str to numpy.ndarray
+        Float64 arrays: ``"total"``, ``"aleatoric"``, ``"epistemic"`` and
         ``"logit_variance"`` of shape ``(B,)``; ``"probs"`` ``(B, K)``, the predictive class
         probabilities ``p̄`` (rows sum to 1). Entropies are in nats; ``epistemic`` is clipped at 0
         (it can only go below through rounding).  One logit per input (``K = 1``: a Bernoulli
@@ -131,12 +135,28 @@ def sample_logits(mean: Any, var: Any, num_samples: int = 100, seed: Any = None)
 
 
 def uncertainty(mean: Any, var: Any, num_samples: int = 100, seed: Any = None) -> dict[str, np.ndarray]:
-    """Uncertainty metrics of a PFP output ``(mean, var)`` of the logits, each ``(B, K)`` (``K = 1``: one
-    Bernoulli logit per input, see :func:`uncertainty_from_logit_samples`; give a squeezed ``(B,)`` output
-    as ``mean[:, None]``).
+    """Uncertainty metrics of a PFP output: the logits' mean and variance.
 
     Draws :func:`sample_logits` and applies :func:`uncertainty_from_logit_samples`;
     ``"logit_variance"`` is the exact sampling-free score ``var.sum(-1)``.
+
+    Parameters
+    ----------
+    mean, var
+        The logits' mean and variance, each ``(B, K)`` (``K = 1``: one Bernoulli logit per input, see
+        :func:`uncertainty_from_logit_samples`; give a squeezed ``(B,)`` output as ``mean[:, None]``).
+    num_samples
+        Logit draws per input.
+    seed
+        Seed of ``numpy.random.default_rng`` for the draws.
+
+    Returns
+    -------
+    dict of str to numpy.ndarray
+        As :func:`uncertainty_from_logit_samples`.
+
+    Examples
+    --------
 
     >>> mean, var = net.reference(x)
     >>> u = uncertainty(mean, var, num_samples=100, seed=0)
@@ -155,7 +175,22 @@ def auroc(score_in_domain: Any, score_out_of_domain: Any) -> float:
     Computed exactly as the Mann–Whitney U statistic: the probability that a random OOD input
     scores higher than a random in-domain one, ties counting one half,
     ``AUROC = (R_ood − n_ood (n_ood + 1) / 2) / (n_in · n_ood)`` with ``R_ood`` the sum of the
-    OOD inputs' mid-ranks in the pooled scores. 1.0 = perfect separation, 0.5 = chance.
+    OOD inputs' mid-ranks in the pooled scores.
+
+    Parameters
+    ----------
+    score_in_domain, score_out_of_domain
+        Scores of the in-domain and the out-of-domain inputs (any shape; flattened).
+
+    Returns
+    -------
+    float
+        1.0 = perfect separation, 0.5 = chance.
+
+    Raises
+    ------
+    ArgumentError
+        When either set of scores is empty.
     """
     from scipy.stats import rankdata
 
