@@ -9,12 +9,16 @@ from __future__ import annotations
 import math
 import warnings
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
 from .errors import ArgumentError
 from .runtime.uncertainty import _standard_normal, uncertainty_from_logit_samples
+
+if TYPE_CHECKING:
+    from .network import PFPNetwork
+
 
 __all__ = ["CALIBRATION_OBJECTIVES", "CalibrationObjective", "calibrate", "minimise_log_scale",
            "predictive_uncertainty"]
@@ -49,7 +53,6 @@ def predictive_uncertainty(model: Callable[..., Any], guide: Callable[..., Any],
     return uncertainty_from_logit_samples(predictive_logits(model, guide, x, num_samples, seed))
 
 
-
 class CalibrationObjective:
     """The function of the calibration factor ``c`` that :func:`calibrate` minimises.
 
@@ -70,7 +73,7 @@ class CalibrationObjective:
     one and appends ``(c, value)`` to ``obj.history``.
     """
 
-    def __init__(self, net: Any, x_val: Any, *, objective: str = "mutual_information",
+    def __init__(self, net: PFPNetwork, x_val: Any, *, objective: str = "mutual_information",
                  target_samples: Any = None, y_val: Any = None, num_samples: int = 100,
                  seed: int = 0) -> None:
         from .runtime.inputs import as_input_array
@@ -182,7 +185,7 @@ def minimise_log_scale(fn: Callable[[float], float], bounds: tuple[float, float]
 
 def calibrate(model: Any, guide: Any, x_val: Any, *, input_shape: tuple[int, ...] | None = None,
               y_val: Any = None, objective: str | None = None, num_samples: int = 100,
-              samples: Any = None, net: Any = None, bounds: tuple[float, float] = (1e-3, 10.0),
+              samples: Any = None, net: PFPNetwork | None = None, bounds: tuple[float, float] = (1e-3, 10.0),
               grid: int = 13, rtol: float = 1e-2, seed: int = 0,
               return_objective: bool = False) -> float | tuple[float, CalibrationObjective]:
     """Choose PFP's global variance (calibration) factor automatically from validation inputs.

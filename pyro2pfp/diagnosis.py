@@ -21,6 +21,7 @@ from .options import Correlation, SharedFactor
 
 if TYPE_CHECKING:
     from .analysis.mc_compare import SD_FLOOR, Diagnosis, LayerFidelity, compare, layer_fidelity, model_and_guide
+    from .network import PFPNetwork
 
 __all__ = ["SD_FLOOR", "Diagnosis", "LayerFidelity", "compare", "diagnose", "layer_fidelity", "model_and_guide"]
 
@@ -37,7 +38,7 @@ def __getattr__(name: str) -> Any:
 
 
 def diagnose(model: Any, guide: Any, x: Any, *, num_samples: int = 300, input_shape: tuple[int, ...] | None = None,
-             calibration: float = 1.0, net: Any = None, seed: int = 0, per_layer: bool = True,
+             calibration: float = 1.0, net: PFPNetwork | None = None, seed: int = 0, per_layer: bool = True,
              execute: Any = None, correlation: Correlation | SharedFactor | str = Correlation.AUTO) -> Diagnosis:
     """Compare every planned layer's PFP moments with Monte Carlo over the guide's samples.
 

@@ -6,7 +6,7 @@ import os
 import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import tvm
 from tvm.s_tir import meta_schedule as ms
@@ -20,6 +20,10 @@ from .measure import _BatchRunner, _kernel_inputs, _seconds
 from .results import KernelChoice, TuneResult
 from .search import BUILDERS, SEARCH_OPS, _Progress, _run_search, _select_tasks
 from .specialize import _prim_funcs, _schedules_fingerprint, _target_json, specialize_batch, tuning_key
+
+if TYPE_CHECKING:
+    from ....network import PFPNetwork
+
 
 DEFAULT_TRIALS = 64
 """Candidates measured per tuned module when ``trials`` is not given."""
@@ -236,7 +240,7 @@ def with_remote(tune: Any, remote: Any) -> Any:
     return spec
 
 
-def tune_network(net: Any, target: Any, spec: Any) -> dict[int, Any]:
+def tune_network(net: PFPNetwork, target: Any, spec: Any) -> dict[int, Any]:
     """Tune ``net`` (a :class:`~pyro2pfp.network.PFPNetwork`) for each batch of ``spec`` (what
     ``compile(tune=...)`` takes, see :func:`parse_tune_spec`) and build them:
     ``{batch: VM executable specialised to that batch}``."""
