@@ -259,7 +259,8 @@ def _noisy_ancestry(graph: PlannedGraph) -> dict[str, bool]:
 def needs_shared_factors(graph: PlannedGraph) -> str | None:
     """Why mean-field would be wrong for ``graph`` (None: it is fine): an average pooling of a
     conv output's noise (shared by every position of the channel, divided by the window size as
-    if independent) or a residual add of two noisy branches (which share their input).
+    if independent), a residual add of two noisy branches (which share their input), or a dense layer
+    with deterministic weights that mixes random units for a later layer (:func:`_deterministic_mixer`).
 
     Flatten → dense after a conv (LeNet-5) is not on the list: the dense weights differ per position,
     so the shared noise adds only partly coherently -- negligibly for narrow posteriors, by about a
@@ -267,11 +268,38 @@ def needs_shared_factors(graph: PlannedGraph) -> str | None:
     mean-field multiply-adds there; ``convert`` warns instead
     (:func:`~pyro2pfp.correlation.cost.dense_head_caveat`)."""
     noisy = _noisy_ancestry(graph)
+    mixer = _deterministic_mixer(graph, noisy)
+    if mixer is not None:
+        return mixer
     for layer in graph.layers:
         if layer.op == "avg_pool2d" and noisy[layer.inputs[0]]:
             return f"{layer.layer.source} averages positions of a conv output"
         if layer.op == "add" and sum(graph.repr_of(n) is not Repr.DETERMINISTIC for n in layer.inputs) == 2:
             return f"{layer.layer.source} adds two branches that share their input"
+    return None
+
+
+def _deterministic_mixer(graph: PlannedGraph, conv_noise: dict[str, bool]) -> str | None:
+    """Why mean-field is wrong for a partially Bayesian network: a dense layer with deterministic weights
+    reads random units, so its outputs are linear maps of the same random inputs -- correlated, with
+    covariance ``W Σ_in Wᵀ`` -- and a later compute layer sums them as if independent (with
+    ``Σ_in = diag(v)``, ``Var(Σ_j a_j y_j) = Σ_i v_i (Σ_j a_j W_ji)²``, whereas mean-field gives
+    ``Σ_j a_j² Σ_i W_ji² v_i``; the shared-factor plan carries the input's noise as factors and keeps the
+    cross terms).  A Bayesian dense layer's own weight noise is independent per output and usually
+    dominates; a deterministic one has only the shared part.  None when no such layer feeds another, and for a
+    dense layer downstream of a conv's noise (``conv_noise``): there ``auto`` weighs the compact factor plan,
+    which carries a dense layer's input noise for the dense layer after it at a fraction of the cost."""
+    reaches_compute: dict[str, bool] = {}
+    for layer in reversed(graph.layers):
+        reaches_compute[layer.name] = any(
+            is_compute_layer(c.op) or reaches_compute.get(c.name, False)
+            for c in graph.layers if layer.name in c.inputs)
+    for layer in graph.layers:
+        if (layer.op == "dense" and "weight_mean" in layer.tensors and weight_var(layer.tensors).max(initial=0.0) == 0
+                and graph.repr_of(layer.inputs[0]) is not Repr.DETERMINISTIC and reaches_compute[layer.name]
+                and not conv_noise[layer.inputs[0]]):
+            return (f"{layer.layer.source}: dense layer '{layer.name}' has deterministic weights and reads random "
+                    "units, so its outputs share their inputs' noise, which a later layer sums")
     return None
 
 

@@ -209,11 +209,14 @@ def test_partially_bayesian_network():
     guide = autoguide.AutoNormal(model, init_scale=0.1)
     fit(model, guide)
     # The deterministic fc2 mixes fc1's independent units, so its outputs are correlated and the mean-field
-    # plan (what 'auto' picks here) under-states the logits' variance (median ratio to sampling 0.39,
-    # measured with 20,000 draws): the spot check refuses it, naming the remedy.
+    # plan under-states the logits' variance (median ratio to sampling 0.39, measured with 20,000 draws):
+    # the spot check refuses it, naming the remedy.
     with pytest.raises(pyro2pfp.FidelityError, match="correlation='shared-factor'"):
-        pyro2pfp.convert(model, guide)
-    net = pyro2pfp.convert(model, guide, correlation="shared-factor")
+        pyro2pfp.convert(model, guide, correlation="mean-field")
+    # 'auto' sees the deterministic dense layer that reads random units and picks shared factors, which pass
+    # the spot check (convert's default check=).
+    net = pyro2pfp.convert(model, guide)
+    assert net.plan.correlation == "shared-factor", net.plan.summary()
     store = pyro.get_param_store()
     fc1 = net.layer_graph.layer("fc1")
     assert fc1.params["weight"].site == "fc1.weight" and not fc1.params["weight"].is_deterministic
