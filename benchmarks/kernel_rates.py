@@ -11,7 +11,8 @@ The nets are those of ``benchmarks/latency.py`` (LeNet-5 and the MLP with their 
 trained; the ResNets with an untrained He-scale posterior): kernel speed does not depend on the values.
 Per round: torch's deterministic net (posterior means) is timed (median of a few calls), then every
 selected kernel alone on a copy of its arguments from one call of the compiled network (a C++ timing
-loop, ``time_evaluator``); the kernel's rate (its multiply-adds, :func:`pyro2pfp.runtime.profiling.kernel_multiply_adds`,
+loop, ``time_evaluator``); the kernel's rate (its multiply-adds,
+:func:`pyro2pfp.backends.tvm.kernel_work.kernel_multiply_adds`,
 over its time) is divided by torch's (the deterministic net's multiply-adds over its time) of the
 same round.  The table gives the median of those ratios over the rounds and their 25th-75th percentiles.
 ``--ops`` is a regular expression on the kernels' ops (default: the conv kernels whose rate

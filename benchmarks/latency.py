@@ -33,7 +33,7 @@ timing loop).  Ratios: ``xPred``/``xvmap`` = that baseline's e2e time / this row
 
 Each per-kernel profile (``--no-profile`` skips them) gives every kernel's multiply-adds, its rate
 (G multiply-adds/s) and that rate over torch's whole-net rate (the deterministic net's multiply-adds
-over its eager time, same batch, same run): ``pyro2pfp.runtime.profiling.kernel_multiply_adds`` says how a
+over its eager time, same batch, same run): ``pyro2pfp.backends.tvm.kernel_work.kernel_multiply_adds`` says how a
 kernel's work is counted.
 
 Tuning databases are cached (``~/.cache/pyro2pfp/tuning`` or ``$PYRO2PFP_CACHE``), keyed by the
@@ -269,8 +269,8 @@ def det_multiply_adds(net) -> int:
 def plan_multiply_adds(net) -> int:
     """Multiply-adds per input of the PFP plan: ``pyro2pfp.correlation.cost_model``'s count (mean-field
     products and, for a shared-factor plan, the scheme's), or -- for a plan the cost model does not
-    cover (correlated max pools' ``window_cov``) -- the sum of :func:`pyro2pfp.runtime.profiling.kernel_multiply_adds`
-    over the kernels at batch 1."""
+    cover (correlated max pools' ``window_cov``) -- the sum of
+    :func:`pyro2pfp.backends.tvm.kernel_work.kernel_multiply_adds` over the kernels at batch 1."""
     from pyro2pfp.backends.tvm.kernel_work import kernel_multiply_adds
     from pyro2pfp.correlation import cost_model, plan_factors
     from pyro2pfp.correlation.factors import CorrelationError

@@ -53,9 +53,8 @@ if TYPE_CHECKING:
 
 #: Attributes imported on first use (PEP 562): the converter and what needs torch and Pyro.  None of them
 #: is named like a submodule: importing ``pyro2pfp.<name>`` binds the package's attribute ``<name>`` to the
-#: submodule, so a function sharing its module's name (``diagnose``, ``uncertainty``) is imported eagerly
-#: above, from a module that is cheap to import.
-_LAZY = {"convert": "network", "PFPNetwork": "network", "Diagnosis": "mc_compare"}
+#: submodule, so no public function shares its name with a module of the package's top level.
+_LAZY = {"convert": "network", "PFPNetwork": "network", "Diagnosis": "analysis.mc_compare"}
 
 
 def __getattr__(name: str) -> Any:
@@ -86,8 +85,25 @@ def __dir__() -> list[str]:
 
 
 def set_num_threads(n: int) -> int:
-    """Threads of the compiled networks' CPU kernels (process-wide; see
-    :func:`pyro2pfp.runtime.predictor.set_num_threads`)."""
+    """Set the threads of the compiled networks' CPU kernels (process-wide;
+    :func:`pyro2pfp.runtime.predictor.set_num_threads`).
+
+    Parameters
+    ----------
+    n
+        Threads for every later call: at most the size of TVM's thread pool, which is fixed when it
+        starts (set ``TVM_NUM_THREADS`` before the first run for more; a warning says so).
+
+    Returns
+    -------
+    int
+        The number of threads now in use.
+
+    Raises
+    ------
+    ArgumentError
+        When ``n`` is not a positive int.
+    """
     from .runtime.predictor import set_num_threads as _set
 
     return _set(n)

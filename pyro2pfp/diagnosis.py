@@ -5,9 +5,9 @@ model and compares every planned layer's Monte Carlo mean and variance with the 
 reference of the PFP plan; the figures (mean error as median/p90 over elements with a floored sd,
 variance ratio median/p10/p90) are defined in :mod:`pyro2pfp.analysis.mc_compare`, which does the work.
 
-Importing this module is cheap (NumPy only): ``import pyro2pfp`` imports it, so that ``pyro2pfp.diagnose``
-is the function whichever way the module is reached; torch and Pyro come with the first call, and
-the names re-exported from :mod:`pyro2pfp.analysis.mc_compare` (``layer_fidelity``, ``Diagnosis``, ...) when first read.
+Importing this module is cheap (NumPy only): ``import pyro2pfp`` imports it; torch and Pyro come with the
+first call, and the names re-exported from :mod:`pyro2pfp.analysis.mc_compare` (``layer_fidelity``,
+``Diagnosis``, ...) when first read.
 """
 from __future__ import annotations
 
@@ -21,6 +21,7 @@ from .options import Correlation, SharedFactor
 
 if TYPE_CHECKING:
     from .analysis.mc_compare import SD_FLOOR, Diagnosis, LayerFidelity, compare, layer_fidelity, model_and_guide
+    from .network import PFPNetwork
 
 __all__ = ["SD_FLOOR", "Diagnosis", "LayerFidelity", "compare", "diagnose", "layer_fidelity", "model_and_guide"]
 
@@ -30,30 +31,50 @@ _FROM_MC_COMPARE = ("SD_FLOOR", "Diagnosis", "LayerFidelity", "compare", "layer_
 
 def __getattr__(name: str) -> Any:
     if name in _FROM_MC_COMPARE:
-        value = getattr(importlib.import_module(".mc_compare", __package__), name)
+        value = getattr(importlib.import_module(".analysis.mc_compare", __package__), name)
         globals()[name] = value
         return value
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 def diagnose(model: Any, guide: Any, x: Any, *, num_samples: int = 300, input_shape: tuple[int, ...] | None = None,
-             calibration: float = 1.0, net: Any = None, seed: int = 0, per_layer: bool = True,
+             calibration: float = 1.0, net: PFPNetwork | None = None, seed: int = 0, per_layer: bool = True,
              execute: Any = None, correlation: Correlation | SharedFactor | str = Correlation.AUTO) -> Diagnosis:
     """Compare every planned layer's PFP moments with Monte Carlo over the guide's samples.
 
-    ``model``, ``guide``: as for :func:`pyro2pfp.convert` (a TyXe ``VariationalBNN`` may be passed
-    alone).  Leaves the model, the guide, the param store and the random number generators (torch,
-    NumPy, Python) as it found them.
+    Leaves the model, the guide, the param store and the random number generators (torch, NumPy,
+    Python) as it found them.  Layers inserted by the planner (representation conversions) and layers
+    that share a traced node with a later one are not listed.  The figures are defined in
+    :mod:`pyro2pfp.analysis.mc_compare`.
 
-    ``x``: a batch of inputs ``(B, *input_shape)``; ``input_shape`` defaults to ``x.shape[1:]``.
-    ``net``: an already converted :class:`~pyro2pfp.PFPNetwork` of ``(model, guide)`` (skips conversion;
-    its plan is diagnosed, whatever its calibration and correlation scheme; without it the network is
-    converted with ``calibration`` and ``correlation``, see :func:`pyro2pfp.convert`).  Layers inserted
-    by the planner (representation conversions) and layers that share a traced node with a later one are
-    not listed.  The figures are defined in :mod:`pyro2pfp.analysis.mc_compare`.  ``per_layer=False`` records only the output
-    (logits): faster, and the returned ``layers`` then hold the output layer alone.  ``execute(plan, x)
-    -> {layer: Activation}`` replaces the NumPy reference (:func:`pyro2pfp.backends.reference.execute_all`, which
-    runs the plan's correlation scheme) as the PFP side.
+    Parameters
+    ----------
+    model, guide
+        As for :func:`pyro2pfp.convert` (a TyXe ``VariationalBNN`` may be passed alone).
+    x
+        A batch of inputs ``(B, *input_shape)``.
+    num_samples
+        Guide samples.
+    input_shape
+        Defaults to ``x.shape[1:]``.
+    calibration, correlation
+        As for :func:`pyro2pfp.convert`, when ``net`` is not given.
+    net
+        An already converted :class:`~pyro2pfp.PFPNetwork` of ``(model, guide)``: its plan is diagnosed,
+        whatever its calibration and correlation scheme (no conversion).
+    seed
+        Seeds the guide samples.
+    per_layer
+        ``False`` records only the output (logits): faster; ``layers`` then holds the output layer alone.
+    execute
+        ``execute(plan, x) -> {layer: Activation}`` replaces the NumPy reference
+        (:func:`pyro2pfp.backends.reference.execute_all`, which runs the plan's correlation scheme) as the
+        PFP side.
+
+    Returns
+    -------
+    Diagnosis
+        Per-layer rows in plan order (``print`` shows the table).
     """
     try:
         import pyro.util

@@ -187,94 +187,82 @@ def convert(model: Any, guide: Any = None, *, input_shape: tuple[int, ...] | Non
             fold_batch_norm: bool = True, correlation: Correlation | SharedFactor | str = Correlation.AUTO,
             head: Head | str | None = None, max_pool: MaxPool | str = MaxPool.CORRELATED, check: Any = None,
             example_args: tuple | None = None, example_kwargs: dict[str, Any] | None = None) -> PFPNetwork:
-    """Convert a Pyro BNN (``model``, trained ``guide``) into a PFP network.
+    """Convert a Pyro BNN (``model`` and its trained ``guide``) into a PFP network.
 
-    Traces ``model`` (a ``PyroModule``) over a deterministic copy holding the posterior means, reads
-    the posterior variances from ``guide`` through its own API, maps the traced torch ops to PFP
-    layers, plans the (variance / raw moment) representation of every edge and multiplies every
-    weight and bias variance by ``calibration``.
+    Traces ``model`` over a deterministic copy holding the posterior means, reads the posterior
+    variances from ``guide`` through its own API and the param store, maps the traced torch ops to PFP
+    layers, plans the representation of every edge and the correlation scheme, and ends with a spot
+    check against guide samples.  Converting runs the model and the guide but leaves the model, the
+    guide, the modules their code uses, the param store and the global random state as it found them,
+    on success and on failure (:mod:`pyro2pfp.frontend.preserve`).  What each option changes and when
+    to pick another value: ``docs/options.md``.
 
-    ``input_shape`` is the shape of one input without the batch dimension; it may be omitted when
-    the first layer is a Linear layer.
+    Parameters
+    ----------
+    model
+        The Pyro model: a ``PyroModule``, a module whose ``forward`` calls ``pyro.module`` /
+        ``random_module``, or a TyXe ``VariationalBNN`` (then ``guide`` may be omitted: its ``net``
+        and ``net_guide`` are used).
+    guide
+        The trained guide (``AutoNormal``, another autoguide, or a hand-written guide whose weights
+        are ``Normal`` sample sites).  The posterior is the one the param store holds at the moment of
+        the call: a guide that has not run since the store was loaded or set is first brought in line
+        with it.
+    input_shape
+        The shape of one input without the batch dimension; may be omitted when the first layer is a
+        Linear layer or ``example_args`` is given.
+    calibration
+        Factor on every weight and bias variance (``pyro2pfp.calibrate`` finds one).
+    moment_form
+        ``"variance"`` (default): variances on every edge, cancellation-free in float32; ``"raw"``:
+        the paper's plan (raw second moments into compute layers).  A :class:`~pyro2pfp.options.MomentForm`
+        or its string.
+    input_variance
+        ``True``: the network's ``main`` takes ``(x, x_var)`` and propagates input (sensor) noise.
+    check_posterior
+        ``False`` skips the check of one guide sample against what was read (for guides that cannot be
+        sampled with the model's input alone).
+    fold_batch_norm
+        ``True`` (default): every eval-mode batch norm after a Linear/Conv layer is folded into that
+        layer's weight and bias moments (exact, :mod:`pyro2pfp.planning.folding`).
+    correlation
+        How the noise shared between activations is treated: ``"auto"`` (default: chosen per network,
+        with its reason in ``net.summary()``), ``"mean-field"`` (every element independent, the paper),
+        ``"shared-factor"``, ``"compact-factor"``, or a :class:`~pyro2pfp.options.SharedFactor` with the
+        shared-factor scheme's variants.  ``net.plan.correlation`` tells which was chosen.
+    head
+        ``None`` (default): the logits' mean and variance; ``"probs"``: the class probabilities and the
+        predictive entropies computed in the same pass (:mod:`pyro2pfp.ops.head`; the output must be a
+        vector of logits per input).
+    max_pool
+        ``"correlated"`` (default): a max pool fed by a conv folds Clark's max of its window's
+        correlated Gaussians; ``"independent"``: the paper's rule.
+    check
+        ``None`` (default): the spot check (deterministic parameters against the param store, 64 guide
+        samples on two inputs against the network's reference within gross bounds; a
+        :class:`~pyro2pfp.errors.FidelityError` names the first layer that departs); ``False``: no check;
+        an input batch ``x``: the careful check on those inputs (150 guide samples, layer by layer; a
+        :class:`~pyro2pfp.errors.FidelityWarning` names the first layer that parts from sampling).
+        ``net.fidelity`` holds the figures (:mod:`pyro2pfp.analysis.fidelity`).
+    example_args, example_kwargs
+        The arguments of one call of the model and guide (the input batch first), for models and guides
+        that need more than the input (labels, sizes); the labels never enter the network.  Without them
+        the model and guide are called with a batch of zeros and ``None`` for further required parameters.
 
-    The string options ``moment_form``, ``correlation``, ``max_pool`` and ``head`` take a member of
-    their Enum in :mod:`pyro2pfp.options` (:class:`~pyro2pfp.options.MomentForm`,
-    :class:`~pyro2pfp.options.Correlation`, :class:`~pyro2pfp.options.MaxPool`,
-    :class:`~pyro2pfp.options.Head`) or its string, e.g. ``correlation=pyro2pfp.Correlation.MEAN_FIELD``
-    or ``correlation="mean-field"``; any other value raises an :class:`~pyro2pfp.errors.ArgumentError`
-    that lists the allowed ones.
+    Returns
+    -------
+    PFPNetwork
+        ``net.reference(x)`` (float64 NumPy), ``net.compile(target)`` (TVM), ``net.to_onnx(path)``,
+        ``net.summary()`` (the plan), ``net.fidelity`` (the check's figures).
 
-    ``moment_form="variance"`` (default) carries variances on every edge (cancellation-free in
-    float32); ``"raw"`` is the paper's plan (compute layers take raw second moments, ``E[w²]``
-    precomputed), which loses variances smaller than ~1e-7·mean² in float32.
-
-    A TyXe ``VariationalBNN`` may be passed alone (``convert(bnn)``); its ``net`` and
-    ``net_guide`` are used.
-
-    ``input_variance=True`` gives a network whose ``main`` takes ``(x, x_var)``: input (sensor)
-    noise is propagated through the whole network, and the first layer uses the full form.
-
-    The posterior is the one the param store holds at the moment of the call: a guide that has
-    not run since ``pyro.get_param_store().load(path)`` / ``.set_state(...)`` / ``store[name] = v``
-    (or has never run) is first brought in line with the store, and one sample of the guide is
-    checked against what was read (:mod:`pyro2pfp.frontend.posterior.guard`); a mismatch raises
-    :class:`PosteriorError`.  ``check_posterior=False`` skips that check, for guides that cannot be
-    sampled with the model's input alone.
-
-    ``example_args=(x, y, ...)`` / ``example_kwargs``: the arguments of one call of the model and guide
-    (the input batch first) for models and guides that need more than the input, e.g. ``model(X, cll)``
-    reading ``cll.size(0)``; ``input_shape`` then defaults to ``x.shape[1:]``.  They are used to run the
-    model and guide; the labels never enter the network (:mod:`pyro2pfp.frontend.model_args`).  Without them the
-    model and guide are called with a batch of zeros and ``None`` for further required parameters.
-
-    Converting runs the model and the guide, but leaves everything the user owns as it found it, on
-    success and on failure: the model, the guide and the modules their code uses (parameters and
-    buffers, train/eval mode, hooks), the param store and the global random state
-    (:mod:`pyro2pfp.frontend.preserve`).
-
-    ``fold_batch_norm=True`` (default) folds every eval-mode batch norm that follows a Linear/Conv layer
-    into that layer's weight and bias moments (exact, :mod:`pyro2pfp.planning.folding`): one kernel fewer each.
-
-    ``correlation``: how the noise shared between activations is treated (:mod:`pyro2pfp.correlation`).
-    ``"mean-field"``: every element independent (the paper); ``"shared-factor"``: beside each edge's
-    moments, per-channel factors for the noise shared by all positions of a conv channel and by the
-    two branches of a residual add (one pass, no sampling; a :class:`~pyro2pfp.errors.ArgumentError`
-    naming the layer if an op has no rule); ``"auto"`` (default): shared-factor when the network
-    averages positions of a conv output or adds residual branches (where mean-field under-states the
-    logit variance several-fold: the ResNet rows of ``docs/fidelity.md``), mean-field
-    otherwise (MLPs, LeNet-5), and mean-field with a warning when an op has no shared-factor rule.
-    ``net.plan.correlation`` tells which was chosen.  ``correlation=pyro2pfp.SharedFactor(hermite=...,
-    injection=...)`` is the shared-factor scheme with its cheaper variants (:class:`~pyro2pfp.options.Hermite`,
-    :class:`~pyro2pfp.options.Injection`; ``docs/options.md`` compares them).
-
-    ``max_pool``: the rule of max pooling under mean-field PFP.  ``"correlated"`` (default): where a
-    conv feeds the pool (directly or through a non-decreasing activation, which is then applied after
-    the pool -- an exact rewrite), the pool folds Clark's max of the window's *correlated* Gaussians,
-    their covariances computed from the conv (:mod:`pyro2pfp.planning.correlated_pools`); ``"independent"``:
-    every pool treats its window's taps as independent (the paper's rule, which under-states the
-    variance after a pool when the posterior is wide).  ``net.summary()`` names the pools that use
-    the correlated rule.
-
-    ``head="probs"`` appends the uncertainty head to the logits, in the same compiled module, the
-    NumPy reference and the ONNX export: the network then outputs the class probabilities and, per
-    input, the predictive entropy, the expected softmax entropy and the mutual information, without
-    sampling (a fixed sigma-point quadrature of the logits' Gaussian, :mod:`pyro2pfp.ops.head`);
-    ``net.reference(x)`` and ``exe(x)`` return a :class:`~pyro2pfp.ops.head.HeadOutput`.  The output
-    must be a vector of logits per input (one logit: a Bernoulli/sigmoid output).
-
-    ``check``: every conversion ends with a spot check (default, ``check=None``; :func:`pyro2pfp.analysis.fidelity.spot_check`):
-    the network's deterministic parameters read from the param store must equal the store's, and 64 guide
-    samples run through the traced model on two inputs (the example inputs, else two standard normal ones) must
-    agree with the network's NumPy reference within gross bounds (the logits' median mean error at most 6 Monte
-    Carlo standard errors, the median variance ratio within what 64 samples explain by a wide margin); else a
-    :class:`~pyro2pfp.errors.FidelityError` names the first layer that departs.  ``net.fidelity`` holds the
-    figures.  It costs 64 guide samples, their forward passes (vectorised) and the reference on two inputs
-    (``docs/fidelity.md`` gives the share of convert's time); ``check=False`` skips it.  ``check=x_example`` (a
-    small batch of inputs) is the careful check instead: 150 guide samples on those inputs, compared with the
-    network layer by layer; a :class:`~pyro2pfp.errors.FidelityWarning` naming the first layer that parts from
-    sampling is issued when they differ by more than the sample count explains; ``net.fidelity`` holds the
-    figures (:mod:`pyro2pfp.analysis.fidelity`).  Keep that batch small (a few dozen inputs); the message says how long
-    it took.
+    Raises
+    ------
+    PFPError
+        Every failure is a subclass naming the module, site, line or shape, the cause and the remedy:
+        :class:`~pyro2pfp.errors.ArgumentError` (an option's value),
+        :class:`~pyro2pfp.errors.UnsupportedLayerError` (an op without a PFP rule),
+        :class:`~pyro2pfp.errors.TracingError`, :class:`~pyro2pfp.errors.PosteriorError` (the guide or
+        the param store), :class:`~pyro2pfp.errors.FidelityError` (the spot check).
     """
     from .frontend.preserve import preserved
     from .ops.head import append_head, check_head

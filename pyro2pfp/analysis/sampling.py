@@ -23,14 +23,22 @@ def predictive_logits(
     return_sites=("_RETURN",))(x)`` under ``torch.no_grad``, after bringing the model's and guide's
     parameters in line with the param store (:func:`pyro2pfp.frontend.posterior.ready_to_sample`).
 
-    Args:
-        model: Pyro model returning logits.
-        guide: Trained guide.
-        x: Inputs (converted to float32).
-        num_samples: Number of posterior weight samples.
-        seed: If given, ``pyro.set_rng_seed(seed)`` is called first.
+    Parameters
+    ----------
+    model
+        Pyro model returning logits.
+    guide
+        Trained guide.
+    x
+        Inputs (converted to float32).
+    num_samples
+        Number of posterior weight samples.
+    seed
+        If given, ``pyro.set_rng_seed(seed)`` is called first.
 
-    Returns:
+    Returns
+    -------
+    numpy.ndarray
         ``float64`` array of shape ``(num_samples, B, classes)``. Class predictions are
         ``predictive_logits(...).mean(0).argmax(-1)``.
     """

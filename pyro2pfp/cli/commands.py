@@ -90,7 +90,9 @@ def cmd_convert(args: argparse.Namespace) -> int:
         print(f"wrote {args.output} (ONNX opset {args.opset}; inputs {'x, x_var' if net.input_variance else 'x'}; "
               f"outputs {outputs}) in {time.perf_counter() - t0:.1f} s")
         return 0
-    exe = deploy.compile_network(net, args.target or "llvm", schedule=not args.no_schedule,
+    from ..backends.tvm.compile import compile_network
+
+    exe = compile_network(net, args.target or "llvm", schedule=not args.no_schedule,
                                  batch_sizes=args.batch_sizes or (), tune=tune)
     extra = {"model": type(model).__name__, "builder": args.builder,
              "params": os.path.basename(args.params) if args.params else None,
@@ -247,10 +249,10 @@ def cmd_bench(args: argparse.Namespace) -> int:
 
     from ..analysis.sampling import predictive_logits
     from ..backends.onnx.builder import to_onnx
-    from ..runtime import deploy
+    from ..backends.tvm.compile import compile_network
 
     model, guide, net = convert_from_args(args)
-    exe = deploy.compile_network(net, args.target)
+    exe = compile_network(net, args.target)
     if args.remote:
         return _bench_remote(net, exe, args)
     if not exe.runnable:
@@ -307,11 +309,11 @@ def _bench_remote(net, exe, args: argparse.Namespace) -> int:
 
 def cmd_validate(args: argparse.Namespace) -> int:
     """``validate --remote``: the board's outputs on a fixed input set against the float64 reference."""
-    from ..runtime import deploy
+    from ..backends.tvm.compile import compile_network
     from ..runtime.remote import Remote, validate
 
     _model, _guide, net = convert_from_args(args)
-    exe = deploy.compile_network(net, args.target)
+    exe = compile_network(net, args.target)
     report = validate(net, exe, Remote.parse(args.remote, session_timeout=args.remote_timeout),
                       count=args.count, rtol=args.rtol)
     print(report)

@@ -186,7 +186,8 @@ def build_parser() -> argparse.ArgumentParser:
                         "a board of the target's architecture; cached in ~/.cache/pyro2pfp/tuning), exported "
                         "like --batch-sizes")
     p.add_argument("--trials", type=positive_int, default=None,
-                   help="MetaSchedule trials per --tune batch (default: the library's, pyro2pfp.backends.tvm.tuning.DEFAULT_TRIALS)")
+                   help="MetaSchedule trials per --tune batch (default: the library's, "
+                        "pyro2pfp.backends.tvm.tuning.DEFAULT_TRIALS)")
     _add_remote_options(p, required=False)
     p.add_argument("--verbose", "-v", action="store_true", help="print the layer plan")
     p.add_argument("--check", metavar="X.npy",

@@ -18,7 +18,7 @@ uses them where positions and branches are summed; still one forward pass, no sa
 * :mod:`.execute`: the executor (registered in ``reference.SCHEME_EXECUTORS``: what
   ``net.reference`` and ``reference.execute_all`` run for a plan with factors);
 * :mod:`.backend`: the per-layer dispatch of the float32 back ends, :mod:`.onnx_step` the ONNX one
-  (registered in ``onnx_builder.SCHEME_STEPS``); the TVM one is ``pyro2pfp/backends/tvm/shared_factor.py``;
+  (registered in ``backends.onnx.builder.SCHEME_STEPS``); the TVM one is ``pyro2pfp/backends/tvm/shared_factor.py``;
 * :mod:`.cost`: the cost model.
 
 Cost (per input; :func:`~pyro2pfp.correlation.cost.cost_model`, ``benchmarks/fidelity.py --cost``)

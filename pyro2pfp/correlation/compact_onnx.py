@@ -1,5 +1,6 @@
 """The ONNX export of the compact factor plan (:mod:`.compact`): after each layer's export, the layer's compact
-factor rule (:data:`~pyro2pfp.planning.registry.COMPACT_EXPORTERS`, the same formulas the float64 reference runs) through
+factor rule (:data:`~pyro2pfp.planning.registry.COMPACT_EXPORTERS`, the same formulas the float64 reference
+runs) through
 :func:`.loadings.compact_layer` with the export's ``OnnxContext`` as back end.  Block columns stay block columns
 ((B, C, P, r) tensors, no zeros); every width is static, only the batch axis is dynamic."""
 from __future__ import annotations
@@ -15,7 +16,7 @@ from .loadings import Loadings, compact_layer
 
 
 class OnnxCompactStep:
-    """The compact factor plan's step of the ONNX export (``onnx_builder.SCHEME_STEPS``): keeps each edge's
+    """The compact factor plan's step of the ONNX export (``backends.onnx.builder.SCHEME_STEPS``): keeps each edge's
     :class:`~.loadings.Loadings` (ONNX symbols) and returns the layer's output with the corrected variance."""
 
     def __init__(self, graph: PlannedGraph, ctx: OnnxContext) -> None:

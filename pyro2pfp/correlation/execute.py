@@ -28,7 +28,8 @@ def execute_shared_all(graph: PlannedGraph, x: np.ndarray, factors: FactorPlan |
     diagnostics and tests)."""
     fp = graph.factors if factors is None else factors
     if fp is None:
-        raise PFPError("this plan has no factor plan (correlation='mean-field'): use pyro2pfp.backends.reference.execute_all")
+        raise PFPError("this plan has no factor plan (correlation='mean-field'): use "
+                       "pyro2pfp.backends.reference.execute_all")
     if graph.input_repr is not Repr.DETERMINISTIC:
         raise PFPError("shared-factor PFP: networks with an input variance are not supported")
     values = {INPUT: Activation(np.asarray(x, dtype=np.float64), None, Repr.DETERMINISTIC)}

@@ -161,8 +161,8 @@ def loads_guide(layer: PlannedLayer) -> bool:
     return "weight_factors" in layer.tensors or "bias_factors" in layer.tensors
 
 
-#: whether the float32 back ends (ONNX, TVM) carry a correlated guide's global factors
-GUIDE_IN_BACKENDS = False
+#: the compute ops whose float32 rules (ONNX, TVM) carry a correlated guide's global factors
+GUIDE_OPS = frozenset({"dense", "conv2d"})
 
 #: the float32 back ends' factor counts are multiples of this (16 fp32 = one AVX-512 register)
 FACTOR_ALIGN = 16
@@ -178,7 +178,7 @@ def in_backends(op: str, ops: Collection[str] | None = None) -> bool:
 
 
 def fixed_k_plan(graph: PlannedGraph, what: str, ops: Collection[str] | None = None,
-                 compaction: bool = False) -> FactorPlan:
+                 compaction: bool = False, guide_ops: Collection[str] = GUIDE_OPS) -> FactorPlan:
     """The factor plan the float32 back ends (``what``: "the TVM back end", "ONNX export") run for a
     shared-factor ``graph``: ``graph.factors``' variants with a static ``K`` per edge.
     ``compaction``: keep the reference's compaction points (``compact_at``; the back end then
@@ -189,12 +189,16 @@ def fixed_k_plan(graph: PlannedGraph, what: str, ops: Collection[str] | None = N
     the layer).
     Every ``K`` is rounded up to a multiple of
     :data:`FACTOR_ALIGN` (zero columns) so the kernels' factor axis is whole SIMD vectors; a
-    compacted edge carries ``aligned(rows)`` columns (:func:`aligned`)."""
+    compacted edge carries ``aligned(rows)`` columns (:func:`aligned`).  A correlated guide's global factors
+    are carried where the layers loading them are of ``guide_ops`` (the back end's rules that add the guide's
+    terms), else refused naming the layer."""
     fp = graph.factors
     if fp.guide:
-        raise ArgumentError(f"{what} of correlation='shared-factor' does not carry a correlated guide's global "
-                            f"factors ({_guide_text(graph)}); net.reference runs them, or convert with "
-                            "correlation='mean-field' (marginal variances only)")
+        for layer in graph.layers:
+            if loads_guide(layer) and layer.op not in guide_ops:
+                raise ArgumentError(f"{layer.layer.source}: {what} does not carry a correlated guide's global "
+                                    f"factors ({_guide_text(graph)}) through op '{layer.op}'; net.reference "
+                                    "runs them, or convert with correlation='mean-field' (marginal variances only)")
     if graph.moment_form != "variance":
         raise ArgumentError(f"{what} of correlation='shared-factor' needs moment_form='variance', not "
                             f"{graph.moment_form!r}")
@@ -255,7 +259,8 @@ def _noisy_ancestry(graph: PlannedGraph) -> dict[str, bool]:
 def needs_shared_factors(graph: PlannedGraph) -> str | None:
     """Why mean-field would be wrong for ``graph`` (None: it is fine): an average pooling of a
     conv output's noise (shared by every position of the channel, divided by the window size as
-    if independent) or a residual add of two noisy branches (which share their input).
+    if independent), a residual add of two noisy branches (which share their input), or a dense layer
+    with deterministic weights that mixes random units for a later layer (:func:`_deterministic_mixer`).
 
     Flatten → dense after a conv (LeNet-5) is not on the list: the dense weights differ per position,
     so the shared noise adds only partly coherently -- negligibly for narrow posteriors, by about a
@@ -263,11 +268,38 @@ def needs_shared_factors(graph: PlannedGraph) -> str | None:
     mean-field multiply-adds there; ``convert`` warns instead
     (:func:`~pyro2pfp.correlation.cost.dense_head_caveat`)."""
     noisy = _noisy_ancestry(graph)
+    mixer = _deterministic_mixer(graph, noisy)
+    if mixer is not None:
+        return mixer
     for layer in graph.layers:
         if layer.op == "avg_pool2d" and noisy[layer.inputs[0]]:
             return f"{layer.layer.source} averages positions of a conv output"
         if layer.op == "add" and sum(graph.repr_of(n) is not Repr.DETERMINISTIC for n in layer.inputs) == 2:
             return f"{layer.layer.source} adds two branches that share their input"
+    return None
+
+
+def _deterministic_mixer(graph: PlannedGraph, conv_noise: dict[str, bool]) -> str | None:
+    """Why mean-field is wrong for a partially Bayesian network: a dense layer with deterministic weights
+    reads random units, so its outputs are linear maps of the same random inputs -- correlated, with
+    covariance ``W Σ_in Wᵀ`` -- and a later compute layer sums them as if independent (with
+    ``Σ_in = diag(v)``, ``Var(Σ_j a_j y_j) = Σ_i v_i (Σ_j a_j W_ji)²``, whereas mean-field gives
+    ``Σ_j a_j² Σ_i W_ji² v_i``; the shared-factor plan carries the input's noise as factors and keeps the
+    cross terms).  A Bayesian dense layer's own weight noise is independent per output and usually
+    dominates; a deterministic one has only the shared part.  None when no such layer feeds another, and for a
+    dense layer downstream of a conv's noise (``conv_noise``): there ``auto`` weighs the compact factor plan,
+    which carries a dense layer's input noise for the dense layer after it at a fraction of the cost."""
+    reaches_compute: dict[str, bool] = {}
+    for layer in reversed(graph.layers):
+        reaches_compute[layer.name] = any(
+            is_compute_layer(c.op) or reaches_compute.get(c.name, False)
+            for c in graph.layers if layer.name in c.inputs)
+    for layer in graph.layers:
+        if (layer.op == "dense" and "weight_mean" in layer.tensors and weight_var(layer.tensors).max(initial=0.0) == 0
+                and graph.repr_of(layer.inputs[0]) is not Repr.DETERMINISTIC and reaches_compute[layer.name]
+                and not conv_noise[layer.inputs[0]]):
+            return (f"{layer.layer.source}: dense layer '{layer.name}' has deterministic weights and reads random "
+                    "units, so its outputs share their inputs' noise, which a later layer sums")
     return None
 
 
@@ -288,8 +320,9 @@ def choose(graph: PlannedGraph, correlation: Correlation | str, hermite: Hermite
     :class:`CorrelationError` naming the layer it has no rule for; ``"mean-field"``: None (a correlated
     guide's correlations dropped, with a warning); ``"auto"``: the scheme when :func:`needs_shared_factors`
     finds a reason, else, for a correlated guide, its global factors alone (the weights' independent
-    noise stays mean-field), else mean-field -- and mean-field with a warning when the scheme has no
-    rule for a layer, or one that only the NumPy reference implements (the plan must compile and export)."""
+    noise stays mean-field; every back end carries them through the ops of :data:`GUIDE_OPS`), else
+    mean-field -- and mean-field with a warning when the scheme has no rule for a layer, or one that only
+    the NumPy reference implements (the plan must compile and export)."""
     correlation = checked(Correlation, correlation)
     guide = guide_count(graph)
     if correlation in ("mean-field", "compact-factor"):  # compact: planned after the pool rewrite (with_compact)
@@ -302,11 +335,6 @@ def choose(graph: PlannedGraph, correlation: Correlation | str, hermite: Hermite
         if guide and reason is None:  # the guide's factors; the weights' independent noise stays mean-field
             return plan_factors(graph, Hermite.NONE, injection=injection, guide=guide, own_blocks=False)
         return plan_factors(graph, hermite, injection=injection, guide=guide)
-    if guide and not GUIDE_IN_BACKENDS:  # auto plans compile and export
-        warnings.warn(f"correlation='auto': the guide's correlations between weights ({_guide_text(graph)}) are "
-                      "dropped, only the marginal variances are used: the compiled and ONNX back ends do not carry "
-                      "them yet (net.reference does, with correlation='shared-factor')", stacklevel=4)
-        guide = 0
     if reason is None and not guide:
         return None
     try:
@@ -318,6 +346,10 @@ def choose(graph: PlannedGraph, correlation: Correlation | str, hermite: Hermite
         if reference_only is not None:
             raise CorrelationError(f"{reference_only.layer.source}: op '{reference_only.op}' has a shared-factor rule "
                                    "in the NumPy reference only, not in the compiled or ONNX back ends")
+        no_guide = next((layer for layer in graph.layers if loads_guide(layer) and layer.op not in GUIDE_OPS), None)
+        if no_guide is not None:
+            raise CorrelationError(f"{no_guide.layer.source}: the compiled and ONNX back ends do not carry a "
+                                   f"correlated guide's factors through op '{no_guide.op}'")
         return fp
     except CorrelationError as exc:
         if reason is None:
@@ -347,5 +379,6 @@ def replanned(graph: PlannedGraph, factors: FactorPlan | None) -> PlannedGraph:
     """``graph`` (a plan rewritten after :func:`with_correlation` chose ``factors`` for the graph before the
     rewrite, e.g. with correlated max pools) with the same scheme and variants planned anew on it (None:
     mean-field); returns ``graph``."""
-    graph.factors = None if factors is None else plan_factors(graph, factors.hermite, injection=factors.injection)
+    graph.factors = None if factors is None else plan_factors(graph, factors.hermite, injection=factors.injection,
+                                                              guide=factors.guide, own_blocks=factors.own_blocks)
     return graph

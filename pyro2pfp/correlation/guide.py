@@ -21,6 +21,9 @@ mean-field moments (computed with the marginal variance ``V = d² + Σ_f F_f²``
   (the exact covariance of ``out[o, p]`` with the channel's normal ``η_o`` from the guide's part);
   the per-position variance keeps the mean-field ``(Σ_f F_f²)·μ²`` (the guide's correlations inside
   one receptive field are not re-summed: that would take ``k`` convolutions).
+
+The same terms in the float32 back ends: :mod:`.guide_onnx` (ONNX export) and the compiled rules
+(``backends/tvm/ops/compute_shared.py``: the dense kernel; ``backends/tvm/guide_factor.py``: conv2d's).
 """
 from __future__ import annotations
 

@@ -14,7 +14,7 @@ formulas over a back end ``bk``: :func:`pyro2pfp.ops._formula.compact_formula`),
 back end.  Keyed by creator so that branches carrying the same factors add their loadings (a residual
 add) instead of stacking them; factors shared by several layers (a low-rank guide's) fit as one global key.
 
-The tensor algebra of ``bk`` (``reference.NumpyBackend``, ``onnx_builder.OnnxContext``): ``einsum``,
+The tensor algebra of ``bk`` (``backends.reference.NumpyBackend``, ``backends.onnx.builder.OnnxContext``): ``einsum``,
 ``rows(t, shape)`` (reshape to ``(-1, *shape)``), ``reshape(t, shape)`` (``(batch, *shape)``), ``permute``,
 ``rsum(t, axis)``, ``slice``, ``taps`` (strided window views), ``concat``, ``tensor`` (a constant),
 ``conv2d``, ``zeros_like``, ``ops`` (:mod:`pyro2pfp.moments`' namespace) and ``lowest``.

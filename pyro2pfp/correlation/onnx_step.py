@@ -1,5 +1,5 @@
 """ONNX export of shared-factor PFP: the step that emits, after each layer's mean-field export
-(``onnx_builder.SCHEME_STEPS``), the ONNX form of the layer's rule
+(``backends.onnx.builder.SCHEME_STEPS``), the ONNX form of the layer's rule
 (:data:`~pyro2pfp.planning.registry.SHARED_EXPORTERS`, registered with each op in ``ops/<family>.py``), and
 the helpers those rules are written with.
 

@@ -8,7 +8,7 @@ allow, :mod:`pyro2pfp.ops._formula`).  Their TVM kernels and CPU schedules are t
 it first).  See :mod:`pyro2pfp.planning.registry` and docs/architecture.md ("how to add an op").
 """
 from ..planning.registry import OPS, OpDef, OpRegistryError, get_op, register_op, render_layer_table, supported_modules
-from . import (
+from . import (  # noqa: F401  (registers the ops)
     activation,
     arithmetic,
     compute,

@@ -32,7 +32,10 @@ AFFINE = register_op(OpDef(
     "affine", ("aten.batch_norm.default", "aten._native_batch_norm_legit_no_training.default"),
     modules="`BatchNorm1d/2d` in eval mode (folded into the Linear/Conv before it, `pyro2pfp.planning.folding`)",
     modules_short=("BatchNorm1d/2d (eval)",), moments="exact (linear)",
-    assumptions="deterministic normalisation parameters"))
+    assumptions="deterministic normalisation parameters",
+    # deterministic per-channel scale and shift
+    stored_tensors=lambda layer, input_repr, calibration: {"scale": layer.params["scale"].mean,
+                                                           "shift": layer.params["shift"].mean}))
 
 ADD = register_op(OpDef(
     "add", ("aten.add.Tensor", "aten.add_.Tensor"),

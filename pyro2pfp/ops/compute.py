@@ -28,6 +28,7 @@ import numpy as np
 from ..backends.onnx.builder import OnnxActivation, OnnxContext, Sym
 from ..backends.reference import Activation
 from ..backends.reference.arrays import conv2d_nchw, conv_views, tap_product
+from ..correlation import guide_onnx
 from ..correlation.factors import ComputeFactors, FactorPlan, weight_var
 from ..correlation.guide import conv_pooled_injection, dense_guide_variance, dense_injection, guide_tensors
 from ..correlation.onnx_step import OnnxShared, OnnxSharedStep
@@ -434,9 +435,18 @@ def conv2d_shared_onnx(step: OnnxSharedStep, ctx: OnnxContext, layer: PlannedLay
         amap = step.total([step.einsum("bc,oc->boc", sb, w) for sb, w in zip(sbar, w_k)])
         prop = step.einsum("boc,bcf->bof", amap, step.widened(sh.g, sh.k, k))
         loading = prop if loading is None else loading + prop
-    assert loading is not None
+    wf, bf = guide_tensors(t, o, step.fp)
+    if wf is not None or bf is not None:  # a correlated guide's factors (correlation/guide_onnx.py)
+        injected = guide_onnx.conv_injection(step, mbar, wf, bf, k)
+        loading = injected if loading is None else loading + injected
+    if loading is None:  # nothing shared in or created (the reference's rule returns no shared part)
+        return None, out
     g, _ = step.normalise(loading)
     terms: list[Sym] = []
+    if wf is not None or bf is not None:
+        terms += guide_onnx.conv_profile_terms(step, g, mu_taps, wf, bf)
+    if wf is not None and sh is not None:
+        out = OnnxActivation(out.mean + guide_onnx.conv_mean_shift(step, sh, s_taps, wf), out.second, out.repr)
     if sh is not None:
         g_in_cols = g.nary("Slice", step.b.ints([0], "starts"), step.b.ints([sh.k], "ends"),
                            step.b.ints([2], "axes"))
@@ -474,15 +484,25 @@ def dense_shared_onnx(step: OnnxSharedStep, ctx: OnnxContext, layer: PlannedLaye
     o, n = wm.shape
     loading: Sym | None = None
     var = step.var(out)
+    mean = out.mean
     assert var is not None
+    wf, bf = guide_tensors(t, o, step.fp)
+    rows = step.fp.rows[layer.inputs[0]] if sh is not None else 1
+    counted: Sym | None = None
     if sh is not None:
-        rows = step.fp.rows[layer.inputs[0]]
         s = step.view_as(sh.s, n)
         coef = step.einsum("brg,org->bor", step.view_as(s, rows, n // rows), step.t(wm.reshape(o, rows, -1), "w"))
         loading = step.einsum("bor,brf->bof", coef, step.widened(sh.g, sh.k, k))
-        ws2 = (s * s).nary("MatMul", step.t((wm**2).T, "w2_t"))
+        counted = (s * s).nary("MatMul", step.t((wm**2).T, "w2_t"))
+    if wf is not None or bf is not None:  # a correlated guide's factors (correlation/guide_onnx.py)
+        injected, guide_counted, shift = guide_onnx.dense_terms(step, step.view_as(x.mean, n), sh, rows, wf, bf, k)
+        loading = injected if loading is None else loading + injected
+        counted = guide_counted if counted is None else counted + guide_counted
+        if shift is not None:
+            mean = mean + shift
+    if loading is not None and counted is not None:
         pn = step.view_as(step.rsum(loading * loading, [2]), o)
-        var = (var + pn - ws2).nary("Max", step.c(0.0))
+        var = (var + pn - counted).nary("Max", step.c(0.0))
     if offset is not None:
         mu = step.view_as(x.mean, n)
         ex2 = mu * mu if x.second is None else mu * mu + step.view_as(x.second, n)
@@ -494,4 +514,4 @@ def dense_shared_onnx(step: OnnxSharedStep, ctx: OnnxContext, layer: PlannedLaye
     assert loading is not None
     g, norm = step.normalise(loading)
     s_out = step.clip(step.view_as(norm, o), var)
-    return OnnxShared(s_out, g, k), OnnxActivation(out.mean, var, out.repr)
+    return OnnxShared(s_out, g, k), OnnxActivation(mean, var, out.repr)

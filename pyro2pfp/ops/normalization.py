@@ -47,7 +47,7 @@ from ..correlation.onnx_step import OnnxShared, OnnxSharedStep
 from ..correlation.shared import Shared, normalised
 from ..planning.converters import register
 from ..planning.graph import GaussianParam, Layer, Repr
-from ..planning.plan import PlannedLayer
+from ..planning.plan import PlannedLayer, stored_variance
 from ..planning.registry import Contract, FactorSpec, OpDef, register_op, shared_exporter, shared_reference
 from ._formula import compact_formula, formula
 
@@ -64,7 +64,14 @@ LAYER_NORM = register_op(OpDef(
                 "[0.85, 1.1]; poor for D ≤ 4); `γ`, `β` independent of the input",
     # a Gaussian γ or β makes a deterministic input random: never kept deterministic
     contract=Contract(Repr.VARIANCE, Repr.VARIANCE, keeps_deterministic=False),
-    factor_spec=FactorSpec(refuse=lambda layer: _refused(layer))))
+    factor_spec=FactorSpec(refuse=lambda layer: _refused(layer)),
+    stored_tensors=lambda layer, input_repr, calibration: _stored(layer, calibration)))
+
+
+def _stored(layer: Layer, calibration: float) -> dict[str, np.ndarray]:
+    """``γ``, ``β``: their means and calibrated variances."""
+    return {f"{name}_{what}": value for name in ("weight", "bias") for what, value in
+            (("mean", layer.params[name].mean), ("var", stored_variance(layer.params[name].var, calibration)))}
 
 
 def _refused(layer: PlannedLayer) -> str | None:

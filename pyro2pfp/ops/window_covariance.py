@@ -27,6 +27,7 @@ deterministic edge.  The TVM kernel and schedule: ``backends/tvm/ops/window_cova
 """
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
@@ -38,24 +39,35 @@ from ..backends.reference.arrays import conv2d_nchw, padded, window_views
 from ..correlation.factors import FactorPlan
 from ..correlation.onnx_step import OnnxShared, OnnxSharedStep
 from ..correlation.shared import Shared
-from ..planning.graph import Repr
-from ..planning.plan import PlannedLayer
+from ..planning.graph import Layer, Repr
+from ..planning.plan import PlannedLayer, stored_variance
 from ..planning.registry import OPS, Contract, FactorSpec, OpDef, register_op, shared_exporter, shared_reference
 
 D = Repr.DETERMINISTIC
 
 
-def _covariance_op(name: str, modules: str, moments: str, assumptions: str) -> OpDef:
+def _covariance_op(name: str, modules: str, moments: str, assumptions: str,
+                   stored_tensors: Callable[..., dict[str, np.ndarray]] | None = None) -> OpDef:
     """An op the planner inserts before a max pool: a deterministic tensor of in-window covariances."""
     return register_op(OpDef(name, modules=modules, moments=moments, assumptions=assumptions, internal=True,
                              contract=Contract(Repr.VARIANCE, Repr.DETERMINISTIC, keeps_deterministic=True),
-                             factor_spec=FactorSpec(covariance=True)))
+                             factor_spec=FactorSpec(covariance=True), stored_tensors=stored_tensors))
+
+
+def _conv_tensors(layer: Layer, input_repr: Repr, calibration: float) -> dict[str, np.ndarray]:
+    """The feeding conv's weight means and calibrated variances, and its bias variances if random."""
+    tensors = {"weight_mean": layer.params["weight"].mean,
+               "weight_var": stored_variance(layer.params["weight"].var, calibration)}
+    bias = layer.params.get("bias")
+    if bias is not None and not bias.is_deterministic:
+        tensors["bias_var"] = stored_variance(bias.var, calibration)
+    return tensors
 
 
 WINDOW_COV = _covariance_op(
     "window_cov", "(inserted by the planner before a max pool fed by a conv)",
     "exact for a conv with independent Gaussian weights and mean-field inputs",
-    "mean-field conv input, or the shared-factor plan's covariance of it")
+    "mean-field conv input, or the shared-factor plan's covariance of it", stored_tensors=_conv_tensors)
 
 
 def taps(kernel: list[int]) -> list[tuple[int, int]]:

@@ -214,20 +214,19 @@ class PlannedGraph:
 
 
 def _stored_tensors(layer: Layer, input_repr: Repr, calibration: float) -> dict[str, np.ndarray]:
-    if layer.op == "affine":  # deterministic per-channel scale and shift
-        return {"scale": layer.params["scale"].mean, "shift": layer.params["shift"].mean}
-    if layer.op == "layer_norm":  # γ, β: means and calibrated variances (pyro2pfp/ops/normalization.py)
-        return {f"{name}_{what}": value for name in ("weight", "bias") for what, value in
-                (("mean", layer.params[name].mean), ("var", stored_variance(layer.params[name].var, calibration)))}
-    if layer.op == "window_cov":  # the feeding conv's weights (pyro2pfp/ops/window_covariance.py)
-        tensors = {"weight_mean": layer.params["weight"].mean,
-                   "weight_var": stored_variance(layer.params["weight"].var, calibration)}
-        bias = layer.params.get("bias")
-        if bias is not None and not bias.is_deterministic:
-            tensors["bias_var"] = stored_variance(bias.var, calibration)
-        return tensors
+    """The layer's parameters as the back ends read them: the op's own ``OpDef.stored_tensors``, else a
+    compute layer's weights and biases, else none."""
+    op = OPS.get(layer.op)
+    if op is not None and op.stored_tensors is not None:
+        return op.stored_tensors(layer, input_repr, calibration)
     if not is_compute_layer(layer.op):
         return {}
+    return compute_tensors(layer, input_repr, calibration)
+
+
+def compute_tensors(layer: Layer, input_repr: Repr, calibration: float) -> dict[str, np.ndarray]:
+    """A compute layer's stored weight and bias: means, calibrated variances (or, for a second-moment
+    input, ``E[w²]``) and a correlated guide's loadings, calibrated as standard deviations."""
     weight = layer.params["weight"]
     tensors = {"weight_mean": weight.mean}
     root = np.sqrt(max(float(calibration), 0.0))

@@ -12,7 +12,7 @@ table              decorator                                             module
 =================  ====================================================  =================================
 converters         ``converters.register("aten.x.default", produces=)``  :mod:`pyro2pfp.planning.converters`
 references         ``reference.reference(op)``                           :mod:`pyro2pfp.backends.reference`
-ONNX exporters     ``onnx_builder.exporter(op)``                          :mod:`pyro2pfp.backends.onnx.builder`
+ONNX exporters     ``backends.onnx.builder.exporter(op)``                          :mod:`pyro2pfp.backends.onnx.builder`
 TVM kernels        ``backends.tvm.kernel(op)``                            :mod:`pyro2pfp.backends.tvm`
 CPU schedules      ``backends.tvm.schedule(op)``                          :mod:`pyro2pfp.backends.tvm.schedules`
 =================  ====================================================  =================================
@@ -153,7 +153,9 @@ class OpDef:
     ``factor_spec``: the op's part of the shared-factor plan; ``no_shared_rule``: why the op has no
     shared-factor rule (empty: it has one in every back end, which ``tests/ops/test_op_completeness.py``
     checks; a plan with factors is refused for a network with such an op, ``correlation='auto'``
-    falls back to mean-field).
+    falls back to mean-field); ``stored_tensors``: ``fn(layer, input_repr, calibration) -> {name:
+    array}``, the layer's parameters as every back end reads them (``PlannedLayer.tensors``, variances
+    calibrated); None: none, or the compute layers' weights and biases (``compute_layer``).
     """
 
     name: str
@@ -172,6 +174,7 @@ class OpDef:
     example_attrs: dict[str, Any] = field(default_factory=dict)
     factor_spec: FactorSpec = FactorSpec()
     no_shared_rule: str = ""
+    stored_tensors: Callable[..., dict[str, Any]] | None = None
 
 
 OPS: dict[str, OpDef] = {}

@@ -28,7 +28,6 @@ import os
 import warnings
 from typing import Any
 
-from ..backends.tvm.compile import compile_network
 from ..errors import ArgumentError, LibraryNotFoundError, LoadError
 from .library_files import (
     BATCH_KEY,
@@ -43,7 +42,7 @@ from .library_files import (
 from .targets import PRESET_HELP, TARGET_PRESETS, _norm_arch, host_arch, is_cross_target, resolve_target, target_arch
 
 __all__ = ["TARGET_PRESETS", "PRESET_HELP", "FORMAT", "resolve_target", "target_arch", "host_arch",
-           "is_cross_target", "compile_network", "export_library", "load", "read_metadata", "sidecar_path",
+           "is_cross_target", "export_library", "load", "read_metadata", "sidecar_path",
            "batch_library_path"]
 
 
@@ -191,19 +190,36 @@ def _relax_executable(module: Any, path: str, what: str) -> Any:
 
 def load(path: str | os.PathLike, *, input_shape: tuple[int, ...] | None = None,
          input_variance: bool | None = None, verify_sha256: bool = True):
-    """Load a library written by ``exe.export_library(path)``: a predictor that behaves like ``exe``; or
-    an ONNX model written by ``net.to_onnx(path)`` (a path ending in ``.onnx``): an
-    :class:`~pyro2pfp.runtime.onnx_runtime.OnnxPredictor` running it with onnxruntime, with the same input checks
-    and outputs (its input shape and input-variance flag come from the model itself).
+    """Load a library written by ``exe.export_library(path)``, or an ONNX model written by
+    ``net.to_onnx(path)``: a predictor that behaves like the one exported.
 
-    Returns a :class:`~pyro2pfp.runtime.predictor.CompiledPFP`: ``exe(x[, x_var]) -> (mean, var)``
-    float32 NumPy arrays, same input checks (a network converted with ``head="probs"``: a
-    :class:`~pyro2pfp.ops.head.HeadOutput`, as its sidecar's ``"head"`` says).
-    The input shape and input-variance flag come from
-    ``path + ".json"``; ``input_shape`` / ``input_variance`` override them (or replace a lost
-    sidecar).  Uses the TVM runtime's module loader (a ``.tar`` is linked here with the system compiler).
+    Parameters
+    ----------
+    path
+        The library (``.so``, ``.tar``; its metadata is ``path + ".json"``) or an ``.onnx`` file (run
+        with onnxruntime; its input shape and input-variance flag come from the model itself).
+    input_shape, input_variance
+        Override the metadata's input shape and input-variance flag (or replace a lost sidecar).
+    verify_sha256
+        ``False`` accepts a library changed since export (e.g. re-linked on the device).
 
-    What is checked (every failure is a :class:`~pyro2pfp.errors.LoadError` naming the path): the
+    Returns
+    -------
+    CompiledPFP or OnnxPredictor
+        ``exe(x[, x_var]) -> (mean, var)`` float32 NumPy arrays with the same input checks as the
+        exported predictor (a network converted with ``head="probs"``: a
+        :class:`~pyro2pfp.ops.head.HeadOutput`, as its sidecar's ``"head"`` says).
+
+    Raises
+    ------
+    LoadError
+        Naming the path, for any failure of the checks below.
+
+    Notes
+    -----
+    Uses the TVM runtime's module loader (a ``.tar`` is linked here with the system compiler).
+
+    What is checked: the
     library exists and is a TVM library with a Relax ``main``; the metadata file parses and has the
     input shape and flag; the library's sha256 equals the one recorded at export (pass
     ``verify_sha256=False`` to accept a library changed since, e.g. re-linked on the device); the

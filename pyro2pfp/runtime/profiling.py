@@ -20,20 +20,17 @@ Either way the rows (kernels plus ``(vm overhead)``) add up to ``total_us``.
 ``profile(exe, [x])`` accepts a :class:`~pyro2pfp.backends.tvm.runtime.CompiledPFP`, a
 ``relax.VirtualMachine`` or an executable; arguments may be NumPy arrays or TVM tensors.
 
-**Work per kernel.** ``profile(..., work=kernel_multiply_adds(net, batch))`` also gives each row its
-multiply-adds and its rate (G multiply-adds/s), and ``reference_rate=`` (e.g. the deterministic torch
-net's multiply-adds over its time) a ratio to it, so the kernel that is slowest per unit of work stands
-out.  :func:`kernel_multiply_adds` counts a mean-field ``conv2d``/``dense`` kernel's work as the
-products of the direct algorithm -- per tap and output one for the mean and two for the variance
-(``Σ vw·(μx² + vx)``, ``Σ μw²·vx``), one each for a deterministic input -- the count of
-:func:`pyro2pfp.correlation.cost_model`, whatever algorithm runs (a Winograd kernel's rate is
-"effective": it does fewer multiplications); any other kernel's as the multiplications of its
-definition (the TIR before scheduling, at that batch size).
+**Work per kernel.** ``profile(..., work=kernel_multiply_adds(net, batch))`` (the count:
+:func:`pyro2pfp.backends.tvm.kernel_work.kernel_multiply_adds`, which needs the TVM compiler) also gives
+each row its multiply-adds and its rate (G multiply-adds/s), and ``reference_rate=`` (e.g. the
+deterministic torch net's multiply-adds over its time) a ratio to it, so the kernel that is slowest per
+unit of work stands out.
 """
 from __future__ import annotations
 
 import collections
 import dataclasses
+import sys
 import time
 from collections.abc import Mapping, Sequence
 from typing import Any
@@ -42,7 +39,7 @@ import numpy as np
 
 from ..errors import ArgumentError, PFPError
 
-__all__ = ["KernelTime", "Profile", "profile", "kernel_multiply_adds", "split_kernel_name", "OVERHEAD_ROW"]
+__all__ = ["KernelTime", "Profile", "profile", "split_kernel_name", "OVERHEAD_ROW"]
 
 OVERHEAD_ROW = "(vm overhead)"
 
@@ -148,11 +145,12 @@ def split_kernel_name(symbol: str) -> tuple[str, str]:
     for ``"pfp_dense_fc1"`` (longest registered PFP op -- a kernel or a scheduled op such as the
     shared-factor ``sf_conv_load`` -- that prefixes it); ``(symbol, "")`` for anything else."""
     if symbol.startswith("pfp_"):
-        try:
-            from ..backends.tvm import KERNELS, SCHEDULES
-            ops = list(KERNELS) + [op for op in SCHEDULES if op not in KERNELS]
-        except Exception:  # noqa: BLE001 -- TVM back end unavailable: guess from the name
-            ops = []
+        # the op names registered by the TVM back end where it is loaded (the network was compiled in
+        # this process); a runtime-only process guesses from the name
+        backend = sys.modules.get("pyro2pfp.backends.tvm")
+        ops = []
+        if backend is not None:
+            ops = list(backend.KERNELS) + [op for op in backend.SCHEDULES if op not in backend.KERNELS]
         rest = symbol[4:]
         matches = [op for op in ops if rest.startswith(op + "_")]
         if matches:
@@ -250,21 +248,30 @@ def profile(target: Any, args: Sequence[Any], repeats: int = 30, *, method: str 
             reference_rate: float | None = None, reference_name: str = "") -> Profile:
     """Time every kernel of one ``main(*args)`` call.
 
-    Args:
-        target: a ``CompiledPFP`` (``net.compile()``), a ``relax.VirtualMachine`` or an executable.
-        args: the arguments of ``main`` (``[x]`` or ``[x, x_var]``), NumPy arrays, torch tensors
-            or TVM tensors of shape ``(batch, *input_shape)``.
-        repeats: timing rounds (medians are reported).
-        method: ``"isolated"`` (each kernel timed alone on a copy of its arguments; total from
-            ``vm.time_evaluator``) or ``"in_vm"`` (kernels timed in place by the instrument hook
-            over ``repeats`` calls of ``main``).
-        work: ``{kernel symbol: multiply-adds of one call}`` (:func:`kernel_multiply_adds`), for the
-            rows' multiply-adds and rates.
-        reference_rate, reference_name: a rate (G multiply-adds/s) the rows are compared with, and
-            what it is the rate of.
+    Parameters
+    ----------
+    target
+        A ``CompiledPFP`` (``net.compile()``), a ``relax.VirtualMachine`` or an executable.
+    args
+        The arguments of ``main`` (``[x]`` or ``[x, x_var]``), NumPy arrays, torch tensors
+        or TVM tensors of shape ``(batch, *input_shape)``.
+    repeats
+        Timing rounds (medians are reported).
+    method
+        ``"isolated"`` (each kernel timed alone on a copy of its arguments; total from
+        ``vm.time_evaluator``) or ``"in_vm"`` (kernels timed in place by the instrument hook
+        over ``repeats`` calls of ``main``).
+    work
+        ``{kernel symbol: multiply-adds of one call}`` (:func:`kernel_multiply_adds`), for the
+        rows' multiply-adds and rates.
+    reference_rate, reference_name
+        A rate (G multiply-adds/s) the rows are compared with, and
+        what it is the rate of.
 
-    Returns:
-        a :class:`Profile` whose rows -- one per kernel (by decreasing time) and one
+    Returns
+    -------
+    Profile
+        Rows -- one per kernel (by decreasing time) and one
         ``(vm overhead)`` row -- sum to ``total_us``.
     """
     import tvm
@@ -295,36 +302,6 @@ def profile(target: Any, args: Sequence[Any], repeats: int = 30, *, method: str 
                 if row.name in work else row for row in rows]
     return Profile(rows=rows, total_us=total_us, batch=batch, method=method, repeats=repeats,
                    threads=_threads(), reference_rate=reference_rate, reference_name=reference_name)
-
-
-def kernel_multiply_adds(net: Any, batch: int) -> dict[str, float]:
-    """``{kernel symbol: multiply-adds of one call}`` of ``net``'s compiled module at ``batch``
-    inputs (the counting rule is in the module docstring).  For :func:`profile`'s ``work``."""
-    import tvm
-
-    from ..backends.tvm.emit import kernel_info
-    from ..backends.tvm.schedules.work import kernel_multiplies
-    from ..backends.tvm.tuning.specialize import specialize_batch
-    from ..planning.graph import Repr
-
-    layers = {layer.name: layer for layer in net.plan.layers}
-    mod = specialize_batch(net.mod, batch)
-    out: dict[str, float] = {}
-    for gv, func in mod.functions_items():
-        if not isinstance(func, tvm.tirx.PrimFunc):
-            continue
-        op, name = kernel_info(func)
-        layer = layers.get(name) if name is not None else None
-        if op in ("conv2d", "dense") and layer is not None and layer.op == op:
-            size = int(layer.tensors["weight_mean"].size)
-            positions = int(np.prod(layer.layer.out_shape[1:])) if op == "conv2d" else 1
-            products = 2 if layer.in_reprs[0] is Repr.DETERMINISTIC else 3
-            out[gv.name_hint] = float(batch * positions * size * products)
-            continue
-        count = kernel_multiplies(func)
-        if count is not None:
-            out[gv.name_hint] = count
-    return out
 
 
 def _rows(kernel_us: dict[str, float], calls: dict[str, int], total_us: float) -> list[KernelTime]:

@@ -74,7 +74,8 @@ def actor_cpus(node_cpus: Sequence[float]) -> float:
 
 
 def _read_chunk(batch: dict[str, np.ndarray], shards: list[Shard]) -> dict[str, np.ndarray]:
-    """Ray Data read task: one chunk ``{"shard", "start", "stop"}`` → its rows (:func:`~pyro2pfp.runtime.shards.read_rows`)."""
+    """Ray Data read task: one chunk ``{"shard", "start", "stop"}`` → its rows
+    (:func:`~pyro2pfp.runtime.shards.read_rows`)."""
     shard_id, start, stop = (int(batch[k][0]) for k in (SHARD, "start", "stop"))
     return read_rows(shards[shard_id], start, stop, shard_id)
 
@@ -127,8 +128,8 @@ def score_files(models: Sequence[str | os.PathLike | ModelFiles], inputs: Sequen
         raise PFPError("score_files: no model given")
     if bundles[0].metadata().get("input_variance"):
         raise PFPError(f"{bundles[0].name} takes an input variance besides its inputs; pyro2pfp score reads the "
-                       "inputs only: run pyro2pfp.runtime.scoring.Scorer in your own Ray Data pipeline, with an 'x_var' "
-                       "column")
+                       "inputs only: run pyro2pfp.runtime.scoring.Scorer in your own Ray Data pipeline, with an "
+                       "'x_var' column")
     input_shape = bundles[0].input_shape()
     for shard in shards:
         if input_shape is not None and (why := shard.mismatch(input_shape)):

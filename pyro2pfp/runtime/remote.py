@@ -28,11 +28,15 @@ import re
 import tempfile
 import threading
 from collections.abc import Callable
-from typing import Any, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import numpy as np
 
 from ..errors import RemoteError
+
+if TYPE_CHECKING:
+    from ..network import PFPNetwork
+
 
 __all__ = [
     "Remote",
@@ -170,7 +174,8 @@ def as_remote(remote: Any) -> Remote:
         return remote
     if isinstance(remote, str):
         return Remote.parse(remote)
-    raise RemoteError(f"remote must be 'host:port/key', 'host:port' or a pyro2pfp.runtime.remote.Remote, got {remote!r}")
+    raise RemoteError(f"remote must be 'host:port/key', 'host:port' or a pyro2pfp.runtime.remote.Remote, "
+                      f"got {remote!r}")
 
 
 # ----------------------------------------------------------------------------------- run on a board
@@ -344,7 +349,7 @@ def fixed_inputs(input_shape: tuple[int, ...], count: int = 32, seed: int = 0) -
     return np.random.default_rng(seed).uniform(-1.0, 1.0, (int(count), *input_shape)).astype(np.float32)
 
 
-def validate(net: Any, exe: Any, remote: Any, *, x: Any = None, count: int = 32, seed: int = 0,
+def validate(net: PFPNetwork, exe: Any, remote: Any, *, x: Any = None, count: int = 32, seed: int = 0,
              rtol: float = 1e-4) -> ValidationReport:
     """Run ``exe`` on the board on a fixed input set (``x`` or :func:`fixed_inputs`) and compare
     with ``net.reference`` (float64 NumPy): the max absolute and relative error of mean and var.

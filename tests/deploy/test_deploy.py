@@ -28,6 +28,7 @@ import pytest
 import torch
 
 import pyro2pfp
+from pyro2pfp.backends.tvm.compile import compile_network
 from pyro2pfp.errors import InputShapeError, PFPError
 from pyro2pfp.network import PFPNetwork
 from pyro2pfp.planning.plan import plan
@@ -67,7 +68,7 @@ def lenet():
     guide = make_guide(model, init_scale=0.05)
     guide(x, torch.randint(0, 10, (5,), generator=g))
     net = pyro2pfp.convert(model, guide, input_shape=(1, 28, 28), calibration=0.5)
-    exe = deploy.compile_network(net, "llvm")
+    exe = compile_network(net, "llvm")
     pyro.clear_param_store()
     return net, exe, x.numpy()
 
@@ -158,7 +159,7 @@ def test_input_variance_flag_survives_export(tmp_path):
     graph = mlp_graph(np.random.default_rng(0), [12, 8, 3])
     graph.input_variance = True
     net = PFPNetwork(graph, plan(graph))
-    exe = deploy.compile_network(net, "llvm")
+    exe = compile_network(net, "llvm")
     rng = np.random.default_rng(1)
     x = rng.standard_normal((4, 12)).astype(np.float32)
     xv = rng.uniform(0, 0.1, x.shape).astype(np.float32)
@@ -401,7 +402,7 @@ def test_aarch64_library_is_an_aarch64_elf_shared_object_with_neon(lenet, lenet_
 def test_board_preset_compiles_with_tvm_tag(tmp_path):
     require(CROSS_GCC, "gcc-aarch64-linux-gnu")
     graph = mlp_graph(np.random.default_rng(0), [16, 8, 4])
-    exe = deploy.compile_network(PFPNetwork(graph, plan(graph)), "rpi4")
+    exe = compile_network(PFPNetwork(graph, plan(graph)), "rpi4")
     assert str(exe.target.attrs["mcpu"]) == "cortex-a72"
     exe.export_library(tmp_path / "mlp_rpi4.so")
     assert elf_header((tmp_path / "mlp_rpi4.so").read_bytes()[:64]) == (2, ET_DYN, EM_AARCH64)

@@ -138,8 +138,8 @@ def test_importing_the_package_imports_no_converter():
             "print(sorted({m.partition('.')[0] for m in sys.modules} & {'torch', 'pyro', 'scipy', 'tvm', 'tvm_ffi'}))\n"
             "convert = pyro2pfp.convert\n"
             "from pyro2pfp.planning.registry import OPS\n"
-            "from pyro2pfp.diagnose import layer_fidelity\n"  # the submodule: pyro2pfp.diagnose stays the function
-            "print(convert.__module__, 'torch' in sys.modules, 'dense' in OPS, pyro2pfp.diagnosis.__name__)")
+            "from pyro2pfp.diagnosis import layer_fidelity\n"  # its module: pyro2pfp.diagnose stays the function
+            "print(convert.__module__, 'torch' in sys.modules, 'dense' in OPS, pyro2pfp.diagnose.__name__)")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr[-2000:]
     assert out.stdout.split("\n")[:2] == ["[]", "pyro2pfp.network True True diagnose"]

@@ -67,9 +67,13 @@ def test_every_page_is_in_the_site_navigation_and_every_included_table_exists():
 
 def test_readme_setup_is_the_one_ci_runs():
     readme, ci = (REPO / "README.md").read_text(), (REPO / ".ci" / "run").read_text()
-    setup = re.search(r"^python3 -m venv \.venv && .*$", readme, flags=re.MULTILINE)
-    assert setup, "README: the set-up command (python3 -m venv .venv && ...) is missing"
-    assert setup.group(0) in ci.splitlines(), f".ci/run does not run the README's set-up command:\n{setup.group(0)}"
+    installs = re.findall(r"^python3 -m venv \.venv && .*$", readme, flags=re.MULTILINE)
+    assert len(installs) == 2, "README: the user install and the set-up command (python3 -m venv .venv && ...)"
+    user, setup = installs
+    assert setup in ci.splitlines(), f".ci/run does not run the README's set-up command:\n{setup}"
+    for line in installs:  # the CPU build of torch first, or pip pulls the CUDA wheels
+        assert line.index("torch==2.13.0") < line.index("-e "), line
+    assert user.endswith("pip install -e ."), user
     apt = re.search(r"apt-get install -y ([\w .+-]+)$", readme, flags=re.MULTILINE)
     assert apt, "README: the apt-get install line is missing"
     ci_apt = re.search(r"apt-get install -y -qq ([\w .+-]+)$", ci, flags=re.MULTILINE)
@@ -98,3 +102,39 @@ def test_readme_docs_and_package_cite_no_issue_numbers_or_dates():
     found = [f"{path.relative_to(REPO)}:{n}: {line.strip()}" for path in files
              for n, line in enumerate(path.read_text().splitlines(), 1) if issue.search(line) or date.search(line)]
     assert not found, "\n".join(found)
+
+
+def test_public_functions_document_their_parameters_in_one_style():
+    """One docstring style (numpy) in the package: no Google ``Args:`` sections or Sphinx ``:param:``
+    fields; every public function of ``pyro2pfp`` has a docstring whose Parameters section names each
+    of its parameters."""
+    import ast
+    import inspect
+
+    import pyro2pfp
+
+    offenders = []
+    for path in (REPO / "pyro2pfp").rglob("*.py"):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef, ast.Module)):
+                doc = ast.get_docstring(node) or ""
+                if re.search(r"^\s*(Args|Arguments|Keyword Args):\s*$|:param \w+:", doc, flags=re.MULTILINE):
+                    offenders.append(f"{path.relative_to(REPO)}:{getattr(node, 'name', '<module>')}")
+    assert not offenders, f"Google- or Sphinx-style docstrings (the package uses numpy style): {offenders}"
+
+    missing = []
+    for name in pyro2pfp.__all__:
+        obj = getattr(pyro2pfp, name)
+        if not inspect.isfunction(obj):
+            assert obj.__doc__, f"pyro2pfp.{name} has no docstring"
+            continue
+        doc = inspect.getdoc(obj) or ""
+        params = [p for p in inspect.signature(obj).parameters if p != "self"]
+        section = re.search(r"^Parameters\n-{10}\n(.*?)(?:^\S[^\n]*\n-{3,}\n|\Z)", doc, flags=re.MULTILINE | re.DOTALL)
+        named = set()
+        if section:
+            for line in section.group(1).splitlines():
+                if line and not line.startswith(" "):
+                    named.update(part.strip() for part in line.split(","))
+        missing += [f"pyro2pfp.{name}({p})" for p in params if p not in named]
+    assert not missing, f"parameters missing from a Parameters section: {missing}"

@@ -16,7 +16,7 @@ def _modules_after(code: str) -> set[str]:
 def test_core_library_needs_no_experiment_packages():
     """Converting, the reference, uncertainty and the CLI work without matplotlib and mlxtend (the
     ``experiments`` extra) and without the experiment code (pyro2pfp_experiments)."""
-    loaded = _modules_after("import pyro2pfp, pyro2pfp.network, pyro2pfp.uncertainty, pyro2pfp.cli, "
+    loaded = _modules_after("import pyro2pfp, pyro2pfp.network, pyro2pfp.runtime.uncertainty, pyro2pfp.cli, "
                             "pyro2pfp.backends.onnx.builder, pyro2pfp.frontend.posterior")
     assert "pyro2pfp.network" in loaded
     for module in ("matplotlib", "mlxtend", "pyro2pfp_experiments"):
@@ -25,9 +25,21 @@ def test_core_library_needs_no_experiment_packages():
 
 def _import_graph() -> dict[str, set[str]]:
     """``{module: modules of the package it imports}``, counting every import statement, also the
-    ones inside functions (a lazy import is still a dependency)."""
+    ones inside functions (a lazy import is still a dependency), but not those under
+    ``if TYPE_CHECKING:`` (annotations only: nothing is imported when the code runs)."""
     import ast
     from pathlib import Path
+
+    def statements(tree: ast.AST) -> list[ast.AST]:
+        out, todo = [], [tree]
+        while todo:
+            node = todo.pop()
+            if isinstance(node, ast.If) and "TYPE_CHECKING" in ast.unparse(node.test):
+                todo.extend(node.orelse)
+                continue
+            out.append(node)
+            todo.extend(ast.iter_child_nodes(node))
+        return out
 
     root = Path(__file__).resolve().parents[2] / "pyro2pfp"
     modules = {}
@@ -37,7 +49,7 @@ def _import_graph() -> dict[str, set[str]]:
     graph: dict[str, set[str]] = {name: set() for name in modules}
     for name, path in modules.items():
         package = name if path.name == "__init__.py" else name.rpartition(".")[0]
-        for node in ast.walk(ast.parse(path.read_text())):
+        for node in statements(ast.parse(path.read_text())):
             if isinstance(node, ast.ImportFrom):
                 base = package.split(".")[: len(package.split(".")) - (node.level - 1)] if node.level else []
                 target = ".".join(base + ([node.module] if node.module else [])) if node.level else node.module
@@ -80,6 +92,59 @@ def test_no_import_cycles():
     assert "pyro2pfp.network" in graph and "pyro2pfp.runtime.deploy" in graph["pyro2pfp"]
     cycles = _cycles(graph)
     assert not cycles, "import cycles: " + "; ".join(" -> ".join(c) for c in cycles)
+
+
+#: The package's wings, lowest first: a module may import its own wing and the wings below it, never one
+#: above (a lazy import too).  The stages of docs/architecture.md, in the order their imports allow: the
+#: runtime (a board's whole install) needs nothing of the converter; the op families register into the
+#: reference and ONNX tables below them and are read by the TVM back end above them.
+WINGS = [
+    ("base", ["pyro2pfp.errors", "pyro2pfp.options", "pyro2pfp._version", "pyro2pfp.compat"]),
+    ("moments", ["pyro2pfp.moments"]),
+    ("runtime", ["pyro2pfp.runtime"]),
+    ("planning", ["pyro2pfp.planning"]),
+    ("reference and ONNX back ends", ["pyro2pfp.backends", "pyro2pfp.backends.reference", "pyro2pfp.backends.onnx"]),
+    ("correlation", ["pyro2pfp.correlation"]),
+    ("ops", ["pyro2pfp.ops"]),
+    ("TVM back end", ["pyro2pfp.backends.tvm"]),
+    ("frontend", ["pyro2pfp.frontend"]),
+    ("analysis", ["pyro2pfp.analysis"]),
+    ("API", ["pyro2pfp", "pyro2pfp.network", "pyro2pfp.diagnosis", "pyro2pfp.calibration"]),
+    ("command line", ["pyro2pfp.cli", "pyro2pfp.__main__"]),
+]
+
+
+def _wing(module: str) -> int:
+    """The rank of ``module``'s wing (the longest listed prefix)."""
+    best, rank = "", -1
+    for i, (_, prefixes) in enumerate(WINGS):
+        for p in prefixes:
+            if (module == p or (module.startswith(p + ".") and p != "pyro2pfp")) and len(p) > len(best):
+                best, rank = p, i
+    assert rank >= 0, f"{module} belongs to no wing: add it to WINGS"
+    return rank
+
+
+def test_wings_point_down():
+    """Every import (lazy ones too) goes to the importer's own wing or one below it."""
+    up = [f"{a} ({WINGS[_wing(a)][0]}) -> {b} ({WINGS[_wing(b)][0]})"
+          for a, bs in sorted(_import_graph().items()) for b in sorted(bs) if _wing(b) > _wing(a)]
+    assert not up, "imports pointing up: " + "; ".join(up)
+
+
+def test_the_wing_check_sees_an_upward_import():
+    assert _wing("pyro2pfp.runtime.predictor") < _wing("pyro2pfp.analysis.fidelity")
+    assert _wing("pyro2pfp.backends.reference._core") < _wing("pyro2pfp.ops.compute")
+    assert _wing("pyro2pfp.ops.compute") < _wing("pyro2pfp.backends.tvm.emit")
+
+
+def test_the_top_level_holds_few_modules():
+    """Stages live in their wings; the top level keeps the base (errors, options, version) and the API."""
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[2] / "pyro2pfp"
+    top = sorted(p.name for p in root.glob("*.py"))
+    assert len(top) <= 12, top
 
 
 def test_cycle_detector_sees_a_cycle():
@@ -128,7 +193,6 @@ def test_the_package_pickles_by_reference():
 def test_the_package_and_its_objects_pickle_after_any_submodule_is_imported():
     """``import pyro2pfp`` is a plain module: it pickles by reference with cloudpickle (a user's class
     that refers to it ships to a Ray worker), as do its functions, classes, options and errors with the
-    standard pickle; and importing any submodule -- ``pyro2pfp.diagnose`` is also a module's name --
-    leaves the package's functions the functions."""
+    standard pickle; and importing any submodule leaves the package's functions the functions."""
     out = subprocess.run([sys.executable, "-c", PICKLING], capture_output=True, text=True, timeout=300)
     assert out.returncode == 0 and out.stdout.strip() == "ok", out.stderr[-3000:]

@@ -53,7 +53,8 @@ def test_duplicates_are_rejected():
 
 def test_readme_layer_table_is_the_generated_one():
     readme = (REPO / "README.md").read_text()
-    assert render_layer_table() in readme, "regenerate the README table with pyro2pfp.planning.registry.render_layer_table()"
+    assert render_layer_table() in readme, ("regenerate the README table with "
+                                            "pyro2pfp.planning.registry.render_layer_table()")
 
 
 def test_convert_never_imports_tvm(tmp_path):

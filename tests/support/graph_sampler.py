@@ -1,4 +1,5 @@
-"""Monte Carlo of a :class:`~pyro2pfp.planning.graph.LayerGraph` with Gaussian parameters, in torch (shared test helper).
+"""Monte Carlo of a :class:`~pyro2pfp.planning.graph.LayerGraph` with Gaussian parameters, in torch (shared test
+helper).
 
 Each draw takes new weights and biases from every layer's ``N(mean, var)`` and runs the network on the
 given inputs; ``n`` draws run at once as ``n`` groups of one grouped convolution (dense layers: a batched

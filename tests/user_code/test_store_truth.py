@@ -61,7 +61,8 @@ def test_a_stale_store_read_fails_the_conversion(notebook, monkeypatch):
     traced network against the model run eagerly with the store's values."""
     model, guide, _, state = notebook
     pyro.get_param_store().set_state(state)
-    monkeypatch.setattr(pyro2pfp.frontend.tracing, "take_store_values", lambda registrations: None)  # the module's values
+    # the module's values
+    monkeypatch.setattr(pyro2pfp.frontend.tracing, "take_store_values", lambda registrations: None)
     with pytest.raises(pyro2pfp.FidelityError, match=r"parameter fc1\.weight differs from the param store's "
                                                      r"'module\$\$\$fc1\.weight'"):
         pyro2pfp.convert(model, guide, input_shape=(forms.D_IN,))

@@ -92,12 +92,12 @@ def test_diagonal_autoguides_are_exact(guide_cls):
 
 @pytest.mark.slow
 @pytest.mark.parametrize("guide_cls", [autoguide.AutoLowRankMultivariateNormal, autoguide.AutoMultivariateNormal])
-def test_correlated_autoguides_use_marginals_and_warn(guide_cls):
+def test_correlated_autoguides_under_mean_field_use_marginals_and_warn(guide_cls):
     model = MLP()
     guide = guide_cls(model, init_scale=0.1)
     fit(model, guide, steps=10)
     with pytest.warns(UserWarning, match=r"correlations between weights .*are dropped"):
-        net = pyro2pfp.convert(model, guide)
+        net = pyro2pfp.convert(model, guide, correlation="mean-field")
     marginal = guide.get_posterior().variance.detach().double().numpy()
     flat = np.concatenate([net.layer_graph.layer(name).params[attr].var.ravel()
                            for name in ("fc1", "fc2") for attr in ("weight", "bias")])
@@ -209,11 +209,14 @@ def test_partially_bayesian_network():
     guide = autoguide.AutoNormal(model, init_scale=0.1)
     fit(model, guide)
     # The deterministic fc2 mixes fc1's independent units, so its outputs are correlated and the mean-field
-    # plan (what 'auto' picks here) under-states the logits' variance (median ratio to sampling 0.39,
-    # measured with 20,000 draws): the spot check refuses it, naming the remedy.
+    # plan under-states the logits' variance (median ratio to sampling 0.39, measured with 20,000 draws):
+    # the spot check refuses it, naming the remedy.
     with pytest.raises(pyro2pfp.FidelityError, match="correlation='shared-factor'"):
-        pyro2pfp.convert(model, guide)
-    net = pyro2pfp.convert(model, guide, correlation="shared-factor")
+        pyro2pfp.convert(model, guide, correlation="mean-field")
+    # 'auto' sees the deterministic dense layer that reads random units and picks shared factors, which pass
+    # the spot check (convert's default check=).
+    net = pyro2pfp.convert(model, guide)
+    assert net.plan.correlation == "shared-factor", net.plan.summary()
     store = pyro.get_param_store()
     fc1 = net.layer_graph.layer("fc1")
     assert fc1.params["weight"].site == "fc1.weight" and not fc1.params["weight"].is_deterministic
@@ -372,7 +375,7 @@ def test_autostructured_without_dependencies_is_exact():
 
 
 @pytest.mark.slow
-def test_autostructured_mvn_uses_the_marginals_and_warns():
+def test_autostructured_mvn_under_mean_field_uses_the_marginals_and_warns():
     pyro.clear_param_store()
     pyro.set_rng_seed(0)
     model = MLP(bias="det")
@@ -383,7 +386,7 @@ def test_autostructured_mvn_uses_the_marginals_and_warns():
     tril = torch.linalg.cholesky(a @ a.T + 0.5 * torch.eye(n))
     pyro.get_param_store()["AutoStructured.scale_trils.fc1.weight"] = tril
     with pytest.warns(UserWarning, match=r"correlations between weights .*are dropped"):
-        net = pyro2pfp.convert(model, guide)
+        net = pyro2pfp.convert(model, guide, correlation="mean-field")
     with torch.no_grad():
         samples = torch.stack([guide()["fc1.weight"] for _ in range(4000)]).double().numpy()
     var = net.layer_graph.layer("fc1").params["weight"].var

@@ -30,7 +30,7 @@ from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from types import SimpleNamespace
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
@@ -39,6 +39,10 @@ from ...errors import ArgumentError, PFPError, UnsupportedLayerError
 from ...planning.graph import INPUT, Repr
 from ...planning.plan import PlannedGraph, PlannedLayer
 from ...planning.registry import add_to
+
+if TYPE_CHECKING:
+    from ...network import PFPNetwork
+
 
 D, V, S = Repr.DETERMINISTIC, Repr.VARIANCE, Repr.SECOND_MOMENT
 _INV_SQRT2 = 1.0 / math.sqrt(2.0)
@@ -364,7 +368,7 @@ module): the step emits the scheme's nodes after each layer's export."""
 # ---------------------------------------------------------------------------------------------
 
 
-def _planned(net: Any) -> PlannedGraph:
+def _planned(net: PFPNetwork) -> PlannedGraph:
     if isinstance(net, PlannedGraph):
         return net
     planned = getattr(net, "plan", None)
@@ -373,7 +377,7 @@ def _planned(net: Any) -> PlannedGraph:
     raise TypeError(f"to_onnx needs a PFPNetwork or a PlannedGraph, got {type(net).__name__}")
 
 
-def build_model(net: Any, *, opset: int = DEFAULT_OPSET, graph_name: str | None = None):
+def build_model(net: PFPNetwork, *, opset: int = DEFAULT_OPSET, graph_name: str | None = None):
     """The PFP network as an ``onnx.ModelProto`` (checked with ``onnx.checker``, full check)."""
     import onnx
     from onnx import TensorProto, helper
@@ -454,7 +458,7 @@ def build_model(net: Any, *, opset: int = DEFAULT_OPSET, graph_name: str | None 
     return model
 
 
-def to_onnx(net: Any, path: str | os.PathLike | None = None, *, opset: int = DEFAULT_OPSET):
+def to_onnx(net: PFPNetwork, path: str | os.PathLike | None = None, *, opset: int = DEFAULT_OPSET):
     """Write the PFP network ``net`` (a ``PFPNetwork`` or ``PlannedGraph``) as an ONNX model.
 
     Inputs ``x`` (and ``x_var`` if the network takes an input variance), outputs ``mean`` and

@@ -52,7 +52,7 @@ def emit_output(mean: np.ndarray, var: np.ndarray, layer: PlannedLayer) -> Activ
 class NumpyBackend:
     """The float64 NumPy back end of the formulas shared with the ONNX exporter (``pyro2pfp.ops``):
     ``ops`` is :data:`pyro2pfp.moments.NUMPY`, constants are the arrays themselves, linear maps are
-    NumPy matmuls and convolutions.  (The ONNX twin is ``onnx_builder.OnnxContext``.)"""
+    NumPy matmuls and convolutions.  (The ONNX twin is ``backends.onnx.builder.OnnxContext``.)"""
 
     ops = moments.NUMPY
     #: the identity of a max fold's mean (padded window taps)

@@ -36,6 +36,7 @@ from tvm import relax
 from tvm.relax import vm_build
 
 from ...errors import ArgumentError
+from ...planning.plan import PlannedGraph
 from ...runtime.targets import is_cross_target, make_target
 from ...runtime.tvm_runtime import available_cpus
 from . import subnormals
@@ -304,7 +305,7 @@ class KernelStream:
     ``schedule_module`` only re-announces them (the pool does not queue a kernel twice) and
     :meth:`KernelPool.finish` finds each compiled part's kernels unchanged."""
 
-    def __init__(self, plan: Any, target: Any, pool: KernelPool) -> None:
+    def __init__(self, plan: PlannedGraph | None, target: Any, pool: KernelPool) -> None:
         from .schedules import layers_by_name
         from .sharing import KernelGroups
 

@@ -103,8 +103,8 @@ class _Input:
 
 
 class RelaxBackend:
-    """The tensor algebra of the compact factor rules on Relax tensors (``reference.NumpyBackend`` and
-    ``onnx_builder.OnnxContext`` have the same members; every shape is per sample, the batch axis first)."""
+    """The tensor algebra of the compact factor rules on Relax tensors (``backends.reference.NumpyBackend`` and
+    ``backends.onnx.builder.OnnxContext`` have the same members; every shape is per sample, the batch axis first)."""
 
     lowest = LOWEST32
 

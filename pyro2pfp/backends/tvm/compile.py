@@ -7,13 +7,16 @@ batch-specialised executables -- tuned only on a board (``tune={..., "remote": .
 """
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from ...errors import ArgumentError, PFPError
 from ...runtime.targets import host_arch, is_cross_target, resolve_target, target_arch
 
+if TYPE_CHECKING:
+    from ...network import PFPNetwork
 
-def compile_network(net: Any, target: Any = "native", *, schedule: bool = True, tune: Any = None,
+
+def compile_network(net: PFPNetwork, target: Any = "native", *, schedule: bool = True, tune: Any = None,
                     num_threads: int | None = None, batch_sizes: Any = ()):
     """``net.compile(target)`` with presets and cross-compilation.
 

@@ -441,3 +441,29 @@ def test_uncertainty_head_keeps_shared_factors(small_resnet):
     got = headed.compile()(x.astype(np.float32))
     np.testing.assert_allclose(got.probs, probs, atol=2e-5)
     np.testing.assert_allclose(got.mutual_information, mi, atol=2e-5 * max(1.0, np.abs(mi).max()))
+
+
+def test_auto_carries_the_shared_noise_a_deterministic_dense_layer_mixes():
+    """A partially Bayesian linear net (Bayesian fc1 on a deterministic input, deterministic fc2 and fc3): fc2's
+    outputs are maps of the same random fc1 units, so the logits' exact variance is ``Σ_i (W3 W2)_ki² v1_i``
+    (fc1's units independent), not mean-field's ``Σ_j W3_kj² Σ_i W2_ji² v1_i``.  "auto" must see the
+    deterministic layer that mixes random units and pick shared factors, exact here (no activation); a net
+    whose deterministic dense layer is the last one stays mean-field (its marginals are exact)."""
+    rng = np.random.default_rng(37)
+    fc1 = dense_layer(rng, "fc1", INPUT, 6, 9, 0.5, 0.1)
+    fc2 = dense_layer(rng, "fc2", "fc1", 9, 7, 0.5, 0.0, bias="det")
+    fc3 = dense_layer(rng, "fc3", "fc2", 7, 3, 0.5, 0.0, bias="det")
+    graph = LayerGraph(input_shape=(6,), layers=[fc1, fc2, fc3], output="fc3")
+    planned = with_correlation(plan(graph), "auto")
+    assert planned.correlation == "shared-factor"
+    x = rng.normal(size=(4, 6))
+    w1, b1 = fc1.params["weight"], fc1.params["bias"]
+    v1 = x ** 2 @ w1.var.T + b1.var  # fc1's units: independent Gaussians (deterministic input)
+    mixed = fc3.params["weight"].mean @ fc2.params["weight"].mean
+    exact = v1 @ (mixed ** 2).T
+    got = execute(planned, x)[1]
+    np.testing.assert_allclose(got, exact, rtol=1e-9)
+    mean_field = with_correlation(plan(graph), "mean-field")
+    assert not np.allclose(execute(mean_field, x)[1], exact, rtol=0.05)
+    last_only = LayerGraph(input_shape=(6,), layers=[fc1, fc2], output="fc2")
+    assert with_correlation(plan(last_only), "auto").correlation == "mean-field"

@@ -138,14 +138,24 @@ def test_randomized_directions_match_the_exact_ones(monkeypatch):
     assert 0 < kept_share(a, exact) < 1
 
 
-def test_auto_keeps_plans_that_compile_and_says_what_it_drops():
-    """The compiled and ONNX back ends do not carry guide factors: auto stays mean-field and says so, and
-    asking those back ends for such a plan is an error naming the remedy, never a silent drop."""
+def test_auto_carries_the_guides_factors_in_every_back_end(monkeypatch):
+    """``auto`` keeps a correlated guide's factors (no warning), the plan printout says how many, and the
+    compiled and ONNX networks agree with the float64 reference, itself exact for one dense layer."""
+    from tests.support.backends import ONNX_RTOL, RTOL, assert_matches, onnx_run
+
     model, guide = _trained_like(AutoLowRankMultivariateNormal, rank=2)
-    with pytest.warns(UserWarning, match="correlations between weights .* are dropped"):
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", UserWarning)
         net = pyro2pfp.convert(model, guide, input_shape=(5,))
-    assert net.plan.factors is None
-    assert "not carried by this mean-field plan" in net.summary()
-    shared = pyro2pfp.convert(model, guide, input_shape=(5,), correlation="shared-factor")
-    with pytest.raises(pyro2pfp.PFPError, match="does not carry a correlated guide"):
-        shared.to_onnx()
+    assert net.plan.factors is not None and net.plan.factors.guide == 2
+    assert "2 global factors" in net.summary() and "not carried" not in net.summary()
+    x = np.random.default_rng(1).standard_normal((6, 5)).astype(np.float32)
+    ref = net.reference(x)
+    np.testing.assert_allclose(ref[1], _exact_logit_moments(guide, x)[1], rtol=1e-5)
+    assert_matches(onnx_run(net, x), ref, ONNX_RTOL)
+    assert_matches(tuple(np.asarray(a) for a in net.compile()(x)), ref, RTOL)
+    from pyro2pfp.correlation.onnx_step import OnnxSharedStep
+
+    monkeypatch.setattr(OnnxSharedStep, "guide_ops", frozenset())  # a back end without the guide's terms
+    with pytest.raises(pyro2pfp.PFPError, match="does not carry a correlated guide's global factors"):
+        net.to_onnx()

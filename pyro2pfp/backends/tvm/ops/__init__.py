@@ -3,7 +3,7 @@ registers its ops' TE kernels (:func:`~pyro2pfp.backends.tvm.kernel`) and defaul
 (:func:`~pyro2pfp.backends.tvm.schedule`), and the TE kernels of their shared-factor rules
 (``registry.shared_kernel``; ``compute_shared.py``, ``pooling_shared.py``: those of the compute layers and
 of pooling)."""
-from . import (
+from . import (  # noqa: F401  (registers the kernels)
     activation,
     arithmetic,
     compute,

@@ -36,9 +36,12 @@ import numpy as np
 from tvm import te, tirx
 
 from ....correlation.factors import ComputeFactors
+from ....correlation.guide import guide_tensors
+from ....errors import PFPError
 from ....planning.plan import PlannedLayer
 from ....planning.registry import shared_kernel
 from ..emit import EmitContext, RelaxActivation
+from ..guide_factor import guide_mean, guide_weights_fn
 from ..schedules import schedule
 from ..shared_factor import (
     FactorWidths,
@@ -89,10 +92,20 @@ def conv2d_shared_kernel(step: SharedStep, ctx: EmitContext, layer: PlannedLayer
     h, w = ctx.shapes[layer.inputs[0]][1:]
     oh, ow = layer.layer.out_shape[1:]
     has_s = sh is not None
-    wino = winograd_shape(layer)  # the profile convolution by Winograd F(2x2, 3x3) (winograd.py)
+    # a correlated guide's factors (pyro2pfp/correlation/guide.py; the kernels: backends/tvm/guide_factor.py)
+    wf, bf = guide_tensors(t, o, step.fp)
+    has_guide = wf is not None or bf is not None
+    guide = (wf if wf is not None else bf).shape[-1] if has_guide else 0  # type: ignore[union-attr]
+    # the profile convolution by Winograd F(2x2, 3x3) (winograd.py); direct with the guide's extra term
+    wino = winograd_shape(layer) and not has_guide
     # injection='rescaled': the mean-field kernel's weight-noise term, rescaled, instead of the
     # regression terms (module docstring)
     rescaled = offset is not None and step.fp.injection == "rescaled"
+    if has_guide and rescaled:
+        raise PFPError(f"{layer.layer.source}: the TVM back end carries a correlated guide's factors through "
+                       "conv2d with injection='regression' only; convert with the default injection")
+    guide_w = np.transpose(wf if wf is not None else np.zeros((o, c, kh, kw, max(guide, 1))), (1, 2, 3, 0, 4))
+    guide_b = bf if bf is not None else np.zeros((o, max(guide, 1)))
     bias_var = ctx.const(t["bias_var"] if "bias_var" in t else np.zeros(o))
 
     # the output columns ``ox*sx + j*dx - px`` of kernel column ``j`` that fall inside the
@@ -139,6 +152,7 @@ def conv2d_shared_kernel(step: SharedStep, ctx: EmitContext, layer: PlannedLayer
         cw, wmt, wvt, bvt = (next(it) for _ in range(4))
         noise = next(it) if rescaled else None  # the mean-field kernel's weight-noise term
         out_var = next(it) if rescaled and not has_s else None
+        gwt, gbt = (next(it), next(it)) if has_guide else (None, None)
         batch = mu.shape[0]
         mb = pooled(mu, 0, cw)
         sb = pooled(s_in, 1, cw) if s_in is not None else None
@@ -168,10 +182,26 @@ def conv2d_shared_kernel(step: SharedStep, ctx: EmitContext, layer: PlannedLayer
             return te.compute((batch, o), lambda b, oo: safe_div(g[b, oo, oo + off], wbar[b, oo]),
                               name="coef")
 
+        def with_guide(loading: te.Tensor | None) -> te.Tensor:
+            """``loading`` plus the guide's ``Σ_{c,k} F_f[o, c, k]·m̄μ_k[c] + F_b,f[o]`` in its columns."""
+            if gwt is None or gbt is None:
+                assert loading is not None
+                return loading
+            cg, ig, jg = (te.reduce_axis((0, n), name=name) for n, name in ((c, "cg"), (kh, "ig"), (kw, "jg")))
+            gsum = te.compute((batch, o, guide), lambda b, oo, f: te.sum(
+                gwt[cg, ig, jg, oo, f] * mb[b, cg, ig, jg], axis=[cg, ig, jg]), name="guide_through_mean")
+
+            def entry(b: Any, oo: Any, f: Any) -> Any:
+                ff = te.min(f, guide - 1)
+                value = tirx.Select(f < guide, gsum[b, oo, ff] + gbt[oo, ff], f32(0.0))
+                return value if loading is None else loading[b, oo, f] + value
+
+            return te.compute((batch, o, k), entry, name="loading_guide")
+
         if sb is None or g_in is None:
-            loading = te.compute((batch, o, k), lambda b, oo, f: tirx.Select(
-                f == oo + off, wbar[b, oo], f32(0.0)), name="loading")
-            g = normalised(loading)[0]
+            own = te.compute((batch, o, k), lambda b, oo, f: tirx.Select(
+                f == oo + off, wbar[b, oo], f32(0.0)), name="loading") if offset is not None else None
+            g = normalised(with_guide(own))[0]
             coef = coefficient(g)
             if noise is not None and out_var is not None:  # the profile is the rescaled root alone
                 return [g, te.compute(noise.shape, lambda b, oo, y, xx: clip(
@@ -186,7 +216,7 @@ def conv2d_shared_kernel(step: SharedStep, ctx: EmitContext, layer: PlannedLayer
                           name="prop")
         loading = prop if offset is None else te.compute(prop.shape, lambda b, oo, f: prop[b, oo, f] + tirx.Select(
             f == oo + off, wbar[b, oo], f32(0.0)), name="loading")
-        g = normalised(loading)[0]
+        g = normalised(with_guide(loading))[0]
         # βᵀ[b, c, o] = ⟨g_in[c], g[o]⟩ (B, C, O): unit-stride in o, as the weights kernel reads it
         beta = row_products(g, g_in, g_in.shape[2])
         if noise is not None:  # the weights kernel reads neither pooled view
@@ -198,6 +228,8 @@ def conv2d_shared_kernel(step: SharedStep, ctx: EmitContext, layer: PlannedLayer
     if rescaled:
         assert out.weight_noise is not None  # emit_module refuses a kernel that did not return it
         args += [out.weight_noise] + ([out.second] if sh is None else [])
+    if has_guide:
+        args += [ctx.const(guide_w), ctx.const(guide_b)]
     outs = emit_width_generic(ctx, load, args, layer, "conv_load", g_args={2: sh.k} if sh is not None else {},
                                k=k, offset=offset or 0)
     if rescaled and sh is None:  # no convolution: the profile is the rescaled root (load kernel)
@@ -283,13 +315,26 @@ def conv2d_shared_kernel(step: SharedStep, ctx: EmitContext, layer: PlannedLayer
 
     assert sh is not None or not rescaled
     terms = ([sh.s] if sh is not None else []) + ([x.mean] if offset is not None and not rescaled else [])
-    n_terms = len(terms)
-    args = [t for pair in zip(terms, w_outs[:n_terms]) for t in pair]
+    pairs = list(zip(terms, w_outs[:len(terms)]))
+    shift = w_outs[-1]
+    mean_w = None
+    if has_guide:  # the guide's profile term on the input mean, its bias term in the shift, the mean's weights
+        g_outs = emit_part(ctx, guide_weights_fn(guide, sh is not None and wf is not None),
+                           [g, shift, ctx.const(guide_w), ctx.const(guide_b)]
+                           + ([sh.g] if sh is not None and wf is not None else []), layer, "conv_guide_weights")
+        pairs.append((x.mean, g_outs[0]))
+        shift = g_outs[1]
+        mean_w = g_outs[2] if len(g_outs) > 2 else None
+    n_terms = len(pairs)
+    args = [t for pair in pairs for t in pair]
     if rescaled:
         args += [coef_t, out.second, out.weight_noise]
     else:
-        args += [w_outs[-1], out.second]
+        args += [shift, out.second]
     s = emit_part(ctx, profile, args, layer, "conv_profile")[0]
+    if mean_w is not None and sh is not None:  # the mean of the weights' guide noise times the input's
+        out = RelaxActivation(guide_mean(ctx, layer, emit_part, sh.s, mean_w, out.mean), out.second, out.repr,
+                              out.weight_noise)
     return SharedRelax(s, g, k), out
 
 
@@ -304,7 +349,9 @@ def dense_shared_kernel(step: SharedStep, ctx: EmitContext, layer: PlannedLayer,
                         shared: list[SharedRelax | None], out: RelaxActivation
                         ) -> tuple[SharedRelax | None, RelaxActivation]:
     """:func:`pyro2pfp.ops.compute.dense_shared` as one kernel ``sf_dense_load``: the loading, ``g``, the
-    corrected variance and the clipped profile."""
+    corrected variance and the clipped profile -- and, with a correlated guide's factors
+    (:mod:`pyro2pfp.correlation.guide`), their loading through the input mean, what the mean-field variance
+    counted of them and the mean of the product of the weights' and the input's guide noise (the mean)."""
     x, sh = inputs[0], shared[0]
     cf = ComputeFactors.of(layer, step.fp)
     offset, k, wm, wv = cf.offset, cf.k, cf.weight_mean, cf.weight_var
@@ -316,6 +363,13 @@ def dense_shared_kernel(step: SharedStep, ctx: EmitContext, layer: PlannedLayer,
     bias_var = ctx.const(t["bias_var"] if "bias_var" in t else np.zeros(o))
     x_mean = view_as(ctx, x.mean, n)
     x_second = view_as(ctx, x.second, n) if x.second is not None else None
+    wf, bf = guide_tensors(t, o, step.fp)
+    has_guide = wf is not None or bf is not None
+    guide = (wf if wf is not None else bf).shape[-1] if has_guide else 0  # type: ignore[union-attr]
+    # the guide's loadings (O, n, guide), bias loadings (O, guide) and their squared sums (O, n), (O,)
+    wf_all = wf if wf is not None else np.zeros((o, n, max(guide, 1)))
+    bf_all = bf if bf is not None else np.zeros((o, max(guide, 1)))
+    shifted = wf is not None and sh is not None
 
     def load(*ts: Any) -> list[te.Tensor]:
         it = iter(ts)
@@ -323,33 +377,61 @@ def dense_shared_kernel(step: SharedStep, ctx: EmitContext, layer: PlannedLayer,
         v = next(it) if x_second is not None else None
         s, g_in = (next(it), next(it)) if sh is not None else (None, None)
         var, wmt, wvt, bvt = (next(it) for _ in range(4))
+        wft, bft, wf2, bf2 = (next(it) for _ in range(4)) if has_guide else (None,) * 4
+        mean = next(it) if shifted else None
         batch = mu.shape[0]
-        parts: list[Any] = []
         if offset is not None:
             i = te.reduce_axis((0, n), name="i")
             inj = te.compute((batch, o), lambda b, oo: te.sum(wvt[oo, i] * (
                 mu[b, i] * mu[b, i] + (v[b, i] if v is not None else f32(0.0))), axis=i), name="inj")
+        prop = counted = None
         if s is not None and g_in is not None:
             q = te.reduce_axis((0, group), name="q")
             coef = te.compute((batch, o, rows), lambda b, oo, r: te.sum(
                 wmt[oo, r * group + q] * s[b, r * group + q], axis=q), name="coef")
             i2 = te.reduce_axis((0, n), name="i2")
-            ws2 = te.compute((batch, o), lambda b, oo: te.sum(
+            counted = te.compute((batch, o), lambda b, oo: te.sum(
                 wmt[oo, i2] * wmt[oo, i2] * s[b, i2] * s[b, i2], axis=i2), name="ws2")
             gw = widened(g_in, k)
             r2 = te.reduce_axis((0, rows), name="r2")
             prop = te.compute((batch, o, k), lambda b, oo, f: te.sum(coef[b, oo, r2] * gw[b, r2, f], axis=r2),
                               name="prop")
+        if wft is not None and bft is not None and wf2 is not None and bf2 is not None:
+            ig = te.reduce_axis((0, n), name="ig")
+            gsum = te.compute((batch, o, guide), lambda b, oo, f: te.sum(wft[oo, ig, f] * mu[b, ig], axis=ig),
+                              name="guide_through_mean")
+            ginj = te.compute((batch, o, guide), lambda b, oo, f: gsum[b, oo, f] + bft[oo, f], name="guide_injection")
+            if s is not None and g_in is not None:
+                fg = te.reduce_axis((0, guide), name="fg")
+                share = te.compute((batch, rows), lambda b, r: te.sum(g_in[b, r, fg] * g_in[b, r, fg], axis=fg),
+                                   name="guide_share")
+                second = te.compute((batch, n), lambda b, ii: mu[b, ii] * mu[b, ii]
+                                    + s[b, ii] * s[b, ii] * share[b, tirx.floordiv(ii, group)], name="guide_second")
+            else:
+                second = te.compute((batch, n), lambda b, ii: mu[b, ii] * mu[b, ii], name="guide_second")
+            i3 = te.reduce_axis((0, n), name="i3")
+            gcount = te.compute((batch, o), lambda b, oo: te.sum(wf2[oo, i3] * second[b, i3], axis=i3),
+                                name="guide_counted")
+            before = counted
+            counted = te.compute((batch, o), lambda b, oo: gcount[b, oo] + bf2[oo] + (
+                before[b, oo] if before is not None else f32(0.0)), name="counted")
+            base = prop
+
+            def with_guide(b: Any, oo: Any, f: Any) -> Any:
+                value = tirx.Select(f < guide, ginj[b, oo, te.min(f, guide - 1)], f32(0.0))
+                return value if base is None else base[b, oo, f] + value
+
+            prop = te.compute((batch, o, k), with_guide, name="prop_guide")
+        if prop is not None and counted is not None:
             f2 = te.reduce_axis((0, k), name="f2")
             pn = te.compute((batch, o), lambda b, oo: te.sum(prop[b, oo, f2] * prop[b, oo, f2], axis=f2), name="pn")
-            var_new = te.compute((batch, o), lambda b, oo: te.max(var[b, oo] + pn[b, oo] - ws2[b, oo], f32(0.0)),
+            var_new = te.compute((batch, o), lambda b, oo: te.max(var[b, oo] + pn[b, oo] - counted[b, oo], f32(0.0)),
                                  name="var")
-            parts = [prop, var_new]
         else:
-            parts = [None, te.compute((batch, o), lambda b, oo: var[b, oo], name="var")]
+            var_new = te.compute((batch, o), lambda b, oo: var[b, oo], name="var")
 
         def entry(b: Any, oo: Any, f: Any) -> Any:
-            value = parts[0][b, oo, f] if parts[0] is not None else f32(0.0)
+            value = prop[b, oo, f] if prop is not None else f32(0.0)
             if offset is not None:
                 value = value + tirx.Select(f == oo + offset, te.sqrt(te.max(inj[b, oo] + bvt[oo], f32(0.0))),
                                             f32(0.0))
@@ -357,17 +439,31 @@ def dense_shared_kernel(step: SharedStep, ctx: EmitContext, layer: PlannedLayer,
 
         loading = te.compute((batch, o, k), entry, name="loading")
         g, norm = normalised(loading)
-        var_new = parts[1]
         s_out = te.compute((batch, o), lambda b, oo: clip(norm[b, oo], var_new[b, oo]), name="s")
-        return [g, s_out, var_new]
+        outs = [g, s_out, var_new]
+        if mean is not None and s is not None and g_in is not None and wft is not None:
+            i4, f4 = te.reduce_axis((0, n), name="i4"), te.reduce_axis((0, guide), name="f4")
+            shift = te.compute((batch, o), lambda b, oo: te.sum(
+                wft[oo, i4, f4] * s[b, i4] * g_in[b, tirx.floordiv(i4, group), f4], axis=[i4, f4]), name="shift")
+            outs.append(te.compute((batch, o), lambda b, oo: mean[b, oo] + shift[b, oo], name="mean"))
+        return outs
 
     args = [x_mean] + ([x_second] if x_second is not None else []) + (
         [view_as(ctx, sh.s, n), sh.g] if sh is not None else []) + [out.second, ctx.const(wm), ctx.const(wv),
                                                                   bias_var]
-    g, s, var_new = emit_part(ctx, load, args, layer, "dense_load")
-    return SharedRelax(s, g, k), RelaxActivation(out.mean, var_new, out.repr)
+    if has_guide:
+        args += [ctx.const(wf_all), ctx.const(bf_all), ctx.const((wf_all**2).sum(-1)), ctx.const((bf_all**2).sum(-1))]
+    if shifted:
+        args.append(view_as(ctx, out.mean, o))
+    # with a guide, the nests of the guide's terms sit between those ROW_GROUPS merges for sf_dense_load:
+    # its own op name, whose nests are scheduled one by one
+    outs = emit_part(ctx, load, args, layer, "dense_guide_load" if has_guide else "dense_load")
+    g, s, var_new = outs[:3]
+    mean_out = outs[3] if shifted else out.mean
+    return SharedRelax(s, g, k), RelaxActivation(mean_out, var_new, out.repr)
 
 
-schedule("sf_conv_load", "sf_conv_weights", "sf_dense_load")(schedule_shared)
+schedule("sf_conv_load", "sf_conv_weights", "sf_dense_load", "sf_dense_guide_load", "sf_conv_guide_weights"
+         )(schedule_shared)
 # the profile convolution has the mean-field conv kernel's blocks (pad, conv2d, epilogue) and layout
-schedule("sf_conv_profile")(schedule_conv2d)
+schedule("sf_conv_profile", "sf_conv_guide_mean")(schedule_conv2d)

@@ -10,6 +10,7 @@ from typing import Any
 import tvm
 from tvm import s_tir, tirx
 
+from ....planning.plan import PlannedGraph, PlannedLayer
 from ..emit import kernel_info
 from .table import _schedule_fn
 from .work import kernel_bytes, kernel_work, loop_work
@@ -81,7 +82,7 @@ class _ParallelFilter(_Unchecked):
             _Unchecked.__getattr__(self, "parallel")(loop)
 
 
-def schedule_function(func: tirx.PrimFunc, op: str, layer: Any, target: tvm.target.Target
+def schedule_function(func: tirx.PrimFunc, op: str, layer: PlannedLayer | None, target: tvm.target.Target
                       ) -> tirx.PrimFunc:
     """``func`` with the default schedule of PFP op ``op`` (``layer``: its planned layer, may be
     None; the schedules only read shapes from the PrimFunc itself); raises if a primitive fails.
@@ -120,7 +121,7 @@ def schedule_function(func: tirx.PrimFunc, op: str, layer: Any, target: tvm.targ
     return out.with_attr("tirx.is_scheduled", True)
 
 
-def schedule_module(mod: tvm.IRModule, plan: Any, target: tvm.target.Target,
+def schedule_module(mod: tvm.IRModule, plan: PlannedGraph | None, target: tvm.target.Target,
                     on_scheduled: Callable[[str, tirx.PrimFunc], None] | None = None) -> tvm.IRModule:
     """Apply each op's registered default schedule to its PrimFunc (unregistered ops stay naive).
 
@@ -150,7 +151,7 @@ def schedule_module(mod: tvm.IRModule, plan: Any, target: tvm.target.Target,
     return out
 
 
-def layers_by_name(plan: Any) -> dict[str, Any]:
+def layers_by_name(plan: PlannedGraph | None) -> dict[str, Any]:
     """``{layer name: planned layer}`` of ``plan`` (what :func:`schedule_kernel` looks layers up in)."""
     return {layer.name: layer for layer in getattr(plan, "layers", ())}
 

@@ -84,6 +84,7 @@ def kernel_multiplies(func: tirx.PrimFunc) -> float | None:
     """Multiplications of a static-shape kernel as defined (before it is scheduled): over its blocks,
     the iterations times the floating-point ``Mul`` nodes of the block (a let-bound value counted once;
     index arithmetic not counted); ``None`` when a loop extent is symbolic.  What a profile calls a
-    kernel's multiply-adds where no op-level count applies (:func:`pyro2pfp.runtime.profiling.kernel_multiply_adds`)."""
+    kernel's multiply-adds where no op-level count applies
+    (:func:`pyro2pfp.backends.tvm.kernel_work.kernel_multiply_adds`)."""
     sch = s_tir.Schedule(func)
     return _blocks_work(sch, sch.get_child_blocks(sch.get_sblock("root")), _is_float_multiply, least=0)

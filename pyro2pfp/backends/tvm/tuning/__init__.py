@@ -44,7 +44,8 @@ The traps of MetaSchedule in TVM 0.27 are handled here rather than on one machin
 * **A minutes-long import in every builder worker** (``tvm.s_tir.tensor_intrin`` under a slow
   ``inspect.stack``) and a new set of workers per round in MetaSchedule's ``LocalBuilder``: the
   default :class:`.measure.PooledBuilder` starts its worker processes once per run, with
-  :func:`pyro2pfp.backends.tvm.tuning._fast_inspect.worker_init` (the ``inspect.stack`` patch, then the import: seconds),
+  :func:`pyro2pfp.backends.tvm.tuning._fast_inspect.worker_init` (the ``inspect.stack`` patch, then the
+  import: seconds),
   builds candidates in parallel and kills a build that hangs (LLVM can take many minutes on a huge
   unrolled candidate); :class:`.measure.InProcessRunner` times the built libraries in this
   process.  The in-process ``TuneContext`` import is patched too (scoped: ``inspect.stack`` is

@@ -6,12 +6,12 @@ import os
 import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import tvm
 from tvm.s_tir import meta_schedule as ms
 
-from ....errors import TuningError
+from ....errors import ArgumentError, TuningError
 from . import _fast_inspect
 from .choose import _any_batch_defaults, _choose, _default_schedules
 from .database import FORMAT_VERSION, _apply_database, _locked, _read_meta, _write_meta
@@ -20,6 +20,10 @@ from .measure import _BatchRunner, _kernel_inputs, _seconds
 from .results import KernelChoice, TuneResult
 from .search import BUILDERS, SEARCH_OPS, _Progress, _run_search, _select_tasks
 from .specialize import _prim_funcs, _schedules_fingerprint, _target_json, specialize_batch, tuning_key
+
+if TYPE_CHECKING:
+    from ....network import PFPNetwork
+
 
 DEFAULT_TRIALS = 64
 """Candidates measured per tuned module when ``trials`` is not given."""
@@ -37,53 +41,71 @@ def tune(mod: tvm.IRModule, target: Any, *, batch: int, trials: int = DEFAULT_TR
          label: str | None = None, remote: Any = None) -> TuneResult:
     """Tune ``mod`` (symbolic batch) for ``batch`` with MetaSchedule; reuse a previous run's database.
 
-    Args:
-        mod: a Relax IRModule whose ``main``'s first parameter has a (symbolic) batch dimension:
-            ``net.mod`` of a PFP network, or any module (e.g. from TVM's torch frontend).
-        target: what :func:`pyro2pfp.runtime.targets.make_target` accepts; ``num-cores`` is
-            added if missing (:func:`tuning_target`).
-        batch: the batch size the result is specialised to.
-        trials: candidates measured in total over all tuned kernels (MetaSchedule's
-            ``max_trials_global``).  ``0``: no search, only the default schedules (and naive
-            kernels for ops without one).
-        work_dir: cache root; the run uses ``<work_dir>/<tuning_key>/``.  Default
-            :func:`default_cache_dir` (``$PYRO2PFP_CACHE/tuning`` or ``~/.cache/pyro2pfp/tuning``).
-        progress: True prints one line per measured batch of candidates; a callable receives
-            the lines; False is silent.
-        plan: the network's ``PlannedGraph`` (``net.plan``), to find each kernel's default
-            schedule by layer; without it the schedules read only the PrimFuncs (``pfp.op`` attribute).
-        cost_model: ``"auto"`` (xgb if xgboost is installed, else random), ``"xgb"``, ``"random"``.
-        builder: where candidates are compiled: ``"pool"`` (default: a persistent pool of worker
-            processes, parallel, killed after :data:`~pyro2pfp.backends.tvm.tuning.measure.BUILD_TIMEOUT_SEC`),
-            ``"inprocess"`` (this process: no start-up cost, but no timeout), ``"local"``
-            (MetaSchedule's own ``LocalBuilder``/``LocalRunner``, new workers per round: slowest,
-            fully isolated).
-            Candidates are timed in this process except with ``"local"``.
-        num_trials_per_iter: candidates per search round of one task (default: from the budget).
-        min_share: kernels with a default schedule are searched only if they take at least this
-            fraction of the default-scheduled kernels' time (the others keep their default schedule);
-            kernels without one are always searched.
-        search_ops: PFP ops whose kernels are searched (default :data:`SEARCH_OPS`: dense and
-            conv2d); the other PFP kernels keep the best of their default schedules.  ``None``:
-            search every kernel.  Kernels that are not PFP kernels are always searched.
-        seed: search seed.
-        label: prefix of the progress lines.
-        remote: measure on boards through TVM RPC instead of this machine: ``"tracker:9190/key"``,
-            ``"server:9090"`` or a :class:`pyro2pfp.runtime.remote.Remote`.  Candidates are built here and
-            timed on the boards by MetaSchedule's ``RPCRunner`` (``remote.parallel`` boards at a
-            time); the per-kernel choice is timed and checked on a board too.  The database is
-            keyed by the board (tracker key) as well as the target.
+    Parameters
+    ----------
+    mod
+        A Relax IRModule whose ``main``'s first parameter has a (symbolic) batch dimension:
+        ``net.mod`` of a PFP network, or any module (e.g. from TVM's torch frontend).
+    target
+        What :func:`pyro2pfp.runtime.targets.make_target` accepts; ``num-cores`` is
+        added if missing (:func:`tuning_target`).
+    batch
+        The batch size the result is specialised to.
+    trials
+        Candidates measured in total over all tuned kernels (MetaSchedule's
+        ``max_trials_global``).  ``0``: no search, only the default schedules (and naive
+        kernels for ops without one).
+    work_dir
+        Cache root; the run uses ``<work_dir>/<tuning_key>/``.  Default
+        :func:`default_cache_dir` (``$PYRO2PFP_CACHE/tuning`` or ``~/.cache/pyro2pfp/tuning``).
+    progress
+        True prints one line per measured batch of candidates; a callable receives
+        the lines; False is silent.
+    plan
+        The network's ``PlannedGraph`` (``net.plan``), to find each kernel's default
+        schedule by layer; without it the schedules read only the PrimFuncs (``pfp.op`` attribute).
+    cost_model
+        ``"auto"`` (xgb if xgboost is installed, else random), ``"xgb"``, ``"random"``.
+    builder
+        Where candidates are compiled: ``"pool"`` (default: a persistent pool of worker
+        processes, parallel, killed after :data:`~pyro2pfp.backends.tvm.tuning.measure.BUILD_TIMEOUT_SEC`),
+        ``"inprocess"`` (this process: no start-up cost, but no timeout), ``"local"``
+        (MetaSchedule's own ``LocalBuilder``/``LocalRunner``, new workers per round: slowest,
+        fully isolated).
+        Candidates are timed in this process except with ``"local"``.
+    num_trials_per_iter
+        Candidates per search round of one task (default: from the budget).
+    min_share
+        Kernels with a default schedule are searched only if they take at least this
+        fraction of the default-scheduled kernels' time (the others keep their default schedule);
+        kernels without one are always searched.
+    search_ops
+        PFP ops whose kernels are searched (default :data:`SEARCH_OPS`: dense and
+        conv2d); the other PFP kernels keep the best of their default schedules.  ``None``:
+        search every kernel.  Kernels that are not PFP kernels are always searched.
+    seed
+        Search seed.
+    label
+        Prefix of the progress lines.
+    remote
+        Measure on boards through TVM RPC instead of this machine: ``"tracker:9190/key"``,
+        ``"server:9090"`` or a :class:`pyro2pfp.runtime.remote.Remote`.  Candidates are built here and
+        timed on the boards by MetaSchedule's ``RPCRunner`` (``remote.parallel`` boards at a
+        time); the per-kernel choice is timed and checked on a board too.  The database is
+        keyed by the board (tracker key) as well as the target.
 
-    Returns:
-        a :class:`TuneResult`; ``result.build()`` compiles it.
+    Returns
+    -------
+    TuneResult
+        A :class:`TuneResult`; ``result.build()`` compiles it.
     """
     check_environment()
     if builder not in BUILDERS:
-        raise ValueError(f"builder must be one of {BUILDERS}, got {builder!r}")
+        raise ArgumentError(f"builder must be one of {BUILDERS}, got {builder!r}")
     t_start = time.perf_counter()
     trials = int(trials)
     if trials < 0:
-        raise ValueError(f"trials must be >= 0, got {trials}")
+        raise ArgumentError(f"trials must be >= 0, got {trials}")
     out = (progress if callable(progress) else _print) if progress else (lambda _msg: None)
     tgt = tuning_target(target)
     board = None
@@ -198,7 +220,7 @@ def parse_tune_spec(tune: Any) -> dict[str, Any]:
     batches = spec.pop("batch")
     batches = [batches] if isinstance(batches, int) else list(batches)
     if not batches or any(not isinstance(b, int) or isinstance(b, bool) or b < 1 for b in batches):
-        raise ValueError(f"tune batch sizes must be positive ints, got {batches!r}")
+        raise ArgumentError(f"tune batch sizes must be positive ints, got {batches!r}")
     spec["batches"] = tuple(dict.fromkeys(batches))
     return spec
 
@@ -218,7 +240,7 @@ def with_remote(tune: Any, remote: Any) -> Any:
     return spec
 
 
-def tune_network(net: Any, target: Any, spec: Any) -> dict[int, Any]:
+def tune_network(net: PFPNetwork, target: Any, spec: Any) -> dict[int, Any]:
     """Tune ``net`` (a :class:`~pyro2pfp.network.PFPNetwork`) for each batch of ``spec`` (what
     ``compile(tune=...)`` takes, see :func:`parse_tune_spec`) and build them:
     ``{batch: VM executable specialised to that batch}``."""

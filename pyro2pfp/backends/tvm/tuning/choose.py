@@ -12,11 +12,13 @@ import tvm
 import tvm_ffi
 from tvm import tirx
 
+from ....planning.plan import PlannedGraph
 from .measure import _BatchRunner, _kernel_inputs, _seconds
 from .specialize import _prim_funcs
 
 
-def _default_schedules(mod: tvm.IRModule, plan: Any, target: tvm.target.Target) -> dict[str, tirx.PrimFunc]:
+def _default_schedules(mod: tvm.IRModule, plan: PlannedGraph | None,
+                       target: tvm.target.Target) -> dict[str, tirx.PrimFunc]:
     """The default (hand-written) schedule of every PFP kernel of ``mod`` that has one."""
     from .. import schedules
     from ..emit import kernel_info
@@ -37,7 +39,7 @@ def _default_schedules(mod: tvm.IRModule, plan: Any, target: tvm.target.Target) 
     return out
 
 
-def _any_batch_defaults(mod: tvm.IRModule, plan: Any, target: tvm.target.Target,
+def _any_batch_defaults(mod: tvm.IRModule, plan: PlannedGraph | None, target: tvm.target.Target,
                         names: set[str]) -> dict[str, tirx.PrimFunc]:
     """The default-scheduled kernels of the *symbolic-batch* module (what ``net.compile()``
     runs), for the kernels the specialised module has too.  They accept any batch, so they are

@@ -85,7 +85,8 @@ class PooledBuilder(PyBuilder):
 
     MetaSchedule's ``LocalBuilder`` starts new workers for every batch of candidates, and each
     pays ``import tvm`` (seconds) plus ``import tvm.s_tir.tensor_intrin`` (minutes unpatched).
-    Here the workers start once per tuning run (initializer :func:`pyro2pfp.backends.tvm.tuning._fast_inspect.worker_init`:
+    Here the workers start once per tuning run (initializer
+    :func:`pyro2pfp.backends.tvm.tuning._fast_inspect.worker_init`:
     seconds, patched) and build candidates in parallel; a candidate whose compilation hangs (LLVM on a
     huge unrolled loop nest can take many minutes) is killed after ``timeout_sec`` and reported as a
     failed build.  The shared library is loaded and timed by :class:`InProcessRunner`.

@@ -1,0 +1,72 @@
+"""Correlated guides (``AutoLowRankMultivariateNormal`` on an MLP and a small CNN, ``AutoMultivariateNormal`` on an
+MLP; tests/support/guide_forms.py) trained in one process and converted with the default ``correlation='auto'``
+in a fresh one: the plan carries the guide's global factors, the float64 reference's means are closer to
+``Predictive`` on the same guide than the marginals' alone (mean-field), and the compiled (TVM) and ONNX networks
+agree with the reference to float32 rounding.
+
+Bounds: the Monte Carlo truth has ``MC_SAMPLES`` = 2,000 samples, so a logit mean's standard error is
+``sd/√2000 = 0.022 sd``.  The mean: median ``|error|/sd ≤ 0.1 + 3·0.022`` (the target 0.1 sd plus three
+standard errors), and below mean-field's.  The variance: these briefly trained nets have wide posteriors
+(logit sd about as large as the logit mean), where the dense layers that read noisy inputs lose a quarter to a
+third of the logit variance or more (median ratio 0.70 for the low-rank MLP when this test was written; the
+target [0.9, 1.1] is met by the benchmark's MLP, ``benchmarks/correlated_guides.py``, not by these): the median
+ratio must be closer to 1 than mean-field's (on a log scale) and above 0.55 -- an expected failure where
+measured short (``VARIANCE_SHORT``).
+"""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from tests.support import guide_forms as forms
+from tests.support.backends import ONNX_RTOL, RTOL, assert_matches
+from tests.support.cross_process import train_then_convert
+
+pytestmark = pytest.mark.slow  # trains, and converts and compiles in fresh processes
+
+MEAN_SE = 1 / np.sqrt(forms.MC_SAMPLES)
+
+
+@pytest.fixture(scope="module")
+def converted(tmp_path_factory):
+    return train_then_convert(forms.__file__, tmp_path_factory.mktemp("guide_forms"), timeout=2400)
+
+
+@pytest.mark.parametrize("name", forms.ENTRIES)
+def test_auto_carries_the_guides_factors_and_holds_the_mean(name, converted):
+    truth = np.load(converted / f"{name}-truth.npz")
+    pfp = np.load(converted / f"{name}-pfp.npz")
+    assert int(pfp["guide"]) == int(pfp["k"]) > 0, str(pfp["summary"])
+    assert "global factors" in str(pfp["summary"]) and "not carried" not in str(pfp["summary"])
+    sd = np.sqrt(truth["var"])
+    # trained, with wide posteriors: logit means of about one sd (the low-rank MLP 1.0, the CNN 1.5 when this test
+    # was written; the full covariance, with its 1,443² factor, learns slowest: 0.21)
+    assert np.median(np.abs(truth["mean"]) / sd) > 0.15
+    err = np.median(np.abs(pfp["mean"] - truth["mean"]) / sd)
+    mf_err = np.median(np.abs(pfp["mf_mean"] - truth["mean"]) / sd)
+    assert err <= 0.1 + 3 * MEAN_SE and err < mf_err, (err, mf_err)
+
+
+# measured when this test was written (median variance ratio, the guide's factors / mean-field): the CNN 0.62 /
+# 0.62 (the factors do not reach the conv layers' variance: their product terms and the correlations inside a
+# receptive field are not carried), the full covariance 0.30 / 0.47 (its top 32 of 1,443 directions)
+VARIANCE_SHORT = {"lowrank-cnn", "mvn-mlp"}
+
+
+@pytest.mark.parametrize("name", [pytest.param(n, marks=pytest.mark.xfail(
+    strict=True, reason="the guide's factors do not bring this net's logit variance closer to sampling"))
+    if n in VARIANCE_SHORT else n for n in forms.ENTRIES])
+def test_the_guides_factors_bring_the_variance_closer_to_sampling(name, converted):
+    truth = np.load(converted / f"{name}-truth.npz")
+    pfp = np.load(converted / f"{name}-pfp.npz")
+    ratio = np.median(pfp["var"] / truth["var"])
+    mf_ratio = np.median(pfp["mf_var"] / truth["var"])
+    assert abs(np.log(ratio)) < abs(np.log(mf_ratio)) and ratio > 0.55, (ratio, mf_ratio)
+
+
+@pytest.mark.parametrize("name", forms.ENTRIES)
+def test_compiled_and_onnx_match_the_reference(name, converted):
+    pfp = np.load(converted / f"{name}-pfp.npz")
+    want = (pfp["mean"], pfp["var"])
+    assert_matches((pfp["tvm_mean"], pfp["tvm_var"]), want, RTOL)
+    assert_matches((pfp["onnx_mean"], pfp["onnx_var"]), want, ONNX_RTOL)
