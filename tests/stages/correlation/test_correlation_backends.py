@@ -166,6 +166,45 @@ def test_every_rule_compiled_matches_the_reference_without_hermite_factors():
 
 
 @pytest.mark.slow
+def _correlated_guide_cnn_plan():
+    """A conv -> conv -> dense net under a low-rank guide (random parameters, as after training), planned with
+    the guide's global factors (the second conv reads the first's guide noise: the mean shift)."""
+    import pyro
+    import pyro.distributions as dist
+    import torch
+    import torch.nn as nn
+    from pyro.infer.autoguide import AutoLowRankMultivariateNormal
+    from pyro.nn import PyroModule, PyroSample
+
+    import pyro2pfp
+
+    class Net(PyroModule):
+        def __init__(self) -> None:
+            super().__init__()
+            self.conv = PyroModule[nn.Conv2d](1, 2, 3)
+            self.conv.weight = PyroSample(dist.Normal(0.0, 1.0).expand([2, 1, 3, 3]).to_event(4))
+            self.conv2 = PyroModule[nn.Conv2d](2, 2, 3)
+            self.conv2.weight = PyroSample(dist.Normal(0.0, 1.0).expand([2, 2, 3, 3]).to_event(4))
+            self.fc = PyroModule[nn.Linear](2 * 4 * 4, 3)
+            self.fc.weight = PyroSample(dist.Normal(0.0, 1.0).expand([3, 32]).to_event(2))
+
+        def forward(self, x):
+            return self.fc(torch.relu(self.conv2(torch.relu(self.conv(x)))).flatten(1))
+
+    pyro.clear_param_store()
+    pyro.set_rng_seed(0)
+    model = Net()
+    guide = AutoLowRankMultivariateNormal(model, rank=2)
+    guide(torch.zeros(2, 1, 8, 8))
+    with torch.no_grad():
+        for _, value in pyro.get_param_store().items():
+            value.unconstrained().copy_(0.3 * torch.randn_like(value.unconstrained()))
+    net = pyro2pfp.convert(model, guide, input_shape=(1, 8, 8), correlation="shared-factor", check=False)
+    pyro.clear_param_store()
+    assert net.plan.factors is not None and net.plan.factors.guide == 2
+    return net.plan
+
+
 def test_every_shared_factor_primfunc_is_scheduled(every_rule):
     from pyro2pfp.planning.correlated_pools import correlate_max_pools
     from tests.ops.pooling.test_pool_covariance_sources import residual_graph
@@ -177,7 +216,8 @@ def test_every_shared_factor_primfunc_is_scheduled(every_rule):
               correlate_max_pools(residual_graph(np.random.default_rng(5)), shared=True),
               head_graph(np.random.default_rng(5))]
     parts = set()
-    for planned in (every_rule[1], *(with_correlation(plan(g), "shared-factor") for g in graphs)):
+    guided = _correlated_guide_cnn_plan()  # the guide's kernels (sf_conv_guide_*, sf_dense_guide_load)
+    for planned in (every_rule[1], guided, *(with_correlation(plan(g), "shared-factor") for g in graphs)):
         mod = emit_module(planned)
         with warnings.catch_warnings():
             warnings.simplefilter("error", RuntimeWarning)  # a schedule that fails soft is a failure here
