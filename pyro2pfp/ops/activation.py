@@ -167,7 +167,8 @@ def relu_shared(layer: PlannedLayer, inputs: list[Activation], shared: list[Shar
     rows = sh.g.shape[1]
     lin3, h3 = lin.reshape(lin.shape[0], rows, -1), h.reshape(h.shape[0], rows, -1)
     lbar, hbar = lin3.mean(axis=2), h3.mean(axis=2)
-    loading = lbar[..., None] * sh.widened(k)
+    loading = np.zeros((*sh.g.shape[:2], k))  # g's columns beyond its own are zero: not materialised
+    loading[..., :sh.g.shape[2]] = lbar[..., None] * sh.g
     loading[:, np.arange(rows), offset + np.arange(rows)] += hbar
     norm, g = normalised(loading)
     s = safe_div(lbar, norm)[..., None] * lin3 + safe_div(hbar, norm)[..., None] * h3

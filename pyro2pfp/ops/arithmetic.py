@@ -21,7 +21,7 @@ from ..backends.onnx.builder import OnnxActivation, OnnxContext
 from ..backends.reference import Activation
 from ..correlation.factors import FactorPlan
 from ..correlation.onnx_step import OnnxShared, OnnxSharedStep
-from ..correlation.shared import Shared, expand, normalised, spatial_mean
+from ..correlation.shared import Shared, expand, normalised, row_dots, spatial_mean
 from ..planning.converters import Alias, register
 from ..planning.graph import GaussianParam, Layer, Repr
 from ..planning.plan import PlannedLayer, is_compute_layer
@@ -178,11 +178,13 @@ def add_shared(layer: PlannedLayer, inputs: list[Activation], shared: list[Share
     shape = inputs[0].mean.shape
     k = fp.width[layer.name]
     a_s, b_s = sa.s.reshape(shape), sb.s.reshape(shape)
-    ga, gb = sa.widened(k), sb.widened(k)
-    cross = 2.0 * a_s * b_s * expand((ga * gb).sum(axis=2), len(shape))
-    loading = spatial_mean(a_s)[..., None] * ga + spatial_mean(b_s)[..., None] * gb
+    ka, kb = sa.g.shape[2], sb.g.shape[2]  # the columns beyond an edge's own are zero: not materialised
+    cross = 2.0 * a_s * b_s * expand(row_dots(sa.g[..., :kb], sb.g[..., :ka]), len(shape))
+    loading = np.zeros((*sa.g.shape[:2], k))
+    loading[..., :ka] = spatial_mean(a_s)[..., None] * sa.g
+    loading[..., :kb] += spatial_mean(b_s)[..., None] * sb.g
     norm, g = normalised(loading)
-    s = a_s * expand((ga * g).sum(axis=2), len(shape)) + b_s * expand((gb * g).sum(axis=2), len(shape))
+    s = a_s * expand(row_dots(sa.g, g[..., :ka]), len(shape)) + b_s * expand(row_dots(sb.g, g[..., :kb]), len(shape))
     return Shared(s, g), np.maximum(var + cross, 0.0)
 
 

@@ -27,7 +27,7 @@ import numpy as np
 
 from ..backends.onnx.builder import OnnxActivation, OnnxContext, Sym
 from ..backends.reference import Activation
-from ..backends.reference.arrays import conv2d_nchw, conv_views
+from ..backends.reference.arrays import conv2d_nchw, conv_views, tap_product
 from ..correlation import guide_onnx
 from ..correlation.factors import ComputeFactors, FactorPlan, weight_var
 from ..correlation.guide import conv_pooled_injection, dense_guide_variance, dense_injection, guide_tensors
@@ -315,7 +315,7 @@ def conv2d_shared(layer: PlannedLayer, inputs: list[Activation], shared: list[Sh
     loading = np.zeros((b, o, k))
     if sh is not None:
         amap = np.einsum("ock,bck->boc", wm.reshape(o, c, -1), sbar)
-        loading += amap @ sh.widened(k)
+        loading[..., :sh.g.shape[2]] += amap @ sh.g
     if offset is not None:
         pooled_w = np.einsum("ock,bck->bo", wv.reshape(o, c, -1), mbar**2 + sbar**2)
         if "bias_var" in t:
@@ -330,10 +330,10 @@ def conv2d_shared(layer: PlannedLayer, inputs: list[Activation], shared: list[Sh
         return None, var
     s_out = np.zeros((b, o, *layer.layer.out_shape[1:]))
     if sh is not None:
-        beta = np.einsum("bcf,bof->boc", sh.widened(k), g)  # ⟨g_in[c], g[o]⟩
+        beta = g[..., :sh.g.shape[2]] @ np.swapaxes(sh.g, 1, 2)  # (B, O, C): ⟨g_in[c], g[o]⟩
         for kk, view in enumerate(conv_views(s_in, layer, (kh, kw))):
             i, j = divmod(kk, kw)
-            s_out += np.einsum("bchw,boc->bohw", view, wm[None, :, :, i, j] * beta)
+            s_out += tap_product(wm[None, :, :, i, j] * beta, view)
     if wf is not None:  # Cov(out[o, p], η_o) of the guide's part: conv(μ, Σ_f g[o, f]·F_f[o])
         gw = np.einsum("octf,bof->boct", wf.reshape(o, c, kh * kw, -1), g[..., :wf.shape[-1]])
         for kk, view in enumerate(conv_views(mu, layer, (kh, kw))):
@@ -353,8 +353,7 @@ def conv2d_shared(layer: PlannedLayer, inputs: list[Activation], shared: list[Sh
         reg = np.zeros_like(s_out)
         for kk, (vm, vs) in enumerate(zip(conv_views(mu, layer, (kh, kw)), conv_views(s_in, layer, (kh, kw)))):
             i, j = divmod(kk, kw)
-            reg += np.einsum("bchw,boc->bohw", vm, wv[None, :, :, i, j] * mbar[:, None, :, kk])
-            reg += np.einsum("bchw,boc->bohw", vs, wv[None, :, :, i, j] * sbar[:, None, :, kk])
+            reg += tap_product(wv[:, :, i, j], mbar[:, :, kk, None, None] * vm + sbar[:, :, kk, None, None] * vs)
         if "bias_var" in t:
             reg += t["bias_var"].reshape(1, -1, 1, 1)
         s_out += safe_div(g[:, np.arange(o), offset + np.arange(o)], wbar)[..., None, None] * reg
