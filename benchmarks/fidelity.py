@@ -1,5 +1,5 @@
 """PFP logit moments against Monte Carlo over the guide's samples, for the paper's nets (MLP
-784-100-10, LeNet-5) and CIFAR-style ResNet-8 / ResNet-20 (3×32×32).
+784-100-10, LeNet-5) and CIFAR-style ResNet-8 / ResNet-20 / ResNet-18 (3×32×32; ResNet-18 with ``--nets resnet18``).
 
 Every net has an untrained ``AutoNormal`` posterior with means at He scale and posterior sd 0.02
 (:func:`pyro2pfp_experiments.zoo.he_posterior`, means from a NumPy generator so that they cannot
@@ -48,6 +48,8 @@ NETS = {
     "lenet": (lambda: BayesianLeNet5(), (1, 28, 28)),
     "resnet8": (lambda: bayesian_resnet(blocks=1), (3, 32, 32)),
     "resnet20": (lambda: bayesian_resnet(blocks=3), (3, 32, 32)),
+    # CIFAR ResNet-18: two blocks per stage, 64-512 channels, BatchNorm (11 M weights)
+    "resnet18": (lambda: bayesian_resnet(blocks=2, widths=(64, 128, 256, 512)), (3, 32, 32)),
 }
 
 
@@ -114,7 +116,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--samples", type=int, default=300)
     ap.add_argument("--inputs", type=int, default=32)
-    ap.add_argument("--nets", default=",".join(NETS))
+    ap.add_argument("--nets", default="mlp,lenet,resnet8,resnet20")
     ap.add_argument("--schemes", default="mean-field,shared-factor",
                     help="values of convert(..., correlation=) compared with the same MC samples "
                          "(mean-field, shared-factor, auto)")

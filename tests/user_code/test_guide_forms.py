@@ -27,7 +27,7 @@ pytestmark = pytest.mark.slow  # trains, and converts and compiles in fresh proc
 MEAN_SE = 1 / np.sqrt(forms.MC_SAMPLES)
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")  # built once per worker even if other modules' tests run between these
 def converted(tmp_path_factory):
     return train_then_convert(forms.__file__, tmp_path_factory.mktemp("guide_forms"), timeout=2400)
 

@@ -234,8 +234,10 @@ def test_laplace_guide_points_to_its_gaussian():
         pyro2pfp.convert(model, guide)
     x, y = data()
     laplace = guide.laplace_approximation(x, y)
-    with pytest.warns(UserWarning, match="correlations"):
-        net = pyro2pfp.convert(model, laplace)
+    net = pyro2pfp.convert(model, laplace)  # the default carries the Laplace covariance as global factors
+    assert net.plan.factors is not None and net.plan.factors.guide > 0, net.summary()
+    with pytest.warns(UserWarning, match="correlations"):  # the marginals alone: said so
+        pyro2pfp.convert(model, laplace, correlation="mean-field")
     # One linear layer: the logits' mean is exact and the marginal variances are the Laplace MVN's.
     flat_var = laplace.get_posterior().variance.detach().double().numpy()
     read = np.concatenate([net.layer_graph.layer("fc").params[p].var.ravel() for p in ("weight", "bias")])
