@@ -78,7 +78,8 @@ def build(args: argparse.Namespace):
     import pyro2pfp
 
     model, guide, det, shape, x = latency.model_with_inputs(args.net, args.batch)
-    net = pyro2pfp.convert(model, guide, input_shape=shape, correlation=args.correlation, max_pool=args.max_pool)
+    net = pyro2pfp.convert(model, guide, input_shape=shape, correlation=args.correlation, max_pool=args.max_pool,
+                           check=False)
     post = latency.posterior(guide, det)
     with torch.no_grad():
         for name, p in det.named_parameters():
