@@ -22,11 +22,6 @@ def guide_columns(step: OnnxSharedStep, g: Sym, guide: int) -> Sym:
     return g.nary("Slice", step.b.ints([0], "starts"), step.b.ints([guide], "ends"), step.b.ints([2], "axes"))
 
 
-def padded(step: OnnxSharedStep, loading: Sym, guide: int, k: int) -> Sym:
-    """A (B, O, guide) loading with zero columns up to ``k``."""
-    return step.widened(loading, guide, k)
-
-
 def dense_terms(step: OnnxSharedStep, mu: Sym, sh: OnnxShared | None, rows: int, wf: np.ndarray | None,
                 bf: np.ndarray | None, k: int) -> tuple[Sym, Sym, Sym | None]:
     """``(injection (B, O, K), counted (B, O), mean shift (B, O) or None)`` of a dense layer with input mean
@@ -54,7 +49,7 @@ def dense_terms(step: OnnxSharedStep, mu: Sym, sh: OnnxShared | None, rows: int,
         bias_sq = step.t((bf**2).sum(-1), "guide_b2")
         counted = bias_sq if counted is None else counted + bias_sq
     assert inj is not None and counted is not None
-    return padded(step, inj, guide, k), counted, shift
+    return step.widened(inj, guide, k), counted, shift
 
 
 def conv_injection(step: OnnxSharedStep, mbar: list[Sym], wf: np.ndarray | None, bf: np.ndarray | None,
@@ -71,7 +66,7 @@ def conv_injection(step: OnnxSharedStep, mbar: list[Sym], wf: np.ndarray | None,
         bias = step.view_as(step.t(bf, "guide_b"), bf.shape[0], guide)
         inj = bias if inj is None else inj + bias
     assert inj is not None
-    return padded(step, inj, guide, k)
+    return step.widened(inj, guide, k)
 
 
 def conv_profile_terms(step: OnnxSharedStep, g: Sym, mu_taps: list[Sym], wf: np.ndarray | None,
