@@ -167,39 +167,25 @@ def test_every_rule_compiled_matches_the_reference_without_hermite_factors():
 
 @pytest.mark.slow
 def _correlated_guide_cnn_plan():
-    """A conv -> conv -> dense net under a low-rank guide (random parameters, as after training), planned with
-    the guide's global factors (the second conv reads the first's guide noise: the mean shift)."""
+    """The correlated-guide forms' CNN (conv -> max pool -> conv -> dense) under a low-rank guide with random
+    parameters (as after training), planned with the guide's global factors (the second conv reads the first's
+    guide noise: the mean shift)."""
     import pyro
-    import pyro.distributions as dist
     import torch
-    import torch.nn as nn
     from pyro.infer.autoguide import AutoLowRankMultivariateNormal
-    from pyro.nn import PyroModule, PyroSample
 
     import pyro2pfp
-
-    class Net(PyroModule):
-        def __init__(self) -> None:
-            super().__init__()
-            self.conv = PyroModule[nn.Conv2d](1, 2, 3)
-            self.conv.weight = PyroSample(dist.Normal(0.0, 1.0).expand([2, 1, 3, 3]).to_event(4))
-            self.conv2 = PyroModule[nn.Conv2d](2, 2, 3)
-            self.conv2.weight = PyroSample(dist.Normal(0.0, 1.0).expand([2, 2, 3, 3]).to_event(4))
-            self.fc = PyroModule[nn.Linear](2 * 4 * 4, 3)
-            self.fc.weight = PyroSample(dist.Normal(0.0, 1.0).expand([3, 32]).to_event(2))
-
-        def forward(self, x):
-            return self.fc(torch.relu(self.conv2(torch.relu(self.conv(x)))).flatten(1))
+    from tests.support.guide_forms import CNN
 
     pyro.clear_param_store()
     pyro.set_rng_seed(0)
-    model = Net()
+    model = CNN()
     guide = AutoLowRankMultivariateNormal(model, rank=2)
-    guide(torch.zeros(2, 1, 8, 8))
+    guide(torch.zeros(2, 1, 12, 12), torch.zeros(2, dtype=torch.long))
     with torch.no_grad():
         for _, value in pyro.get_param_store().items():
             value.unconstrained().copy_(0.3 * torch.randn_like(value.unconstrained()))
-    net = pyro2pfp.convert(model, guide, input_shape=(1, 8, 8), correlation="shared-factor", check=False)
+    net = pyro2pfp.convert(model, guide, input_shape=(1, 12, 12), correlation="shared-factor", check=False)
     pyro.clear_param_store()
     assert net.plan.factors is not None and net.plan.factors.guide == 2
     return net.plan
