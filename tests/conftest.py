@@ -23,6 +23,8 @@ _WORKER = os.environ.get("PYTEST_XDIST_WORKER")
 if _WORKER:
     os.environ.setdefault("TVM_NUM_THREADS", "1")
 os.environ.setdefault("TVM_NUM_THREADS", "2")
+# every kernel the emitter reuses for a later layer is made again and checked equal (backends/tvm/kernel_memo.py)
+os.environ.setdefault("PYRO2PFP_VERIFY_KERNEL_REUSE", "1")
 
 import pyro  # noqa: E402  (after TVM_NUM_THREADS: importing the package reads it)
 

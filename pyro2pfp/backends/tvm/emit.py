@@ -6,20 +6,23 @@ The kernels are registered from ``backends/tvm/ops/<family>.py`` (loaded by ``ba
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 import numpy as np
 import tvm
 from tvm import relax, te, tirx
+from tvm.relax.utils import gen_call_tir_inputs
 
 from ... import moments
 from ...errors import ArgumentError, PFPError
 from ...planning.graph import INPUT, Repr
 from ...planning.plan import PlannedGraph, PlannedLayer
 from ...planning.registry import add_to
+from . import kernel_memo
 from .fast_math import F32, TE_OPS
 from .fusion import fused_activations
+from .kernel_memo import KernelMemo, check_same, key_of
 from .te_let import te_shared
 
 # A sum over pairs: one reduction computing mean and second component together.
@@ -64,6 +67,13 @@ class EmitContext:
     on_kernel: Callable[[str, tirx.PrimFunc], None] | None = None
     # the compute kernel being emitted also returns its weight-noise term (RelaxActivation.weight_noise)
     weight_noise: bool = False
+    # the kernels made so far: a layer whose kernel equals an earlier one's calls that PrimFunc
+    memo: KernelMemo = field(default_factory=KernelMemo)
+
+    def kernel_key(self) -> Any:
+        """What a kernel function reads of the context (:mod:`.kernel_memo`): the fused ReLU and whether
+        the weight-noise term is asked for (the rest is the same for every kernel of one emission)."""
+        return (key_of(self.activation), self.weight_noise)
 
     def const(self, array: np.ndarray) -> relax.Constant:
         return relax.const(np.ascontiguousarray(array, dtype=np.float32))
@@ -81,8 +91,21 @@ class EmitContext:
     def emit_kernel(self, fn: Callable[..., Any], args: list[relax.Expr], name: str, attrs: dict[str, Any]
                     ) -> list[relax.Expr]:
         """``bb.emit_te`` of ``fn`` as the PrimFunc ``name`` with ``attrs``, announced to
-        :attr:`on_kernel`; returns its output tensors."""
+        :attr:`on_kernel`; returns its output tensors.  A kernel equal to one made before in this
+        emission (:mod:`.kernel_memo`) is not made again: the call goes to that PrimFunc."""
+        key = self.memo.key(fn, args, attrs)
+        made = self.memo.get(key)
+        if made is not None:
+            first = made
+            if kernel_memo.VERIFY:
+                fresh = gen_call_tir_inputs(fn, *args, primfunc_attrs=attrs)[0]
+                check_same(self.bb.get()[first.args[0]], fresh, name)
+            call_args = [*args, *first.args[1].fields[len(args):]]  # (symbolic shape values after the tensors)
+            out_ty = first.ty_args[0]
+            return self.emit_outputs(relax.call_tir(
+                first.args[0], call_args, list(out_ty.fields) if isinstance(out_ty, relax.TupleType) else out_ty))
         call = self.bb.call_te(fn, *args, primfunc_name_hint=name, primfunc_attrs=attrs)
+        self.memo.put(key, call)
         self.announce(call.args[0])
         return self.emit_outputs(call)
 

@@ -61,8 +61,10 @@ from ...correlation.backend import FixedKStep
 from ...correlation.factors import FACTOR_ALIGN, aligned
 from ...planning.plan import PlannedLayer
 from ...planning.registry import SHARED_KERNELS
+from . import kernel_memo
 from .emit import LAYER_ATTR, OP_ATTR, SCHEME_STEPS, EmitContext
 from .fast_math import F32
+from .kernel_memo import check_same
 from .schedules import schedule
 from .shared_factor_schedule import schedule_shared
 
@@ -119,28 +121,39 @@ def emit_width_generic(ctx: EmitContext, fn: Any, args: list[relax.Expr], layer:
     widths_in = list(g_args.values())
     if any(w % FACTOR_ALIGN for w in (*widths_in, k)):
         raise ValueError(f"{layer.name}: factor widths {widths_in}, {k} are not multiples of {FACTOR_ALIGN}")
-    widths = FactorWidths(tuple(tirx.Var(f"k_in16_{n}", "int64") for n in range(len(g_args))),
-                          tirx.Var("k16", "int64"), tirx.Var("offset", "int64"))
-    slot = {i: n for n, i in enumerate(g_args)}
-    tensors = []
-    for i, arg in enumerate(args):
-        shape = list(arg.ty.shape.values)
-        if i in slot:
-            shape[-1] = widths.k_in16s[slot[i]] * FACTOR_ALIGN
-        tensors.append(te.placeholder(shape, "float32", name=f"arg{i}"))
-    outs = fn(*tensors, widths=widths)
-    func = te.create_prim_func([*tensors, *widths.scalars, *outs], index_dtype_override="int64")
-    if func.attrs is not None and "global_symbol" in func.attrs:
-        func = func.without_attr("global_symbol")
-    func = func.with_attrs({OP_ATTR: f"sf_{part}", LAYER_ATTR: layer.name})
-    gv = ctx.bb.add_func(func, f"pfp_sf_{part}_{layer.name}")
-    ctx.announce(gv)
+    attrs = {OP_ATTR: f"sf_{part}", LAYER_ATTR: layer.name}
+    name = f"pfp_sf_{part}_{layer.name}"
+    key = ctx.memo.key(fn, args, attrs, extra=("width-generic", tuple(g_args)), generic_last=tuple(g_args))
+    made = ctx.memo.get(key)
+    if made is None or kernel_memo.VERIFY:
+        widths = FactorWidths(tuple(tirx.Var(f"k_in16_{n}", "int64") for n in range(len(g_args))),
+                              tirx.Var("k16", "int64"), tirx.Var("offset", "int64"))
+        slot = {i: n for n, i in enumerate(g_args)}
+        tensors = []
+        for i, arg in enumerate(args):
+            shape = list(arg.ty.shape.values)
+            if i in slot:
+                shape[-1] = widths.k_in16s[slot[i]] * FACTOR_ALIGN
+            tensors.append(te.placeholder(shape, "float32", name=f"arg{i}"))
+        outs = fn(*tensors, widths=widths)
+        func = te.create_prim_func([*tensors, *widths.scalars, *outs], index_dtype_override="int64")
+        if func.attrs is not None and "global_symbol" in func.attrs:
+            func = func.without_attr("global_symbol")
+        func = func.with_attrs(attrs)
+        if made is not None:  # kernel_memo.VERIFY
+            check_same(ctx.bb.get()[made[0]], func, name)
+    if made is None:
+        gv = ctx.bb.add_func(func, name)
+        ctx.announce(gv)
+        made = (gv, widths, [list(out.shape) for out in outs])
+        ctx.memo.put(key, made)
+    gv, widths, out_shapes = made
     values = dict(zip(widths.scalars, (*(w // FACTOR_ALIGN for w in widths_in), k // FACTOR_ALIGN, offset),
                       strict=True))
     analyzer = Analyzer()  # the outputs' shapes at this call: the scalars bound, the batch kept
     for var, value in values.items():
         analyzer.bind(var, tirx.IntImm("int64", value))
-    out_ty = [relax.TensorType([analyzer.simplify(d) for d in out.shape], "float32") for out in outs]
+    out_ty = [relax.TensorType([analyzer.simplify(d) for d in shape], "float32") for shape in out_shapes]
     call = relax.call_tir(gv, [*args, *(relax.prim_value(tirx.IntImm("int64", int(v))) for v in values.values())],
                           out_ty if len(out_ty) > 1 else out_ty[0])
     return ctx.emit_outputs(call)
@@ -288,9 +301,13 @@ class SharedStep(FixedKStep):
 
         gram = emit_part(ctx, lambda gt: row_products(gt, gt, k), [sh.g], layer, "gram")[0]
         width = aligned(rows)
-        func = cholesky_factor(rows, width).with_attrs({OP_ATTR: "sf_cholesky", LAYER_ATTR: layer.name})
-        gv = ctx.bb.add_func(func, f"pfp_sf_cholesky_{layer.name}")
-        ctx.announce(gv)
+        key = ("sf_cholesky", rows, width)
+        gv = ctx.memo.get(key)  # one kernel per shape
+        if gv is None:
+            func = cholesky_factor(rows, width).with_attrs({OP_ATTR: "sf_cholesky", LAYER_ATTR: layer.name})
+            gv = ctx.bb.add_func(func, f"pfp_sf_cholesky_{layer.name}")
+            ctx.announce(gv)
+            ctx.memo.put(key, gv)
         g = ctx.bb.emit(relax.call_tir(gv, [gram], out_ty=relax.TensorType((ctx.batch, rows, width), "float32")))
         return SharedRelax(sh.s, g, width)
 

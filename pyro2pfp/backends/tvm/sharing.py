@@ -4,7 +4,9 @@ A ResNet repeats its blocks: ResNet-20's 21 conv2d, 19 ReLU and 9 add kernels ar
 distinct functions once their ``pfp.layer`` attribute (the name, for profiles) is set aside (the
 weights are arguments, not part of the kernel).  LLVM compiles each PrimFunc of the module, so
 unshared copies would take most of a ResNet's ``tvm.compile`` time (``docs/performance.md``, "Compile
-time").
+time").  The emitter already makes most repeated kernels only once (:mod:`.kernel_memo`); this pass
+shares the rest (a kernel whose function :mod:`.kernel_memo` cannot describe) and the kernels of a
+module emitted elsewhere.
 :func:`share_identical_kernels` keeps the first of each group of structurally equal PrimFuncs and
 points every ``call_tir`` of the others at it.  Results are unchanged (the same code runs on the
 same arguments).  A shared kernel keeps the name of its first layer: a profile row

@@ -200,6 +200,7 @@ def relu_shared_kernel(step: SharedStep, ctx: EmitContext, layer: PlannedLayer, 
     slope = float(layer.layer.attrs.get("slope", 0.0))
     name, src = layer.name, layer.inputs[0]
     offset = step.fp.offsets.get(name)
+    hermite = offset is not None  # (the kernel reads this, not the offset: it takes it as a parameter)
     k = step.fp.width[name]
     assert x.second is not None  # a random input (emits_mean_field)
     views = [step.by_rows(ctx, t, src) for t in (x.mean, x.second, sh.s)]
@@ -215,7 +216,7 @@ def relu_shared_kernel(step: SharedStep, ctx: EmitContext, layer: PlannedLayer, 
                 cdf = tirx.Select(sd > f32(0.0), cdf, tirx.Select(m[i] > f32(0.0), f32(1.0), f32(0.0)))
                 lin = (cdf + f32(slope) * (f32(1.0) - cdf)) * s[i]
                 h = safe_div(f32(1.0 - slope) * pdf, sd) * s[i] * s[i] * f32(1 / math.sqrt(2))
-                return [*outs, lin] if offset is None else [*outs, lin, h]
+                return [*outs, lin] if not hermite else [*outs, lin, h]
 
             return te_shared(build, reuse=True)
 
@@ -228,7 +229,7 @@ def relu_shared_kernel(step: SharedStep, ctx: EmitContext, layer: PlannedLayer, 
         def var(*i: Any) -> Any:  # the output's variance, the profile's clip
             return variance_of(mean[i], second[i], layer.out_repr)
 
-        if offset is None:  # hermite='none': the linear response only
+        if not hermite:  # hermite='none': the linear response only
             return [mean, second, te.compute(lin.shape, lambda *i: clip(lin[i], var(*i)), name="s")]
         assert widths is not None  # the factor widths and offset: symbolic (emit_width_generic)
         lbar, hbar = row_mean(lin, "lbar"), row_mean(h[0], "hbar")

@@ -86,6 +86,7 @@ def conv2d_shared_kernel(step: SharedStep, ctx: EmitContext, layer: PlannedLayer
     x, sh = inputs[0], shared[0]
     cf = ComputeFactors.of(layer, step.fp)
     offset, k, wm, wv = cf.offset, cf.k, cf.weight_mean, cf.weight_var
+    injects = offset is not None  # (the kernels read this, not the offset: they take it as a parameter)
     t, a = layer.tensors, layer.layer.attrs
     o, c, kh, kw = wm.shape
     (sy, sx), (py, px), (dy, dx) = a["stride"], a["padding"], a["dilation"]
@@ -170,7 +171,7 @@ def conv2d_shared_kernel(step: SharedStep, ctx: EmitContext, layer: PlannedLayer
             """``coef[b, o] = g[b, o, offset + o]/w̄[b, o]`` (0 where ``w̄ = 0`` or without an injection);
             ``injection='rescaled'``: ``g[b, o, offset + o]·w̄[b, o]/mean_p √noise[b, o, p]``, the
             factor of the rescaled root (0 where the mean root is 0)."""
-            if offset is None:
+            if not injects:
                 return te.compute((batch, o), lambda b, oo: f32(0.0), name="coef")
             if noise is not None:
                 y, xx = te.reduce_axis((0, oh), name="ry"), te.reduce_axis((0, ow), name="rx")
@@ -200,7 +201,7 @@ def conv2d_shared_kernel(step: SharedStep, ctx: EmitContext, layer: PlannedLayer
 
         if sb is None or g_in is None:
             own = te.compute((batch, o, k), lambda b, oo, f: tirx.Select(
-                f == oo + off, wbar[b, oo], f32(0.0)), name="loading") if offset is not None else None
+                f == oo + off, wbar[b, oo], f32(0.0)), name="loading") if injects else None
             g = normalised(with_guide(own))[0]
             coef = coefficient(g)
             if noise is not None and out_var is not None:  # the profile is the rescaled root alone
@@ -214,7 +215,7 @@ def conv2d_shared_kernel(step: SharedStep, ctx: EmitContext, layer: PlannedLayer
         c2 = te.reduce_axis((0, c), name="c2")
         prop = te.compute((batch, o, k), lambda b, oo, f: te.sum(amap[b, c2, oo] * gw[b, c2, f], axis=c2),
                           name="prop")
-        loading = prop if offset is None else te.compute(prop.shape, lambda b, oo, f: prop[b, oo, f] + tirx.Select(
+        loading = prop if not injects else te.compute(prop.shape, lambda b, oo, f: prop[b, oo, f] + tirx.Select(
             f == oo + off, wbar[b, oo], f32(0.0)), name="loading")
         g = normalised(with_guide(loading))[0]
         # βᵀ[b, c, o] = ⟨g_in[c], g[o]⟩ (B, C, O): unit-stride in o, as the weights kernel reads it
@@ -262,19 +263,19 @@ def conv2d_shared_kernel(step: SharedStep, ctx: EmitContext, layer: PlannedLayer
         if bt is not None:
             def on_s(b: Any, ch: Any, i: Any, j: Any, oo: Any) -> Any:
                 value = wmt[ch, i, j, oo] * bt[b, ch, oo]
-                if sb is not None and offset is not None and coef is not None and wvt is not None:
+                if sb is not None and injects and coef is not None and wvt is not None:
                     value = value + coef[b, oo] * wvt[ch, i, j, oo] * sb[b, ch, i, j]
                 return value
 
             outs.append(te.compute(wshape, on_s, name="w_s"))
-        if mb is not None and coef is not None and wvt is not None and offset is not None:
+        if mb is not None and coef is not None and wvt is not None and injects:
             outs.append(te.compute(wshape, lambda b, ch, i, j, oo: coef[b, oo] * wvt[ch, i, j, oo]
                                    * mb[b, ch, i, j], name="w_mu"))
         if wino:  # their Winograd transforms G·w·Gᵀ (B, 4, 4, C, O) instead
             outs = [weight_transform(wt, f"wino_w{n}") for n, wt in enumerate(outs)]
         if coef is not None and bvt is not None:
             outs.append(te.compute((batch, o), lambda b, oo: coef[b, oo] * bvt[oo]
-                                   if offset is not None else f32(0.0), name="shift"))
+                                   if injects else f32(0.0), name="shift"))
         return outs
 
     if rescaled:
