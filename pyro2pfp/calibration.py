@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from .errors import ArgumentError
-from .runtime.uncertainty import _standard_normal, uncertainty_from_logit_samples
+from .runtime.uncertainty import standard_normal_draws, uncertainty_from_logit_samples
 
 if TYPE_CHECKING:
     from .network import PFPNetwork
@@ -121,7 +121,7 @@ class CalibrationObjective:
         """PFP uncertainty metrics on ``x_val`` with factor ``c`` (the fixed logit draws)."""
         mean, var = self.pfp_output(c)
         if self._z is None:
-            self._z = _standard_normal((self.num_samples, *mean.shape), self.seed)
+            self._z = standard_normal_draws((self.num_samples, *mean.shape), self.seed)
         return uncertainty_from_logit_samples(mean + np.sqrt(np.maximum(var, 0.0)) * self._z)
 
     def evaluate(self, c: float) -> dict[str, float]:

@@ -39,7 +39,7 @@ import torch.fx
 
 from ..errors import PFPError
 from ..frontend.posterior import call_with_model_args
-from ..frontend.tracing import _WRAPPER_PREFIX
+from ..frontend.tracing import WRAPPER_PREFIX
 
 if TYPE_CHECKING:
     from ..network import PFPNetwork
@@ -415,7 +415,7 @@ def _compare(net: PFPNetwork, model: Any, guide: Any, x: Any, num_samples: int, 
     mismatches = store_mismatches(net)
     gm = traced.program.module()
     params = dict(gm.named_parameters())
-    by_site = {p.site: params[path] if path in params else params[_WRAPPER_PREFIX + path]
+    by_site = {p.site: params[path] if path in params else params[WRAPPER_PREFIX + path]
                for path, p in traced.params.items() if p.site is not None}
     means = {site: param.detach().clone() for site, param in by_site.items()}  # restored at the end
     scale = math.sqrt(calibration)

@@ -55,7 +55,9 @@ from .site_matching import check_all_matched, guide_name, require_weight_posteri
 from .trace_passes import fold_identity_broadcasts, fold_output_broadcast, repair_users, used_parameters
 from .tracing_guard import check_against_model, check_store_values, store_names
 
-_WRAPPER_PREFIX = "model."
+#: the prefix of the traced program's parameter names: the model is traced inside a wrapper module
+#: whose attribute ``model`` it is (a site ``fc1.weight`` is the program's ``model.fc1.weight``)
+WRAPPER_PREFIX = "model."
 
 
 @dataclass
@@ -380,7 +382,7 @@ def _split_pyro_samples(program: torch.export.ExportedProgram, pyro_sample_sites
     used = used_parameters(program)
     unused = set()
     for path, site in pyro_sample_sites.items():
-        if _WRAPPER_PREFIX + path in used:
+        if WRAPPER_PREFIX + path in used:
             require_weight_posterior(site, f"parameter {path}", readings[site], guide)
         else:
             unused.add(site)
@@ -517,15 +519,15 @@ def _trace(model: Any, guide: Any, input_shape: tuple[int, ...], check_posterior
         extra_names = list(wrapper.traced_args.batched_names)
         if not wrapper.probe_head:  # else the program ends at the network output once the head is read
             check_output(program, model, extra_names)
-            check_supported_ops(program, _forward_name(model), _WRAPPER_PREFIX)
+            check_supported_ops(program, _forward_name(model), WRAPPER_PREFIX)
         single = _export(wrapper, wrapper.traced_args.inputs(1), input_shape, dynamic=False)
         fold_identity_broadcasts(single)
         check_batch_independent(program, single)
-    traced_paths = [name.removeprefix(_WRAPPER_PREFIX) for name, _ in program.named_parameters()]
+    traced_paths = [name.removeprefix(WRAPPER_PREFIX) for name, _ in program.named_parameters()]
     in_store = store_names(model, registrations, nets, traced_paths)
-    check_store_values({name.removeprefix(_WRAPPER_PREFIX): p.detach().to(torch.float64).numpy()
+    check_store_values({name.removeprefix(WRAPPER_PREFIX): p.detach().to(torch.float64).numpy()
                         for name, p in program.named_parameters()
-                        if name.removeprefix(_WRAPPER_PREFIX) in in_store}, in_store)
+                        if name.removeprefix(WRAPPER_PREFIX) in in_store}, in_store)
     x = wrapper.traced_args.inputs(2)[0] if example.given else \
         torch.randn((2, *input_shape), generator=torch.Generator().manual_seed(0))
     means = {**{site: wrapper.functional[key].detach() for site, key in wrapper.site_keys.items()},
@@ -537,12 +539,12 @@ def _trace(model: Any, guide: Any, input_shape: tuple[int, ...], check_posterior
     head = _end_at_head(program, next(iter(wrapper.head_site))) if wrapper.probe_head else None
     if head is not None:
         check_output(program, model, extra_names)
-        check_supported_ops(program, _forward_name(model), _WRAPPER_PREFIX)
+        check_supported_ops(program, _forward_name(model), WRAPPER_PREFIX)
 
     exported_weights, nonweights = _classify_exported_sites(wrapper, lifted_paths, program, readings, guide)
     unused_samples = _split_pyro_samples(program, pyro_sample_sites, params, readings, guide)
     nonweights |= unused_samples
-    model_parameters = [lifted_paths.get(name, name.removeprefix(_WRAPPER_PREFIX))
+    model_parameters = [lifted_paths.get(name, name.removeprefix(WRAPPER_PREFIX))
                         for name, _ in program.named_parameters() if not name.startswith("functional.")]
     check_all_matched(readings, [*(set(pyro_sample_sites.values()) - unused_samples), *exported_weights.values()],
                       nonweights,
@@ -555,7 +557,7 @@ def _trace(model: Any, guide: Any, input_shape: tuple[int, ...], check_posterior
     _warn_moment_matched(params, readings)
 
     for name, param in program.named_parameters():
-        path = name.removeprefix(_WRAPPER_PREFIX)
+        path = name.removeprefix(WRAPPER_PREFIX)
         if path not in params and not path.startswith("functional."):
             arr = param.detach().to(torch.float64).numpy().copy()
             reg = in_store.get(path)
@@ -563,7 +565,7 @@ def _trace(model: Any, guide: Any, input_shape: tuple[int, ...], check_posterior
                                          stale=bool(reg and reg.stale))
     constants = _constants(program, registrations)
     for name, buffer in program.named_buffers():
-        path = name.removeprefix(_WRAPPER_PREFIX)
+        path = name.removeprefix(WRAPPER_PREFIX)
         arr = buffer.detach().to(torch.float64).numpy().copy()
         params[path] = GaussianParam(arr, np.zeros_like(arr))
     return TracedModel(program=program, params=params, input_shape=input_shape,

@@ -25,7 +25,7 @@ from ..planning.onedim import lift_1d
 from .output_chain import extra_input_error, strip_output_normalisation
 from .param_expressions import ParamExpressions, input_dependent
 from .trace_passes import user_source
-from .tracing import _WRAPPER_PREFIX, TracedModel
+from .tracing import WRAPPER_PREFIX, TracedModel
 
 # Ops that only compute shapes (SymInts) or are bookkeeping; never activations.
 _SHAPE_OPS = {"aten.sym_size.int", "aten.sym_numel.default"}
@@ -40,7 +40,7 @@ def _module_path(node: torch.fx.Node) -> str:
     if path == "model":
         return ""
     # A pyro.random_module net's deterministic copy (tracing._Wrapper.lifted): the net's own paths.
-    return re.sub(r"^lifted\.m\d+(\.|$)", "", path.removeprefix(_WRAPPER_PREFIX))
+    return re.sub(r"^lifted\.m\d+(\.|$)", "", path.removeprefix(WRAPPER_PREFIX))
 
 
 class ConversionContext:
@@ -50,8 +50,8 @@ class ConversionContext:
         self.traced = traced
         sig = traced.program.graph_signature
         self._param_of = {**sig.inputs_to_parameters, **sig.inputs_to_buffers}
-        values = {name: traced.params[path.removeprefix(_WRAPPER_PREFIX)] for name, path in self._param_of.items()
-                  if path.removeprefix(_WRAPPER_PREFIX) in traced.params}
+        values = {name: traced.params[path.removeprefix(WRAPPER_PREFIX)] for name, path in self._param_of.items()
+                  if path.removeprefix(WRAPPER_PREFIX) in traced.params}
         for name, fqn in sig.inputs_to_lifted_tensor_constants.items():  # e.g. a model function's module tensors
             if fqn in traced.constants:
                 values[name] = traced.constants[fqn]
@@ -101,7 +101,7 @@ class ConversionContext:
         if isinstance(arg, torch.fx.Node) and arg in self._names:
             return self._names[arg]
         if self.weights.is_weight(arg):
-            path = self._param_of.get(arg.name, "").removeprefix(_WRAPPER_PREFIX)
+            path = self._param_of.get(arg.name, "").removeprefix(WRAPPER_PREFIX)
             param = self.traced.params.get(path)
             what = f"the weight of sample site '{param.site}'" if param is not None and param.site else \
                 f"parameter {path}" if path else f"a value computed from parameters ({user_source(arg)})"

@@ -38,6 +38,7 @@ from ..errors import ArgumentError
 __all__ = [
     "auroc",
     "sample_logits",
+    "standard_normal_draws",
     "uncertainty",
     "uncertainty_from_logit_samples",
 ]
@@ -116,7 +117,11 @@ def _check_mean_var(mean: Any, var: Any) -> tuple[np.ndarray, np.ndarray]:
     return mu, v
 
 
-def _standard_normal(shape: tuple[int, ...], seed: Any) -> np.ndarray:
+def standard_normal_draws(shape: tuple[int, ...], seed: Any = None) -> np.ndarray:
+    """Standard normal draws of ``shape`` (float64) in one vectorised call: the draws behind
+    :func:`sample_logits` (``mean + √var·z``), for a caller that keeps them fixed while the moments
+    change (common random numbers, as ``calibrate`` does).  ``seed``: an int, ``None`` (fresh
+    entropy) or a ``numpy.random.Generator``; a given int seed always gives the same draws."""
     rng = seed if isinstance(seed, np.random.Generator) else np.random.default_rng(seed)
     return rng.standard_normal(shape)
 
@@ -130,7 +135,7 @@ def sample_logits(mean: Any, var: Any, num_samples: int = 100, seed: Any = None)
     mu, v = _check_mean_var(mean, var)
     if num_samples < 1:
         raise ArgumentError(f"num_samples must be >= 1, got {num_samples}")
-    z = _standard_normal((int(num_samples), *mu.shape), seed)
+    z = standard_normal_draws((int(num_samples), *mu.shape), seed)
     return mu + np.sqrt(v) * z
 
 

@@ -138,6 +138,42 @@ def test_the_wing_check_sees_an_upward_import():
     assert _wing("pyro2pfp.ops.compute") < _wing("pyro2pfp.backends.tvm.emit")
 
 
+def _private_imports() -> list[tuple[str, str, str]]:
+    """``(importer, module, name)`` of every ``from <package module> import _name`` (one leading
+    underscore: a module's private helper, not a dunder) in the package, lazy imports too."""
+    import ast
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[2] / "pyro2pfp"
+    found = []
+    for path in root.rglob("*.py"):
+        parts = path.relative_to(root.parent).with_suffix("").parts
+        name = ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+        package = name if path.name == "__init__.py" else name.rpartition(".")[0]
+        for node in ast.walk(ast.parse(path.read_text())):
+            if not isinstance(node, ast.ImportFrom) or not (node.level or (node.module or "").startswith("pyro2pfp")):
+                continue
+            base = package.split(".")[: len(package.split(".")) - (node.level - 1)] if node.level else []
+            target = ".".join(base + ([node.module] if node.module else [])) if node.level else str(node.module)
+            found += [(name, target, a.name) for a in node.names
+                      if a.name.startswith("_") and not a.name.startswith("__")]
+    return found
+
+
+def test_no_module_imports_another_wings_private_names():
+    """A name with a leading underscore is its module's own: a module may share it within its wing (the
+    helpers of one stage), but another wing that needs it gets a public name -- else a change inside one
+    stage silently breaks another."""
+    crossing = [f"{a} imports {m}.{n}" for a, m, n in _private_imports() if _wing(a) != _wing(m)]
+    assert not crossing, "private names used across wings: " + "; ".join(crossing)
+
+
+def test_the_private_import_check_sees_imports():
+    found = _private_imports()
+    assert ("pyro2pfp.backends.tvm.ops.compute_shared", "pyro2pfp.backends.tvm.ops.compute", "_pad") in found
+    assert _wing("pyro2pfp.calibration") != _wing("pyro2pfp.runtime.uncertainty")
+
+
 def test_the_top_level_holds_few_modules():
     """Stages live in their wings; the top level keeps the base (errors, options, version) and the API."""
     from pathlib import Path

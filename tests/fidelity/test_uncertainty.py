@@ -21,7 +21,13 @@ from scipy.stats import entropy
 
 import pyro2pfp
 from pyro2pfp.calibration import CalibrationObjective, calibrate, minimise_log_scale, predictive_uncertainty
-from pyro2pfp.runtime.uncertainty import auroc, sample_logits, uncertainty, uncertainty_from_logit_samples
+from pyro2pfp.runtime.uncertainty import (
+    auroc,
+    sample_logits,
+    standard_normal_draws,
+    uncertainty,
+    uncertainty_from_logit_samples,
+)
 from pyro2pfp_experiments.ood_data import (
     FASHION_KINDS,
     ambiguous_digits,
@@ -144,6 +150,18 @@ def test_logit_sampling_is_seeded_and_uses_exact_variance():
     # float32 inputs (the compiled module's output) and torch tensors are accepted
     t = uncertainty(torch.as_tensor(mean, dtype=torch.float32), var.astype(np.float32), num_samples=50, seed=3)
     np.testing.assert_allclose(t["total"], a["total"], rtol=1e-5)
+
+
+def test_sample_logits_are_mean_plus_sd_times_the_public_draws():
+    """``standard_normal_draws`` (what ``calibrate`` keeps fixed across factors) are the draws behind
+    ``sample_logits``: the same seed gives ``mean + √var·z`` exactly, a Generator continues its stream."""
+    mean, var = np.array([[0.5, -2.0, 1e6]]), np.array([[0.0, 4.0, 1e-3]])
+    z = standard_normal_draws((7, 1, 3), seed=5)
+    np.testing.assert_array_equal(sample_logits(mean, var, num_samples=7, seed=5), mean + np.sqrt(var) * z)
+    rng = np.random.default_rng(5)
+    first = standard_normal_draws((7, 1, 3), seed=rng)
+    np.testing.assert_array_equal(first, z)
+    assert not np.array_equal(standard_normal_draws((7, 1, 3), seed=rng), z)
 
 
 def test_gaussian_logits_against_quadrature():
