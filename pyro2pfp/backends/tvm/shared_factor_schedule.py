@@ -164,8 +164,8 @@ def _schedule_pooling(sch: s_tir.Schedule, bar: Any, lanes: int, merge: _Merge |
         else:
             merge.leads.append(fused)
     fused = sch.get_loops(bar)[0]
-    sch.compute_at(cols, fused)
-    xx, y = sch.get_loops(cols)[-2:]  # (kernel row,) x, output row (a kernel row of 1 has no loop)
+    sch.compute_at(cols, fused, preserve_unit_loops=True)  # an output row loop even for one row (a 1-D conv)
+    xx, y = sch.get_loops(cols)[-2:]  # kernel row, x, output row
     sch.reorder(y, xx)
     if vectorizable(sch, [cols]):
         vec = pow2_divisor(static_extent(sch, xx), lanes)

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import copy
 import itertools
+import warnings
 
 import numpy as np
 import onnxruntime as ort
@@ -251,6 +252,25 @@ def test_bayesian_1d_block_matches_sampling_of_the_guide_compiled_too():
                                    max_pool="independent")
     assert_check_rejects(samples, *independent.reference(x))  # the check can fail on the same draws
     cm, cv = net.compile()(x)  # the compiled 1-D net (conv, window covariances, correlated max)
+    np.testing.assert_allclose(cm, mean, rtol=1e-4, atol=1e-5 * np.abs(mean).max())
+    np.testing.assert_allclose(cv, var, rtol=1e-4, atol=1e-5 * var.max())
+
+
+@pytest.mark.parametrize("body_cls, first, correlation", [(Forms1d, "c1", "mean-field"),
+                                                           (Block1d, "conv", "shared-factor")],
+                         ids=["forms-mean-field", "block-shared-factor"])
+def test_1d_layers_compile_with_their_default_schedules(body_cls, first, correlation, monkeypatch):
+    """1-D layers run as 2-D ones with one row: every kernel gets its default schedule -- a schedule that
+    counts on a loop over the rows (which TVM drops for one row) fails soft, a RuntimeWarning and the
+    kernel left unscheduled -- and the compiled net equals the reference."""
+    monkeypatch.setenv("PYRO2PFP_KERNEL_CACHE", "off")  # schedule every kernel here, none from the cache
+    net, _ = _converted(body_cls, first, (2, 23), calibration=1.0, correlation=correlation)
+    x = np.random.default_rng(4).normal(size=(3, 2, 23)).astype(np.float32)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", RuntimeWarning)  # "the default schedule of ... failed"
+        cm, cv = net.compile()(x)
+    mean, var = net.reference(x)
+    assert var.max() > 0
     np.testing.assert_allclose(cm, mean, rtol=1e-4, atol=1e-5 * np.abs(mean).max())
     np.testing.assert_allclose(cv, var, rtol=1e-4, atol=1e-5 * var.max())
 

@@ -443,7 +443,7 @@ def _schedule_correlated_fold(sch: s_tir.Schedule, lanes: int) -> None:
     par = sch.fuse(b, c)
     sch.parallel(par)
     for blk in reversed([blk for blk in blocks if blk not in epilogue]):  # consumers first
-        sch.compute_at(blk, par)
+        sch.compute_at(blk, par, preserve_unit_loops=True)  # (i, j) loops even for one row (a 1-D pool)
     nests: dict[Any, list[Any]] = {}
     for blk in blocks:
         loops = sch.get_loops(blk)
