@@ -160,6 +160,22 @@ def k_sharing(net_name: str, ops: tuple[str, ...] = ("sf_conv_load", "sf_relu", 
     print(f"{net_name}: sharing {', '.join(ops)} across K would remove these kernels: {total:.2f} CPU s")
 
 
+def kernel_counts(mod) -> tuple[int, int]:
+    """(PrimFuncs, ``call_tir`` calls) of an emitted module: the kernels made and the kernel calls."""
+    import tvm
+    import tvm_ffi
+    from tvm import relax
+
+    calls = [0]
+
+    def count(call) -> None:
+        if isinstance(call.op, tvm.ir.Op) and call.op.name == "relax.call_tir":
+            calls[0] += 1
+
+    tvm_ffi.structural_walk(mod["main"], (relax.Call, count))
+    return sum(isinstance(f, tvm.tirx.PrimFunc) for _, f in mod.functions_items()), calls[0]
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--repeats", type=int, default=3)
@@ -195,8 +211,8 @@ def main() -> None:
         return time.perf_counter() - t0, cpu_s() - c0
 
     print(f"load average {os.getloadavg()[0]:.1f}, kernels compiled on {build_jobs()} thread(s)")
-    print(f"{'net':<14} {'CPU s':>6} {'wall s':>7} {'2nd CPU s':>9} {'2nd wall s':>10}")
-    best, second = {}, {}
+    print(f"{'net':<14} {'CPU s':>6} {'wall s':>7} {'2nd CPU s':>9} {'2nd wall s':>10} {'kernels':>8} {'calls':>6}")
+    best, second, counts = {}, {}, {}
     for name, net in networks():
         cold, warm = [], []
         for _ in range(args.repeats):
@@ -207,8 +223,9 @@ def main() -> None:
             del os.environ["PYRO2PFP_KERNEL_CACHE"]
         best[name] = (min(w for w, _ in cold), min(c for _, c in cold))
         second[name] = (min(w for w, _ in warm), min(c for _, c in warm))
-        (wall, cpu), (wall2, cpu2) = best[name], second[name]
-        print(f"{name:<14} {cpu:>6.2f} {wall:>7.2f} {cpu2:>9.2f} {wall2:>10.2f}")
+        counts[name] = kernel_counts(net.mod)
+        (wall, cpu), (wall2, cpu2), (made, calls) = best[name], second[name], counts[name]
+        print(f"{name:<14} {cpu:>6.2f} {wall:>7.2f} {cpu2:>9.2f} {wall2:>10.2f} {made:>8} {calls:>6}")
     for name, limit in TARGETS.items():
         wall_s, cpu = best[name]
         verdict = "HOLDS" if wall_s <= limit else "SHORT"
@@ -217,13 +234,14 @@ def main() -> None:
         verdict = "HOLDS" if wall_s <= SECOND_COMPILE else "SHORT"
         print(f"{verdict}: {name} second compile {wall_s:.2f} s wall <= {SECOND_COMPILE:.0f} s ({cpu:.2f} CPU s)")
     write_markdown(args.markdown, [
-        table(["net", "wall s", "CPU s", "second compile wall s", "second compile CPU s"],
-              [[name, f"{w:.2f}", f"{c:.2f}", f"{second[name][0]:.2f}", f"{second[name][1]:.2f}"]
-               for name, (w, c) in best.items()]),
+        table(["net", "wall s", "CPU s", "second compile wall s", "second compile CPU s", "kernels", "kernel calls"],
+              [[name, f"{w:.2f}", f"{c:.2f}", f"{second[name][0]:.2f}", f"{second[name][1]:.2f}",
+                str(counts[name][0]), str(counts[name][1])] for name, (w, c) in best.items()]),
         f"`net.compile()` after `convert` and its first call (module emission and linking included), best of "
         f"{args.repeats}, with an empty kernel cache; *second compile*: the same again, its kernels in the cache. "
         f"Kernels compiled on {build_jobs()} thread(s); CPU s counts the linker too; `(mf)`: "
-        f"`correlation=\"mean-field\"`."])
+        f"`correlation=\"mean-field\"`; *kernels*: the PrimFuncs the emitter made (each compiled once), "
+        f"*kernel calls*: the `call_tir`s of the module (one or more per layer)."])
 
 
 if __name__ == "__main__":
