@@ -205,7 +205,7 @@ mean-field ReLU moments too, from the op's rule: ``ops.activation.activation_mom
 
 
 def emit_module(graph: PlannedGraph, *, fuse: bool = True,
-                on_kernel: Callable[[str, tirx.PrimFunc], None] | None = None) -> tvm.IRModule:
+                on_kernel: Callable[[str, tirx.PrimFunc], None] | None = None, reuse: bool = True) -> tvm.IRModule:
     """The planned network as a Relax IRModule.
 
     ``main(x: (batch, *input_shape) float32[, x_var]) -> (mean, var)`` of the output; weights are
@@ -214,7 +214,10 @@ def emit_module(graph: PlannedGraph, *, fuse: bool = True,
     kernels of :data:`SCHEME_STEPS` follow every layer's, and replace the mean-field kernel of the
     layers where :meth:`SchemeStep.emits_mean_field`: its ReLUs).  ``on_kernel(name, func)`` is
     called with each PrimFunc as soon as it is emitted (a kernel emitted again under the same name,
-    deduplicated by the block builder, may be announced again).
+    deduplicated by the block builder, may be announced again).  ``reuse``: a layer whose kernel equals
+    an earlier layer's calls that PrimFunc (:mod:`.kernel_memo`); ``False``: every layer its own PrimFunc,
+    named after it (what tools that attribute kernels to layers read; sharing them after emission,
+    :func:`~.sharing.share_identical_kernels`, gives the same module to compile).
     """
     step = None
     if graph.factors is not None:  # a factor plan: its scheme's kernels after each layer's (no fusion)
@@ -226,7 +229,7 @@ def emit_module(graph: PlannedGraph, *, fuse: bool = True,
     batch = tirx.Var("batch", "int64")
     bb = relax.BlockBuilder()
     shapes = {INPUT: graph.input_shape, **{p.name: p.layer.out_shape for p in graph.layers}}
-    ctx = EmitContext(bb=bb, batch=batch, shapes=shapes, on_kernel=on_kernel)
+    ctx = EmitContext(bb=bb, batch=batch, shapes=shapes, on_kernel=on_kernel, memo=KernelMemo(enabled=reuse))
     in_type = relax.TensorType((batch, *graph.input_shape), F32)
     params = [relax.Var("x", in_type)]
     if graph.input_repr is not Repr.DETERMINISTIC:

@@ -117,7 +117,8 @@ def _attrs_key(attrs: dict[str, Any]) -> Any:
 class KernelMemo:
     """The kernels made so far in one emission, by key (module docstring)."""
 
-    def __init__(self) -> None:
+    def __init__(self, enabled: bool = True) -> None:
+        self.enabled = enabled  # False: every kernel is made anew (get finds nothing)
         self._made: dict[Any, Any] = {}
         self.hits = 0
         self.misses = 0
@@ -138,7 +139,7 @@ class KernelMemo:
 
     def get(self, key: Any) -> Any:
         """What :meth:`put` stored under ``key`` (None for ``key`` None or not made yet)."""
-        if key is None:
+        if key is None or not self.enabled:
             return None
         made = self._made.get(key)
         if made is None:

@@ -8,6 +8,7 @@ import tvm
 from tvm import relax
 
 from pyro2pfp.backends.tvm.build import build
+from pyro2pfp.backends.tvm.emit import emit_module
 from pyro2pfp.backends.tvm.schedules import schedule_module
 from pyro2pfp.backends.tvm.sharing import share_identical_kernels
 from pyro2pfp.network import PFPNetwork
@@ -37,10 +38,24 @@ def repeated_blocks() -> PFPNetwork:
 
 
 
+def test_the_emitter_makes_each_distinct_kernel_once():
+    """Layers whose kernels would be equal call one PrimFunc as soon as the module is emitted (the
+    kernel memo): the same kernels as emitting every layer's own and sharing them afterwards, and the
+    same calls."""
+    net = repeated_blocks()
+    own = emit_module(net.plan, reuse=False)
+    once = emit_module(net.plan)
+    assert sum(n.startswith("pfp_conv2d") for n in prim_funcs(own)) == 4
+    assert sorted(prim_funcs(once)) == sorted(prim_funcs(share_identical_kernels(own)))
+    assert sum(n.startswith("pfp_conv2d") for n in prim_funcs(once)) == 2  # c0/c1/c2 one kernel; head its own
+    assert share_identical_kernels(once) is once  # nothing left to share
+    assert once["main"].script().count("R.call_tir(") == own["main"].script().count("R.call_tir(")
+
+
 @pytest.mark.slow
 def test_identical_kernels_are_shared_and_give_the_same_numbers():
     net = repeated_blocks()
-    scheduled = schedule_module(net.mod, net.plan, TARGET)
+    scheduled = schedule_module(emit_module(net.plan, reuse=False), net.plan, TARGET)  # every layer its own
     shared = share_identical_kernels(scheduled)
     before, after = prim_funcs(scheduled), prim_funcs(shared)
     convs_before = [n for n in before if n.startswith("pfp_conv2d")]

@@ -304,12 +304,12 @@ def test_converted_resnet8_one_kernel_per_relu_matches_the_reference():
     assert net.plan.correlation == "shared-factor"
     relus = {p.name for p in net.plan.layers if p.op == "relu"}
     kernels: dict[str, list[str]] = {}
-    for op, layer in kernel_table(emit_module(net.plan)).values():
+    for op, layer in kernel_table(emit_module(net.plan, reuse=False)).values():  # every layer's own kernels
         kernels.setdefault(layer, []).append(op)
     assert len(relus) == 7 and all(kernels[name] == ["sf_relu"] for name in relus), kernels
     # ReLUs and conv loadings (and adds) that differ only in their factor widths share one kernel
     fp = fixed_k_plan(net.plan, "the TVM back end", compaction=True)
-    callee = _callees(emit_module(net.plan))
+    callee = _callees(emit_module(net.plan, reuse=False))
     for op in ("relu", "conv2d"):  # (one add per shape here)
         groups: dict[tuple[object, ...], set[str]] = {}
         for p in net.plan.layers:
@@ -497,7 +497,7 @@ def test_shared_factor_kernels_per_layer(every_rule):
     from pyro2pfp.backends.tvm.emit import kernel_table
 
     _, planned, _ = every_rule
-    mod = emit_module(planned)
+    mod = emit_module(planned, reuse=False)  # every layer's own kernels, named after it
     per_layer: dict[str, list[str]] = {}
     calls = [line for line in mod["main"].script().splitlines() if "R.call_tir(" in line]
     table = kernel_table(mod)

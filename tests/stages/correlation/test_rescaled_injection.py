@@ -42,7 +42,7 @@ def conv_dense_graph(rng: np.random.Generator) -> LayerGraph:
 
 def _kernels(planned: PlannedGraph) -> tuple[tvm.IRModule, dict[str, dict[str, str]]]:
     """The emitted module and ``{layer: {op: PrimFunc symbol}}``."""
-    mod = emit_module(planned)
+    mod = emit_module(planned, reuse=False)  # every layer's own kernels, named after it
     per_layer: dict[str, dict[str, str]] = {}
     for symbol, (op, layer) in kernel_table(mod).items():
         per_layer.setdefault(layer, {})[op] = symbol
