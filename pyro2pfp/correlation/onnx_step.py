@@ -14,7 +14,6 @@ ops, :mod:`pyro2pfp.correlation.stein`).  The raw-moment plan raises an ``Argume
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -24,17 +23,13 @@ from ..planning.graph import Repr
 from ..planning.plan import PlannedGraph
 from ..planning.registry import SHARED_EXPORTERS
 from .backend import FixedKStep
+from .shared import Shared
 
 _TINY = 1e-30
 
 
-@dataclass
-class OnnxShared:
-    """The shared part of one edge: ``s`` (B, *edge shape), ``g`` (B, rows, k)."""
-
-    s: Sym
-    g: Sym
-    k: int
+#: the shared part of one edge in the export: ``s`` (B, *edge shape), ``g`` (B, rows, k) as ONNX symbols
+OnnxShared = Shared
 
 
 class OnnxSharedStep(FixedKStep):

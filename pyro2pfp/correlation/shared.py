@@ -47,16 +47,25 @@ of its own gets the generic one (Stein's lemma, :mod:`pyro2pfp.correlation.stein
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 
 
 @dataclass
 class Shared:
-    """The shared part of one edge: ``s`` (B, C, *spatial) or flat (B, C·group), ``g`` (B, C, K)."""
+    """The shared part of one edge: ``s`` (B, *edge shape: C, *spatial, or flat C·group), ``g`` (B, C, K) and
+    ``K`` (``k``; read from ``g`` when not given: float64 arrays).  The entries are the back end's tensors:
+    float64 arrays in the reference, ONNX symbols in the export (the rules are written once for both:
+    :mod:`.shared_algebra`)."""
 
-    s: np.ndarray
-    g: np.ndarray
+    s: Any
+    g: Any
+    k: int = -1
+
+    def __post_init__(self) -> None:
+        if self.k < 0:
+            self.k = int(self.g.shape[2])
 
     def widened(self, k: int) -> np.ndarray:
         """``g`` with zero columns appended up to ``k``."""

@@ -15,6 +15,8 @@ A shared formula ``fn(bk, layer, inputs) -> activation`` is written against a *b
   ``bk.concat(ts, axis)`` (along a per-sample axis), ``bk.zeros_like(t)``.
 
 :func:`formula` registers such a function as both the reference and the ONNX exporter of its ops;
+:func:`shared_formula` a shared-factor rule ``fn(bk, layer, inputs, shared, fp, var) -> (shared, var)``
+(:mod:`pyro2pfp.correlation.shared_algebra` lists what those use) as the float64 rule and the ONNX export's;
 :func:`compact_formula` a rule of the compact factor plan ``fn(bk, layer, inputs, loadings, plan, mean, var)``
 (:mod:`pyro2pfp.correlation.loadings` lists the tensor algebra those use) in both back ends' tables.
 """
@@ -23,9 +25,10 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
-from ..backends.onnx.builder import exporter
+from ..backends.onnx.builder import OnnxActivation, exporter
 from ..backends.reference import NUMPY_BACKEND, reference
-from ..planning.registry import compact_exporter, compact_reference
+from ..correlation.guide import mean_shift
+from ..planning.registry import compact_exporter, compact_reference, shared_exporter, shared_reference
 
 Formula = Callable[[Any, Any, list[Any]], Any]
 
@@ -60,6 +63,37 @@ def compact_formula(*ops: str) -> Callable[[CompactFormula], CompactFormula]:
     def deco(fn: CompactFormula) -> CompactFormula:
         compact_reference(*ops)(fn)
         compact_exporter(*ops)(fn)
+        return fn
+
+    return deco
+
+
+SharedFormula = Callable[..., tuple[Any, Any]]
+
+
+def shared_formula(*ops: str) -> Callable[[SharedFormula], SharedFormula]:
+    """Register ``fn(bk, layer, inputs, shared, fp, var) -> (shared, var)`` as the shared-factor rule of ``ops`` in
+    the float64 reference (``registry.SHARED_REFERENCES``) and the ONNX export (``SHARED_EXPORTERS``;
+    :mod:`pyro2pfp.correlation.shared_algebra`).  In the export ``var`` is the layer's exported variance and a
+    corrected one replaces it in the layer's output."""
+
+    def deco(fn: SharedFormula) -> SharedFormula:
+        def on_numpy(layer: Any, inputs: list[Any], shared: list[Any], fp: Any, var: Any) -> tuple[Any, Any]:
+            return fn(NUMPY_BACKEND, layer, inputs, shared, fp, var)
+
+        def on_onnx(step: Any, ctx: Any, layer: Any, inputs: list[Any], shared: list[Any], out: Any
+                    ) -> tuple[Any, Any]:
+            sh, var = fn(ctx, layer, inputs, shared, step.fp, out.second)
+            # a correlated guide's weight noise times its input's (as the reference's executor adds it)
+            shift = mean_shift(ctx, layer, shared[0], step.fp) if step.fp.guide and shared else None
+            if shift is None and var is out.second:
+                return sh, out
+            return sh, OnnxActivation(out.mean if shift is None else out.mean + shift, var, out.repr)
+
+        on_numpy.__name__, on_onnx.__name__ = fn.__name__, f"{fn.__name__}_onnx"
+        on_numpy.__doc__ = on_onnx.__doc__ = fn.__doc__
+        shared_reference(*ops)(on_numpy)
+        shared_exporter(*ops)(on_onnx)
         return fn
 
     return deco

@@ -349,6 +349,21 @@ class OnnxContext:
         zero = helper.make_tensor("zero", TensorProto.FLOAT, [1], [0.0])
         return Sym(self.b, self.b.node("ConstantOfShape", [self.b.node("Shape", [t.name])], value=zero))
 
+    # -- of the shared-factor rules (``correlation/shared_algebra.py``; reference.NumpyBackend has the same members)
+    @staticmethod
+    def matmul(a: Sym, b: Sym) -> Sym:
+        """Batched matrix product over the last two axes (the leading ones broadcast)."""
+        return a.nary("MatMul", b)
+
+    def widened(self, g: Sym, k_in: int, k: int) -> Sym:
+        """``g`` (B, R, k_in) with zero columns appended up to ``k``."""
+        return g if k_in >= k else g.nary("Pad", self.b.ints([0, 0, 0, 0, 0, k - k_in], "pads"))
+
+    @staticmethod
+    def all_zero(t: Sym) -> bool:
+        """False: the values are not known when exporting."""
+        return False
+
 
 Exporter = Callable[[OnnxContext, PlannedLayer, list[OnnxActivation]], OnnxActivation]
 EXPORTERS: dict[str, Exporter] = {}

@@ -139,6 +139,24 @@ class NumpyBackend:
                 for i in range(kernel[0]) for j in range(kernel[1])]
 
 
+    # -- of the shared-factor rules (``correlation/shared_algebra.py``)
+    @staticmethod
+    def matmul(a: np.ndarray, b: np.ndarray) -> np.ndarray:
+        """Batched matrix product over the last two axes (the leading ones broadcast)."""
+        return np.matmul(a, b)
+
+    @staticmethod
+    def widened(g: np.ndarray, k_in: int, k: int) -> np.ndarray:
+        """``g`` (..., k_in) with zero columns appended up to ``k``."""
+        extra = k - g.shape[-1]
+        return g if extra <= 0 else np.concatenate([g, np.zeros((*g.shape[:-1], extra))], axis=-1)
+
+    @staticmethod
+    def all_zero(t: np.ndarray) -> bool:
+        """Whether every entry of ``t`` is zero (the values are known here: a shared part of zeros is dropped)."""
+        return not t.any()
+
+
 NUMPY_BACKEND = NumpyBackend()
 
 RefFn = Callable[[PlannedLayer, list[Activation]], Activation]
