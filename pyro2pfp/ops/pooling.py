@@ -33,13 +33,14 @@ from ..correlation.backend import fuses_mean_field
 from ..correlation.factors import FactorPlan
 from ..correlation.onnx_step import OnnxShared, OnnxSharedStep
 from ..correlation.shared import Shared
+from ..correlation.shared_algebra import total
 from ..errors import UnsupportedLayerError
 from ..planning.converters import register
 from ..planning.graph import Layer, Repr
 from ..planning.onedim import as_2d, out_shape
 from ..planning.plan import PlannedLayer
 from ..planning.registry import OpDef, register_op, shared_exporter, shared_reference
-from ._formula import compact_formula
+from ._formula import compact_formula, shared_formula
 from .compute import _pair
 
 D = Repr.DETERMINISTIC
@@ -360,9 +361,9 @@ def average_attrs(layer: PlannedLayer) -> dict[str, Any]:
     return a
 
 
-@shared_reference("avg_pool2d")
-def avg_pool2d_shared(layer: PlannedLayer, inputs: list[Activation], shared: list[Shared | None], fp: FactorPlan,
-                      var: np.ndarray) -> tuple[Shared | None, np.ndarray]:
+@shared_formula("avg_pool2d")
+def avg_pool2d_shared(bk: Any, layer: PlannedLayer, inputs: list[Any], shared: list[Shared | None], fp: FactorPlan,
+                      var: Any) -> tuple[Shared | None, Any]:
     """The average pooling rule (global average pooling too; divisor ``n``): ``s ↦`` window mean of
     ``s`` (exact); ``v = Σ(v − s²)/n² + s_out²`` (the shared part summed coherently, the remainder as
     independent: an approximation -- directly after a conv with a deterministic input the remainder
@@ -371,14 +372,14 @@ def avg_pool2d_shared(layer: PlannedLayer, inputs: list[Activation], shared: lis
     x, sh = inputs[0], shared[0]
     if sh is None:
         return None, var
+    ops = bk.ops
     a = average_attrs(layer)
-    out_hw = layer.layer.out_shape[1:]
-    s_in = sh.s.reshape(x.mean.shape)
-    div = average_divisor(a, x.mean.shape[2:], out_hw)
-    s = sum(window_views(padded(s_in, a, out_hw, 0.0), a["kernel"], a["stride"], out_hw)) / div
-    indep = np.maximum(x.variance() - s_in**2, 0.0)
-    var = sum(window_views(padded(indep, a, out_hw, 0.0), a["kernel"], a["stride"], out_hw)) / div**2 + s**2
-    return Shared(s, sh.g), var
+    in_hw, out_hw = tuple(bk.edge_shape(x, layer.inputs[0])[1:]), tuple(layer.layer.out_shape[1:])
+    div = average_divisor(a, in_hw, out_hw)
+    indep = ops.maximum(bk.variance(x) - sh.s * sh.s, ops.const(0.0))
+    s = total(_window_taps(bk, sh.s, a, in_hw, out_hw, 0.0)) * bk.tensor(1.0 / div, "inv_divisor")
+    rest = total(_window_taps(bk, indep, a, in_hw, out_hw, 0.0)) * bk.tensor(1.0 / div**2, "inv_divisor2")
+    return Shared(s, sh.g, sh.k), rest + s * s
 
 
 @shared_reference("max_pool2d")
@@ -408,25 +409,6 @@ def max_pool2d_shared(layer: PlannedLayer, inputs: list[Activation], shared: lis
         carried = {j: c * cdf + cov[(t, j)] * cdf_neg for j, c in carried.items()}
         s = cdf * s + cdf_neg * ss[t]
     return Shared(s, sh.g), var
-
-
-@shared_exporter("avg_pool2d")
-def avg_pool2d_shared_onnx(step: OnnxSharedStep, ctx: OnnxContext, layer: PlannedLayer, inputs: list[OnnxActivation],
-                           shared: list[OnnxShared | None], out: OnnxActivation
-                           ) -> tuple[OnnxShared | None, OnnxActivation]:
-    """:func:`avg_pool2d_shared` in ONNX (the window taps as strided Slices)."""
-    x, sh = inputs[0], shared[0]
-    if sh is None:
-        return None, out
-    a = average_attrs(layer)
-    in_shape, out_hw = step.ctx.shapes[layer.inputs[0]], layer.layer.out_shape[1:]
-    div = average_divisor(a, in_shape[1:], out_hw)
-    assert x.second is not None
-    indep = (x.second - sh.s * sh.s).nary("Max", step.c(0.0))
-    args = (in_shape, tuple(a["kernel"]), a["stride"], a["padding"], [1, 1], out_hw)
-    s = step.total(step.taps(sh.s, *args)) * step.t(1.0 / div, "inv_divisor")
-    rest = step.total(step.taps(indep, *args)) * step.t(1.0 / div**2, "inv_divisor2")
-    return OnnxShared(s, sh.g, sh.k), OnnxActivation(out.mean, rest + s * s, out.repr)
 
 
 @fuses_mean_field

@@ -359,6 +359,10 @@ class OnnxContext:
         """``g`` (B, R, k_in) with zero columns appended up to ``k``."""
         return g if k_in >= k else g.nary("Pad", self.b.ints([0, 0, 0, 0, 0, k - k_in], "pads"))
 
+    def edge_shape(self, x: OnnxActivation, name: str) -> tuple[int, ...]:
+        """The per-sample shape of input activation ``x`` (edge ``name``)."""
+        return tuple(self.shapes[name])
+
     @staticmethod
     def all_zero(t: Sym) -> bool:
         """False: the values are not known when exporting."""

@@ -152,6 +152,11 @@ class NumpyBackend:
         return g if extra <= 0 else np.concatenate([g, np.zeros((*g.shape[:-1], extra))], axis=-1)
 
     @staticmethod
+    def edge_shape(x: Activation, name: str) -> tuple[int, ...]:
+        """The per-sample shape of input activation ``x`` (edge ``name``)."""
+        return tuple(x.mean.shape[1:])
+
+    @staticmethod
     def all_zero(t: np.ndarray) -> bool:
         """Whether every entry of ``t`` is zero (the values are known here: a shared part of zeros is dropped)."""
         return not t.any()

@@ -26,10 +26,10 @@ from pyro2pfp.correlation import (
     with_correlation,
 )
 from pyro2pfp.diagnosis import layer_fidelity
-from pyro2pfp.ops.activation import relu_shared
 from pyro2pfp.ops.pooling import max_pool2d_shared
 from pyro2pfp.planning.graph import INPUT, GaussianParam, Layer, LayerGraph, Repr
 from pyro2pfp.planning.plan import plan
+from pyro2pfp.planning.registry import SHARED_REFERENCES
 from tests.support.builders import conv_layer, dense_layer, reshape_layer
 from tests.support.stats import check_moments, z_threshold
 
@@ -150,8 +150,8 @@ def test_relu_stein_and_second_hermite_loadings_are_exact(op, slope):
     k = 4  # factors: η_0, η_1 (the channels' normals), then the Hermite block
     g = np.zeros((1, 2, k))
     g[0, 0, 0] = g[0, 1, 1] = 1.0
-    fp = FactorPlan(offsets={"r": 2}, width={"r": k})  # the ReLU's Hermite block after the input's 2 factors
-    out, _ = relu_shared(planned.layers[0], [x], [Shared(s, g)], fp, x.variance())
+    fp = FactorPlan(offsets={"r": 2}, width={"r": k}, rows={"r": 2})  # the Hermite block after the input's factors
+    out, _ = SHARED_REFERENCES["relu"](planned.layers[0], [x], [Shared(s, g)], fp, x.variance())
     n = 200000
     eta = rng.standard_normal((n, 1, 2, 1, 1))
     a = mean + s * eta + e * rng.standard_normal((n, *shape))
