@@ -31,8 +31,8 @@ Representation (per edge, per input ``b``; ``C`` channels, ``P`` positions)
 
 Rules
 -----
-Each op's rule lives with the op, in its family file ``pyro2pfp/ops/<family>.py``
-(``@shared_reference(op)``: float64; ``@shared_exporter(op)``: ONNX) and
+Each op's rule lives with the op, in its family file ``pyro2pfp/ops/<family>.py`` (one formula for the
+float64 reference and the ONNX export, ``@shared_formula(op)``, written in :mod:`.shared_algebra`) and
 ``pyro2pfp/backends/tvm/ops/<family>*.py`` (``@shared_kernel(op)``: TE), each with its formulas and
 their assumptions in its docstring.  Notation there: ``m̄`` the mean over the output positions;
 ``W, V`` the weight mean and variance; ``⊕ x·e_o`` x in the layer's own factor column; Φ, φ the

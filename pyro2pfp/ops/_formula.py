@@ -83,12 +83,18 @@ def shared_formula(*ops: str) -> Callable[[SharedFormula], SharedFormula]:
 
         def on_onnx(step: Any, ctx: Any, layer: Any, inputs: list[Any], shared: list[Any], out: Any
                     ) -> tuple[Any, Any]:
-            sh, var = fn(ctx, layer, inputs, shared, step.fp, out.second)
+            start = len(ctx.b.nodes)
+            sh, var = fn(ctx, layer, inputs, shared, step.fp, None if out is None else out.second)
+            if isinstance(var, OnnxActivation):  # a covariance op's whole (deterministic) output
+                return sh, var
             # a correlated guide's weight noise times its input's (as the reference's executor adds it)
             shift = mean_shift(ctx, layer, shared[0], step.fp) if step.fp.guide and shared else None
-            if shift is None and var is out.second:
-                return sh, out
-            return sh, OnnxActivation(out.mean if shift is None else out.mean + shift, var, out.repr)
+            if shift is not None or var is not out.second:
+                out = OnnxActivation(out.mean if shift is None else out.mean + shift, var, out.repr)
+            # drop what the outputs do not need (e.g. the parts of a moment rule a Stein slope does not read)
+            step.prune(start, [t.name for t in (out.mean, out.second, *((sh.s, sh.g) if sh is not None else ()))
+                               if t is not None])
+            return sh, out
 
         on_numpy.__name__, on_onnx.__name__ = fn.__name__, f"{fn.__name__}_onnx"
         on_numpy.__doc__ = on_onnx.__doc__ = fn.__doc__

@@ -26,10 +26,7 @@ from typing import Any
 import numpy as np
 
 from .. import moments
-from ..backends.onnx.builder import OnnxActivation, OnnxContext
-from ..backends.reference import Activation
 from ..correlation.factors import FactorPlan
-from ..correlation.onnx_step import OnnxShared, OnnxSharedStep
 from ..correlation.shared import Shared
 from ..correlation.shared_algebra import clip, grouped, normalised, own_columns, row_mean, safe_div
 from ..correlation.stein import stein_slope
@@ -43,8 +40,6 @@ from ..planning.registry import (
     FactorSpec,
     OpDef,
     register_op,
-    shared_exporter,
-    shared_reference,
 )
 from ._formula import formula, shared_formula
 
@@ -52,40 +47,30 @@ _SQRT2PI = float(np.sqrt(2.0 * np.pi))
 
 
 # ------------------------------------------------------------------ the generic shared-factor rule
-def stein_shared(layer: PlannedLayer, x: Activation, sh: Shared, rule: ActivationRule) -> Shared:
+def stein_shared(bk: Any, layer: PlannedLayer, x: Any, sh: Shared, rule: ActivationRule) -> Shared:
     """The generic shared-factor rule of an elementwise activation with :class:`ActivationRule` ``rule``:
     Stein's lemma ``lin = E[f'(a)]·s`` with ``E[f'(a)] = ∂E[f(a)]/∂μ`` (differentiate ``E[f(μ + σz)]``
     under the integral), the exact derivative of the rule's own mean moment by forward-mode AD
     (:func:`~pyro2pfp.correlation.stein.stein_slope`; exact for a Gaussian ``a`` up to the mean
     rule's own accuracy, in float32 too); no second-Hermite factor (``s`` keeps the linear response
-    only), ``g`` unchanged."""
-    mu = x.mean
-    slope = np.broadcast_to(stein_slope(rule, mu, x.variance(), layer.layer.attrs, moments.NUMPY), mu.shape)
-    return Shared((slope * sh.s.reshape(mu.shape)).reshape(sh.s.shape), sh.g)
+    only), ``g`` unchanged.  A formula over ``bk`` (:mod:`pyro2pfp.correlation.shared_algebra`)."""
+    slope = stein_slope(rule, x.mean, bk.variance(x), layer.layer.attrs, bk.ops)
+    return Shared(slope * bk.reshape(sh.s, tuple(layer.layer.out_shape)), sh.g, sh.k)
 
 
-def _stein_rules(rule: ActivationRule) -> tuple[Callable[..., Any], Callable[..., Any]]:
-    """The float64 and the ONNX form of :func:`stein_shared` for ``rule`` (registered by
-    :func:`register_activation`)."""
+def _stein_rule(rule: ActivationRule) -> Callable[..., Any]:
+    """:func:`stein_shared` for ``rule`` as a shared-factor formula (registered by :func:`register_activation`),
+    the profile clipped."""
 
-    def reference(layer: PlannedLayer, inputs: list[Activation], shared: list[Shared | None], fp: FactorPlan,
-                  var: np.ndarray) -> tuple[Shared | None, np.ndarray]:
+    def stein(bk: Any, layer: PlannedLayer, inputs: list[Any], shared: list[Shared | None], fp: FactorPlan,
+              var: Any) -> tuple[Shared | None, Any]:
         sh = shared[0]
-        return (None if sh is None else stein_shared(layer, inputs[0], sh, rule)), var
+        if sh is None:
+            return None, var
+        out = stein_shared(bk, layer, inputs[0], sh, rule)
+        return Shared(clip(bk, out.s, var), out.g, out.k), var
 
-    def export(step: OnnxSharedStep, ctx: OnnxContext, layer: PlannedLayer, inputs: list[OnnxActivation],
-               shared: list[OnnxShared | None], out: OnnxActivation) -> tuple[OnnxShared | None, OnnxActivation]:
-        """``clip(E[f'(a)]·s)``, the slope on the exporter's ops; the nodes of the rule's variance,
-        which the slope does not need, are dropped (``step.prune``)."""
-        x, sh = inputs[0], shared[0]
-        assert sh is not None and x.second is not None and x.repr is Repr.VARIANCE, x.repr
-        start = len(step.ctx.b.nodes)
-        slope = stein_slope(rule, x.mean, x.second, layer.layer.attrs, step.ctx.ops)
-        s = step.clip(slope * sh.s, step.var(out))
-        step.prune(start, s.name)
-        return OnnxShared(s, sh.g, sh.k), out
-
-    return reference, export
+    return stein
 
 
 def register_activation(op: OpDef) -> OpDef:
@@ -108,10 +93,9 @@ def register_activation(op: OpDef) -> OpDef:
     activation.__name__ = f"{op.name}_activation"
     formula(op.name)(activation)
     if rule.stein:
-        reference, export = _stein_rules(rule)
-        reference.__name__, export.__name__ = f"{op.name}_stein", f"{op.name}_stein_onnx"
-        shared_reference(op.name)(reference)
-        shared_exporter(op.name)(export)
+        stein = _stein_rule(rule)
+        stein.__name__ = f"{op.name}_stein"
+        shared_formula(op.name)(stein)
     return op
 
 

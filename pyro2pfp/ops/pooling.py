@@ -27,13 +27,13 @@ import numpy as np
 
 from .. import moments
 from ..backends.onnx.builder import LOWEST32, OnnxActivation, OnnxContext, Sym, exporter
-from ..backends.reference import Activation, emit_output, reference
+from ..backends.reference import NUMPY_BACKEND, Activation, emit_output, reference
 from ..backends.reference.arrays import LOWEST, average_divisor, padded, window_views
 from ..correlation.backend import fuses_mean_field
 from ..correlation.factors import FactorPlan
-from ..correlation.onnx_step import OnnxShared, OnnxSharedStep
+from ..correlation.onnx_step import OnnxSharedStep
 from ..correlation.shared import Shared
-from ..correlation.shared_algebra import total
+from ..correlation.shared_algebra import clip, total
 from ..errors import UnsupportedLayerError
 from ..planning.converters import register
 from ..planning.graph import Layer, Repr
@@ -382,6 +382,29 @@ def avg_pool2d_shared(bk: Any, layer: PlannedLayer, inputs: list[Any], shared: l
     return Shared(s, sh.g, sh.k), rest + s * s
 
 
+def max_pool2d_fold(bk: Any, layer: PlannedLayer, inputs: list[Any], sh: Shared) -> tuple[Any, Any, Any]:
+    """``(μ, v, s)`` of a max pool with a shared input part ``sh`` (:func:`max_pool2d_shared`): Clark's fold over
+    the window taps, correlated with the in-window covariances of a ``window_cov`` input (else independent),
+    carrying the profile with the same weights; a formula over ``bk`` for the reference and the export."""
+    x = inputs[0]
+    a = layer.layer.attrs
+    c, *in_hw = bk.edge_shape(x, layer.inputs[0])
+    out_hw = tuple(layer.layer.out_shape[1:])
+    ms = _window_taps(bk, x.mean, a, tuple(in_hw), out_hw, bk.lowest)
+    vs = _window_taps(bk, bk.variance(x), a, tuple(in_hw), out_hw, 0.0)
+    ss = _window_taps(bk, sh.s, a, tuple(in_hw), out_hw, 0.0)
+    pairs = moments.window_pairs(len(ms))
+    cov = {pair: bk.reshape(bk.slice(inputs[1].mean, 2, k, k + 1), (c, *out_hw)) if len(inputs) == 2
+           else bk.ops.const(0.0) for k, pair in enumerate(pairs)}
+    mean, var, s = ms[0], vs[0], ss[0]
+    carried = {j: cov[(0, j)] for j in range(1, len(ms))}
+    for t in range(1, len(ms)):
+        mean, var, cdf, cdf_neg = moments.correlated_max_moments(mean, var, ms[t], vs[t], carried.pop(t), bk.ops)
+        carried = {j: cv * cdf + cov[(t, j)] * cdf_neg for j, cv in carried.items()}
+        s = cdf * s + cdf_neg * ss[t]
+    return mean, var, s
+
+
 @shared_reference("max_pool2d")
 def max_pool2d_shared(layer: PlannedLayer, inputs: list[Activation], shared: list[Shared | None], fp: FactorPlan,
                       var: np.ndarray) -> tuple[Shared | None, np.ndarray]:
@@ -389,52 +412,26 @@ def max_pool2d_shared(layer: PlannedLayer, inputs: list[Activation], shared: lis
     covariances of the pool's ``window_cov`` input, whose shared-factor rule gives the scheme's covariances;
     else independent) and ``s`` by the linear response of the pairwise maximum with the same weights,
     ``Cov(max(A, B), η) = Φ(α)·Cov(A, η) + Φ(−α)·Cov(B, η)`` (exact for jointly Gaussian ``A, B, η``; ``α``
-    from ``θ = √(v_A + v_B − 2·Cov(A, B))``, the covariance 0 without a ``window_cov`` input).  The variance
-    is the reference's."""
-    x, sh = inputs[0], shared[0]
+    from ``θ = √(v_A + v_B − 2·Cov(A, B))``, the covariance 0 without a ``window_cov`` input)
+    (:func:`max_pool2d_fold`).  The variance is the reference's."""
+    sh = shared[0]
     if sh is None:
         return None, var
-    a = layer.layer.attrs
-    out_hw = layer.layer.out_shape[1:]
-    s_in = sh.s.reshape(x.mean.shape)
-    ms = list(window_views(padded(x.mean, a, out_hw, LOWEST), a["kernel"], a["stride"], out_hw))
-    vs = list(window_views(padded(x.variance(), a, out_hw, 0.0), a["kernel"], a["stride"], out_hw))
-    ss = list(window_views(padded(s_in, a, out_hw, 0.0), a["kernel"], a["stride"], out_hw))
-    pairs = moments.window_pairs(len(ms))
-    cov = {pair: inputs[1].mean[:, :, k] if len(inputs) == 2 else 0.0 for k, pair in enumerate(pairs)}
-    mean, v, s = ms[0], vs[0], ss[0]
-    carried = {j: cov[(0, j)] for j in range(1, len(ms))}
-    for t in range(1, len(ms)):
-        mean, v, cdf, cdf_neg = moments.correlated_max_moments(mean, v, ms[t], vs[t], carried.pop(t))
-        carried = {j: c * cdf + cov[(t, j)] * cdf_neg for j, c in carried.items()}
-        s = cdf * s + cdf_neg * ss[t]
-    return Shared(s, sh.g), var
+    return Shared(max_pool2d_fold(NUMPY_BACKEND, layer, inputs, sh)[2], sh.g), var
 
 
 @fuses_mean_field
 @shared_exporter("max_pool2d")
 def max_pool2d_shared_onnx(step: OnnxSharedStep, ctx: OnnxContext, layer: PlannedLayer, inputs: list[OnnxActivation],
-                           shared: list[OnnxShared | None], out: OnnxActivation | None
-                           ) -> tuple[OnnxShared | None, OnnxActivation]:
-    """:func:`max_pool2d_shared` in ONNX: the fold over the window taps gives the output's ``(μ, v)`` too
+                           shared: list[Shared | None], out: OnnxActivation | None
+                           ) -> tuple[Shared | None, OnnxActivation]:
+    """:func:`max_pool2d_shared` in ONNX: the fold (:func:`max_pool2d_fold`) gives the output's ``(μ, v)`` too
     (no mean-field export of the layer)."""
-    x, sh = inputs[0], shared[0]
-    assert sh is not None and x.second is not None
-    a = layer.layer.attrs
-    in_shape, out_hw = step.ctx.shapes[layer.inputs[0]], layer.layer.out_shape[1:]
-    args = (in_shape, tuple(a["kernel"]), a["stride"], a["padding"], [1, 1], out_hw)
-    ms, vs, ss = step.taps(x.mean, *args, fill=LOWEST32), step.taps(x.second, *args), step.taps(sh.s, *args)
-    pairs = moments.window_pairs(len(ms))
-    zero = step.c(0.0)
-    cov = {pair: _pair_slice(ctx, inputs[1].mean, k) if len(inputs) == 2 else zero for k, pair in enumerate(pairs)}
-    mean, var, s = ms[0], vs[0], ss[0]
-    carried = {j: cov[(0, j)] for j in range(1, len(ms))}
-    for t in range(1, len(ms)):
-        mean, var, cdf, cdf_neg = moments.correlated_max_moments(mean, var, ms[t], vs[t], carried.pop(t), ctx.ops)
-        carried = {j: c * cdf + cov[(t, j)] * cdf_neg for j, c in carried.items()}
-        s = cdf * s + cdf_neg * ss[t]
+    sh = shared[0]
+    assert sh is not None
+    mean, var, s = max_pool2d_fold(ctx, layer, inputs, sh)
     result = ctx.emit(mean, var, layer)
-    return OnnxShared(step.clip(s, step.var(result)), sh.g, sh.k), result
+    return Shared(clip(ctx, s, ctx.variance(result)), sh.g, sh.k), result
 
 
 # ------------------------------------------------------------------------------------ compact factor rules

@@ -42,6 +42,7 @@ from ..correlation.shared import Shared
 from ..planning.graph import Layer, Repr
 from ..planning.plan import PlannedLayer, stored_variance
 from ..planning.registry import OPS, Contract, FactorSpec, OpDef, register_op, shared_exporter, shared_reference
+from ._formula import shared_formula
 
 D = Repr.DETERMINISTIC
 
@@ -349,24 +350,35 @@ def window_closure(layer: PlannedLayer, inputs: list[Activation]) -> Activation:
     return Activation(np.zeros((inputs[0].mean.shape[0], *layer.layer.out_shape)), None, D)
 
 
-@shared_reference("window_closure")
-def window_closure_shared(layer: PlannedLayer, inputs: list[Activation], shared: list[Shared | None],
-                          fp: FactorPlan, var: np.ndarray) -> tuple[Shared | None, Activation]:
+@shared_formula("window_closure")
+def window_closure_shared(bk: Any, layer: PlannedLayer, inputs: list[Any], shared: list[Shared | None],
+                          fp: FactorPlan, var: Any) -> tuple[Shared | None, Any]:
     """The in-window covariances the shared factors give an edge that is not a conv output (or, with two
     inputs, the covariance between two summands of a residual add): the scheme's closure ``Cov(a[c, P],
     a[c, Q]) = s_P·s_Q·‖g_c‖²`` (one input) and ``Cov(a_P, b_Q) + Cov(b_P, a_Q) = (s_a,P·s_b,Q +
     s_b,P·s_a,Q)·⟨g_a,c, g_b,c⟩`` (two: the branches' covariance through their shared factors, which the
-    add rule adds to the variance).  An input without a shared part contributes 0."""
-    shape = inputs[0].mean.shape
+    add rule adds to the variance).  An input without a shared part contributes 0.  Returns ``(None, the
+    covariances)``: the output is deterministic and carries no shared part."""
+    c, _, oh, ow = layer.layer.out_shape
     present = [sh for sh in shared if sh is not None]
-    if len(present) < len(shared):
-        return None, window_closure(layer, inputs)
-    k = max(sh.g.shape[2] for sh in present)
-    gs = [sh.widened(k) for sh in present]
-    dot = (gs[0] * gs[-1]).sum(axis=2)[:, :, None, None]
-    profiles = [_pool_taps(layer, sh.s.reshape(shape)) for sh in present]
+    k = max(sh.k for sh in present) if present else 0
+    gs = [bk.widened(sh.g, sh.k, k) for sh in present]
+    profiles = [_bk_pool_taps(bk, layer, sh.s) for sh in present]
+    if len(present) < len(shared):  # zeros
+        tap = bk.zeros_like(_bk_pool_taps(bk, layer, inputs[0].mean)[0])
+        return None, bk.deterministic(bk.concat([bk.reshape(tap, (c, 1, oh, ow))] * layer.layer.out_shape[1], 1))
+    dot = bk.reshape(bk.rsum(gs[0] * gs[-1], 2), (c, 1, 1))
     pairs = closure_pairs(profiles[0], profiles[1] if len(profiles) == 2 else None, dot)
-    return None, Activation(np.stack(pairs, axis=2), None, D)
+    return None, bk.deterministic(bk.concat([bk.reshape(p, (c, 1, oh, ow)) for p in pairs], 1))
+
+
+def _bk_pool_taps(bk: Any, layer: PlannedLayer, t: Any, fill: float = 0.0) -> list[Any]:
+    """:func:`_pool_taps` over a back end ``bk`` (:mod:`pyro2pfp.correlation.shared_algebra`)."""
+    pool, out_hw, in_hw = layer.layer.attrs["pool"], tuple(layer.layer.out_shape[2:]), layer.layer.attrs["in_hw"]
+    ends = tuple(max(0, (o - 1) * s + k - n - p) for o, s, k, n, p in
+                 zip(out_hw, pool["stride"], pool["kernel"], in_hw, pool["padding"]))
+    return bk.taps(t, tuple(pool["kernel"]), tuple(pool["stride"]), (1, 1), tuple(pool["padding"]), ends, out_hw,
+                   fill)
 
 
 def hermite_terms(layer: PlannedLayer, mean: Any, var: Any, ops: Any) -> tuple[Any, Any, Any]:
@@ -448,22 +460,6 @@ def window_closure_onnx(ctx: OnnxContext, layer: PlannedLayer, inputs: list[Onnx
     """Zeros (no shared parts)."""
     tap = _onnx_pool_taps(ctx, layer, inputs[0].mean)[0]
     return OnnxActivation(ctx.zeros_like(_onnx_stack(ctx, [tap] * int(layer.layer.out_shape[1]))), None, D)
-
-
-@shared_exporter("window_closure")
-def window_closure_shared_onnx(step: OnnxSharedStep, ctx: OnnxContext, layer: PlannedLayer,
-                               inputs: list[OnnxActivation], shared: list[OnnxShared | None],
-                               out: OnnxActivation | None) -> tuple[OnnxShared | None, OnnxActivation]:
-    """:func:`window_closure_shared` in ONNX."""
-    if any(sh is None for sh in shared):
-        return None, window_closure_onnx(ctx, layer, inputs)
-    present = [sh for sh in shared if sh is not None]
-    k = max(sh.k for sh in present)
-    gs = [step.widened(sh.g, sh.k, k) for sh in present]
-    dot = step.view_as(step.rsum(gs[0] * gs[-1], [2]), layer.layer.out_shape[0], 1, 1)
-    profiles = [_onnx_pool_taps(ctx, layer, sh.s) for sh in present]
-    pairs = closure_pairs(profiles[0], profiles[1] if len(profiles) == 2 else None, dot)
-    return None, OnnxActivation(_onnx_stack(ctx, pairs), None, D)
 
 
 @exporter("window_activation")

@@ -371,6 +371,7 @@ def test_generic_activation_rule_is_steins_lemma():
     """Any activation with an ActivationRule (here tanh's Gaussian moments, not a registered op): the
     shared profile is Cov(f(a), η) = E[f'(a)]·s (Stein's lemma; a = μ + s·η + e·ε Gaussian)."""
     from pyro2pfp import moments
+    from pyro2pfp.backends.reference import NUMPY_BACKEND
     from pyro2pfp.ops.activation import stein_shared
     from pyro2pfp.planning.registry import ActivationRule
 
@@ -383,7 +384,8 @@ def test_generic_activation_rule_is_steins_lemma():
                           moments=lambda m, v, attrs, ops: moments.tanh_moments(m, v, ops))
     g = np.zeros((1, 2, 2))
     g[0, 0, 0] = g[0, 1, 1] = 1.0
-    out = stein_shared(planned.layers[0], Activation(mean, s**2 + e**2, Repr.VARIANCE), Shared(s, g), rule)
+    x = Activation(mean, s**2 + e**2, Repr.VARIANCE)
+    out = stein_shared(NUMPY_BACKEND, planned.layers[0], x, Shared(s, g), rule)
     n = 200000
     eta = rng.standard_normal((n, 1, 2, 1, 1))
     f = np.tanh(mean + s * eta + e * rng.standard_normal((n, *shape)))
