@@ -445,13 +445,6 @@ def _window_taps(bk: Any, t: Any, attrs: dict[str, Any], in_hw: tuple[int, ...],
                    tuple(out_hw), fill)
 
 
-def _total(terms: list[Any]) -> Any:
-    total = terms[0]
-    for term in terms[1:]:
-        total = total + term
-    return total
-
-
 @compact_formula("max_pool2d")
 def max_pool2d_compact(bk: Any, layer: PlannedLayer, inputs: list[Any], loads: list[Any], plan: Any,
                        mean: Any, var: Any) -> tuple[Any, Any, Any]:
@@ -507,9 +500,9 @@ def avg_pool2d_compact(bk: Any, layer: PlannedLayer, inputs: list[Any], loads: l
     cols, layout = ld.as_channels(bk, (c, h, w))
     f = sum(k for _, _, k in layout)
     inv = 1.0 / average_divisor(a, (h, w), out_hw)
-    lo = _total(_window_taps(bk, bk.reshape(cols, (c * f, h, w)), a, (h, w), out_hw, 0.0)) * bk.tensor(inv, "inv_div")
+    lo = total(_window_taps(bk, bk.reshape(cols, (c * f, h, w)), a, (h, w), out_hw, 0.0)) * bk.tensor(inv, "inv_div")
     lo = bk.reshape(lo, (c, f, *out_hw))
     resid = bk.ops.maximum(bk.variance(x) - bk.reshape(ld.explained(bk, c * h * w), (c, h, w)), bk.ops.const(0.0))
-    var = _total(_window_taps(bk, resid, a, (h, w), out_hw, 0.0)) * bk.tensor(inv**2, "inv_div2") \
+    var = total(_window_taps(bk, resid, a, (h, w), out_hw, 0.0)) * bk.tensor(inv**2, "inv_div2") \
         + bk.rsum(lo * lo, 2)
     return Loadings.from_channels(bk, lo, layout, (c, *out_hw)), mean, var
