@@ -20,10 +20,6 @@ from ..planning.graph import Repr
 from ..planning.plan import PlannedGraph
 from ..planning.registry import SHARED_EXPORTERS
 from .backend import FixedKStep
-from .shared import Shared
-
-#: the shared part of one edge in the export: ``s`` (B, *edge shape), ``g`` (B, rows, k) as ONNX symbols
-OnnxShared = Shared
 
 
 class OnnxSharedStep(FixedKStep):
