@@ -5,9 +5,9 @@
 * ``add``: the sum of two activations, ``μ = μa + μb``, ``v = va + vb`` -- exact for independent
   summands (the branches of a residual block share their input, so their covariance is dropped).
 
-Shared-factor PFP (:mod:`pyro2pfp.correlation`): the float64 and ONNX rules of ``affine``, ``add``
-and ``scale`` (a constant factor, registered in ``ops/activation.py``: the same rule as ``affine``)
-are at the end of this file, their TE kernels in ``backends/tvm/ops/arithmetic.py``.
+Shared-factor PFP (:mod:`pyro2pfp.correlation`): the rules of ``affine``, ``add`` and ``scale`` (a constant
+factor, registered in ``ops/activation.py``: the same rule as ``affine``), each one formula for the float64
+reference and the ONNX export, are at the end of this file, their TE kernels in ``backends/tvm/ops/arithmetic.py``.
 
 The TVM kernels and schedules are in ``backends/tvm/ops/arithmetic.py``.
 """

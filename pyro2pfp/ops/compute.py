@@ -14,8 +14,8 @@ become explicit padding as torch pads them, a zero ``F.pad`` before the conv is 
 asymmetric padding (``"same"`` with an even kernel) becomes the larger side on both sides plus zero
 taps in the kernel on the other side (:func:`_symmetric_padding`; exact).
 
-Shared-factor PFP (:mod:`pyro2pfp.correlation`): the float64 and ONNX rules of both ops are at the
-end of this file; their TE kernels are in ``backends/tvm/ops/compute_shared.py``.
+Shared-factor PFP (:mod:`pyro2pfp.correlation`): the rules of both ops, each one formula for the float64
+reference and the ONNX export, are at the end of this file; their TE kernels are in ``backends/tvm/ops/compute_shared.py``.
 
 The TVM kernels and schedules are in ``backends/tvm/ops/compute.py``.
 """
