@@ -15,7 +15,8 @@ asymmetric padding (``"same"`` with an even kernel) becomes the larger side on b
 taps in the kernel on the other side (:func:`_symmetric_padding`; exact).
 
 Shared-factor PFP (:mod:`pyro2pfp.correlation`): the rules of both ops, each one formula for the float64
-reference and the ONNX export, are at the end of this file; their TE kernels are in ``backends/tvm/ops/compute_shared.py``.
+reference and the ONNX export, are at the end of this file; their TE kernels are in
+``backends/tvm/ops/compute_shared.py``.
 
 The TVM kernels and schedules are in ``backends/tvm/ops/compute.py``.
 """

@@ -17,7 +17,8 @@ also global/adaptive average pooling and ``mean`` over (H, W)).  1-D pools are t
 The reference and the ONNX export are written separately here (ONNX has ``MaxPool``/``AveragePool``
 and strided ``Slice``; NumPy folds strided views).  The TVM kernels and schedules are in
 ``backends/tvm/ops/pooling.py``.  Shared-factor PFP (:mod:`pyro2pfp.correlation`): the rules of
-both ops (a formula each for the float64 reference and the ONNX export) are at the end of this file, their TE kernels in ``backends/tvm/ops/pooling.py``.
+both ops (a formula each for the float64 reference and the ONNX export) are at the end of this file, their
+TE kernels in ``backends/tvm/ops/pooling.py``.
 """
 from __future__ import annotations
 
