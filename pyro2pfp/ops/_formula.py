@@ -98,6 +98,7 @@ def shared_formula(*ops: str) -> Callable[[SharedFormula], SharedFormula]:
 
         on_numpy.__name__, on_onnx.__name__ = fn.__name__, f"{fn.__name__}_onnx"
         on_numpy.__doc__ = on_onnx.__doc__ = fn.__doc__
+        on_numpy.formula = on_onnx.formula = fn  # type: ignore[attr-defined]
         shared_reference(*ops)(on_numpy)
         shared_exporter(*ops)(on_onnx)
         return fn

@@ -435,6 +435,9 @@ def max_pool2d_shared_onnx(step: OnnxSharedStep, ctx: OnnxContext, layer: Planne
     return Shared(clip(ctx, s, ctx.variance(result)), sh.g, sh.k), result
 
 
+max_pool2d_shared.formula = max_pool2d_shared_onnx.formula = max_pool2d_fold  # type: ignore[attr-defined]
+
+
 # ------------------------------------------------------------------------------------ compact factor rules
 def _window_taps(bk: Any, t: Any, attrs: dict[str, Any], in_hw: tuple[int, ...], out_hw: tuple[int, ...],
                  fill: float) -> list[Any]:
