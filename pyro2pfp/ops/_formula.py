@@ -23,8 +23,9 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
-from ..backends.onnx.builder import exporter
-from ..backends.reference import NUMPY_BACKEND, reference
+from ..backends.onnx.builder import OnnxActivation, OnnxContext, exporter
+from ..backends.reference import NUMPY_BACKEND, Activation, reference
+from ..planning.plan import PlannedLayer
 from ..planning.registry import compact_exporter, compact_reference
 
 Formula = Callable[[Any, Any, list[Any]], Any]
@@ -34,10 +35,10 @@ def formula(*ops: str) -> Callable[[Formula], Formula]:
     """Register ``fn(bk, layer, inputs)`` as the NumPy reference and the ONNX export of ``ops``."""
 
     def deco(fn: Formula) -> Formula:
-        def on_numpy(layer: Any, inputs: list[Any]) -> Any:
+        def on_numpy(layer: PlannedLayer, inputs: list[Activation]) -> Activation:
             return fn(NUMPY_BACKEND, layer, inputs)
 
-        def on_onnx(ctx: Any, layer: Any, inputs: list[Any]) -> Any:
+        def on_onnx(ctx: OnnxContext, layer: PlannedLayer, inputs: list[OnnxActivation]) -> OnnxActivation:
             return fn(ctx, layer, inputs)
 
         on_numpy.__name__ = on_onnx.__name__ = fn.__name__

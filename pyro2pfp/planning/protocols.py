@@ -108,6 +108,11 @@ class ConvertedNetwork(Protocol):
     def input_variance(self) -> bool: ...
 
     @property
+    def head(self) -> str | None:
+        """``"probs"`` if the plan ends in the uncertainty head, else None (outputs: the logits)."""
+        ...
+
+    @property
     def mod(self) -> Any:
         """The Relax IRModule (built on first access)."""
         ...

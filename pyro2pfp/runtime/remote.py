@@ -28,15 +28,11 @@ import re
 import tempfile
 import threading
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any, TypeVar
+from typing import Any, Protocol, TypeVar
 
 import numpy as np
 
 from ..errors import RemoteError
-
-if TYPE_CHECKING:
-    from ..network import PFPNetwork
-
 
 __all__ = [
     "Remote",
@@ -349,7 +345,22 @@ def fixed_inputs(input_shape: tuple[int, ...], count: int = 32, seed: int = 0) -
     return np.random.default_rng(seed).uniform(-1.0, 1.0, (int(count), *input_shape)).astype(np.float32)
 
 
-def validate(net: PFPNetwork, exe: Any, remote: Any, *, x: Any = None, count: int = 32, seed: int = 0,
+class ReferenceNetwork(Protocol):
+    """What :func:`validate` reads of a converted network (``pyro2pfp.PFPNetwork``)."""
+
+    @property
+    def input_shape(self) -> tuple[int, ...]: ...
+
+    @property
+    def input_variance(self) -> bool: ...
+
+    @property
+    def head(self) -> str | None: ...
+
+    def reference(self, x: Any, x_var: Any = None) -> Any: ...
+
+
+def validate(net: ReferenceNetwork, exe: Any, remote: Any, *, x: Any = None, count: int = 32, seed: int = 0,
              rtol: float = 1e-4) -> ValidationReport:
     """Run ``exe`` on the board on a fixed input set (``x`` or :func:`fixed_inputs`) and compare
     with ``net.reference`` (float64 NumPy): the max absolute and relative error of mean and var.
@@ -360,7 +371,7 @@ def validate(net: PFPNetwork, exe: Any, remote: Any, *, x: Any = None, count: in
     x_var = np.full_like(xs, 1e-2) if net.input_variance else None
     got = upload(exe, remote, batches=[_rows(xs)])(xs, x_var)
     want = net.reference(xs, x_var)
-    if getattr(net, "head", None) is not None:  # HeadOutputs: probabilities, and the three entropies
+    if net.head is not None:  # HeadOutputs: probabilities, and the three entropies
         got, want = got.module_outputs(), want.module_outputs()
     abs_err = [float(np.max(np.abs(g.astype(np.float64) - w))) for g, w in zip(got, want)]
     rel_err = [e / max(float(np.max(np.abs(w))), 1e-30) for e, w in zip(abs_err, want)]

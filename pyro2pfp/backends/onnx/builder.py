@@ -30,7 +30,7 @@ from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from types import SimpleNamespace
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import numpy as np
 
@@ -38,11 +38,8 @@ from ... import moments
 from ...errors import ArgumentError, PFPError, UnsupportedLayerError
 from ...planning.graph import INPUT, Repr
 from ...planning.plan import PlannedGraph, PlannedLayer
+from ...planning.protocols import ConvertedNetwork
 from ...planning.registry import add_to
-
-if TYPE_CHECKING:
-    from ...network import PFPNetwork
-
 
 D, V, S = Repr.DETERMINISTIC, Repr.VARIANCE, Repr.SECOND_MOMENT
 _INV_SQRT2 = 1.0 / math.sqrt(2.0)
@@ -368,7 +365,7 @@ module): the step emits the scheme's nodes after each layer's export."""
 # ---------------------------------------------------------------------------------------------
 
 
-def _planned(net: PFPNetwork) -> PlannedGraph:
+def _planned(net: ConvertedNetwork | PlannedGraph) -> PlannedGraph:
     if isinstance(net, PlannedGraph):
         return net
     planned = getattr(net, "plan", None)
@@ -377,7 +374,7 @@ def _planned(net: PFPNetwork) -> PlannedGraph:
     raise TypeError(f"to_onnx needs a PFPNetwork or a PlannedGraph, got {type(net).__name__}")
 
 
-def build_model(net: PFPNetwork, *, opset: int = DEFAULT_OPSET, graph_name: str | None = None):
+def build_model(net: ConvertedNetwork | PlannedGraph, *, opset: int = DEFAULT_OPSET, graph_name: str | None = None):
     """The PFP network as an ``onnx.ModelProto`` (checked with ``onnx.checker``, full check)."""
     import onnx
     from onnx import TensorProto, helper
@@ -458,7 +455,7 @@ def build_model(net: PFPNetwork, *, opset: int = DEFAULT_OPSET, graph_name: str 
     return model
 
 
-def to_onnx(net: PFPNetwork, path: str | os.PathLike | None = None, *, opset: int = DEFAULT_OPSET):
+def to_onnx(net: ConvertedNetwork | PlannedGraph, path: str | os.PathLike | None = None, *, opset: int = DEFAULT_OPSET):
     """Write the PFP network ``net`` (a ``PFPNetwork`` or ``PlannedGraph``) as an ONNX model.
 
     Inputs ``x`` (and ``x_var`` if the network takes an input variance), outputs ``mean`` and

@@ -7,16 +7,14 @@ batch-specialised executables -- tuned only on a board (``tune={..., "remote": .
 """
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from ...errors import ArgumentError, PFPError
+from ...planning.protocols import ConvertedNetwork
 from ...runtime.targets import host_arch, is_cross_target, resolve_target, target_arch
 
-if TYPE_CHECKING:
-    from ...network import PFPNetwork
 
-
-def compile_network(net: PFPNetwork, target: Any = "native", *, schedule: bool = True, tune: Any = None,
+def compile_network(net: ConvertedNetwork, target: Any = "native", *, schedule: bool = True, tune: Any = None,
                     num_threads: int | None = None, batch_sizes: Any = ()):
     """``net.compile(target)`` with presets and cross-compilation.
 
@@ -56,7 +54,7 @@ def compile_network(net: PFPNetwork, target: Any = "native", *, schedule: bool =
     else:
         exe = runtime.CompiledPFP(executable, net.input_shape, net.input_variance, tgt, tuned=tuned)
     exe.kernels = kernel_table(net.mod)
-    exe.head = getattr(net, "head", None)  # "probs": outputs unpacked into a HeadOutput
+    exe.head = net.head  # "probs": outputs unpacked into a HeadOutput
     return exe
 
 

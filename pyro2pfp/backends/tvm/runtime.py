@@ -6,17 +6,14 @@ controls (:func:`set_num_threads`, :func:`num_threads`, :func:`default_num_threa
 """
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import tvm
 
+from ...planning.protocols import ConvertedNetwork
 from ...runtime.predictor import CompiledPFP, default_num_threads, num_threads, set_num_threads
 from .build import build
 from .schedules import schedule_module
-
-if TYPE_CHECKING:
-    from ...network import PFPNetwork
-
 
 __all__ = ["CompiledPFP", "build_network", "default_num_threads", "num_threads", "set_num_threads"]
 
@@ -37,7 +34,8 @@ def cached_kernels(mod: tvm.IRModule, kernels: Any) -> tuple[tvm.IRModule, dict[
     return out, keys
 
 
-def build_network(net: PFPNetwork, target: tvm.target.Target, schedule: bool = True, batch: int | None = None) -> Any:
+def build_network(net: ConvertedNetwork, target: tvm.target.Target, schedule: bool = True,
+                  batch: int | None = None) -> Any:
     """``net.mod`` with the default CPU schedules (unless ``schedule=False``), built for ``target``.
     Identical kernels are shared first (:func:`~pyro2pfp.backends.tvm.sharing.share_identical_kernels`;
     the schedules depend only on the PrimFunc), so each distinct kernel is scheduled once.
