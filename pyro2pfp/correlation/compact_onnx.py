@@ -28,7 +28,8 @@ class OnnxCompactStep:
         return False
 
     def __call__(self, ctx: OnnxContext, layer: PlannedLayer, inputs: list[OnnxActivation],
-                 out: OnnxActivation) -> OnnxActivation:
+                 out: OnnxActivation | None) -> OnnxActivation:
+        assert out is not None  # emits_mean_field is never true: the layer's export comes first
         loads = [self.loads[n] for n in layer.inputs]
         var = ctx.variance(out)
         ld, mean, new_var = compact_layer(ctx, COMPACT_EXPORTERS, layer, inputs, loads, self.plan, out.mean, var)

@@ -23,7 +23,7 @@ The plan the rules read is a :class:`CompactPlan` (made by :func:`.compact.plan_
 """
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any, ClassVar, Protocol
 
@@ -270,10 +270,17 @@ def stein(bk: TensorAlgebra, layer: PlannedLayer, x: Any, ld: Loadings) -> Loadi
     return ld.times(bk, bk.reshape(slope, (e,)), e)
 
 
-Rule = Callable[..., tuple[Loadings | None, Any, Any]]
+class CompactRule(Protocol):
+    """An op's rule of the compact factor plan (``registry.COMPACT_REFERENCES``, ``COMPACT_EXPORTERS``; written
+    once over the back end ``bk``, ``ops._formula.compact_formula``): given the layer's inputs, their loadings
+    (None: none) and the layer's mean-field ``(mean, var)``, the output's loadings and corrected moments."""
+
+    def __call__(self, bk: TensorAlgebra, layer: PlannedLayer, inputs: list[Any], loads: list[Loadings | None],
+                 plan: CompactPlan, mean: Any, var: Any) -> tuple[Loadings | None, Any, Any]: ...
 
 
-def compact_layer(bk: TensorAlgebra, rules: dict[str, Rule], layer: PlannedLayer, inputs: list[Any],
+
+def compact_layer(bk: TensorAlgebra, rules: Mapping[str, CompactRule], layer: PlannedLayer, inputs: list[Any],
                   loads: list[Loadings | None], plan: CompactPlan, mean: Any,
                   var: Any) -> tuple[Loadings | None, Any, Any]:
     """One layer of the compact factor plan in back end ``bk`` (after its mean-field ``(mean, var)``): where an

@@ -38,7 +38,7 @@ from ... import moments
 from ...errors import ArgumentError, PFPError, UnsupportedLayerError
 from ...planning.graph import INPUT, Repr
 from ...planning.plan import PlannedGraph, PlannedLayer
-from ...planning.protocols import ConvertedNetwork
+from ...planning.protocols import ConvertedNetwork, SchemeStep
 from ...planning.registry import add_to
 
 D, V, S = Repr.DETERMINISTIC, Repr.VARIANCE, Repr.SECOND_MOMENT
@@ -354,7 +354,7 @@ EXPORTERS: dict[str, Exporter] = {}
 #: ``@exporter(op)`` registers the ONNX emitter of PFP op ``op`` (once).
 exporter = add_to(EXPORTERS, "ONNX export of op")
 
-SCHEME_STEPS: dict[str, Callable[..., Any]] = {}
+SCHEME_STEPS: dict[str, Callable[[PlannedGraph, OnnxContext], SchemeStep[OnnxContext, OnnxActivation]]] = {}
 """``{correlation scheme: factory(graph, ctx) -> step(ctx, layer, inputs, out) -> out}`` for plans that
 are not mean-field (``"shared-factor"``: :mod:`pyro2pfp.correlation.onnx_step`, which builds on this
 module): the step emits the scheme's nodes after each layer's export."""
