@@ -37,10 +37,13 @@ import pyro.util
 import torch
 import torch.fx
 
+from ..backends.reference import execute_all
 from ..errors import PFPError
-from ..frontend.posterior import call_with_model_args
-from ..frontend.tracing import _WRAPPER_PREFIX
+from ..frontend.posterior import call_with_model_args, ready_to_sample
+from ..frontend.preserve import preserved
+from ..frontend.tracing import _WRAPPER_PREFIX, trace_model
 from ..planning.protocols import ConvertedNetwork
+from ..runtime.inputs import as_input_array
 
 SD_FLOOR = 0.1  # the mean error's sd floor, as a fraction of the layer's median MC sd
 SPLITS = 10  # sample groups for the noise of the median variance ratio (:func:`median_ratio_noise`)
@@ -393,12 +396,6 @@ def compare(net: ConvertedNetwork, model: Any, guide: Any, x: Any, *, num_sample
 
 def _compare(net: ConvertedNetwork, model: Any, guide: Any, x: Any, num_samples: int, seed: int, per_layer: bool,
              execute: Any, traced: Any, args: Any, samples: list | None, calibration: float) -> Diagnosis:
-    from ..backends.reference import execute_all
-    from ..frontend.posterior import ready_to_sample
-    from ..frontend.preserve import preserved
-    from ..frontend.tracing import trace_model
-    from ..runtime.inputs import as_input_array
-
     if net.input_variance:
         raise PFPError("diagnose supports networks without input variance only")
     xs = as_input_array(x, net.input_shape, dtype=np.float64)

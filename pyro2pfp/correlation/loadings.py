@@ -29,6 +29,7 @@ from typing import Any, ClassVar, Protocol
 
 import numpy as np
 
+from ..backends.reference import NUMPY_BACKEND
 from ..errors import PFPError
 from ..planning.plan import PlannedLayer
 from ..planning.registry import OPS
@@ -235,15 +236,11 @@ class Loadings:
     # -- NumPy conveniences (float64 arrays)
     def squared(self, batch: int, elements: int) -> np.ndarray:
         """``Σ_f L[e, f]²`` (B, E) of NumPy loadings (zeros without any)."""
-        from ..backends.reference import NUMPY_BACKEND
-
         total = self.explained(NUMPY_BACKEND, elements)
         return np.zeros((batch, elements)) if total is None else total
 
     def scaled(self, factor: np.ndarray) -> Loadings:
         """NumPy loadings times ``factor[b, e]`` (B, E)."""
-        from ..backends.reference import NUMPY_BACKEND
-
         return self.times(NUMPY_BACKEND, factor, factor.shape[-1])
 
 

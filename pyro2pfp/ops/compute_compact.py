@@ -8,6 +8,7 @@ from typing import Any
 
 import numpy as np
 
+from ..backends.reference import NUMPY_BACKEND
 from ..correlation.factors import weight_var
 from ..correlation.loadings import CompactPlan, Loadings, TensorAlgebra
 from ..planning.plan import PlannedLayer
@@ -84,8 +85,6 @@ def block_factor_loadings(bk: Any, layer: PlannedLayer, mean_in: Any, directions
 
 def conv_block_factors(layer: PlannedLayer, mean_in: np.ndarray, directions: int) -> np.ndarray:
     """:func:`block_factor_loadings` of float64 arrays."""
-    from ..backends.reference import NUMPY_BACKEND
-
     return block_factor_loadings(NUMPY_BACKEND, layer, np.asarray(mean_in, dtype=np.float64), directions)
 
 

@@ -26,21 +26,10 @@ from typing import Any, Protocol, TypeVar
 
 import numpy as np
 
-from .graph import LayerGraph, Repr
+from .graph import LayerGraph
 from .plan import FactorScheme, PlannedGraph, PlannedLayer
 
-__all__ = ["ConvertedNetwork", "FactorScheme", "FormulaBackend", "SchemeStep", "TensorActivation"]
-
-
-class TensorActivation(Protocol):
-    """One edge's moments in a back end (``reference.Activation``, ``OnnxActivation``, ``RelaxActivation``):
-    its mean tensor and the representation (:class:`~.graph.Repr`) of its second tensor."""
-
-    @property
-    def mean(self) -> Any: ...
-
-    @property
-    def repr(self) -> Repr: ...
+__all__ = ["ConvertedNetwork", "FactorScheme", "FormulaBackend", "SchemeStep"]
 
 
 class FormulaBackend(Protocol):

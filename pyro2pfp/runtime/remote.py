@@ -33,6 +33,9 @@ from typing import Any, Protocol, TypeVar
 import numpy as np
 
 from ..errors import RemoteError
+from .inputs import checked_inputs, compiled_outputs
+from .library_files import batch_library_path, export_library
+from .targets import target_arch
 
 __all__ = [
     "Remote",
@@ -222,8 +225,6 @@ class RemotePredictor:
         """The inputs checked and set on the VM for their batch size: (that VM, the batch size)."""
         import tvm
 
-        from .inputs import checked_inputs
-
         arrays = checked_inputs(x, x_var, self.input_shape, self.input_variance, np.float32)
         batch = int(arrays[0].shape[0])
         vm = self.vm_for_batch(batch)
@@ -232,8 +233,6 @@ class RemotePredictor:
 
     def __call__(self, x: Any, x_var: Any = None) -> Any:
         """The network's outputs for ``x`` computed on the board (see the class docstring)."""
-        from .inputs import compiled_outputs
-
         return compiled_outputs(*self.outputs(x, x_var), self.head)
 
     def outputs(self, x: Any, x_var: Any = None) -> tuple[np.ndarray, np.ndarray]:
@@ -268,8 +267,6 @@ def upload(exe: Any, remote: Any, batches: Any = None) -> RemotePredictor:
     target), upload the library to a board and load it there.  ``batches``: the batch-specialised
     executables of ``exe.tuned`` to upload as well (default: all of them; sizes without one are
     ignored); calls with those batch sizes run them."""
-    from .library_files import batch_library_path, export_library
-
     remote = as_remote(remote)
     have = {int(b) for b in (getattr(exe, "tuned", None) or {})}
     wanted = sorted(have if batches is None else have & {int(b) for b in batches})
@@ -290,8 +287,6 @@ def upload(exe: Any, remote: Any, batches: Any = None) -> RemotePredictor:
                                          timeout=remote.session_timeout)
                       for b, (_, remote_name) in files.items()}
         except RemoteError as err:
-            from .targets import target_arch
-
             raise RemoteError(f"{err} (the library is compiled for {target_arch(exe.target)}: is the board "
                               "of that architecture?)") from err
     except BaseException:

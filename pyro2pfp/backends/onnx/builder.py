@@ -35,6 +35,7 @@ from typing import Any
 import numpy as np
 
 from ... import moments
+from ..._version import __version__
 from ...errors import ArgumentError, PFPError, UnsupportedLayerError
 from ...planning.graph import INPUT, Repr
 from ...planning.plan import PlannedGraph, PlannedLayer
@@ -378,8 +379,6 @@ def build_model(net: ConvertedNetwork | PlannedGraph, *, opset: int = DEFAULT_OP
     """The PFP network as an ``onnx.ModelProto`` (checked with ``onnx.checker``, full check)."""
     import onnx
     from onnx import TensorProto, helper
-
-    from ..._version import __version__
 
     graph = _planned(net)
     if int(opset) < MIN_OPSET:

@@ -12,8 +12,10 @@ import tvm
 
 from ...planning.protocols import ConvertedNetwork
 from ...runtime.predictor import CompiledPFP, default_num_threads, num_threads, set_num_threads
-from .build import build
+from .build import KernelPool, KernelStream, build, parallel
 from .schedules import schedule_module
+from .sharing import share_identical_kernels
+from .tuning.specialize import specialize_batch
 
 __all__ = ["CompiledPFP", "build_network", "default_num_threads", "num_threads", "set_num_threads"]
 
@@ -42,10 +44,6 @@ def build_network(net: ConvertedNetwork, target: tvm.target.Target, schedule: bo
     ``batch``: a static-shape executable for that batch size only (``net.mod`` specialised by
     :func:`pyro2pfp.backends.tvm.tuning.specialize_batch`, as for tuning: the batch fixed in Relax and in every
     PrimFunc -- no shape arithmetic per call, storage planned once), else the any-batch one."""
-    from .build import KernelPool, KernelStream, parallel
-    from .sharing import share_identical_kernels
-    from .tuning.specialize import specialize_batch
-
     # LLVM compiles each kernel on the build threads as soon as it is scheduled -- for a module not yet
     # emitted, as soon as it is emitted (KernelStream)
     kernels = KernelPool(target) if schedule and parallel(target) else None

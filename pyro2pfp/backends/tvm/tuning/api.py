@@ -14,6 +14,7 @@ from tvm.s_tir import meta_schedule as ms
 from ....errors import ArgumentError, TuningError
 from ....planning.plan import PlannedGraph
 from ....planning.protocols import ConvertedNetwork
+from ....runtime.remote import as_remote
 from . import _fast_inspect
 from .choose import _any_batch_defaults, _choose, _default_schedules
 from .database import FORMAT_VERSION, _apply_database, _locked, _read_meta, _write_meta
@@ -108,8 +109,6 @@ def tune(mod: tvm.IRModule, target: Any, *, batch: int, trials: int = DEFAULT_TR
     tgt = tuning_target(target)
     board = None
     if remote is not None:
-        from ....runtime.remote import as_remote
-
         remote = as_remote(remote)
         remote.servers()  # no server under the key: a clear error now, not a queue that never ends
         board = remote.tag
