@@ -181,3 +181,30 @@ def test_the_lazy_import_check_follows_the_package():
     assert "tvm" in imports.loads("pyro2pfp.backends.tvm.emit")
     assert "tvm" not in imports.loads("pyro2pfp.runtime.deploy") and "torch" not in imports.loads("pyro2pfp")
     assert _heavy("tvm.s_tir.meta_schedule.runner") == "tvm" and _heavy("numpy") is None and _heavy("tvmx") is None
+
+
+def _annotation_imports() -> list[tuple[str, str]]:
+    """``(module, package module it imports under if TYPE_CHECKING:)`` over the package."""
+    modules = _sources()
+    imports = _Imports()
+    out = []
+    for name, path in modules.items():
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.If) and "TYPE_CHECKING" in ast.unparse(node.test):
+                for child in node.body:
+                    if isinstance(child, ast.Import | ast.ImportFrom):
+                        out.extend((name, inner) for t in imports._targets(name, path, child)
+                                   if t.split(".")[0] == "pyro2pfp" and (inner := imports._module(t)) is not None)
+    return out
+
+
+def test_annotation_imports_point_down_the_wings_too():
+    """An import for annotations only (``if TYPE_CHECKING:``, which the import-graph test leaves out) still names
+    a module of the importer's own wing or one below it: a back end or analysis that reads an object built above
+    it names a Protocol (``planning.protocols``) instead of the class."""
+    from tests.docs_and_package.test_package import WINGS, _wing
+
+    found = _annotation_imports()
+    assert ("pyro2pfp.backends.reference.arrays", "pyro2pfp.planning.plan") in found  # the collector sees them
+    up = [f"{a} ({WINGS[_wing(a)][0]}) -> {b} ({WINGS[_wing(b)][0]})" for a, b in sorted(found) if _wing(b) > _wing(a)]
+    assert not up, "annotation imports pointing up: " + "; ".join(up)
