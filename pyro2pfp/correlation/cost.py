@@ -41,9 +41,10 @@ def cost_model(graph: PlannedGraph, factors: FactorPlan | None = None) -> Cost:
     scaled root, ``2·O·P``); ``O·C·(K_in + K_out)`` for the loadings and ``2·|W|`` for the per-input
     weights (``|W|``, the propagated term's alone, for ``'rescaled'``); per dense layer two products of
     its size and ``O·C·K``; per ReLU/add ``~3·C·K``; per compaction ``2·C²·K``.
-    ``factors``: default ``graph.factors`` if it is a shared-factor plan, else :func:`plan_factors` of ``graph``."""
-    fp = factors if factors is not None else graph.factors if isinstance(graph.factors, FactorPlan) \
-        else plan_factors(graph)
+    ``factors``: default ``graph.factors``, else :func:`plan_factors` of ``graph``."""
+    fp = factors if factors is not None else graph.factors if graph.factors is not None else plan_factors(graph)
+    if not isinstance(fp, FactorPlan):  # another scheme's plan: the shared-factor plan of the same graph is costed
+        fp = plan_factors(graph)
     injection = fp.injection
     mf = extra = mf_floats = extra_floats = 0
     for layer in graph.layers:
