@@ -15,7 +15,7 @@ mean-field moments (computed with the marginal variance ``V = d² + Σ_f F_f²``
   coherent loading in place of the mean-field terms that counted the same noise as independent
   (``(Σ_f F_f²)·μ²``: the guide part of ``V·μ²``; ``·s²``: the product of the weights' and the
   input's guide noise, a second-order term with mean ``Σ_i F[o, i]·ℓ_in[i]`` -- see
-  :func:`dense_mean_shift` -- that the closure does not carry as a factor);
+  :func:`mean_shift` -- that the closure does not carry as a factor);
 * conv2d: the pooled loading ``ℓ[o, f] += Σ_{c,k} F_f[o, c, k]·m̄μ_k[c] + F_b,f[o]`` and the profile
   ``s[o, p] += Σ_{c,k} G[o, c, k]·μ[c, p + k] + Σ_f g[o, f]·F_b,f[o]`` with ``G = Σ_f g[o, f]·F_f[o]``
   (the exact covariance of ``out[o, p]`` with the channel's normal ``η_o`` from the guide's part);

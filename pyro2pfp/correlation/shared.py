@@ -67,36 +67,6 @@ class Shared:
         if self.k < 0:
             self.k = int(self.g.shape[2])
 
-    def widened(self, k: int) -> np.ndarray:
-        """``g`` with zero columns appended up to ``k``."""
-        extra = k - self.g.shape[2]
-        return self.g if extra <= 0 else np.concatenate([self.g, np.zeros((*self.g.shape[:2], extra))], axis=2)
-
-
-def safe_div(num: np.ndarray, den: np.ndarray) -> np.ndarray:
-    """``num/den``, 0 where ``den ≤ 0``."""
-    return np.where(den > 0, num / np.where(den > 0, den, 1.0), 0.0)
-
-
-def spatial_mean(t: np.ndarray) -> np.ndarray:
-    """The mean of ``t`` (B, C, ...) over each row's positions: (B, C)."""
-    return t.reshape(t.shape[0], t.shape[1], -1).mean(axis=2)
-
-
-def expand(t: np.ndarray, ndim: int) -> np.ndarray:
-    """``t`` with trailing size-1 axes up to ``ndim`` axes."""
-    return t.reshape(t.shape + (1,) * (ndim - t.ndim))
-
-
-def row_dots(p: np.ndarray, q: np.ndarray) -> np.ndarray:
-    """``Σ_f p[b, c, f]·q[b, c, f]`` (B, C): one pass, no (B, C, K) temporary."""
-    return np.einsum("bcf,bcf->bc", p, q)
-
-
-def normalised(loading: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """``(‖ℓ‖, ℓ/‖ℓ‖)`` of a loading ``ℓ`` (B, C, K), 0 where ``‖ℓ‖ = 0``."""
-    norm = np.sqrt(row_dots(loading, loading))
-    return norm, loading / np.where(norm > 0, norm, 1.0)[..., None]
 
 
 def compacted(sh: Shared) -> Shared:

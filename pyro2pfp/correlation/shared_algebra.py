@@ -19,9 +19,54 @@ formulas over ``bk`` too.
 """
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Protocol
 
 import numpy as np
+
+from .loadings import TensorAlgebra
+
+
+class SharedAlgebra(TensorAlgebra, Protocol):
+    """The back end ``bk`` of the shared-factor rules (module docstring): the compact rules' tensor algebra
+    (:class:`~.loadings.TensorAlgebra`) and what the shared rules use beyond it.  ``NumpyBackend`` and
+    ``OnnxContext`` implement it (mypy checks them where :func:`pyro2pfp.ops._formula.shared_formula` calls a
+    rule with them)."""
+
+    def second_moment(self, x: Any) -> Any:
+        """``E[x²]`` of input activation ``x``."""
+        ...
+
+    def deterministic(self, mean: Any) -> Any:
+        """An exact output activation (a covariance op's)."""
+        ...
+
+    def emit(self, mean: Any, var: Any, layer: Any) -> Any:
+        """The output activation of ``layer`` in the representation the plan gives it."""
+        ...
+
+    def matmul(self, a: Any, b: Any) -> Any:
+        """Batched matrix product over the last two axes (the leading ones broadcast)."""
+        ...
+
+    def widened(self, g: Any, k_in: int, k: int) -> Any:
+        """``g`` (..., k_in) with zero columns up to ``k``."""
+        ...
+
+    def pad2d(self, t: Any, begin: tuple[int, int], end: tuple[int, int]) -> Any:
+        """``t`` (B, C, H, W) with ``begin``/``end`` rows and columns of zeros."""
+        ...
+
+    def window(self, t: Any, start: tuple[int, int], stride: tuple[int, int], out_hw: tuple[int, ...]) -> Any:
+        """The strided (B, C, OH, OW) view of ``t`` from ``start``."""
+        ...
+
+    def edge_shape(self, x: Any, name: str) -> tuple[int, ...]:
+        """The per-sample shape of input activation ``x`` (edge ``name``)."""
+        ...
+
+    def all_zero(self, t: Any) -> bool:
+        """Whether every entry of ``t`` is known to be zero (False where the values are not known)."""
+        ...
 
 
 def zero(bk: Any) -> Any:

@@ -25,22 +25,26 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
-from ..backends.onnx.builder import OnnxActivation, exporter
-from ..backends.reference import NUMPY_BACKEND, reference
+from ..backends.onnx.builder import OnnxActivation, OnnxContext, exporter
+from ..backends.reference import NUMPY_BACKEND, Activation, reference
 from ..correlation.guide import mean_shift
+from ..correlation.loadings import CompactRule
+from ..correlation.shared_algebra import SharedAlgebra
+from ..planning.plan import PlannedLayer
+from ..planning.protocols import FormulaBackend
 from ..planning.registry import compact_exporter, compact_reference, shared_exporter, shared_reference
 
-Formula = Callable[[Any, Any, list[Any]], Any]
+Formula = Callable[[FormulaBackend, PlannedLayer, list[Any]], Any]
 
 
 def formula(*ops: str) -> Callable[[Formula], Formula]:
     """Register ``fn(bk, layer, inputs)`` as the NumPy reference and the ONNX export of ``ops``."""
 
     def deco(fn: Formula) -> Formula:
-        def on_numpy(layer: Any, inputs: list[Any]) -> Any:
+        def on_numpy(layer: PlannedLayer, inputs: list[Activation]) -> Activation:
             return fn(NUMPY_BACKEND, layer, inputs)
 
-        def on_onnx(ctx: Any, layer: Any, inputs: list[Any]) -> Any:
+        def on_onnx(ctx: OnnxContext, layer: PlannedLayer, inputs: list[OnnxActivation]) -> OnnxActivation:
             return fn(ctx, layer, inputs)
 
         on_numpy.__name__ = on_onnx.__name__ = fn.__name__
@@ -52,15 +56,12 @@ def formula(*ops: str) -> Callable[[Formula], Formula]:
     return deco
 
 
-CompactFormula = Callable[..., Any]
-
-
-def compact_formula(*ops: str) -> Callable[[CompactFormula], CompactFormula]:
+def compact_formula(*ops: str) -> Callable[[CompactRule], CompactRule]:
     """Register ``fn(bk, layer, inputs, loadings, plan, mean, var) -> (loadings, mean, var)`` as the compact factor
     rule of ``ops`` in the float64 reference and the ONNX export (``registry.COMPACT_REFERENCES``,
     ``COMPACT_EXPORTERS``)."""
 
-    def deco(fn: CompactFormula) -> CompactFormula:
+    def deco(fn: CompactRule) -> CompactRule:
         compact_reference(*ops)(fn)
         compact_exporter(*ops)(fn)
         return fn
@@ -68,7 +69,7 @@ def compact_formula(*ops: str) -> Callable[[CompactFormula], CompactFormula]:
     return deco
 
 
-SharedFormula = Callable[..., tuple[Any, Any]]
+SharedFormula = Callable[[SharedAlgebra, PlannedLayer, list[Any], list[Any], Any, Any], tuple[Any, Any]]
 
 
 def shared_formula(*ops: str) -> Callable[[SharedFormula], SharedFormula]:
@@ -78,11 +79,12 @@ def shared_formula(*ops: str) -> Callable[[SharedFormula], SharedFormula]:
     corrected one replaces it in the layer's output."""
 
     def deco(fn: SharedFormula) -> SharedFormula:
-        def on_numpy(layer: Any, inputs: list[Any], shared: list[Any], fp: Any, var: Any) -> tuple[Any, Any]:
+        def on_numpy(layer: PlannedLayer, inputs: list[Any], shared: list[Any], fp: Any, var: Any
+                     ) -> tuple[Any, Any]:
             return fn(NUMPY_BACKEND, layer, inputs, shared, fp, var)
 
-        def on_onnx(step: Any, ctx: Any, layer: Any, inputs: list[Any], shared: list[Any], out: Any
-                    ) -> tuple[Any, Any]:
+        def on_onnx(step: Any, ctx: OnnxContext, layer: PlannedLayer, inputs: list[Any], shared: list[Any],
+                    out: Any) -> tuple[Any, Any]:
             start = len(ctx.b.nodes)
             sh, var = fn(ctx, layer, inputs, shared, step.fp, None if out is None else out.second)
             if isinstance(var, OnnxActivation):  # a covariance op's whole (deterministic) output

@@ -28,7 +28,7 @@ import numpy as np
 from .. import moments
 from ..correlation.factors import FactorPlan
 from ..correlation.shared import Shared
-from ..correlation.shared_algebra import clip, grouped, normalised, own_columns, row_mean, safe_div
+from ..correlation.shared_algebra import SharedAlgebra, clip, grouped, normalised, own_columns, row_mean, safe_div
 from ..correlation.stein import stein_slope
 from ..planning.converters import Alias, register
 from ..planning.graph import Layer, Repr
@@ -121,7 +121,7 @@ LEAKY_RELU = register_activation(OpDef(
 
 
 @shared_formula("relu", "leaky_relu")
-def relu_shared(bk: Any, layer: PlannedLayer, inputs: list[Any], shared: list[Shared | None], fp: FactorPlan,
+def relu_shared(bk: SharedAlgebra, layer: PlannedLayer, inputs: list[Any], shared: list[Shared | None], fp: FactorPlan,
                 var: Any) -> tuple[Shared | None, Any]:
     """The relu / leaky_relu rule (slope ``λ``, 0 for relu), ``α = μ/σ``: Stein's lemma, exact for a
     Gaussian pre-activation jointly Gaussian with the factors: ``lin = Cov(f(a_p), η) = (Φ(α) +

@@ -18,8 +18,9 @@ from typing import Any
 import numpy as np
 
 from ..correlation.factors import FactorPlan
+from ..correlation.loadings import CompactPlan, Loadings, TensorAlgebra
 from ..correlation.shared import Shared
-from ..correlation.shared_algebra import clip, grouped, normalised, row_mean
+from ..correlation.shared_algebra import SharedAlgebra, clip, grouped, normalised, row_mean
 from ..planning.converters import Alias, register
 from ..planning.graph import GaussianParam, Layer, Repr
 from ..planning.plan import PlannedLayer, is_compute_layer
@@ -149,8 +150,8 @@ def linear_factor(layer: PlannedLayer) -> np.ndarray:
 
 
 @shared_formula("affine", "scale")
-def linear_shared(bk: Any, layer: PlannedLayer, inputs: list[Any], shared: list[Shared | None], fp: FactorPlan,
-                  var: Any) -> tuple[Shared | None, Any]:
+def linear_shared(bk: SharedAlgebra, layer: PlannedLayer, inputs: list[Any], shared: list[Shared | None],
+                  fp: FactorPlan, var: Any) -> tuple[Shared | None, Any]:
     """The affine (BatchNorm eval, scale ``a`` per channel) and scale (a constant ``a``) rule: ``s ↦ a·s``;
     ``g`` unchanged (exact)."""
     sh = shared[0]
@@ -164,7 +165,7 @@ def linear_shared(bk: Any, layer: PlannedLayer, inputs: list[Any], shared: list[
 
 
 @shared_formula("add")
-def add_shared(bk: Any, layer: PlannedLayer, inputs: list[Any], shared: list[Shared | None], fp: FactorPlan,
+def add_shared(bk: SharedAlgebra, layer: PlannedLayer, inputs: list[Any], shared: list[Shared | None], fp: FactorPlan,
                var: Any) -> tuple[Shared | None, Any]:
     """The add (residual) rule: ``ℓ = m̄ s_a·g_a + m̄ s_b·g_b`` -- branches that share upstream factors
     (both functions of the block input) add coherently; ``g = ℓ/‖ℓ‖``, ``s = s_a·⟨g_a, g⟩ +
@@ -188,8 +189,8 @@ def add_shared(bk: Any, layer: PlannedLayer, inputs: list[Any], shared: list[Sha
 
 # ------------------------------------------------------------------------------------ compact factor rules
 @compact_formula("affine")
-def affine_compact(bk: Any, layer: PlannedLayer, inputs: list[Any], loads: list[Any], plan: Any,
-                   mean: Any, var: Any) -> tuple[Any, Any, Any]:
+def affine_compact(bk: TensorAlgebra, layer: PlannedLayer, inputs: list[Any], loads: list[Loadings | None],
+                   plan: CompactPlan, mean: Any, var: Any) -> tuple[Any, Any, Any]:
     """Per-channel ``a·x + c`` in the compact factor plan: ``L ↦ a·L`` (exact)."""
     ld = loads[0]
     if ld is None:
@@ -200,13 +201,11 @@ def affine_compact(bk: Any, layer: PlannedLayer, inputs: list[Any], loads: list[
 
 
 @compact_formula("add")
-def add_compact(bk: Any, layer: PlannedLayer, inputs: list[Any], loads: list[Any], plan: Any,
-                mean: Any, var: Any) -> tuple[Any, Any, Any]:
+def add_compact(bk: TensorAlgebra, layer: PlannedLayer, inputs: list[Any], loads: list[Loadings | None],
+                plan: CompactPlan, mean: Any, var: Any) -> tuple[Any, Any, Any]:
     """``a + b`` in the compact factor plan: the loadings add (branches carrying the same factors add them
     coherently); ``v = v_a + v_b + 2·Σ_f L_a,f·L_b,f`` (exact for the factors' part; the residuals stay
     independent)."""
-    from ..correlation.loadings import Loadings
-
     la, lb = (ld if ld is not None else Loadings() for ld in loads)
     shape = tuple(layer.layer.out_shape)
     e = int(np.prod(shape))

@@ -29,7 +29,17 @@ import numpy as np
 from ..correlation.factors import ComputeFactors, FactorPlan, weight_var
 from ..correlation.guide import conv_injection, conv_profile_terms, dense_terms, guide_tensors
 from ..correlation.shared import Shared
-from ..correlation.shared_algebra import clip, conv_taps, mix, normalised, own_columns, own_loading, safe_div, total
+from ..correlation.shared_algebra import (
+    SharedAlgebra,
+    clip,
+    conv_taps,
+    mix,
+    normalised,
+    own_columns,
+    own_loading,
+    safe_div,
+    total,
+)
 from ..planning.converters import Alias, register
 from ..planning.graph import GaussianParam, Layer, Repr
 from ..planning.onedim import as_2d
@@ -54,7 +64,7 @@ DENSE = register_op(OpDef(
 
 
 
-def _grouped(layer: Any) -> str | None:
+def _grouped(layer: PlannedLayer) -> str | None:
     """Why shared-factor PFP cannot run a conv2d layer: a grouped convolution (None: it can)."""
     groups = layer.layer.attrs.get("groups", 1)
     return f"grouped convolutions (groups={groups})" if groups != 1 else None
@@ -276,8 +286,8 @@ def convert_matmul(node, ctx) -> Layer:
 
 # ------------------------------------------------------------------------------------ shared-factor rules
 @shared_formula("conv2d")
-def conv2d_shared(bk: Any, layer: PlannedLayer, inputs: list[Any], shared: list[Shared | None], fp: FactorPlan,
-                  var: Any) -> tuple[Shared | None, Any]:
+def conv2d_shared(bk: SharedAlgebra, layer: PlannedLayer, inputs: list[Any], shared: list[Shared | None],
+                  fp: FactorPlan, var: Any) -> tuple[Shared | None, Any]:
     """The conv2d rule (stride/padding/dilation, groups 1; notation: :mod:`pyro2pfp.correlation.shared`).
 
     Pooled loading ``ℓ[o] = Σ_c A[o, c]·g_in[c] ⊕ w̄[o]·e_o`` with ``A[o, c] = Σ_k W[o, c, k]·m̄
@@ -366,7 +376,7 @@ def _injection_profile(bk: Any, layer: PlannedLayer, x: Any, own: Any, wbar: Any
 
 
 @shared_formula("dense")
-def dense_shared(bk: Any, layer: PlannedLayer, inputs: list[Any], shared: list[Shared | None], fp: FactorPlan,
+def dense_shared(bk: SharedAlgebra, layer: PlannedLayer, inputs: list[Any], shared: list[Shared | None], fp: FactorPlan,
                  var: Any) -> tuple[Shared | None, Any]:
     """The dense rule: ``ℓ[o] = Σ_c (Σ_p W[o, (c, p)]·s[c, p])·g[c] ⊕ √(Σ V·E[x²] + v_bias)·e_o``,
     ``v_out = v_mf + ‖Σ_c (…)·g[c]‖² − Σ_i W[o, i]²·s_i²`` (the shared parts summed with their

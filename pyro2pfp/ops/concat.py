@@ -29,6 +29,7 @@ import numpy as np
 
 from ..correlation.factors import FactorPlan
 from ..correlation.shared import Shared
+from ..correlation.shared_algebra import SharedAlgebra
 from ..planning.converters import Alias, register
 from ..planning.graph import Layer, Repr
 from ..planning.plan import PlannedLayer
@@ -39,7 +40,7 @@ CAT_OPS = ("aten.cat.default", "aten.concat.default", "aten.concatenate.default"
 STACK_OPS = ("aten.stack.default",)
 
 
-def row_axis_only(layer: Any) -> str | None:
+def row_axis_only(layer: PlannedLayer) -> str | None:
     """Why the shared-factor rule cannot run ``layer`` (None: it can): it joins along the row axis only."""
     axis = layer.layer.attrs["axis"]
     if axis == 0:
@@ -126,8 +127,8 @@ def convert_stack(node: Any, ctx: Any) -> list[Layer]:
 
 # ------------------------------------------------------------------------------------ shared-factor rules
 @shared_formula("concat")
-def concat_shared(bk: Any, layer: PlannedLayer, inputs: list[Any], shared: list[Shared | None], fp: FactorPlan,
-                  var: Any) -> tuple[Shared | None, Any]:
+def concat_shared(bk: SharedAlgebra, layer: PlannedLayer, inputs: list[Any], shared: list[Shared | None],
+                  fp: FactorPlan, var: Any) -> tuple[Shared | None, Any]:
     """Along the row axis: ``s`` side by side, ``g`` row blocks widened to the output's ``K`` (a branch
     without a shared part: ``s = 0``, ``g = 0``); the variance unchanged (exact)."""
     k = fp.width[layer.name]

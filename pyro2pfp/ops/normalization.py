@@ -41,8 +41,9 @@ from typing import Any
 import numpy as np
 
 from ..correlation.factors import FactorPlan
+from ..correlation.loadings import CompactPlan, Loadings, TensorAlgebra
 from ..correlation.shared import Shared
-from ..correlation.shared_algebra import clip, normalised
+from ..correlation.shared_algebra import SharedAlgebra, clip, normalised
 from ..planning.converters import register
 from ..planning.graph import GaussianParam, Layer, Repr
 from ..planning.plan import PlannedLayer, stored_variance
@@ -149,16 +150,14 @@ def convert_layer_norm(node, ctx) -> Layer:
 
 # ------------------------------------------------------------------------------------ compact factor rule
 @compact_formula("layer_norm")
-def layer_norm_compact(bk: Any, layer: PlannedLayer, inputs: list[Any], loads: list[Any], plan: Any,
-                       mean: Any, var: Any) -> tuple[Any, Any, Any]:
+def layer_norm_compact(bk: TensorAlgebra, layer: PlannedLayer, inputs: list[Any], loads: list[Loadings | None],
+                       plan: CompactPlan, mean: Any, var: Any) -> tuple[Any, Any, Any]:
     """LayerNorm in the compact factor plan, linearised as the op's own variance is (the delta method with
     the Jacobian ``J_jk = r·(δ_jk − (1 + z_j·z_k)/D)`` of ``z``, which includes the statistics' dependence on
     the input): loadings ``L ↦ μγ·(J·L)`` per normalised row -- the mean over the row and its projection on
     ``z`` removed, then scaled by ``r`` -- and ``v += (μγ² + vγ)·(‖J·L‖² − Σ_k J_jk²·‖L_k‖²)`` (the
     inputs' factor part summed through ``J`` coherently in place of independently).  Block columns become
     global (the row mixes channels)."""
-    from ..correlation.loadings import Loadings
-
     x, ld = inputs[0], loads[0]
     if ld is None:
         return None, mean, var
@@ -215,8 +214,8 @@ def shared_terms(ops: Any, z: Any, r: Any, s2: Any, b0: Any, b1: Any, b2: Any, d
 
 
 @shared_formula("layer_norm")
-def layer_norm_shared(bk: Any, layer: PlannedLayer, inputs: list[Any], shared: list[Shared | None], fp: FactorPlan,
-                      var: Any) -> tuple[Shared | None, Any]:
+def layer_norm_shared(bk: SharedAlgebra, layer: PlannedLayer, inputs: list[Any], shared: list[Shared | None],
+                      fp: FactorPlan, var: Any) -> tuple[Shared | None, Any]:
     """LayerNorm of a flat edge of ``D`` features with the input's shared part ``L_k = s_k·g_row(k)``
     (``row(k)``: the input row feature ``k`` belongs to -- itself after a dense layer, its channel after a
     flattened conv).  The delta method of the op's own variance with ``J_jk = r·(δ_jk − (1 + z_j·z_k)/D)``

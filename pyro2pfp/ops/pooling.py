@@ -32,9 +32,10 @@ from ..backends.reference import NUMPY_BACKEND, Activation, emit_output, referen
 from ..backends.reference.arrays import LOWEST, average_divisor, padded, window_views
 from ..correlation.backend import fuses_mean_field
 from ..correlation.factors import FactorPlan
+from ..correlation.loadings import CompactPlan, Loadings, TensorAlgebra
 from ..correlation.onnx_step import OnnxSharedStep
 from ..correlation.shared import Shared
-from ..correlation.shared_algebra import clip, total
+from ..correlation.shared_algebra import SharedAlgebra, clip, total
 from ..errors import UnsupportedLayerError
 from ..planning.converters import register
 from ..planning.graph import Layer, Repr
@@ -363,8 +364,8 @@ def average_attrs(layer: PlannedLayer) -> dict[str, Any]:
 
 
 @shared_formula("avg_pool2d")
-def avg_pool2d_shared(bk: Any, layer: PlannedLayer, inputs: list[Any], shared: list[Shared | None], fp: FactorPlan,
-                      var: Any) -> tuple[Shared | None, Any]:
+def avg_pool2d_shared(bk: SharedAlgebra, layer: PlannedLayer, inputs: list[Any], shared: list[Shared | None],
+                      fp: FactorPlan, var: Any) -> tuple[Shared | None, Any]:
     """The average pooling rule (global average pooling too; divisor ``n``): ``s ↦`` window mean of
     ``s`` (exact); ``v = Σ(v − s²)/n² + s_out²`` (the shared part summed coherently, the remainder as
     independent: an approximation -- directly after a conv with a deterministic input the remainder
@@ -450,16 +451,14 @@ def _window_taps(bk: Any, t: Any, attrs: dict[str, Any], in_hw: tuple[int, ...],
 
 
 @compact_formula("max_pool2d")
-def max_pool2d_compact(bk: Any, layer: PlannedLayer, inputs: list[Any], loads: list[Any], plan: Any,
-                       mean: Any, var: Any) -> tuple[Any, Any, Any]:
+def max_pool2d_compact(bk: TensorAlgebra, layer: PlannedLayer, inputs: list[Any], loads: list[Loadings | None],
+                       plan: CompactPlan, mean: Any, var: Any) -> tuple[Any, Any, Any]:
     """The max pooling rule of the compact factor plan: Clark's correlated fold (``docs/math.md`` "Max
     pooling") with the in-window covariances of the ``window_cov`` input where the planner gave one (the
     conv's weight noise and mean-field input, exact under those assumptions), else the factors' part
     ``Cov(a_p, a_q) = Σ_f L_p,f·L_q,f`` (the residual independent); the running max's loadings by the same
     Clark weights, ``L_max = Φ(α)·L_M + Φ(−α)·L_t`` (exact for jointly Gaussian taps: section 4's
     covariance rule).  Without ``window_cov`` the fold's mean and variance replace the reference's."""
-    from ..correlation.loadings import Loadings
-
     x, ld = inputs[0], loads[0]
     if ld is None:
         return None, mean, var
@@ -489,12 +488,10 @@ def max_pool2d_compact(bk: Any, layer: PlannedLayer, inputs: list[Any], loads: l
 
 
 @compact_formula("avg_pool2d")
-def avg_pool2d_compact(bk: Any, layer: PlannedLayer, inputs: list[Any], loads: list[Any], plan: Any,
-                       mean: Any, var: Any) -> tuple[Any, Any, Any]:
+def avg_pool2d_compact(bk: TensorAlgebra, layer: PlannedLayer, inputs: list[Any], loads: list[Loadings | None],
+                       plan: CompactPlan, mean: Any, var: Any) -> tuple[Any, Any, Any]:
     """The average pooling rule of the compact factor plan: loadings averaged over the window (exact);
     ``v = Σ(v − ‖L‖²)/n² + ‖L_out‖²`` (the factors summed coherently, the residual independently)."""
-    from ..correlation.loadings import Loadings
-
     x, ld = inputs[0], loads[0]
     if ld is None:
         return None, mean, var

@@ -16,7 +16,9 @@ from typing import Any
 import numpy as np
 
 from ..correlation.factors import FactorPlan
+from ..correlation.loadings import CompactPlan, Loadings, TensorAlgebra
 from ..correlation.shared import Shared
+from ..correlation.shared_algebra import SharedAlgebra
 from ..planning.converters import Alias, register
 from ..planning.graph import Layer
 from ..planning.plan import PlannedLayer
@@ -109,7 +111,7 @@ def convert_identity(node, ctx) -> Alias:
 
 # ------------------------------------------------------------------------------------ shared-factor rules
 @shared_formula("reshape", "convert")
-def view_shared(bk: Any, layer: PlannedLayer, inputs: list[Any], shared: list[Shared | None], fp: FactorPlan,
+def view_shared(bk: SharedAlgebra, layer: PlannedLayer, inputs: list[Any], shared: list[Shared | None], fp: FactorPlan,
                 var: Any) -> tuple[Shared | None, Any]:
     """reshape/flatten: ``s`` reshaped, ``g`` kept per channel; convert: the identity."""
     sh = shared[0]
@@ -119,13 +121,11 @@ def view_shared(bk: Any, layer: PlannedLayer, inputs: list[Any], shared: list[Sh
 
 
 @compact_formula("reshape")
-def reshape_compact(bk: Any, layer: PlannedLayer, inputs: list[Any], loads: list[Any], plan: Any,
-                    mean: Any, var: Any) -> tuple[Any, Any, Any]:
+def reshape_compact(bk: TensorAlgebra, layer: PlannedLayer, inputs: list[Any], loads: list[Loadings | None],
+                    plan: CompactPlan, mean: Any, var: Any) -> tuple[Any, Any, Any]:
     """Reshape in the compact factor plan: the loadings follow their elements (global columns are kept per
     element in flat order; block columns stay per channel where the reshape keeps the channel axis or
     flattens it, else they become global columns of zeros and loadings)."""
-    from ..correlation.loadings import Loadings
-
     ld = loads[0]
     if ld is None:
         return None, mean, var

@@ -36,6 +36,8 @@ from .. import moments
 from ..backends.reference.arrays import padded, window_views
 from ..correlation.factors import FactorPlan
 from ..correlation.shared import Shared
+from ..correlation.shared_algebra import SharedAlgebra
+from ..correlation.stein import mean_and_slope
 from ..planning.graph import Layer, Repr
 from ..planning.plan import PlannedLayer, stored_variance
 from ..planning.registry import OPS, Contract, FactorSpec, OpDef, register_op
@@ -110,7 +112,7 @@ def tap_masks(layer: PlannedLayer) -> np.ndarray:
 
 
 # ------------------------------------------------------------------------------------ reference and ONNX export
-def _covariances(bk: Any, layer: PlannedLayer, mean: Any, var: Any, in_hw: tuple[int, int], profile: Any = None,
+def _covariances(bk: Any, layer: PlannedLayer, mean: Any, var: Any, in_hw: tuple[int, ...], profile: Any = None,
                  factor_map: Any = None) -> Any:
     """The ``(batch, C, P, OH, OW)`` in-window covariances of the conv: per in-window offset ``d``, the sums of
     the module docstring at every conv output position, with the input ``mean`` (and ``profile``: its products
@@ -169,8 +171,8 @@ def stored_tensors(params: dict[str, Any], calibration: float) -> dict[str, np.n
 
 # ------------------------------------------------------------------------------------ shared-factor rule
 @shared_formula("window_cov")
-def window_cov_shared(bk: Any, layer: PlannedLayer, inputs: list[Any], shared: list[Shared | None], fp: FactorPlan,
-                      var: Any) -> tuple[Shared | None, Any]:
+def window_cov_shared(bk: SharedAlgebra, layer: PlannedLayer, inputs: list[Any], shared: list[Shared | None],
+                      fp: FactorPlan, var: Any) -> tuple[Shared | None, Any]:
     """The in-window covariances of a conv whose input carries shared factors (``docs/math.md`` section 6,
     max pooling).  The input's covariance in the scheme is ``Cov(x_i, x_j) = s̃_i·s̃_j·⟨ĝ_i, ĝ_j⟩``
     for ``i ≠ j`` plus the residual ``r_i = v_i − s̃_i²`` on the diagonal (``s̃ = s·‖g_c‖``, ``ĝ`` the unit
@@ -256,7 +258,7 @@ def window_closure(bk: Any, layer: PlannedLayer, inputs: list[Any]) -> Any:
 
 
 @shared_formula("window_closure")
-def window_closure_shared(bk: Any, layer: PlannedLayer, inputs: list[Any], shared: list[Shared | None],
+def window_closure_shared(bk: SharedAlgebra, layer: PlannedLayer, inputs: list[Any], shared: list[Shared | None],
                           fp: FactorPlan, var: Any) -> tuple[Shared | None, Any]:
     """The in-window covariances the shared factors give an edge that is not a conv output (or, with two
     inputs, the covariance between two summands of a residual add): the scheme's closure ``Cov(a[c, P],
@@ -279,8 +281,6 @@ def hermite_terms(layer: PlannedLayer, mean: Any, var: Any, ops: Any) -> tuple[A
     """Per element of a ``window_activation`` layer's pre-activation ``a ~ N(mean, var)``: ``(σ, A_1, R)`` with
     ``A_1 = σ·E[f'(a)]`` (Stein's slope: the exact ``μ``-derivative of the activation rule's own mean,
     :mod:`pyro2pfp.correlation.stein`) and ``R = Var f(a) − A_1²`` (clamped at 0; the rule's variance)."""
-    from ..correlation.stein import mean_and_slope
-
     a = layer.layer.attrs
     rule = OPS[a["activation"]].activation
     assert rule is not None
@@ -326,7 +326,7 @@ def closure_mask(layer: PlannedLayer) -> np.ndarray:
 
 
 @shared_formula("window_activation")
-def window_activation_shared(bk: Any, layer: PlannedLayer, inputs: list[Any], shared: list[Shared | None],
+def window_activation_shared(bk: SharedAlgebra, layer: PlannedLayer, inputs: list[Any], shared: list[Shared | None],
                              fp: FactorPlan, var: Any) -> tuple[Shared | None, Any]:
     """The same as without shared factors (the input covariances carry them)."""
     return None, window_activation(bk, layer, inputs)
