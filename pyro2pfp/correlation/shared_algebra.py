@@ -23,6 +23,7 @@ from typing import Any, Protocol
 
 import numpy as np
 
+from ..planning.plan import PlannedLayer
 from .loadings import TensorAlgebra
 
 
@@ -40,7 +41,7 @@ class SharedAlgebra(TensorAlgebra, Protocol):
         """An exact output activation (a covariance op's)."""
         ...
 
-    def emit(self, mean: Any, var: Any, layer: Any) -> Any:
+    def emit(self, mean: Any, var: Any, layer: PlannedLayer) -> Any:
         """The output activation of ``layer`` in the representation the plan gives it."""
         ...
 
@@ -129,7 +130,7 @@ def row_mean(bk: Any, t: Any, rows: int, group: int) -> Any:
     return bk.reshape(bk.rsum(t, 2), (rows, 1)) * bk.ops.const(1.0 / group)
 
 
-def conv_taps(bk: Any, t: Any, layer: Any, kernel: tuple[int, int]) -> list[Any]:
+def conv_taps(bk: Any, t: Any, layer: PlannedLayer, kernel: tuple[int, int]) -> list[Any]:
     """The strided (B, C, OH, OW) views of ``t`` (B, C, H, W) at every kernel offset of a conv ``layer``
     (row-major), zero in the padding."""
     a = layer.layer.attrs
