@@ -30,19 +30,17 @@ from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from types import SimpleNamespace
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import numpy as np
 
 from ... import moments
+from ..._version import __version__
 from ...errors import ArgumentError, PFPError, UnsupportedLayerError
 from ...planning.graph import INPUT, Repr
 from ...planning.plan import PlannedGraph, PlannedLayer
+from ...planning.protocols import ConvertedNetwork, SchemeStep
 from ...planning.registry import add_to
-
-if TYPE_CHECKING:
-    from ...network import PFPNetwork
-
 
 D, V, S = Repr.DETERMINISTIC, Repr.VARIANCE, Repr.SECOND_MOMENT
 _INV_SQRT2 = 1.0 / math.sqrt(2.0)
@@ -349,6 +347,38 @@ class OnnxContext:
         zero = helper.make_tensor("zero", TensorProto.FLOAT, [1], [0.0])
         return Sym(self.b, self.b.node("ConstantOfShape", [self.b.node("Shape", [t.name])], value=zero))
 
+    # -- of the shared-factor rules (``correlation/shared_algebra.py``; reference.NumpyBackend has the same members)
+    @staticmethod
+    def matmul(a: Sym, b: Sym) -> Sym:
+        """Batched matrix product over the last two axes (the leading ones broadcast)."""
+        return a.nary("MatMul", b)
+
+    def widened(self, g: Sym, k_in: int, k: int) -> Sym:
+        """``g`` (B, R, k_in) with zero columns appended up to ``k``."""
+        return g if k_in >= k else g.nary("Pad", self.b.ints([0, 0, 0, 0, 0, k - k_in], "pads"))
+
+    def pad2d(self, t: Sym, begin: tuple[int, int], end: tuple[int, int]) -> Sym:
+        """``t`` (B, C, H, W) with ``begin``/``end`` rows and columns of zeros."""
+        if not any(begin) and not any(end):
+            return t
+        return t.nary("Pad", self.b.ints([0, 0, begin[0], begin[1], 0, 0, end[0], end[1]], "pads"),
+                      Sym(self.b, value=0.0), mode="constant")
+
+    def window(self, t: Sym, start: tuple[int, int], stride: tuple[int, int], out_hw: tuple[int, ...]) -> Sym:
+        """The strided (B, C, OH, OW) view of ``t`` (B, C, H, W) from ``start`` (a Slice)."""
+        ends = [start[k] + stride[k] * (out_hw[k] - 1) + 1 for k in (0, 1)]
+        return t.nary("Slice", self.b.ints(list(start), "starts"), self.b.ints(ends, "ends"),
+                      self.b.ints([2, 3], "axes"), self.b.ints(list(stride), "steps"))
+
+    def edge_shape(self, x: OnnxActivation, name: str) -> tuple[int, ...]:
+        """The per-sample shape of input activation ``x`` (edge ``name``)."""
+        return tuple(self.shapes[name])
+
+    @staticmethod
+    def all_zero(t: Sym) -> bool:
+        """False: the values are not known when exporting."""
+        return False
+
 
 Exporter = Callable[[OnnxContext, PlannedLayer, list[OnnxActivation]], OnnxActivation]
 EXPORTERS: dict[str, Exporter] = {}
@@ -357,7 +387,7 @@ EXPORTERS: dict[str, Exporter] = {}
 #: ``@exporter(op)`` registers the ONNX emitter of PFP op ``op`` (once).
 exporter = add_to(EXPORTERS, "ONNX export of op")
 
-SCHEME_STEPS: dict[str, Callable[..., Any]] = {}
+SCHEME_STEPS: dict[str, Callable[[PlannedGraph, OnnxContext], SchemeStep[OnnxContext, OnnxActivation]]] = {}
 """``{correlation scheme: factory(graph, ctx) -> step(ctx, layer, inputs, out) -> out}`` for plans that
 are not mean-field (``"shared-factor"``: :mod:`pyro2pfp.correlation.onnx_step`, which builds on this
 module): the step emits the scheme's nodes after each layer's export."""
@@ -368,7 +398,7 @@ module): the step emits the scheme's nodes after each layer's export."""
 # ---------------------------------------------------------------------------------------------
 
 
-def _planned(net: PFPNetwork) -> PlannedGraph:
+def _planned(net: ConvertedNetwork | PlannedGraph) -> PlannedGraph:
     if isinstance(net, PlannedGraph):
         return net
     planned = getattr(net, "plan", None)
@@ -377,12 +407,10 @@ def _planned(net: PFPNetwork) -> PlannedGraph:
     raise TypeError(f"to_onnx needs a PFPNetwork or a PlannedGraph, got {type(net).__name__}")
 
 
-def build_model(net: PFPNetwork, *, opset: int = DEFAULT_OPSET, graph_name: str | None = None):
+def build_model(net: ConvertedNetwork | PlannedGraph, *, opset: int = DEFAULT_OPSET, graph_name: str | None = None):
     """The PFP network as an ``onnx.ModelProto`` (checked with ``onnx.checker``, full check)."""
     import onnx
     from onnx import TensorProto, helper
-
-    from ..._version import __version__
 
     graph = _planned(net)
     if int(opset) < MIN_OPSET:
@@ -458,7 +486,7 @@ def build_model(net: PFPNetwork, *, opset: int = DEFAULT_OPSET, graph_name: str 
     return model
 
 
-def to_onnx(net: PFPNetwork, path: str | os.PathLike | None = None, *, opset: int = DEFAULT_OPSET):
+def to_onnx(net: ConvertedNetwork | PlannedGraph, path: str | os.PathLike | None = None, *, opset: int = DEFAULT_OPSET):
     """Write the PFP network ``net`` (a ``PFPNetwork`` or ``PlannedGraph``) as an ONNX model.
 
     Inputs ``x`` (and ``x_var`` if the network takes an input variance), outputs ``mean`` and
