@@ -327,7 +327,8 @@ def edge_columns(graph: PlannedGraph, plan: CompactPlan | None = None) -> dict[s
     return out
 
 
-def _column_walk(graph: PlannedGraph, plan: CompactPlan | None) -> tuple[int, dict[str, int], dict[str, tuple[int, int]]]:
+def _column_walk(graph: PlannedGraph, plan: CompactPlan | None
+                 ) -> tuple[int, dict[str, int], dict[str, tuple[int, int]]]:
     """:func:`compact_macs`' count, and the global and block columns (channels, columns per channel) of
     every edge."""
     cp = graph.factors if plan is None else plan

@@ -82,13 +82,13 @@ class TT:
     def __neg__(self) -> TT:
         return TT(topi.negative(self.t)) if isinstance(self.t, te.Tensor) else TT(-self.t)
 
-    def __gt__(self, o: Any) -> TT:  # type: ignore[override]
+    def __gt__(self, o: Any) -> TT:
         return self._binary(topi.greater, o)
 
-    def __lt__(self, o: Any) -> TT:  # type: ignore[override]
+    def __lt__(self, o: Any) -> TT:
         return self._binary(topi.less, o)
 
-    def __le__(self, o: Any) -> TT:  # type: ignore[override]
+    def __le__(self, o: Any) -> TT:
         return self._binary(topi.less_equal, o)
 
     def __pow__(self, p: int) -> TT:

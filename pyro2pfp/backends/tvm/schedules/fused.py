@@ -125,7 +125,7 @@ def schedule_reduction(sch: s_tir.Schedule, block: Any, lanes: int) -> None:
     inner = spatial[-1]
     n_inner = extent(sch, inner)
     vec = pow2_divisor(n_inner, lanes) if n_inner is not None and len(spatial) > 1 else 1
-    if vec >= 4 and all(extent(sch, r) is not None for r in reduce):
+    if vec >= 4 and n_inner is not None and all(extent(sch, r) is not None for r in reduce):
         sch.reorder(*reduce, inner)
         if vec < n_inner:
             _, vector = sch.split(inner, [None, vec])
