@@ -80,7 +80,7 @@ def parse_args(argv=None) -> argparse.Namespace:
                     help="seconds of timing per measurement (default 1.0, quick 0.3)")
     ap.add_argument("--no-profile", action="store_true", help="skip the per-kernel PFP profiles")
     ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--correlation", default="auto", choices=("auto", "shared-factor", "mean-field"),
+    ap.add_argument("--correlation", default="auto", choices=("auto", "shared-factor", "compact-factor", "mean-field"),
                     help="convert(..., correlation=) of the PFP network (default: auto; 'mean-field' gives the "
                          "independent-activation plan of the ResNets)")
     ap.add_argument("--injection", default=None, choices=("regression", "rescaled"),

@@ -17,6 +17,7 @@ from typing import Any
 
 import numpy as np
 from tvm import relax, te, tirx, topi
+from tvm.sym import Analyzer
 
 from ... import moments
 from ...correlation.loadings import Loadings, compact_layer
@@ -214,6 +215,12 @@ class TeBackend:
         return TT(topi.full_like(t.t, 0.0))
 
 
+def _i64(shape: Any) -> list[Any]:
+    """Static extents as int64 immediates, like the Relax shapes (a kernel whose buffers mix int32 and int64
+    extents cannot be specialised to a static batch)."""
+    return [tirx.IntImm("int64", int(n)) if isinstance(n, (int, np.integer)) else n for n in shape]
+
+
 def _ravel(index: list[Any], shape: tuple[int, ...]) -> Any:
     flat: Any = 0
     for i, n in zip(index, shape):
@@ -243,6 +250,7 @@ def reshape_rows(x: te.Tensor, shape: tuple[int, ...]) -> te.Tensor:
     else:
         assert s_in % s_out == 0, (rest, shape)
         lead = x.shape[0] * (s_in // s_out)
+    lead = Analyzer().simplify(lead)  # (B·k)/k: B again -- a kernel's outputs have the batch as their first axis
 
     def at(j: Any, *i: Any) -> Any:
         r = _ravel(list(i), shape)
@@ -256,7 +264,7 @@ def reshape_rows(x: te.Tensor, shape: tuple[int, ...]) -> te.Tensor:
             row, rem = tirx.floordiv(j, m), tirx.floormod(j, m) * s_out + r
         return x[(row, *_unravel(rem, rest))]
 
-    return te.compute((lead, *shape), at, name="reshape", tag="injective")
+    return te.compute((lead, *_i64(shape)), at, name="reshape", tag="injective")
 
 
 class CompactStep:
@@ -298,7 +306,7 @@ class CompactStep:
             return by_expr[id(e)]
 
         def constant(array: np.ndarray, hint: str) -> TT:
-            holders.append(te.placeholder(array.shape, F32, hint))
+            holders.append(te.placeholder(_i64(array.shape), F32, hint))
             args.append(relax.const(array))
             return TT(holders[-1])
 

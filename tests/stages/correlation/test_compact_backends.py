@@ -103,6 +103,7 @@ def test_each_rule_is_one_kernel_with_the_default_schedule(make):
 
     from pyro2pfp.backends.tvm.emit import kernel_info
     from pyro2pfp.backends.tvm.schedules import schedule_module
+    from pyro2pfp.backends.tvm.tuning.specialize import specialize_batch
     from pyro2pfp.runtime.targets import resolve_target
 
     net = _net(make, 2)
@@ -115,6 +116,7 @@ def test_each_rule_is_one_kernel_with_the_default_schedule(make):
     carried = [layer.name for layer in net.plan.layers if layer.name not in net.plan.factors.terminal]
     assert rules and len(rules) <= len(carried) + len(net.plan.factors.terminal)
     assert len(prims) <= 2 * len(net.plan.layers)
+    specialize_batch(mod, 3)  # the kernels' buffers take a static batch (static executables, tuning, profiles)
     scheduled = schedule_module(mod, net.plan, resolve_target("native"))
     for name, func in scheduled.functions_items():
         if not isinstance(func, tvm.tirx.PrimFunc):

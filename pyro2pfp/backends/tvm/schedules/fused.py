@@ -4,11 +4,12 @@ Such a kernel is one PrimFunc of many blocks, each the legalized form of one Rel
 elementwise op, a slice, a reshape, an ``einsum``, a ``conv2d``, a sum), every intermediate tensor a
 buffer of its own.  :func:`schedule_fused`:
 
-* **inlines** the blocks that only move data (slices, reshapes, transposes, padding, concatenations:
-  no floating-point arithmetic) into their consumers, and any other elementwise block that one
-  elementwise consumer reads once -- never a block with arithmetic into a reduction (which reads each
-  input several times) and never one read twice (inlining would compute it twice, and a chain of such
-  blocks -- a fold over a pooling window -- exponentially often);
+* **inlines** into elementwise consumers the blocks that only move data (slices, reshapes, transposes,
+  padding, concatenations: no floating-point arithmetic) and any other elementwise block that its one
+  consumer reads once -- never a block read twice (inlining would compute it twice, and a chain of such
+  blocks -- a fold over a pooling window -- exponentially often), and nothing into a reduction: a
+  reduction reads each input many times, from a plain contiguous buffer (an inlined concatenation is a
+  chain of selects per read);
 * **reductions** (``einsum``, ``conv2d``, sums) accumulate in their output: the innermost spatial axis
   goes inside the reduction axes and is vectorised (the classic CPU matrix-product loop order: every
   reduction step is one vector multiply-add over contiguous outputs);
@@ -75,7 +76,7 @@ def inline_blocks(sch: s_tir.Schedule) -> None:
         if not _is_spatial(stmt) or len(stmt.writes) != 1 or any(stmt.writes[0].source.same_as(p) for p in params):
             continue
         consumers = [sch.get(c) for c in sch.get_consumers(block)]
-        if not consumers:
+        if not consumers or not all(_is_spatial(c) for c in consumers):
             continue
         if not _is_copy(stmt):
             buffer = stmt.writes[0].source
