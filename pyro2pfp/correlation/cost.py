@@ -9,7 +9,7 @@ import numpy as np
 from ..planning.graph import INPUT, Repr
 from ..planning.plan import PlannedGraph, PlannedLayer, is_compute_layer
 from .compact import CompactPlan, compact_macs
-from .factors import FactorPlan, plan_factors
+from .factors import CorrelationError, FactorPlan, _noisy_ancestry, plan_factors
 
 
 @dataclass(frozen=True)
@@ -48,6 +48,8 @@ def cost_model(graph: PlannedGraph, factors: FactorPlan | CompactPlan | None = N
     fp = factors if factors is not None else graph.factors if graph.factors is not None else plan_factors(graph)
     if isinstance(fp, CompactPlan):
         return _compact_cost(graph, fp)
+    if not isinstance(fp, FactorPlan):  # another scheme's plan: the shared-factor plan of the same graph is costed
+        fp = plan_factors(graph)
     injection = fp.injection
     mf = extra = mf_floats = extra_floats = 0
     for layer in graph.layers:
@@ -124,8 +126,6 @@ def dense_head_caveat(graph: PlannedGraph) -> str | None:
     variance for the trained LeNet-5 of ``examples/mnist_pfp.py`` (its ``check=`` prints the ratio).
     None when no dense layer reads a conv's noise.  The message gives the shared-factor plan's cost for
     this network (:func:`cost_model`), the scheme that keeps the correlation."""
-    from .factors import CorrelationError, _noisy_ancestry
-
     noisy = _noisy_ancestry(graph)
     dense = next((layer for layer in graph.layers if layer.op == "dense" and noisy[layer.inputs[0]]), None)
     if dense is None:

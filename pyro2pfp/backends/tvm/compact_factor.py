@@ -20,6 +20,7 @@ from tvm import relax, te, tirx, topi
 from tvm.sym import Analyzer
 
 from ... import moments
+from ...correlation.compact import compact_plan
 from ...correlation.loadings import Loadings, compact_layer
 from ...planning.graph import INPUT, Repr
 from ...planning.plan import PlannedGraph, PlannedLayer
@@ -272,10 +273,7 @@ class CompactStep:
     each layer's mean-field kernel, the layer's rule as one kernel; keeps each edge's loadings."""
 
     def __init__(self, graph: PlannedGraph) -> None:
-        from ...correlation.compact import edge_shapes
-
-        plan = graph.factors
-        self.plan = plan if plan.shapes else dataclasses.replace(plan, shapes=edge_shapes(graph))
+        self.plan = compact_plan(graph)
         self.loads: dict[str, Loadings | None] = {INPUT: None}
 
     def emits_mean_field(self, layer: PlannedLayer) -> bool:
