@@ -8,7 +8,7 @@ import numpy as np
 
 from ..planning.graph import INPUT, Repr
 from ..planning.plan import PlannedGraph, PlannedLayer, is_compute_layer
-from .compact import CompactPlan, compact_macs
+from .compact import CompactPlan, compact_macs, edge_columns
 from .factors import CorrelationError, FactorPlan, _noisy_ancestry, plan_factors
 
 
@@ -108,8 +108,6 @@ def _mean_field_cost(graph: PlannedGraph) -> tuple[int, int]:
 
 def _compact_cost(graph: PlannedGraph, cp: CompactPlan) -> Cost:
     """:func:`cost_model` of a compact factor plan."""
-    from .compact import edge_columns
-
     mf, mf_floats = _mean_field_cost(graph)
     columns = edge_columns(graph, cp)
     extra_floats = sum(int(np.prod(graph.shape_of(name))) * per_element for name, (_, per_element) in columns.items())

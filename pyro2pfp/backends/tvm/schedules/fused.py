@@ -1,8 +1,8 @@
-"""The schedule of kernels fused from Relax operators (the compact factor rules: ``backends/tvm/compact_factor.py``).
+"""The schedule of kernels made of many operators (the compact factor rules: ``backends/tvm/compact_factor.py``).
 
-Such a kernel is one PrimFunc of many blocks, each the legalized form of one Relax operator (an
-elementwise op, a slice, a reshape, an ``einsum``, a ``conv2d``, a sum), every intermediate tensor a
-buffer of its own.  :func:`schedule_fused`:
+Such a kernel is one PrimFunc of many blocks, each one TE operator (``topi``: an elementwise op, a
+slice, a reshape, an ``einsum``, a ``conv2d``, a sum), every intermediate tensor a buffer of its own.
+:func:`schedule_fused`:
 
 * **inlines** into elementwise consumers the blocks that only move data (slices, reshapes, transposes,
   padding, concatenations: no floating-point arithmetic) and any other elementwise block that its one
@@ -26,7 +26,8 @@ from typing import Any
 import tvm
 from tvm import s_tir, tirx
 
-from .primitives import extent, pow2_divisor, vectorizable, walk
+from ....planning.plan import PlannedLayer
+from .primitives import extent, pow2_divisor, simd_lanes, vectorizable, walk
 
 PARALLEL_WORK = 32768
 """A loop nest runs in parallel when its static (per-example) iterations times its arithmetic reach this
@@ -164,10 +165,8 @@ def schedule_elementwise(sch: s_tir.Schedule, block: Any, lanes: int) -> None:
             _parallel_outer(sch, outer, 0)
 
 
-def schedule_fused(sch: s_tir.Schedule, layer: Any, target: tvm.target.Target) -> None:
-    """The default schedule of a kernel fused from Relax operators (module docstring)."""
-    from .primitives import simd_lanes
-
+def schedule_fused(sch: s_tir.Schedule, layer: PlannedLayer | None, target: tvm.target.Target) -> None:
+    """The default schedule of a kernel made of many operators (module docstring)."""
     lanes = simd_lanes(target)
     inline_blocks(sch)
     for block in list(sch.get_child_blocks(sch.get_sblock("root"))):
