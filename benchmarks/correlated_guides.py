@@ -206,7 +206,7 @@ def evaluate(net: str, rank: int, path: str, samples: int, inputs: int, backends
         else:
             cost = cost_model(pfp.plan)
             macs = cost.mean_field_macs + cost.extra_macs
-            k = pfp.plan.factors.guide if pfp.plan.factors is not None else 0
+            k = getattr(pfp.plan.factors, "guide", 0)  # a compact factor plan carries no guide factors
         med, p10, p90, err, err90 = figures(mean, var, mc)
         info = pfp.plan.guide_factors
         label = "mean-field" if scheme == "mean-field" else f"auto: guide factors (k={k})"

@@ -38,7 +38,7 @@ from markdown_report import add_markdown_argument, table, write_markdown
 
 import pyro2pfp
 from pyro2pfp.correlation import cost_model, plan_factors
-from pyro2pfp.correlation.factors import with_aligned_widths
+from pyro2pfp.correlation.factors import FactorPlan, with_aligned_widths
 from pyro2pfp.diagnosis import layer_fidelity
 from pyro2pfp.network import PFPNetwork
 from pyro2pfp.runtime.uncertainty import uncertainty
@@ -84,7 +84,7 @@ def variant_nets(model, guide, shape: tuple[int, ...]) -> dict[str, PFPNetwork]:
     """The shared-factor net of ``model`` with each of :data:`VARIANTS`' factor plans (reference only);
     empty if the net has no shared-factor plan."""
     base = pyro2pfp.convert(model, guide, input_shape=shape, correlation="auto", check=False)
-    if base.plan.factors is None:
+    if not isinstance(base.plan.factors, FactorPlan):  # mean-field, or the compact factor plan
         return {}
     return {label: PFPNetwork(base.layer_graph,
                               dataclasses.replace(base.plan, factors=plan_factors(base.plan, **options)))
@@ -95,7 +95,7 @@ def injection_nets(model, guide, shape: tuple[int, ...], injections: list[str]) 
     """``{"sf[<injection>]": net}``: the shared-factor net of ``model`` with each injection rule of
     ``injections`` (``plan_factors(injection=...)``); empty if the net has no shared-factor plan."""
     base = pyro2pfp.convert(model, guide, input_shape=shape, correlation="auto", check=False)
-    if base.plan.factors is None:
+    if not isinstance(base.plan.factors, FactorPlan):  # mean-field, or the compact factor plan
         return {}
     return {f"sf[{injection}]": PFPNetwork(base.layer_graph, dataclasses.replace(
         base.plan, factors=plan_factors(base.plan, injection=injection))) for injection in injections}
@@ -107,7 +107,8 @@ def macs_summary(net: PFPNetwork) -> str:
     and both counts."""
     fp = net.plan.factors
     cost = cost_model(net.plan, with_aligned_widths(plan_factors(net.plan, fp.hermite, compact=True,
-                                                                  injection=fp.injection)))
+                                                                  injection=fp.injection))
+                      if isinstance(fp, FactorPlan) else fp)  # the compact factor plan: as it runs
     total = cost.mean_field_macs + cost.extra_macs
     return (f"x{total / cost.mean_field_macs:.2f} of mean-field's "
             f"({total / 1e6:.1f} M of {cost.mean_field_macs / 1e6:.1f} M)")

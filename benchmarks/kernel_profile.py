@@ -25,7 +25,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--net", default="resnet20", choices=["mlp", "lenet", "resnet8", "resnet20"])
     ap.add_argument("--batch", type=int, default=1)
     ap.add_argument("--threads", type=int, default=2)
-    ap.add_argument("--correlation", default="auto", choices=["auto", "mean-field", "shared-factor"])
+    ap.add_argument("--correlation", default="auto", choices=["auto", "mean-field", "shared-factor", "compact-factor"])
     ap.add_argument("--static", action="store_true", help="the static-shape executable of the batch size")
     ap.add_argument("--method", default="isolated", choices=["isolated", "in_vm"])
     ap.add_argument("--repeats", type=int, default=20)

@@ -58,7 +58,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--rounds", type=int, default=30)
     ap.add_argument("--ops", default=r"^(?!window).*conv", help="regular expression on the kernels' ops")
-    ap.add_argument("--correlation", default="auto", choices=["auto", "mean-field", "shared-factor"])
+    ap.add_argument("--correlation", default="auto", choices=["auto", "mean-field", "shared-factor", "compact-factor"])
     ap.add_argument("--max-pool", default="correlated", choices=["correlated", "independent"])
     ap.add_argument("--predictive", action="store_true", help="also exe(x) against Predictive(30), alternating")
     ap.add_argument("--callgrind", action="store_true", help="also count instructions per kernel call")

@@ -80,7 +80,7 @@ def parse_args(argv=None) -> argparse.Namespace:
                     help="seconds of timing per measurement (default 1.0, quick 0.3)")
     ap.add_argument("--no-profile", action="store_true", help="skip the per-kernel PFP profiles")
     ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--correlation", default="auto", choices=("auto", "shared-factor", "mean-field"),
+    ap.add_argument("--correlation", default="auto", choices=("auto", "shared-factor", "compact-factor", "mean-field"),
                     help="convert(..., correlation=) of the PFP network (default: auto; 'mean-field' gives the "
                          "independent-activation plan of the ResNets)")
     ap.add_argument("--injection", default=None, choices=("regression", "rescaled"),
@@ -283,7 +283,8 @@ def plan_multiply_adds(net) -> int:
 
 
 def work_line(net) -> str:
-    """Multiply-adds per input of the deterministic net, of mean-field PFP and of shared-factor PFP
+    """Multiply-adds per input of the deterministic net, of mean-field PFP and of the plan's scheme (shared-factor
+    for a mean-field plan)
     (``pyro2pfp.correlation.cost_model``; conv/dense products, elementwise ops counted per element) --
     the floor under the ``PFP / det`` ratios: PFP cannot be cheaper than its arithmetic at the same
     efficiency per multiply-add."""
@@ -297,8 +298,9 @@ def work_line(net) -> str:
     except CorrelationError:  # a mean-field plan with ops of its own (correlated max pools' window_cov)
         return f"multiply-adds per input: deterministic {det / 1e6:.1f} M (plan: {net.plan.correlation})"
     sf = cost.mean_field_macs + cost.extra_macs
+    scheme = net.plan.factors.scheme if net.plan.factors is not None else "shared-factor"
     return (f"multiply-adds per input: deterministic {det / 1e6:.1f} M, mean-field PFP "
-            f"{cost.mean_field_macs / 1e6:.1f} M ({cost.mean_field_macs / det:.1f}x), shared-factor PFP "
+            f"{cost.mean_field_macs / 1e6:.1f} M ({cost.mean_field_macs / det:.1f}x), {scheme} PFP "
             f"{sf / 1e6:.1f} M ({sf / det:.1f}x; plan: {net.plan.correlation})")
 
 

@@ -277,6 +277,26 @@ def compact_macs(graph: PlannedGraph, plan: CompactPlan | None = None) -> int:
     column.  The coherent-sum correction ``v += ‖W·L‖² − W²·‖L‖²`` costs no product of the layer's size of
     its own: a kernel evaluates the mean-field term ``W²·v`` on the residual ``r = v − ‖L‖²`` instead of
     ``v`` (the same count) and adds ``‖W·L‖²`` (``J`` per column)."""
+    return _column_walk(graph, plan)[0]
+
+
+def edge_columns(graph: PlannedGraph, plan: CompactPlan | None = None) -> dict[str, tuple[int, int]]:
+    """Per edge that carries loadings under the compact factor plan: ``(factors, loadings per element)`` --
+    the global columns plus every channel's block columns, and the global columns plus one channel's
+    (what an element stores)."""
+    _, glob, block = _column_walk(graph, plan)
+    out = {}
+    for name, g in glob.items():
+        c, r = block[name]
+        if g or r:
+            out[name] = (g + c * r, g + r)
+    return out
+
+
+def _column_walk(graph: PlannedGraph, plan: CompactPlan | None
+                 ) -> tuple[int, dict[str, int], dict[str, tuple[int, int]]]:
+    """:func:`compact_macs`' count, and the global and block columns (channels, columns per channel) of
+    every edge."""
     cp = graph.factors if plan is None else plan
     assert isinstance(cp, CompactPlan)
     glob: dict[str, int] = {}
@@ -316,7 +336,7 @@ def compact_macs(graph: PlannedGraph, plan: CompactPlan | None = None) -> int:
         if name in cp.terminal:
             g, b = 0, (0, 0)
         glob[name], block[name] = g, b
-    return total
+    return total, glob, block
 
 
 __all__: list[Any] = ["CompactPlan", "Loadings", "auto_compact", "compact_macs", "execute_compact_all", "plan_compact",

@@ -8,6 +8,7 @@ import numpy as np
 
 from ..planning.graph import INPUT, Repr
 from ..planning.plan import PlannedGraph, PlannedLayer, is_compute_layer
+from .compact import CompactPlan, compact_macs, edge_columns
 from .factors import CorrelationError, FactorPlan, _noisy_ancestry, plan_factors
 
 
@@ -30,7 +31,7 @@ class Cost:
                 f"K ≤ {self.max_factors}")
 
 
-def cost_model(graph: PlannedGraph, factors: FactorPlan | None = None) -> Cost:
+def cost_model(graph: PlannedGraph, factors: FactorPlan | CompactPlan | None = None) -> Cost:
     """Count the work of one input (module docstring rules). Mean-field: every dense/conv layer is 3 products of its
     size (mean, weight-variance term, mean-weight² term; 2 for a deterministic input); elementwise ops count
     their elements. The scheme adds, per conv layer, the profile convolutions as the compiled kernel computes
@@ -41,8 +42,12 @@ def cost_model(graph: PlannedGraph, factors: FactorPlan | None = None) -> Cost:
     scaled root, ``2·O·P``); ``O·C·(K_in + K_out)`` for the loadings and ``2·|W|`` for the per-input
     weights (``|W|``, the propagated term's alone, for ``'rescaled'``); per dense layer two products of
     its size and ``O·C·K``; per ReLU/add ``~3·C·K``; per compaction ``2·C²·K``.
-    ``factors``: default ``graph.factors``, else :func:`plan_factors` of ``graph``."""
+    ``factors``: default ``graph.factors``, else :func:`plan_factors` of ``graph``.  For a compact factor plan
+    (:class:`~.compact.CompactPlan`) the scheme's multiply-adds are :func:`~.compact.compact_macs`' count and
+    its stored floats the columns of every edge that carries loadings (elements times columns)."""
     fp = factors if factors is not None else graph.factors if graph.factors is not None else plan_factors(graph)
+    if isinstance(fp, CompactPlan):
+        return _compact_cost(graph, fp)
     if not isinstance(fp, FactorPlan):  # another scheme's plan: the shared-factor plan of the same graph is costed
         fp = plan_factors(graph)
     injection = fp.injection
@@ -83,6 +88,31 @@ def cost_model(graph: PlannedGraph, factors: FactorPlan | None = None) -> Cost:
         if layer.name in fp.compact_at:
             extra += 2 * rows * rows * k
     return Cost(mf, extra, mf_floats, extra_floats, max(fp.width.values(), default=0))
+
+
+def _mean_field_cost(graph: PlannedGraph) -> tuple[int, int]:
+    """The mean-field multiply-adds and stored floats per input (:func:`cost_model`'s rules)."""
+    mf = floats = 0
+    for layer in graph.layers:
+        n_out = int(np.prod(layer.layer.out_shape))
+        floats += 2 * n_out
+        if is_compute_layer(layer.op):
+            size = int(layer.tensors["weight_mean"].size)
+            positions = int(np.prod(layer.layer.out_shape[1:])) if layer.op == "conv2d" else 1
+            det_in = layer.inputs[0] == INPUT and graph.input_repr is Repr.DETERMINISTIC
+            mf += positions * size * (2 if det_in else 3)
+        else:
+            mf += n_out
+    return mf, floats
+
+
+def _compact_cost(graph: PlannedGraph, cp: CompactPlan) -> Cost:
+    """:func:`cost_model` of a compact factor plan."""
+    mf, mf_floats = _mean_field_cost(graph)
+    columns = edge_columns(graph, cp)
+    extra_floats = sum(int(np.prod(graph.shape_of(name))) * per_element for name, (_, per_element) in columns.items())
+    return Cost(mf, compact_macs(graph, cp), mf_floats, extra_floats,
+                max((factors for factors, _ in columns.values()), default=0))
 
 
 def dense_head_caveat(graph: PlannedGraph) -> str | None:

@@ -15,7 +15,7 @@ back end.  Keyed by creator so that branches carrying the same factors add their
 add) instead of stacking them; factors shared by several layers (a low-rank guide's) fit as one global key.
 
 The tensor algebra of ``bk`` (:class:`TensorAlgebra`: ``backends.reference.NumpyBackend``,
-``backends.onnx.builder.OnnxContext``, ``backends.tvm.compact_factor.RelaxBackend``): ``einsum``,
+``backends.onnx.builder.OnnxContext``, ``backends.tvm.compact_factor.TeBackend``): ``einsum``,
 ``rows(t, shape)`` (reshape to ``(-1, *shape)``), ``reshape(t, shape)`` (``(batch, *shape)``), ``permute``,
 ``rsum(t, axis)``, ``slice``, ``taps`` (strided window views), ``concat``, ``tensor`` (a constant),
 ``dense``, ``conv2d``, ``zeros_like``, ``variance``, ``ops`` (:mod:`pyro2pfp.moments`' namespace) and ``lowest``.

@@ -90,3 +90,52 @@ def test_compiled_matches_the_reference(make):
         assert_matches(exe(x), net.reference(x), RTOL)
     big = rng.uniform(0, 1, (2, 1, 16, 16)).astype(np.float32) * 1e3
     assert all(np.all(np.isfinite(t)) for t in exe(big))
+
+
+@pytest.mark.parametrize("make", [_lenet, _avg_and_layer_norm])
+def test_each_rule_is_one_kernel_with_the_default_schedule(make):
+    """Each layer's compact rule is one kernel (op ``compact``) of the emitted module -- no Relax operator is left
+    for the Relax pipeline to legalize into kernels without our schedules -- and the default schedules schedule
+    every kernel (a flatten's ``reshape`` stays a view); in each rule kernel the reduction with the most work
+    accumulates over a vectorised output axis (when that axis is a multiple of 4)."""
+    import tvm
+    from tvm import relax, s_tir
+
+    from pyro2pfp.backends.tvm.emit import kernel_info
+    from pyro2pfp.backends.tvm.schedules import schedule_module
+    from pyro2pfp.backends.tvm.tuning.specialize import specialize_batch
+    from pyro2pfp.runtime.targets import resolve_target
+
+    net = _net(make, 2)
+    mod = net.mod
+    calls = {b.value.op.name for block in mod["main"].body.blocks for b in block.bindings
+             if isinstance(b.value, relax.Call) and isinstance(b.value.op, tvm.ir.Op)}
+    assert calls <= {"relax.call_tir", "relax.reshape"}, calls  # (a reshape is a view: no kernel)
+    prims = {gv.name_hint: f for gv, f in mod.functions_items() if isinstance(f, tvm.tirx.PrimFunc)}
+    rules = {name for name, f in prims.items() if kernel_info(f)[0] == "compact"}
+    carried = [layer.name for layer in net.plan.layers if layer.name not in net.plan.factors.terminal]
+    assert rules and len(rules) <= len(carried) + len(net.plan.factors.terminal)
+    assert len(prims) <= 2 * len(net.plan.layers)
+    specialize_batch(mod, 3)  # the kernels' buffers take a static batch (static executables, tuning, profiles)
+    scheduled = schedule_module(mod, net.plan, resolve_target("native"))
+    for name, func in scheduled.functions_items():
+        if not isinstance(func, tvm.tirx.PrimFunc):
+            continue
+        assert func.attrs.get("tirx.is_scheduled", False), name
+        if name.name_hint not in rules:
+            continue
+        sch = s_tir.Schedule(func)
+        reductions = []
+        for block in sch.get_child_blocks(sch.get_sblock("root")):
+            stmt = sch.get(block)
+            spatial = [iv for iv in stmt.iter_vars if iv.iter_type == tvm.tirx.IterVar.DataPar]
+            if len(spatial) < len(stmt.iter_vars):
+                loops = [sch.get(loop) for loop in sch.get_loops(block)]
+                size = np.prod([int(lp.extent) if isinstance(lp.extent, tvm.tirx.IntImm) else 1 for lp in loops])
+                inner = spatial[-1].dom.extent
+                lanes = int(inner) % 4 == 0 if isinstance(inner, tvm.tirx.IntImm) else False
+                reductions.append((size, lanes, any(lp.kind == tvm.tirx.ForKind.VECTORIZED for lp in loops),
+                                   stmt.name_hint))
+        if reductions:
+            _, lanes, vectorised, block_name = max(reductions)
+            assert vectorised or not lanes, (name.name_hint, block_name)
