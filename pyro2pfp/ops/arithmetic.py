@@ -25,14 +25,14 @@ from ..correlation.shared import Shared, expand, normalised, row_dots, spatial_m
 from ..planning.converters import Alias, register
 from ..planning.graph import GaussianParam, Layer, Repr
 from ..planning.plan import PlannedLayer, is_compute_layer
-from ..planning.registry import OpDef, register_op, shared_exporter, shared_reference
+from ..planning.registry import CompactSpec, FactorSpec, OpDef, register_op, shared_exporter, shared_reference
 from ._formula import compact_formula, formula
 
 AFFINE = register_op(OpDef(
     "affine", ("aten.batch_norm.default", "aten._native_batch_norm_legit_no_training.default"),
     modules="`BatchNorm1d/2d` in eval mode (folded into the Linear/Conv before it, `pyro2pfp.planning.folding`)",
     modules_short=("BatchNorm1d/2d (eval)",), moments="exact (linear)",
-    assumptions="deterministic normalisation parameters",
+    assumptions="deterministic normalisation parameters", compact_spec=CompactSpec(keeps_units=True),
     # deterministic per-channel scale and shift
     stored_tensors=lambda layer, input_repr, calibration: {"scale": layer.params["scale"].mean,
                                                            "shift": layer.params["shift"].mean}))
@@ -42,7 +42,16 @@ ADD = register_op(OpDef(
     modules="`x + y` (residual; `h + b` after a bias-free dense/conv is its bias)", modules_short=("residual '+'",),
     moments="exact for independent summands",
     assumptions="**the two branches are treated as independent** (they share their input, so this "
-                "underestimates or overestimates the variance by their covariance)"))
+                "underestimates or overestimates the variance by their covariance)",
+    factor_spec=FactorSpec(mean_field_wrong=lambda layer, graph, conv_noise: _adds_shared_branches(layer, graph))))
+
+
+def _adds_shared_branches(layer: PlannedLayer, graph: Any) -> str | None:
+    """Why mean-field PFP is wrong for an add (None: it is fine): it adds two random branches, which share
+    their input."""
+    if sum(graph.repr_of(n) is not Repr.DETERMINISTIC for n in layer.inputs) == 2:
+        return f"{layer.layer.source} adds two branches that share their input"
+    return None
 
 
 # ------------------------------------------------------------------------------------ reference + ONNX

@@ -39,6 +39,7 @@ from ..planning.onedim import as_2d
 from ..planning.plan import PlannedLayer
 from ..planning.registry import (
     COMPUTE_INPUT,
+    CompactSpec,
     Contract,
     FactorSpec,
     OpDef,
@@ -47,6 +48,8 @@ from ..planning.registry import (
     shared_reference,
 )
 from ._formula import formula
+from .compute_compact import conv2d_compact_macs, dense_compact_macs
+from .compute_cost import conv2d_cost, dense_cost
 
 _COMPUTE = Contract(takes=COMPUTE_INPUT, natural=Repr.VARIANCE, keeps_deterministic=False)
 
@@ -55,7 +58,9 @@ DENSE = register_op(OpDef(
     modules="`Linear`, `F.linear`, `x @ W` / `torch.matmul(x, W)` (+ `b`) with `W`, `b` parameters or sample sites",
     modules_short=("Linear", "x @ W"),
     moments="mean, variance exact for independent inputs/weights",
-    assumptions="mean-field weights, independent inputs", contract=_COMPUTE, compute_layer=True))
+    assumptions="mean-field weights, independent inputs", contract=_COMPUTE, compute_layer=True, sums_elements=True,
+    factor_spec=FactorSpec(guide_factors=True, cost=dense_cost),
+    compact_spec=CompactSpec(mean_field_products=(2, 3), macs=dense_compact_macs)))
 
 
 
@@ -72,7 +77,9 @@ CONV2D = register_op(OpDef(
             "before it is folded into its padding)",
     modules_short=("Conv1d", "Conv2d"), moments="as dense",
     assumptions="as dense (shared weights make outputs correlated: ignored downstream)", contract=_COMPUTE,
-    compute_layer=True, factor_spec=FactorSpec(refuse=_grouped)))
+    compute_layer=True, positions_share_weights=True,
+    factor_spec=FactorSpec(refuse=_grouped, guide_factors=True, rescales_weight_noise=True, cost=conv2d_cost),
+    compact_spec=CompactSpec(mean_field_products=(2, 3), macs=conv2d_compact_macs)))
 
 
 # ------------------------------------------------------------------------------------ reference + ONNX
