@@ -31,6 +31,7 @@ import numpy as np
 
 from ..backends.reference.arrays import conv_views
 from ..planning.plan import PlannedLayer
+from ..planning.registry import OPS
 from .factors import FactorPlan
 from .shared import Shared
 
@@ -110,7 +111,7 @@ def mean_shift(layer: PlannedLayer, x_mean: np.ndarray, sh: Shared | None, fp: F
         return None
     guide = wf.shape[-1]
     g = sh.g[..., :guide]
-    if layer.op == "dense":
+    if not OPS[layer.op].positions_share_weights:  # a dense layer
         return dense_mean_shift(sh.s, sh.g, wf, guide)
 
     o, c, kh, kw = wf.shape[:4]

@@ -32,7 +32,7 @@ AFFINE = register_op(OpDef(
     "affine", ("aten.batch_norm.default", "aten._native_batch_norm_legit_no_training.default"),
     modules="`BatchNorm1d/2d` in eval mode (folded into the Linear/Conv before it, `pyro2pfp.planning.folding`)",
     modules_short=("BatchNorm1d/2d (eval)",), moments="exact (linear)",
-    assumptions="deterministic normalisation parameters", compact_spec=CompactSpec(keeps_units=True),
+    assumptions="deterministic normalisation parameters", elementwise=True, compact_spec=CompactSpec(keeps_units=True),
     # deterministic per-channel scale and shift
     stored_tensors=lambda layer, input_repr, calibration: {"scale": layer.params["scale"].mean,
                                                            "shift": layer.params["shift"].mean}))
@@ -42,7 +42,7 @@ ADD = register_op(OpDef(
     modules="`x + y` (residual; `h + b` after a bias-free dense/conv is its bias)", modules_short=("residual '+'",),
     moments="exact for independent summands",
     assumptions="**the two branches are treated as independent** (they share their input, so this "
-                "underestimates or overestimates the variance by their covariance)",
+                "underestimates or overestimates the variance by their covariance)", elementwise=True,
     factor_spec=FactorSpec(mean_field_wrong=lambda layer, graph, conv_noise: _adds_shared_branches(layer, graph))))
 
 

@@ -194,7 +194,10 @@ class OpDef:
     calibrated); None: none, or the compute layers' weights and biases (``compute_layer``);
     ``positions_share_weights``: a compute layer whose output positions all use the same weights (a
     convolution), so its weights' noise is shared by the positions of a channel -- mean-field PFP drops
-    that correlation where a later layer sums positions; ``sums_elements``: every output unit is a weighted
+    that correlation where a later layer sums positions; ``elementwise``: an op other than an activation
+    that maps each element alone, or per channel (a per-channel affine map, a residual add): its result on
+    ``(C, 1, L)`` is its result on ``(C, L)`` reshaped (:func:`pyro2pfp.planning.onedim.lift_1d`);
+    ``sums_elements``: every output unit is a weighted
     sum of every input element (a dense layer): its units share their inputs' noise (with deterministic
     weights, a reason for shared factors; the compact factor plan's loadings end in such layers, and their
     input residual may become factors), and it sums the positions of a flattened conv output;
@@ -219,6 +222,7 @@ class OpDef:
     no_shared_rule: str = ""
     stored_tensors: Callable[..., dict[str, Any]] | None = None
     positions_share_weights: bool = False
+    elementwise: bool = False
     sums_elements: bool = False
     compact_spec: CompactSpec = CompactSpec()
 
