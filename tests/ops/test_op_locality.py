@@ -18,7 +18,7 @@ CHECKED = tuple(sorted(OPS))
 
 _POOLS = "the planner's rewrite of max pools (correlated_pools: which ops pass in-window covariances on, and how)"
 _TORCH = "a torch function of the same name (aten.{0}), not the PFP op"
-#: files outside the family files that still spell an op's name, and why
+#: files outside the family files that still spell an op's name, and why (an op not listed: none)
 ELSEWHERE: dict[str, dict[str, str]] = {
     "add": {
         "backends/tvm/fusion.py": "the TVM emitter fuses a ReLU into the dense/add kernel before it",
@@ -29,7 +29,6 @@ ELSEWHERE: dict[str, dict[str, str]] = {
         "planning/correlated_pools.py": _POOLS,
         "planning/folding.py": "the planner folds an eval-mode BatchNorm (affine) into the compute layer before it",
     },
-    "avg_pool2d": {},
     "concat": {"planning/correlated_pools.py": _POOLS},
     "conv2d": {
         "backends/tvm/guide_factor.py": "the name of a TE stage (a guide's convolution), not the PFP op",
@@ -43,11 +42,6 @@ ELSEWHERE: dict[str, dict[str, str]] = {
         "planning/plan.py": "the planner inserts convert layers (the op exists for it)",
     },
     "dense": {"backends/tvm/fusion.py": "the TVM emitter fuses a ReLU into the dense/add kernel before it"},
-    "elu": {},
-    "gelu": {},
-    "hardtanh": {},
-    "layer_norm": {},
-    "leaky_relu": {},
     "max_pool2d": {"planning/correlated_pools.py": _POOLS},
     "relu": {"backends/tvm/fusion.py": "the TVM emitter fuses a ReLU into the dense/add kernel before it"},
     "reshape": {
@@ -124,18 +118,18 @@ def outside_family(op: str) -> set[str]:
     return {f for f in files_naming(op) if not in_family(f, family)}
 
 
-def test_every_op_is_checked():
-    """The list covers every registered op (a new op gets an entry, usually empty)."""
-    assert set(ELSEWHERE) == set(CHECKED)
+def test_the_exceptions_name_registered_ops():
+    assert set(ELSEWHERE) <= set(CHECKED)
 
 
 def test_op_names_stay_in_their_family_files():
     for op in CHECKED:
         elsewhere = outside_family(op)
-        assert elsewhere <= set(ELSEWHERE[op]), f"{op!r} is spelled outside its family files in {sorted(elsewhere)}"
+        assert elsewhere <= set(ELSEWHERE.get(op, {})), \
+            f"{op!r} is spelled outside its family files in {sorted(elsewhere)}"
 
 
 def test_the_list_of_exceptions_is_current():
     """Every listed exception still spells the op (so the list shrinks when one is removed)."""
     for op in CHECKED:
-        assert outside_family(op) == set(ELSEWHERE[op]), op
+        assert outside_family(op) == set(ELSEWHERE.get(op, {})), op
