@@ -34,6 +34,7 @@ from ..correlation.guide import conv_pooled_injection, dense_guide_variance, den
 from ..correlation.onnx_step import OnnxShared, OnnxSharedStep
 from ..correlation.shared import Shared, normalised, safe_div, spatial_mean
 from ..planning.converters import Alias, register
+from ..planning.correlated_pools import WindowCovariances
 from ..planning.graph import GaussianParam, Layer, Repr
 from ..planning.onedim import as_2d
 from ..planning.plan import PlannedLayer
@@ -70,6 +71,15 @@ def _grouped(layer: Any) -> str | None:
     return f"grouped convolutions (groups={groups})" if groups != 1 else None
 
 
+def _conv_window_covariances(covs: WindowCovariances, layer: Layer) -> str | None:
+    """A conv's in-window covariances (``groups = 1``, no dilation: ``window_cov`` of its input and
+    weights), else its edge's shared factors' part."""
+    a = layer.attrs
+    if int(a.get("groups", 1)) == 1 and list(a.get("dilation", [1, 1])) == [1, 1]:
+        return covs.from_conv(layer, covs.what(layer.name))
+    return covs.closure([layer.name], covs.what(layer.name))
+
+
 CONV2D = register_op(OpDef(
     "conv2d", ("aten.conv2d.default", "aten.conv2d.padding", "aten.conv1d.default", "aten.conv1d.padding",
                "aten.pad.default", "aten.constant_pad_nd.default"),
@@ -77,7 +87,7 @@ CONV2D = register_op(OpDef(
             "before it is folded into its padding)",
     modules_short=("Conv1d", "Conv2d"), moments="as dense",
     assumptions="as dense (shared weights make outputs correlated: ignored downstream)", contract=_COMPUTE,
-    compute_layer=True, positions_share_weights=True,
+    compute_layer=True, positions_share_weights=True, window_covariances=_conv_window_covariances,
     factor_spec=FactorSpec(refuse=_grouped, guide_factors=True, rescales_weight_noise=True, cost=conv2d_cost),
     compact_spec=CompactSpec(mean_field_products=(2, 3), macs=conv2d_compact_macs)))
 

@@ -53,7 +53,8 @@ MAX_POOL2D = register_op(OpDef(
     modules_short=("MaxPool1d/2d", "AdaptiveMaxPool1d/2d"),
     moments="Clark's max, exact for two inputs; in-window covariances from the conv that feeds it",
     assumptions="pairwise fold over the window in row-major order, the running max treated as Gaussian; "
-                "a non-decreasing activation between conv and pool is applied after the pool (exact)"))
+                "a non-decreasing activation between conv and pool is applied after the pool (exact)",
+    window_max=True))
 
 AVG_POOL2D = register_op(OpDef(
     "avg_pool2d", ("aten.avg_pool2d.default", "aten.adaptive_avg_pool2d.default", "aten.mean.dim",

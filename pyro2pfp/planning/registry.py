@@ -201,6 +201,14 @@ class OpDef:
     sum of every input element (a dense layer): its units share their inputs' noise (with deterministic
     weights, a reason for shared factors; the compact factor plan's loadings end in such layers, and their
     input residual may become factors), and it sums the positions of a flattened conv output;
+    ``non_decreasing(layer)``: an elementwise op other than an activation (whose rule says it:
+    ``ActivationRule.non_decreasing``) is non-decreasing in its input for this layer, so it commutes with a
+    max pool (a BatchNorm with non-negative scales); ``window_max``: the op is a max pool, whose window the
+    planner gives its in-window covariances (:mod:`pyro2pfp.planning.correlated_pools`);
+    ``window_covariances(covs, layer) -> name | None``: how the in-window covariances of a max pool's input
+    pass through a layer of the op (a conv's own, the sum of an add's branches, a scaled map's squared scale,
+    …), built with ``covs`` (a :class:`~pyro2pfp.planning.correlated_pools.WindowCovariances`; an activation
+    without it gets Mehler's ``window_activation``, any other op its edge's shared factors' part);
     ``compact_spec``: the op's part of the compact factor plan.
     """
 
@@ -224,6 +232,9 @@ class OpDef:
     positions_share_weights: bool = False
     elementwise: bool = False
     sums_elements: bool = False
+    non_decreasing: Callable[[Any], bool] | None = None
+    window_max: bool = False
+    window_covariances: Callable[[Any, Any], str | None] | None = None
     compact_spec: CompactSpec = CompactSpec()
 
 

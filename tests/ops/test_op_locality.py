@@ -16,25 +16,21 @@ from pyro2pfp.planning.registry import OPS, OpDef
 PACKAGE = Path(ops.__file__).resolve().parents[1]
 CHECKED = tuple(sorted(OPS))
 
-_POOLS = "the planner's rewrite of max pools (correlated_pools: which ops pass in-window covariances on, and how)"
+_COVS = "the planner inserts the in-window covariance layers before a max pool (correlated_pools)"
 _TORCH = "a torch function of the same name (aten.{0}), not the PFP op"
 #: files outside the family files that still spell an op's name, and why (an op not listed: none)
 ELSEWHERE: dict[str, dict[str, str]] = {
     "add": {
         "backends/tvm/fusion.py": "the TVM emitter fuses a ReLU into the dense/add kernel before it",
-        "planning/correlated_pools.py": _POOLS,
     },
     "affine": {
         "frontend/noise.py": "the name of a noise rule (an affine map of a sample site), not the PFP op",
-        "planning/correlated_pools.py": _POOLS,
         "planning/folding.py": "the planner folds an eval-mode BatchNorm (affine) into the compute layer before it",
     },
-    "concat": {"planning/correlated_pools.py": _POOLS},
     "conv2d": {
         "backends/tvm/guide_factor.py": "the name of a TE stage (a guide's convolution), not the PFP op",
         "backends/tvm/ops/winograd.py": "the compute family's Winograd kernel (a conv2d algorithm of its own file)",
         "backends/tvm/subnormals.py": "kernel names measured slowed by subnormals (the conv kernel's symbol)",
-        "planning/correlated_pools.py": _POOLS,
     },
     "convert": {
         "__init__.py": "the public function pyro2pfp.convert, not the PFP op",
@@ -42,7 +38,6 @@ ELSEWHERE: dict[str, dict[str, str]] = {
         "planning/plan.py": "the planner inserts convert layers (the op exists for it)",
     },
     "dense": {"backends/tvm/fusion.py": "the TVM emitter fuses a ReLU into the dense/add kernel before it"},
-    "max_pool2d": {"planning/correlated_pools.py": _POOLS},
     "relu": {"backends/tvm/fusion.py": "the TVM emitter fuses a ReLU into the dense/add kernel before it"},
     "reshape": {
         "frontend/output_chain.py": "a link of a stripped output chain (torch's view/reshape), not the PFP op",
@@ -59,7 +54,6 @@ ELSEWHERE: dict[str, dict[str, str]] = {
         "correlation/loadings.py": "the name of a constant tensor (a scaling column), not the PFP op",
         "frontend/output_chain.py": "a link of a stripped output chain (× a constant), not the PFP op",
         "ops/arithmetic.py": "scale's shared-factor rule is affine's (one linear rule for both)",
-        "planning/correlated_pools.py": _POOLS,
         "planning/folding.py": "the name of a BatchNorm's scale parameter, not the PFP op",
     },
     "sigmoid": {
@@ -70,9 +64,9 @@ ELSEWHERE: dict[str, dict[str, str]] = {
     "softmax_head": {"runtime/deploy.py": "a library file written without its head entry names the head's kernel"},
     "softplus": {"moments/far_tail.py": "the far-tail constants of the softplus' moment function, not the PFP op"},
     "tanh": {"correlation/stein.py": "the tanh of the ops namespace (forward-mode AD), not the PFP op"},
-    "window_activation": {"planning/correlated_pools.py": _POOLS},
-    "window_closure": {"planning/correlated_pools.py": _POOLS},
-    "window_cov": {"planning/correlated_pools.py": _POOLS},
+    "window_activation": {"planning/correlated_pools.py": _COVS},
+    "window_closure": {"planning/correlated_pools.py": _COVS},
+    "window_cov": {"planning/correlated_pools.py": _COVS},
 }
 
 
