@@ -156,13 +156,12 @@ class CompactSpec:
     """What the compact factor plan (:func:`pyro2pfp.correlation.compact.plan_compact`) needs to know of an
     op beyond its rule (``@compact_reference``).
 
-    ``keeps_units``: the op keeps a dense
-    layer's output units apart (an elementwise map, a LayerNorm, a reshape; activations always do), so
-    its output still counts as the dense layer's; ``mean_field_products``: ``(deterministic input,
-    random input)``: the products of its weight tensor's size per output element in the mean-field
-    plan (0: no linear map); ``macs(layer, plan, global columns in, (channels, block columns) in) ->
-    (multiply-adds, global columns out, block columns out)``: its part of
-    :func:`~pyro2pfp.correlation.compact.compact_macs` (None: pools count their windows, other ops
+    ``keeps_units``: the op keeps a dense layer's output units apart (an elementwise map, a LayerNorm, a
+    reshape; activations always do), so its output still counts as the dense layer's;
+    ``mean_field_products``: ``(deterministic input, random input)``: the products of its weight tensor's
+    size per output element in the mean-field plan (0: no linear map); ``macs(layer, plan, global columns
+    in, (channels, block columns) in) -> (multiply-adds, global columns out, block columns out)``: its part
+    of :func:`~pyro2pfp.correlation.compact.compact_macs` (None: pools count their windows, other ops
     their elements, columns passed on)."""
 
     keeps_units: bool = False
@@ -197,10 +196,10 @@ class OpDef:
     that correlation where a later layer sums positions; ``elementwise``: an op other than an activation
     that maps each element alone, or per channel (a per-channel affine map, a residual add): its result on
     ``(C, 1, L)`` is its result on ``(C, L)`` reshaped (:func:`pyro2pfp.planning.onedim.lift_1d`);
-    ``sums_elements``: every output unit is a weighted
-    sum of every input element (a dense layer): its units share their inputs' noise (with deterministic
-    weights, a reason for shared factors; the compact factor plan's loadings end in such layers, and their
-    input residual may become factors), and it sums the positions of a flattened conv output;
+    ``sums_elements``: every output unit is a weighted sum of every input element (a dense layer): its
+    units share their inputs' noise (with deterministic weights, a reason for shared factors; the compact
+    factor plan's loadings end in such layers, and their input residual may become factors), and it sums
+    the positions of a flattened conv output;
     ``non_decreasing(layer)``: an elementwise op other than an activation (whose rule says it:
     ``ActivationRule.non_decreasing``) is non-decreasing in its input for this layer, so it commutes with a
     max pool (a BatchNorm with non-negative scales); ``window_max``: the op is a max pool, whose window the
