@@ -43,6 +43,7 @@ from .errors import (
 from .options import Correlation, Head, Hermite, Injection, MaxPool, MomentForm, SharedFactor
 from .planning.graph import Repr
 from .runtime.deploy import load
+from .runtime.predictor import set_num_threads as _set
 from .runtime.uncertainty import auroc, uncertainty, uncertainty_from_logit_samples
 
 if TYPE_CHECKING:
@@ -104,8 +105,6 @@ def set_num_threads(n: int) -> int:
     ArgumentError
         When ``n`` is not a positive int.
     """
-    from .runtime.predictor import set_num_threads as _set
-
     return _set(n)
 
 

@@ -14,6 +14,8 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from .errors import ArgumentError
+from .planning.plan import plan
+from .runtime.inputs import as_input_array
 from .runtime.uncertainty import _standard_normal, uncertainty_from_logit_samples
 
 if TYPE_CHECKING:
@@ -48,7 +50,7 @@ def predictive_uncertainty(model: Callable[..., Any], guide: Callable[..., Any],
     dict of str to numpy.ndarray
         As :func:`pyro2pfp.uncertainty_from_logit_samples`.
     """
-    from .analysis.sampling import predictive_logits
+    from .analysis.sampling import predictive_logits  # torch and Pyro: `import pyro2pfp` loads neither
 
     return uncertainty_from_logit_samples(predictive_logits(model, guide, x, num_samples, seed))
 
@@ -76,8 +78,6 @@ class CalibrationObjective:
     def __init__(self, net: PFPNetwork, x_val: Any, *, objective: str = "mutual_information",
                  target_samples: Any = None, y_val: Any = None, num_samples: int = 100,
                  seed: int = 0) -> None:
-        from .runtime.inputs import as_input_array
-
         if objective not in CALIBRATION_OBJECTIVES:
             raise ArgumentError(f"objective must be one of {CALIBRATION_OBJECTIVES}, got {objective!r}")
         if net.input_variance:
@@ -109,9 +109,8 @@ class CalibrationObjective:
 
     def pfp_output(self, c: float) -> tuple[np.ndarray, np.ndarray]:
         """``(mean, var)`` of the logits with calibration factor ``c`` (float64 reference)."""
-        from .backends.reference import execute
-        from .correlation import with_correlation
-        from .planning.plan import plan
+        from .backends.reference import execute  # SciPy: `import pyro2pfp` stays NumPy-only
+        from .correlation import with_correlation  # SciPy: `import pyro2pfp` stays NumPy-only
 
         planned = with_correlation(plan(self.net.layer_graph, float(c), self.net.plan.moment_form),
                                    self.net.plan.correlation)
@@ -244,8 +243,7 @@ def calibrate(model: Any, guide: Any, x_val: Any, *, input_shape: tuple[int, ...
     float or tuple of (float, CalibrationObjective)
         The factor (pass it to ``convert(..., calibration=factor)``).
     """
-    from .network import convert
-    from .runtime.inputs import as_input_array
+    from .network import convert  # torch and Pyro: `import pyro2pfp` loads neither
 
     if objective is None:
         objective = "nll" if y_val is not None else "mutual_information"
@@ -256,7 +254,7 @@ def calibrate(model: Any, guide: Any, x_val: Any, *, input_shape: tuple[int, ...
         warnings.warn(f"samples has {np.shape(samples)[0]} samples per input but num_samples={num_samples}: "
                       "entropy estimates are biased differently for different sample counts", stacklevel=2)
     if objective != "nll" and samples is None:
-        from .analysis.sampling import predictive_logits
+        from .analysis.sampling import predictive_logits  # torch and Pyro: `import pyro2pfp` loads neither
 
         samples = predictive_logits(model, guide, x, num_samples=num_samples, seed=seed)
     obj = CalibrationObjective(net, x, objective=objective, target_samples=samples, y_val=y_val,

@@ -77,6 +77,7 @@ def diagnose(model: Any, guide: Any, x: Any, *, num_samples: int = 300, input_sh
         Per-layer rows in plan order (``print`` shows the table).
     """
     try:
+        # torch and Pyro: `import pyro2pfp` loads neither
         import pyro.util
 
         from .analysis.mc_compare import compare, model_and_guide, restored_rng

@@ -10,14 +10,19 @@ import numpy as np
 from . import correlation as correlation  # registers the shared-factor executor with the reference
 from . import ops as ops  # the op registry: every op family registers its converter, reference, ONNX export
 from ._version import __version__
+from .analysis.fidelity import check_fidelity, spot_check
+from .backends.onnx.builder import to_onnx
 from .backends.reference import execute
 from .correlation import replanned, with_correlation
 from .correlation.compact import auto_compact, with_compact
 from .correlation.cost import dense_head_caveat
 from .errors import ArgumentError, InputShapeError, InternalError, PFPError, PFPWarning, PosteriorError
 from .frontend.model_args import user_model_args
+from .frontend.noise import HeteroscedasticNoise, NoiseModel, tyxe_noise
+from .frontend.preserve import preserved
 from .frontend.tracing import trace_model
 from .frontend.walk import build_layer_graph
+from .ops.head import append_head, check_head, head_output, is_head
 from .options import Correlation, Head, MaxPool, MomentForm, SharedFactor, checked, correlation_choice
 from .planning import folding
 from .planning.correlated_pools import correlate_max_pools, pool_caveats
@@ -56,8 +61,6 @@ class PFPNetwork:
     @property
     def head(self) -> str | None:
         """``"probs"`` if the plan ends in the uncertainty head, else None (outputs: the logits)."""
-        from .ops.head import is_head
-
         return "probs" if is_head(self.plan.layer(self.plan.output)) else None
 
     @property
@@ -82,7 +85,7 @@ class PFPNetwork:
         called with each kernel as soon as it is emitted (``net.compile`` schedules and compiles
         kernels while the rest of the module is emitted)."""
         if self._mod is None:
-            from .backends.tvm import emit_module
+            from .backends.tvm import emit_module  # TVM's compiler: seconds to import, not needed to convert
 
             self._mod = emit_module(self.plan, fuse=self.fuse, on_kernel=on_kernel)
         return self._mod
@@ -93,8 +96,6 @@ class PFPNetwork:
         arrays = checked_inputs(x, x_var, self.input_shape, self.input_variance, np.float64)
         out = execute(self.plan, arrays[0], arrays[1] if len(arrays) > 1 else None)
         if self.head is not None:
-            from .ops.head import head_output
-
             return head_output(*out)
         return out
 
@@ -129,10 +130,10 @@ class PFPNetwork:
         ``benchmarks/latency.py --static`` compares them).  Costs one more build per size.  Works for cross
         targets too (the executables are exported with the library).
         """
-        from .backends.tvm.compile import compile_network
+        from .backends.tvm.compile import compile_network  # TVM's compiler: not needed to convert
 
         if remote is not None:
-            from .backends.tvm.tuning import with_remote
+            from .backends.tvm.tuning import with_remote  # TVM's compiler: not needed to convert
 
             tune = with_remote(tune, remote)
         return compile_network(self, target, schedule=schedule, tune=tune, num_threads=num_threads,
@@ -144,8 +145,6 @@ class PFPNetwork:
         "total"}``, with ``epistemic`` = PFP's variance of the mean (from the weights), ``aleatoric`` =
         E[sigma²] of the Normal likelihood (input-independent, see :mod:`pyro2pfp.frontend.noise`) and
         ``total`` = their sum (law of total variance)."""
-        from .frontend.noise import HeteroscedasticNoise, NoiseModel
-
         if isinstance(self.noise, HeteroscedasticNoise):
             return self.noise.predictive(mean, var)
         if not isinstance(self.noise, NoiseModel):
@@ -165,8 +164,6 @@ class PFPNetwork:
         """Write the network as an ONNX model (standard operators; inputs ``x`` [, ``x_var``],
         outputs ``mean``, ``var``; dynamic batch), checked with ``onnx.checker``; returns the
         ``onnx.ModelProto``."""
-        from .backends.onnx.builder import to_onnx
-
         return to_onnx(self, path, opset=opset)
 
     def summary(self) -> str:
@@ -264,9 +261,6 @@ def convert(model: Any, guide: Any = None, *, input_shape: tuple[int, ...] | Non
         :class:`~pyro2pfp.errors.TracingError`, :class:`~pyro2pfp.errors.PosteriorError` (the guide or
         the param store), :class:`~pyro2pfp.errors.FidelityError` (the spot check).
     """
-    from .frontend.preserve import preserved
-    from .ops.head import append_head, check_head
-
     with preserved(model, guide):  # the user's objects, the param store, the random state: as found
         stage = "checking the arguments"
         try:
@@ -298,12 +292,8 @@ def convert(model: Any, guide: Any = None, *, input_shape: tuple[int, ...] | Non
                 layer_graph = folding.fold_batch_norm(layer_graph)
             noise = traced.noise
             if tyxe_bnn is not None and hasattr(tyxe_bnn, "likelihood"):  # the likelihood is outside bnn.net
-                from .frontend.noise import tyxe_noise
-
                 output_shape = layer_graph.shape_of(layer_graph.output)
                 noise = tyxe_noise(tyxe_bnn, traced.input_shape, tuple(output_shape))
-            from .frontend.noise import HeteroscedasticNoise, NoiseModel
-
             if head is not None and isinstance(noise, NoiseModel | HeteroscedasticNoise):
                 raise ArgumentError(f"head={head!r} is for classifiers (logits); this model has a Normal likelihood "
                                     "(regression): use net.regression(mean, var) instead")
@@ -327,14 +317,10 @@ def convert(model: Any, guide: Any = None, *, input_shape: tuple[int, ...] | Non
                     warnings.warn(f"{caveat}; {why_not}", PFPWarning, stacklevel=3)
             net = PFPNetwork(layer_graph, planned, nonweight_sites=traced.nonweight_sites, noise=noise)
             if check is None or check is True:
-                from .analysis.fidelity import spot_check
-
                 stage = "checking the network against samples of the guide (the spot check)"
                 if not net.input_variance:
                     net.fidelity = spot_check(net, model, guide, traced=traced, args=example)
             elif check is not False:
-                from .analysis.fidelity import check_fidelity
-
                 stage = "checking the network against sampling"
                 net.fidelity = check_fidelity(net, model, guide, check, traced=traced, args=example)
             return net

@@ -35,17 +35,14 @@ import math
 import time
 import warnings
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import numpy as np
 import torch
 
 from ..errors import ArgumentError, FidelityError, FidelityWarning, PFPError, PosteriorError, brief
+from ..planning.protocols import ConvertedNetwork
 from .mc_compare import Diagnosis, LayerFidelity, compare, random_elements, store_mismatches
-
-if TYPE_CHECKING:
-    from ..network import PFPNetwork
-
 
 DEFAULT_SAMPLES = 150
 DEFAULT_TOLERANCE = 4.0
@@ -131,7 +128,7 @@ class FidelityCheck:
         return f"variance ratio {row.ratio_median:.3g} and mean error {row.mean_error:.3g} sd (medians)"
 
 
-def check_fidelity(net: PFPNetwork, model: Any, guide: Any, x: Any, *, num_samples: int = DEFAULT_SAMPLES,
+def check_fidelity(net: ConvertedNetwork, model: Any, guide: Any, x: Any, *, num_samples: int = DEFAULT_SAMPLES,
                    tolerance: float = DEFAULT_TOLERANCE, seed: int = 0, warn: bool = True, traced: Any = None,
                    args: Any = None) -> FidelityCheck:
     """Compare ``net`` (converted from ``model``, ``guide``) with ``num_samples`` guide samples on the
@@ -202,7 +199,7 @@ class SpotCheck:
                f"{figures}"
 
 
-def check_store_values(net: PFPNetwork) -> None:
+def check_store_values(net: ConvertedNetwork) -> None:
     """Raise :class:`~pyro2pfp.errors.FidelityError` naming every deterministic parameter of ``net`` read from
     the param store that differs from the store's values now (:func:`pyro2pfp.analysis.mc_compare.store_mismatches`)."""
     mismatches = store_mismatches(net)
@@ -212,7 +209,7 @@ def check_store_values(net: PFPNetwork) -> None:
                             "changed or loaded after converting?); convert again.")
 
 
-def _spot_inputs(net: PFPNetwork, args: Any) -> np.ndarray:
+def _spot_inputs(net: ConvertedNetwork, args: Any) -> np.ndarray:
     """The example inputs the model was traced with, if the user gave them; else a few standard normal inputs
     of the input shape (fixed seed): non-zero, so that every weight matters."""
     if args is not None and getattr(args, "given", False):
@@ -225,7 +222,7 @@ def _gross(mean_se: float, ratio: float, bounds: tuple[float, float]) -> bool:
     return not (mean_se <= SPOT_MEAN_SE) or not (bounds[0] <= ratio <= bounds[1])
 
 
-def spot_check(net: PFPNetwork, model: Any, guide: Any, *, traced: Any = None, args: Any = None,
+def spot_check(net: ConvertedNetwork, model: Any, guide: Any, *, traced: Any = None, args: Any = None,
                num_samples: int = SPOT_SAMPLES, seed: int = 0) -> SpotCheck:
     """The check ``convert`` runs on every network (unless ``check=False``): raise
     :class:`~pyro2pfp.errors.FidelityError` when ``net`` is grossly unlike what ``model`` and ``guide``

@@ -29,7 +29,7 @@ import dataclasses
 import math
 from collections.abc import Iterator
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import numpy as np
 import pyro
@@ -37,13 +37,13 @@ import pyro.util
 import torch
 import torch.fx
 
+from ..backends.reference import execute_all
 from ..errors import PFPError
-from ..frontend.posterior import call_with_model_args
-from ..frontend.tracing import _WRAPPER_PREFIX
-
-if TYPE_CHECKING:
-    from ..network import PFPNetwork
-
+from ..frontend.posterior import call_with_model_args, ready_to_sample
+from ..frontend.preserve import preserved
+from ..frontend.tracing import _WRAPPER_PREFIX, trace_model
+from ..planning.protocols import ConvertedNetwork
+from ..runtime.inputs import as_input_array
 
 SD_FLOOR = 0.1  # the mean error's sd floor, as a fraction of the layer's median MC sd
 SPLITS = 10  # sample groups for the noise of the median variance ratio (:func:`median_ratio_noise`)
@@ -285,7 +285,7 @@ def _output_samples(gm: torch.fx.GraphModule, out_node: str, by_site: dict[str, 
         return None
 
 
-def store_mismatches(net: PFPNetwork) -> list[str]:
+def store_mismatches(net: ConvertedNetwork) -> list[str]:
     """What of ``net``'s deterministic parameters differs from the param store's values now: ``["layer fc1's
     weight differs from the param store's 'module$$$fc1.weight' (max |difference| 0.41)", ...]`` (parameters
     read from the store: :attr:`pyro2pfp.planning.graph.GaussianParam.store`)."""
@@ -374,9 +374,9 @@ def median_ratio_noise(pfp_var: np.ndarray, group_vars: list[np.ndarray], keep: 
     return float(np.std(logs, ddof=1) / np.sqrt(len(logs)))
 
 
-def compare(net: PFPNetwork, model: Any, guide: Any, x: Any, *, num_samples: int, seed: int = 0, per_layer: bool = True,
-            execute: Any = None, traced: Any = None, args: Any = None, samples: list | None = None,
-            calibration: float = 1.0) -> Diagnosis:
+def compare(net: ConvertedNetwork, model: Any, guide: Any, x: Any, *, num_samples: int, seed: int = 0,
+            per_layer: bool = True, execute: Any = None, traced: Any = None, args: Any = None,
+            samples: list | None = None, calibration: float = 1.0) -> Diagnosis:
     """:class:`Diagnosis` of ``net`` (converted from ``model``, ``guide``) on the inputs ``x``: the work of
     :func:`pyro2pfp.diagnose` once the network is converted (see there for the arguments).  Leaves the
     random number generators as it found them.
@@ -394,14 +394,8 @@ def compare(net: PFPNetwork, model: Any, guide: Any, x: Any, *, num_samples: int
                         calibration)
 
 
-def _compare(net: PFPNetwork, model: Any, guide: Any, x: Any, num_samples: int, seed: int, per_layer: bool,
+def _compare(net: ConvertedNetwork, model: Any, guide: Any, x: Any, num_samples: int, seed: int, per_layer: bool,
              execute: Any, traced: Any, args: Any, samples: list | None, calibration: float) -> Diagnosis:
-    from ..backends.reference import execute_all
-    from ..frontend.posterior import ready_to_sample
-    from ..frontend.preserve import preserved
-    from ..frontend.tracing import trace_model
-    from ..runtime.inputs import as_input_array
-
     if net.input_variance:
         raise PFPError("diagnose supports networks without input variance only")
     xs = as_input_array(x, net.input_shape, dtype=np.float64)

@@ -9,6 +9,8 @@ import pyro
 import torch
 from pyro.infer import Predictive
 
+from ..frontend.posterior import ready_to_sample
+
 
 def predictive_logits(
     model: Callable[..., Any],
@@ -42,8 +44,6 @@ def predictive_logits(
         ``float64`` array of shape ``(num_samples, B, classes)``. Class predictions are
         ``predictive_logits(...).mean(0).argmax(-1)``.
     """
-    from ..frontend.posterior import ready_to_sample
-
     x_t = x.detach().to(torch.float32) if isinstance(x, torch.Tensor) else torch.as_tensor(
         np.asarray(x), dtype=torch.float32)
     # Pyro's own Predictive samples the guide's cached parameters, and a fresh autoguide needs the labels to

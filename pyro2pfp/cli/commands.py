@@ -5,21 +5,24 @@ from __future__ import annotations
 import argparse
 import os
 import sys
+import tempfile
 import time
 from typing import Any
 
 import numpy as np
 
+import pyro2pfp
+
 from ..errors import PFPError
 from ..frontend.loading import build_model_and_guide, load_param_store
+from ..runtime import deploy
+from ..runtime.remote import Remote, fixed_inputs, upload, validate
 from .files import LIBRARY_EXTS, CLIError, _batched, _check_output_path, load_array, load_example, load_predictor
 
 
 def convert_from_args(args: argparse.Namespace):
     """Builder + param store → PFPNetwork (what convert / inspect / bench share)."""
     import pyro
-
-    import pyro2pfp
 
     pyro.clear_param_store()
     model, guide = build_model_and_guide(args.builder)
@@ -61,8 +64,7 @@ def convert_from_args(args: argparse.Namespace):
 
 
 def cmd_convert(args: argparse.Namespace) -> int:
-    from ..backends.onnx.builder import to_onnx
-    from ..runtime import deploy
+    from ..backends.onnx.builder import to_onnx  # SciPy: `pyro2pfp predict` runs on a board without it
 
     ext = _check_output_path(args.output, (".so", ".tar", ".onnx"), "the output file")
     tune = None
@@ -90,7 +92,7 @@ def cmd_convert(args: argparse.Namespace) -> int:
         print(f"wrote {args.output} (ONNX opset {args.opset}; inputs {'x, x_var' if net.input_variance else 'x'}; "
               f"outputs {outputs}) in {time.perf_counter() - t0:.1f} s")
         return 0
-    from ..backends.tvm.compile import compile_network
+    from ..backends.tvm.compile import compile_network  # TVM's compiler: not on a board
 
     exe = compile_network(net, args.target or "llvm", schedule=not args.no_schedule,
                                  batch_sizes=args.batch_sizes or (), tune=tune)
@@ -116,15 +118,11 @@ def _tune_spec(args: argparse.Namespace) -> dict[str, Any] | None:
     if args.trials is not None:  # else the library's default (pyro2pfp.backends.tvm.tuning.DEFAULT_TRIALS)
         spec["trials"] = args.trials
     if args.remote:
-        from ..runtime.remote import Remote
-
         spec["remote"] = Remote.parse(args.remote, session_timeout=args.remote_timeout)
     return spec
 
 
 def cmd_inspect(args: argparse.Namespace) -> int:
-    from ..runtime import deploy
-
     target = args.builder
     ext = os.path.splitext(target)[1].lower()
     if ext in LIBRARY_EXTS or target.endswith(deploy.SIDECAR_SUFFIX):
@@ -155,7 +153,7 @@ def cmd_inspect(args: argparse.Namespace) -> int:
     if ext == ".onnx":
         import onnx
 
-        from ..backends.onnx.builder import onnx_ops_used
+        from ..backends.onnx.builder import onnx_ops_used  # SciPy: not on a board
 
         if not os.path.isfile(target):
             raise CLIError(f"'{target}' not found")
@@ -231,8 +229,6 @@ def _median_ms(fn, repeat: int) -> float:
 
 def cmd_diagnose(args: argparse.Namespace) -> int:
     """Per-layer PFP vs Monte Carlo (pyro2pfp.diagnose) on inputs from a .npy file."""
-    import pyro2pfp
-
     model, guide, net = convert_from_args(args)
     x = _batched(load_array(args.input, "input"), net.input_shape, "input")
     result = pyro2pfp.diagnose(model, guide, x[: args.max_inputs], num_samples=args.samples, net=net,
@@ -245,11 +241,9 @@ def cmd_diagnose(args: argparse.Namespace) -> int:
 
 
 def cmd_bench(args: argparse.Namespace) -> int:
-    import tempfile
-
-    from ..analysis.sampling import predictive_logits
-    from ..backends.onnx.builder import to_onnx
-    from ..backends.tvm.compile import compile_network
+    from ..analysis.sampling import predictive_logits  # torch and Pyro: not on a board
+    from ..backends.onnx.builder import to_onnx  # SciPy: not on a board
+    from ..backends.tvm.compile import compile_network  # TVM's compiler: not on a board
 
     model, guide, net = convert_from_args(args)
     exe = compile_network(net, args.target)
@@ -290,8 +284,6 @@ def cmd_bench(args: argparse.Namespace) -> int:
 
 def _bench_remote(net, exe, args: argparse.Namespace) -> int:
     """``bench --remote``: upload the library to a board and time it there (time_evaluator)."""
-    from ..runtime.remote import Remote, fixed_inputs, upload
-
     remote = Remote.parse(args.remote, session_timeout=args.remote_timeout)
     board = upload(exe, remote)
     print(f"target {exe.target.attrs.get('mcpu', '') or exe.target.kind.name} on {remote.address}; "
@@ -309,8 +301,7 @@ def _bench_remote(net, exe, args: argparse.Namespace) -> int:
 
 def cmd_validate(args: argparse.Namespace) -> int:
     """``validate --remote``: the board's outputs on a fixed input set against the float64 reference."""
-    from ..backends.tvm.compile import compile_network
-    from ..runtime.remote import Remote, validate
+    from ..backends.tvm.compile import compile_network  # TVM's compiler: not on a board
 
     _model, _guide, net = convert_from_args(args)
     exe = compile_network(net, args.target)

@@ -10,6 +10,7 @@ from typing import Any
 import numpy as np
 
 from ..errors import PFPError
+from ..runtime import deploy
 
 LIBRARY_EXTS = (".so", ".tar")
 
@@ -74,8 +75,6 @@ def _batched(x: np.ndarray, input_shape: tuple[int, ...], name: str) -> np.ndarr
 
 def load_predictor(path: str) -> Any:
     """A compiled library (.so/.tar) or an ONNX model (onnxruntime), both via :func:`pyro2pfp.load`."""
-    from ..runtime import deploy
-
     if not os.path.isfile(path):
         raise CLIError(f"model file '{path}' not found")
     ext = os.path.splitext(path)[1].lower()

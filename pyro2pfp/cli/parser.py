@@ -8,8 +8,10 @@ from typing import Any
 
 import numpy as np
 
+from .._version import __version__
 from ..frontend.loading import DEFAULT_FUNCTION
 from ..options import Correlation, Head, Hermite, Injection, MomentForm, values
+from ..runtime.deploy import PRESET_HELP
 from .commands import cmd_bench, cmd_convert, cmd_diagnose, cmd_inspect, cmd_predict, cmd_validate
 from .score import cmd_score
 
@@ -139,8 +141,6 @@ def _add_remote_options(p: argparse.ArgumentParser, required: bool) -> None:
 
 
 def _target_help() -> str:
-    from ..runtime.deploy import PRESET_HELP
-
     presets = "; ".join(f"{k}: {v}" for k, v in PRESET_HELP.items())
     return ("where the library will run: 'llvm' (this machine, generic; default), 'native' (this CPU), "
             f"a preset ({presets}), a TVM tag, or a JSON target dict")
@@ -150,7 +150,6 @@ def build_parser() -> argparse.ArgumentParser:
     formatter = argparse.RawDescriptionHelpFormatter
     parser = argparse.ArgumentParser(prog="pyro2pfp", description=MAIN_DESCRIPTION, epilog=MAIN_EPILOG,
                                      formatter_class=formatter)
-    from .._version import __version__
 
     parser.add_argument("--version", action="version", version=f"pyro2pfp {__version__}")
     parser.add_argument("--debug", action="store_true",

@@ -5,12 +5,11 @@ from __future__ import annotations
 import argparse
 import sys
 
+from ..runtime.ray_scoring import score_files
 from .files import CLIError
 
 
 def cmd_score(args: argparse.Namespace) -> int:
-    from ..runtime.ray_scoring import score_files
-
     try:
         import ray  # noqa: F401 -- score_files imports it when it runs; say here what is missing
     except ModuleNotFoundError as exc:

@@ -49,8 +49,7 @@ output variance is the coherent sum of its inputs' loadings in place of their in
 from __future__ import annotations
 
 import dataclasses
-from dataclasses import dataclass, field
-from typing import Any, ClassVar
+from typing import Any
 
 import numpy as np
 
@@ -59,8 +58,8 @@ from ..errors import PFPError
 from ..planning.graph import INPUT, Repr
 from ..planning.plan import PlannedGraph, PlannedLayer, is_compute_layer
 from ..planning.registry import COMPACT_REFERENCES, OPS
-from .factors import CorrelationError, is_noisy
-from .loadings import Loadings, compact_layer
+from .factors import CorrelationError, is_noisy, weight_var
+from .loadings import CompactPlan, Loadings, compact_layer
 
 #: a dense layer turns its input's residual into factors only if these cost at most this many multiply-adds
 #: per input in the layers after it (the columns times the dense layers that carry them)
@@ -68,42 +67,6 @@ RESIDUAL_BUDGET = 2_000_000
 #: the plan's multiply-adds may be at most this multiple of the mean-field plan's (with its correlated pools):
 #: :func:`plan_compact` keeps the last convs' weight directions only within it
 COST_BUDGET = 1.3
-
-
-@dataclass(frozen=True)
-class CompactPlan:
-    """The compact factor plan (static: fixed before any input; :func:`plan_compact`).
-
-    ``directions[conv]``: the factors per output channel a conv creates for its weight and bias noise
-    (block columns); ``residual[dense]``: the dense layers
-    whose input residual becomes one global factor per input element; ``terminal``: layers whose
-    output's loadings nothing reads (variance corrected, loadings dropped)."""
-
-    directions: dict[str, int] = field(default_factory=dict)
-    residual: frozenset[str] = frozenset()
-    terminal: frozenset[str] = frozenset()
-    #: why the plan left something out (the cost model's verdict), for the printout
-    note: str = ""
-    #: the per-sample shape of every edge (the rules reshape the back ends' tensors by it)
-    shapes: dict[str, tuple[int, ...]] = field(default_factory=dict)
-    scheme: ClassVar[str] = "compact-factor"
-
-    @property
-    def max_factors(self) -> int:
-        """Not static for block factors (per channel); the number of layers that create factors."""
-        return len(self.directions) + len(self.residual)
-
-    def describe(self) -> str:
-        """One line for the plan printout: which factors the plan carries and why."""
-        parts = []
-        if self.directions:
-            parts.append("block factors of " + ", ".join(f"{n} ({r} per channel)" for n, r in self.directions.items())
-                         + ": the last convs' weight noise, shared by the positions the dense head sums")
-        if self.residual:
-            parts.append("one factor per input element of " + ", ".join(sorted(self.residual))
-                         + ": an input's noise is shared by every unit of the dense layer that reads it")
-        return "; ".join(parts + ([self.note] if self.note else [])) or \
-            "no factors (nothing in this net sums correlated elements)"
 
 
 def flat(t: np.ndarray) -> np.ndarray:
@@ -266,11 +229,7 @@ def execute_compact_all(graph: PlannedGraph, x: np.ndarray, plan: CompactPlan | 
     creates factors -- its rule (:data:`~pyro2pfp.planning.registry.COMPACT_REFERENCES`, or the generic Stein rule
     of an activation) through :func:`~.loadings.compact_layer`, which every back end shares.  ``keep``:
     names whose :class:`Loadings` are written into it (diagnostics, tests)."""
-    cp = graph.factors if plan is None else plan
-    if not isinstance(cp, CompactPlan):
-        raise PFPError("this plan has no compact factor plan")
-    if not cp.shapes:
-        cp = dataclasses.replace(cp, shapes=edge_shapes(graph))
+    cp = compact_plan(graph, plan)
     values = {INPUT: Activation(np.asarray(x, dtype=np.float64), None, Repr.DETERMINISTIC)}
     loads: dict[str, Loadings | None] = {INPUT: None}
     for layer in graph.layers:
@@ -287,6 +246,15 @@ def execute_compact_all(graph: PlannedGraph, x: np.ndarray, plan: CompactPlan | 
     return values
 
 
+def compact_plan(graph: PlannedGraph, plan: CompactPlan | None = None) -> CompactPlan:
+    """``plan`` (default ``graph.factors``: a :class:`CompactPlan`, else a :class:`PFPError`) with the per-sample
+    shape of every edge filled in (``shapes``: the rules reshape the back ends' tensors by it)."""
+    cp = graph.factors if plan is None else plan
+    if not isinstance(cp, CompactPlan):
+        raise PFPError(f"this plan has no compact factor plan (correlation={graph.correlation!r})")
+    return cp if cp.shapes else dataclasses.replace(cp, shapes=edge_shapes(graph))
+
+
 def edge_shapes(graph: PlannedGraph) -> dict[str, tuple[int, ...]]:
     """The per-sample shape of every edge of ``graph`` (its input and every layer's output)."""
     return {INPUT: tuple(graph.input_shape), **{p.name: tuple(p.layer.out_shape) for p in graph.layers}}
@@ -294,8 +262,6 @@ def edge_shapes(graph: PlannedGraph) -> dict[str, tuple[int, ...]]:
 
 def weight_moments(layer: PlannedLayer) -> tuple[np.ndarray, np.ndarray]:
     """A compute layer's weight mean and variance (either plan form)."""
-    from .factors import weight_var
-
     assert is_compute_layer(layer.op)
     return layer.tensors["weight_mean"], weight_var(layer.tensors)
 

@@ -5,13 +5,13 @@ runs) through
 ((B, C, P, r) tensors, no zeros); every width is static, only the batch axis is dynamic."""
 from __future__ import annotations
 
-import dataclasses
 from typing import Any
 
 from ..backends.onnx.builder import SCHEME_STEPS, OnnxActivation, OnnxContext
 from ..planning.graph import INPUT
 from ..planning.plan import PlannedGraph, PlannedLayer
 from ..planning.registry import COMPACT_EXPORTERS
+from .compact import compact_plan
 from .loadings import Loadings, compact_layer
 
 
@@ -20,10 +20,7 @@ class OnnxCompactStep:
     :class:`~.loadings.Loadings` (ONNX symbols) and returns the layer's output with the corrected variance."""
 
     def __init__(self, graph: PlannedGraph, ctx: OnnxContext) -> None:
-        from .compact import edge_shapes
-
-        plan = graph.factors
-        self.plan = plan if plan.shapes else dataclasses.replace(plan, shapes=edge_shapes(graph))
+        self.plan = compact_plan(graph)
         self.loads: dict[str, Loadings | None] = {INPUT: None}
 
     def emits_mean_field(self, layer: PlannedLayer) -> bool:
@@ -31,7 +28,8 @@ class OnnxCompactStep:
         return False
 
     def __call__(self, ctx: OnnxContext, layer: PlannedLayer, inputs: list[OnnxActivation],
-                 out: OnnxActivation) -> OnnxActivation:
+                 out: OnnxActivation | None) -> OnnxActivation:
+        assert out is not None  # emits_mean_field is never true: the layer's export comes first
         loads = [self.loads[n] for n in layer.inputs]
         var = ctx.variance(out)
         ld, mean, new_var = compact_layer(ctx, COMPACT_EXPORTERS, layer, inputs, loads, self.plan, out.mean, var)

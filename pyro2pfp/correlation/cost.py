@@ -10,7 +10,7 @@ from ..errors import PFPError
 from ..planning.graph import INPUT, Repr
 from ..planning.plan import PlannedGraph, is_compute_layer
 from ..planning.registry import OPS
-from .factors import FactorPlan, plan_factors
+from .factors import CorrelationError, FactorPlan, _noisy_ancestry, plan_factors
 
 
 @dataclass(frozen=True)
@@ -46,6 +46,8 @@ def cost_model(graph: PlannedGraph, factors: FactorPlan | None = None) -> Cost:
     its op's ``FactorSpec.cost`` (``ops/compute_cost.py``).
     ``factors``: default ``graph.factors``, else :func:`plan_factors` of ``graph``."""
     fp = factors if factors is not None else graph.factors if graph.factors is not None else plan_factors(graph)
+    if not isinstance(fp, FactorPlan):  # another scheme's plan: the shared-factor plan of the same graph is costed
+        fp = plan_factors(graph)
     mf = extra = mf_floats = extra_floats = 0
     for layer in graph.layers:
         shape = layer.layer.out_shape
@@ -85,8 +87,6 @@ def dense_head_caveat(graph: PlannedGraph) -> str | None:
     variance for the trained LeNet-5 of ``examples/mnist_pfp.py`` (its ``check=`` prints the ratio).
     None when no dense layer reads a conv's noise.  The message gives the shared-factor plan's cost for
     this network (:func:`cost_model`), the scheme that keeps the correlation."""
-    from .factors import CorrelationError, _noisy_ancestry
-
     noisy = _noisy_ancestry(graph)
     dense = next((layer for layer in graph.layers
                   if layer.op in OPS and OPS[layer.op].sums_elements and noisy[layer.inputs[0]]), None)

@@ -13,7 +13,7 @@ from ..errors import PFPError
 from ..planning.graph import INPUT, Repr
 from ..planning.plan import PlannedGraph
 from ..planning.registry import SHARED_REFERENCES
-from .factors import FactorPlan, is_noisy
+from .factors import FactorPlan, is_noisy, shared_plan
 from .guide import mean_shift
 from .shared import Shared, compacted
 
@@ -26,10 +26,7 @@ def execute_shared_all(graph: PlannedGraph, x: np.ndarray, factors: FactorPlan |
     ``factors``: the factor plan (default ``graph.factors``); deterministic network input only.
     ``keep``: names whose :class:`~pyro2pfp.correlation.shared.Shared` part is written into it (for
     diagnostics and tests)."""
-    fp = graph.factors if factors is None else factors
-    if fp is None:
-        raise PFPError("this plan has no factor plan (correlation='mean-field'): use "
-                       "pyro2pfp.backends.reference.execute_all")
+    fp = shared_plan(graph, factors)
     if graph.input_repr is not Repr.DETERMINISTIC:
         raise PFPError("shared-factor PFP: networks with an input variance are not supported")
     values = {INPUT: Activation(np.asarray(x, dtype=np.float64), None, Repr.DETERMINISTIC)}

@@ -17,10 +17,10 @@ from typing import ClassVar
 
 import numpy as np
 
-from ..errors import ArgumentError
+from ..errors import ArgumentError, InternalError, PFPError
 from ..options import Correlation, Hermite, Injection, checked, values
 from ..planning.graph import INPUT, Repr
-from ..planning.plan import PlannedGraph, PlannedLayer, is_compute_layer
+from ..planning.plan import FactorScheme, PlannedGraph, PlannedLayer, is_compute_layer
 from ..planning.registry import OPS, SHARED_EXPORTERS, SHARED_REFERENCES
 
 CORRELATIONS = values(Correlation)
@@ -66,6 +66,20 @@ class FactorPlan:
     def max_factors(self) -> int:
         """The largest ``K`` of any edge."""
         return max(self.width.values(), default=0)
+
+    def describe(self) -> str:
+        """One line for the plan printout: how many factors the edges carry."""
+        return (f"up to {self.max_factors} factors per edge, {len(self.offsets)} layers create factors, "
+                f"{len(self.compact_at)} compaction points")
+
+
+def shared_plan(graph: PlannedGraph, factors: FactorPlan | None = None) -> FactorPlan:
+    """``factors`` (default ``graph.factors``) as the shared-factor plan: a :class:`FactorPlan`, else a
+    :class:`~pyro2pfp.errors.PFPError` naming the plan ``graph`` carries."""
+    fp = graph.factors if factors is None else factors
+    if not isinstance(fp, FactorPlan):
+        raise PFPError(f"this plan has no shared-factor plan (correlation={graph.correlation!r})")
+    return fp
 
 
 def is_noisy(layer: PlannedLayer) -> bool:
@@ -194,7 +208,7 @@ def fixed_k_plan(graph: PlannedGraph, what: str, ops: Collection[str] | None = N
     compacted edge carries ``aligned(rows)`` columns (:func:`aligned`).  A correlated guide's global factors
     are carried where the layers loading them are of ``guide_ops`` (the back end's rules that add the guide's
     terms; None: :func:`ops_carrying_guide`), else refused naming the layer."""
-    fp = graph.factors
+    fp = shared_plan(graph)
     guide_ops = ops_carrying_guide() if guide_ops is None else guide_ops
     if fp.guide:
         for layer in graph.layers:
@@ -382,10 +396,12 @@ def with_correlation(graph: PlannedGraph, correlation: Correlation | str, hermit
     return graph
 
 
-def replanned(graph: PlannedGraph, factors: FactorPlan | None) -> PlannedGraph:
+def replanned(graph: PlannedGraph, factors: FactorScheme | None) -> PlannedGraph:
     """``graph`` (a plan rewritten after :func:`with_correlation` chose ``factors`` for the graph before the
     rewrite, e.g. with correlated max pools) with the same scheme and variants planned anew on it (None:
     mean-field); returns ``graph``."""
+    if factors is not None and not isinstance(factors, FactorPlan):  # with_correlation plans shared factors only
+        raise InternalError(f"a rewritten plan cannot re-plan the {factors.scheme!r} factor plan")
     graph.factors = None if factors is None else plan_factors(graph, factors.hermite, injection=factors.injection,
                                                               guide=factors.guide, own_blocks=factors.own_blocks)
     return graph

@@ -14,23 +14,120 @@ formulas over a back end ``bk``: :func:`pyro2pfp.ops._formula.compact_formula`),
 back end.  Keyed by creator so that branches carrying the same factors add their loadings (a residual
 add) instead of stacking them; factors shared by several layers (a low-rank guide's) fit as one global key.
 
-The tensor algebra of ``bk`` (``backends.reference.NumpyBackend``, ``backends.onnx.builder.OnnxContext``): ``einsum``,
+The tensor algebra of ``bk`` (:class:`TensorAlgebra`: ``backends.reference.NumpyBackend``,
+``backends.onnx.builder.OnnxContext``, ``backends.tvm.compact_factor.RelaxBackend``): ``einsum``,
 ``rows(t, shape)`` (reshape to ``(-1, *shape)``), ``reshape(t, shape)`` (``(batch, *shape)``), ``permute``,
 ``rsum(t, axis)``, ``slice``, ``taps`` (strided window views), ``concat``, ``tensor`` (a constant),
-``conv2d``, ``zeros_like``, ``ops`` (:mod:`pyro2pfp.moments`' namespace) and ``lowest``.
+``dense``, ``conv2d``, ``zeros_like``, ``variance``, ``ops`` (:mod:`pyro2pfp.moments`' namespace) and ``lowest``.
+The plan the rules read is a :class:`CompactPlan` (made by :func:`.compact.plan_compact`).
 """
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, ClassVar, Protocol
 
 import numpy as np
 
+from ..backends.reference import NUMPY_BACKEND
 from ..errors import PFPError
 from ..planning.plan import PlannedLayer
 from ..planning.registry import OPS
 from .stein import stein_slope
+
+
+class TensorAlgebra(Protocol):
+    """The back end ``bk`` of the compact factor rules (module docstring).  Tensors are the back end's own
+    (float64 arrays, ONNX symbols, Relax expressions) and support ``+ - * /`` and comparisons; every shape is
+    per sample, the batch axis first."""
+
+    #: the :mod:`pyro2pfp.moments` namespace of this back end (``where``, ``sqrt``, ``maximum``, ``const``, ...)
+    ops: Any
+    #: the identity of a max fold's mean (padded window taps)
+    lowest: float
+
+    def variance(self, x: Any) -> Any:
+        """The variance of input activation ``x`` (None for a deterministic one)."""
+        ...
+
+    def tensor(self, array: np.ndarray, hint: str) -> Any:
+        """The constant ``array``."""
+        ...
+
+    def dense(self, x: Any, weight: np.ndarray, hint: str) -> Any:
+        """``x @ weight.T``."""
+        ...
+
+    def conv2d(self, x: Any, weight: np.ndarray, attrs: dict, hint: str) -> Any:
+        """The 2-D convolution of ``x`` with ``weight`` (``attrs``: stride, padding, dilation, groups)."""
+        ...
+
+    def reshape(self, t: Any, shape: tuple[int, ...]) -> Any:
+        """``t`` reshaped to ``(batch, *shape)``."""
+        ...
+
+    def rows(self, t: Any, shape: tuple[int, ...]) -> Any:
+        """``t`` reshaped to ``(-1, *shape)``."""
+        ...
+
+    def concat(self, ts: list[Any], axis: int) -> Any:
+        """``ts`` joined along per-sample axis ``axis``."""
+        ...
+
+    def einsum(self, equation: str, *ts: Any) -> Any: ...
+
+    def permute(self, t: Any, perm: tuple[int, ...]) -> Any: ...
+
+    def rsum(self, t: Any, axis: int) -> Any:
+        """The sum over ``axis`` (the batch axis is 0)."""
+        ...
+
+    def slice(self, t: Any, axis: int, start: int, stop: int) -> Any: ...
+
+    def taps(self, t: Any, kernel: tuple[int, int], stride: tuple[int, int], dilation: tuple[int, int],
+             begin: tuple[int, int], end: tuple[int, int], out_hw: tuple[int, int], fill: float) -> list[Any]:
+        """The strided view of ``t`` (B, C, H, W) at every kernel offset, padded by ``begin``/``end`` of ``fill``."""
+        ...
+
+    def zeros_like(self, t: Any) -> Any:
+        """Exact zeros of ``t``'s shape."""
+        ...
+
+
+@dataclass(frozen=True)
+class CompactPlan:
+    """The compact factor plan (static: fixed before any input; :func:`plan_compact`).
+
+    ``directions[conv]``: the factors per output channel a conv creates for its weight and bias noise
+    (block columns); ``residual[dense]``: the dense layers
+    whose input residual becomes one global factor per input element; ``terminal``: layers whose
+    output's loadings nothing reads (variance corrected, loadings dropped)."""
+
+    directions: dict[str, int] = field(default_factory=dict)
+    residual: frozenset[str] = frozenset()
+    terminal: frozenset[str] = frozenset()
+    #: why the plan left something out (the cost model's verdict), for the printout
+    note: str = ""
+    #: the per-sample shape of every edge (the rules reshape the back ends' tensors by it)
+    shapes: dict[str, tuple[int, ...]] = field(default_factory=dict)
+    scheme: ClassVar[str] = "compact-factor"
+
+    @property
+    def max_factors(self) -> int:
+        """Not static for block factors (per channel); the number of layers that create factors."""
+        return len(self.directions) + len(self.residual)
+
+    def describe(self) -> str:
+        """One line for the plan printout: which factors the plan carries and why."""
+        parts = []
+        if self.directions:
+            parts.append("block factors of " + ", ".join(f"{n} ({r} per channel)" for n, r in self.directions.items())
+                         + ": the last convs' weight noise, shared by the positions the dense head sums")
+        if self.residual:
+            parts.append("one factor per input element of " + ", ".join(sorted(self.residual))
+                         + ": an input's noise is shared by every unit of the dense layer that reads it")
+        return "; ".join(parts + ([self.note] if self.note else [])) or \
+            "no factors (nothing in this net sums correlated elements)"
 
 
 @dataclass
@@ -60,7 +157,7 @@ class Loadings:
         return sum(self.glob_width.values()) + sum(c * r for c, _, r in self.block_shape.values())
 
     # -- any back end
-    def explained(self, bk: Any, elements: int) -> Any:
+    def explained(self, bk: TensorAlgebra, elements: int) -> Any:
         """``Σ_f L[e, f]²`` (B, E): the variance the factors explain (None without loadings)."""
         total = None
         for g in self.glob.values():
@@ -71,7 +168,7 @@ class Loadings:
             total = part if total is None else total + part
         return total
 
-    def times(self, bk: Any, factor: Any, elements: int) -> Loadings:
+    def times(self, bk: TensorAlgebra, factor: Any, elements: int) -> Loadings:
         """Every loading of element ``e`` times ``factor[b, e]`` (a (B, E) tensor) or ``factor[e]`` (an (E,)
         array: a constant)."""
         def col(shape: tuple[int, ...]) -> Any:
@@ -94,7 +191,7 @@ class Loadings:
             out.block_shape[k] = other.block_shape[k]
         return out
 
-    def blocks_as_global(self, bk: Any) -> dict[str, tuple[Any, int]]:
+    def blocks_as_global(self, bk: TensorAlgebra) -> dict[str, tuple[Any, int]]:
         """Every block entry (B, C, P, r) as global columns (B, C·P, C·r): channel ``c``'s loadings in
         columns ``c·r … c·r + r − 1``, zeros elsewhere (where an op mixes channels)."""
         out = {}
@@ -104,7 +201,7 @@ class Loadings:
             out[key] = (bk.rows(dense, (c * p, c * r)), c * r)
         return out
 
-    def as_channels(self, bk: Any, shape: tuple[int, ...]) -> tuple[Any, list[tuple[str, str, int]]]:
+    def as_channels(self, bk: TensorAlgebra, shape: tuple[int, ...]) -> tuple[Any, list[tuple[str, str, int]]]:
         """All loadings of an edge of per-sample ``shape`` (C, H, W) as one (B, C, F, H, W) tensor (global and
         block columns side by side: an op that never leaves a channel, a pooling window) and the layout
         :meth:`from_channels` splits it back by."""
@@ -121,7 +218,8 @@ class Loadings:
         return (parts[0] if len(parts) == 1 else bk.concat(parts, 1)), layout
 
     @staticmethod
-    def from_channels(bk: Any, cols: Any, layout: list[tuple[str, str, int]], shape: tuple[int, ...]) -> Loadings:
+    def from_channels(bk: TensorAlgebra, cols: Any, layout: list[tuple[str, str, int]],
+                      shape: tuple[int, ...]) -> Loadings:
         """The :class:`Loadings` of a (B, C, F, H, W) tensor of :meth:`as_channels` (``shape``: (C, H, W))."""
         c, h, w = shape
         out, start = Loadings(), 0
@@ -138,15 +236,11 @@ class Loadings:
     # -- NumPy conveniences (float64 arrays)
     def squared(self, batch: int, elements: int) -> np.ndarray:
         """``Σ_f L[e, f]²`` (B, E) of NumPy loadings (zeros without any)."""
-        from ..backends.reference import NUMPY_BACKEND
-
         total = self.explained(NUMPY_BACKEND, elements)
         return np.zeros((batch, elements)) if total is None else total
 
     def scaled(self, factor: np.ndarray) -> Loadings:
         """NumPy loadings times ``factor[b, e]`` (B, E)."""
-        from ..backends.reference import NUMPY_BACKEND
-
         return self.times(NUMPY_BACKEND, factor, factor.shape[-1])
 
 
@@ -154,7 +248,7 @@ def elements_of(layer: PlannedLayer) -> int:
     return int(np.prod(layer.layer.out_shape))
 
 
-def full(bk: Any, value: Any, like: Any) -> Any:
+def full(bk: TensorAlgebra, value: Any, like: Any) -> Any:
     """``value`` as a tensor of ``like``'s shape (a scalar constant broadcast; a tensor as it is)."""
     if isinstance(value, (int, float, np.number)) or (isinstance(value, np.ndarray) and value.ndim == 0):
         return bk.ops.const(float(value)) + bk.zeros_like(like)
@@ -163,7 +257,7 @@ def full(bk: Any, value: Any, like: Any) -> Any:
     return value
 
 
-def stein(bk: Any, layer: PlannedLayer, x: Any, ld: Loadings) -> Loadings:
+def stein(bk: TensorAlgebra, layer: PlannedLayer, x: Any, ld: Loadings) -> Loadings:
     """The generic activation rule: ``L ↦ E[f'(a)]·L`` (Stein's lemma, exact for a Gaussian ``a`` jointly
     Gaussian with the factors; the slope is the derivative of the rule's own mean, :mod:`.stein`)."""
     rule = OPS[layer.op].activation
@@ -173,11 +267,19 @@ def stein(bk: Any, layer: PlannedLayer, x: Any, ld: Loadings) -> Loadings:
     return ld.times(bk, bk.reshape(slope, (e,)), e)
 
 
-Rule = Callable[..., tuple[Loadings | None, Any, Any]]
+class CompactRule(Protocol):
+    """An op's rule of the compact factor plan (``registry.COMPACT_REFERENCES``, ``COMPACT_EXPORTERS``; written
+    once over the back end ``bk``, ``ops._formula.compact_formula``): given the layer's inputs, their loadings
+    (None: none) and the layer's mean-field ``(mean, var)``, the output's loadings and corrected moments."""
+
+    def __call__(self, bk: TensorAlgebra, layer: PlannedLayer, inputs: list[Any], loads: list[Loadings | None],
+                 plan: CompactPlan, mean: Any, var: Any) -> tuple[Loadings | None, Any, Any]: ...
 
 
-def compact_layer(bk: Any, rules: dict[str, Rule], layer: PlannedLayer, inputs: list[Any],
-                  loads: list[Loadings | None], plan: Any, mean: Any, var: Any) -> tuple[Loadings | None, Any, Any]:
+
+def compact_layer(bk: TensorAlgebra, rules: Mapping[str, CompactRule], layer: PlannedLayer, inputs: list[Any],
+                  loads: list[Loadings | None], plan: CompactPlan, mean: Any,
+                  var: Any) -> tuple[Loadings | None, Any, Any]:
     """One layer of the compact factor plan in back end ``bk`` (after its mean-field ``(mean, var)``): where an
     input carries loadings or the layer creates factors, its rule (``rules[op]``, else the generic Stein rule of
     an activation) gives the output's loadings and corrected moments; the loadings are then shrunk to explain at

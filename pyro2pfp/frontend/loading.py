@@ -15,6 +15,7 @@ import importlib
 import importlib.util
 import inspect as pyinspect
 import os
+import pickle
 import sys
 from pathlib import Path
 from typing import Any
@@ -108,8 +109,6 @@ def load_param_store(path: str) -> set[str]:
     Only tensors and Pyro/torch constraint objects are accepted (no arbitrary pickled code).
     Returns the names of the loaded parameters.
     """
-    import pickle
-
     import pyro
     import torch
 

@@ -45,8 +45,8 @@ from pyro import poutine
 from pyro.poutine.messenger import Messenger
 from pyro.poutine.subsample_messenger import _Subsample
 
-from ..errors import brief
-from .posterior import SiteReading, call_with_model_args, unwrap_independent
+from ..errors import InputShapeError, brief
+from .posterior import SiteReading, call_with_model_args, read_posterior, unwrap_independent
 
 NODES = 64
 
@@ -297,8 +297,6 @@ class HeteroscedasticNoise:
         (:func:`expected_square`, ``h`` ~ PFP's Gaussian of that column) and their sum."""
         mean, var = np.asarray(mean, dtype=np.float64), np.asarray(var, dtype=np.float64)
         if mean.shape[1:] != self.output_shape or var.shape != mean.shape:
-            from ..errors import InputShapeError
-
             raise InputShapeError(f"the network's output has shape {self.output_shape} per sample; got mean "
                                   f"{mean.shape} and var {var.shape}")
         flat_m, flat_v = mean.reshape(len(mean), -1), var.reshape(len(var), -1)
@@ -469,7 +467,6 @@ def tyxe_noise(bnn: Any, input_shape: tuple[int, ...],
                                        f"softplus scale: Gauss-Hermite quadrature, {HEAD_NODES} nodes"))
     if kind != "HomoskedasticGaussian":
         return NoNoiseModel(f"the TyXe likelihood is {kind}, not a Gaussian (classification?)")
-    from .posterior import read_posterior
 
     readings: dict[str, SiteReading] = {}
     guide = getattr(bnn, "likelihood_guide", None)

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import inspect
 from collections.abc import Iterator
 from typing import Any
 
@@ -115,8 +116,6 @@ def lifting_model(name: str, model: torch.nn.Module, path: str, lifted_paths: se
 
 
 def _positional_count(model: torch.nn.Module) -> int:
-    import inspect
-
     try:
         parameters = inspect.signature(model.forward).parameters.values()
     except (TypeError, ValueError):

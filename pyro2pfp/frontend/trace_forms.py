@@ -31,6 +31,8 @@ from typing import Any
 
 import torch
 
+from .trace_passes import tensor_ops, user_source
+
 _NOT_USER = ("/torch/", "/pyro/", "/pyro2pfp/", "/sympy/", "/tyxe/", "<frozen ", "<string>")
 _STDLIB = sysconfig.get_paths()["stdlib"]
 
@@ -245,8 +247,6 @@ def batch_reaches_network(first: torch.export.ExportedProgram, second: torch.exp
     same tensor ops the output depends on, in the same order, with the same arguments (a view/reshape/expand
     may start its shape with the batch size) and the batch only as the first dimension of every activation
     (``reached(program)``: the nodes that depend on the input); else where the batch size reaches an op."""
-    from .trace_passes import tensor_ops, user_source
-
     ops = [tensor_ops(first), tensor_ops(second)]
     if [str(n.target) for n in ops[0]] != [str(n.target) for n in ops[1]]:
         return "the network computes other ops at another batch size"

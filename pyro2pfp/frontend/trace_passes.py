@@ -3,7 +3,9 @@
 tensor ops the output depends on, and the user's module and source line of a node."""
 from __future__ import annotations
 
+import linecache
 import operator
+import re
 from typing import Any
 
 import torch
@@ -151,9 +153,6 @@ def user_source(node: torch.fx.Node) -> str:
     """``file:line (`source text`)`` of the innermost frame of the model's code (not torch's,
     Pyro's or pyro2pfp's) in ``node``'s recorded stack trace, or "a line of the model that torch did not
     record"."""
-    import linecache
-    import re
-
     trace = node.meta.get("stack_trace") or ""
     frames = re.findall(r'File "([^"]+)", line (\d+), in (\S+)', trace)
     user = [f for f in frames if not any(part in f[0] for part in ("/torch/", "/pyro/", "/pyro2pfp/", "<"))]

@@ -23,21 +23,24 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
-from ..backends.onnx.builder import exporter
-from ..backends.reference import NUMPY_BACKEND, reference
+from ..backends.onnx.builder import OnnxActivation, OnnxContext, exporter
+from ..backends.reference import NUMPY_BACKEND, Activation, reference
+from ..correlation.loadings import CompactRule
+from ..planning.plan import PlannedLayer
+from ..planning.protocols import FormulaBackend
 from ..planning.registry import compact_exporter, compact_reference
 
-Formula = Callable[[Any, Any, list[Any]], Any]
+Formula = Callable[[FormulaBackend, PlannedLayer, list[Any]], Any]
 
 
 def formula(*ops: str) -> Callable[[Formula], Formula]:
     """Register ``fn(bk, layer, inputs)`` as the NumPy reference and the ONNX export of ``ops``."""
 
     def deco(fn: Formula) -> Formula:
-        def on_numpy(layer: Any, inputs: list[Any]) -> Any:
+        def on_numpy(layer: PlannedLayer, inputs: list[Activation]) -> Activation:
             return fn(NUMPY_BACKEND, layer, inputs)
 
-        def on_onnx(ctx: Any, layer: Any, inputs: list[Any]) -> Any:
+        def on_onnx(ctx: OnnxContext, layer: PlannedLayer, inputs: list[OnnxActivation]) -> OnnxActivation:
             return fn(ctx, layer, inputs)
 
         on_numpy.__name__ = on_onnx.__name__ = fn.__name__
@@ -49,15 +52,12 @@ def formula(*ops: str) -> Callable[[Formula], Formula]:
     return deco
 
 
-CompactFormula = Callable[..., Any]
-
-
-def compact_formula(*ops: str) -> Callable[[CompactFormula], CompactFormula]:
+def compact_formula(*ops: str) -> Callable[[CompactRule], CompactRule]:
     """Register ``fn(bk, layer, inputs, loadings, plan, mean, var) -> (loadings, mean, var)`` as the compact factor
     rule of ``ops`` in the float64 reference and the ONNX export (``registry.COMPACT_REFERENCES``,
     ``COMPACT_EXPORTERS``)."""
 
-    def deco(fn: CompactFormula) -> CompactFormula:
+    def deco(fn: CompactRule) -> CompactRule:
         compact_reference(*ops)(fn)
         compact_exporter(*ops)(fn)
         return fn

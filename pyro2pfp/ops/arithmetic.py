@@ -20,6 +20,7 @@ import numpy as np
 from ..backends.onnx.builder import OnnxActivation, OnnxContext
 from ..backends.reference import Activation
 from ..correlation.factors import FactorPlan
+from ..correlation.loadings import CompactPlan, Loadings, TensorAlgebra
 from ..correlation.onnx_step import OnnxShared, OnnxSharedStep
 from ..correlation.shared import Shared, expand, normalised, row_dots, spatial_mean
 from ..planning.converters import Alias, register
@@ -265,8 +266,8 @@ def add_shared_onnx(step: OnnxSharedStep, ctx: OnnxContext, layer: PlannedLayer,
 
 # ------------------------------------------------------------------------------------ compact factor rules
 @compact_formula("affine")
-def affine_compact(bk: Any, layer: PlannedLayer, inputs: list[Any], loads: list[Any], plan: Any,
-                   mean: Any, var: Any) -> tuple[Any, Any, Any]:
+def affine_compact(bk: TensorAlgebra, layer: PlannedLayer, inputs: list[Any], loads: list[Loadings | None],
+                   plan: CompactPlan, mean: Any, var: Any) -> tuple[Any, Any, Any]:
     """Per-channel ``a·x + c`` in the compact factor plan: ``L ↦ a·L`` (exact)."""
     ld = loads[0]
     if ld is None:
@@ -277,13 +278,11 @@ def affine_compact(bk: Any, layer: PlannedLayer, inputs: list[Any], loads: list[
 
 
 @compact_formula("add")
-def add_compact(bk: Any, layer: PlannedLayer, inputs: list[Any], loads: list[Any], plan: Any,
-                mean: Any, var: Any) -> tuple[Any, Any, Any]:
+def add_compact(bk: TensorAlgebra, layer: PlannedLayer, inputs: list[Any], loads: list[Loadings | None],
+                plan: CompactPlan, mean: Any, var: Any) -> tuple[Any, Any, Any]:
     """``a + b`` in the compact factor plan: the loadings add (branches carrying the same factors add them
     coherently); ``v = v_a + v_b + 2·Σ_f L_a,f·L_b,f`` (exact for the factors' part; the residuals stay
     independent)."""
-    from ..correlation.loadings import Loadings
-
     la, lb = (ld if ld is not None else Loadings() for ld in loads)
     shape = tuple(layer.layer.out_shape)
     e = int(np.prod(shape))

@@ -65,7 +65,7 @@ DENSE = register_op(OpDef(
 
 
 
-def _grouped(layer: Any) -> str | None:
+def _grouped(layer: PlannedLayer) -> str | None:
     """Why shared-factor PFP cannot run a conv2d layer: a grouped convolution (None: it can)."""
     groups = layer.layer.attrs.get("groups", 1)
     return f"grouped convolutions (groups={groups})" if groups != 1 else None

@@ -8,7 +8,9 @@ from typing import Any
 
 import numpy as np
 
+from ..backends.reference import NUMPY_BACKEND
 from ..correlation.factors import weight_var
+from ..correlation.loadings import CompactPlan, Loadings, TensorAlgebra
 from ..planning.plan import PlannedLayer
 from ._formula import compact_formula
 
@@ -83,8 +85,6 @@ def block_factor_loadings(bk: Any, layer: PlannedLayer, mean_in: Any, directions
 
 def conv_block_factors(layer: PlannedLayer, mean_in: np.ndarray, directions: int) -> np.ndarray:
     """:func:`block_factor_loadings` of float64 arrays."""
-    from ..backends.reference import NUMPY_BACKEND
-
     return block_factor_loadings(NUMPY_BACKEND, layer, np.asarray(mean_in, dtype=np.float64), directions)
 
 
@@ -103,8 +103,8 @@ def dense_weight(layer: PlannedLayer) -> np.ndarray:
 
 
 @compact_formula("conv2d")
-def conv2d_compact(bk: Any, layer: PlannedLayer, inputs: list[Any], loads: list[Any], plan: Any,
-                   mean: Any, var: Any) -> tuple[Any, Any, Any]:
+def conv2d_compact(bk: TensorAlgebra, layer: PlannedLayer, inputs: list[Any], loads: list[Loadings | None],
+                   plan: CompactPlan, mean: Any, var: Any) -> tuple[Any, Any, Any]:
     """The conv2d rule of the compact factor plan (:mod:`pyro2pfp.correlation.compact`).
 
     The input's loadings pass through the mean weights (exact for a linear map): a global column is
@@ -113,8 +113,6 @@ def conv2d_compact(bk: Any, layer: PlannedLayer, inputs: list[Any], loads: list[
     takes their coherent sum in place of the mean-field one: ``v += ‖L_out‖² − conv(‖L_in‖², W²)``.  A conv
     of the plan's ``directions`` adds its own weight noise as block factors (:func:`block_factor_loadings`).
     The mean is not changed."""
-    from ..correlation.loadings import Loadings
-
     x, ld = inputs[0], loads[0]
     a = layer.layer.attrs
     wm = layer.tensors["weight_mean"]
@@ -151,8 +149,8 @@ def conv2d_compact(bk: Any, layer: PlannedLayer, inputs: list[Any], loads: list[
 
 
 @compact_formula("dense")
-def dense_compact(bk: Any, layer: PlannedLayer, inputs: list[Any], loads: list[Any], plan: Any,
-                  mean: Any, var: Any) -> tuple[Any, Any, Any]:
+def dense_compact(bk: TensorAlgebra, layer: PlannedLayer, inputs: list[Any], loads: list[Loadings | None],
+                  plan: CompactPlan, mean: Any, var: Any) -> tuple[Any, Any, Any]:
     """The dense rule of the compact factor plan (:mod:`pyro2pfp.correlation.compact`).
 
     Output loadings ``ℓ = W·L`` (a block column of channel ``c`` through the weights of its ``P`` elements
@@ -161,8 +159,6 @@ def dense_compact(bk: Any, layer: PlannedLayer, inputs: list[Any], loads: list[A
     ``residual`` makes its input's residual ``r = v − ‖L‖²`` one factor per input element,
     ``ℓ[j, i] = W[j, i]·√r_i``: exact, since an input element's independent noise is shared by every unit
     that reads it (mean-field keeps only its diagonal, ``W²·r``, which this leaves unchanged)."""
-    from ..correlation.loadings import Loadings
-
     x, ld = inputs[0], loads[0]
     wm = layer.tensors["weight_mean"]
     j, i = wm.shape

@@ -43,7 +43,7 @@ CAT_OPS = ("aten.cat.default", "aten.concat.default", "aten.concatenate.default"
 STACK_OPS = ("aten.stack.default",)
 
 
-def row_axis_only(layer: Any) -> str | None:
+def row_axis_only(layer: PlannedLayer) -> str | None:
     """Why the shared-factor rule cannot run ``layer`` (None: it can): it joins along the row axis only."""
     axis = layer.layer.attrs["axis"]
     if axis == 0:

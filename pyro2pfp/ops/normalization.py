@@ -43,6 +43,7 @@ import numpy as np
 from .. import moments
 from ..backends.onnx.builder import OnnxActivation, OnnxContext
 from ..correlation.factors import FactorPlan
+from ..correlation.loadings import CompactPlan, Loadings, TensorAlgebra
 from ..correlation.onnx_step import OnnxShared, OnnxSharedStep
 from ..correlation.shared import Shared, normalised
 from ..planning.converters import register
@@ -151,16 +152,14 @@ def convert_layer_norm(node, ctx) -> Layer:
 
 # ------------------------------------------------------------------------------------ compact factor rule
 @compact_formula("layer_norm")
-def layer_norm_compact(bk: Any, layer: PlannedLayer, inputs: list[Any], loads: list[Any], plan: Any,
-                       mean: Any, var: Any) -> tuple[Any, Any, Any]:
+def layer_norm_compact(bk: TensorAlgebra, layer: PlannedLayer, inputs: list[Any], loads: list[Loadings | None],
+                       plan: CompactPlan, mean: Any, var: Any) -> tuple[Any, Any, Any]:
     """LayerNorm in the compact factor plan, linearised as the op's own variance is (the delta method with
     the Jacobian ``J_jk = r·(δ_jk − (1 + z_j·z_k)/D)`` of ``z``, which includes the statistics' dependence on
     the input): loadings ``L ↦ μγ·(J·L)`` per normalised row -- the mean over the row and its projection on
     ``z`` removed, then scaled by ``r`` -- and ``v += (μγ² + vγ)·(‖J·L‖² − Σ_k J_jk²·‖L_k‖²)`` (the
     inputs' factor part summed through ``J`` coherently in place of independently).  Block columns become
     global (the row mixes channels)."""
-    from ..correlation.loadings import Loadings
-
     x, ld = inputs[0], loads[0]
     if ld is None:
         return None, mean, var

@@ -31,6 +31,7 @@ from ..backends.reference import Activation, emit_output, reference
 from ..backends.reference.arrays import LOWEST, average_divisor, padded, window_views
 from ..correlation.backend import fuses_mean_field
 from ..correlation.factors import FactorPlan
+from ..correlation.loadings import CompactPlan, Loadings, TensorAlgebra
 from ..correlation.onnx_step import OnnxShared, OnnxSharedStep
 from ..correlation.shared import Shared
 from ..errors import UnsupportedLayerError
@@ -483,16 +484,14 @@ def _total(terms: list[Any]) -> Any:
 
 
 @compact_formula("max_pool2d")
-def max_pool2d_compact(bk: Any, layer: PlannedLayer, inputs: list[Any], loads: list[Any], plan: Any,
-                       mean: Any, var: Any) -> tuple[Any, Any, Any]:
+def max_pool2d_compact(bk: TensorAlgebra, layer: PlannedLayer, inputs: list[Any], loads: list[Loadings | None],
+                       plan: CompactPlan, mean: Any, var: Any) -> tuple[Any, Any, Any]:
     """The max pooling rule of the compact factor plan: Clark's correlated fold (``docs/math.md`` "Max
     pooling") with the in-window covariances of the ``window_cov`` input where the planner gave one (the
     conv's weight noise and mean-field input, exact under those assumptions), else the factors' part
     ``Cov(a_p, a_q) = Σ_f L_p,f·L_q,f`` (the residual independent); the running max's loadings by the same
     Clark weights, ``L_max = Φ(α)·L_M + Φ(−α)·L_t`` (exact for jointly Gaussian taps: section 4's
     covariance rule).  Without ``window_cov`` the fold's mean and variance replace the reference's."""
-    from ..correlation.loadings import Loadings
-
     x, ld = inputs[0], loads[0]
     if ld is None:
         return None, mean, var
@@ -522,12 +521,10 @@ def max_pool2d_compact(bk: Any, layer: PlannedLayer, inputs: list[Any], loads: l
 
 
 @compact_formula("avg_pool2d")
-def avg_pool2d_compact(bk: Any, layer: PlannedLayer, inputs: list[Any], loads: list[Any], plan: Any,
-                       mean: Any, var: Any) -> tuple[Any, Any, Any]:
+def avg_pool2d_compact(bk: TensorAlgebra, layer: PlannedLayer, inputs: list[Any], loads: list[Loadings | None],
+                       plan: CompactPlan, mean: Any, var: Any) -> tuple[Any, Any, Any]:
     """The average pooling rule of the compact factor plan: loadings averaged over the window (exact);
     ``v = Σ(v − ‖L‖²)/n² + ‖L_out‖²`` (the factors summed coherently, the residual independently)."""
-    from ..correlation.loadings import Loadings
-
     x, ld = inputs[0], loads[0]
     if ld is None:
         return None, mean, var

@@ -18,6 +18,7 @@ import numpy as np
 from ..backends.onnx.builder import OnnxActivation, OnnxContext
 from ..backends.reference import Activation
 from ..correlation.factors import FactorPlan
+from ..correlation.loadings import CompactPlan, Loadings, TensorAlgebra
 from ..correlation.onnx_step import OnnxShared, OnnxSharedStep
 from ..correlation.shared import Shared
 from ..planning.converters import Alias, register
@@ -136,13 +137,11 @@ def view_shared_onnx(step: OnnxSharedStep, ctx: OnnxContext, layer: PlannedLayer
 
 
 @compact_formula("reshape")
-def reshape_compact(bk: Any, layer: PlannedLayer, inputs: list[Any], loads: list[Any], plan: Any,
-                    mean: Any, var: Any) -> tuple[Any, Any, Any]:
+def reshape_compact(bk: TensorAlgebra, layer: PlannedLayer, inputs: list[Any], loads: list[Loadings | None],
+                    plan: CompactPlan, mean: Any, var: Any) -> tuple[Any, Any, Any]:
     """Reshape in the compact factor plan: the loadings follow their elements (global columns are kept per
     element in flat order; block columns stay per channel where the reshape keeps the channel axis or
     flattens it, else they become global columns of zeros and loadings)."""
-    from ..correlation.loadings import Loadings
-
     ld = loads[0]
     if ld is None:
         return None, mean, var

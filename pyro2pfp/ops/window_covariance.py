@@ -39,6 +39,7 @@ from ..backends.reference.arrays import conv2d_nchw, padded, window_views
 from ..correlation.factors import FactorPlan
 from ..correlation.onnx_step import OnnxShared, OnnxSharedStep
 from ..correlation.shared import Shared
+from ..correlation.stein import mean_and_slope
 from ..planning.graph import Layer, Repr
 from ..planning.plan import PlannedLayer, stored_variance
 from ..planning.registry import (
@@ -386,8 +387,6 @@ def hermite_terms(layer: PlannedLayer, mean: Any, var: Any, ops: Any) -> tuple[A
     """Per element of a ``window_activation`` layer's pre-activation ``a ~ N(mean, var)``: ``(σ, A_1, R)`` with
     ``A_1 = σ·E[f'(a)]`` (Stein's slope: the exact ``μ``-derivative of the activation rule's own mean,
     :mod:`pyro2pfp.correlation.stein`) and ``R = Var f(a) − A_1²`` (clamped at 0; the rule's variance)."""
-    from ..correlation.stein import mean_and_slope
-
     a = layer.layer.attrs
     rule = OPS[a["activation"]].activation
     assert rule is not None

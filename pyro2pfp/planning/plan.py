@@ -40,7 +40,7 @@ from __future__ import annotations
 import numbers
 from collections import Counter
 from dataclasses import dataclass, field
-from typing import Any
+from typing import ClassVar, Protocol
 
 import numpy as np
 
@@ -127,6 +127,25 @@ class PlannedLayer:
         return self.layer.inputs
 
 
+class FactorScheme(Protocol):
+    """A factor plan in ``PlannedGraph.factors`` (``pyro2pfp.correlation.FactorPlan``,
+    ``pyro2pfp.correlation.compact.CompactPlan``; None there: mean-field PFP).  The back ends below the
+    correlation package dispatch on :attr:`scheme`; the correlation package's own code narrows to its
+    classes (``isinstance``) before it reads anything else."""
+
+    #: the key the back ends' executors and steps are registered under (``"shared-factor"``, ``"compact-factor"``)
+    scheme: ClassVar[str]
+
+    @property
+    def max_factors(self) -> int:
+        """The largest number of factor columns of any edge (a plan without static widths: its factor count)."""
+        ...
+
+    def describe(self) -> str:
+        """One line for the plan printout: which factors the plan carries."""
+        ...
+
+
 @dataclass
 class PlannedGraph:
     """The planned network both back ends execute."""
@@ -139,8 +158,8 @@ class PlannedGraph:
     moment_form: str = "variance"
     # A factor plan: pyro2pfp.correlation.FactorPlan (shared-factor PFP, set by
     # pyro2pfp.correlation.with_correlation) or pyro2pfp.correlation.compact.CompactPlan; None for mean-field
-    # PFP.  Each has a ``scheme`` (its executor's key).  (Typed Any: the correlation package builds on this module.)
-    factors: Any = None
+    # PFP.  Each has a ``scheme`` (its executor's key).  (A Protocol: the correlation package builds on this module.)
+    factors: FactorScheme | None = None
     # A correlated guide's global factors (their loadings: the compute layers' weight_factors/bias_factors).
     guide_factors: GuideFactorInfo | None = None
 
@@ -200,12 +219,8 @@ class PlannedGraph:
                      f"moment form '{self.moment_form}'")
         if self.factors is None:
             lines.append("correlation: mean-field (every element independent)")
-        elif self.factors.scheme != "shared-factor":
-            lines.append(f"correlation: {self.factors.scheme}: {self.factors.describe()}")
         else:
-            lines.append(f"correlation: shared-factor (up to {self.factors.max_factors} factors per edge, "
-                         f"{len(self.factors.offsets)} layers create factors, "
-                         f"{len(self.factors.compact_at)} compaction points)")
+            lines.append(f"correlation: {self.factors.scheme}: {self.factors.describe()}")
         if self.guide_factors is not None:
             carried = self.factors is not None and getattr(self.factors, "guide", 0) > 0
             lines.append(f"guide correlations: {self.guide_factors.describe()}"

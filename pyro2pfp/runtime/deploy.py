@@ -28,7 +28,10 @@ import os
 import warnings
 from typing import Any
 
+import numpy as np
+
 from ..errors import ArgumentError, LibraryNotFoundError, LoadError
+from . import tvm_runtime as rt
 from .library_files import (
     BATCH_KEY,
     FORMAT,
@@ -39,6 +42,8 @@ from .library_files import (
     export_library,
     sidecar_path,
 )
+from .onnx_runtime import OnnxPredictor
+from .predictor import CompiledPFP
 from .targets import PRESET_HELP, TARGET_PRESETS, _norm_arch, host_arch, is_cross_target, resolve_target, target_arch
 
 __all__ = ["TARGET_PRESETS", "PRESET_HELP", "FORMAT", "resolve_target", "target_arch", "host_arch",
@@ -94,10 +99,6 @@ def _check_signature(vm: Any, device: Any, path: str, shape: tuple[int, ...], ta
                      batch: int = 1) -> None:
     """The library's own ``main`` (run by ``vm``) must take what the metadata says: its arity, and one
     call on zeros of ``(batch, *shape)`` giving ``batch`` rows."""
-    import numpy as np
-
-    from . import tvm_runtime as rt
-
     arity = int(vm.module["get_function_arity"]("main"))
     if arity != 1 + int(takes_var):
         raise LoadError(f"{path}: the library's main takes {arity} input(s), but its metadata says "
@@ -132,8 +133,6 @@ def _check_sha256(path: str, recorded: str, verify_sha256: bool, what: str) -> N
 def _load_module(path: str) -> Any:
     """``path`` loaded by the TVM runtime (:func:`pyro2pfp.runtime.tvm_runtime.load_module`; TVM's save/load
     noise dropped); a :class:`LoadError` naming it."""
-    from . import tvm_runtime as rt
-
     try:
         with _native_stderr_filtered():
             return rt.load_module(path)
@@ -178,8 +177,6 @@ def _batch_library_files(info: dict[str, Any], meta: str, verify_sha256: bool) -
 
 def _relax_executable(module: Any, path: str, what: str) -> Any:
     """``module`` if a Relax VM can run it; else a :class:`LoadError` naming ``path`` (``what`` it is)."""
-    from . import tvm_runtime as rt
-
     try:
         rt.virtual_machine(module, rt.cpu())
     except Exception as exc:
@@ -234,8 +231,6 @@ def load(path: str | os.PathLike, *, input_shape: tuple[int, ...] | None = None,
     Loading and running need only NumPy and the TVM runtime (:mod:`pyro2pfp.runtime.tvm_runtime`): neither
     torch, Pyro nor the TVM compiler is imported (``exe.target`` imports ``tvm`` when read).
     """
-    from .predictor import CompiledPFP
-
     path = os.fspath(path)
     if path.lower().endswith(".onnx"):
         if input_shape is not None or input_variance is not None:
@@ -243,7 +238,6 @@ def load(path: str | os.PathLike, *, input_shape: tuple[int, ...] | None = None,
                                 "input_shape= and input_variance= are for compiled libraries")
         if not os.path.isfile(path):
             raise LibraryNotFoundError(f"no such ONNX model: {path}")
-        from .onnx_runtime import OnnxPredictor
 
         return OnnxPredictor(path)
     if path.endswith(SIDECAR_SUFFIX) and os.path.isfile(path[: -len(SIDECAR_SUFFIX)]):

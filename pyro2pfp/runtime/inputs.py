@@ -7,6 +7,7 @@ from typing import Any
 import numpy as np
 
 from ..errors import InputShapeError, NumericalError
+from .outputs import head_output
 
 FLOAT32_MAX = float(np.finfo(np.float32).max)
 
@@ -94,7 +95,6 @@ def compiled_outputs(first: np.ndarray, second: np.ndarray, head: str | None) ->
     check_finite_outputs(first, second)
     if head is None:
         return first, second
-    from .outputs import head_output
 
     return head_output(first, second)
 

@@ -15,9 +15,13 @@ from typing import Any
 
 import numpy as np
 
-from ..errors import ArgumentError
+from ..errors import ArgumentError, PFPError
 from . import tvm_runtime as rt
 from .inputs import checked_inputs, compiled_outputs
+from .library_files import export_library
+from .profiling import profile
+from .remote import benchmark
+from .targets import host_arch, target_arch
 from .tvm_runtime import default_num_threads
 
 __all__ = ["CompiledPFP", "default_num_threads", "num_threads", "set_num_threads"]
@@ -163,14 +167,9 @@ class CompiledPFP:
         :class:`pyro2pfp.runtime.remote.Remote`): upload the library to a board and time the whole call
         there with ``time_evaluator`` (a :class:`pyro2pfp.runtime.remote.RemoteTiming`; no per-kernel split)."""
         if remote is not None:
-            from .remote import benchmark
-
             return benchmark(self, x, remote, x_var, repeats=repeats)
-        from .profiling import profile
 
         if not self.runnable:
-            from ..errors import PFPError
-
             raise PFPError("this network was cross-compiled for another CPU architecture: profile it on the device")
         return profile(self, self._args(x, x_var), repeats=repeats, method=method)
 
@@ -183,9 +182,6 @@ class CompiledPFP:
         uploaded to a board, :mod:`pyro2pfp.runtime.remote`).  ``tuned``: ``{batch: executable}`` specialised
         for one batch size (static-shape or tuned on the board), exported with it and run on the
         device for calls of that size, as :class:`CompiledPFP` does here."""
-        from ..errors import PFPError
-        from .targets import host_arch, target_arch
-
         self = cls.__new__(cls)
         self.executable = executable
         self.input_shape = tuple(input_shape)
@@ -228,6 +224,4 @@ class CompiledPFP:
         sha256; ``load`` loads them back, so calls of those sizes run them there as well.  Cross
         targets: ``.so`` uses the cross compiler (``cc``, default ``aarch64-linux-gnu-gcc`` for
         AArch64), ``.tar`` needs no toolchain.  Returns ``path``."""
-        from .library_files import export_library
-
         return export_library(self, path, cc=cc, metadata=metadata)

@@ -38,6 +38,7 @@ from typing import Any
 import numpy as np
 
 from ..errors import ArgumentError, PFPError
+from .tvm_runtime import as_tvm
 
 __all__ = ["KernelTime", "Profile", "profile", "split_kernel_name", "OVERHEAD_ROW"]
 
@@ -181,8 +182,6 @@ def _resolve_vm(target: Any, batch: int | None) -> Any:
         # a CompiledPFP's runtime-only VM (pyro2pfp.runtime.tvm_runtime): TVM's VM over the same executable
         # has the instrument hook and time_evaluator
         import tvm
-
-        from .tvm_runtime import as_tvm
 
         return relax.VirtualMachine(as_tvm(vm.executable), tvm.cpu())
     if getattr(target, "runnable", True) is False:

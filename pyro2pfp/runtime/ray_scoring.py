@@ -41,6 +41,7 @@ from .. import errors
 from ..errors import InternalError, PFPError
 from .scoring import ModelFiles, Scorer
 from .shards import ROW, Shard, ShardError, expand_inputs, output_path, plan_chunks, plan_shard, read_rows, write_scored
+from .tvm_runtime import available_cpus
 
 __all__ = ["READ_CPUS", "RESERVED_CPUS", "ScoreReport", "actor_cpus", "score_files"]
 
@@ -136,8 +137,6 @@ def score_files(models: Sequence[str | os.PathLike | ModelFiles], inputs: Sequen
             report.failed[shard.path] = f"{shard.path}: {why}"
     started = False
     if not ray.is_initialized():
-        from .tvm_runtime import available_cpus
-
         kwargs: dict[str, Any] = ({"address": ray_address} if ray_address
                                   else {"address": "local", "num_cpus": len(available_cpus())})
         ray.init(include_dashboard=False, configure_logging=True, logging_level=logging.WARNING, **kwargs)

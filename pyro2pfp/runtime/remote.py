@@ -28,15 +28,14 @@ import re
 import tempfile
 import threading
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any, TypeVar
+from typing import Any, Protocol, TypeVar
 
 import numpy as np
 
 from ..errors import RemoteError
-
-if TYPE_CHECKING:
-    from ..network import PFPNetwork
-
+from .inputs import checked_inputs, compiled_outputs
+from .library_files import batch_library_path, export_library
+from .targets import target_arch
 
 __all__ = [
     "Remote",
@@ -226,8 +225,6 @@ class RemotePredictor:
         """The inputs checked and set on the VM for their batch size: (that VM, the batch size)."""
         import tvm
 
-        from .inputs import checked_inputs
-
         arrays = checked_inputs(x, x_var, self.input_shape, self.input_variance, np.float32)
         batch = int(arrays[0].shape[0])
         vm = self.vm_for_batch(batch)
@@ -236,8 +233,6 @@ class RemotePredictor:
 
     def __call__(self, x: Any, x_var: Any = None) -> Any:
         """The network's outputs for ``x`` computed on the board (see the class docstring)."""
-        from .inputs import compiled_outputs
-
         return compiled_outputs(*self.outputs(x, x_var), self.head)
 
     def outputs(self, x: Any, x_var: Any = None) -> tuple[np.ndarray, np.ndarray]:
@@ -272,8 +267,6 @@ def upload(exe: Any, remote: Any, batches: Any = None) -> RemotePredictor:
     target), upload the library to a board and load it there.  ``batches``: the batch-specialised
     executables of ``exe.tuned`` to upload as well (default: all of them; sizes without one are
     ignored); calls with those batch sizes run them."""
-    from .library_files import batch_library_path, export_library
-
     remote = as_remote(remote)
     have = {int(b) for b in (getattr(exe, "tuned", None) or {})}
     wanted = sorted(have if batches is None else have & {int(b) for b in batches})
@@ -294,8 +287,6 @@ def upload(exe: Any, remote: Any, batches: Any = None) -> RemotePredictor:
                                          timeout=remote.session_timeout)
                       for b, (_, remote_name) in files.items()}
         except RemoteError as err:
-            from .targets import target_arch
-
             raise RemoteError(f"{err} (the library is compiled for {target_arch(exe.target)}: is the board "
                               "of that architecture?)") from err
     except BaseException:
@@ -349,7 +340,22 @@ def fixed_inputs(input_shape: tuple[int, ...], count: int = 32, seed: int = 0) -
     return np.random.default_rng(seed).uniform(-1.0, 1.0, (int(count), *input_shape)).astype(np.float32)
 
 
-def validate(net: PFPNetwork, exe: Any, remote: Any, *, x: Any = None, count: int = 32, seed: int = 0,
+class ReferenceNetwork(Protocol):
+    """What :func:`validate` reads of a converted network (``pyro2pfp.PFPNetwork``)."""
+
+    @property
+    def input_shape(self) -> tuple[int, ...]: ...
+
+    @property
+    def input_variance(self) -> bool: ...
+
+    @property
+    def head(self) -> str | None: ...
+
+    def reference(self, x: Any, x_var: Any = None) -> Any: ...
+
+
+def validate(net: ReferenceNetwork, exe: Any, remote: Any, *, x: Any = None, count: int = 32, seed: int = 0,
              rtol: float = 1e-4) -> ValidationReport:
     """Run ``exe`` on the board on a fixed input set (``x`` or :func:`fixed_inputs`) and compare
     with ``net.reference`` (float64 NumPy): the max absolute and relative error of mean and var.
@@ -360,7 +366,7 @@ def validate(net: PFPNetwork, exe: Any, remote: Any, *, x: Any = None, count: in
     x_var = np.full_like(xs, 1e-2) if net.input_variance else None
     got = upload(exe, remote, batches=[_rows(xs)])(xs, x_var)
     want = net.reference(xs, x_var)
-    if getattr(net, "head", None) is not None:  # HeadOutputs: probabilities, and the three entropies
+    if net.head is not None:  # HeadOutputs: probabilities, and the three entropies
         got, want = got.module_outputs(), want.module_outputs()
     abs_err = [float(np.max(np.abs(g.astype(np.float64) - w))) for g, w in zip(got, want)]
     rel_err = [e / max(float(np.max(np.abs(w))), 1e-30) for e, w in zip(abs_err, want)]

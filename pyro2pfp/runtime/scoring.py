@@ -50,7 +50,9 @@ from typing import Any
 import numpy as np
 
 from ..errors import ArgumentError, InputShapeError, LoadError, PFPError
+from .deploy import load
 from .library_files import BATCH_KEY, sidecar_path
+from .predictor import set_num_threads
 from .targets import _norm_arch, host_arch
 from .uncertainty import uncertainty_from_logit_samples
 
@@ -184,8 +186,6 @@ def load_for_this_worker(models: Sequence[str | os.PathLike | ModelFiles], direc
     :func:`pyro2pfp.load` (see the module docstring for the check).  :class:`ModelFiles` are written to
     ``directory`` first.  A :class:`~pyro2pfp.errors.LoadError` naming the worker and every model's
     reason if none fits."""
-    from .deploy import load
-
     reasons = []
     for i, model in enumerate(models):
         if isinstance(model, ModelFiles):
@@ -273,8 +273,6 @@ class Scorer:
             os.environ["TVM_NUM_THREADS"] = str(threads)  # read when the thread pool starts (the first call)
         self.exe, self.path = load_for_this_worker(models, self._directory, verify_sha256=verify_sha256)
         if threads is not None and hasattr(self.exe, "vm"):
-            from .predictor import set_num_threads
-
             set_num_threads(threads)
         self.column, self.var_column = column, var_column
         self.keep_inputs, self.id_columns = keep_inputs, None if id_columns is None else list(id_columns)

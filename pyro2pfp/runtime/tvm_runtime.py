@@ -34,6 +34,8 @@ from typing import Any
 
 import numpy as np
 
+from ..errors import LoadError
+
 __all__ = ["VirtualMachine", "as_tvm", "available_cpus", "config_threadpool", "cpu", "default_num_threads",
            "empty", "ffi", "load_module", "num_threads", "tensor", "virtual_machine"]
 
@@ -87,8 +89,6 @@ def _import_ffi_without_torch() -> Any:
 
 def _runtime_library() -> str:
     """``libtvm_runtime.so`` of the installed ``apache-tvm`` (found without importing ``tvm``)."""
-    from ..errors import LoadError
-
     spec = importlib.util.find_spec("tvm")
     roots = [os.path.dirname(spec.origin)] if spec is not None and spec.origin else []
     names = {"linux": "libtvm_runtime.so", "darwin": "libtvm_runtime.dylib", "win32": "tvm_runtime.dll"}

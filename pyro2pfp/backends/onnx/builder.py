@@ -30,19 +30,17 @@ from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from types import SimpleNamespace
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import numpy as np
 
 from ... import moments
+from ..._version import __version__
 from ...errors import ArgumentError, PFPError, UnsupportedLayerError
 from ...planning.graph import INPUT, Repr
 from ...planning.plan import PlannedGraph, PlannedLayer
+from ...planning.protocols import ConvertedNetwork, SchemeStep
 from ...planning.registry import add_to
-
-if TYPE_CHECKING:
-    from ...network import PFPNetwork
-
 
 D, V, S = Repr.DETERMINISTIC, Repr.VARIANCE, Repr.SECOND_MOMENT
 _INV_SQRT2 = 1.0 / math.sqrt(2.0)
@@ -357,7 +355,7 @@ EXPORTERS: dict[str, Exporter] = {}
 #: ``@exporter(op)`` registers the ONNX emitter of PFP op ``op`` (once).
 exporter = add_to(EXPORTERS, "ONNX export of op")
 
-SCHEME_STEPS: dict[str, Callable[..., Any]] = {}
+SCHEME_STEPS: dict[str, Callable[[PlannedGraph, OnnxContext], SchemeStep[OnnxContext, OnnxActivation]]] = {}
 """``{correlation scheme: factory(graph, ctx) -> step(ctx, layer, inputs, out) -> out}`` for plans that
 are not mean-field (``"shared-factor"``: :mod:`pyro2pfp.correlation.onnx_step`, which builds on this
 module): the step emits the scheme's nodes after each layer's export."""
@@ -368,7 +366,7 @@ module): the step emits the scheme's nodes after each layer's export."""
 # ---------------------------------------------------------------------------------------------
 
 
-def _planned(net: PFPNetwork) -> PlannedGraph:
+def _planned(net: ConvertedNetwork | PlannedGraph) -> PlannedGraph:
     if isinstance(net, PlannedGraph):
         return net
     planned = getattr(net, "plan", None)
@@ -377,12 +375,10 @@ def _planned(net: PFPNetwork) -> PlannedGraph:
     raise TypeError(f"to_onnx needs a PFPNetwork or a PlannedGraph, got {type(net).__name__}")
 
 
-def build_model(net: PFPNetwork, *, opset: int = DEFAULT_OPSET, graph_name: str | None = None):
+def build_model(net: ConvertedNetwork | PlannedGraph, *, opset: int = DEFAULT_OPSET, graph_name: str | None = None):
     """The PFP network as an ``onnx.ModelProto`` (checked with ``onnx.checker``, full check)."""
     import onnx
     from onnx import TensorProto, helper
-
-    from ..._version import __version__
 
     graph = _planned(net)
     if int(opset) < MIN_OPSET:
@@ -458,7 +454,7 @@ def build_model(net: PFPNetwork, *, opset: int = DEFAULT_OPSET, graph_name: str 
     return model
 
 
-def to_onnx(net: PFPNetwork, path: str | os.PathLike | None = None, *, opset: int = DEFAULT_OPSET):
+def to_onnx(net: ConvertedNetwork | PlannedGraph, path: str | os.PathLike | None = None, *, opset: int = DEFAULT_OPSET):
     """Write the PFP network ``net`` (a ``PFPNetwork`` or ``PlannedGraph``) as an ONNX model.
 
     Inputs ``x`` (and ``x_var`` if the network takes an input variance), outputs ``mean`` and

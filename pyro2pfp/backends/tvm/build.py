@@ -41,6 +41,8 @@ from ...runtime.targets import is_cross_target, make_target
 from ...runtime.tvm_runtime import available_cpus
 from . import subnormals
 from .kernel_cache import open_cache, source_fingerprint
+from .schedules import layers_by_name, schedule_kernel
+from .sharing import KernelGroups, share_identical_kernels_pass
 
 #: kernels compiled per LLVM module at most: several modules per thread, so that a slow kernel
 #: does not hold one thread while the others idle, but not one per kernel (each module has a fixed
@@ -260,8 +262,6 @@ def build(mod: tvm.IRModule, target: Any, relax_pipeline: Any = "default", jobs:
     ``relax_pipeline`` (a name or a pass), then :func:`mark_prim_funcs_noalias`; the kernels compiled
     on ``jobs`` threads (default :func:`build_jobs`; 1: ``tvm.compile`` itself, see :func:`parallel`).
     ``kernels``: a :class:`KernelPool` that already compiles (some of) ``mod``'s kernels."""
-    from .sharing import share_identical_kernels_pass
-
     tgt = make_target(target)
     if isinstance(relax_pipeline, str):
         relax_pipeline = relax.get_pipeline(relax_pipeline)
@@ -306,9 +306,6 @@ class KernelStream:
     :meth:`KernelPool.finish` finds each compiled part's kernels unchanged."""
 
     def __init__(self, plan: PlannedGraph | None, target: Any, pool: KernelPool) -> None:
-        from .schedules import layers_by_name
-        from .sharing import KernelGroups
-
         self.target, self.pool = make_target(target), pool
         self.layers = layers_by_name(plan)
         self.groups = KernelGroups()
@@ -318,8 +315,6 @@ class KernelStream:
     def add(self, name: str, func: tvm.tirx.PrimFunc) -> None:
         """Schedule and queue kernel ``name`` unless an earlier kernel equals it (or its compiled code
         is in the kernel cache: :meth:`KernelPool.lookup`; nothing to schedule then)."""
-        from .schedules import schedule_kernel
-
         if name in self.scheduled or self.groups.first_of(name, func) is not None:
             return
         stand_in, key = self.pool.lookup(name, func)

@@ -17,6 +17,7 @@ import numpy as np
 from tvm import relax
 
 from ... import moments
+from ...correlation.compact import compact_plan
 from ...correlation.loadings import Loadings, compact_layer
 from ...planning.graph import INPUT, Repr
 from ...planning.plan import PlannedGraph, PlannedLayer
@@ -212,10 +213,7 @@ class CompactStep:
     each layer's mean-field kernel, the layer's rule on Relax tensors; keeps each edge's loadings."""
 
     def __init__(self, graph: PlannedGraph) -> None:
-        from ...correlation.compact import edge_shapes
-
-        plan = graph.factors
-        self.plan = plan if plan.shapes else dataclasses.replace(plan, shapes=edge_shapes(graph))
+        self.plan = compact_plan(graph)
         self.loads: dict[str, Loadings | None] = {INPUT: None}
 
     def emits_mean_field(self, layer: PlannedLayer) -> bool:

@@ -7,16 +7,17 @@ batch-specialised executables -- tuned only on a board (``tune={..., "remote": .
 """
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from ...errors import ArgumentError, PFPError
+from ...planning.protocols import ConvertedNetwork
 from ...runtime.targets import host_arch, is_cross_target, resolve_target, target_arch
+from . import runtime
+from .emit import kernel_table
+from .tuning import parse_tune_spec, tune_network
 
-if TYPE_CHECKING:
-    from ...network import PFPNetwork
 
-
-def compile_network(net: PFPNetwork, target: Any = "native", *, schedule: bool = True, tune: Any = None,
+def compile_network(net: ConvertedNetwork, target: Any = "native", *, schedule: bool = True, tune: Any = None,
                     num_threads: int | None = None, batch_sizes: Any = ()):
     """``net.compile(target)`` with presets and cross-compilation.
 
@@ -29,9 +30,6 @@ def compile_network(net: PFPNetwork, target: Any = "native", *, schedule: bool =
     spec (candidates built here, measured on the board): MetaSchedule measures every candidate where
     it runs, so tuning a cross target without a board is refused.
     """
-    from . import runtime
-    from .emit import kernel_table
-
     tgt = resolve_target(target)
     static = _batch_sizes(batch_sizes)
     tuning = tune is not None and tune is not False
@@ -47,8 +45,6 @@ def compile_network(net: PFPNetwork, target: Any = "native", *, schedule: bool =
     executable = runtime.build_network(net, tgt, schedule)
     tuned = {b: runtime.build_network(net, tgt, schedule, batch=b) for b in static}
     if tuning:
-        from .tuning import tune_network
-
         tuned.update(tune_network(net, tgt, tune))
     if cross:
         exe = runtime.CompiledPFP.for_cross_target(executable, net.input_shape, net.input_variance, tgt,
@@ -56,7 +52,7 @@ def compile_network(net: PFPNetwork, target: Any = "native", *, schedule: bool =
     else:
         exe = runtime.CompiledPFP(executable, net.input_shape, net.input_variance, tgt, tuned=tuned)
     exe.kernels = kernel_table(net.mod)
-    exe.head = getattr(net, "head", None)  # "probs": outputs unpacked into a HeadOutput
+    exe.head = net.head  # "probs": outputs unpacked into a HeadOutput
     return exe
 
 
@@ -68,8 +64,6 @@ def _tunes_on_a_board(tune: Any) -> bool:
 def _check_tune_spec(tune: Any) -> None:
     """A malformed ``tune=`` is an :class:`ArgumentError` (what :func:`pyro2pfp.backends.tvm.tuning.parse_tune_spec`
     expects is in its message)."""
-    from .tuning import parse_tune_spec
-
     try:
         parse_tune_spec(tune)
     except (TypeError, ValueError) as exc:

@@ -15,6 +15,7 @@ from tvm import relax, te, tirx
 
 from ... import moments
 from ...errors import ArgumentError, PFPError
+from ...planning import protocols
 from ...planning.graph import INPUT, Repr
 from ...planning.plan import PlannedGraph, PlannedLayer
 from ...planning.registry import add_to
@@ -154,22 +155,17 @@ def kernel_table(mod: Any) -> dict[str, tuple[str, str]]:
 #: ``@kernel(op)`` registers the Relax/TE emitter of PFP op ``op`` (once).
 kernel = add_to(KERNELS, "TVM kernel of op")
 
-class SchemeStep(Protocol):
-    """The kernels of a correlation scheme, emitted layer by layer (:data:`SCHEME_STEPS`)."""
-
-    def emits_mean_field(self, layer: PlannedLayer) -> bool:
-        """Whether the step's kernel for ``layer`` also computes its mean-field outputs (then
-        :func:`emit_module` emits no mean-field kernel for it and passes ``out=None``)."""
-        ...
+class SchemeStep(protocols.SchemeStep["EmitContext", "RelaxActivation"], Protocol):
+    """The kernels of a correlation scheme, emitted layer by layer (:data:`SCHEME_STEPS`): a
+    :class:`pyro2pfp.planning.protocols.SchemeStep` (``emits_mean_field(layer)``: whether the step's kernel for
+    ``layer`` also computes its mean-field outputs; then :func:`emit_module` emits no mean-field kernel for it and
+    passes ``out=None``) that also says whether it reads a layer's weight-noise term."""
 
     def needs_weight_noise(self, layer: PlannedLayer) -> bool:
         """Whether the step reads ``layer``'s weight-noise term (:attr:`RelaxActivation.weight_noise`):
         :func:`emit_module` then asks the layer's mean-field kernel for it (:attr:`EmitContext.weight_noise`)."""
         ...
 
-    def __call__(self, ctx: EmitContext, layer: PlannedLayer, inputs: list[RelaxActivation],
-                 out: RelaxActivation | None) -> RelaxActivation:
-        ...
 
 
 SCHEME_STEPS: dict[str, Callable[[PlannedGraph], SchemeStep]] = {}

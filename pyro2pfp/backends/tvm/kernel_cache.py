@@ -38,6 +38,8 @@ from typing import Any
 import tvm
 import tvm_ffi
 
+from ..._version import __version__
+
 ENV = "PYRO2PFP_KERNEL_CACHE"
 LIMIT_ENV = "PYRO2PFP_KERNEL_CACHE_MB"
 DEFAULT_LIMIT_MB = 512
@@ -69,8 +71,6 @@ def source_fingerprint() -> str:
     default schedules, build) and the package version: the key of a kernel looked up before it is
     scheduled (the schedules read only the PrimFunc and the target), so a change of that code misses."""
     if not _fingerprint:
-        from ..._version import __version__
-
         root = Path(__file__).resolve().parent
         h = hashlib.sha256(str(__version__).encode())
         for path in sorted(root.rglob("*.py")):

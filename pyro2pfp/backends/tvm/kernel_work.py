@@ -9,25 +9,20 @@ kernel's as the multiplications of its definition (the TIR before scheduling, at
 """
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 import numpy as np
 import tvm
 
 from ...planning.graph import Repr
 from ...planning.plan import is_compute_layer
+from ...planning.protocols import ConvertedNetwork
 from .emit import kernel_info
 from .schedules.work import kernel_multiplies
 from .tuning.specialize import specialize_batch
 
-if TYPE_CHECKING:
-    from ...network import PFPNetwork
-
-
 __all__ = ["kernel_multiply_adds"]
 
 
-def kernel_multiply_adds(net: PFPNetwork, batch: int) -> dict[str, float]:
+def kernel_multiply_adds(net: ConvertedNetwork, batch: int) -> dict[str, float]:
     """``{kernel symbol: multiply-adds of one call}`` of ``net``'s compiled module at ``batch``
     inputs (the counting rule is in the module docstring)."""
     layers = {layer.name: layer for layer in net.plan.layers}

@@ -6,17 +6,16 @@ controls (:func:`set_num_threads`, :func:`num_threads`, :func:`default_num_threa
 """
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import tvm
 
+from ...planning.protocols import ConvertedNetwork
 from ...runtime.predictor import CompiledPFP, default_num_threads, num_threads, set_num_threads
-from .build import build
+from .build import KernelPool, KernelStream, build, parallel
 from .schedules import schedule_module
-
-if TYPE_CHECKING:
-    from ...network import PFPNetwork
-
+from .sharing import share_identical_kernels
+from .tuning.specialize import specialize_batch
 
 __all__ = ["CompiledPFP", "build_network", "default_num_threads", "num_threads", "set_num_threads"]
 
@@ -37,17 +36,14 @@ def cached_kernels(mod: tvm.IRModule, kernels: Any) -> tuple[tvm.IRModule, dict[
     return out, keys
 
 
-def build_network(net: PFPNetwork, target: tvm.target.Target, schedule: bool = True, batch: int | None = None) -> Any:
+def build_network(net: ConvertedNetwork, target: tvm.target.Target, schedule: bool = True,
+                  batch: int | None = None) -> Any:
     """``net.mod`` with the default CPU schedules (unless ``schedule=False``), built for ``target``.
     Identical kernels are shared first (:func:`~pyro2pfp.backends.tvm.sharing.share_identical_kernels`;
     the schedules depend only on the PrimFunc), so each distinct kernel is scheduled once.
     ``batch``: a static-shape executable for that batch size only (``net.mod`` specialised by
     :func:`pyro2pfp.backends.tvm.tuning.specialize_batch`, as for tuning: the batch fixed in Relax and in every
     PrimFunc -- no shape arithmetic per call, storage planned once), else the any-batch one."""
-    from .build import KernelPool, KernelStream, parallel
-    from .sharing import share_identical_kernels
-    from .tuning.specialize import specialize_batch
-
     # LLVM compiles each kernel on the build threads as soon as it is scheduled -- for a module not yet
     # emitted, as soon as it is emitted (KernelStream)
     kernels = KernelPool(target) if schedule and parallel(target) else None

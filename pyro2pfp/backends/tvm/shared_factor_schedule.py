@@ -9,6 +9,7 @@ from typing import Any
 import tvm
 from tvm import s_tir
 
+from ...planning.plan import PlannedLayer
 from .emit import OP_ATTR
 from .ops.winograd import schedule_weight_transforms
 from .schedules import (
@@ -82,7 +83,7 @@ def _depth(sch: s_tir.Schedule, block: Any, loop: Any) -> int:
     return len(refs) - next(k for k, ref in enumerate(refs) if ref.same_as(target))
 
 
-def schedule_shared(sch: s_tir.Schedule, layer: Any, target: tvm.target.Target) -> None:
+def schedule_shared(sch: s_tir.Schedule, layer: PlannedLayer | None, target: tvm.target.Target) -> None:
     """Every loop nest of a shared-factor kernel.  The pooling blocks (``cols*``/``bar*`` of
     ``sf_conv_load``) get :func:`schedule_pooling`, the products of :data:`MATMUL_BLOCKS`
     :func:`tiled_product`, those of :data:`VECTOR_ROW_BLOCKS` :func:`vector_rows`, row sums

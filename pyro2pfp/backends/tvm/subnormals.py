@@ -34,6 +34,8 @@ from typing import Any
 import tvm
 from tvm import s_tir, tirx
 
+from ...runtime.targets import make_target, target_arch
+
 FTZ_DAZ = 0x8040
 """MXCSR bits 15 (flush to zero) and 6 (denormals are zero)."""
 DONE_ATTR = "pfp.flush_subnormals"
@@ -123,8 +125,6 @@ def keep_subnormals() -> Iterator[None]:
 def applies(target: Any) -> bool:
     """Whether kernels for ``target`` get :func:`flush_subnormals`: an LLVM target for x86-64 (and
     :func:`keep_subnormals` not in force)."""
-    from ...runtime.targets import make_target, target_arch
-
     if not _enabled[-1]:
         return False
     tgt = make_target(target)

@@ -29,6 +29,7 @@ so that ``Σ_f loading² ≤`` the site's variance.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from operator import attrgetter
 from typing import Any
 
 import numpy as np
@@ -169,7 +170,6 @@ def _structured_factors(guide: autoguide.AutoStructured, readings: dict[str, Any
     for name, _site in guide._sorted_sites:
         if guide.conditionals[name] != "mvn":
             continue
-        from operator import attrgetter
 
         scale = _np(attrgetter(name)(guide.scales))
         tril = _np(attrgetter(name)(guide.scale_trils))

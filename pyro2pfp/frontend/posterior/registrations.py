@@ -34,6 +34,7 @@ import torch
 from pyro import poutine
 
 from ...errors import PosteriorError
+from ..model_output import LikelihoodSites
 from .readers import call_with_model_args
 
 SEPARATOR = "$$$"  # pyro.params.param_store._MODULE_NAMESPACE_DIVIDER
@@ -70,8 +71,6 @@ def _differs(a: torch.Tensor, b: torch.Tensor) -> bool:
 def param_sites(fn: Callable[..., Any], args: tuple, replay: Any = None) -> list[tuple[str, Any]]:
     """``[(store name, the tensor the caller passed)]`` of every ``pyro.param`` call of one run of ``fn``
     (with ``replay``: a guide trace whose sample sites the run takes; the other sample sites are inert)."""
-    from ..model_output import LikelihoodSites
-
     run = poutine.replay(fn, trace=replay) if replay is not None else fn
     with torch.no_grad(), poutine.block(), pyro.validation_enabled(False), LikelihoodSites():
         trace = poutine.trace(lambda: call_with_model_args(run, args)).get_trace()

@@ -116,7 +116,7 @@ def activation_kernel(rule: ActivationRule) -> Any:
     return emit
 
 
-def schedule_elementwise(sch: s_tir.Schedule, layer: Any, target: tvm.target.Target) -> None:
+def schedule_elementwise(sch: s_tir.Schedule, layer: PlannedLayer | None, target: tvm.target.Target) -> None:
     """Elementwise ops: :func:`~pyro2pfp.backends.tvm.schedules.schedule_flat`.
 
     A two-output ``te.compute`` lowers to two blocks (``<name>_v0``, ``<name>_v1``) in one loop nest.

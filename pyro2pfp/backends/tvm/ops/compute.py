@@ -255,7 +255,7 @@ DENSE_K_CHUNK = 32  # rows of the weight tile kept in L1 while every example of 
 
 
 @schedule("dense")
-def schedule_dense(sch: s_tir.Schedule, layer: Any, target: tvm.target.Target) -> None:
+def schedule_dense(sch: s_tir.Schedule, layer: PlannedLayer | None, target: tvm.target.Target) -> None:
     """Dense ``(batch, K) x (K, M)``: one tuple-reduction block ``dense`` (mean and variance sums
     together) + the ``epilogue`` blocks.
 
@@ -305,7 +305,7 @@ CONV_MAX_UNROLLED_WINDOW = 64  # unroll the kernel window only up to this many t
 
 
 @schedule("conv2d")
-def schedule_conv2d(sch: s_tir.Schedule, layer: Any, target: tvm.target.Target) -> None:
+def schedule_conv2d(sch: s_tir.Schedule, layer: PlannedLayer | None, target: tvm.target.Target) -> None:
     """Conv2d NCHW/OIHW: optional ``pad`` block(s) (one per input tensor), the tuple-reduction
     ``conv2d`` block and the ``epilogue``.  (A Winograd conv -- a ``wino_gemm`` block, see
     ``winograd.py`` -- gets :func:`~.winograd.schedule_winograd` instead.)

@@ -110,7 +110,7 @@ def softmax_head(ctx: EmitContext, layer: PlannedLayer, inputs: list[RelaxActiva
 
 
 @schedule(HEAD_OP)
-def schedule_head(sch: s_tir.Schedule, layer: Any, target: tvm.target.Target) -> None:
+def schedule_head(sch: s_tir.Schedule, layer: PlannedLayer | None, target: tvm.target.Target) -> None:
     """Every stage under one parallel loop over the batch: the first stage's batch loop is made
     parallel and each later stage is moved under it (``reverse_compute_at``), so one input's
     intermediates (a few hundred floats) live in a thread-private tile and batch 1 starts one

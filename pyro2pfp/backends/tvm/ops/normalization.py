@@ -102,7 +102,7 @@ def layer_norm(ctx: EmitContext, layer: PlannedLayer, inputs: list[RelaxActivati
 
 
 @schedule("layer_norm")
-def schedule_layer_norm(sch: s_tir.Schedule, layer: Any, target: tvm.target.Target) -> None:
+def schedule_layer_norm(sch: s_tir.Schedule, layer: PlannedLayer | None, target: tvm.target.Target) -> None:
     """One parallel loop over (batch × leading positions); each iteration computes its row's two statistics
     (``compute_at``: the intermediates shrink to one value per thread) and then the row's outputs, whose
     innermost normalised axis is vectorised (a power-of-two width dividing it, when the body allows)."""

@@ -339,7 +339,7 @@ same within timing noise and the build is shorter (``benchmarks/latency.py`` pri
 
 
 @schedule("max_pool2d")
-def schedule_max_pool2d(sch: s_tir.Schedule, layer: Any, target: tvm.target.Target) -> None:
+def schedule_max_pool2d(sch: s_tir.Schedule, layer: PlannedLayer | None, target: tvm.target.Target) -> None:
     """Max pooling: a ``max_pool2d`` reduction over the window (Clark's Gaussian max, or a plain
     max for a deterministic input) plus an ``epilogue`` when the input is probabilistic.
 
@@ -511,7 +511,7 @@ def _schedule_deinterleaved_pool(sch: s_tir.Schedule, lanes: int) -> None:
 
 
 @schedule("avg_pool2d")
-def schedule_avg_pool2d(sch: s_tir.Schedule, layer: Any, target: tvm.target.Target) -> None:
+def schedule_avg_pool2d(sch: s_tir.Schedule, layer: PlannedLayer | None, target: tvm.target.Target) -> None:
     """Average pooling: the window-sum reduction ``avg_pool2d`` (one or two outputs: mean and
     variance) runs parallel over (batch, channel) with the window loops unrolled inside the output
     columns (row-major window order, as the reference sums), the output columns vectorised when the

@@ -320,7 +320,7 @@ def window_activation_shared_kernel(step: Any, ctx: EmitContext, layer: PlannedL
 
 
 @schedule("window_cov")
-def schedule_window_cov(sch: s_tir.Schedule, layer: Any, target: tvm.target.Target) -> None:
+def schedule_window_cov(sch: s_tir.Schedule, layer: PlannedLayer | None, target: tvm.target.Target) -> None:
     """The padded copy and the last stage are elementwise nests; the pair reduction runs parallel
     over (batch, pair, output row), the output channels innermost as one vector and the kernel's
     columns unrolled."""
@@ -345,6 +345,6 @@ schedule("sf_window_cov", "sf_window_closure")(schedule_shared)
 
 
 @schedule("window_closure", "window_activation")
-def schedule_window_pairs(sch: s_tir.Schedule, layer: Any, target: tvm.target.Target) -> None:
+def schedule_window_pairs(sch: s_tir.Schedule, layer: PlannedLayer | None, target: tvm.target.Target) -> None:
     """Elementwise nests (the Hermite terms per element, the pairs): :func:`~.schedules.schedule_flat`."""
     schedule_flat(sch, simd_lanes(target))

@@ -151,12 +151,12 @@ def schedule_module(mod: tvm.IRModule, plan: PlannedGraph | None, target: tvm.ta
     return out
 
 
-def layers_by_name(plan: PlannedGraph | None) -> dict[str, Any]:
+def layers_by_name(plan: PlannedGraph | None) -> dict[str, PlannedLayer]:
     """``{layer name: planned layer}`` of ``plan`` (what :func:`schedule_kernel` looks layers up in)."""
     return {layer.name: layer for layer in getattr(plan, "layers", ())}
 
 
-def schedule_kernel(name: str, func: tirx.PrimFunc, layers: dict[str, Any], target: tvm.target.Target
+def schedule_kernel(name: str, func: tirx.PrimFunc, layers: dict[str, PlannedLayer], target: tvm.target.Target
                     ) -> tirx.PrimFunc | None:
     """Kernel ``name`` with its op's default schedule (:func:`schedule_function`; the op and layer
     from its attributes, ``layers`` from :func:`layers_by_name`): ``func`` itself if it came scheduled

@@ -20,7 +20,9 @@ from __future__ import annotations
 import contextlib
 import inspect
 import linecache
+import os
 import sys
+import tempfile
 from collections.abc import Iterator
 from typing import Any
 
@@ -88,9 +90,6 @@ def worker_build(mod, target, cc=None) -> str:  # noqa: ANN001 -- runs in a Meta
     ``cc``: the cross compiler that links it for another architecture (``aarch64-linux-gnu-gcc``
     for an AArch64 board); ``None``: the host's.  No ``tvm.s_tir.tensor_intrin`` import is needed
     for the build itself (``worker_init`` already did it, patched)."""
-    import os
-    import tempfile
-
     import tvm
     from tvm.s_tir.transform import RemoveWeightLayoutRewriteBlock
 

@@ -6,12 +6,15 @@ import os
 import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import tvm
 from tvm.s_tir import meta_schedule as ms
 
 from ....errors import ArgumentError, TuningError
+from ....planning.plan import PlannedGraph
+from ....planning.protocols import ConvertedNetwork
+from ....runtime.remote import as_remote
 from . import _fast_inspect
 from .choose import _any_batch_defaults, _choose, _default_schedules
 from .database import FORMAT_VERSION, _apply_database, _locked, _read_meta, _write_meta
@@ -20,10 +23,6 @@ from .measure import _BatchRunner, _kernel_inputs, _seconds
 from .results import KernelChoice, TuneResult
 from .search import BUILDERS, SEARCH_OPS, _Progress, _run_search, _select_tasks
 from .specialize import _prim_funcs, _schedules_fingerprint, _target_json, specialize_batch, tuning_key
-
-if TYPE_CHECKING:
-    from ....network import PFPNetwork
-
 
 DEFAULT_TRIALS = 64
 """Candidates measured per tuned module when ``trials`` is not given."""
@@ -35,7 +34,7 @@ def _print(msg: str) -> None:
 
 def tune(mod: tvm.IRModule, target: Any, *, batch: int, trials: int = DEFAULT_TRIALS,
          work_dir: str | os.PathLike | None = None, progress: bool | Callable[[str], Any] = True,
-         plan: Any = None, cost_model: str = "auto", builder: str = "pool",
+         plan: PlannedGraph | None = None, cost_model: str = "auto", builder: str = "pool",
          num_trials_per_iter: int | None = None, min_share: float = 0.03,
          search_ops: Sequence[str] | None = SEARCH_OPS, seed: int = 0,
          label: str | None = None, remote: Any = None) -> TuneResult:
@@ -110,8 +109,6 @@ def tune(mod: tvm.IRModule, target: Any, *, batch: int, trials: int = DEFAULT_TR
     tgt = tuning_target(target)
     board = None
     if remote is not None:
-        from ....runtime.remote import as_remote
-
         remote = as_remote(remote)
         remote.servers()  # no server under the key: a clear error now, not a queue that never ends
         board = remote.tag
@@ -240,7 +237,7 @@ def with_remote(tune: Any, remote: Any) -> Any:
     return spec
 
 
-def tune_network(net: PFPNetwork, target: Any, spec: Any) -> dict[int, Any]:
+def tune_network(net: ConvertedNetwork, target: Any, spec: Any) -> dict[int, Any]:
     """Tune ``net`` (a :class:`~pyro2pfp.network.PFPNetwork`) for each batch of ``spec`` (what
     ``compile(tune=...)`` takes, see :func:`parse_tune_spec`) and build them:
     ``{batch: VM executable specialised to that batch}``."""

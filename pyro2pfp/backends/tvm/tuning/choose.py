@@ -13,6 +13,8 @@ import tvm_ffi
 from tvm import tirx
 
 from ....planning.plan import PlannedGraph
+from .. import schedules
+from ..emit import kernel_info, kernel_table
 from .measure import _BatchRunner, _kernel_inputs, _seconds
 from .specialize import _prim_funcs
 
@@ -20,9 +22,6 @@ from .specialize import _prim_funcs
 def _default_schedules(mod: tvm.IRModule, plan: PlannedGraph | None,
                        target: tvm.target.Target) -> dict[str, tirx.PrimFunc]:
     """The default (hand-written) schedule of every PFP kernel of ``mod`` that has one."""
-    from .. import schedules
-    from ..emit import kernel_info
-
     layers = {layer.name: layer for layer in getattr(plan, "layers", ())}
     out = {}
     for name, func in _prim_funcs(mod).items():
@@ -45,9 +44,6 @@ def _any_batch_defaults(mod: tvm.IRModule, plan: PlannedGraph | None, target: tv
     runs), for the kernels the specialised module has too.  They accept any batch, so they are
     candidates in the specialised module as well: the tuned module is then never slower, kernel
     by kernel, than the untuned one (a schedule applied to the static kernel can differ)."""
-    from .. import schedules
-    from ..emit import kernel_table
-
     if not set(kernel_table(mod)) & names:
         return {}
     with warnings.catch_warnings():

@@ -23,7 +23,7 @@ def _locked(directory: Path) -> Iterator[None]:
     """Exclusive lock on ``directory`` (two processes tuning the same key wait for each other)."""
     directory.mkdir(parents=True, exist_ok=True)
     try:
-        import fcntl
+        import fcntl  # lazy: POSIX only (elsewhere the directory is not locked)
     except ImportError:  # pragma: no cover -- not POSIX
         yield
         return

@@ -10,6 +10,8 @@ from typing import Any
 import tvm
 
 from ....errors import TuningError
+from ....runtime.targets import host_arch, resolve_target, target_arch
+from ..runtime import default_num_threads
 
 CACHE_ENV = "PYRO2PFP_CACHE"
 """Environment variable overriding the cache root (default ``~/.cache/pyro2pfp``)."""
@@ -38,15 +40,11 @@ def default_cache_dir() -> Path:
 
 def _physical_cores() -> int:
     """Physical cores available to this process (the default TVM thread count as well)."""
-    from ..runtime import default_num_threads
-
     return default_num_threads()
 
 
 def _check_runs_here(target: tvm.target.Target) -> None:
     """Tuning measures candidates on this machine: refuse a target for another architecture."""
-    from ....runtime.targets import host_arch, target_arch
-
     if target_arch(target) != host_arch():
         raise TuningError(
             f"cannot tune for {target_arch(target)} on this {host_arch()} machine: MetaSchedule measures "
@@ -57,8 +55,6 @@ def _check_runs_here(target: tvm.target.Target) -> None:
 def tuning_target(target: Any) -> tvm.target.Target:
     """``target`` (a preset such as ``"rpi4"``, a name, tag, dict or Target) as a
     ``tvm.target.Target`` with ``num-cores`` (MetaSchedule requires it)."""
-    from ....runtime.targets import resolve_target
-
     tgt = resolve_target(target)
     cores = tgt.attrs.get("num-cores")
     if cores is not None and int(cores) > 0:

@@ -4,7 +4,9 @@ worker start-up (:class:`PooledBuilder`, :class:`InProcessBuilder`, :class:`InPr
 uploaded to a board (:class:`_BatchRunner`)."""
 from __future__ import annotations
 
+import concurrent.futures
 import os
+import tempfile
 import threading
 import time
 from typing import Any
@@ -20,6 +22,10 @@ from tvm.s_tir.meta_schedule.runner.local_runner import LocalRunnerFuture
 from tvm.s_tir.meta_schedule.runner.utils import alloc_argument_common, run_evaluator_common
 
 from ....errors import TuningError
+from ....runtime.library_files import cross_compiler
+from ....runtime.remote import create_session
+from ....runtime.targets import host_arch, target_arch
+from ..build import KERNELS_PER_PART, build_jobs
 from . import _fast_inspect
 from .environment import _physical_cores
 
@@ -48,9 +54,6 @@ def _cross_linker(target: tvm.target.Target) -> str | None:
     """The cross compiler that links kernels built for ``target`` here (``aarch64-linux-gnu-gcc``
     for an AArch64 board tuned from an x86 machine; ``$PYRO2PFP_CROSS_CC`` overrides), ``None`` for
     this machine's architecture.  Missing: a :class:`~pyro2pfp.errors.PFPError` with the apt line."""
-    from ....runtime.library_files import cross_compiler
-    from ....runtime.targets import host_arch, target_arch
-
     arch = target_arch(target)
     return None if arch == host_arch() else cross_compiler(arch)
 
@@ -213,10 +216,6 @@ def _build_parts(entries: dict[str, tirx.PrimFunc], target: tvm.target.Target) -
     part's machine code generated on its thread too (LLVM's JIT would otherwise generate the code of the
     whole module on the first call, on one thread).  A part that does not build is left out (its
     kernels are then built one by one when run)."""
-    import concurrent.futures
-
-    from ..build import KERNELS_PER_PART, build_jobs
-
     items = list(entries.items())
     parts = [dict(items[i:i + KERNELS_PER_PART]) for i in range(0, len(items), KERNELS_PER_PART)]
 
@@ -284,8 +283,6 @@ class _BatchRunner:
 def _upload_module(rt_mod: Any, remote: Any, target: tvm.target.Target) -> tuple[Any, Any]:
     """Export ``rt_mod`` (built for ``target``: linked with the cross compiler for another
     architecture), upload it to a board of ``remote`` and load it there: (module, device)."""
-    import tempfile
-
     from tvm.support import cc as tvm_cc
 
     linker = _cross_linker(target)
@@ -319,8 +316,6 @@ def time_prim_func(func: tirx.PrimFunc, target: tvm.target.Target, *, repeat: in
 
 def _rpc_runner(remote: Any) -> Any:
     """MetaSchedule's ``RPCRunner``: candidates uploaded to and timed on ``remote.parallel`` boards."""
-    from ....runtime.remote import create_session
-
     return ms.runner.RPCRunner(rpc_config=remote.rpc_config(), evaluator_config=_EVALUATOR,
                                max_workers=int(remote.parallel),
                                f_create_session=None if remote.key else create_session)

@@ -8,6 +8,8 @@ from typing import Any
 
 import tvm
 
+from ..build import build
+
 
 @dataclasses.dataclass
 class KernelChoice:
@@ -44,8 +46,6 @@ class TuneResult:
     def build(self) -> Any:
         """``tvm.compile(self.mod, target=self.target)`` (through
         :func:`pyro2pfp.backends.tvm.build.build`: every kernel compiled with ``noalias``)."""
-        from ..build import build
-
         return build(self.mod, self.target)
 
     def summary(self) -> str:

@@ -19,6 +19,7 @@ from tvm.s_tir import meta_schedule as ms
 from tvm.s_tir.meta_schedule.measure_callback import PyMeasureCallback
 
 from ....planning.registry import OPS
+from ..emit import kernel_table
 from . import _fast_inspect
 from .environment import _physical_cores
 from .measure import _EVALUATOR, BUILD_TIMEOUT_SEC, InProcessBuilder, InProcessRunner, PooledBuilder, _rpc_runner
@@ -79,8 +80,6 @@ def _select_tasks(static: tvm.IRModule, target: tvm.target.Target, base_us: dict
                   min_share: float, search_ops: Sequence[str] | None = None) -> list[Any]:
     """The extracted tasks worth searching: PFP kernels of ``search_ops`` taking at least
     ``min_share`` of the default-scheduled time, and every kernel without a default schedule."""
-    from ..emit import kernel_table
-
     ops = {name: op for name, (op, _) in kernel_table(static).items()}
     tasks = ms.relax_integration.extract_tasks(static, target)
     total = sum(base_us.values())

@@ -13,6 +13,8 @@ from tvm import relax, tirx
 from tvm.relax.expr_functor import PyExprMutator, mutator
 
 from ....errors import TuningError
+from .. import ops, schedules
+from ..schedules import driver, elementwise, primitives, table, work
 from .database import FORMAT_VERSION
 
 
@@ -137,9 +139,6 @@ def tuning_key(mod: tvm.IRModule, target: tvm.target.Target, batch: int, board: 
 def _schedules_fingerprint() -> str:
     """Hash of the default schedules' and kernels' source (the modules of ``backends.tvm.schedules`` and
     every op family's TVM file): the per-kernel choices depend on it."""
-    from .. import ops, schedules
-    from ..schedules import driver, elementwise, primitives, table, work
-
     sources = []
     families = [getattr(ops, name) for name in sorted(vars(ops))
                 if not name.startswith("_") and inspect.ismodule(getattr(ops, name))]
