@@ -26,7 +26,7 @@ from ..correlation.shared import Shared, expand, normalised, row_dots, spatial_m
 from ..planning.converters import Alias, register
 from ..planning.correlated_pools import WindowCovariances
 from ..planning.graph import GaussianParam, Layer, Repr
-from ..planning.plan import PlannedLayer, is_compute_layer
+from ..planning.plan import PlannedGraph, PlannedLayer, is_compute_layer
 from ..planning.registry import CompactSpec, FactorSpec, OpDef, register_op, shared_exporter, shared_reference
 from ._formula import compact_formula, formula
 
@@ -78,7 +78,7 @@ ADD = register_op(OpDef(
     factor_spec=FactorSpec(mean_field_wrong=lambda layer, graph, conv_noise: _adds_shared_branches(layer, graph))))
 
 
-def _adds_shared_branches(layer: PlannedLayer, graph: Any) -> str | None:
+def _adds_shared_branches(layer: PlannedLayer, graph: PlannedGraph) -> str | None:
     """Why mean-field PFP is wrong for an add (None: it is fine): it adds two random branches, which share
     their input."""
     if sum(graph.repr_of(n) is not Repr.DETERMINISTIC for n in layer.inputs) == 2:

@@ -188,7 +188,7 @@ def dense_compact(bk: TensorAlgebra, layer: PlannedLayer, inputs: list[Any], loa
     return (None if out.empty() else out), mean, var
 
 
-def conv2d_compact_macs(layer: PlannedLayer, plan: Any, columns: int, blocks: tuple[int, int]
+def conv2d_compact_macs(layer: PlannedLayer, plan: CompactPlan, columns: int, blocks: tuple[int, int]
                         ) -> tuple[int, int, tuple[int, int]]:
     """A conv's part of :func:`~pyro2pfp.correlation.compact.compact_macs` (``CompactSpec.macs``): ``O·P·C·k²`` per
     global column in, ``O·P·k²`` per block column (one input channel), ``R·O·P·C·k²`` for its own ``R``
@@ -204,7 +204,7 @@ def conv2d_compact_macs(layer: PlannedLayer, plan: Any, columns: int, blocks: tu
     return total, out_columns, out_blocks
 
 
-def dense_compact_macs(layer: PlannedLayer, plan: Any, columns: int, blocks: tuple[int, int]
+def dense_compact_macs(layer: PlannedLayer, plan: CompactPlan, columns: int, blocks: tuple[int, int]
                        ) -> tuple[int, int, tuple[int, int]]:
     """A dense layer's part of :func:`~pyro2pfp.correlation.compact.compact_macs` (``CompactSpec.macs``): ``J·I`` per
     global column in, ``J·P`` per block column, ``J·I`` for the input residual as factors (``I`` more
