@@ -270,59 +270,23 @@ def convert(model: Any, guide: Any = None, *, input_shape: tuple[int, ...] | Non
             max_pool = checked(MaxPool, max_pool)
             if not isinstance(input_variance, bool | np.bool_):
                 raise ArgumentError(f"input_variance must be True or False, got {input_variance!r}")
-            tyxe_bnn = None
-            if guide is None and hasattr(model, "net") and hasattr(model, "net_guide"):  # TyXe VariationalBNN
-                tyxe_bnn, model, guide = model, model.net, model.net_guide
-            if guide is None:
-                raise PosteriorError("convert(model, guide) needs the trained guide that holds the posterior: "
-                                     "pass the guide trained with SVI as the second argument (a TyXe "
-                                     "VariationalBNN may be passed alone)")
+            tyxe_bnn, model, guide = _model_and_guide(model, guide)
             example = user_model_args(example_args, example_kwargs, input_shape)
             stage = "reading the posterior and tracing the model"
             traced = trace_model(model, guide, input_shape, check_posterior=check_posterior, example=example)
-            if tyxe_bnn is not None:
-                traced.tyxe_gaussian_likelihood = type(getattr(tyxe_bnn, "likelihood", None)).__name__ in (
-                    "HomoskedasticGaussian", "HeteroskedasticGaussian")
             if not isinstance(fold_batch_norm, bool | np.bool_):
                 raise ArgumentError(f"fold_batch_norm must be True or False, got {fold_batch_norm!r}")
             stage = "converting the traced graph into layers"
-            layer_graph = build_layer_graph(traced)
-            layer_graph.input_variance = bool(input_variance)
-            if fold_batch_norm:
-                layer_graph = folding.fold_batch_norm(layer_graph)
-            noise = traced.noise
-            if tyxe_bnn is not None and hasattr(tyxe_bnn, "likelihood"):  # the likelihood is outside bnn.net
-                output_shape = layer_graph.shape_of(layer_graph.output)
-                noise = tyxe_noise(tyxe_bnn, traced.input_shape, tuple(output_shape))
-            if head is not None and isinstance(noise, NoiseModel | HeteroscedasticNoise):
-                raise ArgumentError(f"head={head!r} is for classifiers (logits); this model has a Normal likelihood "
-                                    "(regression): use net.regression(mean, var) instead")
+            layer_graph, noise = _layers_and_noise(traced, tyxe_bnn, bool(input_variance), bool(fold_batch_norm),
+                                                   head)
             stage = "planning the network"
-            planned_graph = append_head(layer_graph, head) if head is not None else layer_graph
-            planned = with_correlation(plan(planned_graph, calibration, moment_form), correlation, **factor_options)
-            caveat = dense_head_caveat(planned) if correlation == "auto" and planned.factors is None else None
-            if max_pool == "correlated":
-                rewritten = correlate_max_pools(layer_graph, shared=planned.factors is not None)
-                if rewritten is not layer_graph:
-                    layer_graph = rewritten
-                    planned_graph = append_head(layer_graph, head) if head is not None else layer_graph
-                    planned = replanned(plan(planned_graph, calibration, moment_form), planned.factors)
-                for note in pool_caveats(layer_graph, shared=planned.factors is not None):
-                    warnings.warn(f"{note}. Measure it with convert(..., check=x) or pyro2pfp.diagnosis.",
-                                  PFPWarning, stacklevel=3)
-            planned = with_compact(planned, correlation)
-            if caveat is not None:  # auto: the compact factor plan where its cost model accepts it, else a warning
-                planned.factors, why_not = auto_compact(planned)
-                if planned.factors is None:
-                    warnings.warn(f"{caveat}; {why_not}", PFPWarning, stacklevel=3)
+            layer_graph, planned = _planned_network(layer_graph, head, calibration, moment_form, correlation,
+                                                    factor_options, max_pool)
             net = PFPNetwork(layer_graph, planned, nonweight_sites=traced.nonweight_sites, noise=noise)
-            if check is None or check is True:
-                stage = "checking the network against samples of the guide (the spot check)"
-                if not net.input_variance:
-                    net.fidelity = spot_check(net, model, guide, traced=traced, args=example)
-            elif check is not False:
-                stage = "checking the network against sampling"
-                net.fidelity = check_fidelity(net, model, guide, check, traced=traced, args=example)
+            if check is not False:
+                stage = ("checking the network against samples of the guide (the spot check)"
+                         if check is None or check is True else "checking the network against sampling")
+                _check_network(net, model, guide, check, traced, example)
             return net
         except (PFPError, Warning):  # a Warning: the user's warnings filter made one an error
             raise
@@ -330,3 +294,74 @@ def convert(model: Any, guide: Any = None, *, input_shape: tuple[int, ...] | Non
             raise InternalError(
                 f"internal error while {stage} -- please report it with the model's code (pyro2pfp "
                 f"{__version__}): {type(exc).__name__}: {exc}. The original exception is chained.") from exc
+
+
+
+def _model_and_guide(model: Any, guide: Any) -> tuple[Any, Any, Any]:
+    """``(tyxe_bnn, model, guide)``: a TyXe ``VariationalBNN`` passed alone becomes its ``net`` and ``net_guide``
+    (``tyxe_bnn`` None otherwise); a missing guide is an error."""
+    tyxe_bnn = None
+    if guide is None and hasattr(model, "net") and hasattr(model, "net_guide"):  # TyXe VariationalBNN
+        tyxe_bnn, model, guide = model, model.net, model.net_guide
+    if guide is None:
+        raise PosteriorError("convert(model, guide) needs the trained guide that holds the posterior: "
+                             "pass the guide trained with SVI as the second argument (a TyXe "
+                             "VariationalBNN may be passed alone)")
+    return tyxe_bnn, model, guide
+
+
+def _check_network(net: PFPNetwork, model: Any, guide: Any, check: Any, traced: Any, example: Any) -> None:
+    """``net.fidelity`` from the spot check (``check`` None or True; not for a network with an input variance)
+    or the careful check on the inputs ``check``."""
+    if check is None or check is True:
+        if not net.input_variance:
+            net.fidelity = spot_check(net, model, guide, traced=traced, args=example)
+    else:
+        net.fidelity = check_fidelity(net, model, guide, check, traced=traced, args=example)
+
+def _layers_and_noise(traced: Any, tyxe_bnn: Any, input_variance: bool, fold_batch_norm: bool,
+                      head: str | None) -> tuple[LayerGraph, Any]:
+    """The layer graph of a traced model (batch norms folded if asked) and its likelihood's noise model
+    (a TyXe BNN's from its ``likelihood``, which is outside ``bnn.net``, also marked on ``traced`` when it is
+    Gaussian); a head needs a classifier."""
+    if tyxe_bnn is not None:
+        traced.tyxe_gaussian_likelihood = type(getattr(tyxe_bnn, "likelihood", None)).__name__ in (
+            "HomoskedasticGaussian", "HeteroskedasticGaussian")
+    layer_graph = build_layer_graph(traced)
+    layer_graph.input_variance = input_variance
+    if fold_batch_norm:
+        layer_graph = folding.fold_batch_norm(layer_graph)
+    noise = traced.noise
+    if tyxe_bnn is not None and hasattr(tyxe_bnn, "likelihood"):
+        output_shape = layer_graph.shape_of(layer_graph.output)
+        noise = tyxe_noise(tyxe_bnn, traced.input_shape, tuple(output_shape))
+    if head is not None and isinstance(noise, NoiseModel | HeteroscedasticNoise):
+        raise ArgumentError(f"head={head!r} is for classifiers (logits); this model has a Normal likelihood "
+                            "(regression): use net.regression(mean, var) instead")
+    return layer_graph, noise
+
+
+def _planned_network(layer_graph: LayerGraph, head: str | None, calibration: float, moment_form: str,
+                     correlation: Any, factor_options: dict[str, Any], max_pool: str
+                     ) -> tuple[LayerGraph, PlannedGraph]:
+    """The representation plan of ``layer_graph`` (with ``head`` appended) and its correlation scheme; max pools
+    fed by a conv folded into their correlated form where ``max_pool`` says so (the layer graph returned is the
+    rewritten one).  Warns where a pool's or the dense head's correlation is not carried."""
+    planned_graph = append_head(layer_graph, head) if head is not None else layer_graph
+    planned = with_correlation(plan(planned_graph, calibration, moment_form), correlation, **factor_options)
+    caveat = dense_head_caveat(planned) if correlation == "auto" and planned.factors is None else None
+    if max_pool == "correlated":
+        rewritten = correlate_max_pools(layer_graph, shared=planned.factors is not None)
+        if rewritten is not layer_graph:
+            layer_graph = rewritten
+            planned_graph = append_head(layer_graph, head) if head is not None else layer_graph
+            planned = replanned(plan(planned_graph, calibration, moment_form), planned.factors)
+        for note in pool_caveats(layer_graph, shared=planned.factors is not None):
+            warnings.warn(f"{note}. Measure it with convert(..., check=x) or pyro2pfp.diagnosis.",
+                          PFPWarning, stacklevel=4)
+    planned = with_compact(planned, correlation)
+    if caveat is not None:  # auto: the compact factor plan where its cost model accepts it, else a warning
+        planned.factors, why_not = auto_compact(planned)
+        if planned.factors is None:
+            warnings.warn(f"{caveat}; {why_not}", PFPWarning, stacklevel=4)
+    return layer_graph, planned

@@ -156,48 +156,7 @@ def build_parser() -> argparse.ArgumentParser:
                         help="show the full traceback of an internal error (for bug reports)")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
 
-    p = sub.add_parser("convert", formatter_class=formatter, help="convert a trained model to .so/.tar or .onnx",
-                       description=textwrap.dedent("""\
-        Convert a trained Pyro BNN into a PFP network and write it as
-          .so    compiled shared library (TVM) + a .so.json metadata file: load with pyro2pfp.load()
-                 or 'pyro2pfp predict'; with --target for another CPU, copy both files to the device
-          .tar   the same as object files (no cross linker needed; linked when loaded)
-          .onnx  ONNX model (standard operators; inputs x [, x_var], outputs mean, var)"""),
-                       epilog=textwrap.dedent("""\
-        example:
-          pyro2pfp convert builder.py:build --params params.pt --input-shape 1,28,28 -o net.so"""))
-    _add_conversion_options(p)
-    p.add_argument("--head", choices=values(Head), default=None,
-                   help="append the uncertainty head (pyro2pfp.ops.head): outputs class probabilities and the "
-                        "predictive entropy, expected entropy and mutual information instead of the logits' "
-                        "mean and variance")
-    p.add_argument("--output", "-o", required=True, metavar="OUT",
-                   help="output file: net.so, net.tar or net.onnx")
-    p.add_argument("--target", "-t", default=None, help=_target_help())
-    p.add_argument("--opset", type=int, default=17, help="ONNX opset for .onnx output (default 17)")
-    p.add_argument("--no-schedule", action="store_true", help="skip the CPU schedules (debugging)")
-    p.add_argument("--batch-sizes", "-b", type=parse_int_list, default=None, metavar="1,10",
-                   help="also build a static-shape executable for each batch size (net.compile(batch_sizes=...)); "
-                        "each is written next to OUT as OUT-stem.batch<B>.so and listed in OUT.json, and "
-                        "pyro2pfp.load / predict run it for inputs of that many rows")
-    p.add_argument("--tune", type=parse_int_list, default=None, metavar="10",
-                   help="also tune with MetaSchedule for these batch sizes (on this machine, or with --remote on "
-                        "a board of the target's architecture; cached in ~/.cache/pyro2pfp/tuning), exported "
-                        "like --batch-sizes")
-    p.add_argument("--trials", type=positive_int, default=None,
-                   help="MetaSchedule trials per --tune batch (default: the library's, "
-                        "pyro2pfp.backends.tvm.tuning.DEFAULT_TRIALS)")
-    _add_remote_options(p, required=False)
-    p.add_argument("--verbose", "-v", action="store_true", help="print the layer plan")
-    p.add_argument("--check", metavar="X.npy",
-                   help="after converting, compare the output moments with 150 samples of the guide on these "
-                        "inputs (a few, e.g. 16; ~150 forward passes of them) and warn, naming the first layer "
-                        "that parts from sampling, when they differ beyond the sampling noise (convert(check=x))")
-    p.add_argument("--no-check", action="store_true",
-                   help="skip the spot check every conversion ends with (64 guide samples on two inputs; a gross "
-                        "difference from the network is an error naming the first layer that departs; "
-                        "convert(check=False))")
-    p.set_defaults(func=cmd_convert)
+    _add_convert_parser(sub, formatter)
 
     p = sub.add_parser("inspect", formatter_class=formatter, help="print the layer plan of a model or file",
                        description="Print the PFP layer plan (ops, shapes, mean/variance representations) "
@@ -267,6 +226,51 @@ def build_parser() -> argparse.ArgumentParser:
 
     _add_score_parser(sub, formatter)
     return parser
+
+
+def _add_convert_parser(sub: Any, formatter: Any) -> None:
+    p = sub.add_parser("convert", formatter_class=formatter, help="convert a trained model to .so/.tar or .onnx",
+                       description=textwrap.dedent("""\
+        Convert a trained Pyro BNN into a PFP network and write it as
+          .so    compiled shared library (TVM) + a .so.json metadata file: load with pyro2pfp.load()
+                 or 'pyro2pfp predict'; with --target for another CPU, copy both files to the device
+          .tar   the same as object files (no cross linker needed; linked when loaded)
+          .onnx  ONNX model (standard operators; inputs x [, x_var], outputs mean, var)"""),
+                       epilog=textwrap.dedent("""\
+        example:
+          pyro2pfp convert builder.py:build --params params.pt --input-shape 1,28,28 -o net.so"""))
+    _add_conversion_options(p)
+    p.add_argument("--head", choices=values(Head), default=None,
+                   help="append the uncertainty head (pyro2pfp.ops.head): outputs class probabilities and the "
+                        "predictive entropy, expected entropy and mutual information instead of the logits' "
+                        "mean and variance")
+    p.add_argument("--output", "-o", required=True, metavar="OUT",
+                   help="output file: net.so, net.tar or net.onnx")
+    p.add_argument("--target", "-t", default=None, help=_target_help())
+    p.add_argument("--opset", type=int, default=17, help="ONNX opset for .onnx output (default 17)")
+    p.add_argument("--no-schedule", action="store_true", help="skip the CPU schedules (debugging)")
+    p.add_argument("--batch-sizes", "-b", type=parse_int_list, default=None, metavar="1,10",
+                   help="also build a static-shape executable for each batch size (net.compile(batch_sizes=...)); "
+                        "each is written next to OUT as OUT-stem.batch<B>.so and listed in OUT.json, and "
+                        "pyro2pfp.load / predict run it for inputs of that many rows")
+    p.add_argument("--tune", type=parse_int_list, default=None, metavar="10",
+                   help="also tune with MetaSchedule for these batch sizes (on this machine, or with --remote on "
+                        "a board of the target's architecture; cached in ~/.cache/pyro2pfp/tuning), exported "
+                        "like --batch-sizes")
+    p.add_argument("--trials", type=positive_int, default=None,
+                   help="MetaSchedule trials per --tune batch (default: the library's, "
+                        "pyro2pfp.backends.tvm.tuning.DEFAULT_TRIALS)")
+    _add_remote_options(p, required=False)
+    p.add_argument("--verbose", "-v", action="store_true", help="print the layer plan")
+    p.add_argument("--check", metavar="X.npy",
+                   help="after converting, compare the output moments with 150 samples of the guide on these "
+                        "inputs (a few, e.g. 16; ~150 forward passes of them) and warn, naming the first layer "
+                        "that parts from sampling, when they differ beyond the sampling noise (convert(check=x))")
+    p.add_argument("--no-check", action="store_true",
+                   help="skip the spot check every conversion ends with (64 guide samples on two inputs; a gross "
+                        "difference from the network is an error naming the first layer that departs; "
+                        "convert(check=False))")
+    p.set_defaults(func=cmd_convert)
 
 
 def _add_score_parser(sub: Any, formatter: Any) -> None:

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from ..backends.reference import REFERENCES, SCHEME_EXECUTORS, Activation, emit_output
+from ..backends.reference import NUMPY_BACKEND, REFERENCES, SCHEME_EXECUTORS, Activation, emit_output
 from ..errors import PFPError
 from ..planning.graph import INPUT, Repr
 from ..planning.plan import PlannedGraph
@@ -53,7 +53,7 @@ def execute_shared_all(graph: PlannedGraph, x: np.ndarray, factors: FactorPlan |
                     out, var = var, None
                     mean = out.mean
                 else:
-                    shift = mean_shift(layer, ins[0].mean, shs[0], fp) if fp.guide else None
+                    shift = mean_shift(NUMPY_BACKEND, layer, shs[0], fp) if fp.guide else None
                     if shift is not None:  # a correlated guide's weight noise times its input's (guide.py)
                         mean = mean + shift
             if sh is not None:

@@ -15,25 +15,29 @@ mean-field moments (computed with the marginal variance ``V = d² + Σ_f F_f²``
   coherent loading in place of the mean-field terms that counted the same noise as independent
   (``(Σ_f F_f²)·μ²``: the guide part of ``V·μ²``; ``·s²``: the product of the weights' and the
   input's guide noise, a second-order term with mean ``Σ_i F[o, i]·ℓ_in[i]`` -- see
-  :func:`dense_mean_shift` -- that the closure does not carry as a factor);
+  :func:`mean_shift` -- that the closure does not carry as a factor);
 * conv2d: the pooled loading ``ℓ[o, f] += Σ_{c,k} F_f[o, c, k]·m̄μ_k[c] + F_b,f[o]`` and the profile
   ``s[o, p] += Σ_{c,k} G[o, c, k]·μ[c, p + k] + Σ_f g[o, f]·F_b,f[o]`` with ``G = Σ_f g[o, f]·F_f[o]``
   (the exact covariance of ``out[o, p]`` with the channel's normal ``η_o`` from the guide's part);
   the per-position variance keeps the mean-field ``(Σ_f F_f²)·μ²`` (the guide's correlations inside
   one receptive field are not re-summed: that would take ``k`` convolutions).
 
-The same terms in the float32 back ends: :mod:`.guide_onnx` (ONNX export) and the compiled rules
-(``backends/tvm/ops/compute_shared.py``: the dense kernel; ``backends/tvm/guide_factor.py``: conv2d's).
+Each term is one formula over a back end ``bk`` for the float64 reference and the ONNX export
+(:mod:`.shared_algebra`), called by the dense and conv2d rules (``ops/compute.py``) and, for the mean shift, by
+both back ends' layer steps; the compiled kernels: ``backends/tvm/ops/compute_shared.py`` (dense) and
+``backends/tvm/guide_factor.py`` (conv2d).
 """
 from __future__ import annotations
 
+from typing import Any
+
 import numpy as np
 
-from ..backends.reference.arrays import conv_views
 from ..planning.plan import PlannedLayer
 from ..planning.registry import OPS
 from .factors import FactorPlan
 from .shared import Shared
+from .shared_algebra import batch_zeros, conv_taps, mix, total
 
 
 def guide_tensors(t: dict[str, np.ndarray], out_channels: int, fp: FactorPlan
@@ -45,63 +49,71 @@ def guide_tensors(t: dict[str, np.ndarray], out_channels: int, fp: FactorPlan
     return t.get("weight_factors"), t.get("bias_factors")
 
 
-def dense_injection(mu: np.ndarray, wf: np.ndarray | None, bf: np.ndarray | None, k: int) -> np.ndarray | None:
-    """``Σ_i F_f[o, i]·μ_i + F_b,f[o]`` (B, O, k) for a dense layer's input mean ``μ`` (B, n)."""
-    if wf is None and bf is None:
-        return None
-    b = mu.shape[0]
-    out = np.einsum("oif,bi->bof", wf, mu.reshape(b, -1)) if wf is not None else 0.0
-    if bf is not None:
-        out = out + bf[None]
-    loading = np.zeros((b, bf.shape[0] if bf is not None else wf.shape[0], k))  # type: ignore[union-attr]
-    loading[..., :(wf if wf is not None else bf).shape[-1]] = out  # type: ignore[union-attr]
-    return loading
+def guide_columns(bk: Any, g: Any, guide: int) -> Any:
+    """``g[..., :guide]``: the guide's columns of a loading matrix (B, R, K)."""
+    return bk.slice(g, 2, 0, guide)
 
 
-def dense_guide_variance(mu: np.ndarray, s: np.ndarray | None, g: np.ndarray | None, wf: np.ndarray | None,
-                         bf: np.ndarray | None, guide: int) -> np.ndarray:
-    """What the mean-field variance counted of the guide's noise as independent (to subtract, module
-    docstring): ``Σ_i (Σ_f F_f²)[o, i]·(μ_i² + s_i²·|g_i[:guide]|²) + Σ_f F_b,f²`` (B, O)."""
-    b = mu.shape[0]
-    total = 0.0
+def dense_terms(bk: Any, mu: Any, sh: Shared | None, rows: int, wf: np.ndarray | None, bf: np.ndarray | None,
+                k: int) -> tuple[Any, Any]:
+    """``(injection (B, O, K), counted (B, O))`` of a dense layer with input mean ``mu`` (B, n): the guide's
+    loading ``Σ_i F_f[o, i]·μ_i + F_b,f[o]`` (its columns first, zeros up to ``K``) and what the mean-field
+    variance counted of the guide's noise as independent (to subtract, module docstring): ``Σ_i (Σ_f F_f²)[o, i]·
+    (μ_i² + s_i²·|g_i[:guide]|²) + Σ_f F_b,f²``."""
+    guide = (wf if wf is not None else bf).shape[-1]  # type: ignore[union-attr]
+    inj: Any = None
+    counted: Any = None
     if wf is not None:
-        second = mu.reshape(b, -1) ** 2
-        if s is not None and g is not None:
-            flat = s.reshape(b, -1)
-            rows = g.shape[1]
-            share = (g[..., :guide] ** 2).sum(-1)  # (B, rows)
-            second = second + (flat.reshape(b, rows, -1) ** 2 * share[..., None]).reshape(b, -1)
-        total = second @ (wf**2).sum(-1).T
+        n = wf.shape[1]
+        inj = bk.einsum("bi,oif->bof", mu, bk.tensor(wf, "guide_w"))
+        second = mu * mu
+        if sh is not None:
+            gg = guide_columns(bk, sh.g, guide)  # (B, rows, guide)
+            share = bk.reshape(bk.rsum(gg * gg, 2), (rows, 1))
+            s = bk.reshape(sh.s, (rows, n // rows))
+            second = second + bk.reshape(s * s * share, (n,))
+        counted = bk.dense(second, (wf**2).sum(-1), "guide_w2")
     if bf is not None:
-        total = total + (bf**2).sum(-1)[None]
-    return np.asarray(total)
+        bias = bk.tensor(bf, "guide_b")
+        inj = bias + batch_zeros(bk, mu, 2) if inj is None else inj + bias
+        bias_sq = bk.tensor((bf**2).sum(-1), "guide_b2")
+        counted = bias_sq + batch_zeros(bk, mu, 1) if counted is None else counted + bias_sq
+    return bk.widened(inj, guide, k), counted
 
 
-def dense_mean_shift(s: np.ndarray, g: np.ndarray, wf: np.ndarray, guide: int) -> np.ndarray:
-    """``E[(F·z)ᵀ(x − μ)] = Σ_i Σ_f F_f[o, i]·ℓ_in[i, f]`` (B, O): the mean of the product of the
-    weights' and the input's guide noise (``ℓ_in = s·g``, guide columns)."""
-    b = s.shape[0]
-    rows = g.shape[1]
-    flat = s.reshape(b, rows, -1)
-    loading = flat[..., None] * g[:, :, None, :guide]  # (B, rows, group, guide)
-    return np.einsum("oif,bif->bo", wf, loading.reshape(b, -1, guide))
-
-
-def conv_pooled_injection(mbar: np.ndarray, wf: np.ndarray | None, bf: np.ndarray | None, k: int, o: int
-                          ) -> np.ndarray | None:
-    """The pooled guide loading ``Σ_{c,k} F_f[o, c, k]·m̄μ_k[c] + F_b,f[o]`` (B, O, k); ``mbar`` (B, C, taps)."""
-    if wf is None and bf is None:
-        return None
-    b = mbar.shape[0]
-    loading = np.zeros((b, o, k))
+def conv_injection(bk: Any, mbar: list[Any], wf: np.ndarray | None, bf: np.ndarray | None, k: int) -> Any:
+    """The pooled guide loading ``Σ_{c,k} F_f[o, c, k]·m̄μ_k[c] + F_b,f[o]`` (B, O, K) from the pooled views
+    ``mbar`` (one (B, C) per kernel tap, row-major)."""
+    guide = (wf if wf is not None else bf).shape[-1]  # type: ignore[union-attr]
+    terms = []
     if wf is not None:
-        loading[..., :wf.shape[-1]] += np.einsum("octf,bct->bof", wf.reshape(o, wf.shape[1], -1, wf.shape[-1]), mbar)
+        o, c = wf.shape[:2]
+        taps = wf.reshape(o, c, -1, guide)
+        terms += [bk.einsum("bc,ocf->bof", m, bk.tensor(taps[:, :, n], "guide_w")) for n, m in enumerate(mbar)]
     if bf is not None:
-        loading[..., :bf.shape[-1]] += bf[None]
-    return loading
+        terms.append(bk.tensor(bf, "guide_b") + batch_zeros(bk, mbar[0], 2))
+    return bk.widened(total(terms), guide, k)
 
 
-def mean_shift(layer: PlannedLayer, x_mean: np.ndarray, sh: Shared | None, fp: FactorPlan) -> np.ndarray | None:
+def conv_profile_terms(bk: Any, g: Any, mu_taps: list[Any], wf: np.ndarray | None, bf: np.ndarray | None,
+                       shape: tuple[int, int, int, int]) -> list[Any]:
+    """The guide's part of a conv's profile ``Cov(out[o, p], η_o)``: ``Σ_{c,k} (Σ_f g[o, f]·F_f[o, c, k])·
+    μ[c, p + k] + Σ_f g[o, f]·F_b,f[o]`` as terms (B, O, OH, OW) (or (B, O, 1, 1)) to sum; ``shape`` =
+    (O, C, OH, OW)."""
+    guide = (wf if wf is not None else bf).shape[-1]  # type: ignore[union-attr]
+    gg = guide_columns(bk, g, guide)  # (B, O, guide)
+    o = shape[0]
+    terms = []
+    if wf is not None:
+        taps = wf.reshape(o, wf.shape[1], -1, guide)
+        for n, tp in enumerate(mu_taps):
+            terms.append(mix(bk, bk.einsum("bof,ocf->boc", gg, bk.tensor(taps[:, :, n], "guide_w")), tp, shape))
+    if bf is not None:
+        terms.append(bk.reshape(bk.einsum("bof,of->bo", gg, bk.tensor(bf, "guide_b")), (o, 1, 1)))
+    return terms
+
+
+def mean_shift(bk: Any, layer: PlannedLayer, sh: Shared | None, fp: FactorPlan) -> Any:
     """The mean of the product of a compute layer's guide noise with its input's (``E[(F·z)ᵀ(x − μ)]``,
     the input's loadings on the guide columns ``ℓ_in = s·g[:guide]``): dense ``Σ_i Σ_f F_f[o, i]·ℓ_in[i, f]``;
     conv2d ``Σ_{c,k} G[o, c, k]·s[c, p + k]`` with ``G = Σ_f F_f[o, c, k]·g_in[c, f]`` (the closure).
@@ -110,14 +122,14 @@ def mean_shift(layer: PlannedLayer, x_mean: np.ndarray, sh: Shared | None, fp: F
     if wf is None or sh is None:
         return None
     guide = wf.shape[-1]
-    g = sh.g[..., :guide]
+    gg = guide_columns(bk, sh.g, guide)
+    o, n = wf.shape[:2]
     if not OPS[layer.op].positions_share_weights:  # a dense layer
-        return dense_mean_shift(sh.s, sh.g, wf, guide)
-
-    o, c, kh, kw = wf.shape[:4]
-    gw = np.einsum("octf,bcf->boct", wf.reshape(o, c, kh * kw, guide), g)
-    s_in = sh.s.reshape(x_mean.shape)
-    out = 0.0
-    for kk, view in enumerate(conv_views(s_in, layer, (kh, kw))):
-        out = out + np.einsum("bchw,boc->bohw", view, gw[..., kk])
-    return np.asarray(out)
+        rows = fp.rows[layer.inputs[0]]
+        s = bk.reshape(sh.s, (rows, n // rows))
+        return bk.einsum("brq,brf,orqf->bo", s, gg, bk.tensor(wf.reshape(o, rows, n // rows, guide), "guide_w"))
+    kh, kw = wf.shape[2:4]
+    taps = wf.reshape(o, n, kh * kw, guide)
+    shape = (o, n, *layer.layer.out_shape[1:])
+    return total([mix(bk, bk.einsum("bcf,ocf->boc", gg, bk.tensor(taps[:, :, kk], "guide_w")), tp, shape)
+                  for kk, tp in enumerate(conv_taps(bk, sh.s, layer, (kh, kw)))])

@@ -31,8 +31,8 @@ Representation (per edge, per input ``b``; ``C`` channels, ``P`` positions)
 
 Rules
 -----
-Each op's rule lives with the op, in its family file ``pyro2pfp/ops/<family>.py``
-(``@shared_reference(op)``: float64; ``@shared_exporter(op)``: ONNX) and
+Each op's rule lives with the op, in its family file ``pyro2pfp/ops/<family>.py`` (one formula for the
+float64 reference and the ONNX export, ``@shared_formula(op)``, written in :mod:`.shared_algebra`) and
 ``pyro2pfp/backends/tvm/ops/<family>*.py`` (``@shared_kernel(op)``: TE), each with its formulas and
 their assumptions in its docstring.  Notation there: ``m̄`` the mean over the output positions;
 ``W, V`` the weight mean and variance; ``⊕ x·e_o`` x in the layer's own factor column; Φ, φ the
@@ -47,47 +47,26 @@ of its own gets the generic one (Stein's lemma, :mod:`pyro2pfp.correlation.stein
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 
 
 @dataclass
 class Shared:
-    """The shared part of one edge: ``s`` (B, C, *spatial) or flat (B, C·group), ``g`` (B, C, K)."""
+    """The shared part of one edge: ``s`` (B, *edge shape: C, *spatial, or flat C·group), ``g`` (B, C, K) and
+    ``K`` (``k``; read from ``g`` when not given: float64 arrays).  The entries are the back end's tensors:
+    float64 arrays in the reference, ONNX symbols in the export (the rules are written once for both:
+    :mod:`.shared_algebra`)."""
 
-    s: np.ndarray
-    g: np.ndarray
+    s: Any
+    g: Any
+    k: int = -1
 
-    def widened(self, k: int) -> np.ndarray:
-        """``g`` with zero columns appended up to ``k``."""
-        extra = k - self.g.shape[2]
-        return self.g if extra <= 0 else np.concatenate([self.g, np.zeros((*self.g.shape[:2], extra))], axis=2)
+    def __post_init__(self) -> None:
+        if self.k < 0:
+            self.k = int(self.g.shape[2])
 
-
-def safe_div(num: np.ndarray, den: np.ndarray) -> np.ndarray:
-    """``num/den``, 0 where ``den ≤ 0``."""
-    return np.where(den > 0, num / np.where(den > 0, den, 1.0), 0.0)
-
-
-def spatial_mean(t: np.ndarray) -> np.ndarray:
-    """The mean of ``t`` (B, C, ...) over each row's positions: (B, C)."""
-    return t.reshape(t.shape[0], t.shape[1], -1).mean(axis=2)
-
-
-def expand(t: np.ndarray, ndim: int) -> np.ndarray:
-    """``t`` with trailing size-1 axes up to ``ndim`` axes."""
-    return t.reshape(t.shape + (1,) * (ndim - t.ndim))
-
-
-def row_dots(p: np.ndarray, q: np.ndarray) -> np.ndarray:
-    """``Σ_f p[b, c, f]·q[b, c, f]`` (B, C): one pass, no (B, C, K) temporary."""
-    return np.einsum("bcf,bcf->bc", p, q)
-
-
-def normalised(loading: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """``(‖ℓ‖, ℓ/‖ℓ‖)`` of a loading ``ℓ`` (B, C, K), 0 where ``‖ℓ‖ = 0``."""
-    norm = np.sqrt(row_dots(loading, loading))
-    return norm, loading / np.where(norm > 0, norm, 1.0)[..., None]
 
 
 def compacted(sh: Shared) -> Shared:

@@ -24,14 +24,11 @@ from collections.abc import Callable
 from typing import Any
 
 import numpy as np
-from scipy.special import ndtr
 
 from .. import moments
-from ..backends.onnx.builder import OnnxActivation, OnnxContext
-from ..backends.reference import Activation
 from ..correlation.factors import FactorPlan
-from ..correlation.onnx_step import OnnxShared, OnnxSharedStep
-from ..correlation.shared import Shared, normalised, safe_div
+from ..correlation.shared import Shared
+from ..correlation.shared_algebra import SharedAlgebra, clip, grouped, normalised, own_columns, row_mean, safe_div
 from ..correlation.stein import stein_slope
 from ..planning.converters import Alias, register
 from ..planning.correlated_pools import WindowCovariances
@@ -44,49 +41,37 @@ from ..planning.registry import (
     FactorSpec,
     OpDef,
     register_op,
-    shared_exporter,
-    shared_reference,
 )
-from ._formula import formula
+from ._formula import formula, shared_formula
 
 _SQRT2PI = float(np.sqrt(2.0 * np.pi))
 
 
 # ------------------------------------------------------------------ the generic shared-factor rule
-def stein_shared(layer: PlannedLayer, x: Activation, sh: Shared, rule: ActivationRule) -> Shared:
+def stein_shared(bk: Any, layer: PlannedLayer, x: Any, sh: Shared, rule: ActivationRule) -> Shared:
     """The generic shared-factor rule of an elementwise activation with :class:`ActivationRule` ``rule``:
     Stein's lemma ``lin = E[f'(a)]·s`` with ``E[f'(a)] = ∂E[f(a)]/∂μ`` (differentiate ``E[f(μ + σz)]``
     under the integral), the exact derivative of the rule's own mean moment by forward-mode AD
     (:func:`~pyro2pfp.correlation.stein.stein_slope`; exact for a Gaussian ``a`` up to the mean
     rule's own accuracy, in float32 too); no second-Hermite factor (``s`` keeps the linear response
-    only), ``g`` unchanged."""
-    mu = x.mean
-    slope = np.broadcast_to(stein_slope(rule, mu, x.variance(), layer.layer.attrs, moments.NUMPY), mu.shape)
-    return Shared((slope * sh.s.reshape(mu.shape)).reshape(sh.s.shape), sh.g)
+    only), ``g`` unchanged.  A formula over ``bk`` (:mod:`pyro2pfp.correlation.shared_algebra`)."""
+    slope = stein_slope(rule, x.mean, bk.variance(x), layer.layer.attrs, bk.ops)
+    return Shared(slope * bk.reshape(sh.s, tuple(layer.layer.out_shape)), sh.g, sh.k)
 
 
-def _stein_rules(rule: ActivationRule) -> tuple[Callable[..., Any], Callable[..., Any]]:
-    """The float64 and the ONNX form of :func:`stein_shared` for ``rule`` (registered by
-    :func:`register_activation`)."""
+def _stein_rule(rule: ActivationRule) -> Callable[..., Any]:
+    """:func:`stein_shared` for ``rule`` as a shared-factor formula (registered by :func:`register_activation`),
+    the profile clipped."""
 
-    def reference(layer: PlannedLayer, inputs: list[Activation], shared: list[Shared | None], fp: FactorPlan,
-                  var: np.ndarray) -> tuple[Shared | None, np.ndarray]:
+    def stein(bk: Any, layer: PlannedLayer, inputs: list[Any], shared: list[Shared | None], fp: FactorPlan,
+              var: Any) -> tuple[Shared | None, Any]:
         sh = shared[0]
-        return (None if sh is None else stein_shared(layer, inputs[0], sh, rule)), var
+        if sh is None:
+            return None, var
+        out = stein_shared(bk, layer, inputs[0], sh, rule)
+        return Shared(clip(bk, out.s, var), out.g, out.k), var
 
-    def export(step: OnnxSharedStep, ctx: OnnxContext, layer: PlannedLayer, inputs: list[OnnxActivation],
-               shared: list[OnnxShared | None], out: OnnxActivation) -> tuple[OnnxShared | None, OnnxActivation]:
-        """``clip(E[f'(a)]·s)``, the slope on the exporter's ops; the nodes of the rule's variance,
-        which the slope does not need, are dropped (``step.prune``)."""
-        x, sh = inputs[0], shared[0]
-        assert sh is not None and x.second is not None and x.repr is Repr.VARIANCE, x.repr
-        start = len(step.ctx.b.nodes)
-        slope = stein_slope(rule, x.mean, x.second, layer.layer.attrs, step.ctx.ops)
-        s = step.clip(slope * sh.s, step.var(out))
-        step.prune(start, s.name)
-        return OnnxShared(s, sh.g, sh.k), out
-
-    return reference, export
+    return stein
 
 
 def register_activation(op: OpDef) -> OpDef:
@@ -109,10 +94,9 @@ def register_activation(op: OpDef) -> OpDef:
     activation.__name__ = f"{op.name}_activation"
     formula(op.name)(activation)
     if rule.stein:
-        reference, export = _stein_rules(rule)
-        reference.__name__, export.__name__ = f"{op.name}_stein", f"{op.name}_stein_onnx"
-        shared_reference(op.name)(reference)
-        shared_exporter(op.name)(export)
+        stein = _stein_rule(rule)
+        stein.__name__ = f"{op.name}_stein"
+        shared_formula(op.name)(stein)
     return op
 
 
@@ -137,9 +121,9 @@ LEAKY_RELU = register_activation(OpDef(
         non_decreasing=lambda attrs: attrs["slope"] >= 0, stein=False)))
 
 
-@shared_reference("relu", "leaky_relu")
-def relu_shared(layer: PlannedLayer, inputs: list[Activation], shared: list[Shared | None], fp: FactorPlan,
-                var: np.ndarray) -> tuple[Shared | None, np.ndarray]:
+@shared_formula("relu", "leaky_relu")
+def relu_shared(bk: SharedAlgebra, layer: PlannedLayer, inputs: list[Any], shared: list[Shared | None], fp: FactorPlan,
+                var: Any) -> tuple[Shared | None, Any]:
     """The relu / leaky_relu rule (slope ``λ``, 0 for relu), ``α = μ/σ``: Stein's lemma, exact for a
     Gaussian pre-activation jointly Gaussian with the factors: ``lin = Cov(f(a_p), η) = (Φ(α) +
     λ(1 − Φ(α)))·s_p``.  Second Hermite (Mehler) term: ``h = Cov(f(a_p), (η² − 1)/√2) = (1 −
@@ -152,57 +136,28 @@ def relu_shared(layer: PlannedLayer, inputs: list[Activation], shared: list[Shar
     x, sh = inputs[0], shared[0]
     if sh is None:
         return None, var
+    ops = bk.ops
     slope = float(layer.layer.attrs.get("slope", 0.0))
-    v = x.variance()
-    sd = np.sqrt(v)
-    safe = np.where(sd > 0, sd, 1.0)
-    alpha = np.clip(np.where(sd > 0, x.mean / safe, 0.0), -40.0, 40.0)
-    cdf = np.where(sd > 0, ndtr(alpha), (x.mean > 0).astype(np.float64))
-    s_in = sh.s.reshape(x.mean.shape)
-    lin = (cdf + slope * (1.0 - cdf)) * s_in
-    offset = fp.offsets.get(layer.name)
+    name, shape = layer.name, tuple(layer.layer.out_shape)
+    rows, elements = fp.rows[name], int(np.prod(shape))
+    m, v, s, var_out = (grouped(bk, t, rows, elements) for t in (x.mean, bk.variance(x), sh.s, var))
+    sd = ops.sqrt(ops.maximum(v, ops.const(0.0)))
+    positive = sd > ops.const(0.0)
+    alpha = ops.minimum(ops.maximum(safe_div(bk, m, sd), ops.const(-40.0)), ops.const(40.0))
+    cdf = ops.where(positive, ops.normal_cdfs(alpha)[0],
+                    ops.where(m > ops.const(0.0), ops.const(1.0), ops.const(0.0)))
+    lin = (cdf + ops.const(slope) * (ops.const(1.0) - cdf)) * s
+    offset = fp.offsets.get(name)
     if offset is None:
-        return Shared(lin.reshape(sh.s.shape), sh.g), var
-    k = fp.width[layer.name]
-    h = np.where(sd > 0, (1.0 - slope) * np.exp(-0.5 * alpha**2) / _SQRT2PI / safe, 0.0) * s_in**2 / np.sqrt(2.0)
-    rows = sh.g.shape[1]
-    lin3, h3 = lin.reshape(lin.shape[0], rows, -1), h.reshape(h.shape[0], rows, -1)
-    lbar, hbar = lin3.mean(axis=2), h3.mean(axis=2)
-    loading = np.zeros((*sh.g.shape[:2], k))  # g's columns beyond its own are zero: not materialised
-    loading[..., :sh.g.shape[2]] = lbar[..., None] * sh.g
-    loading[:, np.arange(rows), offset + np.arange(rows)] += hbar
-    norm, g = normalised(loading)
-    s = safe_div(lbar, norm)[..., None] * lin3 + safe_div(hbar, norm)[..., None] * h3
-    return Shared(s.reshape(sh.s.shape), g), var
-
-
-@shared_exporter("relu", "leaky_relu")
-def relu_shared_onnx(step: OnnxSharedStep, ctx: OnnxContext, layer: PlannedLayer, inputs: list[OnnxActivation],
-                     shared: list[OnnxShared | None], out: OnnxActivation) -> tuple[OnnxShared | None, OnnxActivation]:
-    """:func:`relu_shared` in ONNX."""
-    x, sh = inputs[0], shared[0]
-    if sh is None:
-        return None, out
-    slope = float(layer.layer.attrs.get("slope", 0.0))
-    name, src = layer.name, layer.inputs[0]
-    offset, k = step.fp.offsets.get(name), step.fp.width[name]
-    assert x.second is not None
-    m, v, s = (step.grouped(t, src) for t in (x.mean, x.second, sh.s))
-    sd = v.nary("Max", step.c(0.0)).unary("Sqrt")
-    alpha = step.safe_div(m, sd).nary("Max", step.c(-40.0)).nary("Min", step.c(40.0))
-    cdf = step.where(sd > 0.0, step.ctx.ops.normal_cdfs(alpha)[0], step.where(m > 0.0, 1.0, 0.0))
-    lin = (cdf + step.c(slope) * (step.c(1.0) - cdf)) * s
-    var_out = step.grouped(step.var(out), name)
-    if offset is None:
-        return OnnxShared(step.view_as(step.clip(lin, var_out), *step.ctx.shapes[name]), sh.g, sh.k), out
-    pdf = (step.c(-0.5) * alpha * alpha).unary("Exp") * step.c(1 / math.sqrt(2 * math.pi))
-    h = step.safe_div(step.c(1.0 - slope) * pdf, sd) * s * s * step.c(1 / math.sqrt(2))
-    group = int(np.prod(step.ctx.shapes[src])) // step.fp.rows[src]
-    lbar, hbar = (step.rsum(t, [2]) * step.c(1.0 / group) for t in (lin, h))
-    loading = lbar * step.widened(sh.g, sh.k, k) + hbar * step.onehot(step.fp.rows[name], k, offset)
-    g, norm = step.normalise(loading)
-    s_out = step.safe_div(lbar * lin + hbar * h, norm)
-    return OnnxShared(step.view_as(step.clip(s_out, var_out), *step.ctx.shapes[name]), g, k), out
+        return Shared(bk.reshape(clip(bk, lin, var_out), shape), sh.g, sh.k), var
+    k = fp.width[name]
+    pdf = ops.exp(ops.const(-0.5) * alpha * alpha) * ops.const(1 / _SQRT2PI)
+    h = safe_div(bk, ops.const(1.0 - slope) * pdf, sd) * s * s * ops.const(1 / math.sqrt(2))
+    lbar, hbar = (row_mean(bk, t, rows, elements // rows) for t in (lin, h))
+    loading = lbar * bk.widened(sh.g, sh.k, k) + hbar * own_columns(bk, rows, k, offset)
+    g, norm = normalised(bk, loading, rows)
+    s_out = safe_div(bk, lbar * lin + hbar * h, bk.reshape(norm, (rows, 1)))
+    return Shared(bk.reshape(clip(bk, s_out, var_out), shape), g, k), var
 
 
 def _scale_window_covariances(covs: WindowCovariances, layer: Layer) -> str | None:

@@ -5,9 +5,9 @@
 * ``add``: the sum of two activations, ``μ = μa + μb``, ``v = va + vb`` -- exact for independent
   summands (the branches of a residual block share their input, so their covariance is dropped).
 
-Shared-factor PFP (:mod:`pyro2pfp.correlation`): the float64 and ONNX rules of ``affine``, ``add``
-and ``scale`` (a constant factor, registered in ``ops/activation.py``: the same rule as ``affine``)
-are at the end of this file, their TE kernels in ``backends/tvm/ops/arithmetic.py``.
+Shared-factor PFP (:mod:`pyro2pfp.correlation`): the rules of ``affine``, ``add`` and ``scale`` (a constant
+factor, registered in ``ops/activation.py``: the same rule as ``affine``), each one formula for the float64
+reference and the ONNX export, are at the end of this file, their TE kernels in ``backends/tvm/ops/arithmetic.py``.
 
 The TVM kernels and schedules are in ``backends/tvm/ops/arithmetic.py``.
 """
@@ -17,18 +17,16 @@ from typing import Any
 
 import numpy as np
 
-from ..backends.onnx.builder import OnnxActivation, OnnxContext
-from ..backends.reference import Activation
 from ..correlation.factors import FactorPlan
 from ..correlation.loadings import CompactPlan, Loadings, TensorAlgebra
-from ..correlation.onnx_step import OnnxShared, OnnxSharedStep
-from ..correlation.shared import Shared, expand, normalised, row_dots, spatial_mean
+from ..correlation.shared import Shared
+from ..correlation.shared_algebra import SharedAlgebra, clip, grouped, normalised, row_mean
 from ..planning.converters import Alias, register
 from ..planning.correlated_pools import WindowCovariances
 from ..planning.graph import GaussianParam, Layer, Repr
 from ..planning.plan import PlannedGraph, PlannedLayer, is_compute_layer
-from ..planning.registry import CompactSpec, FactorSpec, OpDef, register_op, shared_exporter, shared_reference
-from ._formula import compact_formula, formula
+from ..planning.registry import CompactSpec, FactorSpec, OpDef, register_op
+from ._formula import compact_formula, formula, shared_formula
 
 
 def _affine_window_covariances(covs: WindowCovariances, layer: Layer) -> str | None:
@@ -191,77 +189,42 @@ def linear_factor(layer: PlannedLayer) -> np.ndarray:
     return layer.tensors["scale"] if "scale" in layer.tensors else np.array([layer.layer.attrs["factor"]])
 
 
-@shared_reference("affine", "scale")
-def linear_shared(layer: PlannedLayer, inputs: list[Activation], shared: list[Shared | None], fp: FactorPlan,
-                  var: np.ndarray) -> tuple[Shared | None, np.ndarray]:
+@shared_formula("affine", "scale")
+def linear_shared(bk: SharedAlgebra, layer: PlannedLayer, inputs: list[Any], shared: list[Shared | None],
+                  fp: FactorPlan, var: Any) -> tuple[Shared | None, Any]:
     """The affine (BatchNorm eval, scale ``a`` per channel) and scale (a constant ``a``) rule: ``s ↦ a·s``;
     ``g`` unchanged (exact)."""
     sh = shared[0]
     if sh is None:
         return None, var
-    factor = linear_factor(layer)
-    shape = sh.s.shape
-    rows = sh.g.shape[1]
-    s = sh.s.reshape(shape[0], rows, -1) * factor.reshape(1, -1, 1)
-    return Shared(s.reshape(shape), sh.g), var
+    shape = tuple(layer.layer.out_shape)
+    rows, elements = fp.rows[layer.name], int(np.prod(shape))
+    s = grouped(bk, sh.s, rows, elements) * bk.tensor(linear_factor(layer).reshape(-1, 1), "scale")
+    s = clip(bk, s, grouped(bk, var, rows, elements))
+    return Shared(bk.reshape(s, shape), sh.g, sh.k), var
 
 
-@shared_reference("add")
-def add_shared(layer: PlannedLayer, inputs: list[Activation], shared: list[Shared | None], fp: FactorPlan,
-               var: np.ndarray) -> tuple[Shared | None, np.ndarray]:
+@shared_formula("add")
+def add_shared(bk: SharedAlgebra, layer: PlannedLayer, inputs: list[Any], shared: list[Shared | None], fp: FactorPlan,
+               var: Any) -> tuple[Shared | None, Any]:
     """The add (residual) rule: ``ℓ = m̄ s_a·g_a + m̄ s_b·g_b`` -- branches that share upstream factors
     (both functions of the block input) add coherently; ``g = ℓ/‖ℓ‖``, ``s = s_a·⟨g_a, g⟩ +
     s_b·⟨g_b, g⟩``; ``v = v_a + v_b + 2·s_a·s_b·⟨g_a, g_b⟩`` (the branch covariance; exact in a linear
     Gaussian net).  A branch without a shared part leaves the other's."""
     sa, sb = shared
     if sa is None or sb is None:
-        return (sa if sb is None else sb), np.maximum(var + 0.0, 0.0)
-    shape = inputs[0].mean.shape
-    k = fp.width[layer.name]
-    a_s, b_s = sa.s.reshape(shape), sb.s.reshape(shape)
-    ka, kb = sa.g.shape[2], sb.g.shape[2]  # the columns beyond an edge's own are zero: not materialised
-    cross = 2.0 * a_s * b_s * expand(row_dots(sa.g[..., :kb], sb.g[..., :ka]), len(shape))
-    loading = np.zeros((*sa.g.shape[:2], k))
-    loading[..., :ka] = spatial_mean(a_s)[..., None] * sa.g
-    loading[..., :kb] += spatial_mean(b_s)[..., None] * sb.g
-    norm, g = normalised(loading)
-    s = a_s * expand(row_dots(sa.g, g[..., :ka]), len(shape)) + b_s * expand(row_dots(sb.g, g[..., :kb]), len(shape))
-    return Shared(s, g), np.maximum(var + cross, 0.0)
-
-
-@shared_exporter("affine", "scale")
-def linear_shared_onnx(step: OnnxSharedStep, ctx: OnnxContext, layer: PlannedLayer, inputs: list[OnnxActivation],
-                       shared: list[OnnxShared | None], out: OnnxActivation
-                       ) -> tuple[OnnxShared | None, OnnxActivation]:
-    """:func:`linear_shared` in ONNX."""
-    sh = shared[0]
-    if sh is None:
-        return None, out
-    s = step.grouped(sh.s, layer.name) * step.t(linear_factor(layer).reshape(-1, 1), "scale")
-    s = step.clip(s, step.grouped(step.var(out), layer.name))
-    return OnnxShared(step.view_as(s, *ctx.shapes[layer.name]), sh.g, sh.k), out
-
-
-@shared_exporter("add")
-def add_shared_onnx(step: OnnxSharedStep, ctx: OnnxContext, layer: PlannedLayer, inputs: list[OnnxActivation],
-                    shared: list[OnnxShared | None], out: OnnxActivation) -> tuple[OnnxShared | None, OnnxActivation]:
-    """:func:`add_shared` in ONNX."""
-    sa, sb = shared
-    if sa is None or sb is None:
-        return (sa if sb is None else sb), out  # one branch without a shared part: nothing to combine
-    name = layer.name
-    k = step.fp.width[name]
-    a_s, b_s, var = (step.grouped(t, name) for t in (sa.s, sb.s, step.var(out)))
-    ga, gb = step.widened(sa.g, sa.k, k), step.widened(sb.g, sb.k, k)
-    group = int(np.prod(step.ctx.shapes[name])) // step.fp.rows[name]
-    abar, bbar = (step.rsum(t, [2]) * step.c(1.0 / group) for t in (a_s, b_s))
-    g, _ = step.normalise(abar * ga + bbar * gb)
-    dot, pa, pb = (step.rsum(p * q, [2]) for p, q in ((ga, gb), (ga, g), (gb, g)))
-    var_new = (var + step.c(2.0) * a_s * b_s * dot).nary("Max", step.c(0.0))
-    s = step.clip(a_s * pa + b_s * pb, var_new)
-    shape = step.ctx.shapes[name]
-    out = OnnxActivation(out.mean, step.view_as(var_new, *shape), out.repr)
-    return OnnxShared(step.view_as(s, *shape), g, k), out
+        return (sa if sb is None else sb), var  # nothing to combine
+    ops = bk.ops
+    shape = tuple(layer.layer.out_shape)
+    k, rows, elements = fp.width[layer.name], fp.rows[layer.name], int(np.prod(shape))
+    a_s, b_s, v = (grouped(bk, t, rows, elements) for t in (sa.s, sb.s, var))
+    ga, gb = bk.widened(sa.g, sa.k, k), bk.widened(sb.g, sb.k, k)
+    abar, bbar = (row_mean(bk, t, rows, elements // rows) for t in (a_s, b_s))
+    g, _ = normalised(bk, abar * ga + bbar * gb, rows)
+    dot, pa, pb = (bk.reshape(bk.rsum(p * q, 2), (rows, 1)) for p, q in ((ga, gb), (ga, g), (gb, g)))
+    var_new = ops.maximum(v + ops.const(2.0) * a_s * b_s * dot, ops.const(0.0))
+    s = clip(bk, a_s * pa + b_s * pb, var_new)
+    return Shared(bk.reshape(s, shape), g, k), bk.reshape(var_new, shape)
 
 
 # ------------------------------------------------------------------------------------ compact factor rules

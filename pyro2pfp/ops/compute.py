@@ -14,8 +14,9 @@ become explicit padding as torch pads them, a zero ``F.pad`` before the conv is 
 asymmetric padding (``"same"`` with an even kernel) becomes the larger side on both sides plus zero
 taps in the kernel on the other side (:func:`_symmetric_padding`; exact).
 
-Shared-factor PFP (:mod:`pyro2pfp.correlation`): the float64 and ONNX rules of both ops are at the
-end of this file; their TE kernels are in ``backends/tvm/ops/compute_shared.py``.
+Shared-factor PFP (:mod:`pyro2pfp.correlation`): the rules of both ops, each one formula for the float64
+reference and the ONNX export, are at the end of this file; their TE kernels are in
+``backends/tvm/ops/compute_shared.py``.
 
 The TVM kernels and schedules are in ``backends/tvm/ops/compute.py``.
 """
@@ -25,14 +26,20 @@ from typing import Any
 
 import numpy as np
 
-from ..backends.onnx.builder import OnnxActivation, OnnxContext, Sym
-from ..backends.reference import Activation
-from ..backends.reference.arrays import conv2d_nchw, conv_views, tap_product
-from ..correlation import guide_onnx
 from ..correlation.factors import ComputeFactors, FactorPlan, weight_var
-from ..correlation.guide import conv_pooled_injection, dense_guide_variance, dense_injection, guide_tensors
-from ..correlation.onnx_step import OnnxShared, OnnxSharedStep
-from ..correlation.shared import Shared, normalised, safe_div, spatial_mean
+from ..correlation.guide import conv_injection, conv_profile_terms, dense_terms, guide_tensors
+from ..correlation.shared import Shared
+from ..correlation.shared_algebra import (
+    SharedAlgebra,
+    clip,
+    conv_taps,
+    mix,
+    normalised,
+    own_columns,
+    own_loading,
+    safe_div,
+    total,
+)
 from ..planning.converters import Alias, register
 from ..planning.correlated_pools import WindowCovariances
 from ..planning.graph import GaussianParam, Layer, Repr
@@ -45,10 +52,8 @@ from ..planning.registry import (
     FactorSpec,
     OpDef,
     register_op,
-    shared_exporter,
-    shared_reference,
 )
-from ._formula import formula
+from ._formula import formula, shared_formula
 from .compute_compact import conv2d_compact_macs, dense_compact_macs
 from .compute_cost import conv2d_cost, dense_cost
 
@@ -297,9 +302,9 @@ def convert_matmul(node, ctx) -> Layer:
 
 
 # ------------------------------------------------------------------------------------ shared-factor rules
-@shared_reference("conv2d")
-def conv2d_shared(layer: PlannedLayer, inputs: list[Activation], shared: list[Shared | None], fp: FactorPlan,
-                  var: np.ndarray) -> tuple[Shared | None, np.ndarray]:
+@shared_formula("conv2d")
+def conv2d_shared(bk: SharedAlgebra, layer: PlannedLayer, inputs: list[Any], shared: list[Shared | None],
+                  fp: FactorPlan, var: Any) -> tuple[Shared | None, Any]:
     """The conv2d rule (stride/padding/dilation, groups 1; notation: :mod:`pyro2pfp.correlation.shared`).
 
     Pooled loading ``ℓ[o] = Σ_c A[o, c]·g_in[c] ⊕ w̄[o]·e_o`` with ``A[o, c] = Σ_k W[o, c, k]·m̄
@@ -311,224 +316,120 @@ def conv2d_shared(layer: PlannedLayer, inputs: list[Activation], shared: list[Sh
     (Σ_{c,k} V[o, c, k]·(m̄μ_k·μ_in[c, p+k] + m̄s_k·s_in[c, p+k]) + v_bias)`` — the exact covariance of
     ``out[o, p]`` with ``η'_o`` given the closure (``injection='regression'``).
     ``injection='rescaled'`` replaces the second sum by the mean-field weight-variance term's square
-    root rescaled to the same spatial mean (no extra convolution, a coarser profile: it under-states
-    the shared variance more; ``benchmarks/fidelity.py --variants`` compares both with sampling).
-    ``m̄ s = ‖ℓ‖`` by construction.  The variance is not corrected."""
+    root rescaled to the same spatial mean (one more convolution of ``E[x²]`` with ``V``, a coarser profile:
+    it under-states the shared variance more; ``benchmarks/fidelity.py --variants`` compares both with
+    sampling).  ``m̄ s = ‖ℓ‖`` by construction.  The variance is not corrected.  The kernel taps are strided
+    views, the pooled views their sums, the profile one batched matrix product per tap; a correlated guide's
+    terms: :mod:`pyro2pfp.correlation.guide`."""
     x, sh = inputs[0], shared[0]
-    t, a = layer.tensors, layer.layer.attrs
-    injection = fp.injection
-    wm, wv = t["weight_mean"], weight_var(t)
+    cf = ComputeFactors.of(layer, fp)
+    offset, k, wm, wv = cf.offset, cf.k, cf.weight_mean, cf.weight_var
+    t = layer.tensors
     o, c, kh, kw = wm.shape
-    k = fp.width[layer.name]
-    offset = fp.offsets.get(layer.name)
-    mu = x.mean
-    b = mu.shape[0]
     wf, bf = guide_tensors(t, o, fp)
     if sh is None and offset is None and wf is None and bf is None:
         return None, var
-    s_in = np.zeros_like(mu) if sh is None else sh.s.reshape(mu.shape)
-    mbar = np.stack([spatial_mean(v) for v in conv_views(mu, layer, (kh, kw))], axis=2)  # (B, C, k)
-    sbar = np.stack([spatial_mean(v) for v in conv_views(s_in, layer, (kh, kw))], axis=2)
-    loading = np.zeros((b, o, k))
-    if sh is not None:
-        amap = np.einsum("ock,bck->boc", wm.reshape(o, c, -1), sbar)
-        loading[..., :sh.g.shape[2]] += amap @ sh.g
+    ops = bk.ops
+    oh, ow = layer.layer.out_shape[1:]
+    mix_shape = (o, c, oh, ow)
+    positions = ops.const(1.0 / (oh * ow))
+    mu_taps = conv_taps(bk, x.mean, layer, (kh, kw))
+    mbar = [bk.rsum(bk.reshape(tp, (c, oh * ow)), 2) * positions for tp in mu_taps]  # (B, C) each
+    s_taps = conv_taps(bk, sh.s, layer, (kh, kw)) if sh is not None else []
+    sbar = [bk.rsum(bk.reshape(tp, (c, oh * ow)), 2) * positions for tp in s_taps]
+    w_k = [wm[:, :, i, j] for i in range(kh) for j in range(kw)]
+    v_k = [wv[:, :, i, j] for i in range(kh) for j in range(kw)]
+    bias_var = t["bias_var"] if "bias_var" in t else np.zeros(o)
+    terms: list[Any] = []  # of the loading, then of the profile
+    wbar = None
     if offset is not None:
-        pooled_w = np.einsum("ock,bck->bo", wv.reshape(o, c, -1), mbar**2 + sbar**2)
-        if "bias_var" in t:
-            pooled_w = pooled_w + t["bias_var"][None]
-        wbar = np.sqrt(np.maximum(pooled_w, 0.0))
-        loading[:, np.arange(o), offset + np.arange(o)] += wbar
-    injected = conv_pooled_injection(mbar, wf, bf, k, o)
-    if injected is not None:  # a correlated guide's factors through the input mean (correlation/guide.py)
-        loading += injected
-    norm, g = normalised(loading)
-    if not norm.any():
-        return None, var
-    s_out = np.zeros((b, o, *layer.layer.out_shape[1:]))
+        second = [m * m + sbar[n] * sbar[n] if sbar else m * m for n, m in enumerate(mbar)]
+        wsum = total([bk.dense(sq, v, "v") for sq, v in zip(second, v_k)])
+        wbar = ops.sqrt(ops.maximum(wsum + bk.tensor(bias_var, "bias_var"), ops.const(0.0)))  # (B, O)
+        terms.append(own_loading(bk, wbar, o, k, offset))
     if sh is not None:
-        beta = g[..., :sh.g.shape[2]] @ np.swapaxes(sh.g, 1, 2)  # (B, O, C): ⟨g_in[c], g[o]⟩
-        for kk, view in enumerate(conv_views(s_in, layer, (kh, kw))):
-            i, j = divmod(kk, kw)
-            s_out += tap_product(wm[None, :, :, i, j] * beta, view)
-    if wf is not None:  # Cov(out[o, p], η_o) of the guide's part: conv(μ, Σ_f g[o, f]·F_f[o])
-        gw = np.einsum("octf,bof->boct", wf.reshape(o, c, kh * kw, -1), g[..., :wf.shape[-1]])
-        for kk, view in enumerate(conv_views(mu, layer, (kh, kw))):
-            s_out += np.einsum("bchw,boc->bohw", view, gw[..., kk])
-    if bf is not None:
-        s_out += np.einsum("of,bof->bo", bf, g[..., :bf.shape[-1]])[..., None, None]
-    if offset is not None and injection == "rescaled":
-        ex2 = x.second_moment() if x.repr is not Repr.DETERMINISTIC else mu**2
-        prof = conv2d_nchw(ex2, wv, a["stride"], a["padding"], a["dilation"], 1)
-        if "bias_var" in t:
-            prof = prof + t["bias_var"].reshape(1, -1, 1, 1)
-        root = np.sqrt(np.maximum(prof, 0.0))
-        scale = g[:, np.arange(o), offset + np.arange(o)] * safe_div(wbar, spatial_mean(root))
-        s_out += scale[..., None, None] * root
-    if offset is not None and injection != "rescaled":
-        # Cov(noise[o, p], pooled noise[o]) = Σ_{c,k} V·(m̄μ_k·μ_{p+k} + m̄s_k·s_{p+k}) + v_bias
-        reg = np.zeros_like(s_out)
-        for kk, (vm, vs) in enumerate(zip(conv_views(mu, layer, (kh, kw)), conv_views(s_in, layer, (kh, kw)))):
-            i, j = divmod(kk, kw)
-            reg += tap_product(wv[:, :, i, j], mbar[:, :, kk, None, None] * vm + sbar[:, :, kk, None, None] * vs)
-        if "bias_var" in t:
-            reg += t["bias_var"].reshape(1, -1, 1, 1)
-        s_out += safe_div(g[:, np.arange(o), offset + np.arange(o)], wbar)[..., None, None] * reg
-    return Shared(s_out, g), var
+        amap = total([bk.einsum("bc,oc->boc", sb, bk.tensor(w, "w")) for sb, w in zip(sbar, w_k)])
+        terms.append(bk.matmul(amap, bk.widened(sh.g, sh.k, k)))
+    if wf is not None or bf is not None:  # a correlated guide's factors through the input mean (guide.py)
+        terms.append(conv_injection(bk, mbar, wf, bf, k))
+    loading = total(terms)
+    g, norm = normalised(bk, loading, o)
+    if bk.all_zero(norm):
+        return None, var
+    terms = conv_profile_terms(bk, g, mu_taps, wf, bf, mix_shape) if wf is not None or bf is not None else []
+    if sh is not None:
+        beta = bk.einsum("bcf,bof->boc", sh.g, bk.slice(g, 2, 0, sh.k))  # ⟨g_in[c], g[o]⟩
+        terms += [mix(bk, beta * bk.tensor(w, "w"), tp, mix_shape) for tp, w in zip(s_taps, w_k)]
+    if wbar is not None and offset is not None:
+        own = bk.einsum("bof,of->bo", g, own_columns(bk, o, k, offset))
+        terms.append(_injection_profile(bk, layer, x, own, wbar, (mu_taps, mbar), (s_taps, sbar), fp.injection))
+    return Shared(clip(bk, total(terms), var), g, k), var
 
 
-@shared_reference("dense")
-def dense_shared(layer: PlannedLayer, inputs: list[Activation], shared: list[Shared | None], fp: FactorPlan,
-                 var: np.ndarray) -> tuple[Shared | None, np.ndarray]:
+def _injection_profile(bk: Any, layer: PlannedLayer, x: Any, own: Any, wbar: Any, mu: tuple[list[Any], list[Any]],
+                       s: tuple[list[Any], list[Any]], injection: str) -> Any:
+    """The profile of a conv's own weight and bias noise, ``Cov(noise[o, p], η_o)`` (B, O, OH, OW), from ``own =
+    g[o, e_o]`` and ``w̄`` (B, O): ``'regression'`` -- ``(own/w̄)·(Σ_{c,k} V·(m̄μ_k·μ_{p+k} + m̄s_k·s_{p+k}) +
+    v_bias)`` (``mu``, ``s``: the taps and pooled views of the input's mean and profile); ``'rescaled'`` --
+    ``own·w̄/mean_p √r·√r`` with ``r = Σ V·E[x²] + v_bias`` (one convolution; 0 where the mean root is 0)."""
+    ops, t = bk.ops, layer.tensors
+    wv = weight_var(t)
+    o, c, kh, kw = wv.shape
+    oh, ow = layer.layer.out_shape[1:]
+    if injection == "rescaled":
+        noise = bk.conv2d(bk.second_moment(x), wv, layer.layer.attrs, "weight_var_noise")
+        if "bias_var" in t:
+            noise = noise + bk.tensor(t["bias_var"].reshape(o, 1, 1), "bias_var")
+        root = ops.sqrt(ops.maximum(noise, ops.const(0.0)))
+        root_mean = bk.rsum(bk.reshape(root, (o, oh * ow)), 2) * ops.const(1.0 / (oh * ow))  # (B, O)
+        return bk.reshape(own * safe_div(bk, wbar, root_mean), (o, 1, 1)) * root
+    views = [tp * bk.reshape(m, (c, 1, 1)) for tp, m in zip(*mu)]
+    views = [v + tp * bk.reshape(m, (c, 1, 1)) for v, tp, m in zip(views, *s)] if s[0] else views
+    reg = [mix(bk, bk.tensor(wv[:, :, i, j], "v"), views[i * kw + j], (o, c, oh, ow))
+           for i in range(kh) for j in range(kw)]
+    if "bias_var" in t:
+        reg.append(bk.tensor(t["bias_var"].reshape(o, 1, 1), "bias_var"))
+    return bk.reshape(safe_div(bk, own, wbar), (o, 1, 1)) * total(reg)
+
+
+@shared_formula("dense")
+def dense_shared(bk: SharedAlgebra, layer: PlannedLayer, inputs: list[Any], shared: list[Shared | None], fp: FactorPlan,
+                 var: Any) -> tuple[Shared | None, Any]:
     """The dense rule: ``ℓ[o] = Σ_c (Σ_p W[o, (c, p)]·s[c, p])·g[c] ⊕ √(Σ V·E[x²] + v_bias)·e_o``,
     ``v_out = v_mf + ‖Σ_c (…)·g[c]‖² − Σ_i W[o, i]²·s_i²`` (the shared parts summed with their
-    correlations instead of as independent); ``s = ‖ℓ‖``, ``g = ℓ/‖ℓ‖`` (each unit its own channel).
-    Returns ``(shared part of the output, corrected output variance)``."""
+    correlations instead of as independent); ``s = ‖ℓ‖``, ``g = ℓ/‖ℓ‖`` (each unit its own channel); a
+    correlated guide's terms: :mod:`pyro2pfp.correlation.guide`.  Returns ``(shared part of the output,
+    corrected output variance)``."""
     x, sh = inputs[0], shared[0]
-    t = layer.tensors
-    wm, wv = t["weight_mean"], weight_var(t)
-    b, o = x.mean.shape[0], wm.shape[0]
-    k = fp.width[layer.name]
-    offset = fp.offsets.get(layer.name)
-    wf, bf = guide_tensors(t, o, fp)
-    loading = np.zeros((b, o, k))
-    coherent: np.ndarray | float = 0.0
-    if sh is not None:
-        s = sh.s.reshape(b, -1)
-        rows = sh.g.shape[1]
-        coef = np.einsum("ocp,bcp->boc", wm.reshape(o, rows, -1), s.reshape(b, rows, -1))
-        loading += coef @ sh.widened(k)
-        coherent = s**2 @ (wm**2).T
-    injected = dense_injection(x.mean, wf, bf, k)
-    if injected is not None:  # a correlated guide's factors through the input mean (correlation/guide.py)
-        loading += injected
-        coherent = coherent + dense_guide_variance(x.mean, None if sh is None else sh.s,
-                                                   None if sh is None else sh.g, wf, bf, fp.guide)
-    if sh is not None or injected is not None:
-        var = np.maximum(var + (loading**2).sum(axis=2) - coherent, 0.0)
-    if offset is not None:
-        ex2 = x.second_moment() if x.repr is not Repr.DETERMINISTIC else x.mean**2
-        inj = ex2.reshape(b, -1) @ wv.T + (t["bias_var"][None] if "bias_var" in t else 0.0)
-        loading[:, np.arange(o), offset + np.arange(o)] += np.sqrt(np.maximum(inj, 0.0))
-    norm, g = normalised(loading)
-    if not norm.any():
-        return None, var
-    return Shared(norm, g), var
-
-
-@shared_exporter("conv2d")
-def conv2d_shared_onnx(step: OnnxSharedStep, ctx: OnnxContext, layer: PlannedLayer, inputs: list[OnnxActivation],
-                       shared: list[OnnxShared | None], out: OnnxActivation
-                       ) -> tuple[OnnxShared | None, OnnxActivation]:
-    """:func:`conv2d_shared` in ONNX: the kernel taps as strided Slices, the pooled views as ReduceSums
-    and the per-input weights of the profile as Einsums over the taps (``Σ_k tap_k(s)·W_k·β``), not a
-    grouped Conv (whose group count cannot follow a dynamic batch).  ``injection='rescaled'``: the
-    weight-noise term ``Σ V·E[x²] + v_bias`` is one Conv of its own (the mean-field export has summed
-    it into the variance; the compiled kernels reuse it), its root rescaled, instead of the
-    regression Einsums."""
-    x, sh = inputs[0], shared[0]
-    cf = ComputeFactors.of(layer, step.fp)
-    offset, k, wm, wv = cf.offset, cf.k, cf.weight_mean, cf.weight_var
-    t, a = layer.tensors, layer.layer.attrs
-    o, c, kh, kw = wm.shape
-    in_shape, out_hw = step.ctx.shapes[layer.inputs[0]], layer.layer.out_shape[1:]
-    args = (in_shape, (kh, kw), a["stride"], a["padding"], a["dilation"], out_hw)
-    positions = 1.0 / (out_hw[0] * out_hw[1])
-    mu_taps = step.taps(x.mean, *args)
-    mbar = [step.view_as(step.rsum(tp, [2, 3]), c) * step.c(positions) for tp in mu_taps]  # (B, C) each
-    s_taps = step.taps(sh.s, *args) if sh is not None else []
-    sbar = [step.view_as(step.rsum(tp, [2, 3]), c) * step.c(positions) for tp in s_taps]
-    w_k = [step.t(wm[:, :, i, j], "w") for i in range(kh) for j in range(kw)] if sh is not None else []
-    v_k = [wv[:, :, i, j] for i in range(kh) for j in range(kw)]
-    loading: Sym | None = None
-    wbar: Sym | None = None
-    if offset is not None:
-        second = [m * m + (sbar[n] * sbar[n] if sbar else step.c(0.0)) for n, m in enumerate(mbar)]
-        wsum = step.total([sq.nary("MatMul", step.t(v.T, "v_t")) for sq, v in zip(second, v_k)])
-        bias_var = t["bias_var"] if "bias_var" in t else np.zeros(o)
-        wbar = (wsum + step.t(bias_var, "bias_var")).nary("Max", step.c(0.0)).unary("Sqrt")  # (B, O)
-        loading = step.einsum("bo,of->bof", wbar, step.onehot(o, k, offset))
-    if sh is not None:
-        amap = step.total([step.einsum("bc,oc->boc", sb, w) for sb, w in zip(sbar, w_k)])
-        prop = step.einsum("boc,bcf->bof", amap, step.widened(sh.g, sh.k, k))
-        loading = prop if loading is None else loading + prop
-    wf, bf = guide_tensors(t, o, step.fp)
-    if wf is not None or bf is not None:  # a correlated guide's factors (correlation/guide_onnx.py)
-        injected = guide_onnx.conv_injection(step, mbar, wf, bf, k)
-        loading = injected if loading is None else loading + injected
-    if loading is None:  # nothing shared in or created (the reference's rule returns no shared part)
-        return None, out
-    g, _ = step.normalise(loading)
-    terms: list[Sym] = []
-    if wf is not None or bf is not None:
-        terms += guide_onnx.conv_profile_terms(step, g, mu_taps, wf, bf)
-    if wf is not None and sh is not None:
-        out = OnnxActivation(out.mean + guide_onnx.conv_mean_shift(step, sh, s_taps, wf), out.second, out.repr)
-    if sh is not None:
-        g_in_cols = g.nary("Slice", step.b.ints([0], "starts"), step.b.ints([sh.k], "ends"),
-                           step.b.ints([2], "axes"))
-        beta = step.einsum("bcf,bof->boc", sh.g, g_in_cols)
-        terms += [step.einsum("bchw,boc->bohw", tp, beta * w) for tp, w in zip(s_taps, w_k)]
-    if offset is not None and wbar is not None and step.fp.injection == "rescaled":
-        # the weight-noise term Σ V·E[x²] + v_bias as its own Conv (the mean-field export sums it into
-        # the variance before this rule runs), its root rescaled to the spatial mean w̄
-        noise = ctx.conv2d(ctx.second_moment(x), wv, a, "weight_var_noise")
-        if "bias_var" in t:
-            noise = noise + step.view_as(step.t(t["bias_var"], "bias_var"), o, 1, 1)
-        root = noise.nary("Max", step.c(0.0)).unary("Sqrt")
-        root_mean = step.rsum(root, [2, 3]) * step.c(positions)  # (B, O, 1, 1)
-        own = step.view_as(step.einsum("bof,of->bo", g, step.onehot(o, k, offset)), o, 1, 1)
-        terms.append(own * step.safe_div(step.view_as(wbar, o, 1, 1), root_mean) * root)
-    elif offset is not None and wbar is not None:
-        coef = step.safe_div(step.einsum("bof,of->bo", g, step.onehot(o, k, offset)), wbar)
-        reg = [step.einsum("bchw,bc,oc->bohw", tp, mb, step.t(v, "v")) for tp, mb, v in zip(mu_taps, mbar, v_k)]
-        reg += [step.einsum("bchw,bc,oc->bohw", tp, sb, step.t(v, "v")) for tp, sb, v in zip(s_taps, sbar, v_k)]
-        if "bias_var" in t:
-            reg.append(step.view_as(step.t(t["bias_var"], "bias_var"), o, 1, 1))
-        terms.append(step.view_as(coef, o, 1, 1) * step.total(reg))
-    return OnnxShared(step.clip(step.total(terms), step.var(out)), g, k), out
-
-
-@shared_exporter("dense")
-def dense_shared_onnx(step: OnnxSharedStep, ctx: OnnxContext, layer: PlannedLayer, inputs: list[OnnxActivation],
-                      shared: list[OnnxShared | None], out: OnnxActivation
-                      ) -> tuple[OnnxShared | None, OnnxActivation]:
-    """:func:`dense_shared` in ONNX (Einsums and MatMuls)."""
-    x, sh = inputs[0], shared[0]
-    cf = ComputeFactors.of(layer, step.fp)
+    cf = ComputeFactors.of(layer, fp)
     offset, k, wm, wv = cf.offset, cf.k, cf.weight_mean, cf.weight_var
     t = layer.tensors
     o, n = wm.shape
-    loading: Sym | None = None
-    var = step.var(out)
-    mean = out.mean
-    assert var is not None
-    wf, bf = guide_tensors(t, o, step.fp)
-    rows = step.fp.rows[layer.inputs[0]] if sh is not None else 1
-    counted: Sym | None = None
+    ops = bk.ops
+    wf, bf = guide_tensors(t, o, fp)
+    rows = fp.rows[layer.inputs[0]] if sh is not None else 1
+    terms: list[Any] = []
+    counted: list[Any] = []
     if sh is not None:
-        s = step.view_as(sh.s, n)
-        coef = step.einsum("brg,org->bor", step.view_as(s, rows, n // rows), step.t(wm.reshape(o, rows, -1), "w"))
-        loading = step.einsum("bor,brf->bof", coef, step.widened(sh.g, sh.k, k))
-        counted = (s * s).nary("MatMul", step.t((wm**2).T, "w2_t"))
-    if wf is not None or bf is not None:  # a correlated guide's factors (correlation/guide_onnx.py)
-        injected, guide_counted, shift = guide_onnx.dense_terms(step, step.view_as(x.mean, n), sh, rows, wf, bf, k)
-        loading = injected if loading is None else loading + injected
-        counted = guide_counted if counted is None else counted + guide_counted
-        if shift is not None:
-            mean = mean + shift
-    if loading is not None and counted is not None:
-        pn = step.view_as(step.rsum(loading * loading, [2]), o)
-        var = (var + pn - counted).nary("Max", step.c(0.0))
+        s = bk.reshape(sh.s, (n,))
+        coef = bk.einsum("brg,org->bor", bk.reshape(s, (rows, n // rows)), bk.tensor(wm.reshape(o, rows, -1), "w"))
+        terms.append(bk.matmul(coef, bk.widened(sh.g, sh.k, k)))
+        counted.append(bk.dense(s * s, wm**2, "w2"))
+    if wf is not None or bf is not None:  # a correlated guide's factors through the input mean (guide.py)
+        injected, guide_counted = dense_terms(bk, bk.reshape(x.mean, (n,)), sh, rows, wf, bf, k)
+        terms.append(injected)
+        counted.append(guide_counted)
+    if terms:
+        loading = total(terms)
+        var = ops.maximum(var + bk.rsum(loading * loading, 2) - total(counted), ops.const(0.0))
     if offset is not None:
-        mu = step.view_as(x.mean, n)
-        ex2 = mu * mu if x.second is None else mu * mu + step.view_as(x.second, n)
-        inj = ex2.nary("MatMul", step.t(wv.T, "v_t"))
+        inj = bk.dense(bk.reshape(bk.second_moment(x), (n,)), wv, "v")
         if "bias_var" in t:
-            inj = inj + step.t(t["bias_var"], "bias_var")
-        own = step.einsum("bo,of->bof", inj.nary("Max", step.c(0.0)).unary("Sqrt"), step.onehot(o, k, offset))
-        loading = own if loading is None else loading + own
-    assert loading is not None
-    g, norm = step.normalise(loading)
-    s_out = step.clip(step.view_as(norm, o), var)
-    return OnnxShared(s_out, g, k), OnnxActivation(mean, var, out.repr)
+            inj = inj + bk.tensor(t["bias_var"], "bias_var")
+        terms.append(own_loading(bk, ops.sqrt(ops.maximum(inj, ops.const(0.0))), o, k, offset))
+    if not terms:  # nothing shared in or created
+        return None, var
+    g, norm = normalised(bk, total(terms), o)
+    if bk.all_zero(norm):
+        return None, var
+    return Shared(clip(bk, norm, var), g, k), var

@@ -27,17 +27,15 @@ from typing import Any
 
 import numpy as np
 
-from ..backends.onnx.builder import OnnxActivation, OnnxContext, Sym
-from ..backends.reference import Activation
 from ..correlation.factors import FactorPlan
-from ..correlation.onnx_step import OnnxShared, OnnxSharedStep
 from ..correlation.shared import Shared
+from ..correlation.shared_algebra import SharedAlgebra
 from ..planning.converters import Alias, register
 from ..planning.correlated_pools import WindowCovariances
 from ..planning.graph import Layer, Repr
 from ..planning.plan import PlannedLayer
-from ..planning.registry import FactorSpec, OpDef, register_op, shared_exporter, shared_reference
-from ._formula import formula
+from ..planning.registry import FactorSpec, OpDef, register_op
+from ._formula import formula, shared_formula
 
 CAT_OPS = ("aten.cat.default", "aten.concat.default", "aten.concatenate.default", "aten.hstack.default")
 STACK_OPS = ("aten.stack.default",)
@@ -139,47 +137,20 @@ def convert_stack(node: Any, ctx: Any) -> list[Layer]:
 
 
 # ------------------------------------------------------------------------------------ shared-factor rules
-@shared_reference("concat")
-def concat_shared(layer: PlannedLayer, inputs: list[Activation], shared: list[Shared | None], fp: FactorPlan,
-                  var: np.ndarray) -> tuple[Shared | None, np.ndarray]:
+@shared_formula("concat")
+def concat_shared(bk: SharedAlgebra, layer: PlannedLayer, inputs: list[Any], shared: list[Shared | None],
+                  fp: FactorPlan, var: Any) -> tuple[Shared | None, Any]:
     """Along the row axis: ``s`` side by side, ``g`` row blocks widened to the output's ``K`` (a branch
     without a shared part: ``s = 0``, ``g = 0``); the variance unchanged (exact)."""
     k = fp.width[layer.name]
     s_parts, g_parts = [], []
-    for x, sh in zip(inputs, shared, strict=True):
-        if sh is None:
-            s_parts.append(np.zeros_like(x.mean))
-            g_parts.append(np.zeros((x.mean.shape[0], x.mean.shape[1], k)))
-        else:
-            s_parts.append(sh.s.reshape(x.mean.shape))
-            g_parts.append(sh.widened(k))
-    return Shared(np.concatenate(s_parts, axis=1), np.concatenate(g_parts, axis=1)), var
-
-
-def _zeros(step: OnnxSharedStep, like: Sym, *shape: int) -> Sym:
-    """Zeros of shape ``(batch, *shape)``, the batch read from ``like``."""
-    from onnx import TensorProto, helper
-
-    b = step.b
-    batch = b.node("Slice", [b.node("Shape", [like.name]), b.ints([0], "starts"), b.ints([1], "ends")])
-    dims = b.node("Concat", [batch, b.ints(list(shape), "dims")], axis=0)
-    zero = helper.make_tensor("zero", TensorProto.FLOAT, [1], [0.0])
-    return Sym(b, b.node("ConstantOfShape", [dims], value=zero))
-
-
-@shared_exporter("concat")
-def concat_shared_onnx(step: OnnxSharedStep, ctx: OnnxContext, layer: PlannedLayer, inputs: list[OnnxActivation],
-                       shared: list[OnnxShared | None], out: OnnxActivation
-                       ) -> tuple[OnnxShared | None, OnnxActivation]:
-    """:func:`concat_shared` in ONNX (two Concats)."""
-    k = step.fp.width[layer.name]
-    s_parts, g_parts = [], []
     for name, x, sh in zip(layer.inputs, inputs, shared, strict=True):
-        shape = ctx.shapes[name]
+        shape = bk.edge_shape(x, name)
         if sh is None:
-            s_parts.append(_zeros(step, x.mean, *shape))
-            g_parts.append(_zeros(step, x.mean, shape[0], k))
+            rows = bk.reshape(x.mean, (shape[0], int(np.prod(shape[1:]))))
+            s_parts.append(bk.zeros_like(x.mean))
+            g_parts.append(bk.widened(bk.zeros_like(bk.slice(rows, 2, 0, 1)), 1, k))
         else:
-            s_parts.append(step.view_as(sh.s, *shape))
-            g_parts.append(step.widened(sh.g, sh.k, k))
-    return OnnxShared(ctx.concat(s_parts, 0), ctx.concat(g_parts, 0), k), out
+            s_parts.append(bk.reshape(sh.s, shape))
+            g_parts.append(bk.widened(sh.g, sh.k, k))
+    return Shared(bk.concat(s_parts, 0), bk.concat(g_parts, 0), k), var

@@ -40,17 +40,15 @@ from typing import Any
 
 import numpy as np
 
-from .. import moments
-from ..backends.onnx.builder import OnnxActivation, OnnxContext
 from ..correlation.factors import FactorPlan
 from ..correlation.loadings import CompactPlan, Loadings, TensorAlgebra
-from ..correlation.onnx_step import OnnxShared, OnnxSharedStep
-from ..correlation.shared import Shared, normalised
+from ..correlation.shared import Shared
+from ..correlation.shared_algebra import SharedAlgebra, clip, normalised
 from ..planning.converters import register
 from ..planning.graph import GaussianParam, Layer, Repr
 from ..planning.plan import PlannedLayer, stored_variance
-from ..planning.registry import CompactSpec, Contract, FactorSpec, OpDef, register_op, shared_exporter, shared_reference
-from ._formula import compact_formula, formula
+from ..planning.registry import CompactSpec, Contract, FactorSpec, OpDef, register_op
+from ._formula import compact_formula, formula, shared_formula
 
 LAYER_NORM = register_op(OpDef(
     "layer_norm", ("aten.layer_norm.default",),
@@ -215,18 +213,9 @@ def shared_terms(ops: Any, z: Any, r: Any, s2: Any, b0: Any, b1: Any, b2: Any, d
                     + ops.const(1.0 / d) * (b0 + ops.const(2.0) * z * b1 + z2 * b2))
 
 
-def _statistics(mu: np.ndarray, v: np.ndarray, eps: float) -> tuple[np.ndarray, np.ndarray]:
-    """``(z, r)`` of rows ``(B, D)`` at the expected statistics (module docstring)."""
-    d = mu.shape[1]
-    centred = mu - mu.mean(axis=1, keepdims=True)
-    s2 = (centred**2).mean(axis=1, keepdims=True) + (1.0 - 1.0 / d) * v.mean(axis=1, keepdims=True)
-    r = 1.0 / np.sqrt(s2 + eps)
-    return centred * r, r
-
-
-@shared_reference("layer_norm")
-def layer_norm_shared(layer: PlannedLayer, inputs: list[Any], shared: list[Shared | None], fp: FactorPlan,
-                      var: np.ndarray) -> tuple[Shared | None, np.ndarray]:
+@shared_formula("layer_norm")
+def layer_norm_shared(bk: SharedAlgebra, layer: PlannedLayer, inputs: list[Any], shared: list[Shared | None],
+                      fp: FactorPlan, var: Any) -> tuple[Shared | None, Any]:
     """LayerNorm of a flat edge of ``D`` features with the input's shared part ``L_k = s_k·g_row(k)``
     (``row(k)``: the input row feature ``k`` belongs to -- itself after a dense layer, its channel after a
     flattened conv).  The delta method of the op's own variance with ``J_jk = r·(δ_jk − (1 + z_j·z_k)/D)``
@@ -241,59 +230,30 @@ def layer_norm_shared(layer: PlannedLayer, inputs: list[Any], shared: list[Share
     x, sh = inputs[0], shared[0]
     if sh is None:
         return None, var
-    b = x.mean.shape[0]
-    d = int(np.prod(layer.layer.out_shape))
-    rows = sh.g.shape[1]
-    mu = x.mean.reshape(b, d)
-    z, r = _statistics(mu, x.variance().reshape(b, d), float(layer.layer.attrs["eps"]))
-    s = sh.s.reshape(b, d)
-    loads = s[..., None] * np.repeat(sh.g, d // rows, axis=1)                      # (B, D, K)
-    jl = r[..., None] * (loads - loads.mean(axis=1, keepdims=True)
-                         - z[..., None] * (z[..., None] * loads).mean(axis=1, keepdims=True))
-    s2 = s * s
-    b0, b1, b2 = (t.mean(axis=1, keepdims=True) for t in (s2, z * s2, z * z * s2))
-    independent = shared_terms(moments.NUMPY, z, r, s2, b0, b1, b2, d)
-    gm, gv = (layer.tensors[n].reshape(1, d) for n in ("weight_mean", "weight_var"))
-    var = np.maximum(var.reshape(b, d) + (gm**2 + gv) * ((jl**2).sum(axis=2) - independent), 0.0)
-    norm, g = normalised(gm[..., None] * jl)
-    return Shared(norm, g), var.reshape(x.mean.shape)
+    ops = bk.ops
+    shape = tuple(layer.layer.out_shape)
+    d = int(np.prod(shape))
+    k, rows = fp.width[layer.name], fp.rows[layer.inputs[0]]
+    mu, v = bk.reshape(x.mean, (d,)), bk.reshape(bk.variance(x), (d,))
+    inv_d = ops.const(1.0 / d)
 
-
-@shared_exporter("layer_norm")
-def layer_norm_shared_onnx(step: OnnxSharedStep, ctx: OnnxContext, layer: PlannedLayer,
-                           inputs: list[OnnxActivation], shared: list[OnnxShared | None], out: OnnxActivation
-                           ) -> tuple[OnnxShared | None, OnnxActivation]:
-    """:func:`layer_norm_shared` in ONNX (row means as ReduceSums, the loadings as Einsums)."""
-    x, sh = inputs[0], shared[0]
-    if sh is None:
-        return None, out
-    d = int(np.prod(layer.layer.out_shape))
-    k = step.fp.width[layer.name]
-    rows = step.fp.rows[layer.inputs[0]]
-    mu, v = step.view_as(x.mean, d), step.view_as(step.var(x), d)
-    inv_d = step.c(1.0 / d)
-
-    def mean(t: Any) -> Any:  # over the features: (B, 1) or (B, 1, K)
-        return step.rsum(t, [1]) * inv_d
+    def mean(t: Any, *kept: int) -> Any:  # over the features: (B, 1) or (B, 1, K)
+        return bk.reshape(bk.rsum(t, 1), (1, *kept)) * inv_d
 
     centred = mu - mean(mu)
-    s2_row = mean(centred * centred) + step.c(1.0 - 1.0 / d) * mean(v)
-    r = step.c(1.0) / (s2_row + step.c(float(layer.layer.attrs["eps"]))).unary("Sqrt")
+    s2_row = mean(centred * centred) + ops.const(1.0 - 1.0 / d) * mean(v)
+    r = ops.const(1.0) / ops.sqrt(s2_row + ops.const(float(layer.layer.attrs["eps"])))
     z = centred * r
-    s = step.view_as(sh.s, d)
-    g_rows = step.widened(sh.g, sh.k, k)
+    s = bk.reshape(sh.s, (d,))
     expand = np.repeat(np.eye(rows), d // rows, axis=0)                              # (D, rows)
-    loads = step.einsum("bd,dr,brf->bdf", s, step.t(expand, "ln_rows"), g_rows)
-    z3 = step.view_as(z, d, 1)
-    jl = step.view_as(r, 1, 1) * (loads - mean(loads) - z3 * mean(z3 * loads))
+    loads = bk.einsum("bd,dr,brf->bdf", s, bk.tensor(expand, "ln_rows"), bk.widened(sh.g, sh.k, k))
+    z3 = bk.reshape(z, (d, 1))
+    jl = bk.reshape(r, (1, 1)) * (loads - mean(loads, k) - z3 * mean(z3 * loads, k))
     s2 = s * s
-    independent = shared_terms(step.ctx.ops, z, r, s2, mean(s2), mean(z * s2), mean(z * z * s2), d)
+    independent = shared_terms(ops, z, r, s2, mean(s2), mean(z * s2), mean(z * z * s2), d)
     gm, gv = (layer.tensors[n].reshape(d) for n in ("weight_mean", "weight_var"))
-    coherent = step.view_as(step.rsum(jl * jl, [2]), d)
-    var = step.view_as(step.var(out), d) + step.t(gm**2 + gv, "ln_gamma_second") * (coherent - independent)
-    var = var.nary("Max", step.c(0.0))
-    g, norm = step.normalise(step.t(gm.reshape(d, 1), "ln_gamma") * jl)
-    s_out = step.clip(step.view_as(norm, d), var)
-    shape = ctx.shapes[layer.name]
-    return OnnxShared(step.view_as(s_out, *shape), g, k), OnnxActivation(out.mean, step.view_as(var, *shape),
-                                                                        out.repr)
+    coherent = bk.rsum(jl * jl, 2)
+    var = bk.reshape(var, (d,)) + bk.tensor(gm**2 + gv, "ln_gamma_second") * (coherent - independent)
+    var = ops.maximum(var, ops.const(0.0))
+    g, norm = normalised(bk, bk.tensor(gm.reshape(d, 1), "ln_gamma") * jl, d)
+    return Shared(bk.reshape(clip(bk, norm, var), shape), g, k), bk.reshape(var, shape)

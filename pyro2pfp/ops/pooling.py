@@ -16,8 +16,9 @@ also global/adaptive average pooling and ``mean`` over (H, W)).  1-D pools are t
 
 The reference and the ONNX export are written separately here (ONNX has ``MaxPool``/``AveragePool``
 and strided ``Slice``; NumPy folds strided views).  The TVM kernels and schedules are in
-``backends/tvm/ops/pooling.py``.  Shared-factor PFP (:mod:`pyro2pfp.correlation`): the float64 and
-ONNX rules of both ops are at the end of this file, their TE kernels in ``backends/tvm/ops/pooling.py``.
+``backends/tvm/ops/pooling.py``.  Shared-factor PFP (:mod:`pyro2pfp.correlation`): the rules of
+both ops (a formula each for the float64 reference and the ONNX export) are at the end of this file, their
+TE kernels in ``backends/tvm/ops/pooling.py``.
 """
 from __future__ import annotations
 
@@ -27,20 +28,21 @@ import numpy as np
 
 from .. import moments
 from ..backends.onnx.builder import LOWEST32, OnnxActivation, OnnxContext, Sym, exporter
-from ..backends.reference import Activation, emit_output, reference
+from ..backends.reference import NUMPY_BACKEND, Activation, emit_output, reference
 from ..backends.reference.arrays import LOWEST, average_divisor, padded, window_views
 from ..correlation.backend import fuses_mean_field
 from ..correlation.factors import FactorPlan
 from ..correlation.loadings import CompactPlan, Loadings, TensorAlgebra
-from ..correlation.onnx_step import OnnxShared, OnnxSharedStep
+from ..correlation.onnx_step import OnnxSharedStep
 from ..correlation.shared import Shared
+from ..correlation.shared_algebra import SharedAlgebra, clip, total
 from ..errors import UnsupportedLayerError
 from ..planning.converters import register
 from ..planning.graph import Layer, Repr
 from ..planning.onedim import as_2d, out_shape
 from ..planning.plan import PlannedLayer
 from ..planning.registry import FactorSpec, OpDef, register_op, shared_exporter, shared_reference
-from ._formula import compact_formula
+from ._formula import compact_formula, shared_formula
 from .compute import _pair
 
 D = Repr.DETERMINISTIC
@@ -370,9 +372,9 @@ def average_attrs(layer: PlannedLayer) -> dict[str, Any]:
     return a
 
 
-@shared_reference("avg_pool2d")
-def avg_pool2d_shared(layer: PlannedLayer, inputs: list[Activation], shared: list[Shared | None], fp: FactorPlan,
-                      var: np.ndarray) -> tuple[Shared | None, np.ndarray]:
+@shared_formula("avg_pool2d")
+def avg_pool2d_shared(bk: SharedAlgebra, layer: PlannedLayer, inputs: list[Any], shared: list[Shared | None],
+                      fp: FactorPlan, var: Any) -> tuple[Shared | None, Any]:
     """The average pooling rule (global average pooling too; divisor ``n``): ``s ↦`` window mean of
     ``s`` (exact); ``v = Σ(v − s²)/n² + s_out²`` (the shared part summed coherently, the remainder as
     independent: an approximation -- directly after a conv with a deterministic input the remainder
@@ -381,14 +383,37 @@ def avg_pool2d_shared(layer: PlannedLayer, inputs: list[Activation], shared: lis
     x, sh = inputs[0], shared[0]
     if sh is None:
         return None, var
+    ops = bk.ops
     a = average_attrs(layer)
-    out_hw = layer.layer.out_shape[1:]
-    s_in = sh.s.reshape(x.mean.shape)
-    div = average_divisor(a, x.mean.shape[2:], out_hw)
-    s = sum(window_views(padded(s_in, a, out_hw, 0.0), a["kernel"], a["stride"], out_hw)) / div
-    indep = np.maximum(x.variance() - s_in**2, 0.0)
-    var = sum(window_views(padded(indep, a, out_hw, 0.0), a["kernel"], a["stride"], out_hw)) / div**2 + s**2
-    return Shared(s, sh.g), var
+    in_hw, out_hw = tuple(bk.edge_shape(x, layer.inputs[0])[1:]), tuple(layer.layer.out_shape[1:])
+    div = average_divisor(a, in_hw, out_hw)
+    indep = ops.maximum(bk.variance(x) - sh.s * sh.s, ops.const(0.0))
+    s = total(_window_taps(bk, sh.s, a, in_hw, out_hw, 0.0)) * bk.tensor(1.0 / div, "inv_divisor")
+    rest = total(_window_taps(bk, indep, a, in_hw, out_hw, 0.0)) * bk.tensor(1.0 / div**2, "inv_divisor2")
+    return Shared(s, sh.g, sh.k), rest + s * s
+
+
+def max_pool2d_fold(bk: Any, layer: PlannedLayer, inputs: list[Any], sh: Shared) -> tuple[Any, Any, Any]:
+    """``(μ, v, s)`` of a max pool with a shared input part ``sh`` (:func:`max_pool2d_shared`): Clark's fold over
+    the window taps, correlated with the in-window covariances of a ``window_cov`` input (else independent),
+    carrying the profile with the same weights; a formula over ``bk`` for the reference and the export."""
+    x = inputs[0]
+    a = layer.layer.attrs
+    c, *in_hw = bk.edge_shape(x, layer.inputs[0])
+    out_hw = tuple(layer.layer.out_shape[1:])
+    ms = _window_taps(bk, x.mean, a, tuple(in_hw), out_hw, bk.lowest)
+    vs = _window_taps(bk, bk.variance(x), a, tuple(in_hw), out_hw, 0.0)
+    ss = _window_taps(bk, sh.s, a, tuple(in_hw), out_hw, 0.0)
+    pairs = moments.window_pairs(len(ms))
+    cov = {pair: bk.reshape(bk.slice(inputs[1].mean, 2, k, k + 1), (c, *out_hw)) if len(inputs) == 2
+           else bk.ops.const(0.0) for k, pair in enumerate(pairs)}
+    mean, var, s = ms[0], vs[0], ss[0]
+    carried = {j: cov[(0, j)] for j in range(1, len(ms))}
+    for t in range(1, len(ms)):
+        mean, var, cdf, cdf_neg = moments.correlated_max_moments(mean, var, ms[t], vs[t], carried.pop(t), bk.ops)
+        carried = {j: cv * cdf + cov[(t, j)] * cdf_neg for j, cv in carried.items()}
+        s = cdf * s + cdf_neg * ss[t]
+    return mean, var, s
 
 
 @shared_reference("max_pool2d")
@@ -398,71 +423,29 @@ def max_pool2d_shared(layer: PlannedLayer, inputs: list[Activation], shared: lis
     covariances of the pool's ``window_cov`` input, whose shared-factor rule gives the scheme's covariances;
     else independent) and ``s`` by the linear response of the pairwise maximum with the same weights,
     ``Cov(max(A, B), η) = Φ(α)·Cov(A, η) + Φ(−α)·Cov(B, η)`` (exact for jointly Gaussian ``A, B, η``; ``α``
-    from ``θ = √(v_A + v_B − 2·Cov(A, B))``, the covariance 0 without a ``window_cov`` input).  The variance
-    is the reference's."""
-    x, sh = inputs[0], shared[0]
+    from ``θ = √(v_A + v_B − 2·Cov(A, B))``, the covariance 0 without a ``window_cov`` input)
+    (:func:`max_pool2d_fold`).  The variance is the reference's."""
+    sh = shared[0]
     if sh is None:
         return None, var
-    a = layer.layer.attrs
-    out_hw = layer.layer.out_shape[1:]
-    s_in = sh.s.reshape(x.mean.shape)
-    ms = list(window_views(padded(x.mean, a, out_hw, LOWEST), a["kernel"], a["stride"], out_hw))
-    vs = list(window_views(padded(x.variance(), a, out_hw, 0.0), a["kernel"], a["stride"], out_hw))
-    ss = list(window_views(padded(s_in, a, out_hw, 0.0), a["kernel"], a["stride"], out_hw))
-    pairs = moments.window_pairs(len(ms))
-    cov = {pair: inputs[1].mean[:, :, k] if len(inputs) == 2 else 0.0 for k, pair in enumerate(pairs)}
-    mean, v, s = ms[0], vs[0], ss[0]
-    carried = {j: cov[(0, j)] for j in range(1, len(ms))}
-    for t in range(1, len(ms)):
-        mean, v, cdf, cdf_neg = moments.correlated_max_moments(mean, v, ms[t], vs[t], carried.pop(t))
-        carried = {j: c * cdf + cov[(t, j)] * cdf_neg for j, c in carried.items()}
-        s = cdf * s + cdf_neg * ss[t]
-    return Shared(s, sh.g), var
-
-
-@shared_exporter("avg_pool2d")
-def avg_pool2d_shared_onnx(step: OnnxSharedStep, ctx: OnnxContext, layer: PlannedLayer, inputs: list[OnnxActivation],
-                           shared: list[OnnxShared | None], out: OnnxActivation
-                           ) -> tuple[OnnxShared | None, OnnxActivation]:
-    """:func:`avg_pool2d_shared` in ONNX (the window taps as strided Slices)."""
-    x, sh = inputs[0], shared[0]
-    if sh is None:
-        return None, out
-    a = average_attrs(layer)
-    in_shape, out_hw = step.ctx.shapes[layer.inputs[0]], layer.layer.out_shape[1:]
-    div = average_divisor(a, in_shape[1:], out_hw)
-    assert x.second is not None
-    indep = (x.second - sh.s * sh.s).nary("Max", step.c(0.0))
-    args = (in_shape, tuple(a["kernel"]), a["stride"], a["padding"], [1, 1], out_hw)
-    s = step.total(step.taps(sh.s, *args)) * step.t(1.0 / div, "inv_divisor")
-    rest = step.total(step.taps(indep, *args)) * step.t(1.0 / div**2, "inv_divisor2")
-    return OnnxShared(s, sh.g, sh.k), OnnxActivation(out.mean, rest + s * s, out.repr)
+    return Shared(max_pool2d_fold(NUMPY_BACKEND, layer, inputs, sh)[2], sh.g), var
 
 
 @fuses_mean_field
 @shared_exporter("max_pool2d")
 def max_pool2d_shared_onnx(step: OnnxSharedStep, ctx: OnnxContext, layer: PlannedLayer, inputs: list[OnnxActivation],
-                           shared: list[OnnxShared | None], out: OnnxActivation | None
-                           ) -> tuple[OnnxShared | None, OnnxActivation]:
-    """:func:`max_pool2d_shared` in ONNX: the fold over the window taps gives the output's ``(μ, v)`` too
+                           shared: list[Shared | None], out: OnnxActivation | None
+                           ) -> tuple[Shared | None, OnnxActivation]:
+    """:func:`max_pool2d_shared` in ONNX: the fold (:func:`max_pool2d_fold`) gives the output's ``(μ, v)`` too
     (no mean-field export of the layer)."""
-    x, sh = inputs[0], shared[0]
-    assert sh is not None and x.second is not None
-    a = layer.layer.attrs
-    in_shape, out_hw = step.ctx.shapes[layer.inputs[0]], layer.layer.out_shape[1:]
-    args = (in_shape, tuple(a["kernel"]), a["stride"], a["padding"], [1, 1], out_hw)
-    ms, vs, ss = step.taps(x.mean, *args, fill=LOWEST32), step.taps(x.second, *args), step.taps(sh.s, *args)
-    pairs = moments.window_pairs(len(ms))
-    zero = step.c(0.0)
-    cov = {pair: _pair_slice(ctx, inputs[1].mean, k) if len(inputs) == 2 else zero for k, pair in enumerate(pairs)}
-    mean, var, s = ms[0], vs[0], ss[0]
-    carried = {j: cov[(0, j)] for j in range(1, len(ms))}
-    for t in range(1, len(ms)):
-        mean, var, cdf, cdf_neg = moments.correlated_max_moments(mean, var, ms[t], vs[t], carried.pop(t), ctx.ops)
-        carried = {j: c * cdf + cov[(t, j)] * cdf_neg for j, c in carried.items()}
-        s = cdf * s + cdf_neg * ss[t]
+    sh = shared[0]
+    assert sh is not None
+    mean, var, s = max_pool2d_fold(ctx, layer, inputs, sh)
     result = ctx.emit(mean, var, layer)
-    return OnnxShared(step.clip(s, step.var(result)), sh.g, sh.k), result
+    return Shared(clip(ctx, s, ctx.variance(result)), sh.g, sh.k), result
+
+
+max_pool2d_shared.formula = max_pool2d_shared_onnx.formula = max_pool2d_fold  # type: ignore[attr-defined]
 
 
 # ------------------------------------------------------------------------------------ compact factor rules
@@ -474,13 +457,6 @@ def _window_taps(bk: Any, t: Any, attrs: dict[str, Any], in_hw: tuple[int, ...],
                 for n, k, s, p, o in zip(in_hw, attrs["kernel"], attrs["stride"], attrs["padding"], out_hw))
     return bk.taps(t, tuple(attrs["kernel"]), tuple(attrs["stride"]), (1, 1), tuple(attrs["padding"]), end,
                    tuple(out_hw), fill)
-
-
-def _total(terms: list[Any]) -> Any:
-    total = terms[0]
-    for term in terms[1:]:
-        total = total + term
-    return total
 
 
 @compact_formula("max_pool2d")
@@ -534,9 +510,9 @@ def avg_pool2d_compact(bk: TensorAlgebra, layer: PlannedLayer, inputs: list[Any]
     cols, layout = ld.as_channels(bk, (c, h, w))
     f = sum(k for _, _, k in layout)
     inv = 1.0 / average_divisor(a, (h, w), out_hw)
-    lo = _total(_window_taps(bk, bk.reshape(cols, (c * f, h, w)), a, (h, w), out_hw, 0.0)) * bk.tensor(inv, "inv_div")
+    lo = total(_window_taps(bk, bk.reshape(cols, (c * f, h, w)), a, (h, w), out_hw, 0.0)) * bk.tensor(inv, "inv_div")
     lo = bk.reshape(lo, (c, f, *out_hw))
     resid = bk.ops.maximum(bk.variance(x) - bk.reshape(ld.explained(bk, c * h * w), (c, h, w)), bk.ops.const(0.0))
-    var = _total(_window_taps(bk, resid, a, (h, w), out_hw, 0.0)) * bk.tensor(inv**2, "inv_div2") \
+    var = total(_window_taps(bk, resid, a, (h, w), out_hw, 0.0)) * bk.tensor(inv**2, "inv_div2") \
         + bk.rsum(lo * lo, 2)
     return Loadings.from_channels(bk, lo, layout, (c, *out_hw)), mean, var

@@ -15,17 +15,15 @@ from typing import Any
 
 import numpy as np
 
-from ..backends.onnx.builder import OnnxActivation, OnnxContext
-from ..backends.reference import Activation
 from ..correlation.factors import FactorPlan
 from ..correlation.loadings import CompactPlan, Loadings, TensorAlgebra
-from ..correlation.onnx_step import OnnxShared, OnnxSharedStep
 from ..correlation.shared import Shared
+from ..correlation.shared_algebra import SharedAlgebra
 from ..planning.converters import Alias, register
 from ..planning.graph import Layer
 from ..planning.plan import PlannedLayer
-from ..planning.registry import CompactSpec, Contract, FactorSpec, OpDef, register_op, shared_exporter, shared_reference
-from ._formula import compact_formula, formula
+from ..planning.registry import CompactSpec, Contract, FactorSpec, OpDef, register_op
+from ._formula import compact_formula, formula, shared_formula
 
 _PASS_THROUGH = Contract(takes=None, natural=None, keeps_deterministic=True)
 
@@ -113,27 +111,14 @@ def convert_identity(node, ctx) -> Alias:
 
 
 # ------------------------------------------------------------------------------------ shared-factor rules
-@shared_reference("reshape", "convert")
-def view_shared(layer: PlannedLayer, inputs: list[Activation], shared: list[Shared | None], fp: FactorPlan,
-                var: np.ndarray) -> tuple[Shared | None, np.ndarray]:
+@shared_formula("reshape", "convert")
+def view_shared(bk: SharedAlgebra, layer: PlannedLayer, inputs: list[Any], shared: list[Shared | None], fp: FactorPlan,
+                var: Any) -> tuple[Shared | None, Any]:
     """reshape/flatten: ``s`` reshaped, ``g`` kept per channel; convert: the identity."""
     sh = shared[0]
     if sh is None:
         return None, var
-    shape = (sh.s.shape[0], *layer.layer.out_shape)
-    s_in = sh.s
-    flat = layer.op == "reshape" and len(shape) == 2
-    return Shared(s_in.reshape((s_in.shape[0], -1) if flat else shape), sh.g), var
-
-
-@shared_exporter("reshape", "convert")
-def view_shared_onnx(step: OnnxSharedStep, ctx: OnnxContext, layer: PlannedLayer, inputs: list[OnnxActivation],
-                     shared: list[OnnxShared | None], out: OnnxActivation) -> tuple[OnnxShared | None, OnnxActivation]:
-    """:func:`view_shared` in ONNX (a Reshape)."""
-    sh = shared[0]
-    if sh is None:
-        return None, out
-    return OnnxShared(step.view_as(sh.s, *ctx.shapes[layer.name]), sh.g, sh.k), out
+    return Shared(bk.reshape(sh.s, tuple(layer.layer.out_shape)), sh.g, sh.k), var
 
 
 @compact_formula("reshape")

@@ -49,8 +49,8 @@ BREAKAGES: tuple[Breakage, ...] = (
         "window_cov's reference pairs the input variance with the weight products of the opposite shift "
         "(W_k·W_{k+d} for W_k·W_{k−d}): within the Clark fold's own error on windows of more than two taps",
         "pyro2pfp/ops/window_covariance.py",
-        "full = full + conv2d_nchw(var, shift_product_kernel(t[\"weight_mean\"], shift), stride,",
-        "full = full + conv2d_nchw(var, shift_product_kernel(t[\"weight_mean\"], (-shift[0], -shift[1])), stride,",
+        "full = full + bk.conv2d(var, shift_product_kernel(t[\"weight_mean\"], shift), no_pad,",
+        "full = full + bk.conv2d(var, shift_product_kernel(t[\"weight_mean\"], (-shift[0], -shift[1])), no_pad,",
         ("tests/ops/pooling/test_correlated_pooling.py::test_two_tap_pools_are_exact_against_sampling",),
     ),
     Breakage(
@@ -74,8 +74,8 @@ BREAKAGES: tuple[Breakage, ...] = (
         "the shared-factor dense rule adds the inputs' shared parts with their correlations but does not "
         "take out the independent sum the mean-field variance already holds",
         "pyro2pfp/ops/compute.py",
-        "var = np.maximum(var + (loading**2).sum(axis=2) - coherent, 0.0)",
-        "var = np.maximum(var + (loading**2).sum(axis=2), 0.0)",
+        "var = ops.maximum(var + bk.rsum(loading * loading, 2) - total(counted), ops.const(0.0))",
+        "var = ops.maximum(var + bk.rsum(loading * loading, 2), ops.const(0.0))",
         ("tests/stages/correlation/test_correlation.py",),
     ),
     Breakage(
@@ -109,8 +109,8 @@ BREAKAGES: tuple[Breakage, ...] = (
         "LayerNorm's shared-factor rule keeps the mean-field variance (the factors' part not summed through "
         "the Jacobian coherently)",
         "pyro2pfp/ops/normalization.py",
-        "var = np.maximum(var.reshape(b, d) + (gm**2 + gv) * ((jl**2).sum(axis=2) - independent), 0.0)",
-        "var = np.maximum(var.reshape(b, d) + 0.0 * (gm**2 + gv) * ((jl**2).sum(axis=2) - independent), 0.0)",
+        "var = bk.reshape(var, (d,)) + bk.tensor(gm**2 + gv, \"ln_gamma_second\") * (coherent - independent)",
+        "var = bk.reshape(var, (d,)) + 0.0 * bk.tensor(gm**2 + gv, \"ln_gamma_second\") * (coherent - independent)",
         ("tests/stages/correlation/test_layer_norm_shared.py",),
     ),
     Breakage(

@@ -151,6 +151,37 @@ def test_cycle_detector_sees_a_cycle():
     assert _cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}}) == [["a", "b", "c", "a"]]
 
 
+MAX_FUNCTION_LINES = 120
+
+
+def _long_functions(source: str, limit: int) -> list[tuple[str, int]]:
+    """``(name, lines)`` of every function or method in ``source`` longer than ``limit`` lines, from its
+    ``def`` (decorators not counted) to its last line, nested functions included in their parent's count."""
+    import ast
+
+    return [(node.name, node.end_lineno - node.lineno + 1) for node in ast.walk(ast.parse(source))
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)) and node.end_lineno is not None
+            and node.end_lineno - node.lineno + 1 > limit]
+
+
+def test_no_package_function_is_longer_than_120_lines():
+    """Every function in ``pyro2pfp/`` (docstring and nested functions included) fits in 120 lines: a longer one
+    does several jobs and is split into functions with one each."""
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[2]
+    long = [f"{path.relative_to(root)}:{name} ({lines} lines)"
+            for path in sorted((root / "pyro2pfp").rglob("*.py"))
+            for name, lines in _long_functions(path.read_text(encoding="utf-8"), MAX_FUNCTION_LINES)]
+    assert not long, "functions longer than 120 lines: " + "; ".join(long)
+
+
+def test_the_length_check_sees_a_long_function():
+    body = "".join(f"        x{n} = {n}\n" for n in range(MAX_FUNCTION_LINES))
+    source = f"def short():\n    pass\n\n\nclass A:\n    def long(self):\n{body}"
+    assert _long_functions(source, MAX_FUNCTION_LINES) == [("long", MAX_FUNCTION_LINES + 1)]
+
+
 PICKLING = """\
 import pickle, pkgutil, sys, importlib
 

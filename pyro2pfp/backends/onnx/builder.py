@@ -347,6 +347,38 @@ class OnnxContext:
         zero = helper.make_tensor("zero", TensorProto.FLOAT, [1], [0.0])
         return Sym(self.b, self.b.node("ConstantOfShape", [self.b.node("Shape", [t.name])], value=zero))
 
+    # -- of the shared-factor rules (``correlation/shared_algebra.py``; reference.NumpyBackend has the same members)
+    @staticmethod
+    def matmul(a: Sym, b: Sym) -> Sym:
+        """Batched matrix product over the last two axes (the leading ones broadcast)."""
+        return a.nary("MatMul", b)
+
+    def widened(self, g: Sym, k_in: int, k: int) -> Sym:
+        """``g`` (B, R, k_in) with zero columns appended up to ``k``."""
+        return g if k_in >= k else g.nary("Pad", self.b.ints([0, 0, 0, 0, 0, k - k_in], "pads"))
+
+    def pad2d(self, t: Sym, begin: tuple[int, int], end: tuple[int, int]) -> Sym:
+        """``t`` (B, C, H, W) with ``begin``/``end`` rows and columns of zeros."""
+        if not any(begin) and not any(end):
+            return t
+        return t.nary("Pad", self.b.ints([0, 0, begin[0], begin[1], 0, 0, end[0], end[1]], "pads"),
+                      Sym(self.b, value=0.0), mode="constant")
+
+    def window(self, t: Sym, start: tuple[int, int], stride: tuple[int, int], out_hw: tuple[int, ...]) -> Sym:
+        """The strided (B, C, OH, OW) view of ``t`` (B, C, H, W) from ``start`` (a Slice)."""
+        ends = [start[k] + stride[k] * (out_hw[k] - 1) + 1 for k in (0, 1)]
+        return t.nary("Slice", self.b.ints(list(start), "starts"), self.b.ints(ends, "ends"),
+                      self.b.ints([2, 3], "axes"), self.b.ints(list(stride), "steps"))
+
+    def edge_shape(self, x: OnnxActivation, name: str) -> tuple[int, ...]:
+        """The per-sample shape of input activation ``x`` (edge ``name``)."""
+        return tuple(self.shapes[name])
+
+    @staticmethod
+    def all_zero(t: Sym) -> bool:
+        """False: the values are not known when exporting."""
+        return False
+
 
 Exporter = Callable[[OnnxContext, PlannedLayer, list[OnnxActivation]], OnnxActivation]
 EXPORTERS: dict[str, Exporter] = {}

@@ -139,6 +139,40 @@ class NumpyBackend:
                 for i in range(kernel[0]) for j in range(kernel[1])]
 
 
+    # -- of the shared-factor rules (``correlation/shared_algebra.py``)
+    @staticmethod
+    def matmul(a: np.ndarray, b: np.ndarray) -> np.ndarray:
+        """Batched matrix product over the last two axes (the leading ones broadcast)."""
+        return np.matmul(a, b)
+
+    @staticmethod
+    def widened(g: np.ndarray, k_in: int, k: int) -> np.ndarray:
+        """``g`` (..., k_in) with zero columns appended up to ``k``."""
+        extra = k - g.shape[-1]
+        return g if extra <= 0 else np.concatenate([g, np.zeros((*g.shape[:-1], extra))], axis=-1)
+
+    @staticmethod
+    def pad2d(t: np.ndarray, begin: tuple[int, int], end: tuple[int, int]) -> np.ndarray:
+        """``t`` (B, C, H, W) with ``begin``/``end`` rows and columns of zeros."""
+        return np.pad(t, ((0, 0), (0, 0), (begin[0], end[0]), (begin[1], end[1])))
+
+    @staticmethod
+    def window(t: np.ndarray, start: tuple[int, int], stride: tuple[int, int], out_hw: tuple[int, ...]) -> np.ndarray:
+        """The strided (B, C, OH, OW) view of ``t`` (B, C, H, W) from ``start``."""
+        (r0, c0), (sr, sc), (oh, ow) = start, stride, out_hw
+        return t[:, :, r0:r0 + sr * (oh - 1) + 1:sr, c0:c0 + sc * (ow - 1) + 1:sc]
+
+    @staticmethod
+    def edge_shape(x: Activation, name: str) -> tuple[int, ...]:
+        """The per-sample shape of input activation ``x`` (edge ``name``)."""
+        return tuple(x.mean.shape[1:])
+
+    @staticmethod
+    def all_zero(t: np.ndarray) -> bool:
+        """Whether every entry of ``t`` is zero (the values are known here: a shared part of zeros is dropped)."""
+        return not t.any()
+
+
 NUMPY_BACKEND = NumpyBackend()
 
 RefFn = Callable[[PlannedLayer, list[Activation]], Activation]

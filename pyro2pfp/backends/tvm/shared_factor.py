@@ -222,7 +222,7 @@ def normalised(loading: Any, shape: Any = None) -> tuple[te.Tensor, te.Tensor]:
     """``(g, ‖ℓ‖)`` of a loading ``ℓ`` (B, R, K) as TE stages of the kernel that computes ``ℓ``
     (no kernel of its own): ``p = max_f |ℓ_f|``, ``‖ℓ‖ = p·√(Σ_f (ℓ_f/p)²)`` and ``g = ℓ/‖ℓ‖``
     (as ``ℓ·(1/p)/√Σ``), 0 where ``p ≤`` :data:`NORM_FLOOR` -- the reference's
-    ``correlation.shared.normalised`` in float32, finite up to ``|ℓ| ≈ FLT_MAX`` (the square of an
+    ``correlation.shared_algebra.normalised`` in float32, finite up to ``|ℓ| ≈ FLT_MAX`` (the square of an
     entry above ~1.8e19 would overflow without the scale ``p``).  ``loading``: a tensor, or a function
     ``(b, r, f) ↦ ℓ`` of shape ``shape`` (no buffer: it is evaluated where each stage reads it)."""
     if isinstance(loading, te.Tensor):

@@ -22,10 +22,11 @@ from pyro2pfp.backends.reference.arrays import padded, window_views
 from pyro2pfp.correlation import with_correlation
 from pyro2pfp.correlation.shared import Shared
 from pyro2pfp.network import PFPNetwork
-from pyro2pfp.ops.window_covariance import hermite_terms, taps, window_closure_shared
+from pyro2pfp.ops.window_covariance import hermite_terms, taps
 from pyro2pfp.planning.correlated_pools import correlate_max_pools
 from pyro2pfp.planning.graph import INPUT, Layer, LayerGraph, Repr
 from pyro2pfp.planning.plan import PlannedLayer, plan
+from pyro2pfp.planning.registry import SHARED_REFERENCES
 from tests.support.backends import ONNX_RTOL, assert_matches, onnx_run
 from tests.support.builders import conv_layer, dense_layer, pool_layer, relu_layer, reshape_layer
 from tests.support.graph_sampler import sample_graph
@@ -70,7 +71,7 @@ def test_window_closure_is_the_representations_covariance(two):
                       rng.uniform(0.1, 0.5, (b, c, h, w))))
     layer = _closure_layer(c, (h, w), ["a", "b"][:len(edges)])
     acts = [Activation(mu, r + (s**2) * (g**2).sum(2)[..., None, None], Repr.VARIANCE) for mu, s, g, r in edges]
-    _, out = window_closure_shared(layer, acts, [Shared(s, g) for _, s, g, _ in edges], None, None)
+    _, out = SHARED_REFERENCES["window_closure"](layer, acts, [Shared(s, g) for _, s, g, _ in edges], None, None)
     zeta = rng.standard_normal((n, b, 1, k))
     draws = [mu + s * (zeta * g).sum(-1)[..., None, None] + np.sqrt(r) * rng.standard_normal((n, *mu.shape))
              for mu, s, g, r in edges]

@@ -26,10 +26,10 @@ from pyro2pfp.correlation import (
     with_correlation,
 )
 from pyro2pfp.diagnosis import layer_fidelity
-from pyro2pfp.ops.activation import relu_shared
 from pyro2pfp.ops.pooling import max_pool2d_shared
 from pyro2pfp.planning.graph import INPUT, GaussianParam, Layer, LayerGraph, Repr
 from pyro2pfp.planning.plan import plan
+from pyro2pfp.planning.registry import SHARED_REFERENCES
 from tests.support.builders import conv_layer, dense_layer, reshape_layer
 from tests.support.stats import check_moments, z_threshold
 
@@ -150,8 +150,8 @@ def test_relu_stein_and_second_hermite_loadings_are_exact(op, slope):
     k = 4  # factors: η_0, η_1 (the channels' normals), then the Hermite block
     g = np.zeros((1, 2, k))
     g[0, 0, 0] = g[0, 1, 1] = 1.0
-    fp = FactorPlan(offsets={"r": 2}, width={"r": k})  # the ReLU's Hermite block after the input's 2 factors
-    out, _ = relu_shared(planned.layers[0], [x], [Shared(s, g)], fp, x.variance())
+    fp = FactorPlan(offsets={"r": 2}, width={"r": k}, rows={"r": 2})  # the Hermite block after the input's factors
+    out, _ = SHARED_REFERENCES["relu"](planned.layers[0], [x], [Shared(s, g)], fp, x.variance())
     n = 200000
     eta = rng.standard_normal((n, 1, 2, 1, 1))
     a = mean + s * eta + e * rng.standard_normal((n, *shape))
@@ -371,6 +371,7 @@ def test_generic_activation_rule_is_steins_lemma():
     """Any activation with an ActivationRule (here tanh's Gaussian moments, not a registered op): the
     shared profile is Cov(f(a), η) = E[f'(a)]·s (Stein's lemma; a = μ + s·η + e·ε Gaussian)."""
     from pyro2pfp import moments
+    from pyro2pfp.backends.reference import NUMPY_BACKEND
     from pyro2pfp.ops.activation import stein_shared
     from pyro2pfp.planning.registry import ActivationRule
 
@@ -383,7 +384,8 @@ def test_generic_activation_rule_is_steins_lemma():
                           moments=lambda m, v, attrs, ops: moments.tanh_moments(m, v, ops))
     g = np.zeros((1, 2, 2))
     g[0, 0, 0] = g[0, 1, 1] = 1.0
-    out = stein_shared(planned.layers[0], Activation(mean, s**2 + e**2, Repr.VARIANCE), Shared(s, g), rule)
+    x = Activation(mean, s**2 + e**2, Repr.VARIANCE)
+    out = stein_shared(NUMPY_BACKEND, planned.layers[0], x, Shared(s, g), rule)
     n = 200000
     eta = rng.standard_normal((n, 1, 2, 1, 1))
     f = np.tanh(mean + s * eta + e * rng.standard_normal((n, *shape)))

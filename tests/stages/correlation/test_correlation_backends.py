@@ -578,15 +578,15 @@ def _relu_kernel_inputs(planned, name: str, batch: int = 3) -> tuple[np.ndarray,
 def test_shared_factor_relu_kernel_limit_cases(every_rule, name):
     """The one ``sf_relu`` kernel on its own against float64 -- its mean-field outputs against
     ``moments.relu_moments``/``leaky_relu_moments``, the profile and loadings against the reference
-    rule (``ops.activation.relu_shared``, then the executor's clip to ``±√v_out``) -- on inputs with
+    rule (``ops.activation.relu_shared`` in the float64 reference, clipped to ``±√v_out``) -- on inputs with
     zero-variance rows and elements and huge means: finite, and the reference's values (the
     ``σ = 0`` limits of Stein's terms: ``Φ → [μ > 0]``, ``h = 0``)."""
     from pyro2pfp import moments
     from pyro2pfp.backends.reference._core import Activation
     from pyro2pfp.correlation.factors import fixed_k_plan
     from pyro2pfp.correlation.shared import Shared
-    from pyro2pfp.ops.activation import relu_shared
     from pyro2pfp.planning.graph import Repr
+    from pyro2pfp.planning.registry import SHARED_REFERENCES
 
     _, planned, _ = every_rule
     fp = fixed_k_plan(planned, "the TVM back end", compaction=True)
@@ -608,8 +608,8 @@ def test_shared_factor_relu_kernel_limit_cases(every_rule, name):
     np.testing.assert_allclose(second, want_var, rtol=RTOL, atol=RTOL * want_var.max())
     assert (second[0, 0] == 0).all() and (mean[0, 0] == np.maximum(m[0, 0], 0) + layer.layer.attrs.get(
         "slope", 0.0) * np.minimum(m[0, 0], 0)).all()
-    want, _ = relu_shared(layer, [Activation(m64, v64, Repr.VARIANCE)],
-                          [Shared(s.astype(np.float64), g.astype(np.float64))], fp, v64)
+    want, _ = SHARED_REFERENCES[layer.op](layer, [Activation(m64, v64, Repr.VARIANCE)],
+                                          [Shared(s.astype(np.float64), g.astype(np.float64))], fp, want_var)
     sd = np.sqrt(np.maximum(want_var, 0.0))
     want_s = np.clip(want.s, -sd, sd)
     assert_matches((s_out, g_out), (want_s, want.g))

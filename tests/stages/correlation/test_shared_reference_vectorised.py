@@ -12,10 +12,9 @@ from pyro2pfp import ops as ops  # the op registry: every op family registers it
 from pyro2pfp.correlation import Shared, execute_shared_all, plan_factors
 from pyro2pfp.correlation.factors import weight_var
 from pyro2pfp.correlation.shared import compacted
-from pyro2pfp.ops.arithmetic import add_shared
-from pyro2pfp.ops.compute import conv2d_shared
 from pyro2pfp.planning.graph import INPUT, Layer, LayerGraph
 from pyro2pfp.planning.plan import plan
+from pyro2pfp.planning.registry import SHARED_REFERENCES
 from tests.support.builders import conv_layer, relu_layer
 
 
@@ -107,7 +106,7 @@ def test_vectorised_conv_and_add_rules_equal_a_per_factor_computation():
     for name in ("conv1", "short"):
         layer = graph.layer(name)
         var = values[name].variance()
-        got, _ = conv2d_shared(layer, [values["relu0"]], [relu0], fp, var)
+        got, _ = SHARED_REFERENCES["conv2d"](layer, [values["relu0"]], [relu0], fp, var)
         want = naive_conv_shared(layer, values["relu0"].mean, relu0, fp)
         assert got is not None
         np.testing.assert_allclose(got.g, want.g, rtol=1e-12, atol=1e-14)
@@ -116,7 +115,7 @@ def test_vectorised_conv_and_add_rules_equal_a_per_factor_computation():
     assert sa is not None and sb is not None and sa.g.shape[2] != sb.g.shape[2]  # different widths: widened
     layer = graph.layer("add")
     var = values["conv1"].variance() + values["short"].variance()
-    got, got_var = add_shared(layer, [values["conv1"], values["short"]], [sa, sb], fp, var)
+    got, got_var = SHARED_REFERENCES["add"](layer, [values["conv1"], values["short"]], [sa, sb], fp, var)
     want, want_var = naive_add_shared(sa, sb, fp.width["add"], var)
     assert got is not None
     np.testing.assert_allclose(got.g, want.g, rtol=1e-12, atol=1e-14)

@@ -30,6 +30,8 @@ are as long as the mean-field kernels.
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
+from functools import partial
 from typing import Any
 
 import numpy as np
@@ -77,261 +79,305 @@ def winograd_profile(pairs: list[tuple[te.Tensor, te.Tensor]], added: Any, var: 
                       name="epilogue")
 
 
+@dataclass(frozen=True)
+class ConvSharedLayout:
+    """The static facts the kernels of one conv2d layer's rule are specialised to: its shapes, stride, padding and
+    dilation, whether its input has a shared part (``has_s``), its factor offset, the width of a correlated guide's
+    factors (0: none), whether the profile convolution is Winograd's (``wino``) and whether the injection is
+    ``'rescaled'``."""
+
+    o: int
+    c: int
+    kh: int
+    kw: int
+    stride: tuple[int, int]
+    pad: tuple[int, int]
+    dilation: tuple[int, int]
+    in_hw: tuple[int, int]
+    out_hw: tuple[int, int]
+    has_s: bool
+    offset: int | None
+    guide: int
+    wino: bool
+    rescaled: bool
+
+    @property
+    def has_guide(self) -> bool:
+        return self.guide > 0
+
+    @staticmethod
+    def of(step: SharedStep, ctx: EmitContext, layer: PlannedLayer, sh: SharedRelax | None) -> ConvSharedLayout:
+        cf = ComputeFactors.of(layer, step.fp)
+        o, c, kh, kw = cf.weight_mean.shape
+        a = layer.layer.attrs
+        wf, bf = guide_tensors(layer.tensors, o, step.fp)
+        has_guide = wf is not None or bf is not None
+        guide = (wf if wf is not None else bf).shape[-1] if has_guide else 0  # type: ignore[union-attr]
+        rescaled = cf.offset is not None and step.fp.injection == "rescaled"
+        if has_guide and rescaled:
+            raise PFPError(f"{layer.layer.source}: the TVM back end carries a correlated guide's factors through "
+                           "conv2d with injection='regression' only; convert with the default injection")
+        h, w = ctx.shapes[layer.inputs[0]][1:]
+        oh, ow = layer.layer.out_shape[1:]
+        # the profile convolution by Winograd F(2x2, 3x3) (winograd.py); direct with the guide's extra term
+        return ConvSharedLayout(o, c, kh, kw, tuple(a["stride"]), tuple(a["padding"]),
+                                tuple(a["dilation"]), (h, w), (oh, ow), sh is not None,
+                                cf.offset, guide, winograd_shape(layer) and not has_guide, rescaled)
+
+    def column_weights(self) -> np.ndarray:
+        """``P`` (KW, W): the output columns ``ox*sx + j*dx - px`` of kernel column ``j`` that fall inside the
+        input, weighted 1/(oh*ow) -- the column half of the pooling as a (KW, W) product (:func:`pooled`)."""
+        (oh, ow), w = self.out_hw, self.in_hw[1]
+        col_weights = np.zeros((self.kw, w))
+        for j in range(self.kw):
+            for ox in range(ow):
+                xx = ox * self.stride[1] + j * self.dilation[1] - self.pad[1]
+                if 0 <= xx < w:
+                    col_weights[j, xx] += 1.0 / (oh * ow)
+        return col_weights
+
+
+def pooled(lay: ConvSharedLayout, src: te.Tensor, n: int, cw: te.Tensor) -> te.Tensor:
+    """``m̄[b, c, i, j]`` = mean over the output positions of the input at kernel offset ``(i, j)`` (0 where
+    that tap falls in the padding), separable and without a padded copy: ``cols[b, c, i, x]`` = sum over the
+    output rows of input row ``oy*sy + i*dy - py`` (a vector over the unit-stride ``x``), then ``m̄[.., i, j] =
+    Σ_x cols[.., i, x]·P[j, x]`` with ``P`` :meth:`ConvSharedLayout.column_weights` (``KH·OH·W + KH·KW·W`` per
+    channel)."""
+    (h, w), oh = lay.in_hw, lay.out_hw[0]
+    sy, py, dy = lay.stride[0], lay.pad[0], lay.dilation[0]
+    y = te.reduce_axis((0, oh), name=f"y{n}")
+
+    def row_tap(b: Any, ch: Any, i: Any, xx: Any) -> Any:
+        yy = y * sy + i * dy - py
+        return tirx.Select(tirx.all(yy >= 0, yy < h), src[b, ch, te.min(te.max(yy, 0), h - 1), xx], f32(0.0))
+
+    cols = te.compute((src.shape[0], lay.c, lay.kh, w), lambda b, ch, i, xx: te.sum(row_tap(b, ch, i, xx), axis=y),
+                      name=f"cols{n}")
+    xr = te.reduce_axis((0, w), name=f"x{n}")
+    return te.compute((src.shape[0], lay.c, lay.kh, lay.kw),
+                      lambda b, ch, i, j: te.sum(cols[b, ch, i, xr] * cw[j, xr], axis=xr), name=f"bar{n}")
+
+
+def injection_root(lay: ConvSharedLayout, mb: te.Tensor, sb: te.Tensor | None, wvt: te.Tensor,
+                   bvt: te.Tensor) -> te.Tensor:
+    """``w̄ = √(Σ V·(m̄μ² + m̄s²) + v_bias)`` (B, O): the root of the pooled weight and bias noise."""
+    batch = mb.shape[0]
+    cc, i, j = (te.reduce_axis((0, n), name=name) for n, name in ((lay.c, "c"), (lay.kh, "i"), (lay.kw, "j")))
+
+    def second(b: Any, ch: Any, ii: Any, jj: Any) -> Any:
+        mm = mb[b, ch, ii, jj] * mb[b, ch, ii, jj]
+        return mm if sb is None else mm + sb[b, ch, ii, jj] * sb[b, ch, ii, jj]
+
+    wsum = te.compute((batch, lay.o), lambda b, oo: te.sum(wvt[cc, i, j, oo] * second(b, cc, i, j),
+                                                           axis=[cc, i, j]), name="wsum")
+    return te.compute((batch, lay.o), lambda b, oo: te.sqrt(te.max(wsum[b, oo] + bvt[oo], f32(0.0))), name="wbar")
+
+
+def coefficient(lay: ConvSharedLayout, g: te.Tensor, wbar: te.Tensor, noise: te.Tensor | None, off: Any
+                ) -> te.Tensor:
+    """``coef[b, o] = g[b, o, offset + o]/w̄[b, o]`` (0 where ``w̄ = 0`` or without an injection);
+    ``injection='rescaled'``: ``g[b, o, offset + o]·w̄[b, o]/mean_p √noise[b, o, p]``, the factor of the
+    rescaled root (0 where the mean root is 0)."""
+    batch, o = wbar.shape
+    if lay.offset is None:
+        return te.compute((batch, o), lambda b, oo: f32(0.0), name="coef")
+    if noise is not None:
+        oh, ow = lay.out_hw
+        y, xx = te.reduce_axis((0, oh), name="ry"), te.reduce_axis((0, ow), name="rx")
+        inv = f32(1.0 / (oh * ow))
+        rmean = te.compute((batch, o), lambda b, oo: te.sum(
+            rescaled_root(noise, b, oo, y, xx) * inv, axis=[y, xx]), name="root_mean")
+        return te.compute((batch, o), lambda b, oo: g[b, oo, oo + off] * safe_div(wbar[b, oo], rmean[b, oo]),
+                          name="coef")
+    return te.compute((batch, o), lambda b, oo: safe_div(g[b, oo, oo + off], wbar[b, oo]), name="coef")
+
+
+def with_guide(lay: ConvSharedLayout, loading: te.Tensor | None, mb: te.Tensor, gwt: te.Tensor | None,
+               gbt: te.Tensor | None, k: Any) -> te.Tensor:
+    """``loading`` plus a correlated guide's ``Σ_{c,k} F_f[o, c, k]·m̄μ_k[c] + F_b,f[o]`` in its columns."""
+    if gwt is None or gbt is None:
+        assert loading is not None
+        return loading
+    batch, guide = mb.shape[0], lay.guide
+    cg, ig, jg = (te.reduce_axis((0, n), name=name) for n, name in ((lay.c, "cg"), (lay.kh, "ig"), (lay.kw, "jg")))
+    gsum = te.compute((batch, lay.o, guide), lambda b, oo, f: te.sum(
+        gwt[cg, ig, jg, oo, f] * mb[b, cg, ig, jg], axis=[cg, ig, jg]), name="guide_through_mean")
+
+    def entry(b: Any, oo: Any, f: Any) -> Any:
+        ff = te.min(f, guide - 1)
+        value = tirx.Select(f < guide, gsum[b, oo, ff] + gbt[oo, ff], f32(0.0))
+        return value if loading is None else loading[b, oo, f] + value
+
+    return te.compute((batch, lay.o, k), entry, name="loading_guide")
+
+
+def conv_load(lay: ConvSharedLayout, *ts: te.Tensor, widths: FactorWidths) -> list[te.Tensor]:
+    """Kernel ``sf_conv_load``: the pooled views ``m̄μ``, ``m̄s``; ``w̄`` (:func:`injection_root`); the loading
+    ``ℓ = A·g_in ⊕ w̄`` (``A = W·m̄s``) normalised to ``g``; ``β = ⟨g_in[c], g[o]⟩``; the injection's
+    coefficient (:func:`coefficient`) -- one kernel (the weights are read in ``(C, KH, KW, O)`` layout: ``A`` and
+    the weight-variance sum are vectors over output channels).  ``coef`` is computed here, where ``g`` is, so the
+    weights kernel does not read ``g``: it then does not depend on ``K``, and layers that differ only in ``K``
+    share it (:mod:`..sharing`).  The factor widths and the offset are the symbolic ``widths``
+    (:func:`emit_width_generic`): layers that differ only in them share this kernel too."""
+    k, off = widths.k, widths.offset
+    it = iter(ts)
+    mu = next(it)
+    s_in, g_in = (next(it), next(it)) if lay.has_s else (None, None)
+    cw, wmt, wvt, bvt = (next(it) for _ in range(4))
+    noise = next(it) if lay.rescaled else None  # the mean-field kernel's weight-noise term
+    out_var = next(it) if lay.rescaled and not lay.has_s else None
+    gwt, gbt = (next(it), next(it)) if lay.has_guide else (None, None)
+    batch, o = mu.shape[0], lay.o
+    mb = pooled(lay, mu, 0, cw)
+    sb = pooled(lay, s_in, 1, cw) if s_in is not None else None
+    wbar = injection_root(lay, mb, sb, wvt, bvt)
+    if sb is None or g_in is None:
+        own = te.compute((batch, o, k), lambda b, oo, f: tirx.Select(
+            f == oo + off, wbar[b, oo], f32(0.0)), name="loading") if lay.offset is not None else None
+        g = normalised(with_guide(lay, own, mb, gwt, gbt, k))[0]
+        coef = coefficient(lay, g, wbar, noise, off)
+        if noise is not None and out_var is not None:  # the profile is the rescaled root alone
+            return [g, te.compute(noise.shape, lambda b, oo, y, xx: clip(
+                coef[b, oo] * rescaled_root(noise, b, oo, y, xx), out_var[b, oo, y, xx]), name="s_out")]
+        return [mb, g, coef]
+    i2, j2 = te.reduce_axis((0, lay.kh), name="i2"), te.reduce_axis((0, lay.kw), name="j2")
+    amap = te.compute((batch, lay.c, o), lambda b, ch, oo: te.sum(wmt[ch, i2, j2, oo] * sb[b, ch, i2, j2],
+                                                                  axis=[i2, j2]), name="amap")
+    gw = widened(g_in, k)
+    c2 = te.reduce_axis((0, lay.c), name="c2")
+    prop = te.compute((batch, o, k), lambda b, oo, f: te.sum(amap[b, c2, oo] * gw[b, c2, f], axis=c2),
+                      name="prop")
+    loading = prop if lay.offset is None else te.compute(prop.shape, lambda b, oo, f: prop[b, oo, f] + tirx.Select(
+        f == oo + off, wbar[b, oo], f32(0.0)), name="loading")
+    g = normalised(with_guide(lay, loading, mb, gwt, gbt, k))[0]
+    # βᵀ[b, c, o] = ⟨g_in[c], g[o]⟩ (B, C, O): unit-stride in o, as the weights kernel reads it
+    beta = row_products(g, g_in, g_in.shape[2])
+    if noise is not None:  # the weights kernel reads neither pooled view
+        return [g, coefficient(lay, g, wbar, noise, off), beta]
+    return [mb, sb, g, coefficient(lay, g, wbar, noise, off), beta]
+
+
+def conv_weights(lay: ConvSharedLayout, *ts: te.Tensor) -> list[te.Tensor]:
+    """Kernel ``sf_conv_weights``: per-input weights (B, C, KH, KW, O) of the profile convolution: ``A = W·β +
+    coef·V·m̄s`` on the input's profile, ``M = coef·V·m̄μ`` on its mean -- or, for a Winograd profile
+    convolution, their transforms ``G·A·Gᵀ``, ``G·M·Gᵀ`` (B, 4, 4, C, O) -- and ``coef·v_bias`` (B, O).  ``W``,
+    ``V`` come as (C, KH, KW, O), ``β`` as (B, C, O) and ``coef`` (B, O) from ``sf_conv_load``: every read
+    unit-stride in ``o``, the vectorised axis, and none depends on ``K``.  ``injection='rescaled'``: ``W·β``
+    alone, from ``(β, W)``."""
+    it = iter(ts)
+    if lay.rescaled:  # the propagated weights W·β alone
+        mb, sb, bt, wmt = None, None, next(it), next(it)
+        coef = wvt = bvt = None
+    else:
+        mb = next(it)
+        sb, bt = (next(it), next(it)) if lay.has_s else (None, None)
+        coef, wmt, wvt, bvt = (next(it) for _ in range(4))
+    batch, offset = ts[0].shape[0], lay.offset
+    wshape = (batch, lay.c, lay.kh, lay.kw, lay.o)
+    outs = []
+    if bt is not None:
+        def on_s(b: Any, ch: Any, i: Any, j: Any, oo: Any) -> Any:
+            value = wmt[ch, i, j, oo] * bt[b, ch, oo]
+            if sb is not None and offset is not None and coef is not None and wvt is not None:
+                value = value + coef[b, oo] * wvt[ch, i, j, oo] * sb[b, ch, i, j]
+            return value
+
+        outs.append(te.compute(wshape, on_s, name="w_s"))
+    if mb is not None and coef is not None and wvt is not None and offset is not None:
+        outs.append(te.compute(wshape, lambda b, ch, i, j, oo: coef[b, oo] * wvt[ch, i, j, oo]
+                               * mb[b, ch, i, j], name="w_mu"))
+    if lay.wino:  # their Winograd transforms G·w·Gᵀ (B, 4, 4, C, O) instead
+        outs = [weight_transform(wt, f"wino_w{n}") for n, wt in enumerate(outs)]
+    if coef is not None and bvt is not None:
+        outs.append(te.compute((batch, lay.o), lambda b, oo: coef[b, oo] * bvt[oo]
+                               if offset is not None else f32(0.0), name="shift"))
+    return outs
+
+
+def conv_profile(lay: ConvSharedLayout, n_terms: int, *ts: te.Tensor) -> list[te.Tensor]:
+    """Kernel ``sf_conv_profile``: ``s[b, o] = Σ_{c,i,j} A·tap(s_in) + M·tap(μ) + shift``, clipped: a convolution
+    with per-input weights, in the layout of the mean-field conv kernel (its schedule), or by Winograd
+    (:func:`winograd_profile`); ``ts``: ``n_terms`` (input, weights) pairs, the shift (B, O) -- for
+    ``'rescaled'`` the root's scale --, the output variance and, for ``'rescaled'``, the weight-noise term."""
+    it = iter(ts)
+    srcs = [(next(it), next(it)) for _ in range(n_terms)]  # (input, weights)
+    per_channel, var = next(it), next(it)  # the shift (B, O), or for 'rescaled' the root's scale
+    if lay.rescaled:
+        noise = next(it)
+
+        def added(b: Any, oo: Any, y: Any, x_: Any) -> Any:
+            return per_channel[b, oo] * rescaled_root(noise, b, oo, y, x_)
+    else:
+        def added(b: Any, oo: Any, y: Any, x_: Any) -> Any:
+            return per_channel[b, oo]
+    if lay.wino:
+        return [winograd_profile(srcs, added, var)]
+    (sy, sx), (dy, dx) = lay.stride, lay.dilation
+    padded = [(_pad(src, list(lay.pad)), wt) for src, wt in srcs]
+    rc, rp, rq = (te.reduce_axis((0, n), name=name) for n, name in ((lay.c, "rc"), (lay.kh, "rp"), (lay.kw, "rq")))
+
+    def body(b: Any, oo: Any, y: Any, x_: Any) -> Any:
+        pos = (b, rc, y * sy + rp * dy, x_ * sx + rq * dx)
+        total = padded[0][0][pos] * padded[0][1][b, rc, rp, rq, oo]
+        for src, wt in padded[1:]:
+            total = total + src[pos] * wt[b, rc, rp, rq, oo]
+        return te.sum(total, axis=[rc, rp, rq])
+
+    acc = te.compute((srcs[0][0].shape[0], lay.o, *lay.out_hw), body, name="conv2d")
+    return [te.compute(acc.shape, lambda b, oo, y, x_: clip(acc[b, oo, y, x_] + added(b, oo, y, x_),
+                                                             var[b, oo, y, x_]), name="epilogue")]
+
+
 @shared_kernel('conv2d')
 def conv2d_shared_kernel(step: SharedStep, ctx: EmitContext, layer: PlannedLayer, inputs: list[RelaxActivation],
                          shared: list[SharedRelax | None], out: RelaxActivation
                          ) -> tuple[SharedRelax | None, RelaxActivation]:
-    """:func:`pyro2pfp.ops.compute.conv2d_shared` as three kernels: ``sf_conv_load``, ``sf_conv_weights``,
-    ``sf_conv_profile`` (module docstring)."""
+    """:func:`pyro2pfp.ops.compute.conv2d_shared` as three kernels: :func:`conv_load`, :func:`conv_weights`,
+    :func:`conv_profile` (module docstring), plus a correlated guide's (``backends/tvm/guide_factor.py``)."""
     x, sh = inputs[0], shared[0]
+    lay = ConvSharedLayout.of(step, ctx, layer, sh)
     cf = ComputeFactors.of(layer, step.fp)
-    offset, k, wm, wv = cf.offset, cf.k, cf.weight_mean, cf.weight_var
-    t, a = layer.tensors, layer.layer.attrs
-    o, c, kh, kw = wm.shape
-    (sy, sx), (py, px), (dy, dx) = a["stride"], a["padding"], a["dilation"]
-    h, w = ctx.shapes[layer.inputs[0]][1:]
-    oh, ow = layer.layer.out_shape[1:]
-    has_s = sh is not None
-    # a correlated guide's factors (pyro2pfp/correlation/guide.py; the kernels: backends/tvm/guide_factor.py)
+    t, o, c, kh, kw, k = layer.tensors, lay.o, lay.c, lay.kh, lay.kw, cf.k
     wf, bf = guide_tensors(t, o, step.fp)
-    has_guide = wf is not None or bf is not None
-    guide = (wf if wf is not None else bf).shape[-1] if has_guide else 0  # type: ignore[union-attr]
-    # the profile convolution by Winograd F(2x2, 3x3) (winograd.py); direct with the guide's extra term
-    wino = winograd_shape(layer) and not has_guide
-    # injection='rescaled': the mean-field kernel's weight-noise term, rescaled, instead of the
-    # regression terms (module docstring)
-    rescaled = offset is not None and step.fp.injection == "rescaled"
-    if has_guide and rescaled:
-        raise PFPError(f"{layer.layer.source}: the TVM back end carries a correlated guide's factors through "
-                       "conv2d with injection='regression' only; convert with the default injection")
-    guide_w = np.transpose(wf if wf is not None else np.zeros((o, c, kh, kw, max(guide, 1))), (1, 2, 3, 0, 4))
-    guide_b = bf if bf is not None else np.zeros((o, max(guide, 1)))
+    guide_w = np.transpose(wf if wf is not None else np.zeros((o, c, kh, kw, max(lay.guide, 1))), (1, 2, 3, 0, 4))
+    guide_b = bf if bf is not None else np.zeros((o, max(lay.guide, 1)))
     bias_var = ctx.const(t["bias_var"] if "bias_var" in t else np.zeros(o))
-
-    # the output columns ``ox*sx + j*dx - px`` of kernel column ``j`` that fall inside the
-    # input, weighted 1/(oh*ow): the column half of the pooling as a (KW, W) product
-    col_weights = np.zeros((kw, w))
-    for j in range(kw):
-        for ox in range(ow):
-            xx = ox * sx + j * dx - px
-            if 0 <= xx < w:
-                col_weights[j, xx] += 1.0 / (oh * ow)
-
-    def pooled(src: te.Tensor, n: int, cw: te.Tensor) -> te.Tensor:
-        """``m̄[b, c, i, j]`` = mean over the output positions of the input at kernel offset
-        ``(i, j)`` (0 where that tap falls in the padding), separable and without a padded copy:
-        ``cols[b, c, i, x]`` = sum over the output rows of input row ``oy*sy + i*dy - py`` (a
-        vector over the unit-stride ``x``), then ``m̄[.., i, j] = Σ_x cols[.., i, x]·P[j, x]``
-        with ``P`` the constant column weights above (``KH·OH·W + KH·KW·W`` per channel)."""
-        y = te.reduce_axis((0, oh), name=f"y{n}")
-
-        def row_tap(b: Any, ch: Any, i: Any, xx: Any) -> Any:
-            yy = y * sy + i * dy - py
-            return tirx.Select(tirx.all(yy >= 0, yy < h), src[b, ch, te.min(te.max(yy, 0), h - 1), xx], f32(0.0))
-
-        cols = te.compute((src.shape[0], c, kh, w), lambda b, ch, i, xx: te.sum(row_tap(b, ch, i, xx), axis=y),
-                          name=f"cols{n}")
-        xr = te.reduce_axis((0, w), name=f"x{n}")
-        return te.compute((src.shape[0], c, kh, kw), lambda b, ch, i, j: te.sum(cols[b, ch, i, xr] * cw[j, xr],
-                                                                                axis=xr), name=f"bar{n}")
-
-    def load(*ts: te.Tensor, widths: FactorWidths) -> list[te.Tensor]:
-        """The pooled views ``m̄μ``, ``m̄s``; ``w̄ = √(Σ V·(m̄μ² + m̄s²) + v_bias)``; the loading
-        ``ℓ = A·g_in ⊕ w̄`` (``A = W·m̄s``) normalised to ``g``; ``β = ⟨g_in[c], g[o]⟩``; the
-        injection's coefficient ``coef = g[o, offset + o]/w̄`` (0 where ``w̄ = 0``, or without an
-        injection) -- one kernel (the weights are read in ``(C, KH, KW, O)`` layout: ``A`` and
-        the weight-variance sum are vectors over output channels).  ``coef`` is computed here,
-        where ``g`` is, so the weights kernel does not read ``g``: it then does not depend on
-        ``K``, and layers that differ only in ``K`` share it (:mod:`..sharing`).  The factor widths
-        and the offset are the symbolic ``widths`` (:func:`emit_width_generic`): layers that
-        differ only in them share this kernel too."""
-        k, off = widths.k, widths.offset
-        it = iter(ts)
-        mu = next(it)
-        s_in, g_in = (next(it), next(it)) if has_s else (None, None)
-        cw, wmt, wvt, bvt = (next(it) for _ in range(4))
-        noise = next(it) if rescaled else None  # the mean-field kernel's weight-noise term
-        out_var = next(it) if rescaled and not has_s else None
-        gwt, gbt = (next(it), next(it)) if has_guide else (None, None)
-        batch = mu.shape[0]
-        mb = pooled(mu, 0, cw)
-        sb = pooled(s_in, 1, cw) if s_in is not None else None
-        cc, i, j = (te.reduce_axis((0, n), name=name) for n, name in ((c, "c"), (kh, "i"), (kw, "j")))
-
-        def second(b: Any, ch: Any, ii: Any, jj: Any) -> Any:
-            mm = mb[b, ch, ii, jj] * mb[b, ch, ii, jj]
-            return mm if sb is None else mm + sb[b, ch, ii, jj] * sb[b, ch, ii, jj]
-
-        wsum = te.compute((batch, o), lambda b, oo: te.sum(wvt[cc, i, j, oo] * second(b, cc, i, j),
-                                                            axis=[cc, i, j]), name="wsum")
-        wbar = te.compute((batch, o), lambda b, oo: te.sqrt(te.max(wsum[b, oo] + bvt[oo], f32(0.0))), name="wbar")
-
-        def coefficient(g: te.Tensor) -> te.Tensor:
-            """``coef[b, o] = g[b, o, offset + o]/w̄[b, o]`` (0 where ``w̄ = 0`` or without an injection);
-            ``injection='rescaled'``: ``g[b, o, offset + o]·w̄[b, o]/mean_p √noise[b, o, p]``, the
-            factor of the rescaled root (0 where the mean root is 0)."""
-            if offset is None:
-                return te.compute((batch, o), lambda b, oo: f32(0.0), name="coef")
-            if noise is not None:
-                y, xx = te.reduce_axis((0, oh), name="ry"), te.reduce_axis((0, ow), name="rx")
-                inv = f32(1.0 / (oh * ow))
-                rmean = te.compute((batch, o), lambda b, oo: te.sum(
-                    rescaled_root(noise, b, oo, y, xx) * inv, axis=[y, xx]), name="root_mean")
-                return te.compute((batch, o), lambda b, oo: g[b, oo, oo + off] * safe_div(wbar[b, oo], rmean[b, oo]),
-                                  name="coef")
-            return te.compute((batch, o), lambda b, oo: safe_div(g[b, oo, oo + off], wbar[b, oo]),
-                              name="coef")
-
-        def with_guide(loading: te.Tensor | None) -> te.Tensor:
-            """``loading`` plus the guide's ``Σ_{c,k} F_f[o, c, k]·m̄μ_k[c] + F_b,f[o]`` in its columns."""
-            if gwt is None or gbt is None:
-                assert loading is not None
-                return loading
-            cg, ig, jg = (te.reduce_axis((0, n), name=name) for n, name in ((c, "cg"), (kh, "ig"), (kw, "jg")))
-            gsum = te.compute((batch, o, guide), lambda b, oo, f: te.sum(
-                gwt[cg, ig, jg, oo, f] * mb[b, cg, ig, jg], axis=[cg, ig, jg]), name="guide_through_mean")
-
-            def entry(b: Any, oo: Any, f: Any) -> Any:
-                ff = te.min(f, guide - 1)
-                value = tirx.Select(f < guide, gsum[b, oo, ff] + gbt[oo, ff], f32(0.0))
-                return value if loading is None else loading[b, oo, f] + value
-
-            return te.compute((batch, o, k), entry, name="loading_guide")
-
-        if sb is None or g_in is None:
-            own = te.compute((batch, o, k), lambda b, oo, f: tirx.Select(
-                f == oo + off, wbar[b, oo], f32(0.0)), name="loading") if offset is not None else None
-            g = normalised(with_guide(own))[0]
-            coef = coefficient(g)
-            if noise is not None and out_var is not None:  # the profile is the rescaled root alone
-                return [g, te.compute(noise.shape, lambda b, oo, y, xx: clip(
-                    coef[b, oo] * rescaled_root(noise, b, oo, y, xx), out_var[b, oo, y, xx]), name="s_out")]
-            return [mb, g, coef]
-        i2, j2 = te.reduce_axis((0, kh), name="i2"), te.reduce_axis((0, kw), name="j2")
-        amap = te.compute((batch, c, o), lambda b, ch, oo: te.sum(wmt[ch, i2, j2, oo] * sb[b, ch, i2, j2],
-                                                                   axis=[i2, j2]), name="amap")
-        gw = widened(g_in, k)
-        c2 = te.reduce_axis((0, c), name="c2")
-        prop = te.compute((batch, o, k), lambda b, oo, f: te.sum(amap[b, c2, oo] * gw[b, c2, f], axis=c2),
-                          name="prop")
-        loading = prop if offset is None else te.compute(prop.shape, lambda b, oo, f: prop[b, oo, f] + tirx.Select(
-            f == oo + off, wbar[b, oo], f32(0.0)), name="loading")
-        g = normalised(with_guide(loading))[0]
-        # βᵀ[b, c, o] = ⟨g_in[c], g[o]⟩ (B, C, O): unit-stride in o, as the weights kernel reads it
-        beta = row_products(g, g_in, g_in.shape[2])
-        if noise is not None:  # the weights kernel reads neither pooled view
-            return [g, coefficient(g), beta]
-        return [mb, sb, g, coefficient(g), beta]
-
-    w_cons = [ctx.const(np.transpose(t_, (1, 2, 3, 0))) for t_ in (wm, wv)]  # (C, KH, KW, O), both kernels
-    args = [x.mean] + ([sh.s, sh.g] if sh is not None else []) + [ctx.const(col_weights), *w_cons, bias_var]
-    if rescaled:
+    w_cons = [ctx.const(np.transpose(t_, (1, 2, 3, 0))) for t_ in (cf.weight_mean, cf.weight_var)]  # (C, KH, KW, O)
+    args = [x.mean] + ([sh.s, sh.g] if sh is not None else []) + [ctx.const(lay.column_weights()), *w_cons, bias_var]
+    if lay.rescaled:
         assert out.weight_noise is not None  # emit_module refuses a kernel that did not return it
         args += [out.weight_noise] + ([out.second] if sh is None else [])
-    if has_guide:
+    if lay.has_guide:
         args += [ctx.const(guide_w), ctx.const(guide_b)]
-    outs = emit_width_generic(ctx, load, args, layer, "conv_load", g_args={2: sh.k} if sh is not None else {},
-                               k=k, offset=offset or 0)
-    if rescaled and sh is None:  # no convolution: the profile is the rescaled root (load kernel)
+    outs = emit_width_generic(ctx, partial(conv_load, lay), args, layer, "conv_load",
+                              g_args={2: sh.k} if sh is not None else {}, k=k, offset=lay.offset or 0)
+    if lay.rescaled and sh is None:  # no convolution: the profile is the rescaled root (load kernel)
         return SharedRelax(outs[1], outs[0], k), out
-    if rescaled:
+    if lay.rescaled:
         (g, coef_t, beta), mbar, sbar = outs, None, None
     elif sh is not None:
         mbar, sbar, g, coef_t, beta = outs
     else:
         (mbar, g, coef_t), sbar, beta = outs, None, None
-
-    def weights(*ts: te.Tensor) -> list[te.Tensor]:
-        """Per-input weights (B, C, KH, KW, O) of the profile convolution: ``A = W·β + coef·V·m̄s``
-        on the input's profile, ``M = coef·V·m̄μ`` on its mean -- or, for a Winograd profile
-        convolution, their transforms ``G·A·Gᵀ``, ``G·M·Gᵀ`` (B, 4, 4, C, O) -- and ``coef·v_bias``
-        (B, O).  ``W``, ``V`` come as (C, KH, KW, O), ``β`` as (B, C, O) and ``coef`` (B, O) from
-        ``sf_conv_load``: every read unit-stride in ``o``, the vectorised axis, and none depends
-        on ``K``.  ``injection='rescaled'``: ``W·β`` alone, from ``(β, W)``."""
-        it = iter(ts)
-        if rescaled:  # the propagated weights W·β alone
-            mb, sb, bt, wmt = None, None, next(it), next(it)
-            coef = wvt = bvt = None
-        else:
-            mb = next(it)
-            sb, bt = (next(it), next(it)) if has_s else (None, None)
-            coef, wmt, wvt, bvt = (next(it) for _ in range(4))
-        batch = ts[0].shape[0]
-        wshape = (batch, c, kh, kw, o)
-        outs = []
-        if bt is not None:
-            def on_s(b: Any, ch: Any, i: Any, j: Any, oo: Any) -> Any:
-                value = wmt[ch, i, j, oo] * bt[b, ch, oo]
-                if sb is not None and offset is not None and coef is not None and wvt is not None:
-                    value = value + coef[b, oo] * wvt[ch, i, j, oo] * sb[b, ch, i, j]
-                return value
-
-            outs.append(te.compute(wshape, on_s, name="w_s"))
-        if mb is not None and coef is not None and wvt is not None and offset is not None:
-            outs.append(te.compute(wshape, lambda b, ch, i, j, oo: coef[b, oo] * wvt[ch, i, j, oo]
-                                   * mb[b, ch, i, j], name="w_mu"))
-        if wino:  # their Winograd transforms G·w·Gᵀ (B, 4, 4, C, O) instead
-            outs = [weight_transform(wt, f"wino_w{n}") for n, wt in enumerate(outs)]
-        if coef is not None and bvt is not None:
-            outs.append(te.compute((batch, o), lambda b, oo: coef[b, oo] * bvt[oo]
-                                   if offset is not None else f32(0.0), name="shift"))
-        return outs
-
-    if rescaled:
+    if lay.rescaled:
         w_args = [beta, w_cons[0]]
     else:
         w_args = [t_ for t_ in (mbar, sbar, beta) if t_ is not None] + [coef_t, *w_cons, bias_var]
-    w_outs = emit_part(ctx, weights, w_args, layer, "conv_weights")
-
-    def profile(*ts: te.Tensor) -> list[te.Tensor]:
-        """``s[b, o] = Σ_{c,i,j} A·tap(s_in) + M·tap(μ) + shift``, clipped: a convolution with
-        per-input weights, in the layout of the mean-field conv kernel (its schedule)."""
-        it = iter(ts)
-        srcs = [(next(it), next(it)) for _ in range(n_terms)]  # (input, weights)
-        per_channel, var = next(it), next(it)  # the shift (B, O), or for 'rescaled' the root's scale
-        if rescaled:
-            noise = next(it)
-
-            def added(b: Any, oo: Any, y: Any, x_: Any) -> Any:
-                return per_channel[b, oo] * rescaled_root(noise, b, oo, y, x_)
-        else:
-            def added(b: Any, oo: Any, y: Any, x_: Any) -> Any:
-                return per_channel[b, oo]
-        if wino:
-            return [winograd_profile(srcs, added, var)]
-        padded = [(_pad(src, [py, px]), wt) for src, wt in srcs]
-        rc, rp, rq = (te.reduce_axis((0, n), name=name) for n, name in ((c, "rc"), (kh, "rp"), (kw, "rq")))
-
-        def body(b: Any, oo: Any, y: Any, x_: Any) -> Any:
-            pos = (b, rc, y * sy + rp * dy, x_ * sx + rq * dx)
-            total = padded[0][0][pos] * padded[0][1][b, rc, rp, rq, oo]
-            for src, wt in padded[1:]:
-                total = total + src[pos] * wt[b, rc, rp, rq, oo]
-            return te.sum(total, axis=[rc, rp, rq])
-
-        acc = te.compute((srcs[0][0].shape[0], o, oh, ow), body, name="conv2d")
-        return te.compute(acc.shape, lambda b, oo, y, x_: clip(acc[b, oo, y, x_] + added(b, oo, y, x_),
-                                                                 var[b, oo, y, x_]), name="epilogue")
-
-    assert sh is not None or not rescaled
-    terms = ([sh.s] if sh is not None else []) + ([x.mean] if offset is not None and not rescaled else [])
+    w_outs = emit_part(ctx, partial(conv_weights, lay), w_args, layer, "conv_weights")
+    terms = ([sh.s] if sh is not None else []) + ([x.mean] if lay.offset is not None and not lay.rescaled else [])
     pairs = list(zip(terms, w_outs[:len(terms)]))
     shift = w_outs[-1]
     mean_w = None
-    if has_guide:  # the guide's profile term on the input mean, its bias term in the shift, the mean's weights
-        g_outs = emit_part(ctx, guide_weights_fn(guide, sh is not None and wf is not None),
+    if lay.has_guide:  # the guide's profile term on the input mean, its bias term in the shift, the mean's weights
+        g_outs = emit_part(ctx, guide_weights_fn(lay.guide, sh is not None and wf is not None),
                            [g, shift, ctx.const(guide_w), ctx.const(guide_b)]
                            + ([sh.g] if sh is not None and wf is not None else []), layer, "conv_guide_weights")
         pairs.append((x.mean, g_outs[0]))
         shift = g_outs[1]
         mean_w = g_outs[2] if len(g_outs) > 2 else None
-    n_terms = len(pairs)
-    args = [t for pair in pairs for t in pair]
-    if rescaled:
-        args += [coef_t, out.second, out.weight_noise]
-    else:
-        args += [shift, out.second]
-    s = emit_part(ctx, profile, args, layer, "conv_profile")[0]
+    p_args = [t for pair in pairs for t in pair]
+    p_args += [coef_t, out.second, out.weight_noise] if lay.rescaled else [shift, out.second]
+    s = emit_part(ctx, partial(conv_profile, lay, len(pairs)), p_args, layer, "conv_profile")[0]
     if mean_w is not None and sh is not None:  # the mean of the weights' guide noise times the input's
         out = RelaxActivation(guide_mean(ctx, layer, emit_part, sh.s, mean_w, out.mean), out.second, out.repr,
                               out.weight_noise)

@@ -99,24 +99,11 @@ def tune(mod: tvm.IRModule, target: Any, *, batch: int, trials: int = DEFAULT_TR
         A :class:`TuneResult`; ``result.build()`` compiles it.
     """
     check_environment()
-    if builder not in BUILDERS:
-        raise ArgumentError(f"builder must be one of {BUILDERS}, got {builder!r}")
     t_start = time.perf_counter()
-    trials = int(trials)
-    if trials < 0:
-        raise ArgumentError(f"trials must be >= 0, got {trials}")
+    trials = _checked_budget(builder, trials)
     out = (progress if callable(progress) else _print) if progress else (lambda _msg: None)
     tgt = tuning_target(target)
-    board = None
-    if remote is not None:
-        remote = as_remote(remote)
-        remote.servers()  # no server under the key: a clear error now, not a queue that never ends
-        board = remote.tag
-        if builder != "pool":
-            raise TuningError(f"tuning on {remote.address} needs builder='pool' (libraries written to disk "
-                              f"for upload), got {builder!r}")
-    else:
-        _check_runs_here(tgt)
+    remote, board = _measuring_remote(remote, builder, tgt)
     static = specialize_batch(mod, batch)
     key = tuning_key(static, tgt, batch, board)
     root = Path(work_dir).expanduser() if work_dir is not None else default_cache_dir()
@@ -134,14 +121,8 @@ def tune(mod: tvm.IRModule, target: Any, *, batch: int, trials: int = DEFAULT_TR
         any_batch = _any_batch_defaults(mod, plan, tgt, set(funcs))
         tuned_now = False
         if trials > done:
-            _fast_inspect.preimport_tensor_intrin()  # TuneContext imports it: seconds instead of minutes
             # kernels worth searching: by their time with the default schedule (naive if none)
-            run = _BatchRunner(list(defaults.values()), tgt, remote)
-            try:
-                base_us = {name: _seconds(run(f, _kernel_inputs(f))) * 1e6 for name, f in defaults.items()}
-            finally:
-                run.close()  # its RPC session must not hold the board during the search (one board: a deadlock)
-            todo = _select_tasks(static, tgt, base_us, min_share, search_ops)
+            todo = _tasks_worth_searching(static, tgt, defaults, remote, min_share, search_ops)
             if todo:
                 tuned_now = True
                 n_tasks = len(todo)
@@ -164,6 +145,62 @@ def tune(mod: tvm.IRModule, target: Any, *, batch: int, trials: int = DEFAULT_TR
         meta["trials"] = max(int(meta.get("trials", 0)), trials)
         _write_meta(directory, meta)
 
+    result_mod, kernels = _chosen_module(static, funcs, choices, tuned, defaults, any_batch)
+    result = TuneResult(mod=result_mod, target=tgt, batch=int(batch), key=key, work_dir=directory,
+                        database=database, trials=int(meta["trials"]),
+                        seconds=time.perf_counter() - t_start, reused=not tuned_now, kernels=kernels)
+    if progress:
+        out(_summary_line(result, tuned_now, label))
+    return result
+
+
+
+def _checked_budget(builder: str, trials: int) -> int:
+    """``trials`` as an int, after checking it and ``builder``."""
+    if builder not in BUILDERS:
+        raise ArgumentError(f"builder must be one of {BUILDERS}, got {builder!r}")
+    trials = int(trials)
+    if trials < 0:
+        raise ArgumentError(f"trials must be >= 0, got {trials}")
+    return trials
+
+
+def _summary_line(result: TuneResult, tuned_now: bool, label: str) -> str:
+    """The progress line that ends a run: what was done, how long it took, how many kernels are tuned."""
+    n_tuned = sum(k.choice == "tuned" for k in result.kernels)
+    how = ("tuned" if tuned_now else "no search (trials=0)" if result.trials == 0
+           else f"reused the database ({result.trials} trials)")
+    return f"[{label}] {how}, {result.seconds:.1f} s: {n_tuned}/{len(result.kernels)} kernels use a tuned schedule"
+
+def _measuring_remote(remote: Any, builder: str, tgt: Any) -> tuple[Any, str | None]:
+    """``(remote, board)``: the boards candidates are timed on (a :class:`pyro2pfp.runtime.remote.Remote`,
+    checked to have a server) and their tag -- ``(None, None)`` for this machine, checked to run ``tgt``."""
+    if remote is None:
+        _check_runs_here(tgt)
+        return None, None
+    remote = as_remote(remote)
+    remote.servers()  # no server under the key: a clear error now, not a queue that never ends
+    if builder != "pool":
+        raise TuningError(f"tuning on {remote.address} needs builder='pool' (libraries written to disk "
+                          f"for upload), got {builder!r}")
+    return remote, remote.tag
+
+
+def _tasks_worth_searching(static: tvm.IRModule, tgt: Any, defaults: dict[str, Any], remote: Any,
+                           min_share: float, search_ops: Sequence[str] | None) -> list[Any]:
+    """The tasks :func:`_select_tasks` picks by each kernel's time with its default schedule (naive if none)."""
+    _fast_inspect.preimport_tensor_intrin()  # TuneContext imports it: seconds instead of minutes
+    run = _BatchRunner(list(defaults.values()), tgt, remote)
+    try:
+        base_us = {name: _seconds(run(f, _kernel_inputs(f))) * 1e6 for name, f in defaults.items()}
+    finally:
+        run.close()  # its RPC session must not hold the board during the search (one board: a deadlock)
+    return _select_tasks(static, tgt, base_us, min_share, search_ops)
+
+
+def _chosen_module(static: tvm.IRModule, funcs: dict[str, Any], choices: dict[str, Any], tuned: dict[str, Any],
+                   defaults: dict[str, Any], any_batch: dict[str, Any]) -> tuple[tvm.IRModule, list[KernelChoice]]:
+    """``static`` with every kernel replaced by its chosen version, and the choices, slowest kernel first."""
     result_mod = static.clone()
     kernels = []
     for name, func in funcs.items():
@@ -180,15 +217,7 @@ def tune(mod: tvm.IRModule, target: Any, *, batch: int, trials: int = DEFAULT_TR
         result_mod[result_mod.get_global_var(name)] = new
         kernels.append(KernelChoice(name, choice, dict(entry["times_us"]), list(entry.get("rejected", []))))
     kernels.sort(key=lambda k: -min(k.times_us.values(), default=0.0))
-    result = TuneResult(mod=result_mod, target=tgt, batch=int(batch), key=key, work_dir=directory,
-                        database=database, trials=int(meta["trials"]),
-                        seconds=time.perf_counter() - t_start, reused=not tuned_now, kernels=kernels)
-    if progress:
-        n_tuned = sum(k.choice == "tuned" for k in kernels)
-        how = ("tuned" if tuned_now else "no search (trials=0)" if result.trials == 0
-               else f"reused the database ({result.trials} trials)")
-        out(f"[{label}] {how}, {result.seconds:.1f} s: {n_tuned}/{len(kernels)} kernels use a tuned schedule")
-    return result
+    return result_mod, kernels
 
 
 def parse_tune_spec(tune: Any) -> dict[str, Any]:
