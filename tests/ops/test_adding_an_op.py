@@ -57,20 +57,19 @@ def _register_toy_family() -> None:
     from pyro2pfp.backends.tvm import kernel, schedule
     from pyro2pfp.backends.tvm.emit import activation_out, epilogue, variance_of
     from pyro2pfp.backends.tvm.ops.activation import schedule_elementwise
-    from pyro2pfp.backends.tvm.shared_factor import SharedRelax, clip, emit_part
+    from pyro2pfp.backends.tvm.shared_factor import SharedRelax, emit_part
+    from pyro2pfp.backends.tvm.shared_factor import clip as te_clip
     from pyro2pfp.backends.tvm.shared_factor_schedule import schedule_shared
-    from pyro2pfp.correlation.onnx_step import OnnxShared
     from pyro2pfp.correlation.shared import Shared
-    from pyro2pfp.ops._formula import formula
+    from pyro2pfp.correlation.shared_algebra import clip
+    from pyro2pfp.ops._formula import formula, shared_formula
     from pyro2pfp.planning.converters import register
     from pyro2pfp.planning.graph import Layer, Repr
     from pyro2pfp.planning.registry import (
         VARIANCE_IN_OUT,
         OpDef,
         register_op,
-        shared_exporter,
         shared_kernel,
-        shared_reference,
     )
 
     # 1. the OpDef and its contract (variance in, variance out; a deterministic input stays deterministic)
@@ -115,21 +114,15 @@ def _register_toy_family() -> None:
 
     schedule(TOY)(schedule_elementwise)
 
-    # 5. its shared-factor rule: float64, ONNX, TVM (+ the schedule of its kernel part)
-    @shared_reference(TOY)
-    def toy_exp_shared(layer: Any, inputs: list[Any], shared: list[Any], fp: Any, var: np.ndarray) -> Any:
+    # 5. its shared-factor rule: one formula for float64 and ONNX, the TVM kernel (+ the schedule of its part)
+    @shared_formula(TOY)
+    def toy_exp_shared(bk: Any, layer: Any, inputs: list[Any], shared: list[Any], fp: Any, var: Any) -> Any:
         x, sh = inputs[0], shared[0]
         if sh is None:
             return None, var
-        slope = np.exp(x.mean + 0.5 * x.variance())
-        return Shared((slope * sh.s.reshape(x.mean.shape)).reshape(sh.s.shape), sh.g), var
-
-    @shared_exporter(TOY)
-    def toy_exp_shared_onnx(step: Any, ctx: Any, layer: Any, inputs: list[Any], shared: list[Any], out: Any) -> Any:
-        sh = shared[0]
-        if sh is None:
-            return None, out
-        return OnnxShared(step.clip(out.mean * sh.s, step.var(out)), sh.g, sh.k), out
+        slope = bk.ops.exp(x.mean + bk.ops.const(0.5) * bk.variance(x))  # E[exp'(a)] = E[exp(a)]
+        s = slope * bk.reshape(sh.s, tuple(layer.layer.out_shape))
+        return Shared(clip(bk, s, var), sh.g, sh.k), var
 
     @shared_kernel(TOY)
     def toy_exp_shared_kernel(step: Any, ctx: Any, layer: Any, inputs: list[Any], shared: list[Any], out: Any) -> Any:
@@ -137,7 +130,7 @@ def _register_toy_family() -> None:
         assert sh is not None
 
         def fn(s: te.Tensor, m: te.Tensor, v: te.Tensor) -> te.Tensor:
-            return te.compute(s.shape, lambda *i: clip(m[i] * s[i], v[i]), name="toy_exp_shared")
+            return te.compute(s.shape, lambda *i: te_clip(m[i] * s[i], v[i]), name="toy_exp_shared")
 
         return SharedRelax(emit_part(ctx, fn, [sh.s, out.mean, out.second], layer, TOY)[0], sh.g, sh.k), out
 
