@@ -14,7 +14,7 @@ from ..errors import PFPError
 from ..planning.graph import INPUT, Repr
 from ..planning.plan import PlannedGraph, PlannedLayer
 from ..planning.registry import OPS
-from .factors import GUIDE_OPS, fixed_k_plan, is_noisy
+from .factors import fixed_k_plan, is_noisy
 
 F = TypeVar("F", bound=Callable[..., Any])
 
@@ -43,8 +43,9 @@ class FixedKStep:
     compaction = False
     #: ``{op: rule}``: the back end's table of rules
     rules: dict[str, Callable[..., Any]] = {}
-    #: the compute ops whose rules in :attr:`rules` carry a correlated guide's global factors
-    guide_ops: frozenset[str] = GUIDE_OPS
+    #: the compute ops whose rules in :attr:`rules` carry a correlated guide's global factors (None: those
+    #: whose ``FactorSpec.guide_factors`` says so)
+    guide_ops: frozenset[str] | None = None
 
     def __init__(self, graph: PlannedGraph) -> None:
         self.fp = fixed_k_plan(graph, self.what, self.rules, compaction=self.compaction, guide_ops=self.guide_ops)

@@ -74,6 +74,11 @@ def flat(t: np.ndarray) -> np.ndarray:
     return t.reshape(t.shape[0], -1)
 
 
+def _sums_elements(op: str) -> bool:
+    """``op`` sums every input element into every output unit (a dense layer, ``OpDef.sums_elements``)."""
+    return op in OPS and OPS[op].sums_elements
+
+
 def _passes_on(op: str) -> bool:
     """``op`` carries loadings on without creating or summing factors of its own: an op with a compact rule
     that is not a compute layer (pools, affine maps, adds, reshapes), or an activation."""
@@ -88,7 +93,7 @@ def _feeds_head(graph: PlannedGraph, name: str, users: dict[str, list[PlannedLay
             if user.name in seen:
                 continue
             seen.add(user.name)
-            if user.op == "dense":
+            if _sums_elements(user.op):
                 return True
             if _passes_on(user.op):
                 todo.append(user.name)
@@ -99,10 +104,9 @@ def _dense_source(graph: PlannedGraph, name: str) -> bool:
     """``name`` is a dense layer's output, possibly through elementwise ops, LayerNorms and reshapes."""
     while name != INPUT:
         layer = graph.layer(name)
-        if layer.op == "dense":
+        if _sums_elements(layer.op):
             return True
-        if not (layer.op in ("reshape", "affine", "layer_norm")
-                or (layer.op in OPS and OPS[layer.op].activation is not None)):
+        if not (layer.op in OPS and (OPS[layer.op].compact_spec.keeps_units or OPS[layer.op].activation is not None)):
             return False
         name = layer.inputs[0]
     return False
@@ -130,14 +134,16 @@ def plan_compact(graph: PlannedGraph, directions: int | None = None) -> CompactP
 
 def mean_field_macs(graph: PlannedGraph) -> int:
     """The multiply-adds per input of the linear maps of a mean-field plan: a dense/conv layer 3 products
-    of its size (2 for a deterministic input), a ``window_cov`` layer 2 (1)."""
+    of its size (2 for a deterministic input), a ``window_cov`` layer 2 (1) -- the ops'
+    ``CompactSpec.mean_field_products``."""
     total = 0
     for layer in graph.layers:
-        if layer.op not in ("dense", "conv2d", "window_cov"):
+        products = OPS[layer.op].compact_spec.mean_field_products if layer.op in OPS else (0, 0)
+        if products == (0, 0):
             continue
         det = layer.in_reprs[0] is Repr.DETERMINISTIC
         size = int(layer.tensors["weight_mean"][0].size) * int(np.prod(layer.layer.out_shape))
-        total += size * ((2 if det else 3) if layer.op != "window_cov" else (1 if det else 2))
+        total += size * products[0 if det else 1]
     return total
 
 
@@ -149,9 +155,10 @@ def _plan(graph: PlannedGraph, directions: int) -> CompactPlan:
     for layer in graph.layers:
         for n in layer.inputs:
             users.setdefault(n, []).append(layer)
-    dense = [layer for layer in graph.layers if layer.op == "dense"]
+    dense = [layer for layer in graph.layers if _sums_elements(layer.op)]
     dirs = {layer.name: directions for layer in graph.layers
-            if layer.op == "conv2d" and is_noisy(layer) and int(layer.layer.attrs.get("groups", 1)) == 1
+            if layer.op in OPS and OPS[layer.op].positions_share_weights and is_noisy(layer)
+            and int(layer.layer.attrs.get("groups", 1)) == 1
             and directions > 0 and _feeds_head(graph, layer.name, users)}
     residual = set()
     for i, layer in enumerate(dense):
@@ -309,28 +316,13 @@ def _column_walk(graph: PlannedGraph, plan: CompactPlan | None
         gin = sum(glob.get(n, 0) for n in layer.inputs)
         bin_ = block.get(layer.inputs[0], (0, 0)) if layer.inputs else (0, 0)
         g, b = gin, bin_
-        if op == "conv2d":
-            wm = layer.tensors["weight_mean"]
-            o, c, kh, kw = wm.shape
-            positions = elements // o
-            total += gin * o * positions * c * kh * kw + bin_[0] * bin_[1] * o * positions * kh * kw
-            g, b = gin + bin_[0] * bin_[1], (0, 0)
-            r = cp.directions.get(name, 0)
-            if r:
-                total += r * o * positions * (c * kh * kw + 1) + o * (c * kh * kw + 1) * r * r
-                b = (o, r)
-        elif op == "dense":
-            j, i = layer.tensors["weight_mean"].shape
-            total += j * i * gin + j * i * bin_[1] + j * (gin + bin_[0] * bin_[1])
-            g, b = gin + bin_[0] * bin_[1], (0, 0)
-            if name in cp.residual:
-                total += j * i
-                g += i
+        macs = OPS[op].compact_spec.macs if op in OPS else None
+        if macs is not None:  # a compute layer, a window_cov layer
+            more, g, b = macs(layer, cp, gin, bin_)
+            total += more
         elif "kernel" in layer.layer.attrs:  # a pooling window
             kernel = layer.layer.attrs["kernel"]
             total += kernel[0] * kernel[1] * elements * (gin + bin_[1])
-        elif op == "window_cov":
-            g, b = 0, (0, 0)
         else:
             total += elements * (gin + bin_[1])
         if name in cp.terminal:

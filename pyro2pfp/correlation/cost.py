@@ -6,8 +6,10 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from ..errors import PFPError
 from ..planning.graph import INPUT, Repr
-from ..planning.plan import PlannedGraph, PlannedLayer, is_compute_layer
+from ..planning.plan import PlannedGraph, is_compute_layer
+from ..planning.registry import OPS
 from .compact import CompactPlan, compact_macs, edge_columns
 from .factors import CorrelationError, FactorPlan, _noisy_ancestry, plan_factors
 
@@ -41,7 +43,8 @@ def cost_model(graph: PlannedGraph, factors: FactorPlan | CompactPlan | None = N
     ``'rescaled'`` reuses the mean-field weight-variance term instead: its root's spatial mean and the
     scaled root, ``2·O·P``); ``O·C·(K_in + K_out)`` for the loadings and ``2·|W|`` for the per-input
     weights (``|W|``, the propagated term's alone, for ``'rescaled'``); per dense layer two products of
-    its size and ``O·C·K``; per ReLU/add ``~3·C·K``; per compaction ``2·C²·K``.
+    its size and ``O·C·K``; per ReLU/add ``~3·C·K``; per compaction ``2·C²·K``.  A compute layer's part is
+    its op's ``FactorSpec.cost`` (``ops/compute_cost.py``).
     ``factors``: default ``graph.factors``, else :func:`plan_factors` of ``graph``.  For a compact factor plan
     (:class:`~.compact.CompactPlan`) the scheme's multiply-adds are :func:`~.compact.compact_macs`' count and
     its stored floats the columns of every edge that carries loadings (elements times columns)."""
@@ -50,7 +53,6 @@ def cost_model(graph: PlannedGraph, factors: FactorPlan | CompactPlan | None = N
         return _compact_cost(graph, fp)
     if not isinstance(fp, FactorPlan):  # another scheme's plan: the shared-factor plan of the same graph is costed
         fp = plan_factors(graph)
-    injection = fp.injection
     mf = extra = mf_floats = extra_floats = 0
     for layer in graph.layers:
         shape = layer.layer.out_shape
@@ -64,23 +66,14 @@ def cost_model(graph: PlannedGraph, factors: FactorPlan | CompactPlan | None = N
         if k:
             extra_floats += n_out + rows * k
         if is_compute_layer(layer.op):
-            wm = layer.tensors["weight_mean"]
-            o, size = wm.shape[0], int(wm.size)
-            positions = int(np.prod(shape[1:])) if layer.op == "conv2d" else 1
-            macs = positions * size
+            cost = OPS[layer.op].factor_spec.cost
+            if cost is None:
+                raise PFPError(f"{layer.layer.source}: op '{layer.op}' has no cost model (FactorSpec.cost)")
+            macs, more = cost(layer, fp, k_in)
             mf += macs * (2 if det_in else 3)
             if not k:
                 continue
-            extra += guide_macs(layer, fp, k_in, macs, size)
-            c_in = wm.shape[1] if layer.op == "conv2d" else fp.rows.get(ins[0], 1)
-            if layer.op == "conv2d":
-                noisy = layer.name in fp.offsets
-                if injection == "regression" or not noisy:
-                    extra += (macs if k_in else 0) + (macs if noisy else 0) + o * c_in * (k_in + k) + 2 * size
-                else:  # rescaled: the propagated term's weights only, the root's mean and the scaled root
-                    extra += (macs + size if k_in else 0) + o * c_in * (k_in + k) + 2 * n_out
-            else:
-                extra += (2 * macs + o * c_in * k_in if k_in else 0) + o * k
+            extra += more
         else:
             mf += n_out
             if k:
@@ -125,7 +118,8 @@ def dense_head_caveat(graph: PlannedGraph) -> str | None:
     None when no dense layer reads a conv's noise.  The message gives the shared-factor plan's cost for
     this network (:func:`cost_model`), the scheme that keeps the correlation."""
     noisy = _noisy_ancestry(graph)
-    dense = next((layer for layer in graph.layers if layer.op == "dense" and noisy[layer.inputs[0]]), None)
+    dense = next((layer for layer in graph.layers
+                  if layer.op in OPS and OPS[layer.op].sums_elements and noisy[layer.inputs[0]]), None)
     if dense is None:
         return None
     try:
@@ -141,18 +135,3 @@ def dense_head_caveat(graph: PlannedGraph) -> str | None:
             f"convert(..., check=x) measures it on your inputs; {scheme}; correlation='mean-field' accepts it "
             "without this warning")
 
-
-def guide_macs(layer: PlannedLayer, fp: FactorPlan, k_in: int, macs: int, size: int) -> int:
-    """The multiply-adds a compute layer spends on a correlated guide's factors (:mod:`.guide`): dense --
-    the injection ``F·μ`` (``|W|·k``), the mean shift ``Σ F·ℓ_in`` (``|W|·k``, with an input that loads on
-    them) and the mean-field part removed from the variance (``|W|``); conv2d -- the pooled injection
-    and the per-input filter ``G = Σ_f g·F_f`` (``2·|W|·k``), the profile ``conv(μ, G)`` (one
-    convolution) and the mean shift (one convolution and ``|W|·k``)."""
-    wf = layer.tensors.get("weight_factors") if getattr(fp, "guide", 0) else None
-    if wf is None:
-        return 0
-    guide = int(wf.shape[-1])
-    has_in = k_in > 0
-    if layer.op == "dense":
-        return size * guide * (2 if has_in else 1) + size
-    return 2 * size * guide + macs + ((macs + size * guide) if has_in else 0)

@@ -145,7 +145,7 @@ def plan_factors(graph: PlannedGraph, hermite: Hermite | str = Hermite.FACTOR, c
                                    f"not the flattened {flat[0]} {graph.shape_of(flat[0])} (rows of "
                                    f"{group[flat[0]]} positions); concatenate before flattening")
         shape = layer.layer.out_shape
-        if op == "reshape" and has_in:
+        if spec.reshapes and has_in:
             src = ins[0]
             if len(shape) > 1 and shape[0] != rows[src]:
                 raise CorrelationError(f"{layer.layer.source}: shared-factor PFP supports reshapes that keep the "
@@ -175,8 +175,10 @@ def loads_guide(layer: PlannedLayer) -> bool:
     return "weight_factors" in layer.tensors or "bias_factors" in layer.tensors
 
 
-#: the compute ops whose float32 rules (ONNX, TVM) carry a correlated guide's global factors
-GUIDE_OPS = frozenset({"dense", "conv2d"})
+def ops_carrying_guide() -> frozenset[str]:
+    """The compute ops whose float32 rules (ONNX, TVM) carry a correlated guide's global factors
+    (``FactorSpec.guide_factors``)."""
+    return frozenset(name for name, op in OPS.items() if op.factor_spec.guide_factors)
 
 #: the float32 back ends' factor counts are multiples of this (16 fp32 = one AVX-512 register)
 FACTOR_ALIGN = 16
@@ -192,7 +194,7 @@ def in_backends(op: str, ops: Collection[str] | None = None) -> bool:
 
 
 def fixed_k_plan(graph: PlannedGraph, what: str, ops: Collection[str] | None = None,
-                 compaction: bool = False, guide_ops: Collection[str] = GUIDE_OPS) -> FactorPlan:
+                 compaction: bool = False, guide_ops: Collection[str] | None = None) -> FactorPlan:
     """The factor plan the float32 back ends (``what``: "the TVM back end", "ONNX export") run for a
     shared-factor ``graph``: ``graph.factors``' variants with a static ``K`` per edge.
     ``compaction``: keep the reference's compaction points (``compact_at``; the back end then
@@ -205,8 +207,9 @@ def fixed_k_plan(graph: PlannedGraph, what: str, ops: Collection[str] | None = N
     :data:`FACTOR_ALIGN` (zero columns) so the kernels' factor axis is whole SIMD vectors; a
     compacted edge carries ``aligned(rows)`` columns (:func:`aligned`).  A correlated guide's global factors
     are carried where the layers loading them are of ``guide_ops`` (the back end's rules that add the guide's
-    terms), else refused naming the layer."""
+    terms; None: :func:`ops_carrying_guide`), else refused naming the layer."""
     fp = shared_plan(graph)
+    guide_ops = ops_carrying_guide() if guide_ops is None else guide_ops
     if fp.guide:
         for layer in graph.layers:
             if loads_guide(layer) and layer.op not in guide_ops:
@@ -263,10 +266,12 @@ def weight_var(t: dict[str, np.ndarray]) -> np.ndarray:
 
 
 def _noisy_ancestry(graph: PlannedGraph) -> dict[str, bool]:
-    """``{edge: it depends on the noise of a conv2d layer}``."""
+    """``{edge: it depends on the noise of a layer whose weights are shared by positions (a conv,
+    ``OpDef.positions_share_weights``)}``."""
     conv_noise = {INPUT: False}
     for layer in graph.layers:
-        conv_noise[layer.name] = (layer.op == "conv2d" and is_noisy(layer)) or any(conv_noise[n] for n in layer.inputs)
+        shares = layer.op in OPS and OPS[layer.op].positions_share_weights
+        conv_noise[layer.name] = (shares and is_noisy(layer)) or any(conv_noise[n] for n in layer.inputs)
     return conv_noise
 
 
@@ -286,10 +291,10 @@ def needs_shared_factors(graph: PlannedGraph) -> str | None:
     if mixer is not None:
         return mixer
     for layer in graph.layers:
-        if layer.op == "avg_pool2d" and noisy[layer.inputs[0]]:
-            return f"{layer.layer.source} averages positions of a conv output"
-        if layer.op == "add" and sum(graph.repr_of(n) is not Repr.DETERMINISTIC for n in layer.inputs) == 2:
-            return f"{layer.layer.source} adds two branches that share their input"
+        wrong = OPS[layer.op].factor_spec.mean_field_wrong if layer.op in OPS else None
+        reason = wrong(layer, graph, noisy) if wrong is not None else None
+        if reason is not None:
+            return reason
     return None
 
 
@@ -309,10 +314,11 @@ def _deterministic_mixer(graph: PlannedGraph, conv_noise: dict[str, bool]) -> st
             is_compute_layer(c.op) or reaches_compute.get(c.name, False)
             for c in graph.layers if layer.name in c.inputs)
     for layer in graph.layers:
-        if (layer.op == "dense" and "weight_mean" in layer.tensors and weight_var(layer.tensors).max(initial=0.0) == 0
+        if (layer.op in OPS and OPS[layer.op].sums_elements and "weight_mean" in layer.tensors
+                and weight_var(layer.tensors).max(initial=0.0) == 0
                 and graph.repr_of(layer.inputs[0]) is not Repr.DETERMINISTIC and reaches_compute[layer.name]
                 and not conv_noise[layer.inputs[0]]):
-            return (f"{layer.layer.source}: dense layer '{layer.name}' has deterministic weights and reads random "
+            return (f"{layer.layer.source}: {layer.op} layer '{layer.name}' has deterministic weights and reads random "
                     "units, so its outputs share their inputs' noise, which a later layer sums")
     return None
 
@@ -334,7 +340,7 @@ def choose(graph: PlannedGraph, correlation: Correlation | str, hermite: Hermite
     :class:`CorrelationError` naming the layer it has no rule for; ``"mean-field"``: None (a correlated
     guide's correlations dropped, with a warning); ``"auto"``: the scheme when :func:`needs_shared_factors`
     finds a reason, else, for a correlated guide, its global factors alone (the weights' independent
-    noise stays mean-field; every back end carries them through the ops of :data:`GUIDE_OPS`), else
+    noise stays mean-field; every back end carries them through the ops of :func:`ops_carrying_guide`), else
     mean-field -- and mean-field with a warning when the scheme has no rule for a layer, or one that only
     the NumPy reference implements (the plan must compile and export)."""
     correlation = checked(Correlation, correlation)
@@ -360,7 +366,8 @@ def choose(graph: PlannedGraph, correlation: Correlation | str, hermite: Hermite
         if reference_only is not None:
             raise CorrelationError(f"{reference_only.layer.source}: op '{reference_only.op}' has a shared-factor rule "
                                    "in the NumPy reference only, not in the compiled or ONNX back ends")
-        no_guide = next((layer for layer in graph.layers if loads_guide(layer) and layer.op not in GUIDE_OPS), None)
+        carried = ops_carrying_guide()
+        no_guide = next((layer for layer in graph.layers if loads_guide(layer) and layer.op not in carried), None)
         if no_guide is not None:
             raise CorrelationError(f"{no_guide.layer.source}: the compiled and ONNX back ends do not carry a "
                                    f"correlated guide's factors through op '{no_guide.op}'")

@@ -34,6 +34,7 @@ from typing import Any
 import numpy as np
 
 from ..planning.plan import PlannedLayer
+from ..planning.registry import OPS
 from .factors import FactorPlan
 from .shared import Shared
 from .shared_algebra import batch_zeros, conv_taps, mix, total
@@ -123,7 +124,7 @@ def mean_shift(bk: Any, layer: PlannedLayer, sh: Shared | None, fp: FactorPlan) 
     guide = wf.shape[-1]
     gg = guide_columns(bk, sh.g, guide)
     o, n = wf.shape[:2]
-    if layer.op == "dense":
+    if not OPS[layer.op].positions_share_weights:  # a dense layer
         rows = fp.rows[layer.inputs[0]]
         s = bk.reshape(sh.s, (rows, n // rows))
         return bk.einsum("brq,brf,orqf->bo", s, gg, bk.tensor(wf.reshape(o, rows, n // rows, guide), "guide_w"))

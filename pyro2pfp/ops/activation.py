@@ -31,6 +31,7 @@ from ..correlation.shared import Shared
 from ..correlation.shared_algebra import SharedAlgebra, clip, grouped, normalised, own_columns, row_mean, safe_div
 from ..correlation.stein import stein_slope
 from ..planning.converters import Alias, register
+from ..planning.correlated_pools import WindowCovariances
 from ..planning.graph import Layer, Repr
 from ..planning.plan import PlannedLayer
 from ..planning.registry import (
@@ -159,11 +160,19 @@ def relu_shared(bk: SharedAlgebra, layer: PlannedLayer, inputs: list[Any], share
     return Shared(bk.reshape(clip(bk, s_out, var_out), shape), g, k), var
 
 
+def _scale_window_covariances(covs: WindowCovariances, layer: Layer) -> str | None:
+    """The in-window covariances of ``c·b``: ``c²`` times ``b``'s (exact)."""
+    inner = covs.build(layer.inputs[0])
+    if inner is None:
+        return covs.closure([layer.name], covs.what(layer.name))
+    return covs.new(layer.op, [inner], covs.what(layer.name), {"factor": float(layer.attrs["factor"]) ** 2})
+
+
 SCALE = register_activation(OpDef(
     "scale", ("aten.mul.Tensor", "aten.div.Tensor", "aten.neg.default"),
     modules="`x * c`, `x / c`, `-x` (a constant `c`, e.g. a temperature)", modules_short=("x * c",),
     moments="exact (linear: `μ ↦ c·μ`, `v ↦ c²·v`)", assumptions="—", contract=VARIANCE_IN_OUT,
-    example_attrs={"factor": -0.5},
+    example_attrs={"factor": -0.5}, window_covariances=_scale_window_covariances,
     activation=ActivationRule(
         exact=lambda x, attrs, ops: ops.const(attrs["factor"]) * x,
         moments=lambda mean, var, attrs, ops: (ops.const(attrs["factor"]) * mean,

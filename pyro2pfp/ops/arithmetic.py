@@ -22,16 +22,46 @@ from ..correlation.loadings import CompactPlan, Loadings, TensorAlgebra
 from ..correlation.shared import Shared
 from ..correlation.shared_algebra import SharedAlgebra, clip, grouped, normalised, row_mean
 from ..planning.converters import Alias, register
+from ..planning.correlated_pools import WindowCovariances
 from ..planning.graph import GaussianParam, Layer, Repr
-from ..planning.plan import PlannedLayer, is_compute_layer
-from ..planning.registry import OpDef, register_op
+from ..planning.plan import PlannedGraph, PlannedLayer, is_compute_layer
+from ..planning.registry import CompactSpec, FactorSpec, OpDef, register_op
 from ._formula import compact_formula, formula, shared_formula
+
+
+def _affine_window_covariances(covs: WindowCovariances, layer: Layer) -> str | None:
+    """The in-window covariances of ``γ·b + β`` (an eval-mode BatchNorm): ``γ²`` times ``b``'s (exact)."""
+    inner = covs.build(layer.inputs[0])
+    if inner is None:
+        return covs.closure([layer.name], covs.what(layer.name))
+    scale = layer.params["scale"].mean ** 2
+    return covs.new(layer.op, [inner], covs.what(layer.name), params={
+        "scale": GaussianParam(scale, np.zeros_like(scale)),
+        "shift": GaussianParam(np.zeros_like(scale), np.zeros_like(scale))})
+
+
+def _add_window_covariances(covs: WindowCovariances, layer: Layer) -> str | None:
+    """The in-window covariances of ``b + c`` (a residual add): the sum of ``b``'s and ``c``'s, and in a
+    shared-factor plan the branches' covariance through their shared factors (``window_closure``); a
+    branch without them makes the result partial."""
+    parts = [covs.build(n) for n in layer.inputs]
+    covs.partial = covs.partial or any(p is None for p in parts)
+    parts.append(covs.closure(list(layer.inputs), f"covariance of the branches of {layer.name}"))
+    present = [p for p in parts if p is not None]
+    total = present[0] if present else None
+    for part in present[1:]:
+        assert total is not None
+        total = covs.new(layer.op, [total, part], covs.what(layer.name))
+    return total
+
 
 AFFINE = register_op(OpDef(
     "affine", ("aten.batch_norm.default", "aten._native_batch_norm_legit_no_training.default"),
     modules="`BatchNorm1d/2d` in eval mode (folded into the Linear/Conv before it, `pyro2pfp.planning.folding`)",
     modules_short=("BatchNorm1d/2d (eval)",), moments="exact (linear)",
-    assumptions="deterministic normalisation parameters",
+    assumptions="deterministic normalisation parameters", elementwise=True, compact_spec=CompactSpec(keeps_units=True),
+    non_decreasing=lambda layer: bool(np.all(layer.params["scale"].mean >= 0)),
+    window_covariances=_affine_window_covariances,
     # deterministic per-channel scale and shift
     stored_tensors=lambda layer, input_repr, calibration: {"scale": layer.params["scale"].mean,
                                                            "shift": layer.params["shift"].mean}))
@@ -41,7 +71,17 @@ ADD = register_op(OpDef(
     modules="`x + y` (residual; `h + b` after a bias-free dense/conv is its bias)", modules_short=("residual '+'",),
     moments="exact for independent summands",
     assumptions="**the two branches are treated as independent** (they share their input, so this "
-                "underestimates or overestimates the variance by their covariance)"))
+                "underestimates or overestimates the variance by their covariance)", elementwise=True,
+    window_covariances=_add_window_covariances,
+    factor_spec=FactorSpec(mean_field_wrong=lambda layer, graph, conv_noise: _adds_shared_branches(layer, graph))))
+
+
+def _adds_shared_branches(layer: PlannedLayer, graph: PlannedGraph) -> str | None:
+    """Why mean-field PFP is wrong for an add (None: it is fine): it adds two random branches, which share
+    their input."""
+    if sum(graph.repr_of(n) is not Repr.DETERMINISTIC for n in layer.inputs) == 2:
+        return f"{layer.layer.source} adds two branches that share their input"
+    return None
 
 
 # ------------------------------------------------------------------------------------ reference + ONNX

@@ -41,17 +41,21 @@ from ..correlation.shared_algebra import (
     total,
 )
 from ..planning.converters import Alias, register
+from ..planning.correlated_pools import WindowCovariances
 from ..planning.graph import GaussianParam, Layer, Repr
 from ..planning.onedim import as_2d
 from ..planning.plan import PlannedLayer
 from ..planning.registry import (
     COMPUTE_INPUT,
+    CompactSpec,
     Contract,
     FactorSpec,
     OpDef,
     register_op,
 )
 from ._formula import formula, shared_formula
+from .compute_compact import conv2d_compact_macs, dense_compact_macs
+from .compute_cost import conv2d_cost, dense_cost
 
 _COMPUTE = Contract(takes=COMPUTE_INPUT, natural=Repr.VARIANCE, keeps_deterministic=False)
 
@@ -60,7 +64,9 @@ DENSE = register_op(OpDef(
     modules="`Linear`, `F.linear`, `x @ W` / `torch.matmul(x, W)` (+ `b`) with `W`, `b` parameters or sample sites",
     modules_short=("Linear", "x @ W"),
     moments="mean, variance exact for independent inputs/weights",
-    assumptions="mean-field weights, independent inputs", contract=_COMPUTE, compute_layer=True))
+    assumptions="mean-field weights, independent inputs", contract=_COMPUTE, compute_layer=True, sums_elements=True,
+    factor_spec=FactorSpec(guide_factors=True, cost=dense_cost),
+    compact_spec=CompactSpec(mean_field_products=(2, 3), macs=dense_compact_macs)))
 
 
 
@@ -70,6 +76,15 @@ def _grouped(layer: PlannedLayer) -> str | None:
     return f"grouped convolutions (groups={groups})" if groups != 1 else None
 
 
+def _conv_window_covariances(covs: WindowCovariances, layer: Layer) -> str | None:
+    """A conv's in-window covariances (``groups = 1``, no dilation: ``window_cov`` of its input and
+    weights), else its edge's shared factors' part."""
+    a = layer.attrs
+    if int(a.get("groups", 1)) == 1 and list(a.get("dilation", [1, 1])) == [1, 1]:
+        return covs.from_conv(layer, covs.what(layer.name))
+    return covs.closure([layer.name], covs.what(layer.name))
+
+
 CONV2D = register_op(OpDef(
     "conv2d", ("aten.conv2d.default", "aten.conv2d.padding", "aten.conv1d.default", "aten.conv1d.padding",
                "aten.pad.default", "aten.constant_pad_nd.default"),
@@ -77,7 +92,9 @@ CONV2D = register_op(OpDef(
             "before it is folded into its padding)",
     modules_short=("Conv1d", "Conv2d"), moments="as dense",
     assumptions="as dense (shared weights make outputs correlated: ignored downstream)", contract=_COMPUTE,
-    compute_layer=True, factor_spec=FactorSpec(refuse=_grouped)))
+    compute_layer=True, positions_share_weights=True, window_covariances=_conv_window_covariances,
+    factor_spec=FactorSpec(refuse=_grouped, guide_factors=True, rescales_weight_noise=True, cost=conv2d_cost),
+    compact_spec=CompactSpec(mean_field_products=(2, 3), macs=conv2d_compact_macs)))
 
 
 # ------------------------------------------------------------------------------------ reference + ONNX

@@ -186,3 +186,33 @@ def dense_compact(bk: TensorAlgebra, layer: PlannedLayer, inputs: list[Any], loa
         out.glob[layer.name] = bk.tensor(wm, "weight_mean") * bk.reshape(root, (1, i))
         out.glob_width[layer.name] = i
     return (None if out.empty() else out), mean, var
+
+
+def conv2d_compact_macs(layer: PlannedLayer, plan: CompactPlan, columns: int, blocks: tuple[int, int]
+                        ) -> tuple[int, int, tuple[int, int]]:
+    """A conv's part of :func:`~pyro2pfp.correlation.compact.compact_macs` (``CompactSpec.macs``): ``O·P·C·k²`` per
+    global column in, ``O·P·k²`` per block column (one input channel), ``R·O·P·C·k²`` for its own ``R``
+    directions; every column in leaves as a global one, its directions as block columns."""
+    o, c, kh, kw = layer.tensors["weight_mean"].shape
+    positions = int(np.prod(layer.layer.out_shape)) // o
+    total = columns * o * positions * c * kh * kw + blocks[0] * blocks[1] * o * positions * kh * kw
+    out_columns, out_blocks = columns + blocks[0] * blocks[1], (0, 0)
+    r = plan.directions.get(layer.name, 0)
+    if r:
+        total += r * o * positions * (c * kh * kw + 1) + o * (c * kh * kw + 1) * r * r
+        out_blocks = (o, r)
+    return total, out_columns, out_blocks
+
+
+def dense_compact_macs(layer: PlannedLayer, plan: CompactPlan, columns: int, blocks: tuple[int, int]
+                       ) -> tuple[int, int, tuple[int, int]]:
+    """A dense layer's part of :func:`~pyro2pfp.correlation.compact.compact_macs` (``CompactSpec.macs``): ``J·I`` per
+    global column in, ``J·P`` per block column, ``J·I`` for the input residual as factors (``I`` more
+    global columns out)."""
+    j, i = layer.tensors["weight_mean"].shape
+    total = j * i * columns + j * i * blocks[1] + j * (columns + blocks[0] * blocks[1])
+    out_columns = columns + blocks[0] * blocks[1]
+    if layer.name in plan.residual:
+        total += j * i
+        out_columns += i
+    return total, out_columns, (0, 0)

@@ -31,6 +31,7 @@ from ..correlation.factors import FactorPlan
 from ..correlation.shared import Shared
 from ..correlation.shared_algebra import SharedAlgebra
 from ..planning.converters import Alias, register
+from ..planning.correlated_pools import WindowCovariances
 from ..planning.graph import Layer, Repr
 from ..planning.plan import PlannedLayer
 from ..planning.registry import FactorSpec, OpDef, register_op
@@ -48,13 +49,23 @@ def row_axis_only(layer: PlannedLayer) -> str | None:
     return f"concatenations along per-sample axis {axis} (not the channel/unit axis 0)"
 
 
+def _window_covariances(covs: WindowCovariances, layer: Layer) -> str | None:
+    """The in-window covariances of a concatenation along the channels: the concatenation of its parts'
+    (the rest, and parts without them: the edge's shared factors' part)."""
+    if layer.attrs.get("axis") == 0 and not layer.attrs.get("stack", False):
+        parts = [covs.build(n) for n in layer.inputs]
+        if all(p is not None for p in parts):
+            return covs.new(layer.op, [p for p in parts if p is not None], covs.what(layer.name), {"axis": 0})
+    return covs.closure([layer.name], covs.what(layer.name))
+
+
 CONCAT = register_op(OpDef(
     "concat", CAT_OPS + STACK_OPS,
     modules="`torch.cat` / `concat` / `concatenate` / `hstack` of branches (any axis but the batch's), "
             "`torch.stack` (a new axis)",
     modules_short=("torch.cat/stack of branches",), moments="exact",
     assumptions="— (shared factors: along the channel/unit axis only; `auto` falls back to mean-field otherwise)",
-    factor_spec=FactorSpec(refuse=row_axis_only, joins_rows=True)))
+    factor_spec=FactorSpec(refuse=row_axis_only, joins_rows=True), window_covariances=_window_covariances))
 
 
 # ------------------------------------------------------------------------------------ reference + ONNX

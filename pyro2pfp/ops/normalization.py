@@ -47,7 +47,7 @@ from ..correlation.shared_algebra import SharedAlgebra, clip, normalised
 from ..planning.converters import register
 from ..planning.graph import GaussianParam, Layer, Repr
 from ..planning.plan import PlannedLayer, stored_variance
-from ..planning.registry import Contract, FactorSpec, OpDef, register_op
+from ..planning.registry import CompactSpec, Contract, FactorSpec, OpDef, register_op
 from ._formula import compact_formula, formula, shared_formula
 
 LAYER_NORM = register_op(OpDef(
@@ -63,7 +63,7 @@ LAYER_NORM = register_op(OpDef(
                 "[0.85, 1.1]; poor for D ≤ 4); `γ`, `β` independent of the input",
     # a Gaussian γ or β makes a deterministic input random: never kept deterministic
     contract=Contract(Repr.VARIANCE, Repr.VARIANCE, keeps_deterministic=False),
-    factor_spec=FactorSpec(refuse=lambda layer: _refused(layer)),
+    factor_spec=FactorSpec(refuse=lambda layer: _refused(layer)), compact_spec=CompactSpec(keeps_units=True),
     stored_tensors=lambda layer, input_repr, calibration: _stored(layer, calibration)))
 
 

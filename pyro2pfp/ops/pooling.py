@@ -41,7 +41,7 @@ from ..planning.converters import register
 from ..planning.graph import Layer, Repr
 from ..planning.onedim import as_2d, out_shape
 from ..planning.plan import PlannedLayer
-from ..planning.registry import OpDef, register_op, shared_exporter, shared_reference
+from ..planning.registry import FactorSpec, OpDef, register_op, shared_exporter, shared_reference
 from ._formula import compact_formula, shared_formula
 from .compute import _pair
 
@@ -56,7 +56,8 @@ MAX_POOL2D = register_op(OpDef(
     modules_short=("MaxPool1d/2d", "AdaptiveMaxPool1d/2d"),
     moments="Clark's max, exact for two inputs; in-window covariances from the conv that feeds it",
     assumptions="pairwise fold over the window in row-major order, the running max treated as Gaussian; "
-                "a non-decreasing activation between conv and pool is applied after the pool (exact)"))
+                "a non-decreasing activation between conv and pool is applied after the pool (exact)",
+    window_max=True))
 
 AVG_POOL2D = register_op(OpDef(
     "avg_pool2d", ("aten.avg_pool2d.default", "aten.adaptive_avg_pool2d.default", "aten.mean.dim",
@@ -64,7 +65,15 @@ AVG_POOL2D = register_op(OpDef(
     modules="`AvgPool2d`, `AvgPool1d`, `AdaptiveAvgPool1d/2d` (windows of a regular pool, e.g. an output "
             "dividing the input), `x.mean(-1)` of `(N, C, L)`, `x.mean((2, 3))`",
     modules_short=("AvgPool1d/2d", "AdaptiveAvgPool1d/2d"),
-    moments="exact (linear)", assumptions="independent inputs"))
+    moments="exact (linear)", assumptions="independent inputs",
+    factor_spec=FactorSpec(mean_field_wrong=lambda layer, graph, conv_noise: _averages_conv_noise(layer, conv_noise))))
+
+
+def _averages_conv_noise(layer: PlannedLayer, conv_noise: dict[str, bool]) -> str | None:
+    """Why mean-field PFP is wrong for an average pool (None: it is fine): it averages positions of a conv
+    output whose weight noise every position of a channel shares (divided by the window size as if
+    independent)."""
+    return f"{layer.layer.source} averages positions of a conv output" if conv_noise[layer.inputs[0]] else None
 
 
 # ------------------------------------------------------------------------------------ reference

@@ -22,7 +22,7 @@ from ..correlation.shared_algebra import SharedAlgebra
 from ..planning.converters import Alias, register
 from ..planning.graph import Layer
 from ..planning.plan import PlannedLayer
-from ..planning.registry import Contract, OpDef, register_op
+from ..planning.registry import CompactSpec, Contract, FactorSpec, OpDef, register_op
 from ._formula import compact_formula, formula, shared_formula
 
 _PASS_THROUGH = Contract(takes=None, natural=None, keeps_deterministic=True)
@@ -33,7 +33,8 @@ RESHAPE = register_op(OpDef(
                 "aten.squeeze.dims", "aten.unsqueeze.default", "aten.select.int", "aten.slice.Tensor"),
     modules="`Flatten`, `view`, `reshape`, `Dropout` (inference), `Identity`",
     modules_short=("Flatten/view/reshape",), moments="identity", assumptions="—", table_op="reshape / none",
-    contract=_PASS_THROUGH, view=True, required_tests=("compiled",)))  # the identity on moments: nothing to sample
+    contract=_PASS_THROUGH, view=True, required_tests=("compiled",),  # the identity on moments: nothing to sample
+    factor_spec=FactorSpec(reshapes=True), compact_spec=CompactSpec(keeps_units=True)))
 
 CONVERT = register_op(OpDef(
     "convert", modules="(inserted by the planner: variance ↔ second moment)",

@@ -40,18 +40,27 @@ from ..correlation.shared_algebra import SharedAlgebra
 from ..correlation.stein import mean_and_slope
 from ..planning.graph import Layer, Repr
 from ..planning.plan import PlannedLayer, stored_variance
-from ..planning.registry import OPS, Contract, FactorSpec, OpDef, register_op
+from ..planning.registry import (
+    OPS,
+    CompactSpec,
+    Contract,
+    FactorSpec,
+    OpDef,
+    register_op,
+)
 from ._formula import formula, shared_formula
 
 D = Repr.DETERMINISTIC
 
 
 def _covariance_op(name: str, modules: str, moments: str, assumptions: str,
-                   stored_tensors: Callable[..., dict[str, np.ndarray]] | None = None) -> OpDef:
+                   stored_tensors: Callable[..., dict[str, np.ndarray]] | None = None,
+                   compact_spec: CompactSpec | None = None) -> OpDef:
     """An op the planner inserts before a max pool: a deterministic tensor of in-window covariances."""
     return register_op(OpDef(name, modules=modules, moments=moments, assumptions=assumptions, internal=True,
                              contract=Contract(Repr.VARIANCE, Repr.DETERMINISTIC, keeps_deterministic=True),
-                             factor_spec=FactorSpec(covariance=True), stored_tensors=stored_tensors))
+                             factor_spec=FactorSpec(covariance=True), stored_tensors=stored_tensors,
+                             compact_spec=compact_spec or CompactSpec()))
 
 
 def _conv_tensors(layer: Layer, input_repr: Repr, calibration: float) -> dict[str, np.ndarray]:
@@ -67,7 +76,9 @@ def _conv_tensors(layer: Layer, input_repr: Repr, calibration: float) -> dict[st
 WINDOW_COV = _covariance_op(
     "window_cov", "(inserted by the planner before a max pool fed by a conv)",
     "exact for a conv with independent Gaussian weights and mean-field inputs",
-    "mean-field conv input, or the shared-factor plan's covariance of it", stored_tensors=_conv_tensors)
+    "mean-field conv input, or the shared-factor plan's covariance of it", stored_tensors=_conv_tensors,
+    # its linear map: 2 products of the conv's size (1 on a deterministic input); its output carries no loadings
+    compact_spec=CompactSpec(mean_field_products=(1, 2), macs=lambda layer, plan, columns, blocks: (0, 0, (0, 0))))
 
 
 def taps(kernel: list[int]) -> list[tuple[int, int]]:

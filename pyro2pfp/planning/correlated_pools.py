@@ -37,8 +37,6 @@ plans every pool whose input reaches a conv through the ops above (:func:`pool_c
 """
 from __future__ import annotations
 
-import numpy as np
-
 from ..options import MaxPool, values
 from .graph import INPUT, GaussianParam, Layer, LayerGraph
 from .registry import OPS
@@ -51,20 +49,27 @@ def _activation(layer: Layer) -> bool:
 
 
 def _non_decreasing(layer: Layer) -> bool:
-    """``layer`` is an elementwise map that is non-decreasing in its input (so it commutes with a max)."""
-    if layer.op == "affine":
-        return bool(np.all(layer.params["scale"].mean >= 0))
-    rule = OPS[layer.op].activation if layer.op in OPS else None
+    """``layer`` is an elementwise map that is non-decreasing in its input (so it commutes with a max):
+    ``OpDef.non_decreasing``, or an activation's ``ActivationRule.non_decreasing``."""
+    op = OPS.get(layer.op)
+    if op is not None and op.non_decreasing is not None:
+        return bool(op.non_decreasing(layer))
+    rule = op.activation if op is not None else None
     return rule is not None and rule.non_decreasing is not None and bool(rule.non_decreasing(layer.attrs))
 
 
-def _window_source(conv: Layer) -> bool:
-    a = conv.attrs
-    return conv.op == "conv2d" and int(a.get("groups", 1)) == 1 and list(a.get("dilation", [1, 1])) == [1, 1]
+def _window_max(layer: Layer) -> bool:
+    """``layer`` is a max pool (``OpDef.window_max``)."""
+    return layer.op in OPS and OPS[layer.op].window_max
 
 
-class _Covariances:
-    """Builds the layers that compute the in-window covariances of one pool's input (module docstring)."""
+class WindowCovariances:
+    """Builds the layers that compute the in-window covariances of one pool's input (module docstring).
+
+    An op's ``OpDef.window_covariances(covs, layer)`` says how they pass through a layer of it, with
+    :meth:`build` (an input edge's), :meth:`new` (a layer of the same ``out_shape``), :meth:`from_conv`
+    (a conv's own) and :meth:`closure` (the edges' shared factors' part, in a shared-factor plan); it
+    returns the layer holding them (None: none known) and sets :attr:`partial` where a summand has none."""
 
     def __init__(self, graph: LayerGraph, pool: Layer, shared: bool) -> None:
         self.by_name = {layer.name: layer for layer in graph.layers}
@@ -76,72 +81,54 @@ class _Covariances:
         self.layers: list[Layer] = []
         self.partial = False  # a summand without covariances (mean-field)
 
-    def _new(self, op: str, inputs: list[str], what: str, attrs: dict | None = None,
-             params: dict[str, GaussianParam] | None = None) -> str:
+    def new(self, op: str, inputs: list[str], what: str, attrs: dict | None = None,
+            params: dict[str, GaussianParam] | None = None) -> str:
+        """A new layer of ``op`` (of the covariances' shape); its name."""
         name = f"{self.pool.name}_window_cov" + (f"_{len(self.layers)}" if self.layers else "")
         self.layers.append(Layer(name=name, op=op, inputs=inputs, out_shape=self.out_shape,
                                  source=f"{self.pool.source}: {what}", attrs=attrs or {}, params=params or {}))
         return name
 
-    def _closure(self, edges: list[str], what: str) -> str | None:
+    def closure(self, edges: list[str], what: str) -> str | None:
+        """The covariance of ``edges`` through their shared factors (``window_closure``; None in a
+        mean-field plan)."""
         if not self.shared:
             return None
         in_hw = list(self.shape(edges[0])[1:])
-        return self._new("window_closure", edges, what, {"pool": self.pool_attrs, "in_hw": in_hw})
+        return self.new("window_closure", edges, what, {"pool": self.pool_attrs, "in_hw": in_hw})
+
+    def from_conv(self, conv: Layer, what: str) -> str:
+        """A conv's in-window covariances from its input and weights (``window_cov``)."""
+        conv_attrs = {key: conv.attrs[key] for key in ("stride", "padding")}
+        return self.new("window_cov", [conv.inputs[0]], what,
+                        {"conv": conv_attrs, "pool": self.pool_attrs, "conv_out_hw": list(conv.out_shape[1:])},
+                        {k: v for k, v in conv.params.items() if k in ("weight", "bias")})
 
     def shape(self, edge: str) -> tuple[int, ...]:
         return self.by_name[edge].out_shape
-
-    def _sum(self, parts: list[str | None], what: str) -> str | None:
-        present = [p for p in parts if p is not None]
-        total = present[0] if present else None
-        for part in present[1:]:
-            assert total is not None
-            total = self._new("add", [total, part], what)
-        return total
 
     def build(self, edge: str) -> str | None:
         """The name of the layer holding ``edge``'s in-window covariances (None: none known)."""
         if edge == INPUT:
             return None
         layer = self.by_name[edge]
-        op, source = layer.op, f"in-window covariances of {edge}"
-        if _window_source(layer):
-            conv_attrs = {key: layer.attrs[key] for key in ("stride", "padding")}
-            return self._new("window_cov", [layer.inputs[0]], source,
-                             {"conv": conv_attrs, "pool": self.pool_attrs, "conv_out_hw": list(layer.out_shape[1:])},
-                             {k: v for k, v in layer.params.items() if k in ("weight", "bias")})
-        if op == "add":
-            parts = [self.build(n) for n in layer.inputs]
-            self.partial = self.partial or any(p is None for p in parts)
-            parts.append(self._closure(list(layer.inputs), f"covariance of the branches of {edge}"))
-            return self._sum(parts, source)
-        if op == "affine":
-            inner = self.build(layer.inputs[0])
-            if inner is None:
-                return self._closure([edge], source)
-            scale = layer.params["scale"].mean ** 2
-            return self._new("affine", [inner], source, params={
-                "scale": GaussianParam(scale, np.zeros_like(scale)),
-                "shift": GaussianParam(np.zeros_like(scale), np.zeros_like(scale))})
-        if op == "scale":
-            inner = self.build(layer.inputs[0])
-            if inner is None:
-                return self._closure([edge], source)
-            return self._new("scale", [inner], source, {"factor": float(layer.attrs["factor"]) ** 2})
-        if op == "concat" and layer.attrs.get("axis") == 0 and not layer.attrs.get("stack", False):
-            parts = [self.build(n) for n in layer.inputs]
-            if all(p is not None for p in parts):
-                return self._new("concat", [p for p in parts if p is not None], source, {"axis": 0})
-            return self._closure([edge], source)
+        op, source = layer.op, self.what(edge)
+        hook = OPS[op].window_covariances if op in OPS else None
+        if hook is not None:
+            return hook(self, layer)
         if _activation(layer):
             inner = self.build(layer.inputs[0])
             if inner is None:
-                return self._closure([edge], source)
-            return self._new("window_activation", [layer.inputs[0], inner], source,
-                             {"activation": op, "attrs": dict(layer.attrs), "pool": self.pool_attrs,
-                              "in_hw": list(self.shape(edge)[1:])})
-        return self._closure([edge], source)
+                return self.closure([edge], source)
+            return self.new("window_activation", [layer.inputs[0], inner], source,
+                            {"activation": op, "attrs": dict(layer.attrs), "pool": self.pool_attrs,
+                             "in_hw": list(self.shape(edge)[1:])})
+        return self.closure([edge], source)
+
+    @staticmethod
+    def what(edge: str) -> str:
+        """The source text of the layers holding ``edge``'s covariances."""
+        return f"in-window covariances of {edge}"
 
 
 def correlate_max_pools(graph: LayerGraph, shared: bool = False) -> LayerGraph:
@@ -156,14 +143,14 @@ def correlate_max_pools(graph: LayerGraph, shared: bool = False) -> LayerGraph:
     replaced: dict[str, list[Layer]] = {}
     moved: set[str] = set()
     for pool in graph.layers:
-        if pool.op != "max_pool2d" or len(pool.inputs) != 1 or pool.attrs["kernel"][0] * pool.attrs["kernel"][1] < 2:
+        if not _window_max(pool) or len(pool.inputs) != 1 or pool.attrs["kernel"][0] * pool.attrs["kernel"][1] < 2:
             continue
         chain: list[Layer] = []  # the non-decreasing maps between the pool and its covariance source, top first
         base = pool.inputs[0]
         while base != INPUT and _non_decreasing(by_name[base]):
             chain.append(by_name[base])
             base = by_name[base].inputs[0]
-        covs = _Covariances(graph, pool, shared)
+        covs = WindowCovariances(graph, pool, shared)
         cov = covs.build(base)
         if cov is None:
             continue
@@ -171,7 +158,7 @@ def correlate_max_pools(graph: LayerGraph, shared: bool = False) -> LayerGraph:
         note = f"correlated Clark max (covariances: {cov})"
         if chain:
             note += "; " + ", ".join(layer.op for layer in reversed(chain)) + " moved after it"
-        new = [*covs.layers, Layer(name=pool_name, op="max_pool2d", inputs=[base, cov], out_shape=pool.out_shape,
+        new = [*covs.layers, Layer(name=pool_name, op=pool.op, inputs=[base, cov], out_shape=pool.out_shape,
                                    source=pool.source, attrs=dict(pool.attrs), params=dict(pool.params), note=note)]
         prev = pool_name
         for k, act in enumerate(reversed(chain)):
@@ -206,8 +193,9 @@ def _unread(layers: list[Layer], output: str, candidates: set[str]) -> set[str]:
 
 
 def _passes_through(layer: Layer) -> bool:
-    """Elementwise layers between a conv and the next one (activations, per-channel affine maps)."""
-    return layer.op == "affine" or _activation(layer)
+    """Elementwise layers of one input between a conv and the next one (activations, per-channel affine
+    maps)."""
+    return _activation(layer) or (len(layer.inputs) == 1 and layer.op in OPS and OPS[layer.op].elementwise)
 
 
 def pool_caveats(graph: LayerGraph, shared: bool = False) -> list[str]:
@@ -220,7 +208,7 @@ def pool_caveats(graph: LayerGraph, shared: bool = False) -> list[str]:
     by_name = {layer.name: layer for layer in graph.layers}
     notes = []
     for layer in graph.layers:
-        if layer.op != "max_pool2d":
+        if not _window_max(layer):
             continue
         if len(layer.inputs) == 1:
             src = by_name.get(layer.inputs[0])
@@ -233,7 +221,7 @@ def pool_caveats(graph: LayerGraph, shared: bool = False) -> list[str]:
             name = cov.inputs[0]
             while name != INPUT and _passes_through(by_name[name]):
                 name = by_name[name].inputs[0]
-            if name != INPUT and by_name[name].op == "conv2d":
+            if name != INPUT and by_name[name].op in OPS and OPS[by_name[name].op].positions_share_weights:
                 carried = ("the plan carries the correlation of neighbouring inputs only through its shared "
                            "factors (one normal per channel)" if shared else
                            "mean-field PFP drops the correlation of neighbouring inputs")

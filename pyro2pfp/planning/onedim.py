@@ -53,7 +53,7 @@ def out_shape(node: Any, ctx: Any) -> tuple[int, ...]:
 
 def _elementwise(layer: Layer) -> bool:
     """Layers whose result on ``(C, 1, L)`` is their result on ``(C, L)`` reshaped (channel axis 1)."""
-    return layer.op in ("affine", "add") or (layer.op in OPS and OPS[layer.op].activation is not None)
+    return layer.op in OPS and (OPS[layer.op].elementwise or OPS[layer.op].activation is not None)
 
 
 def _squeezed(name: str, by_name: dict[str, Layer]) -> str | None:

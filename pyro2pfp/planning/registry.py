@@ -132,6 +132,41 @@ class FactorSpec:
     refuse: Callable[[Any], str | None] | None = None
     joins_rows: bool = False
     covariance: bool = False
+    reshapes: bool = False
+    """The op reshapes its input: its shared part keeps the input's rows (the channel axis kept, or
+    flattened: rows of groups of positions)."""
+    mean_field_wrong: Callable[[Any, Any, dict[str, bool]], str | None] | None = None
+    """``(layer, graph, conv_noise) -> why``: why mean-field PFP is wrong at this layer (None: it is
+    fine), a reason for ``correlation='auto'`` to plan shared factors (``conv_noise[edge]``: the edge
+    depends on the noise of weights shared by positions, :attr:`OpDef.positions_share_weights`), e.g. an
+    average pool of a conv's noise, a residual add of two noisy branches."""
+    guide_factors: bool = False
+    """The float32 back ends' rules of the op carry a correlated guide's global factors."""
+    rescales_weight_noise: bool = False
+    """With ``injection='rescaled'`` the rule of a noisy layer rescales its mean-field kernel's
+    weight-noise term (``RelaxActivation.weight_noise``) instead of computing the regression profile."""
+    cost: Callable[[Any, Any, int], tuple[int, int]] | None = None
+    """A compute layer's ``(layer, factor plan, K of its input) -> (multiply-adds of one product of its
+    linear map, multiply-adds the shared-factor rule adds)`` per input, for
+    :func:`~pyro2pfp.correlation.cost.cost_model` (other ops count their elements)."""
+
+
+@dataclass(frozen=True)
+class CompactSpec:
+    """What the compact factor plan (:func:`pyro2pfp.correlation.compact.plan_compact`) needs to know of an
+    op beyond its rule (``@compact_reference``).
+
+    ``keeps_units``: the op keeps a dense layer's output units apart (an elementwise map, a LayerNorm, a
+    reshape; activations always do), so its output still counts as the dense layer's;
+    ``mean_field_products``: ``(deterministic input, random input)``: the products of its weight tensor's
+    size per output element in the mean-field plan (0: no linear map); ``macs(layer, plan, global columns
+    in, (channels, block columns) in) -> (multiply-adds, global columns out, block columns out)``: its part
+    of :func:`~pyro2pfp.correlation.compact.compact_macs` (None: pools count their windows, other ops
+    their elements, columns passed on)."""
+
+    keeps_units: bool = False
+    mean_field_products: tuple[int, int] = (0, 0)
+    macs: Callable[[Any, Any, int, tuple[int, int]], tuple[int, int, tuple[int, int]]] | None = None
 
 
 @dataclass(frozen=True)
@@ -155,7 +190,25 @@ class OpDef:
     checks; a plan with factors is refused for a network with such an op, ``correlation='auto'``
     falls back to mean-field); ``stored_tensors``: ``fn(layer, input_repr, calibration) -> {name:
     array}``, the layer's parameters as every back end reads them (``PlannedLayer.tensors``, variances
-    calibrated); None: none, or the compute layers' weights and biases (``compute_layer``).
+    calibrated); None: none, or the compute layers' weights and biases (``compute_layer``);
+    ``positions_share_weights``: a compute layer whose output positions all use the same weights (a
+    convolution), so its weights' noise is shared by the positions of a channel -- mean-field PFP drops
+    that correlation where a later layer sums positions; ``elementwise``: an op other than an activation
+    that maps each element alone, or per channel (a per-channel affine map, a residual add): its result on
+    ``(C, 1, L)`` is its result on ``(C, L)`` reshaped (:func:`pyro2pfp.planning.onedim.lift_1d`);
+    ``sums_elements``: every output unit is a weighted sum of every input element (a dense layer): its
+    units share their inputs' noise (with deterministic weights, a reason for shared factors; the compact
+    factor plan's loadings end in such layers, and their input residual may become factors), and it sums
+    the positions of a flattened conv output;
+    ``non_decreasing(layer)``: an elementwise op other than an activation (whose rule says it:
+    ``ActivationRule.non_decreasing``) is non-decreasing in its input for this layer, so it commutes with a
+    max pool (a BatchNorm with non-negative scales); ``window_max``: the op is a max pool, whose window the
+    planner gives its in-window covariances (:mod:`pyro2pfp.planning.correlated_pools`);
+    ``window_covariances(covs, layer) -> name | None``: how the in-window covariances of a max pool's input
+    pass through a layer of the op (a conv's own, the sum of an add's branches, a scaled map's squared scale,
+    …), built with ``covs`` (a :class:`~pyro2pfp.planning.correlated_pools.WindowCovariances`; an activation
+    without it gets Mehler's ``window_activation``, any other op its edge's shared factors' part);
+    ``compact_spec``: the op's part of the compact factor plan.
     """
 
     name: str
@@ -175,6 +228,13 @@ class OpDef:
     factor_spec: FactorSpec = FactorSpec()
     no_shared_rule: str = ""
     stored_tensors: Callable[..., dict[str, Any]] | None = None
+    positions_share_weights: bool = False
+    elementwise: bool = False
+    sums_elements: bool = False
+    non_decreasing: Callable[[Any], bool] | None = None
+    window_max: bool = False
+    window_covariances: Callable[[Any, Any], str | None] | None = None
+    compact_spec: CompactSpec = CompactSpec()
 
 
 OPS: dict[str, OpDef] = {}

@@ -1,7 +1,7 @@
 """Multiply-adds per kernel of a compiled PFP network, for :func:`pyro2pfp.runtime.profiling.profile`'s
 ``work`` (G multiply-adds/s per kernel).
 
-A mean-field ``conv2d``/``dense`` kernel's work is counted as the products of the direct algorithm --
+A mean-field compute layer's (``conv2d``/``dense``) kernel's work is counted as the products of the direct algorithm --
 per tap and output one for the mean and two for the variance (``Σ vw·(μx² + vx)``, ``Σ μw²·vx``), one
 each for a deterministic input -- the count of :func:`pyro2pfp.correlation.cost_model`, whatever
 algorithm runs (a Winograd kernel's rate is "effective": it does fewer multiplications); any other
@@ -13,6 +13,7 @@ import numpy as np
 import tvm
 
 from ...planning.graph import Repr
+from ...planning.plan import is_compute_layer
 from ...planning.protocols import ConvertedNetwork
 from .emit import kernel_info
 from .schedules.work import kernel_multiplies
@@ -32,11 +33,11 @@ def kernel_multiply_adds(net: ConvertedNetwork, batch: int) -> dict[str, float]:
             continue
         op, name = kernel_info(func)
         layer = layers.get(name) if name is not None else None
-        if op in ("conv2d", "dense") and layer is not None and layer.op == op:
-            size = int(layer.tensors["weight_mean"].size)
-            positions = int(np.prod(layer.layer.out_shape[1:])) if op == "conv2d" else 1
+        if layer is not None and layer.op == op and is_compute_layer(op):
+            # the taps of one output element (a conv's C·KH·KW, a dense layer's inputs) times its outputs
+            size = int(layer.tensors["weight_mean"][0].size) * int(np.prod(layer.layer.out_shape))
             products = 2 if layer.in_reprs[0] is Repr.DETERMINISTIC else 3
-            out[gv.name_hint] = float(batch * positions * size * products)
+            out[gv.name_hint] = float(batch * size * products)
             continue
         count = kernel_multiplies(func)
         if count is not None:

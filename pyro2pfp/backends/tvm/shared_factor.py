@@ -60,7 +60,7 @@ from tvm.sym.analyzer import Analyzer
 from ...correlation.backend import FixedKStep
 from ...correlation.factors import FACTOR_ALIGN, aligned
 from ...planning.plan import PlannedLayer
-from ...planning.registry import SHARED_KERNELS
+from ...planning.registry import OPS, SHARED_KERNELS
 from . import kernel_memo
 from .emit import LAYER_ATTR, OP_ATTR, SCHEME_STEPS, EmitContext
 from .fast_math import F32
@@ -271,7 +271,8 @@ class SharedStep(FixedKStep):
         """Whether ``layer``'s rule reads its mean-field kernel's weight-noise term
         (``RelaxActivation.weight_noise``): a noisy conv layer of an ``injection='rescaled'`` plan,
         whose rule rescales that term's root instead of computing the regression profile."""
-        return self.fp.injection == "rescaled" and layer.op == "conv2d" and layer.name in self.fp.offsets
+        return (self.fp.injection == "rescaled" and layer.op in OPS and OPS[layer.op].factor_spec.rescales_weight_noise
+                and layer.name in self.fp.offsets)
 
     # ------------------------------------------------------------------ helpers
     def natural(self, ctx: EmitContext, name: str) -> bool:

@@ -1,5 +1,4 @@
-"""TE kernels of the elementwise activations and of the planner's representation ``convert``, with
-their default CPU schedule.
+"""TE kernels of the elementwise activations, with their default CPU schedule.
 
 Every op with an :class:`~pyro2pfp.planning.registry.ActivationRule` (``pyro2pfp/ops/activation.py``) gets
 the generic kernel :func:`activation_kernel`: the rule's ``exact`` on a deterministic input, else its
@@ -129,21 +128,6 @@ for _op in OPS.values():
     if _op.activation is not None:
         kernel(_op.name)(activation_kernel(_op.activation))
         schedule(_op.name)(schedule_elementwise)
-
-
-@kernel("convert")
-def convert(ctx: EmitContext, layer: PlannedLayer, inputs: list[RelaxActivation]) -> RelaxActivation:
-    """The input re-expressed in the representation the plan asks for (``s = μ² + v`` / ``v = s − μ²``)."""
-    x = inputs[0]
-
-    def fn(m: te.Tensor, s: te.Tensor) -> list[te.Tensor]:
-        return te.compute(m.shape, lambda *i: epilogue(m[i], variance_of(m[i], s[i], x.repr), layer),
-                          name="convert")
-
-    return activation_out(ctx.emit_te(fn, x.tensors(), layer), layer)
-
-
-schedule("convert")(schedule_elementwise)
 
 
 # ------------------------------------------------------------------ shared-factor rules

@@ -18,6 +18,7 @@ from tvm.ir.utils import derived_object
 from tvm.s_tir import meta_schedule as ms
 from tvm.s_tir.meta_schedule.measure_callback import PyMeasureCallback
 
+from ....planning.registry import OPS
 from ..emit import kernel_table
 from . import _fast_inspect
 from .environment import _physical_cores
@@ -28,10 +29,10 @@ SEARCH = dict(population_size=64, init_measured_ratio=0.2, init_min_unmeasured=1
 """MetaSchedule ``EvolutionarySearch`` settings: a small population (the default 512 spends tens of
 seconds per round on 2 cores, mostly re-sampling small design spaces)."""
 
-SEARCH_OPS = ("dense", "conv2d")
-"""PFP ops searched by default: the reductions, where MetaSchedule's multi-level tiling can beat
-the hand schedule.  The erf/exp-bound elementwise kernels (ReLU moments, the Gaussian max of max
-pooling) gain nothing from a random search within a small budget, and their candidates are slow to
+SEARCH_OPS = tuple(name for name, op in OPS.items() if op.compute_layer)
+"""PFP ops searched by default: the compute layers (dense, conv2d), the reductions, where MetaSchedule's
+multi-level tiling can beat the hand schedule.  The erf/exp-bound elementwise kernels (ReLU moments, the
+Gaussian max of max pooling) gain nothing from a random search within a small budget, and their candidates are slow to
 compile (large expression trees): they keep the best of their default schedules."""
 
 BUILDERS = ("pool", "inprocess", "local")
