@@ -91,7 +91,7 @@ def _mean_field_cost(graph: PlannedGraph) -> tuple[int, int]:
         floats += 2 * n_out
         if is_compute_layer(layer.op):
             size = int(layer.tensors["weight_mean"].size)
-            positions = int(np.prod(layer.layer.out_shape[1:])) if layer.op == "conv2d" else 1
+            positions = int(np.prod(layer.layer.out_shape[1:])) if OPS[layer.op].positions_share_weights else 1
             det_in = layer.inputs[0] == INPUT and graph.input_repr is Repr.DETERMINISTIC
             mf += positions * size * (2 if det_in else 3)
         else:

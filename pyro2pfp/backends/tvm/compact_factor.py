@@ -265,7 +265,7 @@ def reshape_rows(x: te.Tensor, shape: tuple[int, ...]) -> te.Tensor:
             row, rem = tirx.floordiv(j, m), tirx.floormod(j, m) * s_out + r
         return x[(row, *_unravel(rem, rest))]
 
-    return te.compute((lead, *_i64(shape)), at, name="reshape", tag="injective")
+    return te.compute((lead, *_i64(shape)), at, name="rule_reshape", tag="injective")
 
 
 class CompactStep:
