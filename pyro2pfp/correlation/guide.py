@@ -14,8 +14,14 @@ mean-field moments (computed with the marginal variance ``V = d² + Σ_f F_f²``
   ``v += ‖ℓ‖² − Σ_i W²·s² − Σ_i (Σ_f F_f²)[o, i]·(μ_i² + s_i²·|g_i|²_guide) − Σ_f F_b,f²``: the
   coherent loading in place of the mean-field terms that counted the same noise as independent
   (``(Σ_f F_f²)·μ²``: the guide part of ``V·μ²``; ``·s²``: the product of the weights' and the
-  input's guide noise, a second-order term with mean ``Σ_i F[o, i]·ℓ_in[i]`` -- see
-  :func:`dense_mean_shift` -- that the closure does not carry as a factor);
+  input's guide noise counted as independent per weight), plus that product's own variance: it is the
+  quadratic form ``zᵀA_o z`` with ``A_o = Σ_i F[o, i]ᵀ·ℓ_in[i]`` (guide × guide; row ``f`` the weights'
+  loading on ``z_f``, column ``h`` the input's on ``z_h``), whose mean is ``tr A_o`` (the mean shift,
+  :func:`dense_mean_shift`) and whose variance is ``2‖(A_o + A_oᵀ)/2‖²_F`` (Isserlis' theorem; it is
+  uncorrelated with the terms linear in ``z``, odd moments of ``z`` vanishing) -- the closure does not
+  carry it as a factor, it joins the independent variance (:func:`dense_product_variance`).  Counting it
+  per weight instead (``Σ_i |F[o, i]|²·|ℓ_in[i]|²``) misses that every weight's noise meets its input's
+  through the same factors: the logits of a trained full-covariance MLP lose half their variance;
 * conv2d: the pooled loading ``ℓ[o, f] += Σ_{c,k} F_f[o, c, k]·m̄μ_k[c] + F_b,f[o]`` and the profile
   ``s[o, p] += Σ_{c,k} G[o, c, k]·μ[c, p + k] + Σ_f g[o, f]·F_b,f[o]`` with ``G = Σ_f g[o, f]·F_f[o]``
   (the exact covariance of ``out[o, p]`` with the channel's normal ``η_o`` from the guide's part);
@@ -84,6 +90,16 @@ def dense_mean_shift(s: np.ndarray, g: np.ndarray, wf: np.ndarray, guide: int) -
     flat = s.reshape(b, rows, -1)
     loading = flat[..., None] * g[:, :, None, :guide]  # (B, rows, group, guide)
     return np.einsum("oif,bif->bo", wf, loading.reshape(b, -1, guide))
+
+
+def dense_product_variance(s: np.ndarray, g: np.ndarray, wf: np.ndarray, guide: int) -> np.ndarray:
+    """``Var(zᵀA_o z) = 2‖(A_o + A_oᵀ)/2‖²_F`` (B, O) with ``A_o[f, h] = Σ_i F_f[o, i]·ℓ_in[i, h]``: the variance of
+    the product of the weights' and the input's guide noise (module docstring; ``ℓ_in = s·g[:guide]``)."""
+    b = s.shape[0]
+    rows = g.shape[1]
+    loading = (s.reshape(b, rows, -1)[..., None] * g[:, :, None, :guide]).reshape(b, -1, guide)
+    a = np.einsum("oif,bih->bofh", wf, loading)
+    return np.asarray((a * a).sum((2, 3)) + (a * np.swapaxes(a, 2, 3)).sum((2, 3)))
 
 
 def conv_pooled_injection(mbar: np.ndarray, wf: np.ndarray | None, bf: np.ndarray | None, k: int, o: int

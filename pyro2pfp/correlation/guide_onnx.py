@@ -27,11 +27,13 @@ def dense_terms(step: OnnxSharedStep, mu: Sym, sh: OnnxShared | None, rows: int,
     """``(injection (B, O, K), counted (B, O), mean shift (B, O) or None)`` of a dense layer with input mean
     ``mu`` (B, n): the guide's loading ``Σ_i F_f[o, i]·μ_i + F_b,f[o]`` (:func:`~.guide.dense_injection`), what
     the mean-field variance counted of it as independent (:func:`~.guide.dense_guide_variance`) and the mean of
-    the product of the weights' and the input's guide noise (:func:`~.guide.dense_mean_shift`)."""
+    the product of the weights' and the input's guide noise (:func:`~.guide.dense_mean_shift`); ``counted`` less
+    that product's variance (:func:`~.guide.dense_product_variance`)."""
     guide = (wf if wf is not None else bf).shape[-1]  # type: ignore[union-attr]
     inj: Sym | None = None
     counted: Sym | None = None
     shift: Sym | None = None
+    product: Sym | None = None
     if wf is not None:
         o, n = wf.shape[:2]
         inj = step.einsum("bi,oif->bof", mu, step.t(wf, "guide_w"))
@@ -42,7 +44,11 @@ def dense_terms(step: OnnxSharedStep, mu: Sym, sh: OnnxShared | None, rows: int,
             s = step.view_as(sh.s, rows, n // rows)
             second = second + step.view_as(s * s * share, n)
             shift = step.einsum("brq,brf,orqf->bo", s, gg, step.t(wf.reshape(o, rows, n // rows, guide), "guide_w"))
+            a = step.einsum("brq,brh,orqf->bofh", s, gg, step.t(wf.reshape(o, rows, n // rows, guide), "guide_w"))
+            product = step.rsum(a * a + a * a.nary("Transpose", perm=[0, 1, 3, 2]), [2, 3])
         counted = second.nary("MatMul", step.t((wf**2).sum(-1).T, "guide_w2_t"))
+        if product is not None:
+            counted = counted - step.view_as(product, o)
     if bf is not None:
         bias = step.view_as(step.t(bf, "guide_b"), bf.shape[0], guide)
         inj = bias if inj is None else inj + bias

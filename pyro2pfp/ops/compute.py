@@ -30,7 +30,13 @@ from ..backends.reference import Activation
 from ..backends.reference.arrays import conv2d_nchw, conv_views, tap_product
 from ..correlation import guide_onnx
 from ..correlation.factors import ComputeFactors, FactorPlan, weight_var
-from ..correlation.guide import conv_pooled_injection, dense_guide_variance, dense_injection, guide_tensors
+from ..correlation.guide import (
+    conv_pooled_injection,
+    dense_guide_variance,
+    dense_injection,
+    dense_product_variance,
+    guide_tensors,
+)
 from ..correlation.onnx_step import OnnxShared, OnnxSharedStep
 from ..correlation.shared import Shared, normalised, safe_div, spatial_mean
 from ..planning.converters import Alias, register
@@ -387,6 +393,8 @@ def dense_shared(layer: PlannedLayer, inputs: list[Activation], shared: list[Sha
         loading += injected
         coherent = coherent + dense_guide_variance(x.mean, None if sh is None else sh.s,
                                                    None if sh is None else sh.g, wf, bf, fp.guide)
+        if sh is not None and wf is not None:  # the product of the weights' and the input's guide noise
+            coherent = coherent - dense_product_variance(sh.s, sh.g, wf, wf.shape[-1])
     if sh is not None or injected is not None:
         var = np.maximum(var + (loading**2).sum(axis=2) - coherent, 0.0)
     if offset is not None:
