@@ -76,9 +76,8 @@ def test_the_factor_is_too_ill_conditioned_to_whiten_in_full(ill_conditioned):
 
 def test_a_correct_read_passes_and_wrong_reads_fail(ill_conditioned):
     guide, read, args = ill_conditioned
-    for seed in range(3):
-        pyro.set_rng_seed(seed)
-        check_posterior(guide, read, args)
+    pyro.set_rng_seed(0)
+    check_posterior(guide, read, args)  # 64 samples of 291 dimensions, whitened
     with pytest.raises(pyro2pfp.PosteriorError, match="whitened"):
         check_posterior(guide, {s: (m + 0.2 * np.sqrt(v), v) for s, (m, v) in read.items()}, args)
     with pytest.raises(pyro2pfp.PosteriorError, match="marginal variances"):
