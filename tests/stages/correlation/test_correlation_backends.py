@@ -117,6 +117,7 @@ def every_rule_static_batch(every_rule):
     threads.  Every kernel of both must take its default schedule: a schedule that fails soft is a
     failure here."""
     from pyro2pfp.backends.tvm import build as build_module
+    from pyro2pfp.backends.tvm import runtime as runtime_module
 
     _, _, net = every_rule
     pools: list[build_module.KernelPool] = []
@@ -127,7 +128,8 @@ def every_rule_static_batch(every_rule):
             pools.append(self)
 
     with pytest.MonkeyPatch.context() as patch, warnings.catch_warnings():
-        patch.setattr(build_module, "KernelPool", Spy)
+        patch.setattr(build_module, "KernelPool", Spy)  # build() makes the static batch's pool
+        patch.setattr(runtime_module, "KernelPool", Spy)  # build_network() makes the any-batch one
         patch.setenv("PYRO2PFP_BUILD_JOBS", "2")
         warnings.simplefilter("error", RuntimeWarning)
         return net.compile("native", batch_sizes=[3]), pools
