@@ -14,8 +14,14 @@ mean-field moments (computed with the marginal variance ``V = d² + Σ_f F_f²``
   ``v += ‖ℓ‖² − Σ_i W²·s² − Σ_i (Σ_f F_f²)[o, i]·(μ_i² + s_i²·|g_i|²_guide) − Σ_f F_b,f²``: the
   coherent loading in place of the mean-field terms that counted the same noise as independent
   (``(Σ_f F_f²)·μ²``: the guide part of ``V·μ²``; ``·s²``: the product of the weights' and the
-  input's guide noise, a second-order term with mean ``Σ_i F[o, i]·ℓ_in[i]`` -- see
-  :func:`mean_shift` -- that the closure does not carry as a factor);
+  input's guide noise counted as independent per weight), plus that product's own variance: it is the
+  quadratic form ``zᵀA_o z`` with ``A_o = Σ_i F[o, i]ᵀ·ℓ_in[i]`` (guide × guide; row ``f`` the weights'
+  loading on ``z_f``, column ``h`` the input's on ``z_h``), whose mean is ``tr A_o`` (the mean shift,
+  :func:`mean_shift`) and whose variance is ``2‖(A_o + A_oᵀ)/2‖²_F`` (Isserlis' theorem; it is
+  uncorrelated with the terms linear in ``z``, odd moments of ``z`` vanishing) -- the closure does not
+  carry it as a factor, it joins the independent variance (:func:`dense_terms`).  Counting it
+  per weight instead (``Σ_i |F[o, i]|²·|ℓ_in[i]|²``) misses that every weight's noise meets its input's
+  through the same factors: the logits of a trained full-covariance MLP lose half their variance;
 * conv2d: the pooled loading ``ℓ[o, f] += Σ_{c,k} F_f[o, c, k]·m̄μ_k[c] + F_b,f[o]`` and the profile
   ``s[o, p] += Σ_{c,k} G[o, c, k]·μ[c, p + k] + Σ_f g[o, f]·F_b,f[o]`` with ``G = Σ_f g[o, f]·F_f[o]``
   (the exact covariance of ``out[o, p]`` with the channel's normal ``η_o`` from the guide's part);
@@ -59,7 +65,8 @@ def dense_terms(bk: Any, mu: Any, sh: Shared | None, rows: int, wf: np.ndarray |
     """``(injection (B, O, K), counted (B, O))`` of a dense layer with input mean ``mu`` (B, n): the guide's
     loading ``Σ_i F_f[o, i]·μ_i + F_b,f[o]`` (its columns first, zeros up to ``K``) and what the mean-field
     variance counted of the guide's noise as independent (to subtract, module docstring): ``Σ_i (Σ_f F_f²)[o, i]·
-    (μ_i² + s_i²·|g_i[:guide]|²) + Σ_f F_b,f²``."""
+    (μ_i² + s_i²·|g_i[:guide]|²) + Σ_f F_b,f²``, less the variance of the product of the weights' and the input's
+    guide noise (:func:`product_variance`)."""
     guide = (wf if wf is not None else bf).shape[-1]  # type: ignore[union-attr]
     inj: Any = None
     counted: Any = None
@@ -73,12 +80,24 @@ def dense_terms(bk: Any, mu: Any, sh: Shared | None, rows: int, wf: np.ndarray |
             s = bk.reshape(sh.s, (rows, n // rows))
             second = second + bk.reshape(s * s * share, (n,))
         counted = bk.dense(second, (wf**2).sum(-1), "guide_w2")
+        if sh is not None:  # less the variance of the product of the weights' and the input's guide noise
+            counted = counted - product_variance(bk, s, gg, wf, rows)
     if bf is not None:
         bias = bk.tensor(bf, "guide_b")
         inj = bias + batch_zeros(bk, mu, 2) if inj is None else inj + bias
         bias_sq = bk.tensor((bf**2).sum(-1), "guide_b2")
         counted = bias_sq + batch_zeros(bk, mu, 1) if counted is None else counted + bias_sq
     return bk.widened(inj, guide, k), counted
+
+
+def product_variance(bk: Any, s: Any, gg: Any, wf: np.ndarray, rows: int) -> Any:
+    """``Var(zᵀA_o z) = 2‖(A_o + A_oᵀ)/2‖²_F = Σ_{f,h} A[f, h]·(A[f, h] + A[h, f])`` (B, O) with ``A_o[f, h] =
+    Σ_i F_f[o, i]·ℓ_in[i, h]`` (guide × guide): the variance of the product of the weights' and the input's guide
+    noise (Isserlis' theorem, module docstring); ``s`` (B, rows, n/rows) the input's profile, ``gg`` (B, rows,
+    guide) its loadings' guide columns."""
+    o, n, guide = wf.shape
+    a = bk.einsum("brq,brh,orqf->bofh", s, gg, bk.tensor(wf.reshape(o, rows, n // rows, guide), "guide_w"))
+    return bk.einsum("bofh,bofh->bo", a, a) + bk.einsum("bofh,bohf->bo", a, a)
 
 
 def conv_injection(bk: Any, mbar: list[Any], wf: np.ndarray | None, bf: np.ndarray | None, k: int) -> Any:

@@ -41,15 +41,15 @@ def dense_cost(layer: PlannedLayer, fp: FactorPlan, k_in: int) -> tuple[int, int
 def _guide_macs(layer: PlannedLayer, fp: FactorPlan, k_in: int, macs: int, size: int, dense: bool) -> int:
     """The multiply-adds a compute layer spends on a correlated guide's factors
     (:mod:`pyro2pfp.correlation.guide`): dense -- the injection ``F·μ`` (``|W|·k``), the mean shift
-    ``Σ F·ℓ_in`` (``|W|·k``, with an input that loads on them) and the mean-field part removed from the
-    variance (``|W|``); conv2d -- the pooled injection and the per-input filter ``G = Σ_f g·F_f``
-    (``2·|W|·k``), the profile ``conv(μ, G)`` (one convolution) and the mean shift (one convolution and
-    ``|W|·k``)."""
+    ``Σ F·ℓ_in`` (``|W|·k``) and the product's variance ``2‖sym A‖²`` (``|W|·k²``), both with an input that
+    loads on them, and the mean-field part removed from the variance (``|W|``); conv2d -- the pooled injection
+    and the per-input filter ``G = Σ_f g·F_f`` (``2·|W|·k``), the profile ``conv(μ, G)`` (one convolution) and
+    the mean shift (one convolution and ``|W|·k``)."""
     wf = layer.tensors.get("weight_factors") if getattr(fp, "guide", 0) else None
     if wf is None:
         return 0
     guide = int(wf.shape[-1])
     has_in = k_in > 0
     if dense:
-        return size * guide * (2 if has_in else 1) + size
+        return size * guide * ((2 + guide) if has_in else 1) + size
     return 2 * size * guide + macs + ((macs + size * guide) if has_in else 0)

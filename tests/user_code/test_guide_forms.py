@@ -6,12 +6,15 @@ agree with the reference to float32 rounding.
 
 Bounds: the Monte Carlo truth has ``MC_SAMPLES`` = 2,000 samples, so a logit mean's standard error is
 ``sd/√2000 = 0.022 sd``.  The mean: median ``|error|/sd ≤ 0.1 + 3·0.022`` (the target 0.1 sd plus three
-standard errors), and below mean-field's.  The variance: these briefly trained nets have wide posteriors
-(logit sd about as large as the logit mean), where the dense layers that read noisy inputs lose a quarter to a
-third of the logit variance or more (median ratio 0.70 for the low-rank MLP when this test was written; the
-target [0.9, 1.1] is met by the benchmark's MLP, ``benchmarks/correlated_guides.py``, not by these): the median
-ratio must be closer to 1 than mean-field's (on a log scale) and above 0.55 -- an expected failure where
-measured short (``VARIANCE_SHORT``).
+standard errors), and below mean-field's.  The variance: a sampled variance's relative standard error is
+``√((κ − 1)/N)`` with ``κ`` the logit's kurtosis (saved with the truth: these wide posteriors give heavy-tailed
+logits, the full covariance's a median ``κ`` near 30, so 0.12 at 2,000 samples where a Gaussian's would be 0.03).
+These briefly trained nets lose variance in the layers that read noisy inputs (median ratio 0.77 for the low-rank
+MLP against its 2,000 samples; 0.60 for the full covariance and 0.66 for the CNN in separate runs of 20,000 and
+2,000 samples, when this test was written; the target [0.9, 1.1] is met by the benchmark's MLP,
+``benchmarks/correlated_guides.py``, not by these): the ratio
+must be closer to 1 than mean-field's (on a log scale; both share the truth, so its sampling error mostly
+cancels) and above 0.55 within three of its standard errors.
 """
 from __future__ import annotations
 
@@ -47,21 +50,14 @@ def test_auto_carries_the_guides_factors_and_holds_the_mean(name, converted):
     assert err <= 0.1 + 3 * MEAN_SE and err < mf_err, (err, mf_err)
 
 
-# measured when this test was written (median variance ratio, the guide's factors / mean-field): the CNN 0.62 /
-# 0.62 (the factors do not reach the conv layers' variance: their product terms and the correlations inside a
-# receptive field are not carried), the full covariance 0.30 / 0.47 (its top 32 of 1,443 directions)
-VARIANCE_SHORT = {"lowrank-cnn", "mvn-mlp"}
-
-
-@pytest.mark.parametrize("name", [pytest.param(n, marks=pytest.mark.xfail(
-    strict=True, reason="the guide's factors do not bring this net's logit variance closer to sampling"))
-    if n in VARIANCE_SHORT else n for n in forms.ENTRIES])
+@pytest.mark.parametrize("name", forms.ENTRIES)
 def test_the_guides_factors_bring_the_variance_closer_to_sampling(name, converted):
     truth = np.load(converted / f"{name}-truth.npz")
     pfp = np.load(converted / f"{name}-pfp.npz")
     ratio = np.median(pfp["var"] / truth["var"])
     mf_ratio = np.median(pfp["mf_var"] / truth["var"])
-    assert abs(np.log(ratio)) < abs(np.log(mf_ratio)) and ratio > 0.55, (ratio, mf_ratio)
+    se = np.median(np.sqrt((truth["kurtosis"] - 1) / forms.MC_SAMPLES))  # the sampled variance's relative error
+    assert abs(np.log(ratio)) < abs(np.log(mf_ratio)) and ratio * (1 + 3 * se) > 0.55, (ratio, mf_ratio, se)
 
 
 @pytest.mark.parametrize("name", forms.ENTRIES)

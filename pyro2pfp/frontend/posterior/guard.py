@@ -16,7 +16,8 @@ which runs the guide, so its parameters are the param store's) and tests it agai
 * correlated Gaussian guides (``AutoMultivariateNormal``, ``AutoLowRankMultivariateNormal``,
   ``AutoLaplaceApproximation``): the flat latent sample is whitened with the guide's own covariance
   around the mean that was read: ``d² = (z − mean)ᵀ Σ⁻¹ (z − mean) = −2 (log p(z) − log p(mean))`` is
-  χ²(n); the marginal variances that were read must equal ``diag Σ``.
+  χ²(n) (a full covariance: over the principal directions the float32 sample's rounding cannot reach,
+  :func:`resolved_whitening`); the marginal variances that were read must equal ``diag Σ``.
 * entries read with variance 0 (deterministic: a scale of exactly 0, a ``Delta``) must be sampled
   exactly at their mean, and entries whose sd float32 cannot resolve (below ``1e-5·|mean|`` or below
   float32's smallest normal number, e.g. scales of 1e-30) within ``k`` sd plus float32's rounding of
@@ -148,9 +149,10 @@ def _correlated_latent(guide: Any, trace: Any) -> dict | None:
 
 
 def _check_correlated(guide: Any, node: dict, posterior: dict[str, SitePosterior],
-                      whitened: list[tuple[float, int]]) -> list[str]:
+                      whitened: list[tuple[float, int]], cache: dict) -> list[str]:
     """The read marginal variances against the guide's covariance; appends the squared whitened
-    residual of the flat latent around the read means (and its size) to ``whitened``."""
+    residual of the flat latent around the read means (and its size) to ``whitened`` (a full covariance:
+    :func:`resolved_whitening`, whose decomposition ``cache`` keeps between samples)."""
     fn = node["fn"]
     z = node["value"].detach().to(torch.float64)
     sites = [site["name"] for site, _ in guide._unpack_latent(z)]
@@ -175,17 +177,39 @@ def _check_correlated(guide: Any, node: dict, posterior: dict[str, SitePosterior
     n = int(keep.sum())
     if n == 0:
         return failures
-    gaussian: torch.distributions.Distribution
     if low_rank:
         gaussian = torch.distributions.LowRankMultivariateNormal(
             loc[keep], fn.cov_factor.detach().to(torch.float64)[keep], cov_diag[keep])
-    elif bool(keep.all()):
-        gaussian = torch.distributions.MultivariateNormal(loc, scale_tril=fn.scale_tril.detach().to(torch.float64))
+        whitened.append((float(-2.0 * (gaussian.log_prob(z[keep]) - gaussian.log_prob(loc[keep]))), n))
     else:
-        rows = fn.scale_tril.detach().to(torch.float64)[keep]
-        gaussian = torch.distributions.MultivariateNormal(loc[keep], covariance_matrix=rows @ rows.T)
-    whitened.append((float(-2.0 * (gaussian.log_prob(z[keep]) - gaussian.log_prob(loc[keep]))), n))
+        whitened.append(resolved_whitening(z[keep] - loc[keep], fn.scale_tril.detach()[keep], loc[keep], cache))
     return failures
+
+
+def resolved_whitening(residual: torch.Tensor, rows: torch.Tensor, mean: torch.Tensor, cache: dict
+                       ) -> tuple[float, int]:
+    """``(d², m)``: the squared whitened ``residual`` (float64) of a sample ``mean + rows·ε`` drawn in float32
+    (``Σ = rows·rowsᵀ``), over the ``m`` principal directions of ``Σ`` that its float32 rounding cannot reach.
+    A trained full covariance is ill-conditioned (a unit-lower-triangular factor over 1,443 dimensions:
+    eigenvalues from 1e4 down to 1e-29), and whitening along a direction of sd ``σ_j`` divides the sample's
+    rounding error ``δ`` by ``σ_j``: whitened over all directions, a correct sample's mean square is 1e23,
+    not 1.  Along the directions ``u_j`` with ``σ_j ≥ 100·‖δ‖`` -- ``‖δ‖`` taken as ten times the rounding
+    of the same float32 product measured on a fixed probe, plus float32's rounding of a sample's size
+    (``‖mean‖ + 3·‖rows‖_F``) -- ``u_jᵀ(value − mean)/σ_j`` are i.i.d. N(0, 1) up to 0.01 (a Gaussian's
+    projection on orthonormal directions), so ``d²`` is χ²(m) for a right posterior.  The eigenvectors of
+    ``Σ`` (float64; their eigenvalues' rounding, ``1e-16·λ_max``, is far below the threshold) are computed
+    once per guide (``cache``)."""
+    if "whiten" not in cache:
+        rows64 = rows.to(torch.float64)
+        probe = torch.randn(rows.shape[1], generator=torch.Generator().manual_seed(0), dtype=torch.float64)
+        rounding = float(torch.linalg.vector_norm((rows @ probe.to(rows.dtype)).to(torch.float64) - rows64 @ probe))
+        size = float(torch.linalg.vector_norm(mean.to(torch.float64)) + 3 * torch.linalg.matrix_norm(rows64))
+        eig, u = torch.linalg.eigh(rows64 @ rows64.T)  # faster than the SVD of rows
+        sd = eig.clamp(min=0.0).sqrt()
+        use = sd >= 100 * (10 * rounding + _FLOAT32_EPS * size)
+        cache["whiten"] = u[:, use].T / sd[use, None]
+    y = cache["whiten"] @ residual
+    return float(y @ y), int(y.numel())
 
 
 def stale_parameters(guide: Any) -> list[str]:
@@ -224,6 +248,7 @@ def check_posterior(guide: Any, posterior: dict[str, SitePosterior], example_arg
     k = float(stats.norm.isf(ALPHA / 2 / max(unresolved, 1)))
     residuals: dict[str, list[np.ndarray]] = {name: [] for name in posterior}
     whitened: list[tuple[float, int]] = []
+    cache: dict = {}
     for _ in range(num_samples_for(n)):
         trace = _sample_guide(guide, example_args, singular_ok=unresolved > 0 and isinstance(guide, PyroModule))
         if trace is None:  # a singular covariance (scales of 0): the parameters were checked above
@@ -244,7 +269,7 @@ def check_posterior(guide: Any, posterior: dict[str, SitePosterior], example_arg
             residuals[name].append(((z - loc)[fine] / np.sqrt(var[fine])).ravel())
         correlated = _correlated_latent(guide, trace)
         if correlated is not None:
-            failures += _check_correlated(guide, correlated, posterior, whitened)
+            failures += _check_correlated(guide, correlated, posterior, whitened, cache)
         if failures:
             break
     if whitened:

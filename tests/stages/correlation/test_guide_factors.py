@@ -92,6 +92,72 @@ def test_a_dense_layer_under_a_correlated_guide_is_exact(guide_cls, kwargs):
     np.testing.assert_allclose(mf_mean, exact_mean, rtol=1e-9, atol=1e-9)
 
 
+class TwoLinear(PyroModule):
+    """Two Bayesian linear layers without an activation between them: the logits are a quadratic form of the
+    Gaussian latent, whose mean and variance are known exactly."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc1, self.fc2 = OneLayer(5, 4).fc, OneLayer(4, 3).fc
+
+    def forward(self, x, y=None):
+        logits = self.fc2(self.fc1(x))
+        with pyro.plate("data", x.shape[0]):
+            pyro.sample("obs", dist.Categorical(logits=logits), obs=y)
+        return logits
+
+
+def _exact_quadratic_moments(guide, x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """``a = W2 (W1 x + b1) + b2 = θᵀQθ + cᵀθ`` over the latent ``θ ~ N(m, Σ)``: mean ``tr(QΣ) + mᵀQm + cᵀm``,
+    variance ``2 tr((QΣ)²) + (2Qm + c)ᵀ Σ (2Qm + c)`` (Q symmetric)."""
+    post = guide.get_posterior()
+    m = post.loc.detach().double().numpy()
+    cov = post.covariance_matrix.detach().double().numpy()
+    index = {site["name"]: v.long().numpy() for site, v in
+             guide._unpack_latent(torch.arange(m.size, dtype=torch.float64))}
+    w1, b1, w2, b2 = (index[n] for n in ("fc1.weight", "fc1.bias", "fc2.weight", "fc2.bias"))
+    means, variances = [], []
+    for xi in x:
+        mean_row, var_row = [], []
+        for o in range(3):
+            q, c = np.zeros((m.size, m.size)), np.zeros(m.size)
+            for j in range(4):
+                for i in range(5):
+                    q[w2[o, j], w1[j, i]] += xi[i] / 2
+                q[w2[o, j], b1[j]] += 0.5
+            q, c[b2[o]] = q + q.T, 1.0
+            lin = 2 * q @ m + c
+            mean_row.append(np.trace(q @ cov) + m @ q @ m + c @ m)
+            var_row.append(2 * np.trace(q @ cov @ q @ cov) + lin @ cov @ lin)
+        means.append(mean_row)
+        variances.append(var_row)
+    return np.array(means), np.array(variances)
+
+
+def test_the_product_of_two_layers_guide_noise_is_exact():
+    """Dense → dense under a low-rank guide: the second layer multiplies its weights' guide noise by its input's
+    (the same factors), a product whose mean and variance the rule adds -- exact here, in every back end."""
+    from tests.support.backends import ONNX_RTOL, RTOL, assert_matches, onnx_run
+
+    pyro.clear_param_store()
+    pyro.set_rng_seed(3)
+    model = TwoLinear()
+    guide = AutoLowRankMultivariateNormal(model, rank=2)
+    guide(torch.randn(4, 5), torch.zeros(4, dtype=torch.long))
+    with torch.no_grad():
+        guide.loc.copy_(torch.randn_like(guide.loc))
+        guide.cov_factor.copy_(0.7 * torch.randn_like(guide.cov_factor))
+    net = pyro2pfp.convert(model, guide, input_shape=(5,))
+    assert net.plan.factors is not None and net.plan.factors.guide == 2
+    x = np.random.default_rng(1).standard_normal((6, 5)).astype(np.float32)
+    mean, var = net.reference(x)
+    exact_mean, exact_var = _exact_quadratic_moments(guide, x.astype(np.float64))
+    np.testing.assert_allclose(mean, exact_mean, rtol=1e-5, atol=1e-6 * np.abs(exact_mean).max())
+    np.testing.assert_allclose(var, exact_var, rtol=1e-5)  # the truth from the guide's float32 covariance
+    assert_matches(onnx_run(net, x), (mean, var), ONNX_RTOL)
+    assert_matches(tuple(np.asarray(a) for a in net.compile()(x)), (mean, var), RTOL)
+
+
 def test_lowrank_loadings_are_the_guides_factor_and_the_summary_says_so():
     model, guide = _trained_like(AutoLowRankMultivariateNormal, rank=2)
     with warnings.catch_warnings():

@@ -465,6 +465,16 @@ def dense_shared_kernel(step: SharedStep, ctx: EmitContext, layer: PlannedLayer,
             i3 = te.reduce_axis((0, n), name="i3")
             gcount = te.compute((batch, o), lambda b, oo: te.sum(wf2[oo, i3] * second[b, i3], axis=i3),
                                 name="guide_counted")
+            if s is not None and g_in is not None:  # less the variance of the product of the weights' and the
+                # input's guide noise, 2‖sym A‖² with A[f, h] = Σ_i F_f[o, i]·s_i·g_in[i, h] (correlation/guide.py)
+                i5 = te.reduce_axis((0, n), name="i5")
+                amat = te.compute((batch, o, guide, guide), lambda b, oo, f, h: te.sum(
+                    wft[oo, i5, f] * s[b, i5] * g_in[b, tirx.floordiv(i5, group), h], axis=i5), name="guide_product")
+                f5, h5 = te.reduce_axis((0, guide), name="f5"), te.reduce_axis((0, guide), name="h5")
+                pvar = te.compute((batch, o), lambda b, oo: te.sum(amat[b, oo, f5, h5] * (
+                    amat[b, oo, f5, h5] + amat[b, oo, h5, f5]), axis=[f5, h5]), name="guide_product_var")
+                gross = gcount
+                gcount = te.compute((batch, o), lambda b, oo: gross[b, oo] - pvar[b, oo], name="guide_counted_net")
             before = counted
             counted = te.compute((batch, o), lambda b, oo: gcount[b, oo] + bf2[oo] + (
                 before[b, oo] if before is not None else f32(0.0)), name="counted")
