@@ -397,6 +397,52 @@ def rescaled_root(noise: te.Tensor, b: Any, o: Any, y: Any, x: Any) -> Any:
     return te.sqrt(te.max(noise[b, o, y, x], f32(0.0)))
 
 
+def _guide_terms(mu: te.Tensor, s: te.Tensor | None, g_in: te.Tensor | None, wft: te.Tensor, bft: te.Tensor,
+                 wf2: te.Tensor, bf2: te.Tensor, counted: te.Tensor | None, prop: te.Tensor | None,
+                 dims: tuple[Any, int, int, int, int, int, int]) -> tuple[te.Tensor, te.Tensor]:
+    """A correlated guide's terms of ``sf_dense_load`` (:mod:`pyro2pfp.correlation.guide`): ``counted`` plus
+    what the mean-field variance counted of the guide's noise (less the variance of the product of the weights'
+    and the input's guide noise), and ``prop`` with the guide's loadings through the input mean appended.
+    ``dims``: (batch, O, n, K, guide, rows, group)."""
+    batch, o, n, k, guide, rows, group = dims
+    ig = te.reduce_axis((0, n), name="ig")
+    gsum = te.compute((batch, o, guide), lambda b, oo, f: te.sum(wft[oo, ig, f] * mu[b, ig], axis=ig),
+                      name="guide_through_mean")
+    ginj = te.compute((batch, o, guide), lambda b, oo, f: gsum[b, oo, f] + bft[oo, f], name="guide_injection")
+    if s is not None and g_in is not None:
+        fg = te.reduce_axis((0, guide), name="fg")
+        share = te.compute((batch, rows), lambda b, r: te.sum(g_in[b, r, fg] * g_in[b, r, fg], axis=fg),
+                           name="guide_share")
+        second = te.compute((batch, n), lambda b, ii: mu[b, ii] * mu[b, ii]
+                            + s[b, ii] * s[b, ii] * share[b, tirx.floordiv(ii, group)], name="guide_second")
+    else:
+        second = te.compute((batch, n), lambda b, ii: mu[b, ii] * mu[b, ii], name="guide_second")
+    i3 = te.reduce_axis((0, n), name="i3")
+    gcount = te.compute((batch, o), lambda b, oo: te.sum(wf2[oo, i3] * second[b, i3], axis=i3),
+                        name="guide_counted")
+    if s is not None and g_in is not None:  # less the variance of the product of the weights' and the
+        # input's guide noise, 2‖sym A‖² with A[f, h] = Σ_i F_f[o, i]·s_i·g_in[i, h] (correlation/guide.py)
+        i5 = te.reduce_axis((0, n), name="i5")
+        amat = te.compute((batch, o, guide, guide), lambda b, oo, f, h: te.sum(
+            wft[oo, i5, f] * s[b, i5] * g_in[b, tirx.floordiv(i5, group), h], axis=i5), name="guide_product")
+        f5, h5 = te.reduce_axis((0, guide), name="f5"), te.reduce_axis((0, guide), name="h5")
+        pvar = te.compute((batch, o), lambda b, oo: te.sum(amat[b, oo, f5, h5] * (
+            amat[b, oo, f5, h5] + amat[b, oo, h5, f5]), axis=[f5, h5]), name="guide_product_var")
+        gross = gcount
+        gcount = te.compute((batch, o), lambda b, oo: gross[b, oo] - pvar[b, oo], name="guide_counted_net")
+    before = counted
+    counted = te.compute((batch, o), lambda b, oo: gcount[b, oo] + bf2[oo] + (
+        before[b, oo] if before is not None else f32(0.0)), name="counted")
+    base = prop
+
+    def with_guide(b: Any, oo: Any, f: Any) -> Any:
+        value = tirx.Select(f < guide, ginj[b, oo, te.min(f, guide - 1)], f32(0.0))
+        return value if base is None else base[b, oo, f] + value
+
+    prop = te.compute((batch, o, k), with_guide, name="prop_guide")
+    return counted, prop
+
+
 @shared_kernel('dense')
 def dense_shared_kernel(step: SharedStep, ctx: EmitContext, layer: PlannedLayer, inputs: list[RelaxActivation],
                         shared: list[SharedRelax | None], out: RelaxActivation
@@ -450,41 +496,8 @@ def dense_shared_kernel(step: SharedStep, ctx: EmitContext, layer: PlannedLayer,
             prop = te.compute((batch, o, k), lambda b, oo, f: te.sum(coef[b, oo, r2] * gw[b, r2, f], axis=r2),
                               name="prop")
         if wft is not None and bft is not None and wf2 is not None and bf2 is not None:
-            ig = te.reduce_axis((0, n), name="ig")
-            gsum = te.compute((batch, o, guide), lambda b, oo, f: te.sum(wft[oo, ig, f] * mu[b, ig], axis=ig),
-                              name="guide_through_mean")
-            ginj = te.compute((batch, o, guide), lambda b, oo, f: gsum[b, oo, f] + bft[oo, f], name="guide_injection")
-            if s is not None and g_in is not None:
-                fg = te.reduce_axis((0, guide), name="fg")
-                share = te.compute((batch, rows), lambda b, r: te.sum(g_in[b, r, fg] * g_in[b, r, fg], axis=fg),
-                                   name="guide_share")
-                second = te.compute((batch, n), lambda b, ii: mu[b, ii] * mu[b, ii]
-                                    + s[b, ii] * s[b, ii] * share[b, tirx.floordiv(ii, group)], name="guide_second")
-            else:
-                second = te.compute((batch, n), lambda b, ii: mu[b, ii] * mu[b, ii], name="guide_second")
-            i3 = te.reduce_axis((0, n), name="i3")
-            gcount = te.compute((batch, o), lambda b, oo: te.sum(wf2[oo, i3] * second[b, i3], axis=i3),
-                                name="guide_counted")
-            if s is not None and g_in is not None:  # less the variance of the product of the weights' and the
-                # input's guide noise, 2‖sym A‖² with A[f, h] = Σ_i F_f[o, i]·s_i·g_in[i, h] (correlation/guide.py)
-                i5 = te.reduce_axis((0, n), name="i5")
-                amat = te.compute((batch, o, guide, guide), lambda b, oo, f, h: te.sum(
-                    wft[oo, i5, f] * s[b, i5] * g_in[b, tirx.floordiv(i5, group), h], axis=i5), name="guide_product")
-                f5, h5 = te.reduce_axis((0, guide), name="f5"), te.reduce_axis((0, guide), name="h5")
-                pvar = te.compute((batch, o), lambda b, oo: te.sum(amat[b, oo, f5, h5] * (
-                    amat[b, oo, f5, h5] + amat[b, oo, h5, f5]), axis=[f5, h5]), name="guide_product_var")
-                gross = gcount
-                gcount = te.compute((batch, o), lambda b, oo: gross[b, oo] - pvar[b, oo], name="guide_counted_net")
-            before = counted
-            counted = te.compute((batch, o), lambda b, oo: gcount[b, oo] + bf2[oo] + (
-                before[b, oo] if before is not None else f32(0.0)), name="counted")
-            base = prop
-
-            def with_guide(b: Any, oo: Any, f: Any) -> Any:
-                value = tirx.Select(f < guide, ginj[b, oo, te.min(f, guide - 1)], f32(0.0))
-                return value if base is None else base[b, oo, f] + value
-
-            prop = te.compute((batch, o, k), with_guide, name="prop_guide")
+            counted, prop = _guide_terms(mu, s, g_in, wft, bft, wf2, bf2, counted, prop,
+                                         (batch, o, n, k, guide, rows, group))
         if prop is not None and counted is not None:
             f2 = te.reduce_axis((0, k), name="f2")
             pn = te.compute((batch, o), lambda b, oo: te.sum(prop[b, oo, f2] * prop[b, oo, f2], axis=f2), name="pn")
