@@ -8,35 +8,17 @@ from __future__ import annotations
 
 import numpy as np
 import pyro
-import pyro.distributions as dist
 import pytest
 import torch
-import torch.nn as nn
 from pyro.distributions import constraints
 from pyro.infer.autoguide import AutoMultivariateNormal
-from pyro.nn import PyroModule, PyroSample
 
 import pyro2pfp
 from pyro2pfp.frontend.posterior import check_posterior
+from tests.support.lifecycle_worker import CLASSES, D_IN, HIDDEN
+from tests.support.lifecycle_worker import TutorialMLP as _MLP
 
-D_IN, HIDDEN, CLASSES = 8, 24, 3  # 291 latent dimensions
-
-
-class _MLP(PyroModule):
-    def __init__(self) -> None:
-        super().__init__()
-        self.fc1 = PyroModule[nn.Linear](D_IN, HIDDEN)
-        self.fc1.weight = PyroSample(dist.Normal(0.0, 1.0).expand([HIDDEN, D_IN]).to_event(2))
-        self.fc1.bias = PyroSample(dist.Normal(0.0, 1.0).expand([HIDDEN]).to_event(1))
-        self.out = PyroModule[nn.Linear](HIDDEN, CLASSES)
-        self.out.weight = PyroSample(dist.Normal(0.0, 1.0).expand([CLASSES, HIDDEN]).to_event(2))
-        self.out.bias = PyroSample(dist.Normal(0.0, 1.0).expand([CLASSES]).to_event(1))
-
-    def forward(self, x, y=None):
-        logits = self.out(torch.relu(self.fc1(x)))
-        with pyro.plate("data", x.shape[0]):
-            pyro.sample("obs", dist.Categorical(logits=logits), obs=y)
-        return logits
+# the Pyro tutorial's MLP (8 -> 24 -> 3): 291 latent dimensions
 
 
 @pytest.fixture
