@@ -53,14 +53,11 @@ def cost_model(graph: PlannedGraph, factors: FactorPlan | CompactPlan | None = N
         return _compact_cost(graph, fp)
     if not isinstance(fp, FactorPlan):  # another scheme's plan: the shared-factor plan of the same graph is costed
         fp = plan_factors(graph)
-    mf = extra = mf_floats = extra_floats = 0
+    mf, mf_floats = _mean_field_cost(graph)
+    extra = extra_floats = 0
     for layer in graph.layers:
-        shape = layer.layer.out_shape
-        n_out = int(np.prod(shape))
-        ins = layer.inputs
-        det_in = ins[0] == INPUT and graph.input_repr is Repr.DETERMINISTIC
-        mf_floats += 2 * n_out
-        k_in = max((fp.width.get(n, 0) for n in ins), default=0)
+        n_out = int(np.prod(layer.layer.out_shape))
+        k_in = max((fp.width.get(n, 0) for n in layer.inputs), default=0)
         k = fp.width[layer.name]
         rows = fp.rows[layer.name]
         if k:
@@ -69,22 +66,20 @@ def cost_model(graph: PlannedGraph, factors: FactorPlan | CompactPlan | None = N
             cost = OPS[layer.op].factor_spec.cost
             if cost is None:
                 raise PFPError(f"{layer.layer.source}: op '{layer.op}' has no cost model (FactorSpec.cost)")
-            macs, more = cost(layer, fp, k_in)
-            mf += macs * (2 if det_in else 3)
             if not k:
                 continue
-            extra += more
-        else:
-            mf += n_out
-            if k:
-                extra += 10 * n_out + 3 * rows * k
+            extra += cost(layer, fp, k_in)[1]
+        elif k:
+            extra += 10 * n_out + 3 * rows * k
         if layer.name in fp.compact_at:
             extra += 2 * rows * rows * k
     return Cost(mf, extra, mf_floats, extra_floats, max(fp.width.values(), default=0))
 
 
 def _mean_field_cost(graph: PlannedGraph) -> tuple[int, int]:
-    """The mean-field multiply-adds and stored floats per input (:func:`cost_model`'s rules)."""
+    """The mean-field multiply-adds and stored floats per input (:func:`cost_model`'s rules: every compute layer
+    its output positions that share weights times its size, 3 products -- 2 for a deterministic input; every
+    other layer its elements; two floats per element)."""
     mf = floats = 0
     for layer in graph.layers:
         n_out = int(np.prod(layer.layer.out_shape))
