@@ -89,9 +89,16 @@ class TensorAlgebra(Protocol):
         """The strided view of ``t`` (B, C, H, W) at every kernel offset, padded by ``begin``/``end`` of ``fill``."""
         ...
 
+    def unfold(self, t: Any, channels: int, kernel: tuple[int, int], stride: tuple[int, int],
+               dilation: tuple[int, int], begin: tuple[int, int], end: tuple[int, int], out_hw: tuple[int, int],
+               fill: float) -> Any:
+        """``(B, C·KH·KW, OH·OW)``: the views of :meth:`taps` as rows, channel-major (row ``c·KH·KW + tap``)."""
+        ...
+
     def zeros_like(self, t: Any) -> Any:
         """Exact zeros of ``t``'s shape."""
         ...
+
 
 
 @dataclass(frozen=True)

@@ -55,9 +55,8 @@ def block_factor_loadings(bk: Any, layer: PlannedLayer, mean_in: Any, directions
     o, c, kh, kw = layer.tensors["weight_mean"].shape
     out_hw = tuple(layer.layer.out_shape[1:])
     p = int(np.prod(out_hw))
-    views = bk.taps(mean_in, (kh, kw), tuple(a["stride"]), tuple(a["dilation"]), tuple(a["padding"]),
-                    tuple(a["padding"]), out_hw, 0.0)
-    views = bk.rows(bk.concat([bk.reshape(v, (c, 1, p)) for v in views], 1), (c * kh * kw, p))   # (B, D, P)
+    views = bk.unfold(mean_in, c, (kh, kw), tuple(a["stride"]), tuple(a["dilation"]), tuple(a["padding"]),
+                      tuple(a["padding"]), out_hw, 0.0)                                              # (B, D, P)
     root_w, root_b = block_root(layer)
     omega = test_vectors(out_hw, directions)
     pooled = bk.einsum("bdp,pr->bdr", views, bk.tensor(omega, "test_vectors"))                   # (B, D, R)
@@ -75,8 +74,9 @@ def block_factor_loadings(bk: Any, layer: PlannedLayer, mean_in: Any, directions
                                                                           ops.const(1.0)), ops.const(0.0))
         q, qb = v * bk.reshape(inv, (o, 1)), vb * inv
         qs.append((q, qb))
-        weights = q * bk.tensor(root_w, "root_weight_var")                                          # (B, O, D)
-        loads.append(bk.einsum("bdp,bod->bop", views, weights)
+        weights = bk.permute(q * bk.tensor(root_w, "root_weight_var"), (0, 2, 1))                  # (B, D, O)
+        # positions × channels, channels contiguous (a compiled kernel's vectors), then (B, O, P)
+        loads.append(bk.permute(bk.einsum("bdp,bdo->bpo", views, weights), (0, 2, 1))
                      + bk.reshape(qb * bk.tensor(root_b, "root_bias_var"), (o, 1)))
     if directions == 1:
         return bk.reshape(loads[0], (o, p, 1))
@@ -171,8 +171,10 @@ def dense_compact(bk: TensorAlgebra, layer: PlannedLayer, inputs: list[Any], loa
             out.glob[key], out.glob_width[key] = bk.einsum("ji,bik->bjk", w, g), ld.glob_width[key]
         for key, blk in ld.block.items():
             c, p, r = ld.block_shape[key]
-            g = bk.reshape(bk.einsum("jcp,bcpr->bjcr", bk.tensor(wm.reshape(j, c, p), "weight_mean_by_channel"),
-                                     blk), (j, c * r))
+            # units contiguous (a compiled kernel's vectors: the weights as (C, P, J)), then (B, J, C·R)
+            by_channel = np.ascontiguousarray(wm.reshape(j, c, p).transpose(1, 2, 0))
+            g = bk.reshape(bk.permute(bk.einsum("cpj,bcpr->bcrj", bk.tensor(by_channel, "weight_mean_by_channel"),
+                                                blk), (0, 3, 1, 2)), (j, c * r))
             out.glob[key] = out.glob[key] + g if key in out.glob else g
             out.glob_width[key] = c * r
         explained = ld.explained(bk, i)

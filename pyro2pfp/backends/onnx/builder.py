@@ -340,6 +340,15 @@ class OnnxContext:
                                   self.b.ints([2, 3], "axes"), self.b.ints(list(stride), "steps")))
         return out
 
+    def unfold(self, t: Sym, channels: int, kernel: tuple[int, int], stride: tuple[int, int],
+               dilation: tuple[int, int], begin: tuple[int, int], end: tuple[int, int], out_hw: tuple[int, int],
+               fill: float) -> Sym:
+        """``(B, C·KH·KW, OH·OW)``: the views of :meth:`taps` as rows, channel-major (row ``c·KH·KW + tap``)."""
+        p = out_hw[0] * out_hw[1]
+        views = self.taps(t, kernel, stride, dilation, begin, end, out_hw, fill)
+        return self.rows(self.concat([self.rows(v, (channels, 1, p)) for v in views], 1),
+                         (channels * len(views), p))
+
     def zeros_like(self, t: Sym) -> Sym:
         """Exact zeros of ``t``'s (dynamic) shape (not ``0·t``, which is NaN where ``t`` is infinite)."""
         from onnx import TensorProto, helper

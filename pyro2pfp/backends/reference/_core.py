@@ -138,6 +138,14 @@ class NumpyBackend:
                    j * dilation[1]:j * dilation[1] + stride[1] * (ow - 1) + 1:stride[1]]
                 for i in range(kernel[0]) for j in range(kernel[1])]
 
+    @staticmethod
+    def unfold(t: np.ndarray, channels: int, kernel: tuple[int, int], stride: tuple[int, int],
+               dilation: tuple[int, int], begin: tuple[int, int], end: tuple[int, int], out_hw: tuple[int, int],
+               fill: float) -> np.ndarray:
+        """``(B, C·KH·KW, OH·OW)``: the views of :meth:`taps` as rows, channel-major (row ``c·KH·KW + tap``)."""
+        views = NumpyBackend.taps(t, kernel, stride, dilation, begin, end, out_hw, fill)
+        return np.stack(views, axis=2).reshape(t.shape[0], channels * len(views), out_hw[0] * out_hw[1])
+
 
     # -- of the shared-factor rules (``correlation/shared_algebra.py``)
     @staticmethod

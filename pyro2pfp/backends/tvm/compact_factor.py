@@ -27,6 +27,7 @@ from ...planning.plan import PlannedGraph, PlannedLayer
 from ...planning.registry import COMPACT_EXPORTERS
 from ..onnx.builder import LOWEST32
 from .emit import LAYER_ATTR, OP_ATTR, SCHEME_STEPS, EmitContext, RelaxActivation
+from .fast_math import fast_erf, fast_exp
 from .schedules import schedule
 from .schedules.fused import schedule_fused
 
@@ -136,7 +137,12 @@ class TeBackend:
         def binary(fn: Any) -> Any:
             return lambda x, y: TT(fn(_value(x), _value(y)))
 
-        erf = unary(topi.erf, tirx.erf)
+        def elementwise(fn: Any) -> Any:
+            """``fn`` (a scalar TE expression builder) applied elementwise to a tensor."""
+            return lambda t: te.compute(t.shape, lambda *i: fn(t(*i)), name="rule_math", tag="elementwise")
+
+        # erf and exp as plain float32 arithmetic (fast_math: no libm call, so the nests vectorise)
+        erf = unary(elementwise(fast_erf), fast_erf)
 
         def normal_cdfs(alpha: TT) -> tuple[TT, TT]:
             """(Φ(α), Φ(−α)) from one erf, as the TE kernels compute them."""
@@ -145,7 +151,7 @@ class TeBackend:
 
         ns = SimpleNamespace(
             where=where, normal_cdfs=normal_cdfs, erf=erf, erfc=lambda x: 1.0 - erf(x),
-            exp=unary(topi.exp, tirx.exp), sqrt=unary(topi.sqrt, tirx.sqrt),
+            exp=unary(elementwise(fast_exp), fast_exp), sqrt=unary(topi.sqrt, tirx.sqrt),
             maximum=binary(topi.maximum), minimum=binary(topi.minimum),
             const=lambda v: TT(tirx.const(float(v), F32)))
         ns.erfcx = lambda x: moments.erfcx_rational(x, ns)
@@ -211,6 +217,26 @@ class TeBackend:
                 ends = [r0 + stride[0] * (out_hw[0] - 1) + 1, c0 + stride[1] * (out_hw[1] - 1) + 1]
                 out.append(TT(topi.strided_slice(x, [r0, c0], ends, list(stride), axes=[2, 3])))
         return out
+
+    def unfold(self, t: TT, channels: int, kernel: tuple[int, int], stride: tuple[int, int],
+               dilation: tuple[int, int], begin: tuple[int, int], end: tuple[int, int], out_hw: tuple[int, int],
+               fill: float) -> TT:
+        """``(B, C·KH·KW, OH·OW)``: the views of :meth:`taps` as rows, channel-major (row ``c·KH·KW + tap``),
+        as one copy that reads ``t`` at each row's tap (not a concatenation of the views, whose reads
+        would go through a chain of selects, one per tap)."""
+        x = t.t
+        if any(begin) or any(end):
+            x = topi.nn.pad(x, [0, 0, begin[0], begin[1]], [0, 0, end[0], end[1]], pad_value=float(fill))
+        kh, kw = kernel
+        ow = out_hw[1]
+
+        def at(b: Any, d: Any, q: Any) -> Any:
+            c, tap = tirx.floordiv(d, kh * kw), tirx.floormod(d, kh * kw)
+            return x[b, c, tirx.floordiv(tap, kw) * dilation[0] + tirx.floordiv(q, ow) * stride[0],
+                     tirx.floormod(tap, kw) * dilation[1] + tirx.floormod(q, ow) * stride[1]]
+
+        return TT(te.compute((x.shape[0], *_i64((channels * kh * kw, out_hw[0] * ow))), at, name="rule_unfold",
+                             tag="injective"))
 
     def zeros_like(self, t: TT) -> TT:
         return TT(topi.full_like(t.t, 0.0))

@@ -192,6 +192,9 @@ def clark_chain(batch: Any, n: int, taps: int, tap: Any) -> list[te.Tensor]:
 
 CORRELATED = "correlated_max"
 """Name prefix of the stages of the correlated Clark fold (:func:`correlated_max_pool`)."""
+TAPS = "window_taps"
+"""Name of the correlated fold's copy of its inputs in tap-major layout ``(b, c, rp, rq, i, j)`` (windows that
+tile the input: :func:`correlated_max_pool`; blocks ``window_taps_v0``, ...)."""
 
 
 def correlated_max_pool(win: Windows, layer: PlannedLayer, m: te.Tensor, v: te.Tensor, cov: te.Tensor | None,
@@ -209,13 +212,22 @@ def correlated_max_pool(win: Windows, layer: PlannedLayer, m: te.Tensor, v: te.T
     n_taps = kh * kw
     pair_index = {pair: k for k, pair in enumerate(moments.window_pairs(n_taps))}
     taps_of = [m, v] if profile is None else [m, v, profile]
-    padded = win.padded(taps_of, [_LOWEST, 0.0, 0.0][:len(taps_of)])
     shape = (m.shape[0], *win.out_shape)
     carry = 2 if profile is None else 3  # the running (mean, variance[, profile]) before the covariances
     zero = tirx.const(0.0, F32)
+    if win.tiles_exactly():  # tap-major copies: a vector of pooled positions reads each tap contiguously
+        n_c, oh, ow = win.out_shape
+        split = te.compute((m.shape[0], n_c, kh, kw, oh, ow), lambda b, c, rp, rq, i, j: tuple(
+            x[b, c, i * kh + rp, j * kw + rq] for x in taps_of), name=TAPS)
+        split = list(split) if isinstance(split, list | tuple) else [split]
 
-    def tap(t: int, b, c, i, j):
-        return [win.load_padded(x, b, c, i, j, t // kw, t % kw) for x in padded]
+        def tap(t: int, b, c, i, j):
+            return [x[b, c, t // kw, t % kw, i, j] for x in split]
+    else:
+        padded = win.padded(taps_of, [_LOWEST, 0.0, 0.0][:len(taps_of)])
+
+        def tap(t: int, b, c, i, j):
+            return [win.load_padded(x, b, c, i, j, t // kw, t % kw) for x in padded]
 
     def pair_cov(b, c, k, i, j):
         return zero if cov is None else cov[b, c, k, i, j]
@@ -425,6 +437,12 @@ CORRELATED_ONE_NEST = [True]
 and tests compare the two)."""
 
 
+STAGE_ONE_LOOP = [True]
+"""Whether the outputs of one fold stage (the running pair and its covariances, one block each) share one
+loop over the pooled positions, so that the stage's Clark max (erf, exp) is computed once per position
+rather than once per output (a list: benchmarks and tests compare the two)."""
+
+
 def _schedule_correlated_fold(sch: s_tir.Schedule, lanes: int) -> None:
     """The correlated Clark fold of windows that do not overhang (``_correlated_max_pool``): one loop
     nest, parallel over ``(batch, channel)``.  Each fold stage ``correlated_max_t`` (the running
@@ -436,23 +454,79 @@ def _schedule_correlated_fold(sch: s_tir.Schedule, lanes: int) -> None:
     one elementwise nest per output, each recomputing its stage's Clark max over the whole batch.
     The plane loop is vectorised by the widest power of two dividing it (the taps are strided loads)."""
     root = sch.get_sblock("root")
-    blocks = [blk for blk in sch.get_child_blocks(root)
-              if sch.get(blk).name_hint.startswith((f"{CORRELATED}_", "epilogue"))]
+    every = list(sch.get_child_blocks(root))
+    taps = [blk for blk in every if sch.get(blk).name_hint.startswith(TAPS)]
+    blocks = [blk for blk in every if sch.get(blk).name_hint.startswith((f"{CORRELATED}_", "epilogue"))]
     epilogue = [blk for blk in blocks if sch.get(blk).name_hint.startswith("epilogue")]
-    b, c, _, _ = sch.get_loops(epilogue[0])  # the epilogue blocks share one nest
-    par = sch.fuse(b, c)
+    b, c, i, j = sch.get_loops(epilogue[0])  # the epilogue blocks share one nest
+    can = vectorizable(sch, blocks)
+    vec = pow2_divisor(static_extent(sch, i) * static_extent(sch, j), lanes) if can else 1
+    vec_c = pow2_divisor(static_extent(sch, c), lanes) if can else 1
+    if vec < 4 <= vec_c:  # a plane of no power-of-two size (5x5): vectors of channels (strided taps)
+        _schedule_correlated_fold_channels(sch, blocks, epilogue, vec_c)
+    else:
+        par = sch.fuse(b, c)
+        sch.parallel(par)
+        for blk in reversed([blk for blk in blocks if blk not in epilogue]):  # consumers first
+            sch.compute_at(blk, par, preserve_unit_loops=True)  # (i, j) loops even for one row (a 1-D pool)
+        _vectorize_stages(sch, blocks, vec)
+    for blk in taps:  # the tap-major copy: one (batch, channel tile) slice at a time, before the fold reads it
+        sch.compute_at(blk, sch.get_loops(epilogue[0])[0], preserve_unit_loops=True)
+
+
+def _vectorize_stages(sch: s_tir.Schedule, blocks: list[Any], vec: int) -> None:
+    """Each fold stage's outputs in one loop over the pooled positions (:data:`STAGE_ONE_LOOP`), vectorised."""
+    for members in _stages(sch, blocks).values():
+        nests: dict[Any, list[Any]] = {}  # (the epilogue's outputs share one nest already)
+        for blk in members:
+            loops = sch.get_loops(blk)
+            nests.setdefault(sch.get_sref(loops[-2]), loops[-2:])
+        planes = [sch.fuse(*loops) for loops in nests.values()]
+        if len(planes) > 1 and STAGE_ONE_LOOP[-1]:
+            planes = [sch.merge(*planes)]
+        for plane in planes:  # (one vector loop per stage: merged across stages TVM 0.27 vectorises the fold wrongly)
+            if vec > 1:
+                _, v = sch.split(plane, [None, vec])
+                sch.vectorize(v)
+
+
+def _stages(sch: s_tir.Schedule, blocks: list[Any]) -> dict[str, list[Any]]:
+    """The fold's blocks by stage: a stage's outputs (blocks ``<stage>_v<k>``) share its Clark max."""
+    stages: dict[str, list[Any]] = {}
+    for blk in blocks:
+        stages.setdefault(sch.get(blk).name_hint.rsplit("_v", 1)[0], []).append(blk)
+    return stages
+
+
+def _schedule_correlated_fold_channels(sch: s_tir.Schedule, blocks: list[Any], epilogue: list[Any], vec: int
+                                       ) -> None:
+    """:func:`_schedule_correlated_fold` with a vector of ``vec`` channels in place of a vector of pooled
+    positions: parallel over ``(batch, channel tile)``, each stage's outputs in one loop over the pooled
+    positions and one vector loop of channels."""
+    b, c, i, j = sch.get_loops(epilogue[0])
+    co, cv = sch.split(c, [None, vec])
+    sch.reorder(b, co, i, j, cv)
+    par = sch.fuse(b, co)
     sch.parallel(par)
     for blk in reversed([blk for blk in blocks if blk not in epilogue]):  # consumers first
-        sch.compute_at(blk, par, preserve_unit_loops=True)  # (i, j) loops even for one row (a 1-D pool)
-    nests: dict[Any, list[Any]] = {}
-    for blk in blocks:
-        loops = sch.get_loops(blk)
-        nests.setdefault(sch.get_sref(loops[-2]), loops[-2:])
-    planes = [sch.fuse(*loops) for loops in nests.values()]
-    vec = pow2_divisor(static_extent(sch, planes[0]), lanes) if vectorizable(sch, blocks) else 1
-    for plane in planes:  # (one vector loop per stage: merged, TVM 0.27 vectorises the fold wrongly)
-        if vec > 1:
-            _, v = sch.split(plane, [None, vec])
+        sch.compute_at(blk, par, preserve_unit_loops=True)
+    for members in _stages(sch, blocks).values():
+        nests: dict[Any, Any] = {}
+        for blk in members:
+            loops = sch.get_loops(blk)
+            if blk in epilogue:  # (i, j, channels) already; the epilogue's outputs share one nest
+                if not nests:
+                    nests[0] = (sch.fuse(*loops[-3:-1]), loops[-1])
+                continue
+            cl, il, jl = loops[-3:]
+            sch.reorder(il, jl, cl)
+            nests[sch.get_sref(cl)] = (sch.fuse(il, jl), cl)
+        planes = [plane for plane, _ in nests.values()]
+        vectors = [v for _, v in nests.values()]
+        if len(planes) > 1 and STAGE_ONE_LOOP[-1]:
+            sch.merge(*planes)
+            vectors = [sch.merge(*vectors)]
+        for v in vectors:
             sch.vectorize(v)
 
 

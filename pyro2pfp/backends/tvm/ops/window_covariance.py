@@ -33,7 +33,7 @@ from ....planning.plan import PlannedLayer
 from ....planning.registry import shared_kernel
 from ..emit import EmitContext, RelaxActivation, activation_out, kernel, variance_of
 from ..fast_math import F32
-from ..schedules import flat_nests, schedule, schedule_flat, simd_lanes, static_extent
+from ..schedules import divisor_at_most, flat_nests, schedule, schedule_flat, simd_lanes, static_extent
 from ..shared_factor import emit_part
 from ..shared_factor_schedule import schedule_shared
 from ..te_let import te_shared
@@ -319,11 +319,17 @@ def window_activation_shared_kernel(step: Any, ctx: EmitContext, layer: PlannedL
     return None, window_activation(ctx, layer, inputs)
 
 
+WINDOW_COV_COLUMNS = 8
+"""At most this many pooled columns share one pass over the kernel taps (their channel vectors are the
+register tile: each weight vector is loaded once for all of them)."""
+
+
 @schedule("window_cov")
 def schedule_window_cov(sch: s_tir.Schedule, layer: PlannedLayer | None, target: tvm.target.Target) -> None:
     """The padded copy and the last stage are elementwise nests; the pair reduction runs parallel
-    over (batch, pair, output row), the output channels innermost as one vector and the kernel's
-    columns unrolled."""
+    over (batch, pair, output row), the output channels innermost as one vector, a tile of up to
+    :data:`WINDOW_COV_COLUMNS` pooled columns around it (their accumulators in registers) and the
+    kernel's columns unrolled."""
     lanes = simd_lanes(target)
     root = sch.get_sblock("root")
     blocks = list(sch.get_child_blocks(root))
@@ -331,10 +337,12 @@ def schedule_window_cov(sch: s_tir.Schedule, layer: PlannedLayer | None, target:
     flat_nests(sch, [b for b, n in zip(blocks, names) if n.startswith(PAD)], lanes)
     blk = sch.get_sblock(SUM)
     b, p, i, j, o, c, r, s = sch.get_loops(blk)
-    sch.reorder(b, p, i, j, c, r, s, o)
+    jo, ji = sch.split(j, [None, divisor_at_most(static_extent(sch, j), WINDOW_COV_COLUMNS)])
+    sch.reorder(b, p, i, jo, c, r, s, ji, o)
     sch.parallel(sch.fuse(b, p, i))
     if static_extent(sch, s) <= 8:
         sch.unroll(s)
+    sch.unroll(ji)
     if static_extent(sch, o) <= 4 * lanes:
         sch.vectorize(o)
     sch.decompose_reduction(blk, c)

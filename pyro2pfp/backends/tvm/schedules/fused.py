@@ -7,13 +7,17 @@ slice, a reshape, an ``einsum``, a ``conv2d``, a sum), every intermediate tensor
 * **inlines** into elementwise consumers the blocks that only move data (slices, reshapes, transposes,
   padding, concatenations: no floating-point arithmetic) and any other elementwise block that its one
   consumer reads once -- never a block read twice (inlining would compute it twice, and a chain of such
-  blocks -- a fold over a pooling window -- exponentially often), and nothing into a reduction: a
+  blocks -- a fold over a pooling window -- exponentially often), never into a consumer of more
+  iterations than the block (a broadcast, e.g. a unit's slope applied to each of its factor columns,
+  would compute it once per column), and nothing into a reduction: a
   reduction reads each input many times, from a plain contiguous buffer (an inlined concatenation is a
   chain of selects per read);
-* **reductions** (``einsum``, ``conv2d``, sums) accumulate in their output: the innermost spatial axis
-  goes inside the reduction axes and is vectorised (the classic CPU matrix-product loop order: every
-  reduction step is one vector multiply-add over contiguous outputs);
-* **elementwise nests** are vectorised on their innermost axis where the body vectorises;
+* **reductions** (``einsum``, ``conv2d``, sums) accumulate in registers: a tile of a few vectors of the
+  innermost spatial axis times a few rows of the axis above it goes inside the reduction axes (the
+  classic CPU matrix-product micro-kernel: every reduction step loads one row of vectors and
+  multiply-adds it into each row's accumulators, which stay in registers for the whole reduction);
+* **elementwise nests** are vectorised on their innermost axis where the body vectorises (fused with the
+  axis above it when that widens the vector);
 * a nest runs on the thread pool only when one example's share is large (:data:`PARALLEL_WORK`):
   most nests of a compact rule are a few hundred elements per example, where waking the pool costs
   more than the work.
@@ -27,7 +31,10 @@ import tvm
 from tvm import s_tir, tirx
 
 from ....planning.plan import PlannedLayer
-from .primitives import extent, pow2_divisor, simd_lanes, vectorizable, walk
+from .primitives import divisor_at_most, extent, pow2_divisor, register_budget, simd_lanes, vectorizable, walk
+
+REDUCTION_TILE = 4
+"""At most this many vectors of a reduction's innermost output axis accumulate side by side (in registers)."""
 
 PARALLEL_WORK = 32768
 """A loop nest runs in parallel when its static (per-example) iterations times its arithmetic reach this
@@ -56,6 +63,15 @@ def _is_spatial(block: Any) -> bool:
     return all(iv.iter_type == tirx.IterVar.DataPar for iv in block.iter_vars)
 
 
+def _iterations(block: Any) -> int:
+    """The block's static iterations (a symbolic -- batch -- extent counts 1)."""
+    n = 1
+    for iv in block.iter_vars:
+        ext = iv.dom.extent
+        n *= int(ext) if isinstance(ext, tirx.IntImm | int) else 1
+    return n
+
+
 def _loads_of(block: Any, buffer: Any) -> int:
     count = 0
 
@@ -81,7 +97,8 @@ def inline_blocks(sch: s_tir.Schedule) -> None:
             continue
         if not _is_copy(stmt):
             buffer = stmt.writes[0].source
-            if len(consumers) != 1 or not _is_spatial(consumers[0]) or _loads_of(consumers[0], buffer) != 1:
+            if len(consumers) != 1 or not _is_spatial(consumers[0]) or _loads_of(consumers[0], buffer) != 1 \
+                    or _iterations(consumers[0]) > _iterations(stmt):  # a broadcast: it would compute it again
                 continue
         try:
             sch.compute_inline(block)
@@ -114,8 +131,9 @@ def _parallel_outer(sch: s_tir.Schedule, loops: list[Any], keep_inner: int) -> N
 
 
 def schedule_reduction(sch: s_tir.Schedule, block: Any, lanes: int) -> None:
-    """A reduction nest (module docstring): spatial loops outside, then the reduction loops, then the
-    innermost spatial loop, vectorised; the accumulator initialised in its own loop."""
+    """A reduction nest (module docstring): spatial loops outside, then the reduction loops, then a
+    register tile -- a few vectors of the innermost spatial axis times a few rows of the one above it
+    (unrolled) -- the vectors innermost; the accumulators initialised in their own loop."""
     stmt = sch.get(block)
     loops = list(sch.get_loops(block))
     kinds = [iv.iter_type for iv in stmt.iter_vars]
@@ -128,17 +146,27 @@ def schedule_reduction(sch: s_tir.Schedule, block: Any, lanes: int) -> None:
     n_inner = extent(sch, inner)
     vec = pow2_divisor(n_inner, lanes) if n_inner is not None and len(spatial) > 1 else 1
     if vec >= 4 and n_inner is not None and all(extent(sch, r) is not None for r in reduce):
-        sch.reorder(*reduce, inner)
-        if vec < n_inner:
-            _, vector = sch.split(inner, [None, vec])
+        budget = register_budget(lanes)
+        tile = divisor_at_most(n_inner // vec, REDUCTION_TILE)
+        outer_i, tile_i, vector = sch.split(inner, [None, tile, vec])
+        above = spatial[-2] if len(spatial) > 2 else None  # (spatial[0] is the batch)
+        n_above = extent(sch, above) if above is not None else None
+        rows = divisor_at_most(n_above, budget // tile) if n_above is not None else 1
+        if above is not None and rows > 1:
+            outer_r, tile_r = sch.split(above, [None, rows])
+            sch.reorder(outer_r, outer_i, *reduce, tile_r, tile_i, vector)
+            unrolled = [tile_r, tile_i]
         else:
-            vector = inner
+            sch.reorder(outer_i, *reduce, tile_i, vector)
+            unrolled = [tile_i]
     else:
-        vector = None
+        vector, unrolled = None, []
     if work >= PARALLEL_WORK and len(spatial) > 1:
         _parallel_outer(sch, list(sch.get_loops(block))[:len(spatial) - 1], 0)
     if vector is not None:  # (parallel and vectorize first: TVM checks them on a whole reduction block)
         sch.vectorize(vector)
+        for loop in unrolled:
+            sch.unroll(loop)
         sch.decompose_reduction(block, reduce[0])
 
 
@@ -148,8 +176,13 @@ def schedule_elementwise(sch: s_tir.Schedule, block: Any, lanes: int) -> None:
     loops = list(sch.get_loops(block))
     work = _static_work(sch, loops, block)
     n = extent(sch, loops[-1])
+    if len(loops) > 2 and n is not None and pow2_divisor(n, lanes) < 4:
+        m = extent(sch, loops[-2])
+        if m is not None and pow2_divisor(m * n, lanes) > pow2_divisor(n, lanes):  # e.g. (16, 100, 1), (10, 10)
+            loops = [*loops[:-2], sch.fuse(*loops[-2:])]  # (two axes: TVM simplifies their flat index)
+            n = m * n
     vectorized = False
-    if len(loops) > 1 and n is not None and n >= 4 and vectorizable(sch, [block]):
+    if len(loops) > 1 and n is not None and n >= 4 and vectorizable(sch, [block]) and not _is_copy(sch.get(block)):
         vec = pow2_divisor(n, lanes)
         if vec >= 4:
             if vec < n:
