@@ -447,12 +447,13 @@ def _schedule_correlated_fold(sch: s_tir.Schedule, lanes: int) -> None:
     """The correlated Clark fold of windows that do not overhang (``_correlated_max_pool``): one loop
     nest, parallel over ``(batch, channel)``.  Each fold stage ``correlated_max_t`` (the running
     (mean, variance) and its covariances with the later taps) is one block per output, each binding the
-    same Clark max; all of them and the ``epilogue`` blocks are computed at the parallel loop and their
-    loops over the output plane ``(i, j)`` fused and merged into one, so one iteration runs the whole
-    fold of one pooled position, stage after stage, as straight-line code (LLVM computes a stage's
-    shared Clark terms once for all its outputs, and the intermediates stay in registers), instead of
-    one elementwise nest per output, each recomputing its stage's Clark max over the whole batch.
-    The plane loop is vectorised by the widest power of two dividing it (the taps are strided loads)."""
+    same Clark max; all of them and the ``epilogue`` blocks are computed at the parallel loop, stage after
+    stage, and the outputs of one stage share one loop over the pooled positions (:data:`STAGE_ONE_LOOP`:
+    LLVM then computes the stage's erf and exp once for all its outputs, not once per output), vectorised
+    by the widest power of two dividing the plane.  Windows that tile the input are read from a
+    tap-major copy (``window_taps``, computed at the parallel loop), so a vector of pooled positions
+    loads each tap contiguously (no gather).  A plane of no power-of-two size (LeNet's 5x5) takes vectors
+    of channels instead (:func:`_schedule_correlated_fold_channels`)."""
     root = sch.get_sblock("root")
     every = list(sch.get_child_blocks(root))
     taps = [blk for blk in every if sch.get(blk).name_hint.startswith(TAPS)]
