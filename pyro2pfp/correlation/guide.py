@@ -192,13 +192,14 @@ def conv_variance(bk: Any, layer: PlannedLayer, x_mean: Any, taps: tuple[list[An
     product = None
     if sh is not None and wf is not None:
         gg = guide_columns(bk, sh.g, guide)  # (B, C, guide)
-        g_col = bk.reshape(gg, (c, guide, 1, 1))
-        # L at each tap: (B, C, guide, OH, OW)
-        loads = [bk.reshape(tp, (c, 1, oh, ow)) * g_col for tp in s_taps]
+        # per channel first (the taps' sums of W·s_in and F_f·s_in), then over the channels with g_in: L = s_in·g_in
         w_taps = wm.reshape(o, c, kh * kw)
-        lam += [bk.einsum("oc,bchyx->bohyx", bk.tensor(w_taps[:, :, n], "w"), ld) for n, ld in enumerate(loads)]
-        a = total([bk.einsum("ocf,bchyx->bofhyx", bk.tensor(taps_f[:, :, n], "guide_w"), ld)
-                   for n, ld in enumerate(loads)])
+        per_w = total([bk.einsum("oc,bcyx->bocyx", bk.tensor(w_taps[:, :, n], "w"), tp)
+                       for n, tp in enumerate(s_taps)])
+        lam.append(bk.einsum("bocyx,bch->bohyx", per_w, gg))
+        per_f = total([bk.einsum("ocf,bcyx->bocfyx", bk.tensor(taps_f[:, :, n], "guide_w"), tp)
+                       for n, tp in enumerate(s_taps)])
+        a = bk.einsum("bocfyx,bch->bofhyx", per_f, gg)
         product = bk.einsum("bofhyx,bofhyx->boyx", a, a) + bk.einsum("bofhyx,bohfyx->boyx", a, a)
         share = bk.reshape(bk.rsum(gg * gg, 2), (c, 1, 1))
         counted.append(bk.conv2d(sh.s * sh.s * share, (wf**2).sum(-1) + wm**2, attrs, "guide_wm2"))

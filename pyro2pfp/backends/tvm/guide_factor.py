@@ -9,11 +9,12 @@ the formulas), float32.
 * ``sf_conv_guide_mean``: the mean shift ``μ[b, o, p] += Σ_{c,i,j} G[b, c, i, j, o]·s_in[b, c, p + (i, j)]``,
   a convolution with per-input weights laid out as the profile convolution's (its schedule);
 * ``sf_conv_guide_var``: the per-position variance's gain ``|λ_p|² + 2‖sym A_p‖² − counted``
-  (:func:`pyro2pfp.correlation.guide.conv_variance`): ``λ`` (B, O, guide, OH, OW) one convolution over the
-  taps of ``μ`` and ``s_in``; ``A`` in two steps -- the per-channel convolutions ``P[b, o, c, f, p] =
-  Σ_{i,j} F_f[o, c, i, j]·s_in[b, c, p + (i, j)]``, then ``A[f, h] = Σ_c P[.., c, f, ..]·g_in[c, h]`` (``guide·|W|
-  + guide²·O·C`` multiply-adds per position instead of ``guide²·|W|``); ``counted`` one convolution of
-  ``μ²`` and ``s_in²·|g_in|²``.
+  (:func:`pyro2pfp.correlation.guide.conv_variance`): ``λ`` (B, O, guide, OH, OW) the convolutions of ``μ``
+  with every ``F_f`` plus ``Σ_c g_in[c, f]·Q[b, o, c, p]`` (``Q`` the per-channel convolution of ``s_in`` with
+  ``W``); ``A`` likewise in two steps -- the per-channel convolutions ``P[b, o, c, f, p] = Σ_{i,j} F_f[o, c, i, j]·
+  s_in[b, c, p + (i, j)]``, then ``A[f, h] = Σ_c P[.., c, f, ..]·g_in[c, h]`` (``guide·|W| + guide²·O·C``
+  multiply-adds per position instead of ``guide²·|W|``); ``counted`` one convolution of ``μ²`` and
+  ``s_in²·|g_in|²``.
 """
 from __future__ import annotations
 
@@ -97,17 +98,23 @@ def guide_var_fn(layer: PlannedLayer, guide: int, with_input: bool) -> Any:
         rc, ri, rj = (te.reduce_axis((0, n), name=name) for n, name in ((c, "lc"), (kh, "li"), (kw, "lj")))
         sp = _pad(s, [py, px]) if s is not None else None
 
-        def lam_body(b: Any, oo: Any, f: Any, y: Any, x_: Any) -> Any:
-            value = fw[rc, ri, rj, oo, f] * at(mp, b, rc, y, x_, ri, rj)
-            if sp is not None and g_in is not None and wm is not None:
-                value = value + wm[rc, ri, rj, oo] * at(sp, b, rc, y, x_, ri, rj) * g_in[b, rc, f]
-            return te.sum(value, axis=[rc, ri, rj])
-
-        lam = te.compute((batch, o, guide, oh, ow), lam_body, name="guide_lambda")
+        lam = te.compute((batch, o, guide, oh, ow), lambda b, oo, f, y, x_: te.sum(
+            fw[rc, ri, rj, oo, f] * at(mp, b, rc, y, x_, ri, rj), axis=[rc, ri, rj]), name="guide_lambda")
+        if sp is not None and g_in is not None and wm is not None:  # per channel, then over the channels
+            wi, wj = te.reduce_axis((0, kh), name="wi"), te.reduce_axis((0, kw), name="wj")
+            per_w = te.compute((batch, o, c, oh, ow), lambda b, oo, ch, y, x_: te.sum(
+                wm[ch, wi, wj, oo] * at(sp, b, ch, y, x_, wi, wj), axis=[wi, wj]), name="guide_per_channel_w")
+            wc = te.reduce_axis((0, c), name="wc")
+            lam_in = te.compute((batch, o, guide, oh, ow), lambda b, oo, f, y, x_: te.sum(
+                per_w[b, oo, wc, y, x_] * g_in[b, wc, f], axis=wc), name="guide_lambda_in")
+            lam_all = te.compute((batch, o, guide, oh, ow), lambda b, oo, f, y, x_: lam[b, oo, f, y, x_]
+                                 + lam_in[b, oo, f, y, x_] + fb[oo, f], name="guide_lambda_all")
+        else:
+            lam_all = te.compute((batch, o, guide, oh, ow), lambda b, oo, f, y, x_: lam[b, oo, f, y, x_] + fb[oo, f],
+                                 name="guide_lambda_all")
         lf = te.reduce_axis((0, guide), name="lf")
         gain = te.compute((batch, o, oh, ow), lambda b, oo, y, x_: te.sum(
-            (lam[b, oo, lf, y, x_] + fb[oo, lf]) * (lam[b, oo, lf, y, x_] + fb[oo, lf]), axis=lf),
-            name="guide_linear")
+            lam_all[b, oo, lf, y, x_] * lam_all[b, oo, lf, y, x_], axis=lf), name="guide_linear")
         cc, ci, cj = (te.reduce_axis((0, n), name=name) for n, name in ((c, "cc"), (kh, "ci"), (kw, "cj")))
         if sp is not None and g_in is not None and wsq is not None:
             hr = te.reduce_axis((0, guide), name="hr")
