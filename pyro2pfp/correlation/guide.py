@@ -190,19 +190,21 @@ def conv_variance(bk: Any, layer: PlannedLayer, x_mean: Any, taps: tuple[list[An
         lam += [bk.einsum("ocf,bcyx->bofyx", bk.tensor(taps_f[:, :, n], "guide_w"), tp) for n, tp in enumerate(mu_taps)]
         counted.append(bk.conv2d(x_mean * x_mean, (wf**2).sum(-1), attrs, "guide_w2"))
     product = None
-    if sh is not None and wf is not None:
+    if sh is not None:
         gg = guide_columns(bk, sh.g, guide)  # (B, C, guide)
         # per channel first (the taps' sums of W·s_in and F_f·s_in), then over the channels with g_in: L = s_in·g_in
         w_taps = wm.reshape(o, c, kh * kw)
         per_w = total([bk.einsum("oc,bcyx->bocyx", bk.tensor(w_taps[:, :, n], "w"), tp)
                        for n, tp in enumerate(s_taps)])
         lam.append(bk.einsum("bocyx,bch->bohyx", per_w, gg))
-        per_f = total([bk.einsum("ocf,bcyx->bocfyx", bk.tensor(taps_f[:, :, n], "guide_w"), tp)
-                       for n, tp in enumerate(s_taps)])
-        a = bk.einsum("bocfyx,bch->bofhyx", per_f, gg)
-        product = bk.einsum("bofhyx,bofhyx->boyx", a, a) + bk.einsum("bofhyx,bohfyx->boyx", a, a)
         share = bk.reshape(bk.rsum(gg * gg, 2), (c, 1, 1))
-        counted.append(bk.conv2d(sh.s * sh.s * share, (wf**2).sum(-1) + wm**2, attrs, "guide_wm2"))
+        counted.append(bk.conv2d(sh.s * sh.s * share, (wf**2).sum(-1) + wm**2 if wf is not None else wm**2, attrs,
+                                 "guide_wm2"))
+        if wf is not None:
+            per_f = total([bk.einsum("ocf,bcyx->bocfyx", bk.tensor(taps_f[:, :, n], "guide_w"), tp)
+                           for n, tp in enumerate(s_taps)])
+            a = bk.einsum("bocfyx,bch->bofhyx", per_f, gg)
+            product = bk.einsum("bofhyx,bofhyx->boyx", a, a) + bk.einsum("bofhyx,bohfyx->boyx", a, a)
     if bf is not None:
         bias = bk.tensor(bf.reshape(o, guide, 1, 1), "guide_b")
         lam.append(bias if lam else bias + batch_zeros(bk, bk.reshape(mu_taps[0], (c * oh * ow,)), 4))
