@@ -311,3 +311,25 @@ def test_the_product_of_two_convs_guide_noise_is_exact():
         mf_var = pyro2pfp.convert(model, guide, input_shape=(1, 5, 5), correlation="mean-field").reference(
             x.numpy())[1]
     assert np.max(np.abs(mf_var / exact_var - 1)) > 0.05  # the check above can fail: marginals alone differ
+
+
+def test_a_mean_field_guides_conv_variances_are_the_mean_field_plans():
+    """The receptive-field terms are the guide's: under ``AutoNormal`` (no guide factors) every conv's per-position
+    variance in the shared-factor plan is the mean-field plan's, bit for bit."""
+    from pyro.infer.autoguide import AutoNormal
+
+    from pyro2pfp.backends.reference import execute_all
+    from pyro2pfp.correlation.execute import execute_shared_all
+
+    pyro.clear_param_store()
+    pyro.set_rng_seed(2)
+    model = TwoConv()
+    guide = AutoNormal(model, init_scale=0.3)
+    x = torch.randn(3, 1, 5, 5)
+    guide(x, torch.zeros(3, dtype=torch.long))
+    shared = pyro2pfp.convert(model, guide, input_shape=(1, 5, 5), correlation="shared-factor")
+    plain = pyro2pfp.convert(model, guide, input_shape=(1, 5, 5), correlation="mean-field")
+    assert shared.plan.factors is not None and shared.plan.factors.guide == 0
+    got, want = execute_shared_all(shared.plan, x.numpy()), execute_all(plain.plan, x.numpy())
+    for name in ("conv1", "conv2"):
+        np.testing.assert_array_equal(got[name].variance(), want[name].variance())
