@@ -270,6 +270,17 @@ def _exact_quadratic_form_moments(guide, fn, x: torch.Tensor) -> tuple[np.ndarra
     return mean.reshape(shape).numpy(), var.reshape(shape).numpy()
 
 
+def _two_convs_and(guide_cls, seed: int, **kwargs) -> tuple[TwoConv, object, torch.Tensor]:
+    """:class:`TwoConv`, its ``guide_cls`` guide (initialised) and four inputs."""
+    pyro.clear_param_store()
+    pyro.set_rng_seed(seed)
+    model = TwoConv()
+    guide = guide_cls(model, **kwargs)
+    x = torch.randn(4, 1, 5, 5)
+    guide(x, torch.zeros(4, dtype=torch.long))
+    return model, guide, x
+
+
 def test_the_product_of_two_convs_guide_noise_is_exact():
     """Conv → conv under a low-rank guide (its independent part negligible): the second conv's weights' guide
     noise meets its input's through the same factors at every position, inside every receptive field.  The rule
@@ -277,12 +288,7 @@ def test_the_product_of_two_convs_guide_noise_is_exact():
     and the mean shift: exact here, in every back end; the same net under the guide's marginals is not."""
     from tests.support.backends import ONNX_RTOL, RTOL, assert_matches, onnx_run
 
-    pyro.clear_param_store()
-    pyro.set_rng_seed(5)
-    model = TwoConv()
-    guide = AutoLowRankMultivariateNormal(model, rank=3)
-    x = torch.randn(4, 1, 5, 5)
-    guide(x, torch.zeros(4, dtype=torch.long))
+    model, guide, x = _two_convs_and(AutoLowRankMultivariateNormal, 5, rank=3)
     with torch.no_grad():
         guide.loc.copy_(torch.randn_like(guide.loc))
         # the posterior's factor is cov_factor·scale, its diagonal scale²: the independent part ~0 (conv1's outputs
@@ -321,12 +327,7 @@ def test_a_mean_field_guides_conv_variances_are_the_mean_field_plans():
     from pyro2pfp.backends.reference import execute_all
     from pyro2pfp.correlation.execute import execute_shared_all
 
-    pyro.clear_param_store()
-    pyro.set_rng_seed(2)
-    model = TwoConv()
-    guide = AutoNormal(model, init_scale=0.3)
-    x = torch.randn(3, 1, 5, 5)
-    guide(x, torch.zeros(3, dtype=torch.long))
+    model, guide, x = _two_convs_and(AutoNormal, 2, init_scale=0.3)
     shared = pyro2pfp.convert(model, guide, input_shape=(1, 5, 5), correlation="shared-factor")
     plain = pyro2pfp.convert(model, guide, input_shape=(1, 5, 5), correlation="mean-field")
     assert shared.plan.factors is not None and shared.plan.factors.guide == 0
