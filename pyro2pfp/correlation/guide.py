@@ -25,8 +25,26 @@ mean-field moments (computed with the marginal variance ``V = d² + Σ_f F_f²``
 * conv2d: the pooled loading ``ℓ[o, f] += Σ_{c,k} F_f[o, c, k]·m̄μ_k[c] + F_b,f[o]`` and the profile
   ``s[o, p] += Σ_{c,k} G[o, c, k]·μ[c, p + k] + Σ_f g[o, f]·F_b,f[o]`` with ``G = Σ_f g[o, f]·F_f[o]``
   (the exact covariance of ``out[o, p]`` with the channel's normal ``η_o`` from the guide's part);
-  the per-position variance keeps the mean-field ``(Σ_f F_f²)·μ²`` (the guide's correlations inside
-  one receptive field are not re-summed: that would take ``k`` convolutions).
+  the per-position variance: the mean-field rule counted the guide's noise inside one receptive field as
+  independent per weight; :func:`conv_variance` re-sums it with its correlations, exactly (below).
+
+The conv's per-position variance (:func:`conv_variance`).  At an output ``(o, p)`` the receptive field's
+elements ``i = (c, κ)`` (channel, kernel tap; input position ``p + κ``) have weights ``w_i = W_i + F_i·z + e_i``
+and inputs ``x_i = μ_i + L_i·z + u_i`` with ``L_i = s_in[c, p + κ]·g_in[c, :guide]`` (the closure), ``e_i``,
+``u_i`` independent of ``z`` and across ``i``.  Then ``out − E[out]`` is the sum of
+
+* the terms linear in ``z``: ``λ_p·z`` with ``λ_p[f] = Σ_i (W_i·L_i[f] + μ_i·F_i[f]) + F_b,f[o]``, variance
+  ``|λ_p|²``; mean-field counted ``Σ_i (W_i²·|L_i|² + μ_i²·|F_i|²) + |F_b|²``;
+* the product of the weights' and the input's guide noise, the quadratic form ``zᵀA_p z − tr A_p`` with
+  ``A_p[f, h] = Σ_i F_i[f]·L_i[h]`` (guide × guide): variance ``2‖(A_p + A_pᵀ)/2‖²_F`` (Isserlis' theorem:
+  ``E[z_a z_b z_c z_d] = δ_ab δ_cd + δ_ac δ_bd + δ_ad δ_bc``); mean-field counted ``Σ_i |F_i|²·|L_i|²``;
+* terms in ``e``, ``u`` (mean-field's own, unchanged).
+
+Odd moments of ``z`` vanish, so the linear terms, the quadratic form and the rest are uncorrelated, and
+``v_p += |λ_p|² + 2‖sym A_p‖² − Σ_i ((W_i² + |F_i|²)·|L_i|² + μ_i²·|F_i|²) − |F_b|²`` is the exact variance
+given the closure -- the dense rule's correction (above) at every position.  On a trained low-rank CNN the
+linear terms' coherence inside a receptive field is most of it, the product's share is small
+(``benchmarks/correlated_guides.py``).
 
 Each term is one formula over a back end ``bk`` for the float64 reference and the ONNX export
 (:mod:`.shared_algebra`), called by the dense and conv2d rules (``ops/compute.py``) and, for the mean shift, by
@@ -152,3 +170,45 @@ def mean_shift(bk: Any, layer: PlannedLayer, sh: Shared | None, fp: FactorPlan) 
     shape = (o, n, *layer.layer.out_shape[1:])
     return total([mix(bk, bk.einsum("bcf,ocf->boc", gg, bk.tensor(taps[:, :, kk], "guide_w")), tp, shape)
                   for kk, tp in enumerate(conv_taps(bk, sh.s, layer, (kh, kw)))])
+
+
+def conv_variance(bk: Any, layer: PlannedLayer, x_mean: Any, taps: tuple[list[Any], list[Any]], sh: Shared | None,
+                  wm: np.ndarray, wf: np.ndarray | None, bf: np.ndarray | None) -> Any:
+    """What a conv's per-position variance gains from a correlated guide (B, O, OH, OW), module docstring:
+    ``|λ_p|² + 2‖sym A_p‖² − Σ_i ((W_i² + |F_i|²)·|L_i|² + μ_i²·|F_i|²) − |F_b|²`` (Isserlis' theorem for the
+    quadratic form).  ``taps``: the kernel taps (B, C, OH, OW) of the input mean and profile (row-major; no
+    profile taps without a shared input); ``wm`` the weight mean (O, C, KH, KW)."""
+    mu_taps, s_taps = taps
+    o, c, kh, kw = wm.shape
+    guide = (wf if wf is not None else bf).shape[-1]  # type: ignore[union-attr]
+    oh, ow = layer.layer.out_shape[1:]
+    attrs = layer.layer.attrs
+    lam: list[Any] = []
+    counted: list[Any] = []
+    if wf is not None:
+        taps_f = wf.reshape(o, c, kh * kw, guide)
+        lam += [bk.einsum("ocf,bcyx->bofyx", bk.tensor(taps_f[:, :, n], "guide_w"), tp) for n, tp in enumerate(mu_taps)]
+        counted.append(bk.conv2d(x_mean * x_mean, (wf**2).sum(-1), attrs, "guide_w2"))
+    product = None
+    if sh is not None:
+        gg = guide_columns(bk, sh.g, guide)  # (B, C, guide)
+        # per channel first (the taps' sums of W·s_in and F_f·s_in), then over the channels with g_in: L = s_in·g_in
+        w_taps = wm.reshape(o, c, kh * kw)
+        per_w = total([bk.einsum("oc,bcyx->bocyx", bk.tensor(w_taps[:, :, n], "w"), tp)
+                       for n, tp in enumerate(s_taps)])
+        lam.append(bk.einsum("bocyx,bch->bohyx", per_w, gg))
+        share = bk.reshape(bk.rsum(gg * gg, 2), (c, 1, 1))
+        counted.append(bk.conv2d(sh.s * sh.s * share, (wf**2).sum(-1) + wm**2 if wf is not None else wm**2, attrs,
+                                 "guide_wm2"))
+        if wf is not None:
+            per_f = total([bk.einsum("ocf,bcyx->bocfyx", bk.tensor(taps_f[:, :, n], "guide_w"), tp)
+                           for n, tp in enumerate(s_taps)])
+            a = bk.einsum("bocfyx,bch->bofhyx", per_f, gg)
+            product = bk.einsum("bofhyx,bofhyx->boyx", a, a) + bk.einsum("bofhyx,bohfyx->boyx", a, a)
+    if bf is not None:
+        bias = bk.tensor(bf.reshape(o, guide, 1, 1), "guide_b")
+        lam.append(bias if lam else bias + batch_zeros(bk, bk.reshape(mu_taps[0], (c * oh * ow,)), 4))
+        counted.append(bk.tensor((bf**2).sum(-1).reshape(o, 1, 1), "guide_b2"))
+    lam_t = total(lam)
+    gain = bk.rsum(lam_t * lam_t, 2) - total(counted)
+    return gain if product is None else gain + product

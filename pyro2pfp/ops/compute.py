@@ -27,7 +27,7 @@ from typing import Any
 import numpy as np
 
 from ..correlation.factors import ComputeFactors, FactorPlan, weight_var
-from ..correlation.guide import conv_injection, conv_profile_terms, dense_terms, guide_tensors
+from ..correlation.guide import conv_injection, conv_profile_terms, conv_variance, dense_terms, guide_tensors
 from ..correlation.shared import Shared
 from ..correlation.shared_algebra import (
     SharedAlgebra,
@@ -318,7 +318,8 @@ def conv2d_shared(bk: SharedAlgebra, layer: PlannedLayer, inputs: list[Any], sha
     ``injection='rescaled'`` replaces the second sum by the mean-field weight-variance term's square
     root rescaled to the same spatial mean (one more convolution of ``E[x²]`` with ``V``, a coarser profile:
     it under-states the shared variance more; ``benchmarks/fidelity.py --variants`` compares both with
-    sampling).  ``m̄ s = ‖ℓ‖`` by construction.  The variance is not corrected.  The kernel taps are strided
+    sampling).  ``m̄ s = ‖ℓ‖`` by construction.  The variance is not corrected, except for a correlated guide's
+    noise inside a receptive field (:func:`~pyro2pfp.correlation.guide.conv_variance`).  The kernel taps are strided
     views, the pooled views their sums, the profile one batched matrix product per tap; a correlated guide's
     terms: :mod:`pyro2pfp.correlation.guide`."""
     x, sh = inputs[0], shared[0]
@@ -337,6 +338,9 @@ def conv2d_shared(bk: SharedAlgebra, layer: PlannedLayer, inputs: list[Any], sha
     mbar = [bk.rsum(bk.reshape(tp, (c, oh * ow)), 2) * positions for tp in mu_taps]  # (B, C) each
     s_taps = conv_taps(bk, sh.s, layer, (kh, kw)) if sh is not None else []
     sbar = [bk.rsum(bk.reshape(tp, (c, oh * ow)), 2) * positions for tp in s_taps]
+    if wf is not None or bf is not None:  # the guide's noise inside a receptive field, re-summed (guide.py)
+        var = ops.maximum(var + conv_variance(bk, layer, x.mean, (mu_taps, s_taps), sh, wm, wf, bf),
+                          ops.const(0.0))
     w_k = [wm[:, :, i, j] for i in range(kh) for j in range(kw)]
     v_k = [wv[:, :, i, j] for i in range(kh) for j in range(kw)]
     bias_var = t["bias_var"] if "bias_var" in t else np.zeros(o)

@@ -43,8 +43,13 @@ def _guide_macs(layer: PlannedLayer, fp: FactorPlan, k_in: int, macs: int, size:
     (:mod:`pyro2pfp.correlation.guide`): dense -- the injection ``F·μ`` (``|W|·k``), the mean shift
     ``Σ F·ℓ_in`` (``|W|·k``) and the product's variance ``2‖sym A‖²`` (``|W|·k²``), both with an input that
     loads on them, and the mean-field part removed from the variance (``|W|``); conv2d -- the pooled injection
-    and the per-input filter ``G = Σ_f g·F_f`` (``2·|W|·k``), the profile ``conv(μ, G)`` (one convolution) and
-    the mean shift (one convolution and ``|W|·k``)."""
+    and the per-input filter ``G = Σ_f g·F_f`` (``2·|W|·k``), the profile ``conv(μ, G)`` (one convolution),
+    the mean shift (one convolution and ``|W|·k``) and the per-position variance's terms
+    (:func:`~pyro2pfp.correlation.guide.conv_variance`): ``λ`` (``k`` convolutions of ``μ``; with an input that
+    loads on the factors one per-channel convolution of ``s_in`` and ``k·C`` per output more), what mean-field
+    counted (one convolution, two with such an input), ``|λ|²`` (``k`` per output) and, with such an input, the
+    product's ``A`` (``k`` per-channel convolutions, ``k²·C`` per output) and ``2‖sym A‖²`` (``2·k²`` per
+    output)."""
     wf = layer.tensors.get("weight_factors") if getattr(fp, "guide", 0) else None
     if wf is None:
         return 0
@@ -52,4 +57,9 @@ def _guide_macs(layer: PlannedLayer, fp: FactorPlan, k_in: int, macs: int, size:
     has_in = k_in > 0
     if dense:
         return size * guide * ((2 + guide) if has_in else 1) + size
-    return 2 * size * guide + macs + ((macs + size * guide) if has_in else 0)
+    c_in = int(wf.shape[1])
+    outputs = int(np.prod(layer.layer.out_shape))  # O·OH·OW
+    variance = guide * macs + macs + guide * outputs
+    if has_in:
+        variance += (guide + 2) * macs + guide * outputs * c_in + guide * guide * outputs * (c_in + 2)
+    return 2 * size * guide + macs + ((macs + size * guide) if has_in else 0) + variance

@@ -225,3 +225,112 @@ def test_auto_carries_the_guides_factors_in_every_back_end(monkeypatch):
     monkeypatch.setattr(OnnxSharedStep, "guide_ops", frozenset())  # a back end without the guide's terms
     with pytest.raises(pyro2pfp.PFPError, match="does not carry a correlated guide's global factors"):
         net.to_onnx()
+
+
+class TwoConv(PyroModule):
+    """conv(1→3, 1×1, no bias) → conv(3→2, 3×3, padding 1) without an activation between them, the output
+    flattened: a quadratic form of the Gaussian latent, like :class:`TwoLinear`."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.conv1 = PyroModule[nn.Conv2d](1, 3, 1, bias=False)
+        self.conv1.weight = PyroSample(dist.Normal(0.0, 1.0).expand([3, 1, 1, 1]).to_event(4))
+        self.conv2 = PyroModule[nn.Conv2d](3, 2, 3, padding=1)
+        self.conv2.weight = PyroSample(dist.Normal(0.0, 1.0).expand([2, 3, 3, 3]).to_event(4))
+        self.conv2.bias = PyroSample(dist.Normal(0.0, 1.0).expand([2]).to_event(1))
+
+    def forward(self, x, y=None):
+        logits = torch.flatten(self.conv2(self.conv1(x)), 1)
+        with pyro.plate("data", x.shape[0]):
+            pyro.sample("obs", dist.Categorical(logits=logits), obs=y)
+        return logits
+
+
+def _exact_quadratic_form_moments(guide, fn, x: torch.Tensor) -> tuple[np.ndarray, np.ndarray]:
+    """Mean and variance of every output of ``fn(sites, x)``, a quadratic function ``f(θ) = ½θᵀHθ + gᵀθ + f₀`` of
+    the guide's latent ``θ ~ N(m, Σ)`` (``H``, ``g``, ``f₀`` by autograd, float64): mean ``½tr(HΣ) + f(m)``,
+    variance ``½tr((HΣ)²) + (Hm + g)ᵀΣ(Hm + g)`` (Isserlis' theorem)."""
+    post = guide.get_posterior()
+    m = post.loc.detach().double()
+    cov = post.covariance_matrix.detach().double()
+
+    def f(theta: torch.Tensor) -> torch.Tensor:
+        sites = {site["name"]: v for site, v in guide._unpack_latent(theta)}
+        return fn(sites, x.double()).reshape(-1)
+
+    zero = torch.zeros_like(m)
+    g = torch.func.jacrev(f)(zero)  # (outputs, D)
+    hessians = torch.func.jacfwd(torch.func.jacrev(f))(zero)  # (outputs, D, D)
+    at_m = f(m)
+    lin = hessians @ m + g
+    mean = 0.5 * torch.einsum("nde,ed->n", hessians, cov) + at_m
+    hs = hessians @ cov
+    var = 0.5 * torch.einsum("nde,ned->n", hs, hs) + torch.einsum("nd,de,ne->n", lin, cov, lin)
+    shape = (x.shape[0], -1)
+    return mean.reshape(shape).numpy(), var.reshape(shape).numpy()
+
+
+def _two_convs_and(guide_cls, seed: int, **kwargs) -> tuple[TwoConv, object, torch.Tensor]:
+    """:class:`TwoConv`, its ``guide_cls`` guide (initialised) and four inputs."""
+    pyro.clear_param_store()
+    pyro.set_rng_seed(seed)
+    model = TwoConv()
+    guide = guide_cls(model, **kwargs)
+    x = torch.randn(4, 1, 5, 5)
+    guide(x, torch.zeros(4, dtype=torch.long))
+    return model, guide, x
+
+
+def test_the_product_of_two_convs_guide_noise_is_exact():
+    """Conv → conv under a low-rank guide (its independent part negligible): the second conv's weights' guide
+    noise meets its input's through the same factors at every position, inside every receptive field.  The rule
+    re-sums those terms (the linear ones with their correlations, the product's variance by Isserlis' theorem)
+    and the mean shift: exact here, in every back end; the same net under the guide's marginals is not."""
+    from tests.support.backends import ONNX_RTOL, RTOL, assert_matches, onnx_run
+
+    model, guide, x = _two_convs_and(AutoLowRankMultivariateNormal, 5, rank=3)
+    with torch.no_grad():
+        guide.loc.copy_(torch.randn_like(guide.loc))
+        # the posterior's factor is cov_factor·scale, its diagonal scale²: the independent part ~0 (conv1's outputs
+        # load on the factors alone, as the closure carries them)
+        guide.cov_factor.copy_(600.0 * torch.randn_like(guide.cov_factor))
+        for name, value in pyro.get_param_store().items():
+            if name.endswith("scale"):
+                value.unconstrained().copy_(torch.full_like(value.unconstrained(), float(np.log(1e-3))))
+    net = pyro2pfp.convert(model, guide, input_shape=(1, 5, 5))
+    assert net.plan.factors is not None and net.plan.factors.guide == 3
+
+    def two_convs(sites: dict, xs: torch.Tensor) -> torch.Tensor:
+        import torch.nn.functional as F
+
+        hidden = F.conv2d(xs, sites["conv1.weight"])
+        return F.conv2d(hidden, sites["conv2.weight"], sites["conv2.bias"], padding=1)
+
+    exact_mean, exact_var = _exact_quadratic_form_moments(guide, two_convs, x)
+    mean, var = net.reference(x.numpy())
+    np.testing.assert_allclose(mean, exact_mean, rtol=1e-5, atol=1e-6 * np.abs(exact_mean).max())
+    np.testing.assert_allclose(var, exact_var, rtol=1e-4)  # the truth from the guide's float32 parameters
+    assert_matches(onnx_run(net, x.numpy()), (mean, var), ONNX_RTOL)
+    assert_matches(tuple(np.asarray(a) for a in net.compile()(x.numpy())), (mean, var), RTOL)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        mf_var = pyro2pfp.convert(model, guide, input_shape=(1, 5, 5), correlation="mean-field").reference(
+            x.numpy())[1]
+    assert np.max(np.abs(mf_var / exact_var - 1)) > 0.05  # the check above can fail: marginals alone differ
+
+
+def test_a_mean_field_guides_conv_variances_are_the_mean_field_plans():
+    """The receptive-field terms are the guide's: under ``AutoNormal`` (no guide factors) every conv's per-position
+    variance in the shared-factor plan is the mean-field plan's, bit for bit."""
+    from pyro.infer.autoguide import AutoNormal
+
+    from pyro2pfp.backends.reference import execute_all
+    from pyro2pfp.correlation.execute import execute_shared_all
+
+    model, guide, x = _two_convs_and(AutoNormal, 2, init_scale=0.3)
+    shared = pyro2pfp.convert(model, guide, input_shape=(1, 5, 5), correlation="shared-factor")
+    plain = pyro2pfp.convert(model, guide, input_shape=(1, 5, 5), correlation="mean-field")
+    assert shared.plan.factors is not None and shared.plan.factors.guide == 0
+    got, want = execute_shared_all(shared.plan, x.numpy()), execute_all(plain.plan, x.numpy())
+    for name in ("conv1", "conv2"):
+        np.testing.assert_array_equal(got[name].variance(), want[name].variance())

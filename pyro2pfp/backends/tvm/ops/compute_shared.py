@@ -43,7 +43,7 @@ from ....errors import PFPError
 from ....planning.plan import PlannedLayer
 from ....planning.registry import shared_kernel
 from ..emit import EmitContext, RelaxActivation
-from ..guide_factor import guide_mean, guide_weights_fn
+from ..guide_factor import guide_mean, guide_variance, guide_weights_fn
 from ..schedules import schedule
 from ..shared_factor import (
     FactorWidths,
@@ -356,6 +356,15 @@ def conv2d_shared_kernel(step: SharedStep, ctx: EmitContext, layer: PlannedLayer
         args += [out.weight_noise] + ([out.second] if sh is None else [])
     if lay.has_guide:
         args += [ctx.const(guide_w), ctx.const(guide_b)]
+    if lay.has_guide:  # the guide's noise inside a receptive field, re-summed (correlation/guide.py)
+        fw_sq = np.transpose((wf**2).sum(-1), (1, 2, 3, 0)) if wf is not None else np.zeros((c, kh, kw, o))
+        v_args = [x.mean] + ([sh.s, sh.g] if sh is not None else []) + [
+            ctx.const(guide_w), ctx.const(fw_sq), ctx.const(guide_b), ctx.const((guide_b**2).sum(-1))]
+        if sh is not None:
+            wm_t = np.transpose(cf.weight_mean, (1, 2, 3, 0))
+            v_args += [ctx.const(fw_sq + wm_t**2), ctx.const(wm_t)]
+        out = RelaxActivation(out.mean, guide_variance(ctx, layer, emit_part, v_args + [out.second], lay.guide,
+                                                       sh is not None), out.repr, out.weight_noise)
     outs = emit_width_generic(ctx, partial(conv_load, lay), args, layer, "conv_load",
                               g_args={2: sh.k} if sh is not None else {}, k=k, offset=lay.offset or 0)
     if lay.rescaled and sh is None:  # no convolution: the profile is the rescaled root (load kernel)
@@ -539,7 +548,7 @@ def dense_shared_kernel(step: SharedStep, ctx: EmitContext, layer: PlannedLayer,
     return SharedRelax(s, g, k), RelaxActivation(mean_out, var_new, out.repr)
 
 
-schedule("sf_conv_load", "sf_conv_weights", "sf_dense_load", "sf_dense_guide_load", "sf_conv_guide_weights"
-         )(schedule_shared)
+schedule("sf_conv_load", "sf_conv_weights", "sf_dense_load", "sf_dense_guide_load", "sf_conv_guide_weights",
+         "sf_conv_guide_var")(schedule_shared)
 # the profile convolution has the mean-field conv kernel's blocks (pad, conv2d, epilogue) and layout
 schedule("sf_conv_profile", "sf_conv_guide_mean")(schedule_conv2d)
