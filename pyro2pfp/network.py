@@ -16,6 +16,7 @@ from .backends.reference import execute
 from .correlation import replanned, with_correlation
 from .correlation.compact import auto_compact, with_compact
 from .correlation.cost import dense_head_caveat
+from .correlation.guide_selection import select_guide_directions
 from .errors import ArgumentError, InputShapeError, InternalError, PFPError, PFPWarning, PosteriorError
 from .frontend.model_args import user_model_args
 from .frontend.noise import HeteroscedasticNoise, NoiseModel, tyxe_noise
@@ -331,6 +332,7 @@ def _layers_and_noise(traced: Any, tyxe_bnn: Any, input_variance: bool, fold_bat
     layer_graph.input_variance = input_variance
     if fold_batch_norm:
         layer_graph = folding.fold_batch_norm(layer_graph)
+    select_guide_directions(layer_graph)  # a correlated guide: the directions that matter at the logits
     noise = traced.noise
     if tyxe_bnn is not None and hasattr(tyxe_bnn, "likelihood"):
         output_shape = layer_graph.shape_of(layer_graph.output)

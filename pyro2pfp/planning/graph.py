@@ -87,17 +87,27 @@ class GaussianParam:
 @dataclass(frozen=True)
 class GuideFactorInfo:
     """What a correlated guide's global factors are (their loadings live in the parameters'
-    :attr:`GaussianParam.factors`): ``k`` factors carried of the guide's ``rank`` directions, ``kept`` the
-    share of its covariance between weights that they carry (1: exact), ``source`` the guide."""
+    :attr:`GaussianParam.factors`): ``k`` factors in the loadings of the guide's ``rank`` directions, ``keep``
+    of them to carry (``keep < k``: candidates that convert selects from by the logits' variance), ``kept``
+    the share they carry -- of the logits' variance due to the guide's correlated part when ``at_logits``
+    (measured over the ``measured`` candidate directions), else of its covariance between weights (1:
+    exact) -- and ``source`` the guide."""
 
     k: int
     rank: int
     kept: float
     source: str
+    keep: int = 0
+    at_logits: bool = False
+    measured: int = 0
 
     def describe(self) -> str:
-        if self.k == self.rank or self.kept >= 1.0:
+        if self.k == self.rank or (self.kept >= 1.0 and not self.at_logits):
             return f"{self.source}: {self.k} global factors (its covariance between weights, exact)"
+        if self.at_logits:
+            return (f"{self.source}: the {self.k} of {self.rank} directions that carry the most of the logits' "
+                    f"variance as global factors ({100 * self.kept:.1f} % of the logit variance of its top "
+                    f"{self.measured} directions kept, at the network's linearisation; the rest independent)")
         return (f"{self.source}: the top {self.k} of {self.rank} directions as global factors "
                 f"({100 * self.kept:.0f} % of its covariance between weights kept, the rest independent)")
 

@@ -86,13 +86,16 @@ def guide_factors(guide: Any, readings: dict[str, SiteReading]) -> GuideFactors 
     from pyro.infer import autoguide
 
     parts = list(guide) if isinstance(guide, autoguide.AutoGuideList) else [guide]
-    found = [f for f in (read_guide_factors(part, readings) for part in parts) if f is not None]
+    # the parts of a list side by side, each its own top directions (no candidates to select from)
+    found = [f for f in (read_guide_factors(part, readings, candidates=None if len(parts) == 1 else 0)
+                         for part in parts) if f is not None]
     if not found:
         return None
     total = sum(f.k for f in found)
     start = 0
     merged = GuideFactors(rank=sum(f.rank for f in found), k=total,
-                          kept=min(f.kept for f in found), source=" + ".join(f.source for f in found))
+                          kept=min(f.kept for f in found), source=" + ".join(f.source for f in found),
+                          keep=sum(f.keep or f.k for f in found))
     for f in found:
         for site, loading in f.loadings.items():
             full = np.zeros(loading.shape[:-1] + (total,))

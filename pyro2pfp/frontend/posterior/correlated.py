@@ -41,6 +41,10 @@ from ...planning.graph import GuideFactorInfo
 
 #: the largest number of global factors carried by default (the cost grows linearly in it)
 MAX_GUIDE_FACTORS = 32
+#: the number of the covariance's top directions read as candidates for those factors: convert keeps the
+#: ``MAX_GUIDE_FACTORS`` of them that carry the most of the logits' variance
+#: (:func:`pyro2pfp.correlation.guide_selection.select_guide_directions`)
+CANDIDATE_FACTORS = 128
 #: below this latent dimension the SVD is exact, above it randomized (a full covariance's exact SVD is
 #: O(D³): 20 s for D = 1,443 on a busy 2-core machine, the randomized one O(D²·k))
 EXACT_SVD_LIMIT = 512
@@ -52,9 +56,10 @@ _GH_POINTS = 32
 class GuideFactors:
     """The global factors of a correlated guide: ``loadings[site]`` (the site's shape + ``(k,)``, in the
     site's value space: ``Cov(site, z_f)``), ``rank`` the guide's own number of directions (``R`` of a
-    low-rank guide, the latent dimension ``D`` of a full covariance), ``k`` the number kept, and
-    ``kept`` the share of the covariance's off-diagonal mass that the ``k`` directions carry
-    (``‖offdiag(F_k·F_kᵀ)‖_F / ‖offdiag(Σ)‖_F``-style: ``Σ_{i≠j} (F_k F_kᵀ)_ij Σ_ij / Σ_{i≠j} Σ_ij²``,
+    low-rank guide, the latent dimension ``D`` of a full covariance), ``k`` the number of columns read
+    (candidates, in the covariance's eigenvalue order), ``keep`` the number to carry (the selection by the
+    logits' variance keeps that many; ``keep = k``: all), and ``kept`` the share of the covariance's
+    off-diagonal mass that the first ``keep`` directions carry (:func:`kept_share`,
     1 when nothing is truncated); ``source`` names the guide."""
 
     loadings: dict[str, np.ndarray] = field(default_factory=dict)
@@ -62,10 +67,11 @@ class GuideFactors:
     k: int = 0
     kept: float = 1.0
     source: str = ""
+    keep: int = 0
 
     def info(self) -> GuideFactorInfo:
         """The summary the layer graph keeps."""
-        return GuideFactorInfo(self.k, self.rank, self.kept, self.source)
+        return GuideFactorInfo(self.k, self.rank, self.kept, self.source, keep=self.keep or self.k)
 
 
 def _np(t: torch.Tensor) -> np.ndarray:
@@ -137,13 +143,16 @@ def _latent_factor(guide: Any) -> tuple[np.ndarray, str] | None:
     return None
 
 
-def read_guide_factors(guide: Any, readings: dict[str, Any], max_factors: int | None = None
-                       ) -> GuideFactors | None:
+def read_guide_factors(guide: Any, readings: dict[str, Any], max_factors: int | None = None,
+                       candidates: int | None = None) -> GuideFactors | None:
     """The global factors of a correlated ``guide`` (see the module docstring), in the value space of every
     site of ``readings`` (:class:`~pyro2pfp.frontend.posterior.readers.SiteReading`, with their ``latent``); None
-    for a guide whose posterior has no correlations between weights.  ``max_factors``: default
-    :data:`MAX_GUIDE_FACTORS`."""
+    for a guide whose posterior has no correlations between weights.  ``max_factors`` (default
+    :data:`MAX_GUIDE_FACTORS`): the number to carry; ``candidates`` (default :data:`CANDIDATE_FACTORS`): the
+    number of top directions read, from which convert keeps ``max_factors`` by the logits' variance
+    (``kept``: the eigenvalue order's share of the first ``max_factors``, stated when nothing is measured)."""
     max_factors = MAX_GUIDE_FACTORS if max_factors is None else max_factors
+    candidates = max(max_factors, CANDIDATE_FACTORS if candidates is None else candidates)
     if isinstance(guide, autoguide.AutoStructured):
         return _structured_factors(guide, readings, max_factors)
     found = _latent_factor(guide)
@@ -151,16 +160,17 @@ def read_guide_factors(guide: Any, readings: dict[str, Any], max_factors: int | 
         return None
     factor, source = found
     rank = factor.shape[1] if "rank" in source else factor.shape[0]
-    k = min(max_factors, rank, factor.shape[0])
+    keep = min(max_factors, rank, factor.shape[0])
+    k = min(candidates, rank, factor.shape[0])
     kept_f, _ = top_directions(factor, k)
-    share = 1.0 if k >= factor.shape[1] else kept_share(factor, kept_f)
+    share = 1.0 if keep >= factor.shape[1] else kept_share(factor, kept_f[:, :keep])
     loadings: dict[str, np.ndarray] = {}
     offset = 0
     for site, value in guide._unpack_latent(torch.zeros(factor.shape[0], dtype=torch.float64)):
         size = int(np.prod(value.shape))
         loadings[site["name"]] = kept_f[offset:offset + size].reshape(*value.shape, k)
         offset += size
-    return GuideFactors(_to_value_space(loadings, readings), rank, k, share, source)
+    return GuideFactors(_to_value_space(loadings, readings), rank, k, share, source, keep)
 
 
 def _structured_factors(guide: autoguide.AutoStructured, readings: dict[str, Any], max_factors: int

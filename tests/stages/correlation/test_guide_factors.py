@@ -184,7 +184,8 @@ def test_truncated_split_keeps_marginals_and_states_the_share(monkeypatch):
     net = pyro2pfp.convert(model, guide, input_shape=(5,), correlation="shared-factor")
     info = net.plan.guide_factors
     assert info is not None and info.k == 4 and info.rank == 18 and 0 < info.kept < 1
-    assert "top 4 of 18 directions" in net.summary()
+    assert "the 4 of 18 directions that carry the most of the logits' variance" in net.summary()
+    assert info.at_logits and "of the logit variance" in net.summary()
     cov = guide.get_posterior().covariance_matrix.detach().double().numpy()
     dense = next(layer for layer in net.plan.layers if layer.op == "dense")
     f = dense.tensors["weight_factors"].reshape(-1, 4)
@@ -334,3 +335,97 @@ def test_a_mean_field_guides_conv_variances_are_the_mean_field_plans():
     got, want = execute_shared_all(shared.plan, x.numpy()), execute_all(plain.plan, x.numpy())
     for name in ("conv1", "conv2"):
         np.testing.assert_array_equal(got[name].variance(), want[name].variance())
+
+
+class TwoLayerTanh(PyroModule):
+    """A Bayesian Tanh MLP 5-4-3 as tutorials write it."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc1 = PyroModule[nn.Linear](5, 4)
+        self.fc1.weight = PyroSample(dist.Normal(0.0, 1.0).expand([4, 5]).to_event(2))
+        self.fc1.bias = PyroSample(dist.Normal(0.0, 1.0).expand([4]).to_event(1))
+        self.fc2 = PyroModule[nn.Linear](4, 3)
+        self.fc2.weight = PyroSample(dist.Normal(0.0, 1.0).expand([3, 4]).to_event(2))
+        self.fc2.bias = PyroSample(dist.Normal(0.0, 1.0).expand([3]).to_event(1))
+
+    def forward(self, x, y=None):
+        logits = self.fc2(torch.tanh(self.fc1(x)))
+        with pyro.plate("data", x.shape[0]):
+            pyro.sample("obs", dist.Categorical(logits=logits), obs=y)
+        return logits
+
+
+def _saturated_guide():
+    """A full-covariance guide whose largest directions load on a hidden unit saturated by its bias mean
+    (tanh' ≈ 0: the network ignores them) and whose smaller one moves ``fc2``'s weights together."""
+    pyro.clear_param_store()
+    pyro.set_rng_seed(0)
+    model = TwoLayerTanh()
+    guide = AutoMultivariateNormal(model)
+    guide(torch.randn(4, 5), torch.zeros(4, dtype=torch.long))
+    slices, offset = {}, 0
+    for site, value in guide._unpack_latent(guide.loc.detach()):
+        slices[site["name"]] = slice(offset, offset + value.numel())
+        offset += value.numel()
+    loc = 0.3 * torch.randn(offset, dtype=torch.float64)
+    loc[slices["fc1.bias"].start] = 20.0  # hidden unit 0: tanh saturated
+    cov = 1e-4 * torch.eye(offset, dtype=torch.float64)
+    ignored = torch.zeros(offset, 2, dtype=torch.float64)
+    ignored[slices["fc1.weight"].start:slices["fc1.weight"].start + 5, 0] = 1.0  # fc1.weight[0, :]
+    ignored[slices["fc1.weight"].start:slices["fc1.weight"].start + 5, 1] = torch.tensor([1.0, -1, 1, -1, 1])
+    cov += 0.4 * ignored @ ignored.T  # eigenvalues 2.0: the largest
+    coherent = torch.zeros(offset, dtype=torch.float64)
+    coherent[slices["fc2.weight"]] = 0.3  # eigenvalue 12 · 0.09 = 1.08
+    cov += torch.outer(coherent, coherent)
+    chol = torch.linalg.cholesky(cov)
+    scale = torch.diagonal(chol)
+    with torch.no_grad():  # Σ = (scale·L)(scale·L)ᵀ, L unit lower triangular: set through the unconstrained values
+        guide.loc.copy_(loc)
+        for name, value in (("scale", scale), ("scale_tril", chol / scale[:, None])):
+            constraint = guide._pyro_params[name][0]
+            getattr(guide, f"{name}_unconstrained").copy_(torch.distributions.transform_to(constraint).inv(value))
+    return model, guide
+
+
+def _sampled_logit_variance(guide, x: np.ndarray, samples: int = 40000) -> np.ndarray:
+    """The logits' variance by sampling the guide's joint Gaussian (the truth)."""
+    post = guide.get_posterior()
+    z = post.sample((samples,)).double()
+    parts, offset = {}, 0
+    for site, value in guide._unpack_latent(guide.loc.detach()):
+        parts[site["name"]] = z[:, offset:offset + value.numel()].reshape(samples, *value.shape)
+        offset += value.numel()
+    xt = torch.as_tensor(x, dtype=torch.float64)
+    h = torch.tanh(torch.einsum("soi,bi->sbo", parts["fc1.weight"], xt) + parts["fc1.bias"][:, None])
+    logits = torch.einsum("soi,sbi->sbo", parts["fc2.weight"], h) + parts["fc2.bias"][:, None]
+    return logits.var(0).numpy()
+
+
+def test_the_kept_direction_is_the_one_the_logits_feel_and_the_share_says_so(monkeypatch):
+    """The covariance's largest directions load on a saturated hidden unit that the logits ignore: keeping one
+    direction by the logits' variance keeps ``fc2``'s coherent one, whose network matches sampling, and the plan
+    states the share of the logit variance kept; the covariance's own order keeps an ignored direction."""
+    monkeypatch.setattr(correlated, "MAX_GUIDE_FACTORS", 1)
+    model, guide = _saturated_guide()
+    x = np.random.default_rng(1).standard_normal((16, 5))
+    truth = _sampled_logit_variance(guide, x)
+    net = pyro2pfp.convert(model, guide, input_shape=(5,), correlation="shared-factor", check=False)
+    info = net.plan.guide_factors
+    assert info is not None and info.k == 1 and info.at_logits and info.kept > 0.9
+    assert "of the logit variance" in net.summary()
+    fc1, fc2 = (layer for layer in net.plan.layers if layer.op == "dense")
+    assert np.abs(fc2.tensors["weight_factors"]).max() > 0.2  # the coherent direction, not the ignored one
+    assert np.abs(fc1.tensors["weight_factors"][0]).max() < 0.05
+    ratio = net.reference(x.astype(np.float32))[1] / truth
+    assert 0.9 < np.median(ratio) < 1.1, np.median(ratio)
+
+    monkeypatch.setattr(correlated, "CANDIDATE_FACTORS", 0)  # no candidates: the covariance's top direction
+    eig = pyro2pfp.convert(model, guide, input_shape=(5,), correlation="shared-factor", check=False)
+    e_info = eig.plan.guide_factors
+    assert e_info is not None and not e_info.at_logits and e_info.kept > 0.5  # the covariance share: looks fine
+    e_fc1 = next(layer for layer in eig.plan.layers if layer.op == "dense")
+    assert np.abs(e_fc1.tensors["weight_factors"][0]).max() > 0.5  # ... but it kept the ignored direction
+    e_ratio = eig.reference(x.astype(np.float32))[1] / truth
+    # and the logits' variance is wrong: fc2's coherent direction counted as independent noise per weight
+    assert not 0.8 < np.median(e_ratio) < 1.25, np.median(e_ratio)
