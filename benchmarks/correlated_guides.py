@@ -220,6 +220,8 @@ def evaluate(net: str, rank: int, path: str, samples: int, inputs: int, backends
         med, p10, p90, err, err90 = figures(mean, var, mc)
         info = pfp.plan.guide_factors
         label = "mean-field" if scheme == "mean-field" else f"auto: guide factors (k={k})"
+        if scheme != "mean-field" and info is not None and info.at_logits:  # of more directions: the share kept
+            label = f"auto: guide factors (k={k} of {info.measured}: {100 * info.kept:.1f} % of their logit variance)"
         target = f"{1 + k / 4:.2f}" if k else ""
         row = [net, info.source if info else "", label, f"{med:.2f}", f"{p10:.2f}–{p90:.2f}", f"{err:.3f}",
                f"{err90:.3f}", f"{macs / mf_macs:.2f}", f"{floor:.2f}" if k else "", target]

@@ -280,6 +280,9 @@ def convert(model: Any, guide: Any = None, *, input_shape: tuple[int, ...] | Non
             stage = "converting the traced graph into layers"
             layer_graph, noise = _layers_and_noise(traced, tyxe_bnn, bool(input_variance), bool(fold_batch_norm),
                                                    head)
+            # a correlated guide: the directions that carry the logits' variance
+            given = example is not None and example.given and len(example) > 0
+            select_guide_directions(layer_graph, example[0] if given else None)
             stage = "planning the network"
             layer_graph, planned = _planned_network(layer_graph, head, calibration, moment_form, correlation,
                                                     factor_options, max_pool)
@@ -332,7 +335,6 @@ def _layers_and_noise(traced: Any, tyxe_bnn: Any, input_variance: bool, fold_bat
     layer_graph.input_variance = input_variance
     if fold_batch_norm:
         layer_graph = folding.fold_batch_norm(layer_graph)
-    select_guide_directions(layer_graph)  # a correlated guide: the directions that matter at the logits
     noise = traced.noise
     if tyxe_bnn is not None and hasattr(tyxe_bnn, "likelihood"):
         output_shape = layer_graph.shape_of(layer_graph.output)

@@ -11,18 +11,23 @@ the network amplifies add up coherently at the logits, and large ones that it ig
 
 So convert reads ``k`` candidate directions (the covariance's top ones, more than it carries), propagates
 every candidate through the network's shared-factor reference (the guide's factors alone: the same float64
-rules that carry them at run time, here at the weights' linearisation) on a few inputs, and measures each
-direction's contribution to the logits' variance, ``c_f = Σ_{b,o} ℓ[b, o, f]²`` with ``ℓ[b, o, f]`` the
-output ``o``'s loading on the factor (``s[o]·g[o, f]`` of :class:`~pyro2pfp.correlation.shared.Shared`; for a
-dense output exactly the covariance of the logit with ``z_f`` given the closure).  The ``keep`` directions of
-largest ``c_f`` are carried, the rest fold into the diagonal, and the plan states
-``Σ_kept c_f / Σ_all c_f``: the share of the logits' variance (from the candidates' correlated part, to first
-order) that the carried factors keep.  The inputs: standard normals of the input's shape (seeded), the
-network's linearisation being what is compared, not the data's.
+rules that carry them at run time) on a few inputs, and collects every logit's loading on every candidate,
+``ℓ[(b, o), f]`` (``s[o]·g[o, f]`` of :class:`~pyro2pfp.correlation.shared.Shared`; for a dense output
+exactly the covariance of the logit with ``z_f`` given the closure).  The rules are linear in the factor
+columns, so an orthonormal combination ``F·Q`` of the candidates has loadings ``ℓ·Q``, and the ``keep``
+combinations that carry the most of ``Σ ‖ℓ·Q‖²`` are the top right singular vectors of ``ℓ`` (Eckart–Young):
+the top directions of the guide's covariance weighted by the logits' sensitivity (the generalized
+eigenproblem of ``F·Fᵀ`` and the logits' Jacobian Gram, within the candidates' span).  Those are carried,
+the rest of the candidates' covariance, ``F·(I − Q·Qᵀ)·Fᵀ``, folds into the diagonal, and the plan states
+``Σ_{j ≤ keep} σ_j² / Σ_j σ_j²`` (σ the singular values of ``ℓ``): the share of the logits' variance due to
+the candidates (to first order in the factors) that the carried factors keep.  The inputs: the user's
+example inputs where given, topped up with normals of their mean and sd (:func:`selection_inputs`), enough
+of them for several logits per carried factor.
 """
 from __future__ import annotations
 
 import dataclasses
+from typing import Any
 
 import numpy as np
 
@@ -32,14 +37,33 @@ from .execute import execute_shared_all
 from .factors import CorrelationError, Hermite, plan_factors
 from .shared import Shared
 
-#: the number of (standard normal, seeded) inputs the contributions are measured at
-SELECTION_INPUTS = 8
+#: the loadings are measured on enough inputs for ``ROWS_PER_FACTOR · keep`` logits (at most
+#: ``MAX_SELECTION_INPUTS`` inputs), so that the carried combinations are not fitted to a few inputs
+ROWS_PER_FACTOR, MAX_SELECTION_INPUTS = 4, 256
 
 
-def logit_contributions(graph: LayerGraph, x: np.ndarray) -> np.ndarray | None:
-    """``c_f`` (k,): every global factor's contribution to the output's variance, ``Σ_{b,o} ℓ[b, o, f]²``
-    (module docstring), by the float64 shared-factor reference with the guide's factors alone at inputs ``x``;
-    None where the network has no rule for them or its output no loading."""
+def selection_inputs(graph: LayerGraph, example: Any = None) -> np.ndarray:
+    """The inputs the loadings are measured at: the user's example inputs (``convert(..., example_args=...)``,
+    the first argument, when it has the network's input shape), topped up with normals of their per-element
+    mean and sd (standard normals without an example) to reach the count :data:`ROWS_PER_FACTOR` asks for."""
+    info = graph.guide_factors
+    outputs = max(1, int(np.prod(graph.shape_of(graph.output))))
+    want = int(np.clip(-(-ROWS_PER_FACTOR * (info.keep if info else 1) // outputs), 8, MAX_SELECTION_INPUTS))
+    shape = tuple(graph.input_shape)
+    given = None if example is None else np.asarray(example, dtype=np.float64)
+    if given is None or given.ndim != len(shape) + 1 or tuple(given.shape[1:]) != shape or not len(given):
+        given = np.zeros((0, *shape))
+    given = given[:want]
+    center = given.mean(0) if len(given) else np.zeros(shape)
+    spread = given.std(0) if len(given) > 1 else np.ones(shape)
+    extra = center + spread * np.random.default_rng(0).standard_normal((want - len(given), *shape))
+    return np.concatenate([given, extra])
+
+
+def logit_loadings(graph: LayerGraph, x: np.ndarray) -> np.ndarray | None:
+    """``ℓ`` (B·outputs, k): every output element's loading on each global factor (module docstring), by the
+    float64 shared-factor reference with the guide's factors alone at inputs ``x``; None where the network
+    has no rule for them or its output no loading."""
     info = graph.guide_factors
     if info is None:
         return None
@@ -54,36 +78,41 @@ def logit_contributions(graph: LayerGraph, x: np.ndarray) -> np.ndarray | None:
     if sh is None:
         return None
     b, c = sh.g.shape[:2]
-    s2 = (np.asarray(sh.s).reshape(b, c, -1) ** 2).sum(-1)  # (B, C): Σ over a channel's elements of s²
-    return np.einsum("bc,bcf->f", s2, np.asarray(sh.g)[..., :info.k] ** 2)
+    s = np.asarray(sh.s).reshape(b, c, -1)
+    return np.einsum("bcp,bcf->bcpf", s, np.asarray(sh.g)[..., :info.k]).reshape(-1, info.k)
 
 
-def select_guide_directions(graph: LayerGraph) -> LayerGraph:
-    """``graph`` with its correlated guide's factors cut to the ``keep`` candidates that carry the most of the
-    logits' variance (module docstring), the rest folded into the independent variance, and its
-    :class:`~pyro2pfp.planning.graph.GuideFactorInfo` stating that share; where nothing can be measured (a
-    network without the shared-factor rules, extra inputs), the first ``keep`` (the covariance's top ones) and
-    the covariance share read with them.  Returns ``graph`` (changed in place) for chaining."""
+def select_guide_directions(graph: LayerGraph, example: Any = None) -> LayerGraph:
+    """``graph`` with its correlated guide's ``k`` candidate factors rotated to the ``keep`` combinations that
+    carry the most of the logits' variance (module docstring), the rest folded into the independent variance,
+    and its :class:`~pyro2pfp.planning.graph.GuideFactorInfo` stating that share; where nothing can be measured
+    (a network without the shared-factor rules, extra inputs), the first ``keep`` (the covariance's top ones)
+    and the covariance share read with them.  ``example``: the user's example inputs (:func:`selection_inputs`).
+    Returns ``graph`` (changed in place) for chaining."""
     info = graph.guide_factors
     if info is None or not info.keep or info.keep >= info.k:
         return graph
     try:
-        x = np.random.default_rng(0).standard_normal((SELECTION_INPUTS, *graph.input_shape))
-        contribution = logit_contributions(graph, x)
+        x = selection_inputs(graph, example)
+        loadings = logit_loadings(graph, x)
     except CorrelationError:
-        contribution = None
-    if contribution is None or not np.all(np.isfinite(contribution)) or contribution.sum() <= 0:
-        chosen = np.arange(info.keep)
+        loadings = None
+    if loadings is None or not np.all(np.isfinite(loadings)) or not np.any(loadings):
+        rotation = np.eye(info.k)[:, :info.keep]
         graph.guide_factors = dataclasses.replace(info, k=info.keep)
     else:
-        chosen = np.sort(np.argsort(-contribution, kind="stable")[:info.keep])
-        share = float(contribution[chosen].sum() / contribution.sum())
+        # Q: the top right singular vectors of ℓ; F·Q are orthonormal combinations of the candidates, so
+        # F·Q·Qᵀ·Fᵀ ≤ F·Fᵀ and the rest, F·(I − Q·Qᵀ)·Fᵀ, goes to the independent diagonal
+        _, sv, vt = np.linalg.svd(loadings, full_matrices=False)
+        rotation = vt[:info.keep].T
+        share = float((sv[:info.keep] ** 2).sum() / (sv**2).sum())
         graph.guide_factors = dataclasses.replace(info, k=info.keep, kept=share, at_logits=True, measured=info.k)
     for layer in graph.layers:
-        layer.params = {name: _cut(p, chosen) for name, p in layer.params.items()}
+        layer.params = {name: _rotated(p, rotation) for name, p in layer.params.items()}
     return graph
 
 
-def _cut(p: GaussianParam, chosen: np.ndarray) -> GaussianParam:
-    """``p`` with its loadings on the ``chosen`` factors only (the rest of its variance independent)."""
-    return p if p.factors is None else dataclasses.replace(p, factors=p.factors[..., chosen])
+def _rotated(p: GaussianParam, rotation: np.ndarray) -> GaussianParam:
+    """``p`` with its loadings on the combinations ``rotation`` (k × keep) of the factors (the rest of its
+    variance independent)."""
+    return p if p.factors is None else dataclasses.replace(p, factors=p.factors @ rotation)
