@@ -281,8 +281,8 @@ def convert(model: Any, guide: Any = None, *, input_shape: tuple[int, ...] | Non
             layer_graph, noise = _layers_and_noise(traced, tyxe_bnn, bool(input_variance), bool(fold_batch_norm),
                                                    head)
             # a correlated guide: the directions that carry the logits' variance
-            given = example is not None and example.given and len(example) > 0
-            select_guide_directions(layer_graph, example[0] if given else None)
+            select_guide_directions(layer_graph, example[0] if example is not None and example.given and
+                                    len(example) > 0 else None)
             stage = "planning the network"
             layer_graph, planned = _planned_network(layer_graph, head, calibration, moment_form, correlation,
                                                     factor_options, max_pool)
