@@ -22,7 +22,8 @@ the rest of the candidates' covariance, ``F·(I − Q·Qᵀ)·Fᵀ``, folds into
 ``Σ_{j ≤ keep} σ_j² / Σ_j σ_j²`` (σ the singular values of ``ℓ``): the share of the logits' variance due to
 the candidates (to first order in the factors) that the carried factors keep.  The inputs: the user's
 example inputs where given, topped up with normals of their mean and sd (:func:`selection_inputs`), enough
-of them for several logits per carried factor.
+of them for several logits per carried factor.  Convolutions loading the guide's factors keep the covariance's
+top directions (their rules hold guide × guide terms per output position: too large with every candidate).
 """
 from __future__ import annotations
 
@@ -33,6 +34,7 @@ import numpy as np
 
 from ..planning.graph import GaussianParam, LayerGraph
 from ..planning.plan import plan
+from ..planning.registry import OPS
 from .execute import execute_shared_all
 from .factors import CorrelationError, Hermite, plan_factors
 from .shared import Shared
@@ -40,6 +42,7 @@ from .shared import Shared
 #: the loadings are measured on enough inputs for ``ROWS_PER_FACTOR · keep`` logits (at most
 #: ``MAX_SELECTION_INPUTS`` inputs), so that the carried combinations are not fitted to a few inputs
 ROWS_PER_FACTOR, MAX_SELECTION_INPUTS = 4, 256
+_CHUNK = 8
 
 
 def selection_inputs(graph: LayerGraph, example: Any = None) -> np.ndarray:
@@ -72,29 +75,35 @@ def logit_loadings(graph: LayerGraph, x: np.ndarray) -> np.ndarray | None:
         fp = plan_factors(planned, Hermite.NONE, guide=info.k, own_blocks=False)
     except CorrelationError:
         return None
-    keep: dict[str, Shared | None] = {planned.output: None}
-    execute_shared_all(planned, x, fp, keep=keep)
-    sh = keep[planned.output]
-    if sh is None:
-        return None
-    b, c = sh.g.shape[:2]
-    s = np.asarray(sh.s).reshape(b, c, -1)
-    return np.einsum("bcp,bcf->bcpf", s, np.asarray(sh.g)[..., :info.k]).reshape(-1, info.k)
+    rows = []
+    for start in range(0, len(x), _CHUNK):  # a few inputs at a time: a dense rule's guide × guide terms
+        keep: dict[str, Shared | None] = {planned.output: None}
+        execute_shared_all(planned, x[start:start + _CHUNK], fp, keep=keep)
+        sh = keep[planned.output]
+        if sh is None:
+            return None
+        b, c = sh.g.shape[:2]
+        s = np.asarray(sh.s).reshape(b, c, -1)
+        rows.append(np.einsum("bcp,bcf->bcpf", s, np.asarray(sh.g)[..., :info.k]).reshape(-1, info.k))
+    return np.concatenate(rows)
 
 
 def select_guide_directions(graph: LayerGraph, example: Any = None) -> LayerGraph:
     """``graph`` with its correlated guide's ``k`` candidate factors rotated to the ``keep`` combinations that
     carry the most of the logits' variance (module docstring), the rest folded into the independent variance,
-    and its :class:`~pyro2pfp.planning.graph.GuideFactorInfo` stating that share; where nothing can be measured
-    (a network without the shared-factor rules, extra inputs), the first ``keep`` (the covariance's top ones)
-    and the covariance share read with them.  ``example``: the user's example inputs (:func:`selection_inputs`).
-    Returns ``graph`` (changed in place) for chaining."""
+    and its :class:`~pyro2pfp.planning.graph.GuideFactorInfo` stating that share; where nothing is measured (a
+    network without the shared-factor rules, or a conv loading the guide), the first ``keep`` (the covariance's
+    top ones) and the covariance share read with them.  ``example``: the user's example inputs
+    (:func:`selection_inputs`).  Returns ``graph`` (changed in place) for chaining."""
     info = graph.guide_factors
     if info is None or not info.keep or info.keep >= info.k:
         return graph
+    # a conv's rule holds guide × guide terms per output position: with all the candidates, too large to
+    # measure at convert time, so convs loading the guide keep its covariance's top directions
+    convs = any(OPS[layer.op].positions_share_weights for layer in graph.layers
+                if any(p.factors is not None for p in layer.params.values()) and layer.op in OPS)
     try:
-        x = selection_inputs(graph, example)
-        loadings = logit_loadings(graph, x)
+        loadings = None if convs else logit_loadings(graph, selection_inputs(graph, example))
     except CorrelationError:
         loadings = None
     if loadings is None or not np.all(np.isfinite(loadings)) or not np.any(loadings):

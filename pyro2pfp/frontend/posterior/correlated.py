@@ -19,7 +19,10 @@ randomized range finder with power iterations beyond; Halko, Martinsson & Tropp,
 2011, algorithms 4.4 and 5.1) and ``d² = diag(Σ) − diag(F_k·F_kᵀ) ≥ 0``, so every marginal variance
 stays exact and what the truncation drops is the covariance between weights outside the ``k``
 directions (folded into the independent diagonal).  A low-rank guide of rank ``R ≤ k`` is carried
-exactly (``k = R``).
+exactly (``k = R``).  Beyond that, the top :data:`CANDIDATE_FACTORS` directions are read and convert carries
+the :data:`MAX_GUIDE_FACTORS` combinations of them that carry the most of the logits' variance
+(:mod:`pyro2pfp.correlation.guide_selection`): the covariance's eigenvalues say nothing of what the network
+does with a direction.
 
 Constrained sites (a positive site is ``exp`` of its unconstrained latent ``u``): the loading of a site's
 value ``T(u)`` on ``z_f`` is ``Cov(T(u), z_f) = E[T'(u)]·Cov(u, z_f)`` (Stein's lemma, exact for
