@@ -5,12 +5,15 @@ still yields every row exactly once; ``pyro2pfp score`` reports a corrupt shard 
 by name, writes the others, and skips them when run again, the workers taking the library of their
 architecture.
 
-Every run is bounded (:func:`within`); under pytest-xdist the tests share one worker (``xdist_group``)."""
+Every run is bounded (:func:`within`, the command by a subprocess timeout); under pytest-xdist the tests share
+one worker (``xdist_group``)."""
 from __future__ import annotations
 
 import json
 import os
 import shutil
+import subprocess
+import sys
 import threading
 from collections.abc import Callable
 from typing import Any
@@ -21,7 +24,6 @@ import pyarrow.parquet as pq
 import pytest
 
 import pyro2pfp
-from pyro2pfp.cli import main
 from pyro2pfp.network import PFPNetwork
 from pyro2pfp.planning.plan import plan
 from pyro2pfp.runtime.ray_scoring import actor_cpus, score_files
@@ -80,6 +82,13 @@ def network(tmp_path_factory):
     return tmp / "mlp.so", x
 
 
+def _score_command(argv: list[str]) -> subprocess.CompletedProcess[str]:
+    """``python -m pyro2pfp *argv`` in a fresh process (at most ``LIMIT`` seconds)."""
+    path = os.pathsep.join(p for p in (ROOT, os.environ.get("PYTHONPATH", "")) if p)
+    return subprocess.run([sys.executable, "-m", "pyro2pfp", *argv], capture_output=True, text=True, timeout=LIMIT,
+                          env={**os.environ, "PYTHONPATH": path})
+
+
 def _collect(ds) -> dict[str, np.ndarray]:
     batches = list(ds.iter_batches(batch_size=None, batch_format="numpy"))
     return {k: np.concatenate([b[k] for b in batches]) for k in batches[0]}
@@ -136,12 +145,12 @@ def test_a_worker_killed_in_the_middle_still_yields_every_row_once(local_ray, ne
         assert int(marker.read_text()) not in set(table.column("pid").to_numpy().tolist())
 
 
-def test_the_command_reports_bad_shards_by_name_finishes_the_others_and_resumes(local_ray, network, tmp_path,
-                                                                               capsys):
-    """``pyro2pfp score`` on a directory of .npy/.npz/Parquet shards: a truncated file, rows of another
-    shape and a NaN are reported by name (exit status 1), the other shards are written with their ids
-    and the values of ``exe(x)``, and a second run scores only the shard whose output was removed.  The
-    workers take the second library given: the first is for another architecture."""
+def test_the_command_reports_bad_shards_by_name_finishes_the_others_and_resumes(network, tmp_path):
+    """``pyro2pfp score`` run as a user runs it (a fresh process that starts its own local Ray) on a
+    directory of .npy/.npz/Parquet shards: a truncated file, rows of another shape and a NaN are reported
+    by name (exit status 1), the other shards are written with their ids and the values of ``exe(x)``, and
+    a second run scores only the shard whose output was removed.  The workers take the second library
+    given: the first is for another architecture."""
     path, x = network
     inputs = tmp_path / "in"
     inputs.mkdir()
@@ -162,8 +171,9 @@ def test_the_command_reports_bad_shards_by_name_finishes_the_others_and_resumes(
     out = tmp_path / "out"
     argv = ["score", str(tmp_path / "arm.so"), str(inputs), "-o", str(out), "--library", str(path), "--metrics",
             "--batch-size", "256"]
-    assert within(LIMIT, lambda: main(argv)) == 1
-    err = capsys.readouterr().err
+    first = _score_command(argv)
+    assert first.returncode == 1, first.stderr[-3000:]
+    err = first.stderr
     assert f"failed: {inputs / 'corrupt.npy'}: cannot be read" in err
     assert f"failed: {inputs / 'nan.npy'}: rows shard=" in err and "non-finite values in row(s) [2345]" in err
     assert f"failed: {inputs / 'wide.npy'}: its rows have shape (32,); the network takes (64,)" in err
@@ -179,8 +189,9 @@ def test_the_command_reports_bad_shards_by_name_finishes_the_others_and_resumes(
 
     os.remove(out / "b.parquet")  # run again on the good shards: only b is scored
     inputs_again = [str(inputs / name) for name in ("a.npy", "b.npz", "c.parquet")]
-    assert within(LIMIT, lambda: main(["score", str(path), *inputs_again, "-o", str(out), "-q"])) == 0
-    printed = capsys.readouterr().out
+    again_run = _score_command(["score", str(path), *inputs_again, "-o", str(out), "-q"])
+    assert again_run.returncode == 0, again_run.stderr[-3000:]
+    printed = again_run.stdout
     assert "scored 3,000 rows into 1 file(s)" in printed and "skipped 2 shard(s)" in printed
     again = pq.read_table(out / "b.parquet")
     np.testing.assert_array_equal(np.stack(again.column("mean").to_numpy(zero_copy_only=False)),
