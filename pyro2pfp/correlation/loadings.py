@@ -100,7 +100,6 @@ class TensorAlgebra(Protocol):
         ...
 
 
-
 @dataclass(frozen=True)
 class CompactPlan:
     """The compact factor plan (static: fixed before any input; :func:`plan_compact`).

@@ -8,6 +8,7 @@ suite's grouping hook, and checks where each test ran.
 """
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 import textwrap
@@ -79,6 +80,5 @@ def test_tests_sharing_a_fixture_run_on_one_worker(tmp_path):
 
 
 def _env() -> dict[str, str]:
-    import os
-
+    """This process's environment without pytest's and pytest-xdist's variables (the inner session's own)."""
     return {k: v for k, v in os.environ.items() if not k.startswith("PYTEST_")}
